@@ -1,0 +1,168 @@
+// Bindings of ModelConfig, WeightStore, Engine, Session and Snapshot.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include "../core/engine.h"
+#include "../ops/backend.h"
+
+namespace nb = nanobind;
+using namespace lily;
+
+using HostArray = nb::ndarray<nb::ro, nb::device::cpu, nb::c_contig>;
+using FloatArray = nb::ndarray<nb::numpy, float>;
+
+namespace {
+
+Buffer to_device(Device d, const HostArray& a) {
+  Buffer b(d, a.nbytes());
+  b.upload(a.data(), a.nbytes());
+  return b;
+}
+
+FloatArray new_floats(std::vector<size_t> shape) {
+  size_t n = 1;
+  for (size_t s : shape) n *= s;
+  float* data = new float[n];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return FloatArray(data, shape.size(), shape.data(), owner);
+}
+
+// The store is filled from Python, then handed to an Engine exactly once.
+struct StoreHandle {
+  std::unique_ptr<WeightStore> store;
+  WeightStore& get() {
+    LILY_CHECK(store, "this WeightStore was already given to an Engine");
+    return *store;
+  }
+};
+
+}  // namespace
+
+void init_engine(nb::module_& m) {
+  nb::class_<ModelConfig>(m, "ModelConfig", "Text-model hyper-parameters, Hugging Face names.")
+      .def(nb::init<>())
+      .def_rw("hidden_size", &ModelConfig::hidden_size)
+      .def_rw("num_hidden_layers", &ModelConfig::num_hidden_layers)
+      .def_rw("vocab_size", &ModelConfig::vocab_size)
+      .def_rw("is_full_attention", &ModelConfig::is_full_attention)
+      .def_rw("num_attention_heads", &ModelConfig::num_attention_heads)
+      .def_rw("num_key_value_heads", &ModelConfig::num_key_value_heads)
+      .def_rw("head_dim", &ModelConfig::head_dim)
+      .def_rw("rotary_dim", &ModelConfig::rotary_dim)
+      .def_rw("rope_theta", &ModelConfig::rope_theta)
+      .def_rw("linear_num_key_heads", &ModelConfig::linear_num_key_heads)
+      .def_rw("linear_num_value_heads", &ModelConfig::linear_num_value_heads)
+      .def_rw("linear_key_head_dim", &ModelConfig::linear_key_head_dim)
+      .def_rw("linear_value_head_dim", &ModelConfig::linear_value_head_dim)
+      .def_rw("linear_conv_kernel_dim", &ModelConfig::linear_conv_kernel_dim)
+      .def_rw("num_experts", &ModelConfig::num_experts)
+      .def_rw("num_experts_per_tok", &ModelConfig::num_experts_per_tok)
+      .def_rw("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
+      .def_rw("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
+      .def_rw("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def("validate", &ModelConfig::validate);
+
+  nb::class_<StoreHandle>(m, "WeightStore", "Weights being handed to the device, by canonical name.")
+      .def("__init__", [](StoreHandle* h, const std::string& device) {
+        Device d = parse_device(device);
+        LILY_CHECK(backend_available(d), "device '", device, "' is not available in this build or on this machine");
+        new (h) StoreHandle{std::make_unique<WeightStore>(d)};
+      })
+      .def("set_matrix", [](StoreHandle& h, const std::string& name, const HostArray& weight, const std::string& dtype,
+                            int64_t num_stack, int64_t rows, int64_t cols, int bits, int group_size,
+                            std::optional<HostArray> scales, std::optional<HostArray> biases,
+                            const std::string& scale_dtype) {
+        WeightStore& st = h.get();
+        QMatrix q;
+        q.num_stack = num_stack, q.rows = rows, q.cols = cols, q.bits = bits, q.group_size = group_size;
+        q.dtype = parse_dtype(dtype);
+        const int64_t n = num_stack * rows;
+        if (bits == 0) {
+          LILY_CHECK(q.dtype != DType::U32 && q.dtype != DType::I32, "tensor '", name, "': dense weights must be float");
+          LILY_CHECK(weight.nbytes() == size_t(n * cols) * dtype_size(q.dtype), "tensor '", name,
+                     "': byte size does not match ", q.describe());
+        } else {
+          LILY_CHECK(q.dtype == DType::U32, "tensor '", name, "': quantized weights must be U32");
+          LILY_CHECK(group_size > 0 && cols % group_size == 0 && (cols * bits) % 32 == 0, "tensor '", name,
+                     "': ", cols, " input columns do not split into groups of ", group_size, " at ", bits, " bits");
+          LILY_CHECK(scales && biases, "tensor '", name, "': quantized weights need scales and biases");
+          q.scale_dtype = parse_dtype(scale_dtype);
+          LILY_CHECK(weight.nbytes() == size_t(n * q.words_per_row()) * 4, "tensor '", name,
+                     "': packed byte size does not match ", q.describe());
+          const size_t sb = size_t(n * q.groups_per_row()) * dtype_size(q.scale_dtype);
+          LILY_CHECK(scales->nbytes() == sb && biases->nbytes() == sb, "tensor '", name,
+                     "': scales/biases byte size does not match ", q.describe());
+          q.scales = to_device(st.device(), *scales);
+          q.biases = to_device(st.device(), *biases);
+        }
+        q.weight = to_device(st.device(), weight);
+        st.set_matrix(name, std::move(q));
+      }, nb::arg("name"), nb::arg("weight"), nb::arg("dtype"), nb::arg("num_stack"), nb::arg("rows"), nb::arg("cols"),
+         nb::arg("bits") = 0, nb::arg("group_size") = 0, nb::arg("scales") = nb::none(), nb::arg("biases") = nb::none(),
+         nb::arg("scale_dtype") = "F32")
+      .def("set_vector", [](StoreHandle& h, const std::string& name, nb::ndarray<const float, nb::device::cpu, nb::c_contig> a) {
+        WeightStore& st = h.get();
+        Vector v;
+        for (size_t i = 0; i < a.ndim(); ++i) v.shape.push_back(int64_t(a.shape(i)));
+        v.data = Buffer(st.device(), a.nbytes());
+        v.data.upload(a.data(), a.nbytes());
+        st.set_vector(name, std::move(v));
+      });
+
+  nb::class_<Engine>(m, "Engine", "A model's weights on one device and its layer loop.")
+      .def_static("create", [](const ModelConfig& cfg, StoreHandle& h) {
+        std::unique_ptr<WeightStore> store = std::move(h.store);
+        LILY_CHECK(store, "this WeightStore was already given to an Engine");
+        return std::make_shared<Engine>(cfg, std::move(store));
+      })
+      .def_prop_ro("device", [](const Engine& e) { return std::string(device_name(e.device())); })
+      .def_prop_ro("weight_bytes", [](const Engine& e) { return e.weights().nbytes(); });
+
+  nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
+      .def_ro("position", &Snapshot::position)
+      .def_prop_ro("nbytes", &Snapshot::nbytes);
+
+  nb::class_<Session>(m, "Session", "One conversation's caches and recurrent state.")
+      .def(nb::init<std::shared_ptr<const Engine>, int64_t, int64_t>(), nb::arg("engine"), nb::arg("max_context"),
+           nb::arg("chunk"))
+      .def("prefill", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
+                         bool all_logits) {
+        const int64_t T = int64_t(ids.shape(0)), V = s.engine().config().vocab_size;
+        FloatArray out = all_logits ? new_floats({size_t(T), size_t(V)}) : new_floats({size_t(V)});
+        {
+          nb::gil_scoped_release release;
+          s.prefill(ids.data(), T, out.data(), all_logits);
+        }
+        return out;
+      }, nb::arg("ids"), nb::arg("all_logits") = false)
+      .def("decode_step", [](Session& s, int64_t id) {
+        LILY_CHECK(id >= INT32_MIN && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
+        FloatArray out = new_floats({size_t(s.engine().config().vocab_size)});
+        {
+          nb::gil_scoped_release release;
+          s.decode_step(int32_t(id), out.data());
+        }
+        return out;
+      })
+      .def_prop_ro("position", &Session::position)
+      .def_prop_ro("max_context", &Session::max_context)
+      .def_prop_ro("chunk", &Session::chunk)
+      .def("snapshot", &Session::snapshot)
+      .def("restore", &Session::restore)
+      .def("reset", &Session::reset)
+      .def("state", [](const Session& s) {
+        nb::dict out;
+        for (const auto& v : s.state_views()) {
+          std::vector<size_t> shape(v.shape.begin(), v.shape.end());
+          FloatArray a = new_floats(shape);
+          v.buffer->download(a.data(), a.size() * 4);
+          out[v.name.c_str()] = a;
+        }
+        return out;
+      }, "Copies of every state tensor (conv, recurrent, KV rows in use) as float32 arrays.");
+}

@@ -1,0 +1,105 @@
+#include "engine.h"
+
+namespace lily {
+
+Engine::Engine(ModelConfig config, std::unique_ptr<WeightStore> weights)
+    : config_(std::move(config)), weights_(std::move(weights)) {
+  weights_->resolve(config_);
+}
+
+static Tensor view(const Buffer& b, int64_t rows, int64_t cols) { return f32_view(b, rows, cols); }
+
+void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+  const ModelConfig& c = config_;
+  const GdnWeights& w = L.gdn;
+  const Scratch& x = s.s_;
+  const int64_t H = c.hidden_size, C = c.conv_dim(), Hv = c.linear_num_value_heads, Vd = c.value_dim();
+  Tensor h = view(x.h, T, H);                 // [T, H]
+  Tensor qkv = view(x.proj, T, C);            // [T, conv_dim] pre-conv q | k | v
+  Tensor y = view(x.conv_out, T, C);          // [T, conv_dim] after conv + SiLU
+  Tensor z = view(x.z, T, Vd);                // [T, Hv*Dv]
+  Tensor a = view(x.a, T, Hv), b = view(x.b, T, Hv);  // [T, Hv]
+  Tensor o = view(x.o, T, Vd);                // [T, Hv*Dv]
+  ops::linear(*w.in_proj_qkv, 0, h, qkv);
+  ops::linear(*w.in_proj_z, 0, h, z);
+  ops::linear(*w.in_proj_b, 0, h, b);
+  ops::linear(*w.in_proj_a, 0, h, a);
+  ops::conv1d_silu(qkv, w.conv1d->view(), view(st.conv, c.linear_conv_kernel_dim - 1, C), y);
+  Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(),
+                        {Hv, c.linear_key_head_dim, c.linear_value_head_dim});  // [Hv, Dk, Dv]
+  ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, c.linear_num_key_heads,
+                        c.linear_key_head_dim);
+  Tensor n = view(x.normed, T * Hv, c.linear_value_head_dim);  // [T*Hv, Dv]
+  ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim), view(x.z, T * Hv, c.linear_value_head_dim),
+                      w.norm->view(), c.rms_norm_eps, n);
+  ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H));
+}
+
+void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& w = L.attn;
+  const Scratch& x = s.s_;
+  const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
+  Tensor h = view(x.h, T, H);                      // [T, H]
+  Tensor p = view(x.proj, T, c.q_proj_dim());      // [T, nH*2D] per head: query | gate
+  Tensor q = view(x.conv_out, T, nH * D);          // [T, nH*D]
+  Tensor gate = view(x.z, T, nH * D);              // [T, nH*D]
+  Tensor k = view(x.kbuf, T, nKV * D), v = view(x.vbuf, T, nKV * D);  // [T, nKV*D]
+  Tensor o = view(x.o, T, nH * D);                 // [T, nH*D]
+  ops::linear(*w.q_proj, 0, h, p);
+  ops::split_q_gate(p, q, gate, int(nH));
+  ops::linear(*w.k_proj, 0, h, k);
+  ops::linear(*w.v_proj, 0, h, v);
+  ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
+  ops::rms_norm(view(x.kbuf, T * nKV, D), w.k_norm->view(), c.rms_norm_eps, view(x.kbuf, T * nKV, D));
+  ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, s.position_);
+  ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, s.position_);
+  Tensor kc = view(st.k, s.max_context_, nKV * D), vc = view(st.v, s.max_context_, nKV * D);
+  ops::kv_cache_write(k, kc, s.position_);
+  ops::kv_cache_write(v, vc, s.position_);
+  ops::attention(q, kc, vc, o, int(nH), int(nKV), s.position_);
+  ops::sigmoid_mul(o, gate);
+  ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
+}
+
+void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
+  const int64_t H = config_.hidden_size, V = config_.vocab_size;
+  const Scratch& x = s.s_;
+  for (int64_t r = row0; r < row0 + n; r += x.logit_rows) {
+    const int64_t m = std::min(x.logit_rows, row0 + n - r);
+    Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + r * H, DType::F32, device(), {m, H});
+    Tensor fh = view(x.final_h, m, H), lg = view(x.logits, m, V);
+    ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, fh);
+    ops::linear(*weights_->lm_head, 0, fh, lg);
+    x.logits.download(out + (r - row0) * V, size_t(m * V) * 4);
+  }
+}
+
+void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* logits, bool all_logits) const {
+  const ModelConfig& c = config_;
+  Scratch& x = s.s_;
+  const int64_t H = c.hidden_size;
+  LILY_CHECK(T > 0 && T <= s.chunk_, "forward_chunk: ", T, " tokens exceed the chunk of ", s.chunk_);
+  x.ids.upload(ids, size_t(T) * 4);
+  Tensor xs = view(x.x, T, H);  // [T, H] residual stream
+  ops::embedding(*weights_->embed_tokens, Tensor::of(x.ids.data(), DType::I32, device(), {T}), xs);
+  ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, s.chunk_, H),
+                     view(x.gate, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
+                     view(x.up, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
+                     view(x.down, s.chunk_, H), view(x.shared_gate, s.chunk_, 1)};
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& L = weights_->layers[l];
+    ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+    if (L.is_full_attention) attention_layer(s, L, s.layers_[l], T);
+    else gdn_layer(s, L, s.layers_[l], T);
+    ops::add(xs, view(x.mix, T, H));
+    ops::rms_norm(xs, L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+    ops::moe(L.moe, view(x.h, T, H), view(x.mix, T, H), ms, c.num_experts_per_tok);
+    ops::add(xs, view(x.mix, T, H));
+  }
+  if (all_logits) write_logits(s, 0, T, logits);
+  else if (logits) write_logits(s, T - 1, 1, logits);
+  s.position_ += T;
+}
+
+}  // namespace lily

@@ -1,0 +1,103 @@
+#include "weights.h"
+
+namespace lily {
+
+std::string QMatrix::describe() const {
+  std::ostringstream s;
+  s << "[" << num_stack << ", " << rows << ", " << cols << "] ";
+  if (quantized()) s << "affine " << bits << "-bit g" << group_size;
+  else s << dtype_name(dtype);
+  return s.str();
+}
+
+int64_t Vector::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Tensor Vector::view() const {
+  Tensor t = Tensor::of(data.data(), DType::F32, data.device(), {});
+  LILY_CHECK(shape.size() <= 4, "vector parameter of rank above 4");
+  for (int64_t d : shape) t.shape[t.ndim++] = d;
+  return t;
+}
+
+static std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+const QMatrix* WeightStore::matrix(const std::string& name, int64_t stack, int64_t rows, int64_t cols) const {
+  auto it = matrices_.find(name);
+  LILY_CHECK(it != matrices_.end(), "missing tensor '", name, "'");
+  const QMatrix& m = it->second;
+  LILY_CHECK(m.num_stack == stack && m.rows == rows && m.cols == cols, "tensor '", name, "' has shape ",
+             m.describe(), " but the config needs [", stack, ", ", rows, ", ", cols, "]");
+  return &m;
+}
+
+const Vector* WeightStore::vector(const std::string& name, std::vector<int64_t> shape) const {
+  auto it = vectors_.find(name);
+  LILY_CHECK(it != vectors_.end(), "missing tensor '", name, "'");
+  LILY_CHECK(it->second.shape == shape, "tensor '", name, "' has shape ", shape_str(it->second.shape),
+             " but the config needs ", shape_str(shape));
+  return &it->second;
+}
+
+void WeightStore::resolve(const ModelConfig& c) {
+  c.validate();
+  const int64_t H = c.hidden_size, V = c.vocab_size, E = c.num_experts;
+  embed_tokens = matrix("embed_tokens", 1, V, H);
+  lm_head = matrix("lm_head", 1, V, H);
+  final_norm = vector("norm", {H});
+  layers.assign(c.num_hidden_layers, LayerWeights{});
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    LayerWeights& L = layers[i];
+    L.is_full_attention = c.is_full_attention[i] != 0;
+    L.input_layernorm = vector(p + "input_layernorm", {H});
+    L.post_attention_layernorm = vector(p + "post_attention_layernorm", {H});
+    if (L.is_full_attention) {
+      const std::string a = p + "self_attn.";
+      L.attn.q_proj = matrix(a + "q_proj", 1, c.q_proj_dim(), H);
+      L.attn.k_proj = matrix(a + "k_proj", 1, c.kv_dim(), H);
+      L.attn.v_proj = matrix(a + "v_proj", 1, c.kv_dim(), H);
+      L.attn.o_proj = matrix(a + "o_proj", 1, H, c.attn_dim());
+      L.attn.q_norm = vector(a + "q_norm", {c.head_dim});
+      L.attn.k_norm = vector(a + "k_norm", {c.head_dim});
+    } else {
+      const std::string g = p + "linear_attn.";
+      const int64_t Hv = c.linear_num_value_heads;
+      L.gdn.in_proj_qkv = matrix(g + "in_proj_qkv", 1, c.conv_dim(), H);
+      L.gdn.in_proj_z = matrix(g + "in_proj_z", 1, c.value_dim(), H);
+      L.gdn.in_proj_b = matrix(g + "in_proj_b", 1, Hv, H);
+      L.gdn.in_proj_a = matrix(g + "in_proj_a", 1, Hv, H);
+      L.gdn.out_proj = matrix(g + "out_proj", 1, H, c.value_dim());
+      L.gdn.conv1d = vector(g + "conv1d", {c.conv_dim(), c.linear_conv_kernel_dim});
+      L.gdn.A_log = vector(g + "A_log", {Hv});
+      L.gdn.dt_bias = vector(g + "dt_bias", {Hv});
+      L.gdn.norm = vector(g + "norm", {c.linear_value_head_dim});
+    }
+    const std::string m = p + "mlp.";
+    const int64_t I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+    L.moe.router = matrix(m + "gate", 1, E, H);
+    L.moe.gate_proj = matrix(m + "experts.gate_proj", E, I, H);
+    L.moe.up_proj = matrix(m + "experts.up_proj", E, I, H);
+    L.moe.down_proj = matrix(m + "experts.down_proj", E, H, I);
+    L.moe.shared_gate_proj = matrix(m + "shared_expert.gate_proj", 1, Is, H);
+    L.moe.shared_up_proj = matrix(m + "shared_expert.up_proj", 1, Is, H);
+    L.moe.shared_down_proj = matrix(m + "shared_expert.down_proj", 1, H, Is);
+    L.moe.shared_expert_gate = matrix(m + "shared_expert_gate", 1, 1, H);
+  }
+}
+
+size_t WeightStore::nbytes() const {
+  size_t n = 0;
+  for (auto& [_, m] : matrices_) n += m.weight.nbytes() + m.scales.nbytes() + m.biases.nbytes();
+  for (auto& [_, v] : vectors_) n += v.data.nbytes();
+  return n;
+}
+
+}  // namespace lily

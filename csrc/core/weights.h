@@ -1,0 +1,92 @@
+// Weights on the device, in the checkpoint's own storage form (dense float or MLX affine packed).
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "tensor.h"
+
+namespace lily {
+
+// A stack of num_stack matrices, each [rows, cols] = [out, in] (nn.Linear convention).
+// Dense: weight holds float values (F32/F16/BF16) [num_stack, rows, cols].
+// Affine (MLX): weight U32 [num_stack, rows, cols*bits/32], little-endian bit stream per row;
+// scales, biases [num_stack, rows, cols/group_size] in scale_dtype; w = scale*q + bias.
+struct QMatrix {
+  int64_t num_stack = 1, rows = 0, cols = 0;
+  DType dtype = DType::F32;  // storage of weight: U32 when quantized
+  int bits = 0;              // 0 = dense
+  int group_size = 0;
+  DType scale_dtype = DType::F32;
+  Buffer weight, scales, biases;
+
+  bool quantized() const { return bits > 0; }
+  int64_t words_per_row() const { return cols * bits / 32; }
+  int64_t groups_per_row() const { return cols / group_size; }
+  std::string describe() const;
+};
+
+// A float32 vector parameter (norm weights, conv taps, A_log, dt_bias).
+struct Vector {
+  std::vector<int64_t> shape;
+  Buffer data;
+  int64_t numel() const;
+  Tensor view() const;
+};
+
+struct GdnWeights {
+  const QMatrix *in_proj_qkv, *in_proj_z, *in_proj_b, *in_proj_a, *out_proj;
+  const Vector *conv1d;  // [conv_dim, K]
+  const Vector *A_log, *dt_bias;  // [Hv]
+  const Vector *norm;    // [Dv], plain multiplier
+};
+
+struct AttentionWeights {
+  const QMatrix *q_proj, *k_proj, *v_proj, *o_proj;
+  const Vector *q_norm, *k_norm;  // [D], stored as the 1+w multiplier
+};
+
+struct MoeWeights {
+  const QMatrix* router;                      // [E, H]
+  const QMatrix *gate_proj, *up_proj;         // stacks [E, I, H]
+  const QMatrix* down_proj;                   // stack [E, H, I]
+  const QMatrix *shared_gate_proj, *shared_up_proj;  // [Is, H]
+  const QMatrix* shared_down_proj;            // [H, Is]
+  const QMatrix* shared_expert_gate;          // [1, H]
+};
+
+struct LayerWeights {
+  bool is_full_attention;
+  const Vector *input_layernorm, *post_attention_layernorm;  // [H], 1+w multipliers
+  GdnWeights gdn{};
+  AttentionWeights attn{};
+  MoeWeights moe{};
+};
+
+// Named tensors handed over by the Python loader, then resolved into per-layer views.
+class WeightStore {
+ public:
+  explicit WeightStore(Device device) : device_(device) {}
+  void set_matrix(const std::string& name, QMatrix m) { matrices_[name] = std::move(m); }
+  void set_vector(const std::string& name, Vector v) { vectors_[name] = std::move(v); }
+  Device device() const { return device_; }
+
+  // Checks every tensor the config needs is present with the right shape; throws naming it.
+  void resolve(const ModelConfig& cfg);
+
+  const QMatrix* embed_tokens = nullptr;  // [V, H]
+  const QMatrix* lm_head = nullptr;       // [V, H]
+  const Vector* final_norm = nullptr;     // [H]
+  std::vector<LayerWeights> layers;
+  size_t nbytes() const;
+
+ private:
+  const QMatrix* matrix(const std::string& name, int64_t stack, int64_t rows, int64_t cols) const;
+  const Vector* vector(const std::string& name, std::vector<int64_t> shape) const;
+  Device device_;
+  std::map<std::string, QMatrix> matrices_;
+  std::map<std::string, Vector> vectors_;
+};
+
+}  // namespace lily

@@ -1,0 +1,21 @@
+// Stub of the Metal backend: Apple GPUs are a named seam, not yet built (see csrc/metal/README.md).
+#include "../core/common.h"
+#include "../ops/device_api.h"
+
+namespace lily::metal {
+namespace {
+[[noreturn]] void not_built() {
+  fail("device 'metal' is not available: this build of lily has no Metal backend (Apple GPUs are "
+       "not supported yet; load with device=\"cpu\")");
+}
+}  // namespace
+
+bool available() { return false; }
+void* alloc(size_t) { not_built(); }
+void free(void*) {}
+void upload(void*, const void*, size_t) { not_built(); }
+void download(void*, const void*, size_t) { not_built(); }
+void copy(void*, const void*, size_t) { not_built(); }
+void memset(void*, int, size_t) { not_built(); }
+
+}  // namespace lily::metal

@@ -1,0 +1,63 @@
+#include "../cpu/cpu_ops.h"
+#include "check.h"
+
+namespace lily::ops {
+
+void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int nH) {
+  const char* op = "split_q_gate";
+  check_tensor(op, "p", p, DType::F32, 2);
+  check_tensor(op, "q", q, DType::F32, 2);
+  check_tensor(op, "gate", gate, DType::F32, 2);
+  LILY_CHECK(nH > 0 && p.dim(1) % (2 * nH) == 0, op, ": p width ", p.dim(1), " is not 2 * heads * head_dim");
+  for (const Tensor* t : {&q, &gate}) {
+    check_shape(op, "q/gate", *t, 0, p.dim(0));
+    check_shape(op, "q/gate", *t, 1, p.dim(1) / 2);
+  }
+  check_same_device(op, {p, q, gate});
+  if (p.device == Device::CPU) return cpu::split_q_gate(p, q, gate, nH);
+  no_backend(op, p.device);
+}
+
+void rope(const Tensor& x, int nH, int rotary_dim, double theta, int64_t pos0) {
+  const char* op = "rope";
+  check_tensor(op, "x", x, DType::F32, 2);
+  LILY_CHECK(nH > 0 && x.dim(1) % nH == 0, op, ": width ", x.dim(1), " is not heads * head_dim");
+  LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(1) / nH, op, ": bad rotary_dim ", rotary_dim);
+  LILY_CHECK(pos0 >= 0, op, ": negative position");
+  if (x.device == Device::CPU) return cpu::rope(x, nH, rotary_dim, theta, pos0);
+  no_backend(op, x.device);
+}
+
+void kv_cache_write(const Tensor& x, const Tensor& cache, int64_t pos0) {
+  const char* op = "kv_cache_write";
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "cache", cache, DType::F32, 2);
+  check_shape(op, "cache", cache, 1, x.dim(1));
+  LILY_CHECK(pos0 >= 0 && pos0 + x.dim(0) <= cache.dim(0), op, ": positions [", pos0, ", ", pos0 + x.dim(0),
+             ") exceed the cache of ", cache.dim(0));
+  check_same_device(op, {x, cache});
+  if (x.device == Device::CPU) return cpu::kv_cache_write(x, cache, pos0);
+  no_backend(op, x.device);
+}
+
+void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int nH,
+               int nKV, int64_t pos0) {
+  const char* op = "attention";
+  check_tensor(op, "q", q, DType::F32, 2);
+  check_tensor(op, "o", o, DType::F32, 2);
+  check_tensor(op, "k_cache", k_cache, DType::F32, 2);
+  check_tensor(op, "v_cache", v_cache, DType::F32, 2);
+  LILY_CHECK(nH > 0 && nKV > 0 && nH % nKV == 0 && q.dim(1) % nH == 0, op, ": bad head counts ", nH, "/", nKV);
+  const int64_t D = q.dim(1) / nH;
+  check_shape(op, "k_cache", k_cache, 1, nKV * D);
+  check_shape(op, "v_cache", v_cache, 1, nKV * D);
+  check_shape(op, "v_cache", v_cache, 0, k_cache.dim(0));
+  check_shape(op, "o", o, 0, q.dim(0));
+  check_shape(op, "o", o, 1, q.dim(1));
+  LILY_CHECK(pos0 >= 0 && pos0 + q.dim(0) <= k_cache.dim(0), op, ": positions exceed the cache");
+  check_same_device(op, {q, k_cache, v_cache, o});
+  if (q.device == Device::CPU) return cpu::attention(q, k_cache, v_cache, o, nH, nKV, pos0);
+  no_backend(op, q.device);
+}
+
+}  // namespace lily::ops

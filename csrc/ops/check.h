@@ -1,0 +1,26 @@
+// Validation helpers shared by the checked op entries.
+#pragma once
+#include "../core/tensor.h"
+
+namespace lily::ops {
+
+inline void check_tensor(const char* op, const char* arg, const Tensor& t, DType dtype, int ndim) {
+  LILY_CHECK(t.data != nullptr, op, ": ", arg, " is empty");
+  LILY_CHECK(t.dtype == dtype, op, ": ", arg, " must be ", dtype_name(dtype), ", got ", dtype_name(t.dtype));
+  LILY_CHECK(t.ndim == ndim, op, ": ", arg, " must have ", ndim, " dims, got ", t.shape_str());
+}
+
+inline void check_shape(const char* op, const char* arg, const Tensor& t, int axis, int64_t want) {
+  LILY_CHECK(t.dim(axis) == want, op, ": ", arg, " ", t.shape_str(), " needs size ", want, " on axis ", axis);
+}
+
+inline void check_same_device(const char* op, std::initializer_list<Tensor> ts) {
+  Device d = ts.begin()->device;
+  for (const Tensor& t : ts) LILY_CHECK(t.device == d, op, ": tensors live on different devices");
+}
+
+[[noreturn]] inline void no_backend(const char* op, Device d) {
+  fail(op, ": no ", device_name(d), " implementation in this build");
+}
+
+}  // namespace lily::ops

@@ -1,0 +1,18 @@
+// What each GPU backend provides for memory. Implemented by cuda/ (or cuda/no_cuda.cpp) and by
+// metal/no_metal.cpp until a Metal backend exists.
+#pragma once
+#include <cstddef>
+
+namespace lily {
+#define LILY_DEVICE_API                                            \
+  bool available();                                                \
+  void* alloc(size_t nbytes);                                      \
+  void free(void* ptr);                                            \
+  void upload(void* dst, const void* host, size_t nbytes);         \
+  void download(void* host, const void* src, size_t nbytes);       \
+  void copy(void* dst, const void* src, size_t nbytes);            \
+  void memset(void* dst, int value, size_t nbytes);
+namespace cuda { LILY_DEVICE_API }
+namespace metal { LILY_DEVICE_API }
+#undef LILY_DEVICE_API
+}  // namespace lily

@@ -1,0 +1,51 @@
+#include "../cpu/cpu_ops.h"
+#include "check.h"
+
+namespace lily::ops {
+
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y) {
+  const char* op = "conv1d_silu";
+  check_tensor(op, "u", u, DType::F32, 2);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_tensor(op, "weight", weight, DType::F32, 2);
+  check_tensor(op, "state", state, DType::F32, 2);
+  const int64_t C = u.dim(1), K = weight.dim(1);
+  check_shape(op, "weight", weight, 0, C);
+  check_shape(op, "state", state, 0, K - 1);
+  check_shape(op, "state", state, 1, C);
+  check_shape(op, "y", y, 0, u.dim(0));
+  check_shape(op, "y", y, 1, C);
+  LILY_CHECK(y.data != u.data, op, ": y must not alias u");
+  check_same_device(op, {u, weight, state, y});
+  if (u.device == Device::CPU) return cpu::conv1d_silu(u, weight, state, y);
+  no_backend(op, u.device);
+}
+
+void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int Hk, int Dk) {
+  const char* op = "gated_delta_rule";
+  check_tensor(op, "qkv", qkv, DType::F32, 2);
+  check_tensor(op, "a", a, DType::F32, 2);
+  check_tensor(op, "b", b, DType::F32, 2);
+  check_tensor(op, "A_log", A_log, DType::F32, 1);
+  check_tensor(op, "dt_bias", dt_bias, DType::F32, 1);
+  check_tensor(op, "state", state, DType::F32, 3);
+  check_tensor(op, "o", o, DType::F32, 2);
+  const int64_t T = qkv.dim(0), Hv = state.dim(0), Dv = state.dim(2);
+  check_shape(op, "state", state, 1, Dk);
+  LILY_CHECK(Hk > 0 && Hv % Hk == 0, op, ": value heads ", Hv, " not a multiple of key heads ", Hk);
+  check_shape(op, "qkv", qkv, 1, 2 * Hk * Dk + Hv * Dv);
+  for (const Tensor* t : {&a, &b}) {
+    check_shape(op, "a/b", *t, 0, T);
+    check_shape(op, "a/b", *t, 1, Hv);
+  }
+  check_shape(op, "A_log", A_log, 0, Hv);
+  check_shape(op, "dt_bias", dt_bias, 0, Hv);
+  check_shape(op, "o", o, 0, T);
+  check_shape(op, "o", o, 1, Hv * Dv);
+  check_same_device(op, {qkv, a, b, A_log, dt_bias, state, o});
+  if (qkv.device == Device::CPU) return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk);
+  no_backend(op, qkv.device);
+}
+
+}  // namespace lily::ops

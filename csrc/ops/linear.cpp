@@ -1,0 +1,42 @@
+#include "../cpu/cpu_ops.h"
+#include "check.h"
+
+namespace lily::ops {
+
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  const char* op = "linear";
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "x", x, 1, w.cols);
+  check_shape(op, "y", y, 0, x.dim(0));
+  check_shape(op, "y", y, 1, w.rows);
+  LILY_CHECK(e >= 0 && e < w.num_stack, op, ": stack index ", e, " outside [0, ", w.num_stack, ")");
+  LILY_CHECK(x.device == w.weight.device(), op, ": weight and input live on different devices");
+  check_same_device(op, {x, y});
+  if (w.quantized()) {
+    LILY_CHECK(w.bits == 2 || w.bits == 4 || w.bits == 8, op, ": unsupported bits ", w.bits);
+    LILY_CHECK(w.group_size == 32 || w.group_size == 64 || w.group_size == 128, op,
+               ": unsupported group size ", w.group_size);
+  }
+  if (x.device == Device::CPU) return cpu::linear(w, e, x, y);
+  no_backend(op, x.device);
+}
+
+void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
+  const char* op = "embedding";
+  check_tensor(op, "ids", ids, DType::I32, 1);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "y", y, 0, ids.dim(0));
+  check_shape(op, "y", y, 1, table.cols);
+  check_same_device(op, {ids, y});
+  if (y.device == Device::CPU) {
+    for (int64_t t = 0; t < ids.dim(0); ++t) {
+      int32_t id = ids.ptr<int32_t>()[t];
+      LILY_CHECK(id >= 0 && id < table.rows, "token id ", id, " is outside the vocabulary [0, ", table.rows, ")");
+    }
+    return cpu::embedding(table, ids, y);
+  }
+  no_backend(op, y.device);
+}
+
+}  // namespace lily::ops

@@ -1,0 +1,23 @@
+#include "../cpu/cpu_ops.h"
+#include "check.h"
+
+namespace lily::ops {
+
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
+  const char* op = "moe";
+  check_tensor(op, "h", h, DType::F32, 2);
+  check_tensor(op, "out", out, DType::F32, 2);
+  const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows;
+  check_shape(op, "out", out, 0, T);
+  check_shape(op, "out", out, 1, H);
+  LILY_CHECK(top_k > 0 && top_k <= E, op, ": top_k ", top_k, " outside [1, ", E, "]");
+  LILY_CHECK(w.gate_proj->num_stack == E && w.up_proj->num_stack == E && w.down_proj->num_stack == E, op,
+             ": expert stacks disagree with the router's ", E, " experts");
+  LILY_CHECK(s.router_logits.dim(0) >= T && s.router_logits.dim(1) == E && s.gathered.dim(0) >= T, op,
+             ": scratch is too small for ", T, " tokens");
+  check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
+  if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
+  no_backend(op, h.device);
+}
+
+}  // namespace lily::ops

@@ -1,0 +1,35 @@
+#include "../cpu/cpu_ops.h"
+#include "check.h"
+
+namespace lily::ops {
+
+void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y) {
+  const char* op = "rms_norm";
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, x.dim(1));
+  check_shape(op, "y", y, 0, x.dim(0));
+  check_shape(op, "y", y, 1, x.dim(1));
+  check_same_device(op, {x, y, weight});
+  if (x.device == Device::CPU) return cpu::rms_norm(x, weight, eps, y);
+  no_backend(op, x.device);
+}
+
+void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
+  const char* op = "gated_rms_norm";
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "z", z, DType::F32, 2);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, x.dim(1));
+  for (const Tensor* t : {&z, &y}) {
+    check_shape(op, "z/y", *t, 0, x.dim(0));
+    check_shape(op, "z/y", *t, 1, x.dim(1));
+  }
+  check_same_device(op, {x, z, y, weight});
+  if (x.device == Device::CPU) return cpu::gated_rms_norm(x, z, weight, eps, y);
+  no_backend(op, x.device);
+}
+
+}  // namespace lily::ops

@@ -1,0 +1,172 @@
+"""config.json of a qwen3_5_moe checkpoint -> a validated TextConfig (Hugging Face field names).
+
+The multimodal config nests every text hyper-parameter under ``text_config``; mlx-lm also accepts a
+flat layout. Both are read here; anything missing or inconsistent raises ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float
+    rope_theta: float
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def is_full_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    def to_core(self):
+        """The same config as the native lily._core.ModelConfig."""
+        from . import _core
+
+        c = _core.ModelConfig()
+        for f in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rope_theta", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps"):
+            setattr(c, f, getattr(self, f))
+        c.rotary_dim = self.rotary_dim
+        c.is_full_attention = [int(self.is_full_attention(i)) for i in range(self.num_hidden_layers)]
+        c.validate()
+        return c
+
+
+def _int(d: dict, key: str, where: str) -> int:
+    if key not in d:
+        raise ConfigError(f"{where}: missing required key '{key}'")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {v!r}")
+    return v
+
+
+def _float(d: dict, key: str, where: str, default: float | None = None) -> float:
+    v = d.get(key, default)
+    if v is None:
+        raise ConfigError(f"{where}: missing required key '{key}'")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"{where}: '{key}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
+    """Validate a config dict (nested ``text_config`` or flat) and return its TextConfig."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: unsupported model_type {model_type!r}; lily runs "
+                          f"{' / '.join(SUPPORTED_MODEL_TYPES)} (Qwen3.5/3.6 MoE) checkpoints")
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: 'text_config' must be an object")
+    w = f"{where} (text_config)" if "text_config" in raw else where
+    n_layers = _int(text, "num_hidden_layers", w)
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = _int(text, "full_attention_interval", w)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                       for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(f"{w}: 'layer_types' must list {n_layers} entries (num_hidden_layers)")
+    bad = sorted({t for t in layer_types if t not in ("full_attention", "linear_attention")})
+    if bad:
+        raise ConfigError(f"{w}: unknown layer_types {bad}")
+    rope = text.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{w}: 'rope_parameters' must be an object")
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    cfg = TextConfig(
+        hidden_size=_int(text, "hidden_size", w),
+        num_hidden_layers=n_layers,
+        vocab_size=_int(text, "vocab_size", w),
+        layer_types=tuple(layer_types),
+        num_attention_heads=_int(text, "num_attention_heads", w),
+        num_key_value_heads=_int(text, "num_key_value_heads", w),
+        head_dim=_int(text, "head_dim", w),
+        partial_rotary_factor=_float({"p": prf}, "p", f"{w}: partial_rotary_factor"),
+        rope_theta=_float({"t": theta}, "t", f"{w}: rope_theta"),
+        linear_num_key_heads=_int(text, "linear_num_key_heads", w),
+        linear_num_value_heads=_int(text, "linear_num_value_heads", w),
+        linear_key_head_dim=_int(text, "linear_key_head_dim", w),
+        linear_value_head_dim=_int(text, "linear_value_head_dim", w),
+        linear_conv_kernel_dim=_int(text, "linear_conv_kernel_dim", w),
+        num_experts=_int(text, "num_experts", w),
+        num_experts_per_tok=_int(text, "num_experts_per_tok", w),
+        moe_intermediate_size=_int(text, "moe_intermediate_size", w),
+        shared_expert_intermediate_size=_int(text, "shared_expert_intermediate_size", w),
+        rms_norm_eps=_float(text, "rms_norm_eps", w, 1e-6),
+        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        eos_token_id=eos,
+    )
+    _check_consistent(cfg, w)
+    return cfg
+
+
+def _check_consistent(c: TextConfig, w: str) -> None:
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ConfigError(f"{w}: num_attention_heads ({c.num_attention_heads}) is not a multiple of "
+                          f"num_key_value_heads ({c.num_key_value_heads})")
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        raise ConfigError(f"{w}: linear_num_value_heads ({c.linear_num_value_heads}) is not a multiple "
+                          f"of linear_num_key_heads ({c.linear_num_key_heads})")
+    if c.num_experts_per_tok > c.num_experts:
+        raise ConfigError(f"{w}: num_experts_per_tok ({c.num_experts_per_tok}) exceeds num_experts "
+                          f"({c.num_experts})")
+    if c.partial_rotary_factor > 1 or c.rotary_dim % 2:
+        raise ConfigError(f"{w}: partial_rotary_factor {c.partial_rotary_factor} gives "
+                          f"{c.rotary_dim} rotary dims of head_dim {c.head_dim}; need an even count <= head_dim")
+
+
+def load_config(model_dir: Path) -> tuple[TextConfig, dict]:
+    """Read ``model_dir/config.json``; return the TextConfig and the raw dict."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found (a checkpoint folder needs config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable JSON ({e})") from None
+    return parse_config(raw, str(path)), raw

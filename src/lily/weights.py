@@ -1,0 +1,307 @@
+"""Checkpoint folder -> canonical named tensors -> lily._core.WeightStore.
+
+This is the one sanitize step. Two layouts are accepted (see the model spec, section 4):
+- MLX (mlx-lm / mlx-vlm): ``language_model.model.*``, ``switch_mlp`` expert stacks, conv [C, K, 1],
+  block norms already stored as 1+w, MLX affine quantization (``.weight`` U32 + ``.scales`` + ``.biases``);
+- Hugging Face: ``model.language_model.*`` (or ``model.*``), experts fused (``experts.gate_up_proj``,
+  ``experts.down_proj``) or per expert (``experts.{e}.{gate,up,down}_proj.weight``), conv [C, 1, K],
+  norms stored as w (applied as 1+w).
+Canonical form handed to the core: matrices in their stored precision ([stack, out, in]), norm
+weights as the full multiplier (1+w), conv taps [C, K], every vector float32. ``mtp.*`` and vision
+tensors are skipped. Every problem raises CheckpointError naming the file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import TextConfig
+from .dtypes import bf16_bits_to_f32
+from .errors import CheckpointError
+from .safetensors_io import SafetensorsFile
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+# Norms stored as w in Hugging Face checkpoints and as 1+w in MLX ones (never linear_attn.norm).
+ZERO_CENTRED_NORMS = re.compile(r"(^norm|input_layernorm|post_attention_layernorm|q_norm|k_norm)$")
+
+
+@dataclass
+class Source:
+    """One stored tensor: where it lives and how to read it."""
+    name: str  # as stored in the file
+    file: SafetensorsFile
+    path: Path
+
+    @property
+    def info(self):
+        return self.file.info(self.name)
+
+    def where(self) -> str:
+        return f"tensor '{self.name}' in {self.path.name}"
+
+    def read(self) -> np.ndarray:
+        return self.file.get(self.name)
+
+
+def find_shards(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: from the index if there is one, else every file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no .safetensors files (and no model.safetensors.index.json)")
+    return files
+
+
+def canonical_name(stored: str) -> tuple[str | None, str | None]:
+    """(layout, name without the model prefix) of a stored tensor name; (None, None) if skipped."""
+    if stored.startswith(SKIPPED_PREFIXES):
+        return None, None
+    if stored.startswith("language_model.model."):
+        return "mlx", stored[len("language_model.model."):]
+    if stored.startswith("language_model.lm_head."):
+        return "mlx", stored[len("language_model."):]
+    if stored.startswith("model.language_model."):
+        return "hf", stored[len("model.language_model."):]
+    if stored.startswith("model."):
+        return "hf", stored[len("model."):]
+    if stored.startswith("lm_head."):
+        return "hf", stored
+    return None, None
+
+
+class CheckpointTensors:
+    """Index of every tensor of a checkpoint by canonical name, with its layout."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = model_dir
+        self.sources: dict[str, Source] = {}
+        layouts = set()
+        for path in find_shards(model_dir):
+            f = SafetensorsFile(path)
+            for name in f.names():
+                layout, canon = canonical_name(name)
+                if canon is None:
+                    continue
+                layouts.add(layout)
+                if canon in self.sources:
+                    other = self.sources[canon]
+                    raise CheckpointError(f"tensor '{name}' appears twice: in {other.path.name} and {path.name}")
+                self.sources[canon] = Source(name, f, path)
+        if not self.sources:
+            raise CheckpointError(f"{model_dir}: no text-model tensors found (expected names starting "
+                                  f"'language_model.model.' (MLX) or 'model.language_model.' (Hugging Face))")
+        if len(layouts) > 1:
+            raise CheckpointError(f"{model_dir}: mixes MLX ('language_model.*') and Hugging Face ('model.*') names")
+        self.layout = layouts.pop()
+
+    def get(self, canon: str) -> Source:
+        src = self.sources.get(canon)
+        if src is None:
+            prefix = "language_model.model." if self.layout == "mlx" else "model.language_model."
+            if canon.startswith("lm_head"):
+                prefix = "language_model." if self.layout == "mlx" else ""
+            raise CheckpointError(f"{self.dir}: missing tensor '{prefix}{canon}'")
+        return src
+
+    def has(self, canon: str) -> bool:
+        return canon in self.sources
+
+
+def _as_f32(src: Source) -> np.ndarray:
+    info = src.info
+    if info.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{src.where()}: dtype {info.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    a = src.read()
+    if info.dtype == "BF16":
+        return bf16_bits_to_f32(a)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _check_shape(src: Source, want: tuple) -> None:
+    if tuple(src.info.shape) != tuple(want):
+        raise CheckpointError(f"{src.where()}: shape {list(src.info.shape)}, expected {list(want)}")
+
+
+class QuantSpec:
+    """The MLX "quantization" block: defaults plus per-module overrides."""
+
+    def __init__(self, raw_config: dict):
+        text = raw_config.get("text_config") if isinstance(raw_config.get("text_config"), dict) else {}
+        q = raw_config.get("quantization") or raw_config.get("quantization_config") or \
+            text.get("quantization") or text.get("quantization_config") or {}
+        if not isinstance(q, dict):
+            raise CheckpointError("config.json: 'quantization' must be an object")
+        method = q.get("quant_method")
+        if method is not None and method not in ("mlx",):
+            raise CheckpointError(f"config.json: quantization method {method!r} is not supported "
+                                  f"(lily reads MLX affine 4/8-bit and bf16/fp16/fp32 weights)")
+        mode = q.get("mode", "affine")
+        if mode != "affine":
+            raise CheckpointError(f"config.json: quantization mode {mode!r} is not supported (only 'affine')")
+        self.raw = q
+
+    def for_module(self, mlx_path: str) -> tuple[int | None, int | None]:
+        entry = self.raw.get(mlx_path)
+        if isinstance(entry, dict):
+            return entry.get("bits"), entry.get("group_size")
+        return self.raw.get("bits"), self.raw.get("group_size")
+
+
+def matrix_args(tensors: CheckpointTensors, quant: QuantSpec, canon: str, stack: int, rows: int,
+                cols: int) -> dict:
+    """Arguments of WeightStore.set_matrix for stored module ``canon`` (no '.weight' suffix)."""
+    wname = canon if tensors.has(canon) and not tensors.has(canon + ".weight") else canon + ".weight"
+    w = tensors.get(wname)
+    lead = (stack,) if stack > 1 else ()
+    if not tensors.has(canon + ".scales"):
+        _check_shape(w, lead + (rows, cols))
+        if w.info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{w.where()}: dtype {w.info.dtype} for an unquantized weight "
+                                  f"(expected F32, F16 or BF16; or add .scales/.biases for MLX quantization)")
+        return dict(weight=w.read(), dtype=w.info.dtype, num_stack=stack, rows=rows, cols=cols)
+    s, b = tensors.get(canon + ".scales"), tensors.get(canon + ".biases")
+    if w.info.dtype != "U32":
+        raise CheckpointError(f"{w.where()}: quantized weight has dtype {w.info.dtype}, expected U32")
+    shape = tuple(w.info.shape)
+    if len(shape) != len(lead) + 2 or shape[:-1] != lead + (rows,) or (shape[-1] * 32) % cols:
+        raise CheckpointError(f"{w.where()}: packed shape {list(shape)} does not fit a {list(lead + (rows, cols))} matrix")
+    bits = shape[-1] * 32 // cols
+    sshape = tuple(s.info.shape)
+    if len(sshape) != len(shape) or sshape[:-1] != shape[:-1] or sshape[-1] == 0 or cols % sshape[-1]:
+        raise CheckpointError(f"{s.where()}: shape {list(sshape)} does not fit {list(lead + (rows, cols))}")
+    group = cols // sshape[-1]
+    want_bits, want_group = quant.for_module("language_model.model." + canon if not canon.startswith("lm_head")
+                                             else "language_model." + canon)
+    if (want_bits is not None and want_bits != bits) or (want_group is not None and want_group != group):
+        raise CheckpointError(f"{w.where()}: shapes imply {bits}-bit group {group} but config.json's quantization "
+                              f"says {want_bits}-bit group {want_group}")
+    if bits not in (2, 4, 8) or group not in (32, 64, 128):
+        raise CheckpointError(f"{w.where()}: {bits}-bit group {group} quantization is not supported "
+                              f"(bits 2/4/8, group 32/64/128)")
+    if tuple(b.info.shape) != sshape:
+        raise CheckpointError(f"{b.where()}: shape {list(b.info.shape)}, expected {list(sshape)} like its scales")
+    for t in (s, b):
+        if t.info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{t.where()}: dtype {t.info.dtype}, expected a float dtype")
+    if s.info.dtype != b.info.dtype:
+        raise CheckpointError(f"{b.where()}: dtype {b.info.dtype} differs from its scales' {s.info.dtype}")
+    return dict(weight=w.read(), dtype="U32", num_stack=stack, rows=rows, cols=cols, bits=bits,
+                group_size=group, scales=s.read(), biases=b.read(), scale_dtype=s.info.dtype)
+
+
+def expected_matrices(c: TextConfig) -> list[tuple[str, int, int, int]]:
+    """(canonical module, stack, out, in) of every matrix the model needs."""
+    H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    out = [("embed_tokens", 1, c.vocab_size, H), ("lm_head", 1, c.vocab_size, H)]
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        if c.is_full_attention(i):
+            nhd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            out += [(p + "self_attn.q_proj", 1, 2 * nhd, H), (p + "self_attn.k_proj", 1, kvd, H),
+                    (p + "self_attn.v_proj", 1, kvd, H), (p + "self_attn.o_proj", 1, H, nhd)]
+        else:
+            Hv = c.linear_num_value_heads
+            out += [(p + "linear_attn.in_proj_qkv", 1, c.conv_dim, H), (p + "linear_attn.in_proj_z", 1, c.value_dim, H),
+                    (p + "linear_attn.in_proj_b", 1, Hv, H), (p + "linear_attn.in_proj_a", 1, Hv, H),
+                    (p + "linear_attn.out_proj", 1, H, c.value_dim)]
+        out += [(p + "mlp.gate", 1, E, H), (p + "mlp.experts.gate_proj", E, I, H), (p + "mlp.experts.up_proj", E, I, H),
+                (p + "mlp.experts.down_proj", E, H, I), (p + "mlp.shared_expert.gate_proj", 1, Is, H),
+                (p + "mlp.shared_expert.up_proj", 1, Is, H), (p + "mlp.shared_expert.down_proj", 1, H, Is),
+                (p + "mlp.shared_expert_gate", 1, 1, H)]
+    return out
+
+
+def expected_vectors(c: TextConfig) -> list[tuple[str, tuple]]:
+    """(canonical name, canonical shape) of every float32 vector parameter."""
+    out = [("norm", (c.hidden_size,))]
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        out += [(p + "input_layernorm", (c.hidden_size,)), (p + "post_attention_layernorm", (c.hidden_size,))]
+        if c.is_full_attention(i):
+            out += [(p + "self_attn.q_norm", (c.head_dim,)), (p + "self_attn.k_norm", (c.head_dim,))]
+        else:
+            Hv = c.linear_num_value_heads
+            out += [(p + "linear_attn.conv1d", (c.conv_dim, c.linear_conv_kernel_dim)),
+                    (p + "linear_attn.A_log", (Hv,)), (p + "linear_attn.dt_bias", (Hv,)),
+                    (p + "linear_attn.norm", (c.linear_value_head_dim,))]
+    return out
+
+
+def _expert_args(t: CheckpointTensors, quant: QuantSpec, canon: str, E: int, rows: int, cols: int) -> dict:
+    """Expert stacks in either layout -> set_matrix arguments for [E, rows, cols]."""
+    layer, kind = canon.rsplit(".experts.", 1)  # kind: gate_proj | up_proj | down_proj
+    if t.layout == "mlx":
+        return matrix_args(t, quant, f"{layer}.switch_mlp.{kind}", E, rows, cols)
+    if t.has(f"{layer}.experts.0.{kind}.weight"):  # per-expert tensors, as transformers saves them
+        parts = [matrix_args(t, quant, f"{layer}.experts.{e}.{kind}", 1, rows, cols) for e in range(E)]
+        dtypes = {p["dtype"] for p in parts}
+        if len(dtypes) != 1 or any(p.get("bits") for p in parts):
+            raise CheckpointError(f"{t.dir}: experts of '{layer}' mix dtypes {sorted(dtypes)} or are quantized")
+        return dict(parts[0], weight=np.stack([p["weight"] for p in parts]), num_stack=E)
+    if kind == "down_proj":
+        return matrix_args(t, quant, f"{layer}.experts.down_proj", E, rows, cols)
+    fused = matrix_args(t, quant, f"{layer}.experts.gate_up_proj", E, 2 * rows, cols)
+    half = slice(0, rows) if kind == "gate_proj" else slice(rows, 2 * rows)  # gate rows come first
+    return dict(fused, weight=np.ascontiguousarray(fused["weight"][:, half]), rows=rows)
+
+
+def _vector(t: CheckpointTensors, canon: str, shape: tuple) -> np.ndarray:
+    stored = canon if canon.endswith(("A_log", "dt_bias")) else canon + ".weight"
+    src = t.get(stored)
+    a = _as_f32(src)
+    if canon.endswith("conv1d"):  # HF [C, 1, K], MLX [C, K, 1]: same element order as [C, K]
+        C, K = shape
+        if tuple(a.shape) not in ((C, 1, K), (C, K, 1), (C, K)):
+            raise CheckpointError(f"{src.where()}: shape {list(a.shape)}, expected [{C}, 1, {K}] (Hugging Face) "
+                                  f"or [{C}, {K}, 1] (MLX)")
+        return np.ascontiguousarray(a.reshape(C, K))
+    _check_shape(src, shape)
+    if t.layout == "hf" and ZERO_CENTRED_NORMS.search(canon):
+        a = a + np.float32(1.0)  # HF stores w; the core takes the multiplier 1+w (MLX stores 1+w)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, progress: bool = False) -> str:
+    """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf')."""
+    tensors = CheckpointTensors(Path(model_dir))
+    quant = QuantSpec(raw_config)
+    tied = bool(raw_config.get("tie_word_embeddings", False)) and not tensors.has("lm_head.weight")
+    jobs = expected_matrices(cfg)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs) + 1, desc=f"loading {Path(model_dir).name}", unit="tensor")
+    try:
+        for canon, stack, rows, cols in jobs:
+            src = "embed_tokens" if canon == "lm_head" and tied else canon
+            if ".experts." in canon:
+                args = _expert_args(tensors, quant, canon, stack, rows, cols)
+            else:
+                args = matrix_args(tensors, quant, src, stack, rows, cols)
+            store.set_matrix(canon, **args)
+            if bar:
+                bar.update(1)
+        for canon, shape in expected_vectors(cfg):
+            store.set_vector(canon, _vector(tensors, canon, shape))
+        if bar:
+            bar.update(1)
+    finally:
+        if bar:
+            bar.close()
+    return tensors.layout
