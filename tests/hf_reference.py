@@ -65,9 +65,9 @@ def reference_logits(model: Qwen3_5MoeForCausalLM, prompt: list[int], decode: li
     """Logits [len(prompt) + len(decode), V]: one prefill, then cached decode steps one by one."""
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
-        rows, past = [out.logits[0]], out.past_key_values
+        rows, past = [out.logits[0]], out.cache
         for tok in decode:
-            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            out = model(torch.tensor([[tok]]), cache=past, use_cache=True)
             rows.append(out.logits[0])
-            past = out.past_key_values
+            past = out.cache
     return torch.cat(rows).float().numpy()

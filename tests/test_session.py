@@ -1,0 +1,151 @@
+"""Recurrence invariants of the CPU backend: prefill(T) = T decode steps, chunked = one-shot,
+snapshot/restore resumes exactly, bad input leaves the session untouched.
+
+Every CPU op computes each token's row independently of how many rows share the call (one
+dequantized weight row dotted with each input row; the GDN scan is token by token), so these
+equalities are exact, not approximate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import lily
+from hf_reference import build_model, save_hf
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_hf(build_model(seed=3), tmp_path_factory.mktemp("hf-session"))
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return lily.Model.load(ckpt, device="cpu", max_context=512, prefill_chunk=32)
+
+
+def states_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_prefill_equals_decode_steps(model, rng):
+    ids = rng.integers(0, model.config.vocab_size, 75).tolist()
+    s1, s2 = model.new_session(), model.new_session()
+    last = s1.prefill(ids)
+    for t in ids:
+        step = s2.decode_step(t)
+    np.testing.assert_array_equal(last, step)
+    states_equal(s1.state(), s2.state())
+    assert s1.position == s2.position == 75
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.integers(1, 80), n=st.integers(1, 90))
+def test_chunked_prefill_equals_one_shot(ckpt, chunk, n):
+    ids = np.random.default_rng(n).integers(0, 313, n)
+    one = lily.Model.load(ckpt, device="cpu", max_context=128, prefill_chunk=128)
+    many = lily.Model.load(ckpt, device="cpu", max_context=128, prefill_chunk=chunk)
+    np.testing.assert_array_equal(one.prefill(ids, all_logits=True), many.prefill(ids, all_logits=True))
+    states_equal(one.session.state(), many.session.state())
+
+
+def test_all_logits_rows_match_last(model, rng):
+    ids = rng.integers(0, 313, 40)
+    every = model.prefill(ids, all_logits=True)
+    assert every.shape == (40, model.config.vocab_size)
+    np.testing.assert_array_equal(every[-1], model.prefill(ids))
+
+
+def test_snapshot_restore_resumes_exactly(model, rng):
+    s = model.new_session()
+    s.prefill(rng.integers(0, 313, 50))
+    snap = s.snapshot()
+    assert snap.position == 50 and snap.nbytes > 0
+    cont = rng.integers(0, 313, 6).tolist()
+    first = [s.decode_step(t) for t in cont]
+    s.prefill(rng.integers(0, 313, 20))  # wander off
+    s.restore(snap)
+    assert s.position == 50
+    again = [s.decode_step(t) for t in cont]
+    np.testing.assert_array_equal(np.stack(first), np.stack(again))
+    other = model.new_session()  # a snapshot also seeds another session
+    other.restore(snap)
+    np.testing.assert_array_equal(other.decode_step(cont[0]), first[0])
+
+
+def test_snapshot_rejects_other_model(model, ckpt):
+    other = lily.Model.load(ckpt, device="cpu", max_context=64)
+    with pytest.raises(lily.LilyError, match="another model"):
+        other.new_session().restore(model.new_session().snapshot())
+    with pytest.raises(lily.LilyError, match="Snapshot"):
+        model.new_session().restore("not a snapshot")
+
+
+def test_reset_forgets(model, rng):
+    ids = rng.integers(0, 313, 10)
+    s = model.new_session()
+    a = s.prefill(ids)
+    s.prefill(rng.integers(0, 313, 5))
+    s.reset()
+    assert s.position == 0
+    np.testing.assert_array_equal(s.prefill(ids), a)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([1, 2, 313], "313 at index 2 is outside the vocabulary"),
+    ([-1], "-1 at index 0"),
+    ([], "non-empty"),
+    ([1.5, 2.0], "integers"),
+    ([[1, 2]], "1-D"),
+])
+def test_bad_token_ids_rejected_and_state_kept(model, bad, match):
+    s = model.new_session()
+    s.prefill([5, 6, 7])
+    before = s.state()
+    with pytest.raises(lily.LilyError, match=match):
+        s.prefill(bad)
+    assert s.position == 3
+    states_equal(before, s.state())
+
+
+def test_bad_decode_token(model):
+    s = model.new_session()
+    for bad in (313, -5, 2**40):
+        with pytest.raises(lily.LilyError, match="outside the vocabulary"):
+            s.decode_step(bad)
+    with pytest.raises(lily.LilyError, match="integer"):
+        s.decode_step(1.0)
+    assert s.position == 0
+
+
+def test_context_overflow(model):
+    s = model.new_session(max_context=16)
+    s.prefill(list(range(10)))
+    with pytest.raises(lily.LilyError, match="context overflow"):
+        s.prefill(list(range(7)))
+    assert s.position == 10
+    s.prefill(list(range(6)))
+    with pytest.raises(lily.LilyError, match="context overflow"):
+        s.decode_step(1)
+
+
+def test_sessions_are_independent(model, rng):
+    a, b = model.new_session(), model.new_session()
+    ids = rng.integers(0, 313, 30)
+    ra = a.prefill(ids)
+    b.prefill(rng.integers(0, 313, 30))
+    np.testing.assert_array_equal(a.decode_step(3), model.new_session().prefill(np.append(ids, 3)))
+    assert ra.shape == (313,)
+
+
+def test_device_errors(ckpt):
+    with pytest.raises(lily.DeviceError, match="not available"):
+        lily.Model.load(ckpt, device="metal")
+    with pytest.raises(lily.DeviceError, match="unknown device"):
+        lily.Model.load(ckpt, device="tpu")
+    if not lily._core.backend_available("cuda"):
+        with pytest.raises(lily.DeviceError, match="cuda"):
+            lily.Model.load(ckpt, device="cuda")
+    assert lily.Model.load(ckpt, device="auto").device in ("cpu", "cuda")
