@@ -27,13 +27,13 @@ void dequantize_row(const QMatrix& w, int64_t e, int64_t r, float* out) {
   const int64_t g0 = row * w.groups_per_row();
   const int bits = w.bits, per_word = 32 / bits;
   const uint32_t mask = (1u << bits) - 1u;
-  for (int64_t j0 = 0; j0 < n; j0 += w.group_size) {
-    const int64_t g = g0 + j0 / w.group_size;
-    const float scale = load_float(w.scales.data(), w.scale_dtype, g);
-    const float bias = load_float(w.biases.data(), w.scale_dtype, g);
-    for (int64_t j = j0; j < j0 + w.group_size; ++j) {
-      const uint32_t q = (words[j / per_word] >> ((j % per_word) * bits)) & mask;
-      out[j] = scale * float(q) + bias;
+  const int64_t words_per_group = w.group_size / per_word;
+  for (int64_t g = 0; g < w.groups_per_row(); ++g) {
+    const float scale = load_float(w.scales.data(), w.scale_dtype, g0 + g);
+    const float bias = load_float(w.biases.data(), w.scale_dtype, g0 + g);
+    for (int64_t m = g * words_per_group; m < (g + 1) * words_per_group; ++m) {
+      uint32_t word = words[m];
+      for (int k = 0; k < per_word; ++k, word >>= bits) out[m * per_word + k] = scale * float(word & mask) + bias;
     }
   }
 }
