@@ -2,7 +2,9 @@
 for the prompt and 8 cached decode steps, loaded from every checkpoint layout lily reads."""
 from __future__ import annotations
 
+import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -70,3 +72,63 @@ def test_hf_layout_fused_experts_sharded(case, tmp_path):
     assert len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
     ours = run_lily(path, case["prompt"], case["decode"], prefill_chunk=16)
     assert_logits_close(ours, case["ref"], TOL["cpu_vs_hf_fp32"])
+
+
+def mlx_to_torch_state(path) -> dict:
+    """Dequantized float32 weights of an MLX-layout checkpoint under transformers' parameter names."""
+    import torch
+
+    from lily import quant
+    from lily.dtypes import decode_float
+    from lily.safetensors_io import SafetensorsFile
+    from lily.weights import find_shards
+
+    raw, infos = {}, {}
+    for f in find_shards(path):
+        st = SafetensorsFile(f)
+        for n in st.names():
+            raw[n], infos[n] = np.array(st.get(n)), st.info(n).dtype
+    state = {}
+    for n in raw:
+        if n.endswith((".scales", ".biases")):
+            continue
+        if infos[n] == "U32":
+            m = n[: -len(".weight")]
+            s = decode_float(infos[m + ".scales"], raw[m + ".scales"])
+            b = decode_float(infos[m + ".biases"], raw[m + ".biases"])
+            cfg = json.loads((path / "config.json").read_text())["quantization"]
+            q = cfg.get(m, {"bits": cfg["bits"], "group_size": cfg["group_size"]})
+            a = quant.dequantize(raw[n], s, b, q["bits"], q["group_size"])
+        else:
+            a = decode_float(infos[n], raw[n])
+        name = n.replace("language_model.model.", "model.", 1).replace("language_model.lm_head", "lm_head", 1)
+        if name.endswith("conv1d.weight"):
+            a = a.transpose(0, 2, 1)  # MLX [C, K, 1] -> HF [C, 1, K]
+        if re.search(r"(model\.norm|input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$", name):
+            a = a - 1.0  # MLX stores 1 + w
+        state[name] = a
+    for n in [k for k in state if ".switch_mlp.gate_proj" in k]:
+        layer = n.split(".switch_mlp.")[0]
+        state[layer + ".experts.gate_up_proj"] = np.concatenate(
+            [state.pop(n), state.pop(layer + ".switch_mlp.up_proj.weight")], axis=1)
+        state[layer + ".experts.down_proj"] = state.pop(layer + ".switch_mlp.down_proj.weight")
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("quantize, bits, group", [(False, 0, 0), (True, 4, 32), (True, 8, 64)])
+def test_mlx_layout(case, tmp_path, quantize, bits, group):
+    from lily.convert import convert_hf_to_mlx
+
+    path = convert_hf_to_mlx(case["path"], tmp_path / "mlx", bits=bits or 4, group_size=group or 64,
+                             quantize=quantize, dtype="bfloat16" if quantize else "float32")
+    qblock = json.loads((path / "config.json").read_text()).get("quantization")
+    assert (qblock is not None) == quantize
+    # The reference model gets exactly the weights the checkpoint holds (dequantized, bf16-rounded).
+    ref_model = copy.deepcopy(case["model"])
+    missing, unexpected = ref_model.load_state_dict(mlx_to_torch_state(path), strict=False)
+    assert not unexpected and set(missing) <= {"model.rotary_emb.inv_freq"}, (missing, unexpected)
+    ref = reference_logits(ref_model, case["prompt"], case["decode"])[len(case["prompt"]) - 1:]
+    if not quantize:
+        np.testing.assert_allclose(ref, case["ref"], atol=1e-4)  # fp32 MLX copy = the original weights
+    ours = run_lily(path, case["prompt"], case["decode"])
+    assert_logits_close(ours, ref, TOL["cpu_vs_hf_fp32"])
