@@ -132,3 +132,21 @@ def test_mlx_layout(case, tmp_path, quantize, bits, group):
         np.testing.assert_allclose(ref, case["ref"], atol=1e-4)  # fp32 MLX copy = the original weights
     ours = run_lily(path, case["prompt"], case["decode"])
     assert_logits_close(ours, ref, TOL["cpu_vs_hf_fp32"])
+
+
+def test_trace_matches_per_layer_hidden_states(case):
+    """The debug trace bisects: every layer's residual stream equals transformers' hidden state."""
+    import torch
+
+    m = lily.Model.load(case["path"], device="cpu")
+    tr = m.new_session().trace(case["prompt"])
+    with torch.no_grad():
+        hs = case["model"](torch.tensor([case["prompt"]]), output_hidden_states=True).hidden_states
+    L = case["model"].config.num_hidden_layers
+    names = ["embedding"] + [f"layers.{i}.residual" for i in range(L - 1)]  # the last one is normed in HF
+    for name, ref in zip(names, hs):
+        ref = ref[0].numpy()
+        err = np.abs(tr[name] - ref).max() / max(1.0, np.abs(ref).max())
+        assert err < TOL["cpu_vs_hf_fp32"], f"{name}: relative error {err:.3g}"
+    assert {f"layers.{i}.{k}" for i in range(L) for k in ("mixer", "moe")} <= tr.keys()
+    np.testing.assert_array_equal(tr["logits"][-1], m.prefill(case["prompt"]))

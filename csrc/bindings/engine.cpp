@@ -149,6 +149,29 @@ void init_engine(nb::module_& m) {
         }
         return out;
       })
+      .def("trace", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids) {
+        const int64_t T = int64_t(ids.shape(0)), V = s.engine().config().vocab_size;
+        FloatArray logits = new_floats({size_t(T), size_t(V)});
+        s.trace.clear();
+        s.tracing = true;
+        try {
+          nb::gil_scoped_release release;
+          s.prefill(ids.data(), T, logits.data(), true);
+        } catch (...) {
+          s.tracing = false;
+          throw;
+        }
+        s.tracing = false;
+        nb::dict out;
+        for (auto& [name, t] : s.trace) {
+          FloatArray a = new_floats({t.data.size() / size_t(t.width), size_t(t.width)});
+          std::copy(t.data.begin(), t.data.end(), a.data());
+          out[name.c_str()] = a;
+        }
+        s.trace.clear();
+        out["logits"] = logits;
+        return out;
+      }, "Prefill that also returns named per-layer activations [T, H] (debug bisection).")
       .def_prop_ro("position", &Session::position)
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("chunk", &Session::chunk)

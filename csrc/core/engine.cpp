@@ -75,6 +75,16 @@ void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const
   }
 }
 
+// Appends the first T rows of a [T, width] activation to the session's trace.
+static void record(Session& s, const std::string& name, const Buffer& b, int64_t T, int64_t width) {
+  if (!s.tracing) return;
+  Session::Trace& t = s.trace[name];
+  t.width = width;
+  const size_t old = t.data.size();
+  t.data.resize(old + size_t(T * width));
+  b.download(t.data.data() + old, size_t(T * width) * 4);
+}
+
 void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* logits, bool all_logits) const {
   const ModelConfig& c = config_;
   Scratch& x = s.s_;
@@ -83,6 +93,7 @@ void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* log
   x.ids.upload(ids, size_t(T) * 4);
   Tensor xs = view(x.x, T, H);  // [T, H] residual stream
   ops::embedding(*weights_->embed_tokens, Tensor::of(x.ids.data(), DType::I32, device(), {T}), xs);
+  record(s, "embedding", x.x, T, H);
   ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, s.chunk_, H),
                      view(x.gate, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
                      view(x.up, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
@@ -92,10 +103,14 @@ void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* log
     ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
     if (L.is_full_attention) attention_layer(s, L, s.layers_[l], T);
     else gdn_layer(s, L, s.layers_[l], T);
+    const std::string p = "layers." + std::to_string(l) + ".";
+    record(s, p + "mixer", x.mix, T, H);
     ops::add(xs, view(x.mix, T, H));
     ops::rms_norm(xs, L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
     ops::moe(L.moe, view(x.h, T, H), view(x.mix, T, H), ms, c.num_experts_per_tok);
+    record(s, p + "moe", x.mix, T, H);
     ops::add(xs, view(x.mix, T, H));
+    record(s, p + "residual", x.x, T, H);
   }
   if (all_logits) write_logits(s, 0, T, logits);
   else if (logits) write_logits(s, T - 1, 1, logits);

@@ -1,5 +1,6 @@
 // Per-conversation state and the work space of one forward chunk, all allocated at creation.
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,12 @@ class Session {
   // Named state tensors for inspection: (name, shape, buffer, bytes in use).
   struct StateView { std::string name; std::vector<int64_t> shape; const Buffer* buffer; };
   std::vector<StateView> state_views() const;
+
+  // Debug trace: when on, each forward records named per-layer activations ([rows, width] f32,
+  // rows appended chunk after chunk) so a mismatch can be bisected to one op.
+  struct Trace { int64_t width = 0; std::vector<float> data; };
+  bool tracing = false;
+  std::map<std::string, Trace> trace;
 
  private:
   friend class Engine;

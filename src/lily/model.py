@@ -117,6 +117,16 @@ class Session:
             raise LilyError(f"token id must be an integer, got {token_id!r}")
         return self._core.decode_step(int(token_id))
 
+    def trace(self, token_ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Debug: prefill ``token_ids`` [T] like ``prefill`` and also return named activations, each
+        [T, H] float32: 'embedding', 'layers.{i}.mixer' (GDN/attention output), 'layers.{i}.moe',
+        'layers.{i}.residual' (the stream after layer i), and 'logits' [T, V]."""
+        ids = _token_array(token_ids, self.model.config.vocab_size)
+        if self.position + ids.size > self.max_context:
+            raise LilyError(f"context overflow: {self.position} tokens in the session + {ids.size} new exceed "
+                            f"max_context {self.max_context}")
+        return dict(self._core.trace(ids))
+
     def snapshot(self) -> Snapshot:
         return Snapshot(self._core.snapshot())
 
