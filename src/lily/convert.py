@@ -1,0 +1,456 @@
+"""Hugging Face -> MLX checkpoint conversion for Qwen3.5/3.6 MoE text models, as mlx-lm writes it.
+
+Accepted sources (spec section 4.1, and what transformers 5.24 `save_pretrained` writes):
+  - prefix `model.language_model.` (multimodal class) or `model.` (Qwen3_5MoeForCausalLM), `lm_head.`;
+  - experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or
+    per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what transformers 5.24 saves);
+  - `mtp.*` and `model.visual.*` are dropped.
+The MLX layout (spec sections 4.2 and 5): names `language_model.model.*` / `language_model.lm_head.*`,
+experts as `mlp.switch_mlp.{gate,up,down}_proj` stacks, conv1d weight [C, K, 1], zero-centred norms
+stored as 1 + w (not `linear_attn.norm`), A_log in fp32, the rest in bf16. Quantized, every
+Linear / Embedding / SwitchLinear weight whose input dim divides by the group size becomes
+`weight` (uint32 codes) + `scales` + `biases`; the router `mlp.gate` and `mlp.shared_expert_gate`
+use 8 bits, group 64 (mlx-lm's `quant_predicate` for this model).
+
+As in mlx-lm, weights are first rounded to the output float dtype and then quantized, so a bf16
+source converts byte-exactly to what MLX's CPU `quantize` would produce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from . import quant
+from .dtypes import FLOAT_DTYPE_NAMES, decode_float, encode_float, round_to
+from .errors import CheckpointError, ConfigError
+from .safetensors_io import DEFAULT_SHARD_SIZE, INDEX_FILE, LazyTensor, SafetensorsFile, save_sharded
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+ROUTER_GATE_QUANTIZATION = {"group_size": 64, "bits": 8}
+HF_PREFIX = "model.language_model."
+MLX_PREFIX = "language_model.model."
+MLX_LM_HEAD = "language_model.lm_head.weight"
+
+_DROPPED_PREFIXES = ("mtp.", "model.visual.")
+_SOURCE_PREFIXES = (HF_PREFIX, "model.")
+# Leaf names of the nn.Linear / nn.Embedding / SwitchLinear modules mlx-lm may quantize.
+_LINEAR_LEAVES = frozenset(
+    "embed_tokens lm_head in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj q_proj k_proj v_proj "
+    "o_proj gate gate_proj up_proj down_proj shared_expert_gate".split()
+)
+_SHIFTED_NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+_PER_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FLOAT_SOURCES = ("BF16", "F16", "F32", "F64")
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """Load a config.json as a dict; ConfigError naming the file if it is unreadable."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: config is not a JSON object")
+    return config
+
+
+def text_config_of(config: Mapping) -> dict:
+    """The text hyper-parameters: `text_config` of a nested `qwen3_5_moe` config, or a flat
+    `qwen3_5_moe_text` config itself."""
+    model_type = config.get("model_type")
+    if model_type == "qwen3_5_moe" and isinstance(config.get("text_config"), Mapping):
+        return dict(config["text_config"])
+    if model_type == "qwen3_5_moe_text":
+        return dict(config)
+    raise ConfigError(f"model_type {model_type!r} is not qwen3_5_moe (with text_config) or qwen3_5_moe_text")
+
+
+def layer_types_of(text_config: Mapping) -> list[str]:
+    """`layer_types`, or the pattern `full_attention_interval` implies (every 4th layer attention)."""
+    num_layers = text_config["num_hidden_layers"]
+    layer_types = text_config.get("layer_types")
+    if layer_types is None:
+        interval = text_config.get("full_attention_interval", 4)
+        layer_types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    return list(layer_types)
+
+
+def _gdn_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
+    H, Hv = c["hidden_size"], c["linear_num_value_heads"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = Hv * c["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim  # q | k | v channels
+    return {
+        "in_proj_qkv.weight": (conv_dim, H),
+        "in_proj_z.weight": (value_dim, H),
+        "in_proj_b.weight": (Hv, H),
+        "in_proj_a.weight": (Hv, H),
+        "conv1d.weight": (conv_dim, 1, c["linear_conv_kernel_dim"]),
+        "A_log": (Hv,),
+        "dt_bias": (Hv,),
+        "norm.weight": (c["linear_value_head_dim"],),
+        "out_proj.weight": (H, value_dim),
+    }
+
+
+def _attention_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
+    H, D = c["hidden_size"], c["head_dim"]
+    q_dim, kv_dim = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    return {
+        "q_proj.weight": (2 * q_dim, H),  # query and output gate, interleaved per head
+        "k_proj.weight": (kv_dim, H),
+        "v_proj.weight": (kv_dim, H),
+        "o_proj.weight": (H, q_dim),
+        "q_norm.weight": (D,),
+        "k_norm.weight": (D,),
+    }
+
+
+def _moe_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
+    H, E = c["hidden_size"], c["num_experts"]
+    I, I_shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    return {
+        "gate.weight": (E, H),
+        "experts.gate_up_proj": (E, 2 * I, H),
+        "experts.down_proj": (E, H, I),
+        "shared_expert.gate_proj.weight": (I_shared, H),
+        "shared_expert.up_proj.weight": (I_shared, H),
+        "shared_expert.down_proj.weight": (H, I_shared),
+        "shared_expert_gate.weight": (1, H),
+    }
+
+
+def hf_tensor_shapes(text_config: Mapping) -> dict[str, tuple[int, ...]]:
+    """Every text tensor of the Hugging Face checkpoint (spec 4.1 names: `model.language_model.`
+    prefix, fused experts) -> its shape."""
+    c = text_config
+    try:
+        H, V = c["hidden_size"], c["vocab_size"]
+        shapes = {HF_PREFIX + "embed_tokens.weight": (V, H), HF_PREFIX + "norm.weight": (H,)}
+        if not c.get("tie_word_embeddings", False):
+            shapes["lm_head.weight"] = (V, H)
+        mixers = {
+            "linear_attention": ("linear_attn.", _gdn_shapes(c)),
+            "full_attention": ("self_attn.", _attention_shapes(c)),
+        }
+        moe = _moe_shapes(c)
+        for i, kind in enumerate(layer_types_of(c)):
+            if kind not in mixers:
+                raise ConfigError(f"layer {i}: unknown layer type {kind!r}")
+            p = f"{HF_PREFIX}layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (H,)
+            shapes[p + "post_attention_layernorm.weight"] = (H,)
+            mixer, mixer_shapes = mixers[kind]
+            shapes.update({p + mixer + name: shape for name, shape in mixer_shapes.items()})
+            shapes.update({p + "mlp." + name: shape for name, shape in moe.items()})
+    except KeyError as e:
+        raise ConfigError(f"text config lacks {e.args[0]!r}") from None
+    return shapes
+
+
+def _mlx_name(hf_name: str) -> str:
+    if hf_name == "lm_head.weight":
+        return MLX_LM_HEAD
+    if hf_name.startswith("language_model."):
+        raise CheckpointError(f"tensor {hf_name!r} is already in MLX layout")
+    for prefix in _SOURCE_PREFIXES:
+        if hf_name.startswith(prefix):
+            return MLX_PREFIX + hf_name[len(prefix) :]
+    raise CheckpointError(f"tensor {hf_name!r} is not a Qwen3.5/3.6 MoE text tensor")
+
+
+def _sliced(t: LazyTensor, rows: slice) -> LazyTensor:
+    shape = (t.shape[0], len(range(t.shape[1])[rows]), *t.shape[2:])
+    return LazyTensor(t.dtype, shape, lambda: t.load()[:, rows])
+
+
+def _conv_to_mlx(name: str, t: LazyTensor) -> LazyTensor:
+    if len(t.shape) != 3 or t.shape[1] != 1:
+        raise CheckpointError(f"tensor {name!r}: conv1d weight {t.shape} is not Hugging Face [C, 1, K]")
+    return LazyTensor(t.dtype, (t.shape[0], t.shape[2], 1), lambda: np.moveaxis(t.load(), 2, 1))
+
+
+def _stacked(name: str, experts: dict[int, LazyTensor]) -> LazyTensor:
+    num = len(experts)
+    if sorted(experts) != list(range(num)):
+        raise CheckpointError(f"{name}: expert indices {sorted(experts)} are not 0..{num - 1}")
+    first = experts[0]
+    if any(t.shape != first.shape or t.dtype != first.dtype for t in experts.values()):
+        raise CheckpointError(f"{name}: experts differ in shape or dtype")
+    return LazyTensor(
+        first.dtype, (num, *first.shape), lambda: np.stack([experts[e].load() for e in range(num)])
+    )
+
+
+def mlx_float_tensors(hf: Mapping[str, LazyTensor]) -> dict[str, LazyTensor]:
+    """Rename Hugging Face tensors to MLX names and layouts, still unquantized and in source dtype:
+    experts split or stacked into `switch_mlp` stacks, conv1d [C, 1, K] -> [C, K, 1]; mtp/vision dropped."""
+    out: dict[str, LazyTensor] = {}
+    per_expert: dict[str, dict[int, LazyTensor]] = {}
+    for hf_name, t in hf.items():
+        if hf_name.startswith(_DROPPED_PREFIXES):
+            continue
+        name = _mlx_name(hf_name)
+        if m := _PER_EXPERT.fullmatch(name):
+            per_expert.setdefault(f"{m[1]}.switch_mlp.{m[3]}_proj.weight", {})[int(m[2])] = t
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            base = name.removesuffix("experts.gate_up_proj") + "switch_mlp."
+            half = t.shape[-2] // 2  # rows [0, I) are the gate projection, [I, 2I) the up projection
+            out[base + "gate_proj.weight"] = _sliced(t, slice(0, half))
+            out[base + "up_proj.weight"] = _sliced(t, slice(half, None))
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name.removesuffix("experts.down_proj") + "switch_mlp.down_proj.weight"] = t
+        elif name.endswith(".conv1d.weight"):
+            out[name] = _conv_to_mlx(name, t)
+        else:
+            out[name] = t
+    for name, experts in per_expert.items():
+        out[name] = _stacked(name, experts)
+    return out
+
+
+def mlx_float_shapes(text_config: Mapping) -> dict[str, tuple[int, ...]]:
+    """MLX tensor names -> shapes before quantization, for this text config."""
+    placeholders = {n: LazyTensor("BF16", s, lambda: None) for n, s in hf_tensor_shapes(text_config).items()}
+    return {name: t.shape for name, t in mlx_float_tensors(placeholders).items()}
+
+
+def is_shifted_norm(mlx_name: str) -> bool:
+    """True for the zero-centred RMSNorm weights MLX stores as 1 + w (never `linear_attn.norm`)."""
+    return mlx_name == MLX_PREFIX + "norm.weight" or mlx_name.endswith(_SHIFTED_NORM_SUFFIXES)
+
+
+def is_router_gate(module: str) -> bool:
+    """True for the modules mlx-lm quantizes at 8 bits: the router and the shared-expert gate."""
+    return module.endswith(("mlp.gate", "shared_expert_gate"))
+
+
+def quantization_of(mlx_name: str, in_features: int, bits: int, group_size: int) -> tuple[int, int] | None:
+    """(bits, group_size) mlx-lm quantizes weight `mlx_name` with, or None when it stays float."""
+    module, _, leaf = mlx_name.rpartition(".")
+    if leaf != "weight" or module.rpartition(".")[2] not in _LINEAR_LEAVES or in_features % group_size:
+        return None
+    if is_router_gate(module):
+        gate_bits, gate_group = ROUTER_GATE_QUANTIZATION["bits"], ROUTER_GATE_QUANTIZATION["group_size"]
+        return (gate_bits, gate_group) if in_features % gate_group == 0 else None
+    return bits, group_size
+
+
+def quantization_config(text_config: Mapping, bits: int = 4, group_size: int = 64) -> dict:
+    """The config.json "quantization" block: defaults plus one entry per 8-bit gate module path."""
+    block: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for name, shape in mlx_float_shapes(text_config).items():
+        module = name.removesuffix(".weight")
+        if is_router_gate(module) and quantization_of(name, shape[-1], bits, group_size):
+            block[module] = dict(ROUTER_GATE_QUANTIZATION)
+    return block
+
+
+def mlx_tensor_specs(
+    text_config: Mapping,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    quantize: bool = True,
+    dtype: str = "bfloat16",
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the MLX checkpoint -> (safetensors dtype, shape): weight U32
+    [..., in*bits/32] and scales/biases [..., in/group] for quantized modules."""
+    float_dtype = FLOAT_DTYPE_NAMES[dtype]
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in mlx_float_shapes(text_config).items():
+        q = quantize and quantization_of(name, shape[-1], bits, group_size)
+        if q:
+            q_bits, q_group = q
+            module = name.removesuffix(".weight")
+            specs[module + ".weight"] = ("U32", (*shape[:-1], shape[-1] * q_bits // 32))
+            specs[module + ".scales"] = (float_dtype, (*shape[:-1], shape[-1] // q_group))
+            specs[module + ".biases"] = (float_dtype, (*shape[:-1], shape[-1] // q_group))
+        else:
+            specs[name] = ("F32" if name.endswith(".A_log") else float_dtype, shape)
+    return specs
+
+
+class _QuantizedModule:
+    """One weight quantized once, handed out as its three tensors (thread-safe, each taken once)."""
+
+    def __init__(self, source: LazyTensor, float_dtype: str, bits: int, group_size: int):
+        self.source, self.float_dtype, self.bits, self.group_size = source, float_dtype, bits, group_size
+        self._lock = threading.Lock()
+        self._parts: dict[str, np.ndarray] = {}
+
+    def take(self, part: str) -> np.ndarray:
+        with self._lock:
+            if part not in self._parts:
+                self._parts = self._quantize()
+            return self._parts.pop(part)
+
+    def _quantize(self) -> dict[str, np.ndarray]:
+        stored = self.source.load()  # [..., rows, n]
+        *lead, rows, n = self.source.shape
+        weight = np.empty((*lead, rows, n * self.bits // 32), dtype=np.uint32)
+        scales = np.empty((*lead, rows, n // self.group_size), dtype=np.float32)
+        biases = np.empty_like(scales)
+        # Decode block by block so a [256, 512, 2048] expert stack never exists in fp32 at once.
+        step = max(1, (1 << 20) // n)
+        for idx in np.ndindex(*lead):
+            for r in range(0, rows, step):
+                block = round_to(self.float_dtype, decode_float(self.source.dtype, stored[idx][r : r + step]))
+                out = quant.quantize(block, self.bits, self.group_size)
+                weight[idx][r : r + step], scales[idx][r : r + step], biases[idx][r : r + step] = out
+        return {
+            "weight": weight,
+            "scales": encode_float(self.float_dtype, scales),
+            "biases": encode_float(self.float_dtype, biases),
+        }
+
+
+def _recast(t: LazyTensor, dtype: str, offset: float = 0.0) -> LazyTensor:
+    if t.dtype == dtype and offset == 0.0:
+        return t
+    shift = np.float32(offset)
+    return LazyTensor(dtype, t.shape, lambda: encode_float(dtype, decode_float(t.dtype, t.load()) + shift))
+
+
+def hf_to_mlx_tensors(
+    hf: Mapping[str, LazyTensor],
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    quantize: bool = True,
+    dtype: str = "bfloat16",
+) -> dict[str, LazyTensor]:
+    """The MLX checkpoint's tensors, computed lazily from Hugging Face tensors (any accepted naming)."""
+    if quantize:
+        quant.check_supported(bits, group_size)
+    if dtype not in FLOAT_DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(FLOAT_DTYPE_NAMES)}")
+    float_dtype = FLOAT_DTYPE_NAMES[dtype]
+    out: dict[str, LazyTensor] = {}
+    for name, t in mlx_float_tensors(hf).items():
+        if t.dtype not in _FLOAT_SOURCES:
+            raise CheckpointError(f"tensor {name!r}: dtype {t.dtype} is not a float type lily can convert")
+        q = quantize and quantization_of(name, t.shape[-1], bits, group_size)
+        if q:
+            q_bits, q_group = q
+            module = _QuantizedModule(t, float_dtype, q_bits, q_group)
+            base = name.removesuffix(".weight")
+            *lead, n = t.shape
+            packed, grouped = (*lead, n * q_bits // 32), (*lead, n // q_group)
+            out[base + ".weight"] = LazyTensor("U32", packed, lambda m=module: m.take("weight"))
+            out[base + ".scales"] = LazyTensor(float_dtype, grouped, lambda m=module: m.take("scales"))
+            out[base + ".biases"] = LazyTensor(float_dtype, grouped, lambda m=module: m.take("biases"))
+        elif name.endswith(".A_log"):
+            out[name] = _recast(t, "F32")
+        else:
+            out[name] = _recast(t, float_dtype, 1.0 if is_shifted_norm(name) else 0.0)
+    return out
+
+
+def _source_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / INDEX_FILE
+    if index.exists():
+        weight_map = read_config(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        return [hf_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir}: no .safetensors files")
+    return files
+
+
+def _check_against(tensors: Mapping[str, LazyTensor], specs: Mapping[str, tuple], where: Path) -> None:
+    problems = []
+    if missing := sorted(set(specs) - set(tensors)):
+        problems.append(f"missing {missing[:5]}")
+    if unexpected := sorted(set(tensors) - set(specs)):
+        problems.append(f"unexpected {unexpected[:5]}")
+    for name in sorted(set(specs) & set(tensors)):
+        if (tensors[name].dtype, tensors[name].shape) != specs[name]:
+            problems.append(f"{name} is {tensors[name].dtype} {tensors[name].shape}, expected {specs[name]}")
+    if problems:
+        raise CheckpointError(f"{where}: tensors do not match config.json: " + "; ".join(problems[:8]))
+
+
+def convert_hf_to_mlx(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    bits: int = 4,
+    group_size: int = 64,
+    quantize: bool = True,
+    dtype: str = "bfloat16",
+    *,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    workers: int | None = None,
+) -> Path:
+    """Convert the Hugging Face checkpoint in `hf_dir` into an MLX-layout checkpoint in `out_dir`.
+
+    Unquantized float tensors are written as `dtype` ("bfloat16", "float16" or "float32"); A_log stays
+    fp32. config.json gains "quantization" == "quantization_config" when `quantize`. Tokenizer and
+    generation files are copied. Returns `out_dir`.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.resolve() == hf_dir.resolve():
+        raise CheckpointError(f"{out_dir}: output directory must differ from the source")
+    config = read_config(hf_dir / "config.json")
+    text_config = text_config_of(config)
+
+    sources: dict[str, LazyTensor] = {}
+    for file in _source_files(hf_dir):
+        st = SafetensorsFile(file)
+        for name in st.names():
+            if name in sources:
+                raise CheckpointError(f"{file}: tensor {name!r} also appears in another file")
+            sources[name] = st.lazy(name)
+    try:
+        tensors = hf_to_mlx_tensors(sources, bits=bits, group_size=group_size, quantize=quantize, dtype=dtype)
+    except CheckpointError as e:
+        raise CheckpointError(f"{hf_dir}: {e}") from e
+    specs = mlx_tensor_specs(text_config, bits=bits, group_size=group_size, quantize=quantize, dtype=dtype)
+    _check_against(tensors, specs, hf_dir)
+
+    workers = workers or os.cpu_count() or 1
+    save_sharded(out_dir, tensors, shard_size=shard_size, metadata={"format": "mlx"}, workers=workers)
+    quantization = quantization_config(text_config, bits, group_size) if quantize else None
+    write_mlx_config(out_dir, config, quantization)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+    return out_dir
+
+
+def write_mlx_config(out_dir: Path, config: Mapping, quantization: dict | None) -> None:
+    """Write config.json as mlx-lm does: top-level keys sorted, the quantization block twice."""
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    if quantization is not None:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    (out_dir / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4) + "\n")
