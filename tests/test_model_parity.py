@@ -150,3 +150,29 @@ def test_trace_matches_per_layer_hidden_states(case):
         assert err < TOL["cpu_vs_hf_fp32"], f"{name}: relative error {err:.3g}"
     assert {f"layers.{i}.{k}" for i in range(L) for k in ("mixer", "moe")} <= tr.keys()
     np.testing.assert_array_equal(tr["logits"][-1], m.prefill(case["prompt"]))
+
+
+def test_real_widths_mlx_direct_codes(tmp_path):
+    """The real Qwen3.6-35B-A3B widths (hidden 2048, 16/2 x 256 attention, GDN 16/32 x 128 heads,
+    512-wide experts, top-8, 4-bit g64 + 8-bit gates) with 4 layers, 16 experts and a 4096 vocab,
+    written by the full-size generator (packed codes drawn directly), against transformers."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from lily import synthetic
+
+    dims = {**synthetic.QWEN36_35B_A3B_TEXT_CONFIG, "num_experts": 16, "vocab_size": 4096}
+    path = synthetic.make_checkpoint(tmp_path, dims, layout="mlx", with_tokenizer=False, num_layers=4,
+                                     direct_codes=True)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref_model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    missing, unexpected = ref_model.load_state_dict(mlx_to_torch_state(path), strict=False)
+    assert not unexpected and set(missing) <= {"model.rotary_emb.inv_freq"}, (missing, unexpected)
+    rng = np.random.default_rng(11)
+    prompt, decode = rng.integers(0, 4096, 70).tolist(), rng.integers(0, 4096, 8).tolist()
+    ref = reference_logits(ref_model, prompt, decode)[len(prompt) - 1:]
+    ours = run_lily(path, prompt, decode)
+    assert_logits_close(ours, ref, TOL["cpu_vs_hf_fp32"])
