@@ -29,6 +29,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+def read_dir(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Every tensor of a checkpoint folder: name -> (safetensors dtype, array in storage dtype)."""
+    from lily.safetensors_io import SafetensorsFile
+
+    out = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        f = SafetensorsFile(file)
+        out.update({n: (f.info(n).dtype, f.get(n)) for n in f.names()})
+    return out
+
+
 def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rel: float) -> None:
     """Max |diff| within rel * max|ref|, and the same argmax wherever the reference top-2 are apart."""
     scale = max(1.0, float(np.abs(ref).max()))

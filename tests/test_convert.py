@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,19 +12,11 @@ from lily import dtypes
 from lily import quant
 from lily import safetensors_io as sio
 from lily import synthetic
+from conftest import read_dir
 from lily import errors
 
 P = "language_model.model."
 SMALL_VOCAB = {**synthetic.TINY_TEXT_CONFIG, "vocab_size": 1024}
-
-
-def read_dir(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """Every tensor of a checkpoint directory: name -> (dtype, array in storage dtype)."""
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        f = sio.SafetensorsFile(file)
-        out.update({n: (f.info(n).dtype, f.get(n)) for n in f.names()})
-    return out
 
 
 def as_f32(entry) -> np.ndarray:

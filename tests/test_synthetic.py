@@ -3,7 +3,6 @@
 import argparse
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +13,13 @@ from lily import dtypes
 from lily import quant
 from lily import safetensors_io as sio
 from lily import synthetic
+from conftest import read_dir
 from lily import errors
 
 P = "language_model.model."
 SMALL_VOCAB = {**synthetic.TINY_TEXT_CONFIG, "vocab_size": 4096}
 # Real widths (hidden 2048, heads, GDN and expert dims) with few experts, layers and tokens.
 REAL_WIDTHS = {**synthetic.QWEN36_35B_A3B_TEXT_CONFIG, "num_experts": 16, "vocab_size": 4096}
-
-
-def read_dir(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        f = sio.SafetensorsFile(file)
-        out.update({n: (f.info(n).dtype, f.get(n)) for n in f.names()})
-    return out
 
 
 def dequantized(tensors: dict) -> dict[str, np.ndarray]:
