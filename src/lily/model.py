@@ -102,14 +102,18 @@ class Session:
     def max_context(self) -> int:
         return self._core.max_context
 
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
-        """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
-        (float32), or [T, V] for every token when ``all_logits``."""
+    def _new_ids(self, token_ids) -> np.ndarray:
+        """Validated int32 ids that fit in the remaining context."""
         ids = _token_array(token_ids, self.model.config.vocab_size)
         if self.position + ids.size > self.max_context:
             raise LilyError(f"context overflow: {self.position} tokens in the session + {ids.size} new exceed "
                             f"max_context {self.max_context}")
-        return self._core.prefill(ids, all_logits)
+        return ids
+
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
+        (float32), or [T, V] for every token when ``all_logits``."""
+        return self._core.prefill(self._new_ids(token_ids), all_logits)
 
     def decode_step(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V] float32 of the next position."""
@@ -121,11 +125,7 @@ class Session:
         """Debug: prefill ``token_ids`` [T] like ``prefill`` and also return named activations, each
         [T, H] float32: 'embedding', 'layers.{i}.mixer' (GDN/attention output), 'layers.{i}.moe',
         'layers.{i}.residual' (the stream after layer i), and 'logits' [T, V]."""
-        ids = _token_array(token_ids, self.model.config.vocab_size)
-        if self.position + ids.size > self.max_context:
-            raise LilyError(f"context overflow: {self.position} tokens in the session + {ids.size} new exceed "
-                            f"max_context {self.max_context}")
-        return dict(self._core.trace(ids))
+        return dict(self._core.trace(self._new_ids(token_ids)))
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self._core.snapshot())
