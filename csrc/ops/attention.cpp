@@ -15,38 +15,49 @@ void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int nH) 
   }
   check_same_device(op, {p, q, gate});
   if (p.device == Device::CPU) return cpu::split_q_gate(p, q, gate, nH);
+  LILY_CUDA_CASE(p.device, split_q_gate(p, q, gate, nH));
   no_backend(op, p.device);
 }
 
-void rope(const Tensor& x, int nH, int rotary_dim, double theta, int64_t pos0) {
+// The cache holds F32 on the CPU and BF16 on GPUs (half the bytes of the decode's KV reads).
+static DType cache_dtype(Device d) { return d == Device::CPU ? DType::F32 : DType::BF16; }
+
+static void check_position(const char* op, const Position& pos, Device d, int64_t T, int64_t capacity) {
+  LILY_CHECK(pos.host >= 0 && pos.host + T <= capacity, op, ": positions [", pos.host, ", ", pos.host + T,
+             ") exceed the cache of ", capacity);
+  LILY_CHECK(d == Device::CPU || pos.device != nullptr, op, ": a GPU op needs the position in device memory");
+}
+
+void rope(const Tensor& x, int nH, int rotary_dim, double theta, const Position& pos) {
   const char* op = "rope";
   check_tensor(op, "x", x, DType::F32, 2);
   LILY_CHECK(nH > 0 && x.dim(1) % nH == 0, op, ": width ", x.dim(1), " is not heads * head_dim");
   LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(1) / nH, op, ": bad rotary_dim ", rotary_dim);
-  LILY_CHECK(pos0 >= 0, op, ": negative position");
-  if (x.device == Device::CPU) return cpu::rope(x, nH, rotary_dim, theta, pos0);
+  check_position(op, pos, x.device, x.dim(0), INT32_MAX);
+  if (x.device == Device::CPU) return cpu::rope(x, nH, rotary_dim, theta, pos.host);
+  LILY_CUDA_CASE(x.device, rope(x, nH, rotary_dim, theta, pos.device));
   no_backend(op, x.device);
 }
 
-void kv_cache_write(const Tensor& x, const Tensor& cache, int64_t pos0) {
+void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos) {
   const char* op = "kv_cache_write";
   check_tensor(op, "x", x, DType::F32, 2);
-  check_tensor(op, "cache", cache, DType::F32, 2);
+  check_tensor(op, "cache", cache, cache_dtype(x.device), 2);
   check_shape(op, "cache", cache, 1, x.dim(1));
-  LILY_CHECK(pos0 >= 0 && pos0 + x.dim(0) <= cache.dim(0), op, ": positions [", pos0, ", ", pos0 + x.dim(0),
-             ") exceed the cache of ", cache.dim(0));
   check_same_device(op, {x, cache});
-  if (x.device == Device::CPU) return cpu::kv_cache_write(x, cache, pos0);
+  check_position(op, pos, x.device, x.dim(0), cache.dim(0));
+  if (x.device == Device::CPU) return cpu::kv_cache_write(x, cache, pos.host);
+  LILY_CUDA_CASE(x.device, kv_cache_write(x, cache, pos.device));
   no_backend(op, x.device);
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int nH,
-               int nKV, int64_t pos0) {
+               int nKV, const Position& pos) {
   const char* op = "attention";
   check_tensor(op, "q", q, DType::F32, 2);
   check_tensor(op, "o", o, DType::F32, 2);
-  check_tensor(op, "k_cache", k_cache, DType::F32, 2);
-  check_tensor(op, "v_cache", v_cache, DType::F32, 2);
+  check_tensor(op, "k_cache", k_cache, cache_dtype(q.device), 2);
+  check_tensor(op, "v_cache", v_cache, cache_dtype(q.device), 2);
   LILY_CHECK(nH > 0 && nKV > 0 && nH % nKV == 0 && q.dim(1) % nH == 0, op, ": bad head counts ", nH, "/", nKV);
   const int64_t D = q.dim(1) / nH;
   check_shape(op, "k_cache", k_cache, 1, nKV * D);
@@ -54,9 +65,10 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   check_shape(op, "v_cache", v_cache, 0, k_cache.dim(0));
   check_shape(op, "o", o, 0, q.dim(0));
   check_shape(op, "o", o, 1, q.dim(1));
-  LILY_CHECK(pos0 >= 0 && pos0 + q.dim(0) <= k_cache.dim(0), op, ": positions exceed the cache");
   check_same_device(op, {q, k_cache, v_cache, o});
-  if (q.device == Device::CPU) return cpu::attention(q, k_cache, v_cache, o, nH, nKV, pos0);
+  check_position(op, pos, q.device, q.dim(0), k_cache.dim(0));
+  if (q.device == Device::CPU) return cpu::attention(q, k_cache, v_cache, o, nH, nKV, pos.host);
+  LILY_CUDA_CASE(q.device, attention(q, k_cache, v_cache, o, nH, nKV, pos.device));
   no_backend(op, q.device);
 }
 

@@ -1,6 +1,14 @@
 // Validation helpers shared by the checked op entries.
 #pragma once
 #include "../core/tensor.h"
+#ifdef LILY_WITH_CUDA
+#include "../cuda/cuda_ops.h"
+// Dispatch to the CUDA backend when the tensors live there (only in builds with LILY_CUDA).
+#define LILY_CUDA_CASE(device, call) \
+  if ((device) == ::lily::Device::CUDA) return ::lily::cuda::call;
+#else
+#define LILY_CUDA_CASE(device, call)
+#endif
 
 namespace lily::ops {
 

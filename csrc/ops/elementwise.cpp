@@ -14,12 +14,14 @@ static void check_pair(const char* op, const Tensor& x, const Tensor& y) {
 void sigmoid_mul(const Tensor& x, const Tensor& gate) {
   check_pair("sigmoid_mul", x, gate);
   if (x.device == Device::CPU) return cpu::sigmoid_mul(x, gate);
+  LILY_CUDA_CASE(x.device, sigmoid_mul(x, gate));
   no_backend("sigmoid_mul", x.device);
 }
 
 void add(const Tensor& x, const Tensor& y) {
   check_pair("add", x, y);
   if (x.device == Device::CPU) return cpu::add(x, y);
+  LILY_CUDA_CASE(x.device, add(x, y));
   no_backend("add", x.device);
 }
 

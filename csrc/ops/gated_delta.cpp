@@ -18,6 +18,7 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
   LILY_CHECK(y.data != u.data, op, ": y must not alias u");
   check_same_device(op, {u, weight, state, y});
   if (u.device == Device::CPU) return cpu::conv1d_silu(u, weight, state, y);
+  LILY_CUDA_CASE(u.device, conv1d_silu(u, weight, state, y));
   no_backend(op, u.device);
 }
 
@@ -45,6 +46,7 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   check_shape(op, "o", o, 1, Hv * Dv);
   check_same_device(op, {qkv, a, b, A_log, dt_bias, state, o});
   if (qkv.device == Device::CPU) return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk);
+  LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk));
   no_backend(op, qkv.device);
 }
 

@@ -19,6 +19,7 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
                ": unsupported group size ", w.group_size);
   }
   if (x.device == Device::CPU) return cpu::linear(w, e, x, y);
+  LILY_CUDA_CASE(x.device, linear(w, e, x, y));
   no_backend(op, x.device);
 }
 
@@ -29,6 +30,7 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
   check_shape(op, "y", y, 0, ids.dim(0));
   check_shape(op, "y", y, 1, table.cols);
   check_same_device(op, {ids, y});
+  LILY_CHECK(y.device == table.weight.device(), op, ": table and output live on different devices");
   if (y.device == Device::CPU) {
     for (int64_t t = 0; t < ids.dim(0); ++t) {
       int32_t id = ids.ptr<int32_t>()[t];
@@ -36,6 +38,8 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
     }
     return cpu::embedding(table, ids, y);
   }
+  // GPU ids come from validated prompts or from the sampler; kernels clamp, they never fault.
+  LILY_CUDA_CASE(y.device, embedding(table, ids, y));
   no_backend(op, y.device);
 }
 

@@ -3,6 +3,16 @@
 
 namespace lily::ops {
 
+int64_t moe_work_rows(Device d, int64_t C, int top_k) { return d == Device::CPU ? C : C * (top_k + 1); }
+
+int64_t moe_routing_words(Device d, int64_t C, int64_t E, int top_k) {
+  if (d == Device::CPU) return 0;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::moe_routing_words(C, E, top_k);
+#endif
+  no_backend("moe", d);
+}
+
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
   const char* op = "moe";
   check_tensor(op, "h", h, DType::F32, 2);
@@ -13,10 +23,13 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScrat
   LILY_CHECK(top_k > 0 && top_k <= E, op, ": top_k ", top_k, " outside [1, ", E, "]");
   LILY_CHECK(w.gate_proj->num_stack == E && w.up_proj->num_stack == E && w.down_proj->num_stack == E, op,
              ": expert stacks disagree with the router's ", E, " experts");
-  LILY_CHECK(s.router_logits.dim(0) >= T && s.router_logits.dim(1) == E && s.gathered.dim(0) >= T, op,
-             ": scratch is too small for ", T, " tokens");
+  const int64_t R = moe_work_rows(h.device, T, top_k);
+  LILY_CHECK(s.router_logits.dim(0) >= T && s.router_logits.dim(1) == E && s.gathered.dim(0) >= R &&
+                 s.gate.dim(0) >= R && s.down.dim(0) >= R && s.routing.numel() >= moe_routing_words(h.device, T, E, top_k),
+             op, ": scratch is too small for ", T, " tokens");
   check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
   if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
+  LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k));
   no_backend(op, h.device);
 }
 

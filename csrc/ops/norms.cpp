@@ -13,6 +13,7 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   check_shape(op, "y", y, 1, x.dim(1));
   check_same_device(op, {x, y, weight});
   if (x.device == Device::CPU) return cpu::rms_norm(x, weight, eps, y);
+  LILY_CUDA_CASE(x.device, rms_norm(x, weight, eps, y));
   no_backend(op, x.device);
 }
 
@@ -29,6 +30,7 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, floa
   }
   check_same_device(op, {x, z, y, weight});
   if (x.device == Device::CPU) return cpu::gated_rms_norm(x, z, weight, eps, y);
+  LILY_CUDA_CASE(x.device, gated_rms_norm(x, z, weight, eps, y));
   no_backend(op, x.device);
 }
 

@@ -9,6 +9,14 @@
 
 namespace lily::ops {
 
+// Where a chunk starts in the sequence. The CPU backend reads `host`; GPU backends read `device`
+// (an I32 [1] in device memory) so that a captured decode graph replays at any position. The
+// engine keeps the two equal; `host` also bounds work on the GPU (positions never exceed it).
+struct Position {
+  int64_t host = 0;
+  const int32_t* device = nullptr;
+};
+
 // y[t, :] = dequant(table)[ids[t], :].  ids [T] I32, y [T, H].
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 
@@ -38,15 +46,15 @@ void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_
 
 // Rotate-half RoPE on the first rotary_dim dims of every head, token t at position pos0 + t.
 // x [T, n*D] in place.
-void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, int64_t pos0);
+void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const Position& pos);
 
-// cache[pos0 + t, :] = x[t, :].  x [T, nKV*D]; cache [maxT, nKV*D].
-void kv_cache_write(const Tensor& x, const Tensor& cache, int64_t pos0);
+// cache[pos0 + t, :] = x[t, :].  x [T, nKV*D] F32; cache [maxT, nKV*D] F32 (CPU) or BF16 (GPU).
+void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos);
 
 // Causal GQA attention of T new queries over cache positions [0, pos0 + t].
-// q, o [T, nH*D]; k_cache, v_cache [maxT, nKV*D]; scale = 1/sqrt(D).
+// q, o [T, nH*D] F32; k_cache, v_cache [maxT, nKV*D] F32 (CPU) or BF16 (GPU); scale = 1/sqrt(D).
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
-               int num_heads, int num_kv_heads, int64_t pos0);
+               int num_heads, int num_kv_heads, const Position& pos);
 
 // x *= sigmoid(gate), elementwise.  x, gate [R, C].
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
@@ -54,18 +62,57 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate);
 // x += y.  x, y [R, C].
 void add(const Tensor& x, const Tensor& y);
 
-// Work space of the MoE op for up to C tokens, allocated with the session.
+// Work space of the MoE op for up to C tokens, allocated with the session. R = rows of expert
+// work: C on the CPU (one expert at a time), C*(K+1) on the GPU (all routed rows plus the shared
+// expert's at once, see moe_work_rows()).
 struct MoeScratch {
-  Tensor router_logits;  // [C, E]
-  Tensor gathered;       // [C, H]  tokens routed to one expert
-  Tensor gate, up;       // [C, max(I, Is)]
-  Tensor down;           // [C, H]
-  Tensor shared_gate;    // [C, 1]
+  Tensor router_logits;  // [C, E] F32
+  Tensor gathered;       // [R, H] F32 tokens routed to one expert
+  Tensor gate, up;       // [R, max(I, Is)] F32
+  Tensor down;           // [R, H] F32
+  Tensor shared_gate;    // [C, 1] F32
+  Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
 };
+
+// Rows of expert work space and I32 words of routing tables a backend needs for C tokens.
+int64_t moe_work_rows(Device device, int64_t C, int top_k);
+int64_t moe_routing_words(Device device, int64_t C, int64_t E, int top_k);
 
 // out[t] = sum_{e in top-k(softmax(router h[t]))} w_e * down_e(silu(gate_e h) * up_e h)
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
 // h, out [T, H].
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
 
+// Sampling parameters; the canonical algorithm is in docs/sampling.md and cpu/sample.cpp.
+struct SamplerParams {
+  float temperature = 0.f;  // 0 = greedy (argmax, lowest id on ties)
+  int top_k = 0;            // 0 = off
+  float top_p = 1.f;        // 1 = off
+  float min_p = 0.f;        // 0 = off
+  float presence_penalty = 0.f, frequency_penalty = 0.f;  // over generated tokens
+  float repetition_penalty = 1.f;                         // over prompt + generated tokens
+  uint64_t seed = 0;
+  int num_logprobs = -1;  // -1: none; n >= 0: the chosen token's logprob and the top n
+};
+
+// Per-request sampler state on the sampler's device. counts[v]: times v was generated;
+// seen[v]: 1 if v is in the prompt or was generated.
+struct SamplerState {
+  Tensor counts;  // [V] I32
+  Tensor seen;    // [V] I32
+  Tensor token;   // [1] I32 the sampled id (where the next decode step reads its input)
+  Tensor logprob_ids;     // [1 + MAX_LOGPROBS] I32: the chosen id, then the top n ids
+  Tensor logprob_values;  // [1 + MAX_LOGPROBS] F32: their log-softmax of the raw logits
+};
+constexpr int MAX_LOGPROBS = 20;
+
+// Draws the next token from logits [V] F32 per params with uniform u = uniform01(seed, step),
+// writes state.token, updates counts/seen, and fills state.logprobs when asked.
+void sample(const Tensor& logits, const SamplerParams& params, uint64_t step, const SamplerState& state);
+
+// Marks ids [n] I32 as seen (prompt tokens for the repetition penalty).
+void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
+
+// pos += T on the device (GPU backends; the CPU backend has no device position).
+void advance_position(int32_t* pos_device, Device device, int64_t T);
 }  // namespace lily::ops

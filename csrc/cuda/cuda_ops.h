@@ -1,0 +1,39 @@
+// The CUDA backend's op entries (sm_90a). Host-only declarations: ops/*.cpp include this without
+// CUDA headers. Arguments were validated by ops/; launchers check only what the kernels assume
+// (alignment, supported variants) and launch on the backend's stream (runtime.cuh) with no host
+// synchronisation and no allocation, so every op can be captured in a CUDA graph.
+// Activations are F32 in device memory; matrix operands are rounded to BF16 where tensor cores
+// multiply them; accumulation is F32. Positions are read from device memory (I32 [1]).
+#pragma once
+#include "../ops/ops.h"
+
+namespace lily::cuda {
+
+// linear.cu / kernels/linear_*.cuh
+void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
+void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
+// moe.cu / kernels/moe_*.cuh
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
+int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
+// norms.cu, elementwise.cu, gated_delta.cu
+void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
+void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
+void sigmoid_mul(const Tensor& x, const Tensor& gate);
+void add(const Tensor& x, const Tensor& y);
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
+void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
+                      int key_head_dim);
+// attention.cu: pos points to the I32 position of the chunk's first token in device memory.
+// k_cache, v_cache are BF16.
+void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
+void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos);
+void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos);
+void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
+               int num_heads, int num_kv_heads, const int32_t* pos);
+// sample.cu
+void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
+void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);
+void advance_position(int32_t* pos, int64_t T);
+
+}  // namespace lily::cuda

@@ -1,0 +1,80 @@
+// Device memory services (ops/device_api.h) and the backend stream. Copies that the host waits for
+// (upload, download) synchronise the stream; device-to-device copies and memsets stay asynchronous
+// and ordered with the kernels on the same stream.
+#include <cstdio>
+
+#include "../ops/device_api.h"
+#include "runtime.cuh"
+
+namespace lily::cuda {
+
+void fail_cuda(cudaError_t e, const char* what, const char* file, int line) {
+  fail("CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ") in ", what, " at ", file, ":", line);
+}
+
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  return s;
+}
+
+int num_sms() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    LILY_CUDA_CHECK(cudaGetDevice(&dev));
+    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+// The kernels are built for sm_90a only, so a usable device must be compute capability 9.0.
+bool available() {
+  static bool ok = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+      cudaGetLastError();  // clear the sticky "no device" error
+      return false;
+    }
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return false;
+    return p.major == 9 && p.minor == 0;
+  }();
+  return ok;
+}
+
+void* alloc(size_t n) {
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, n);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    fail("out of GPU memory allocating ", n, " bytes (", free_b, " of ", total_b, " bytes free)");
+  }
+  LILY_CUDA_CHECK(e);
+  return p;
+}
+
+void free(void* p) { cudaFree(p); }
+
+void upload(void* dst, const void* host, size_t n) {
+  LILY_CUDA_CHECK(cudaMemcpyAsync(dst, host, n, cudaMemcpyHostToDevice, stream()));
+  LILY_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void download(void* host, const void* src, size_t n) {
+  LILY_CUDA_CHECK(cudaMemcpyAsync(host, src, n, cudaMemcpyDeviceToHost, stream()));
+  LILY_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void copy(void* dst, const void* src, size_t n) {
+  LILY_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+}
+
+void memset(void* dst, int value, size_t n) { LILY_CUDA_CHECK(cudaMemsetAsync(dst, value, n, stream())); }
+
+}  // namespace lily::cuda
