@@ -1,2 +1,51 @@
-// Placeholder until the kernels land.
+// Launchers of the RMSNorm kernels (kernels/norms.cuh): one block per row.
 #include "cuda_ops.h"
+#include "kernels/norms.cuh"
+#include "runtime.cuh"
+
+namespace lily::cuda {
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Four floats per access when every row starts on a 16-byte boundary.
+static bool can_use_vec4(int64_t D, std::initializer_list<const void*> ptrs) {
+  if (D % 4 != 0) return false;
+  for (const void* p : ptrs)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+// Enough threads to give each a few float4 of the row, at most 256 (D = 2048 -> 256, D = 128 -> 32).
+static int norm_threads(int64_t D) {
+  const int64_t want = ceil_div<int64_t>(D, 8);
+  if (want <= 32) return 32;
+  if (want <= 64) return 64;
+  if (want <= 128) return 128;
+  return 256;
+}
+
+template <bool GATED>
+static void launch_rms_norm(const RmsNormParams& p, int64_t R, bool vec4) {
+  if (R == 0) return;
+  LILY_CHECK(R <= 0x7fffffff, "rms_norm: too many rows for the CUDA grid (", R, ")");
+  const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(p.D))};
+  if (vec4)
+    rms_norm_kernel<GATED, true><<<grid, block, 0, stream()>>>(p);
+  else
+    rms_norm_kernel<GATED, false><<<grid, block, 0, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y) {
+  const int64_t R = x.dim(0), D = x.dim(1);
+  const RmsNormParams p{x.ptr<float>(), nullptr, weight.ptr<float>(), y.ptr<float>(), int(D), eps};
+  launch_rms_norm<false>(p, R, can_use_vec4(D, {p.x, p.w, p.y}));
+}
+
+void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
+  const int64_t R = x.dim(0), D = x.dim(1);
+  const RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps};
+  launch_rms_norm<true>(p, R, can_use_vec4(D, {p.x, p.z, p.w, p.y}));
+}
+
+}  // namespace lily::cuda

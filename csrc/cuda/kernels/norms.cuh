@@ -1,0 +1,66 @@
+// RMSNorm kernels (device code only; launchers in norms.cu).
+//   rms_norm:        y[r, i] = x[r, i] * s_r * w[i]
+//   gated_rms_norm:  y[r, i] = w[i] * (x[r, i] * s_r) * silu(z[r, i])
+//   with s_r = 1 / sqrt(mean_i x[r, i]^2 + eps).
+// x, z, y [R, D] f32 row-major (y may alias x); w [D] f32.
+// Grid: one block per row; THREADS threads stride over the row, four floats per access when VEC4
+// (D % 4 == 0 and 16-byte aligned rows). The sum of squares is a fixed-order block reduction, so
+// results are reproducible. fp32 throughout; matches cpu/norms.cpp up to summation order.
+#pragma once
+#include "common.cuh"
+
+namespace lily::cuda {
+
+struct RmsNormParams {
+  const float* x;  // [R, D]
+  const float* z;  // [R, D] gate (gated variant only)
+  const float* w;  // [D]
+  float* y;        // [R, D]
+  int D;
+  float eps;
+};
+
+__device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
+// 1 / rms of row x[0, D): every thread gets it.
+template <bool VEC4>
+__device__ __forceinline__ float row_inv_rms(const float* x, int D, float eps, float* red) {
+  float ss = 0.f;
+  if constexpr (VEC4) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) ss += sq4(x4[i]);
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[i] * x[i];
+  }
+  ss = block_sum(ss, red);
+  return 1.f / sqrtf(ss / float(D) + eps);
+}
+
+template <bool GATED>
+__device__ __forceinline__ float norm_out(float x, float s, float w, float z) {
+  if constexpr (GATED) return w * (x * s) * (z / (1.f + expf(-z)));
+  return x * s * w;
+}
+
+template <bool GATED, bool VEC4>
+__global__ void rms_norm_kernel(RmsNormParams p) {
+  __shared__ float red[32];
+  const int64_t off = int64_t(blockIdx.x) * p.D;
+  const float s = row_inv_rms<VEC4>(p.x + off, p.D, p.eps, red);
+  if constexpr (VEC4) {
+    const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
+    const float4* w4 = reinterpret_cast<const float4*>(p.w);
+    const float4* z4 = reinterpret_cast<const float4*>(GATED ? p.z + off : p.x + off);
+    float4* y4 = reinterpret_cast<float4*>(p.y + off);
+    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+      const float4 x = x4[i], w = w4[i], z = z4[i];
+      y4[i] = make_float4(norm_out<GATED>(x.x, s, w.x, z.x), norm_out<GATED>(x.y, s, w.y, z.y),
+                          norm_out<GATED>(x.z, s, w.z, z.z), norm_out<GATED>(x.w, s, w.w, z.w));
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.D; i += blockDim.x)
+      p.y[off + i] = norm_out<GATED>(p.x[off + i], s, p.w[i], GATED ? p.z[off + i] : 0.f);
+  }
+}
+
+}  // namespace lily::cuda
