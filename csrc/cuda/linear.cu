@@ -1,2 +1,165 @@
-// Placeholder until the kernels land.
+// Launchers of linear and embedding. Three kernels, chosen by named predicates:
+//   use_gemv:       decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
+//   use_tensor_gemm: larger T, same variants, 16-byte aligned operands -> kernels/linear_gemm.cuh
+//   otherwise the generic kernel (every variant, any shape)          -> kernels/linear_generic.cuh
+#include <cstdint>
+
 #include "cuda_ops.h"
+#include "kernels/linear_gemm.cuh"
+#include "kernels/linear_gemv.cuh"
+#include "kernels/linear_generic.cuh"
+#include "linear.cuh"
+#include "runtime.cuh"
+
+namespace lily::cuda {
+
+static_assert(LINEAR_TILE_ROWS == GEMM_BM && LINEAR_TILE_ROWS == GENERIC_TILE_ROWS,
+              "MoE tile maps assume one tile height for every linear kernel");
+
+constexpr int GEMV_MAX_TOKENS = 8;
+constexpr size_t GEMV_MAX_SMEM = 96 * 1024;  // x staged per CTA; two CTAs still fit an SM
+
+static bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+WeightView weight_view(const QMatrix& w) {
+  WeightView v;
+  v.w = w.weight.data();
+  v.scales = w.scales.data();
+  v.biases = w.biases.data();
+  v.rows = w.rows;
+  v.cols = w.cols;
+  v.bits = w.bits;
+  v.group_size = w.group_size;
+  v.dtype = w.dtype;
+  v.scale_dtype = w.scale_dtype;
+  return v;
+}
+
+// The fast kernels read 16-byte chunks of 4- or 8-bit rows (cols % 32 == 0 keeps every row's words
+// 16-byte aligned) with BF16 scales: the model's own variants.
+static bool is_fast_affine(const WeightView& w) {
+  return (w.bits == 4 || w.bits == 8) && w.scale_dtype == DType::BF16 && w.cols % 32 == 0 && is_aligned16(w.w);
+}
+
+static size_t gemv_smem_bytes(int num_tokens, int64_t cols, int bits) {
+  return size_t(num_tokens) * (cols * 4 + cols / (128 / bits) * 4);
+}
+
+static int gemv_tokens(int64_t T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
+
+static bool use_gemv(const WeightView& w, const Tensor& x) {
+  const int64_t T = x.dim(0);
+  return T <= GEMV_MAX_TOKENS && is_fast_affine(w) && is_aligned16(x.data) &&
+         gemv_smem_bytes(gemv_tokens(T), w.cols, w.bits) <= GEMV_MAX_SMEM;
+}
+
+static bool use_tensor_gemm(const LinearArgs& a) {
+  return is_fast_affine(a.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
+}
+
+template <int BITS, int NT>
+static void launch_gemv(const GemvParams& p) {
+  const size_t smem = gemv_smem_bytes(NT, p.cols, BITS);
+  static const bool configured = [] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(linear_gemv_kernel<BITS, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(GEMV_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
+  const int rows_per_cta = GEMV_WARPS * GemvTiling<NT>::R;
+  const int ctas_per_sm = int(std::max<size_t>(1, std::min<size_t>(8, (200 * 1024) / std::max<size_t>(smem, 1))));
+  const int grid = std::min(ceil_div(p.rows, rows_per_cta), num_sms() * ctas_per_sm);
+  linear_gemv_kernel<BITS, NT><<<grid, GEMV_WARPS * 32, smem, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+template <int BITS>
+static void dispatch_gemv_tokens(const GemvParams& p) {
+  switch (gemv_tokens(p.T)) {
+    case 1: return launch_gemv<BITS, 1>(p);
+    case 2: return launch_gemv<BITS, 2>(p);
+    case 4: return launch_gemv<BITS, 4>(p);
+    case 8: return launch_gemv<BITS, 8>(p);
+    default: fail("linear: unsupported GEMV token count ", p.T);
+  }
+}
+
+static void run_gemv(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  GemvParams p;
+  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
+  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  p.x = x.ptr<float>();
+  p.y = y.ptr<float>();
+  p.T = int(x.dim(0));
+  p.rows = int(w.rows);
+  p.cols = int(w.cols);
+  p.group_size = w.group_size;
+  switch (w.bits) {
+    case 4: return dispatch_gemv_tokens<4>(p);
+    case 8: return dispatch_gemv_tokens<8>(p);
+    default: fail("linear: unsupported GEMV bits ", w.bits);
+  }
+}
+
+template <int BITS>
+static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
+  static const bool configured = [] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(linear_gemm_kernel<BITS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         GEMM_SMEM_BYTES));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(max_tiles), unsigned(ceil_div<int64_t>(a.w.rows, GEMM_BN)));
+  linear_gemm_kernel<BITS><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES, stream()>>>(a);
+  LILY_CUDA_LAUNCHED();
+}
+
+void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
+  if (max_tiles <= 0 || a.w.rows == 0) return;
+  LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
+             a.w.rows, " outputs exceed the grid");
+  if (use_tensor_gemm(a)) {
+    switch (a.w.bits) {
+      case 4: return launch_gemm<4>(a, max_tiles);
+      case 8: return launch_gemm<8>(a, max_tiles);
+      default: fail("linear: unsupported tensor-core bits ", a.w.bits);
+    }
+  }
+  const dim3 grid(unsigned(max_tiles), unsigned(ceil_div<int64_t>(a.w.rows, GENERIC_WARPS)));
+  linear_generic_kernel<<<grid, GENERIC_WARPS * 32, 0, stream()>>>(a);
+  LILY_CUDA_LAUNCHED();
+}
+
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  const int64_t T = x.dim(0);
+  if (T == 0 || w.rows == 0) return;
+  const WeightView v = weight_view(w);
+  if (use_gemv(v, x) && is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()))
+    return run_gemv(w, e, x, y);
+  LinearArgs a;
+  a.w = v;
+  a.x = x.ptr<float>();
+  a.ldx = w.cols;
+  a.y = y.ptr<float>();
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  a.tiles.expert = e;
+  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS));
+}
+
+void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
+  const int64_t T = ids.dim(0);
+  if (T == 0 || table.cols == 0) return;
+  EmbeddingParams p;
+  p.table = weight_view(table);
+  p.ids = ids.ptr<int32_t>();
+  p.y = y.ptr<float>();
+  p.H = table.cols;
+  constexpr int threads = 256;
+  const dim3 grid(unsigned(T), unsigned(ceil_div<int64_t>(table.cols, threads)));
+  embedding_kernel<<<grid, threads, 0, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+}  // namespace lily::cuda

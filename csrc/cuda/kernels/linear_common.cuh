@@ -1,0 +1,115 @@
+// Device pieces shared by the linear, embedding and MoE kernels: the weight view, element-wise
+// MLX-affine dequantization (the reference every fast path must agree with; cpu/linear.cpp
+// dequantize_row), the row tiles of grouped (MoE) products and the common epilogue.
+// Affine element j of row o sits in word (j*bits)/32 at bit (j*bits)%32 of the row's words;
+// w = scale[g] * q + bias[g] with g = j / group_size. Everything here computes in fp32.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../../core/common.h"
+#include "common.cuh"
+
+namespace lily::cuda {
+
+// A stack of matrices [num_stack, rows, cols]. Dense (bits == 0): w holds `dtype` floats.
+// Affine: w holds U32 words [num_stack, rows, cols*bits/32]; scales, biases
+// [num_stack, rows, cols/group_size] in scale_dtype.
+struct WeightView {
+  const void* w = nullptr;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  int64_t rows = 0, cols = 0;
+  int bits = 0, group_size = 0;
+  DType dtype = DType::F32, scale_dtype = DType::F32;
+};
+
+__device__ __forceinline__ float load_float(const void* p, DType t, int64_t i) {
+  if (t == DType::F32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (t == DType::BF16) return bf16_bits_to_f32(h);
+  return __half2float(__ushort_as_half(h));
+}
+
+// W_e[o, j] in fp32, one element at a time (generic kernels, embedding).
+__device__ __forceinline__ float dequant_at(const WeightView& v, int64_t e, int64_t o, int64_t j) {
+  const int64_t row = e * v.rows + o;
+  if (v.bits == 0) return load_float(v.w, v.dtype, row * v.cols + j);
+  const int64_t bit = j * v.bits;  // bits divides 32: a value never straddles two words
+  const uint32_t word = static_cast<const uint32_t*>(v.w)[row * (v.cols * v.bits / 32) + bit / 32];
+  const float q = float((word >> (bit % 32)) & ((1u << v.bits) - 1u));
+  const int64_t g = row * (v.cols / v.group_size) + j / v.group_size;
+  return load_float(v.scales, v.scale_dtype, g) * q + load_float(v.biases, v.scale_dtype, g);
+}
+
+// Weights are read once per call: bypass L1 so they do not evict the activations.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Which product rows a CTA's tile covers. Dense (tile_expert == nullptr): tile m is rows
+// [m*BM, min(M, (m+1)*BM)) of stack entry `expert`. Grouped (MoE, tables built on the device):
+// tile m is rows [tile_row0[m], min(row_end[e], tile_row0[m] + BM)) of expert e = tile_expert[m];
+// tiles m >= *num_tiles are empty (the grid is an upper bound).
+struct RowTiles {
+  const int32_t* tile_expert = nullptr;  // [max_tiles]
+  const int32_t* tile_row0 = nullptr;    // [max_tiles]
+  const int32_t* row_end = nullptr;      // [E]
+  const int32_t* num_tiles = nullptr;    // [1]
+  int64_t M = 0;                         // dense: product rows
+  int64_t expert = 0;                    // dense: stack entry
+};
+
+struct Tile {
+  int64_t expert, row0, rows;
+};
+
+__device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM, Tile& tile) {
+  if (rt.tile_expert == nullptr) {
+    tile.expert = rt.expert;
+    tile.row0 = m * BM;
+    tile.rows = min(int64_t(BM), rt.M - tile.row0);
+    return tile.rows > 0;
+  }
+  if (m >= *rt.num_tiles) return false;
+  tile.expert = rt.tile_expert[m];
+  tile.row0 = rt.tile_row0[m];
+  tile.rows = min(int64_t(BM), int64_t(rt.row_end[tile.expert]) - tile.row0);
+  return tile.rows > 0;
+}
+
+// One product Y[r, o] = sum_i W_e[o, i] X[x_row(r), i] over tiles of rows, then the epilogue:
+//   plain:  y[r, o] = acc
+//   swiglu: y[r, o] = row_scale[r] * silu(y[r, o]) * acc   (y holds the gate product already;
+//           row_scale folds the MoE routing weight or the shared expert's sigmoid gate)
+struct LinearArgs {
+  WeightView w;
+  const float* x = nullptr;         // [*, ldx] F32
+  int64_t ldx = 0;
+  const int32_t* x_rows = nullptr;  // [M] row of x for product row r (MoE gather); null: r
+  float* y = nullptr;               // [M, ldy] F32
+  int64_t ldy = 0;
+  const float* row_scale = nullptr;  // [M] swiglu multiplier; null: 1
+  bool swiglu = false;
+  RowTiles tiles;
+};
+
+__device__ __forceinline__ const float* x_row(const LinearArgs& a, int64_t r) {
+  return a.x + (a.x_rows ? int64_t(a.x_rows[r]) : r) * a.ldx;
+}
+
+__device__ __forceinline__ void store_output(const LinearArgs& a, int64_t r, int64_t o, float acc) {
+  float* y = a.y + r * a.ldy + o;
+  if (!a.swiglu) {
+    *y = acc;
+    return;
+  }
+  const float s = a.row_scale ? a.row_scale[r] : 1.f;
+  *y = s * silu(*y) * acc;
+}
+
+}  // namespace lily::cuda
