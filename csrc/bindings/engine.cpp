@@ -5,32 +5,19 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "../core/engine.h"
 #include "../ops/backend.h"
+#include "arrays.h"
 
 namespace nb = nanobind;
 using namespace lily;
 
-using HostArray = nb::ndarray<nb::ro, nb::device::cpu, nb::c_contig>;
-using FloatArray = nb::ndarray<nb::numpy, float>;
+using namespace lily::bind;
 
 namespace {
-
-Buffer to_device(Device d, const HostArray& a) {
-  Buffer b(d, a.nbytes());
-  b.upload(a.data(), a.nbytes());
-  return b;
-}
-
-FloatArray new_floats(std::vector<size_t> shape) {
-  size_t n = 1;
-  for (size_t s : shape) n *= s;
-  float* data = new float[n];
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-  return FloatArray(data, shape.size(), shape.data(), owner);
-}
 
 // The store is filled from Python, then handed to an Engine exactly once.
 struct StoreHandle {
@@ -42,6 +29,40 @@ struct StoreHandle {
 };
 
 }  // namespace
+
+namespace lily::bind {
+
+QMatrix make_qmatrix(Device d, const std::string& name, const HostArray& weight, const std::string& dtype,
+                     int64_t num_stack, int64_t rows, int64_t cols, int bits, int group_size,
+                     const std::optional<HostArray>& scales, const std::optional<HostArray>& biases,
+                     const std::string& scale_dtype) {
+  QMatrix q;
+  q.num_stack = num_stack, q.rows = rows, q.cols = cols, q.bits = bits, q.group_size = group_size;
+  q.dtype = parse_dtype(dtype);
+  const int64_t n = num_stack * rows;
+  if (bits == 0) {
+    LILY_CHECK(q.dtype != DType::U32 && q.dtype != DType::I32, "tensor '", name, "': dense weights must be float");
+    LILY_CHECK(weight.nbytes() == size_t(n * cols) * dtype_size(q.dtype), "tensor '", name,
+               "': byte size does not match ", q.describe());
+  } else {
+    LILY_CHECK(q.dtype == DType::U32, "tensor '", name, "': quantized weights must be U32");
+    LILY_CHECK(group_size > 0 && cols % group_size == 0 && (cols * bits) % 32 == 0, "tensor '", name, "': ", cols,
+               " input columns do not split into groups of ", group_size, " at ", bits, " bits");
+    LILY_CHECK(scales && biases, "tensor '", name, "': quantized weights need scales and biases");
+    q.scale_dtype = parse_dtype(scale_dtype);
+    LILY_CHECK(weight.nbytes() == size_t(n * q.words_per_row()) * 4, "tensor '", name,
+               "': packed byte size does not match ", q.describe());
+    const size_t sb = size_t(n * q.groups_per_row()) * dtype_size(q.scale_dtype);
+    LILY_CHECK(scales->nbytes() == sb && biases->nbytes() == sb, "tensor '", name,
+               "': scales/biases byte size does not match ", q.describe());
+    q.scales = to_device(d, *scales);
+    q.biases = to_device(d, *biases);
+  }
+  q.weight = to_device(d, weight);
+  return q;
+}
+
+}  // namespace lily::bind
 
 void init_engine(nb::module_& m) {
   nb::class_<ModelConfig>(m, "ModelConfig", "Text-model hyper-parameters, Hugging Face names.")
@@ -78,29 +99,8 @@ void init_engine(nb::module_& m) {
                             std::optional<HostArray> scales, std::optional<HostArray> biases,
                             const std::string& scale_dtype) {
         WeightStore& st = h.get();
-        QMatrix q;
-        q.num_stack = num_stack, q.rows = rows, q.cols = cols, q.bits = bits, q.group_size = group_size;
-        q.dtype = parse_dtype(dtype);
-        const int64_t n = num_stack * rows;
-        if (bits == 0) {
-          LILY_CHECK(q.dtype != DType::U32 && q.dtype != DType::I32, "tensor '", name, "': dense weights must be float");
-          LILY_CHECK(weight.nbytes() == size_t(n * cols) * dtype_size(q.dtype), "tensor '", name,
-                     "': byte size does not match ", q.describe());
-        } else {
-          LILY_CHECK(q.dtype == DType::U32, "tensor '", name, "': quantized weights must be U32");
-          LILY_CHECK(group_size > 0 && cols % group_size == 0 && (cols * bits) % 32 == 0, "tensor '", name,
-                     "': ", cols, " input columns do not split into groups of ", group_size, " at ", bits, " bits");
-          LILY_CHECK(scales && biases, "tensor '", name, "': quantized weights need scales and biases");
-          q.scale_dtype = parse_dtype(scale_dtype);
-          LILY_CHECK(weight.nbytes() == size_t(n * q.words_per_row()) * 4, "tensor '", name,
-                     "': packed byte size does not match ", q.describe());
-          const size_t sb = size_t(n * q.groups_per_row()) * dtype_size(q.scale_dtype);
-          LILY_CHECK(scales->nbytes() == sb && biases->nbytes() == sb, "tensor '", name,
-                     "': scales/biases byte size does not match ", q.describe());
-          q.scales = to_device(st.device(), *scales);
-          q.biases = to_device(st.device(), *biases);
-        }
-        q.weight = to_device(st.device(), weight);
+        QMatrix q = make_qmatrix(st.device(), name, weight, dtype, num_stack, rows, cols, bits, group_size, scales,
+                                 biases, scale_dtype);
         st.set_matrix(name, std::move(q));
       }, nb::arg("name"), nb::arg("weight"), nb::arg("dtype"), nb::arg("num_stack"), nb::arg("rows"), nb::arg("cols"),
          nb::arg("bits") = 0, nb::arg("group_size") = 0, nb::arg("scales") = nb::none(), nb::arg("biases") = nb::none(),
@@ -128,8 +128,38 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("nbytes", &Snapshot::nbytes);
 
   nb::class_<Session>(m, "Session", "One conversation's caches and recurrent state.")
-      .def(nb::init<std::shared_ptr<const Engine>, int64_t, int64_t>(), nb::arg("engine"), nb::arg("max_context"),
-           nb::arg("chunk"))
+      .def("__init__", [](Session* s, std::shared_ptr<const Engine> e, int64_t max_context, int64_t chunk,
+                          bool use_graph) {
+        new (s) Session(std::move(e), max_context, chunk);
+        s->use_graph = use_graph;
+      }, nb::arg("engine"), nb::arg("max_context"), nb::arg("chunk"), nb::arg("use_graph") = true)
+      .def("set_sampler", [](Session& s, float temperature, int top_k, float top_p, float min_p, float presence,
+                             float frequency, float repetition, uint64_t seed, int num_logprobs,
+                             std::optional<nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>> prompt) {
+        ops::SamplerParams p{temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, num_logprobs};
+        nb::gil_scoped_release release;
+        s.set_sampler(p, prompt ? prompt->data() : nullptr, prompt ? int64_t(prompt->shape(0)) : 0);
+      }, nb::arg("temperature") = 0.f, nb::arg("top_k") = 0, nb::arg("top_p") = 1.f, nb::arg("min_p") = 0.f,
+         nb::arg("presence_penalty") = 0.f, nb::arg("frequency_penalty") = 0.f, nb::arg("repetition_penalty") = 1.f,
+         nb::arg("seed") = 0, nb::arg("num_logprobs") = -1, nb::arg("prompt_ids") = nb::none(),
+         "Starts a request: sampling parameters (see docs/sampling.md), counts cleared, prompt ids marked seen.")
+      .def("prefill_sample", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids) {
+        nb::gil_scoped_release release;
+        return s.prefill_sample(ids.data(), int64_t(ids.shape(0)));
+      }, nb::arg("ids"), "Prefills ids, then samples the next token on the device and returns it.")
+      .def("decode_sample", [](Session& s, int64_t id) {
+        LILY_CHECK(id >= -1 && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
+        nb::gil_scoped_release release;
+        return s.decode_sample(int32_t(id));
+      }, nb::arg("token") = -1, "Feeds token (-1: the last sampled one, already on the device) and samples the next.")
+      .def("last_logprobs", [](const Session& s) {
+        IntArray ids = new_array<int32_t>({size_t(1 + ops::MAX_LOGPROBS)});
+        FloatArray vals = new_floats({size_t(1 + ops::MAX_LOGPROBS)});
+        s.last_logprobs(ids.data(), vals.data());
+        return nb::make_tuple(ids, vals);
+      }, "(ids, logprobs) of the last sample: entry 0 is the chosen token, then the top n (id -1 = unused).")
+      .def_rw("use_graph", &Session::use_graph)
+      .def_prop_ro("decode_graph_nodes", &Session::decode_graph_nodes)
       .def("prefill", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
                          bool all_logits) {
         const int64_t T = int64_t(ids.shape(0)), V = s.engine().config().vocab_size;
@@ -183,7 +213,13 @@ void init_engine(nb::module_& m) {
         for (const auto& v : s.state_views()) {
           std::vector<size_t> shape(v.shape.begin(), v.shape.end());
           FloatArray a = new_floats(shape);
-          v.buffer->download(a.data(), a.size() * 4);
+          if (v.dtype == DType::F32) {
+            v.buffer->download(a.data(), a.size() * 4);
+          } else {  // BF16 KV cache of a GPU session
+            std::vector<uint16_t> h(a.size());
+            v.buffer->download(h.data(), h.size() * 2);
+            for (size_t i = 0; i < h.size(); ++i) a.data()[i] = bf16_to_f32(h[i]);
+          }
           out[v.name.c_str()] = a;
         }
         return out;

@@ -8,6 +8,7 @@
 namespace nb = nanobind;
 
 void init_engine(nb::module_& m);
+void init_ops(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "lily native core: weights, sessions and the forward pass on each backend";
@@ -24,4 +25,5 @@ NB_MODULE(_core, m) {
     return lily::backend_available(lily::parse_device(device));
   }, "Whether this build has a backend for the device ('cpu', 'cuda', 'metal') and it can run here.");
   init_engine(m);
+  init_ops(m);
 }

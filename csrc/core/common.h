@@ -59,6 +59,14 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// binary32 -> bfloat16 bits, round to nearest even (NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // IEEE binary16 -> binary32, subnormals and inf/NaN included.
 inline float f16_to_f32(uint16_t h) {
   uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;

@@ -52,26 +52,34 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
   ops::linear(*w.v_proj, 0, h, v);
   ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
   ops::rms_norm(view(x.kbuf, T * nKV, D), w.k_norm->view(), c.rms_norm_eps, view(x.kbuf, T * nKV, D));
-  ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, s.position_);
-  ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, s.position_);
-  Tensor kc = view(st.k, s.max_context_, nKV * D), vc = view(st.v, s.max_context_, nKV * D);
-  ops::kv_cache_write(k, kc, s.position_);
-  ops::kv_cache_write(v, vc, s.position_);
-  ops::attention(q, kc, vc, o, int(nH), int(nKV), s.position_);
+  const ops::Position pos = s.position_arg();
+  ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
+  ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
+  const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
+  Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
+  Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
+  ops::kv_cache_write(k, kc, pos);
+  ops::kv_cache_write(v, vc, pos);
+  ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
   ops::sigmoid_mul(o, gate);
   ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
 }
 
-void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
+void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
   const int64_t H = config_.hidden_size, V = config_.vocab_size;
   const Scratch& x = s.s_;
-  for (int64_t r = row0; r < row0 + n; r += x.logit_rows) {
-    const int64_t m = std::min(x.logit_rows, row0 + n - r);
-    Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + r * H, DType::F32, device(), {m, H});
-    Tensor fh = view(x.final_h, m, H), lg = view(x.logits, m, V);
-    ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, fh);
-    ops::linear(*weights_->lm_head, 0, fh, lg);
-    x.logits.download(out + (r - row0) * V, size_t(m * V) * 4);
+  LILY_CHECK(n <= x.logit_rows, "logits_rows: ", n, " rows exceed the ", x.logit_rows, " rows of scratch");
+  Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + row0 * H, DType::F32, device(), {n, H});  // [n, H]
+  ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, view(x.final_h, n, H));
+  ops::linear(*weights_->lm_head, 0, view(x.final_h, n, H), view(x.logits, n, V));
+}
+
+void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
+  const int64_t V = config_.vocab_size, R = s.s_.logit_rows;
+  for (int64_t r = row0; r < row0 + n; r += R) {
+    const int64_t m = std::min(R, row0 + n - r);
+    logits_rows(s, r, m);
+    s.s_.logits.download(out + (r - row0) * V, size_t(m * V) * 4);
   }
 }
 
@@ -85,19 +93,19 @@ static void record(Session& s, const std::string& name, const Buffer& b, int64_t
   b.download(t.data.data() + old, size_t(T * width) * 4);
 }
 
-void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* logits, bool all_logits) const {
+void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   const ModelConfig& c = config_;
   Scratch& x = s.s_;
-  const int64_t H = c.hidden_size;
+  const int64_t H = c.hidden_size, I = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
   LILY_CHECK(T > 0 && T <= s.chunk_, "forward_chunk: ", T, " tokens exceed the chunk of ", s.chunk_);
-  x.ids.upload(ids, size_t(T) * 4);
   Tensor xs = view(x.x, T, H);  // [T, H] residual stream
-  ops::embedding(*weights_->embed_tokens, Tensor::of(x.ids.data(), DType::I32, device(), {T}), xs);
+  ops::embedding(*weights_->embed_tokens, ids, xs);
   record(s, "embedding", x.x, T, H);
-  ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, s.chunk_, H),
-                     view(x.gate, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
-                     view(x.up, s.chunk_, std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size)),
-                     view(x.down, s.chunk_, H), view(x.shared_gate, s.chunk_, 1)};
+  const int64_t R = ops::moe_work_rows(device(), s.chunk_, c.num_experts_per_tok);
+  const int64_t words = ops::moe_routing_words(device(), s.chunk_, c.num_experts, c.num_experts_per_tok);
+  ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
+                     view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
+                     Tensor::of(x.routing.data(), DType::I32, device(), {words})};
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
@@ -112,9 +120,7 @@ void Engine::forward_chunk(Session& s, const int32_t* ids, int64_t T, float* log
     ops::add(xs, view(x.mix, T, H));
     record(s, p + "residual", x.x, T, H);
   }
-  if (all_logits) write_logits(s, 0, T, logits);
-  else if (logits) write_logits(s, T - 1, 1, logits);
-  s.position_ += T;
+  ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }
 
 }  // namespace lily

@@ -15,14 +15,17 @@ class Engine {
   const WeightStore& weights() const { return *weights_; }
   Device device() const { return weights_->device(); }
 
-  // Runs T <= session.chunk() tokens at the session's position; logits of the last token (or all
-  // tokens) are written to host memory.
-  void forward_chunk(Session& s, const int32_t* ids, int64_t T, float* logits, bool all_logits) const;
+  // Runs T <= session.chunk() tokens whose ids are in device memory at the session's position,
+  // leaving the final residual stream in the session's scratch; advances the position.
+  void forward_chunk(Session& s, const Tensor& ids, int64_t T) const;
+  // Logits of residual rows [row0, row0 + n) into the session's logits scratch, n <= logit_rows.
+  void logits_rows(Session& s, int64_t row0, int64_t n) const;
+  // Logits of rows [row0, row0 + n) downloaded to out [n, V].
+  void write_logits(Session& s, int64_t row0, int64_t n, float* out) const;
 
  private:
   void gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
   void attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
-  void write_logits(Session& s, int64_t row0, int64_t n, float* out) const;
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;
 };

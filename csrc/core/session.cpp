@@ -19,11 +19,12 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   LILY_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
   LILY_CHECK(chunk > 0, "prefill chunk must be positive, got ", chunk);
   auto f32 = [d](int64_t rows, int64_t cols) { return Buffer(d, size_t(rows * cols) * 4); };
+  const size_t kv_bytes = size_t(max_context) * c.kv_dim() * (d == Device::CPU ? 4 : 2);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     LayerState st;
     if (c.is_full_attention[l]) {
-      st.k = f32(max_context, c.kv_dim());
-      st.v = f32(max_context, c.kv_dim());
+      st.k = Buffer(d, kv_bytes);
+      st.v = Buffer(d, kv_bytes);
     } else {
       st.conv = f32(c.linear_conv_kernel_dim - 1, c.conv_dim());
       st.recurrent = f32(c.linear_num_value_heads, int64_t(c.linear_key_head_dim) * c.linear_value_head_dim);
@@ -47,16 +48,38 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.b = f32(C, c.linear_num_value_heads);
   s_.kbuf = f32(C, c.kv_dim());
   s_.vbuf = f32(C, c.kv_dim());
+  const int64_t R = ops::moe_work_rows(d, C, c.num_experts_per_tok);
   s_.router_logits = f32(C, c.num_experts);
-  s_.gathered = f32(C, H);
-  s_.gate = f32(C, inter);
-  s_.up = f32(C, inter);
-  s_.down = f32(C, H);
+  s_.gathered = f32(R, H);
+  s_.gate = f32(R, inter);
+  s_.up = f32(R, inter);
+  s_.down = f32(R, H);
   s_.shared_gate = f32(C, 1);
+  s_.routing = Buffer(d, size_t(ops::moe_routing_words(d, C, c.num_experts, c.num_experts_per_tok)) * 4);
   s_.logit_rows = std::min<int64_t>(C, 16);
   s_.final_h = f32(s_.logit_rows, H);
   s_.logits = f32(s_.logit_rows, c.vocab_size);
+  if (d != Device::CPU) s_.position = Buffer(d, 4);
+  const int64_t V = c.vocab_size;
+  sampler_.counts = Buffer(d, size_t(V) * 4);
+  sampler_.seen = Buffer(d, size_t(V) * 4);
+  sampler_.token = Buffer(d, 4);
+  sampler_.logprob_ids = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  sampler_.logprob_values = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  set_sampler(ops::SamplerParams{}, nullptr, 0);
   reset();
+}
+
+ops::Position Session::position_arg() const {
+  return {position_, static_cast<const int32_t*>(s_.position.data())};
+}
+
+void Session::set_position(int64_t p) {
+  position_ = p;
+  if (s_.position.data()) {
+    const int32_t v = int32_t(p);
+    s_.position.upload(&v, 4);
+  }
 }
 
 void Session::reset() {
@@ -64,7 +87,89 @@ void Session::reset() {
     st.conv.zero();
     st.recurrent.zero();
   }
-  position_ = 0;
+  sampler_.has_token = false;
+  set_position(0);
+}
+
+static Tensor i32_view(const Buffer& b, int64_t n) { return Tensor::of(b.data(), DType::I32, b.device(), {n}); }
+
+static ops::SamplerState sampler_state(const SamplerBuffers& b, int64_t V) {
+  return {i32_view(b.counts, V), i32_view(b.seen, V), i32_view(b.token, 1), i32_view(b.logprob_ids, 1 + ops::MAX_LOGPROBS),
+          Tensor::of(b.logprob_values.data(), DType::F32, b.logprob_values.device(), {1 + ops::MAX_LOGPROBS})};
+}
+
+void Session::set_sampler(const ops::SamplerParams& params, const int32_t* prompt_ids, int64_t n) {
+  const int64_t V = engine_->config().vocab_size;
+  for (int64_t i = 0; i < n; ++i)
+    LILY_CHECK(prompt_ids[i] >= 0 && prompt_ids[i] < V, "token id ", prompt_ids[i], " at index ", i,
+               " is outside the vocabulary [0, ", V, ")");
+  sampler_.params = params;
+  sampler_.step = 0;
+  sampler_.counts.zero();
+  sampler_.seen.zero();
+  for (int64_t i = 0; i < n; i += chunk_) {  // s_.ids holds one chunk of ids
+    const int64_t m = std::min(chunk_, n - i);
+    s_.ids.upload(prompt_ids + i, size_t(m) * 4);
+    ops::sampler_mark_seen(i32_view(s_.ids, m), sampler_state(sampler_, V));
+  }
+}
+
+int32_t Session::sample_last() {
+  const int64_t V = engine_->config().vocab_size;
+  ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
+              sampler_state(sampler_, V));
+  ++sampler_.step;
+  sampler_.has_token = true;
+  int32_t id = 0;
+  sampler_.token.download(&id, 4);
+  return id;
+}
+
+int32_t Session::prefill_sample(const int32_t* ids, int64_t T) {
+  prefill(ids, T, nullptr, false);
+  engine_->logits_rows(*this, (T - 1) % chunk_, 1);  // the last chunk's last row
+  return sample_last();
+}
+
+void Session::decode_from_device() {
+  LILY_CHECK(position_ + 1 <= max_context_, "context overflow: ", position_, " tokens in the session + 1 new exceed max_context ",
+             max_context_);
+  auto step = [this] {
+    engine_->forward_chunk(*this, i32_view(sampler_.token, 1), 1);
+    engine_->logits_rows(*this, 0, 1);
+  };
+  if (use_graph && engine_->device() != Device::CPU && !tracing) {
+    if (decode_graph_.empty()) decode_graph_ = DeviceGraph(engine_->device(), step);
+    decode_graph_.launch();
+  } else {
+    step();
+  }
+  ++position_;
+}
+
+void Session::decode_step(int32_t id, float* logits) {
+  const int64_t V = engine_->config().vocab_size;
+  LILY_CHECK(id >= 0 && id < V, "token id ", id, " at index 0 is outside the vocabulary [0, ", V, ")");
+  sampler_.token.upload(&id, 4);
+  decode_from_device();
+  if (logits) s_.logits.download(logits, size_t(V) * 4);
+}
+
+int32_t Session::decode_sample(int32_t id) {
+  if (id >= 0) {
+    const int64_t V = engine_->config().vocab_size;
+    LILY_CHECK(id < V, "token id ", id, " at index 0 is outside the vocabulary [0, ", V, ")");
+    sampler_.token.upload(&id, 4);
+  } else {
+    LILY_CHECK(sampler_.has_token, "decode_sample(-1) needs a sampled token: call prefill_sample first");
+  }
+  decode_from_device();
+  return sample_last();
+}
+
+void Session::last_logprobs(int32_t* ids, float* values) const {
+  sampler_.logprob_ids.download(ids, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  sampler_.logprob_values.download(values, size_t(1 + ops::MAX_LOGPROBS) * 4);
 }
 
 void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits) {
@@ -76,11 +181,14 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
   for (int64_t t = 0; t < T; ++t)
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
+  sampler_.has_token = false;
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
     const int64_t n = std::min(chunk_, T - t0);
-    const bool last = t0 + n == T;
-    float* out = all_logits ? logits + t0 * V : (last ? logits : nullptr);
-    engine_->forward_chunk(*this, ids + t0, n, out, all_logits);
+    s_.ids.upload(ids + t0, size_t(n) * 4);
+    engine_->forward_chunk(*this, i32_view(s_.ids, n), n);
+    position_ += n;
+    if (all_logits) engine_->write_logits(*this, 0, n, logits + t0 * V);
+    else if (logits && t0 + n == T) engine_->write_logits(*this, n - 1, 1, logits);
   }
 }
 
@@ -88,7 +196,7 @@ std::shared_ptr<Snapshot> Session::snapshot() const {
   auto snap = std::make_shared<Snapshot>();
   snap->engine = engine_.get();
   snap->position = position_;
-  const int64_t kv_row = int64_t(engine_->config().kv_dim()) * 4;
+  const int64_t kv_row = int64_t(engine_->config().kv_dim()) * (engine_->device() == Device::CPU ? 4 : 2);
   for (const LayerState& st : layers_) {
     LayerState c;
     auto copy = [](const Buffer& src, size_t n) {
@@ -123,7 +231,8 @@ void Session::restore(const Snapshot& snap) {
       st.v.copy_from(c.v, c.v.nbytes());
     }
   }
-  position_ = snap.position;
+  sampler_.has_token = false;
+  set_position(snap.position);
 }
 
 std::vector<Session::StateView> Session::state_views() const {
@@ -133,12 +242,14 @@ std::vector<Session::StateView> Session::state_views() const {
     const std::string p = "layers." + std::to_string(l) + ".";
     const LayerState& st = layers_[l];
     if (st.recurrent.nbytes()) {
-      out.push_back({p + "conv_state", {c.linear_conv_kernel_dim - 1, c.conv_dim()}, &st.conv});
+      out.push_back({p + "conv_state", {c.linear_conv_kernel_dim - 1, c.conv_dim()}, &st.conv, DType::F32});
       out.push_back({p + "recurrent_state",
-                     {c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}, &st.recurrent});
+                     {c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}, &st.recurrent,
+                     DType::F32});
     } else {
-      out.push_back({p + "k_cache", {position_, c.num_key_value_heads, c.head_dim}, &st.k});
-      out.push_back({p + "v_cache", {position_, c.num_key_value_heads, c.head_dim}, &st.v});
+      const DType kv = engine_->device() == Device::CPU ? DType::F32 : DType::BF16;
+      out.push_back({p + "k_cache", {position_, c.num_key_value_heads, c.head_dim}, &st.k, kv});
+      out.push_back({p + "v_cache", {position_, c.num_key_value_heads, c.head_dim}, &st.v, kv});
     }
   }
   return out;

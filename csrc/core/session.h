@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "../ops/backend.h"
 #include "../ops/ops.h"
 #include "tensor.h"
 
@@ -15,7 +16,7 @@ class Engine;
 struct LayerState {
   Buffer conv;       // GDN: [K-1, conv_dim] f32, raw pre-conv inputs, oldest first
   Buffer recurrent;  // GDN: [Hv, Dk, Dv] f32 delta-rule state S (k-major, as transformers)
-  Buffer k, v;       // attention: [max_context, nKV*D] f32, K after q/k norm and RoPE
+  Buffer k, v;       // attention: [max_context, nKV*D] f32 (CPU) or bf16 (GPU), K after q/k norm and RoPE
 };
 
 // A copy of a session's state at one position; restoring it resumes exactly.
@@ -36,9 +37,20 @@ struct Scratch {
   Buffer proj, conv_out, z, o, normed;  // [C, widest projection]
   Buffer a, b;                       // [C, Hv]
   Buffer kbuf, vbuf;                 // [C, nKV*D]
-  Buffer router_logits, gathered, gate, up, down, shared_gate;  // MoE work space
+  Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
+  Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)
+};
+
+// Per-request sampling state on the session's device (ops::SamplerState's buffers).
+struct SamplerBuffers {
+  Buffer counts, seen;              // [V] I32
+  Buffer token;                     // [1] I32 the last sampled id: the next decode step's input
+  Buffer logprob_ids, logprob_values;  // [1 + MAX_LOGPROBS]
+  ops::SamplerParams params;
+  uint64_t step = 0;
+  bool has_token = false;
 };
 
 class Session {
@@ -47,7 +59,20 @@ class Session {
 
   // Runs T tokens; writes the logits of the last token [V], or of every token [T, V] if all_logits.
   void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits);
-  void decode_step(int32_t id, float* logits) { prefill(&id, 1, logits, false); }
+  // One token; on GPUs a replay of the captured decode graph when use_graph is set.
+  void decode_step(int32_t id, float* logits);
+
+  // Sampling on the device (ops::sample): set_sampler starts a request (counts cleared, prompt ids
+  // marked seen); prefill_sample / decode_sample return the sampled id, which stays on the device as
+  // the next step's input (decode_sample(-1) feeds it without a host round trip).
+  void set_sampler(const ops::SamplerParams& params, const int32_t* prompt_ids, int64_t n);
+  int32_t prefill_sample(const int32_t* ids, int64_t T);
+  int32_t decode_sample(int32_t id);
+  // The last sample's logprobs: ids, values [1 + MAX_LOGPROBS] (entry 0 = the chosen token).
+  void last_logprobs(int32_t* ids, float* values) const;
+  bool use_graph = true;
+  // Kernels and copies in the captured decode graph (0 before the first GPU decode step).
+  size_t decode_graph_nodes() const { return decode_graph_.num_nodes(); }
 
   int64_t position() const { return position_; }
   int64_t max_context() const { return max_context_; }
@@ -57,7 +82,7 @@ class Session {
   void restore(const Snapshot& s);
   void reset();
   // Named state tensors for inspection: (name, shape, buffer, bytes in use).
-  struct StateView { std::string name; std::vector<int64_t> shape; const Buffer* buffer; };
+  struct StateView { std::string name; std::vector<int64_t> shape; const Buffer* buffer; DType dtype; };
   std::vector<StateView> state_views() const;
 
   // Debug trace: when on, each forward records named per-layer activations ([rows, width] f32,
@@ -70,8 +95,15 @@ class Session {
   friend class Engine;
   std::shared_ptr<const Engine> engine_;
   int64_t max_context_, chunk_, position_ = 0;
+  ops::Position position_arg() const;
+  void set_position(int64_t p);
+  int32_t sample_last();
+  // Feeds the id in sampler_.token (device) and leaves the logits of it in s_.logits row 0.
+  void decode_from_device();
   std::vector<LayerState> layers_;
   Scratch s_;
+  SamplerBuffers sampler_;
+  DeviceGraph decode_graph_;
 };
 
 }  // namespace lily

@@ -77,4 +77,33 @@ void copy(void* dst, const void* src, size_t n) {
 
 void memset(void* dst, int value, size_t n) { LILY_CUDA_CHECK(cudaMemsetAsync(dst, value, n, stream())); }
 
+void synchronize() { LILY_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+// Captures on the backend stream; an error inside body() ends the capture before it propagates so
+// the stream is usable again.
+void* graph_capture(const std::function<void()>& body, size_t* num_nodes) {
+  LILY_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+  try {
+    body();
+  } catch (...) {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream(), &g);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    throw;
+  }
+  cudaGraph_t g = nullptr;
+  LILY_CUDA_CHECK(cudaStreamEndCapture(stream(), &g));
+  LILY_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, num_nodes));
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  LILY_CUDA_CHECK(e);
+  return exec;
+}
+
+void graph_launch(void* g) { LILY_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g), stream())); }
+
+void graph_destroy(void* g) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)); }
+
 }  // namespace lily::cuda

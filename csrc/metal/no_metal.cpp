@@ -17,5 +17,9 @@ void upload(void*, const void*, size_t) { not_built(); }
 void download(void*, const void*, size_t) { not_built(); }
 void copy(void*, const void*, size_t) { not_built(); }
 void memset(void*, int, size_t) { not_built(); }
+void synchronize() { not_built(); }
+void* graph_capture(const std::function<void()>&, size_t*) { not_built(); }
+void graph_launch(void*) { not_built(); }
+void graph_destroy(void*) {}
 
 }  // namespace lily::metal

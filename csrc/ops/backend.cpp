@@ -23,4 +23,35 @@ void backend_download(Device d, void* h, const void* s, size_t n) { LILY_DISPATC
 void backend_copy(Device d, void* dst, const void* s, size_t n) { LILY_DISPATCH_DEVICE(d, copy(dst, s, n)); }
 void backend_memset(Device d, void* dst, int v, size_t n) { LILY_DISPATCH_DEVICE(d, memset(dst, v, n)); }
 
+void backend_synchronize(Device d) {
+  if (d == Device::CPU) return;
+  LILY_DISPATCH_DEVICE(d, synchronize());
+}
+
+static void* graph_capture(Device d, const std::function<void()>& body, size_t* n) {
+  LILY_DISPATCH_DEVICE(d, graph_capture(body, n));
+}
+static void graph_launch(Device d, void* g) { LILY_DISPATCH_DEVICE(d, graph_launch(g)); }
+static void graph_destroy(Device d, void* g) { LILY_DISPATCH_DEVICE(d, graph_destroy(g)); }
+
+DeviceGraph::DeviceGraph(Device device, const std::function<void()>& body)
+    : device_(device), handle_(graph_capture(device, body, &num_nodes_)) {}
+
+DeviceGraph::~DeviceGraph() {
+  if (handle_) graph_destroy(device_, handle_);
+}
+
+DeviceGraph& DeviceGraph::operator=(DeviceGraph&& o) noexcept {
+  if (this != &o) {
+    if (handle_) graph_destroy(device_, handle_);
+    device_ = o.device_;
+    handle_ = o.handle_;
+    num_nodes_ = o.num_nodes_;
+    o.handle_ = nullptr;
+  }
+  return *this;
+}
+
+void DeviceGraph::launch() const { graph_launch(device_, handle_); }
+
 }  // namespace lily

@@ -3,6 +3,7 @@
 // raise a clear "not built" error.
 #pragma once
 #include <cstddef>
+#include <functional>
 
 #include "../core/common.h"
 
@@ -15,5 +16,24 @@ void backend_upload(Device device, void* dst, const void* host, size_t nbytes);
 void backend_download(Device device, void* host, const void* src, size_t nbytes);
 void backend_copy(Device device, void* dst, const void* src, size_t nbytes);
 void backend_memset(Device device, void* dst, int value, size_t nbytes);
+void backend_synchronize(Device device);
+
+// A captured sequence of device work (a CUDA graph), replayed with launch(). Move-only.
+class DeviceGraph {
+ public:
+  DeviceGraph() = default;
+  DeviceGraph(Device device, const std::function<void()>& body);
+  ~DeviceGraph();
+  DeviceGraph(DeviceGraph&& o) noexcept { *this = std::move(o); }
+  DeviceGraph& operator=(DeviceGraph&& o) noexcept;
+  bool empty() const { return handle_ == nullptr; }
+  void launch() const;
+  size_t num_nodes() const { return num_nodes_; }  // kernels and copies per launch
+
+ private:
+  Device device_ = Device::CPU;
+  void* handle_ = nullptr;
+  size_t num_nodes_ = 0;
+};
 
 }  // namespace lily

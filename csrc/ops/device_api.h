@@ -2,6 +2,7 @@
 // metal/no_metal.cpp until a Metal backend exists.
 #pragma once
 #include <cstddef>
+#include <functional>
 
 namespace lily {
 #define LILY_DEVICE_API                                            \
@@ -11,7 +12,14 @@ namespace lily {
   void upload(void* dst, const void* host, size_t nbytes);         \
   void download(void* host, const void* src, size_t nbytes);       \
   void copy(void* dst, const void* src, size_t nbytes);            \
-  void memset(void* dst, int value, size_t nbytes);
+  void memset(void* dst, int value, size_t nbytes);                 \
+  void synchronize();                                              \
+  /* Records the device work body() enqueues as a graph (nothing   \
+     runs; num_nodes gets its kernel and copy count); returns its   \
+     handle for graph_launch / graph_destroy. */                    \
+  void* graph_capture(const std::function<void()>& body, size_t* num_nodes);          \
+  void graph_launch(void* graph);                                  \
+  void graph_destroy(void* graph);
 namespace cuda { LILY_DEVICE_API }
 namespace metal { LILY_DEVICE_API }
 #undef LILY_DEVICE_API

@@ -89,9 +89,10 @@ class Snapshot:
 class Session:
     """One conversation: caches and recurrent state sized for ``max_context`` tokens."""
 
-    def __init__(self, model: "Model", max_context: int, prefill_chunk: int):
+    def __init__(self, model: "Model", max_context: int, prefill_chunk: int, use_graph: bool = True):
         self.model = model
-        self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk))
+        # use_graph: on GPUs, replay one captured CUDA graph per decode step (False: launch eagerly).
+        self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk), bool(use_graph))
 
     @property
     def position(self) -> int:
@@ -190,9 +191,9 @@ class Model:
             raise LilyError(f"max_context ({ctx}) and prefill_chunk ({chunk}) must be positive")
         return cls(path, config, raw, engine, dev, layout, ctx, chunk)
 
-    def new_session(self, max_context: int | None = None) -> Session:
+    def new_session(self, max_context: int | None = None, *, use_graph: bool = True) -> Session:
         """A fresh, independent conversation state."""
-        return Session(self, max_context or self.max_context, self.prefill_chunk)
+        return Session(self, max_context or self.max_context, self.prefill_chunk, use_graph)
 
     @property
     def session(self) -> Session:

@@ -1,0 +1,215 @@
+// lily._core.ops: each op of the forward pass on numpy arrays, on a chosen device, so tests can
+// compare backends op by op. Every call uploads its inputs, runs the op, and downloads the outputs;
+// it is a test and debugging surface, not a fast path.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <vector>
+
+#include "../ops/ops.h"
+#include "arrays.h"
+
+namespace nb = nanobind;
+using namespace lily;
+using namespace lily::bind;
+
+namespace {
+
+using F32In = nb::ndarray<const float, nb::device::cpu, nb::c_contig>;
+using I32In = nb::ndarray<const int32_t, nb::device::cpu, nb::c_contig>;
+
+// A device copy of a host array with the tensor view ops take.
+struct Dev {
+  Buffer buf;
+  Tensor t;
+  Dev(Device d, const void* data, size_t nbytes, DType dtype, std::vector<int64_t> shape) : buf(d, nbytes) {
+    if (nbytes) buf.upload(data, nbytes);
+    t = Tensor::of(buf.data(), dtype, d, {});
+    for (int64_t s : shape) t.shape[t.ndim++] = s;
+  }
+  Dev(Device d, DType dtype, std::vector<int64_t> shape) : Dev(d, nullptr, 0, dtype, {}) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    buf = Buffer(d, size_t(n) * dtype_size(dtype));
+    t = Tensor::of(buf.data(), dtype, d, {});
+    for (int64_t s : shape) t.shape[t.ndim++] = s;
+  }
+};
+
+template <typename A>
+std::vector<int64_t> shape_of(const A& a) {
+  std::vector<int64_t> s;
+  for (size_t i = 0; i < a.ndim(); ++i) s.push_back(int64_t(a.shape(i)));
+  return s;
+}
+
+Dev f32(Device d, const F32In& a) { return Dev(d, a.data(), a.nbytes(), DType::F32, shape_of(a)); }
+Dev i32(Device d, const I32In& a) { return Dev(d, a.data(), a.nbytes(), DType::I32, shape_of(a)); }
+
+FloatArray out_f32(const Dev& x) {
+  std::vector<size_t> shape(x.t.shape.begin(), x.t.shape.begin() + x.t.ndim);
+  FloatArray a = new_floats(shape);
+  x.buf.download(a.data(), a.size() * 4);
+  return a;
+}
+
+IntArray out_i32(const Dev& x) {
+  std::vector<size_t> shape(x.t.shape.begin(), x.t.shape.begin() + x.t.ndim);
+  IntArray a = new_array<int32_t>(shape);
+  x.buf.download(a.data(), a.size() * 4);
+  return a;
+}
+
+// KV caches are F32 on the CPU and BF16 (round to nearest even) on GPUs.
+Dev cache_in(Device d, const F32In& a) {
+  if (d == Device::CPU) return f32(d, a);
+  std::vector<uint16_t> h(a.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(a.data()[i]);
+  return Dev(d, h.data(), h.size() * 2, DType::BF16, shape_of(a));
+}
+
+FloatArray cache_out(const Dev& x) {
+  if (x.t.dtype == DType::F32) return out_f32(x);
+  std::vector<uint16_t> h(size_t(x.t.numel()));
+  x.buf.download(h.data(), h.size() * 2);
+  FloatArray a = new_floats({size_t(x.t.dim(0)), size_t(x.t.dim(1))});
+  for (size_t i = 0; i < h.size(); ++i) a.data()[i] = bf16_to_f32(h[i]);
+  return a;
+}
+
+// The position of a chunk, in host and device memory as the engine keeps it.
+struct Pos {
+  Dev dev;
+  ops::Position pos;
+  Pos(Device d, int64_t p) : dev(d, DType::I32, {1}) {
+    const int32_t v = int32_t(p);
+    dev.buf.upload(&v, 4);
+    pos = {p, d == Device::CPU ? nullptr : dev.t.ptr<int32_t>()};
+  }
+};
+
+}  // namespace
+
+void init_ops(nb::module_& parent) {
+  nb::module_ m = parent.def_submodule("ops", "Single ops on numpy arrays, for backend comparisons.");
+  nb::class_<QMatrix>(m, "QMatrix", "A weight matrix stack on a device, in storage form.")
+      .def("__init__", [](QMatrix* q, const std::string& device, const HostArray& weight, const std::string& dtype,
+                          int64_t num_stack, int64_t rows, int64_t cols, int bits, int group_size,
+                          std::optional<HostArray> scales, std::optional<HostArray> biases,
+                          const std::string& scale_dtype) {
+        new (q) QMatrix(make_qmatrix(parse_device(device), "QMatrix", weight, dtype, num_stack, rows, cols, bits,
+                                     group_size, scales, biases, scale_dtype));
+      }, nb::arg("device"), nb::arg("weight"), nb::arg("dtype"), nb::arg("num_stack"), nb::arg("rows"),
+         nb::arg("cols"), nb::arg("bits") = 0, nb::arg("group_size") = 0, nb::arg("scales") = nb::none(),
+         nb::arg("biases") = nb::none(), nb::arg("scale_dtype") = "F32")
+      .def_prop_ro("device", [](const QMatrix& q) { return std::string(device_name(q.weight.device())); });
+
+  m.def("embedding", [](const QMatrix& table, const I32In& ids) {
+    const Device d = table.weight.device();
+    Dev i = i32(d, ids), y(d, DType::F32, {int64_t(ids.shape(0)), table.cols});
+    ops::embedding(table, i.t, y.t);
+    return out_f32(y);
+  });
+  m.def("linear", [](const QMatrix& w, int64_t e, const F32In& x) {
+    const Device d = w.weight.device();
+    Dev xi = f32(d, x), y(d, DType::F32, {int64_t(x.shape(0)), w.rows});
+    ops::linear(w, e, xi.t, y.t);
+    return out_f32(y);
+  });
+  m.def("rms_norm", [](const std::string& device, const F32In& x, const F32In& w, float eps) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), wi = f32(d, w), y(d, DType::F32, shape_of(x));
+    ops::rms_norm(xi.t, wi.t, eps, y.t);
+    return out_f32(y);
+  });
+  m.def("gated_rms_norm", [](const std::string& device, const F32In& x, const F32In& z, const F32In& w, float eps) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, w), y(d, DType::F32, shape_of(x));
+    ops::gated_rms_norm(xi.t, zi.t, wi.t, eps, y.t);
+    return out_f32(y);
+  });
+  m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state) {
+    const Device d = parse_device(device);
+    Dev ui = f32(d, u), wi = f32(d, w), st = f32(d, state), y(d, DType::F32, shape_of(u));
+    ops::conv1d_silu(ui.t, wi.t, st.t, y.t);
+    return nb::make_tuple(out_f32(y), out_f32(st));
+  });
+  m.def("gated_delta_rule", [](const std::string& device, const F32In& qkv, const F32In& a, const F32In& b,
+                               const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk) {
+    const Device d = parse_device(device);
+    Dev q = f32(d, qkv), ai = f32(d, a), bi = f32(d, b), al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state);
+    Dev o(d, DType::F32, {int64_t(qkv.shape(0)), int64_t(state.shape(0) * state.shape(2))});
+    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, Hk, Dk);
+    return nb::make_tuple(out_f32(o), out_f32(st));
+  });
+  m.def("split_q_gate", [](const std::string& device, const F32In& p, int nH) {
+    const Device d = parse_device(device);
+    Dev pi = f32(d, p), q(d, DType::F32, {int64_t(p.shape(0)), int64_t(p.shape(1) / 2)});
+    Dev g(d, DType::F32, {int64_t(p.shape(0)), int64_t(p.shape(1) / 2)});
+    ops::split_q_gate(pi.t, q.t, g.t, nH);
+    return nb::make_tuple(out_f32(q), out_f32(g));
+  });
+  m.def("rope", [](const std::string& device, const F32In& x, int nH, int rotary_dim, double theta, int64_t pos0) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x);
+    Pos p(d, pos0);
+    ops::rope(xi.t, nH, rotary_dim, theta, p.pos);
+    return out_f32(xi);
+  });
+  m.def("kv_cache_write", [](const std::string& device, const F32In& x, const F32In& cache, int64_t pos0) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), c = cache_in(d, cache);
+    Pos p(d, pos0);
+    ops::kv_cache_write(xi.t, c.t, p.pos);
+    return cache_out(c);
+  });
+  m.def("attention", [](const std::string& device, const F32In& q, const F32In& k, const F32In& v, int nH, int nKV,
+                        int64_t pos0) {
+    const Device d = parse_device(device);
+    Dev qi = f32(d, q), kc = cache_in(d, k), vc = cache_in(d, v), o(d, DType::F32, shape_of(q));
+    Pos p(d, pos0);
+    ops::attention(qi.t, kc.t, vc.t, o.t, nH, nKV, p.pos);
+    return out_f32(o);
+  });
+  m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), gi = f32(d, g);
+    ops::sigmoid_mul(xi.t, gi.t);
+    return out_f32(xi);
+  });
+  m.def("add", [](const std::string& device, const F32In& x, const F32In& y) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), yi = f32(d, y);
+    ops::add(xi.t, yi.t);
+    return out_f32(xi);
+  });
+  m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
+                  const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev hi = f32(d, h), out(d, DType::F32, {T, H}), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t};
+    ops::moe(w, hi.t, out.t, s, top_k);
+    return out_f32(out);
+  });
+  m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
+                     uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
+                     float frequency, float repetition, uint64_t seed, int num_logprobs) {
+    const Device d = parse_device(device);
+    ops::SamplerParams p{temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, num_logprobs};
+    Dev l = f32(d, logits), c = i32(d, counts), sn = i32(d, seen), tok(d, DType::I32, {1});
+    Dev ids(d, DType::I32, {1 + ops::MAX_LOGPROBS}), vals(d, DType::F32, {1 + ops::MAX_LOGPROBS});
+    ops::SamplerState st{c.t, sn.t, tok.t, ids.t, vals.t};
+    ops::sample(l.t, p, step, st);
+    return nb::make_tuple(out_i32(tok).data()[0], out_i32(c), out_i32(sn), out_i32(ids), out_f32(vals));
+  }, nb::arg("device"), nb::arg("logits"), nb::arg("counts"), nb::arg("seen"), nb::arg("step"),
+     nb::arg("temperature") = 0.f, nb::arg("top_k") = 0, nb::arg("top_p") = 1.f, nb::arg("min_p") = 0.f,
+     nb::arg("presence_penalty") = 0.f, nb::arg("frequency_penalty") = 0.f, nb::arg("repetition_penalty") = 1.f,
+     nb::arg("seed") = 0, nb::arg("num_logprobs") = -1);
+}
