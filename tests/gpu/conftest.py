@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 # Relative error ||gpu - cpu|| / ||cpu|| (or max-abs where the key says so) allowed per check. The
 # GPU rounds tensor-core operands to bf16 and keeps the KV cache in bf16; see docs/numerics.md.
@@ -16,3 +17,9 @@ GPU_TOL = {
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@pytest.fixture
+def gpu_tol() -> dict[str, float]:
+    """The GPU tolerance table (use this fixture: `from conftest import` would find tests/conftest.py)."""
+    return GPU_TOL
