@@ -1,0 +1,148 @@
+"""CUDA linear and embedding against the fp32 CPU reference, every weight variant, odd and real shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import _core
+from lily import quant
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _core.backend_available("cuda"), reason="no CUDA backend on this machine"),
+]
+ops = _core.ops
+
+
+def _store(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values in storage form: F32 as is, F16/BF16 as raw uint16 bits (BF16 truncated)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "F32":
+        return a
+    if dtype == "F16":
+        return a.astype(np.float16).view(np.uint16)
+    return (a.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def random_matrix(rng, stack, rows, cols, bits=0, group=0, dtype="F32"):
+    """Storage arrays of a random matrix stack: dense `dtype` values, or affine (bits, group) with
+    `dtype` scales. Values ~ U(-0.5, 0.5) like real weights after MLX quantization."""
+    if bits == 0:
+        return dict(weight=_store(rng.uniform(-0.5, 0.5, (stack, rows, cols)), dtype), dtype=dtype, num_stack=stack,
+                    rows=rows, cols=cols)
+    words = quant.pack(rng.integers(0, 2**bits, (stack, rows, cols)), bits)
+    g = cols // group
+    scales = rng.uniform(0.5, 1.5, (stack, rows, g)) / (2**bits - 1)
+    biases = rng.uniform(-0.6, -0.4, (stack, rows, g))
+    return dict(weight=np.ascontiguousarray(words), dtype="U32", num_stack=stack, rows=rows, cols=cols, bits=bits,
+                group_size=group, scales=_store(scales, dtype), biases=_store(biases, dtype), scale_dtype=dtype)
+
+
+def random_words_matrix(rng, rows, cols, bits=4, group=64):
+    """A large affine matrix from random U32 words (fast to make at lm_head size)."""
+    words = rng.integers(0, 2**32, (1, rows, cols * bits // 32), dtype=np.uint32)
+    g = cols // group
+    scales = rng.uniform(0.5, 1.5, (1, rows, g)).astype(np.float32) / (2**bits - 1)
+    biases = rng.uniform(-0.6, -0.4, (1, rows, g)).astype(np.float32)
+    return dict(weight=words, dtype="U32", num_stack=1, rows=rows, cols=cols, bits=bits, group_size=group,
+                scales=_store(scales, "BF16"), biases=_store(biases, "BF16"), scale_dtype="BF16")
+
+
+def both(m: dict):
+    return ops.QMatrix("cpu", **m), ops.QMatrix("cuda", **m)
+
+
+def path_of(m: dict, T: int) -> str:
+    """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
+    fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
+    if not fast:
+        return "linear_generic"
+    nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
+    return "linear_gemv" if T <= 8 and nt * m["cols"] * 4 * 1.125 <= 96 * 1024 else "linear_gemm"
+
+
+def check(out, ref, key, tol):
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert np.all(np.isfinite(out))
+    assert err <= tol[key], f"{key}: relative error {err:.3g} > {tol[key]:.3g} (max abs {np.abs(out - ref).max():.3g})"
+
+
+VARIANTS = [(0, 0, "F32"), (0, 0, "F16"), (0, 0, "BF16")] + [
+    (bits, group, sdt) for bits in (2, 4, 8) for group in (32, 64, 128) for sdt in ("F32", "F16", "BF16")
+]
+
+
+@pytest.mark.parametrize("bits,group,sdt", VARIANTS)
+@pytest.mark.parametrize("T", [1, 3, 8, 9, 19, 99, 300])
+def test_linear_variants(bits, group, sdt, T, gpu_tol):
+    rng = np.random.default_rng(1000 + T)
+    rows, cols = (19, 5) if bits == 0 else (67, 3 * 128)
+    if bits == 0 and T >= 99:
+        rows, cols = 131, 77
+    m = random_matrix(rng, 2, rows, cols, bits, group, sdt)
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), path_of(m, T), gpu_tol)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 9, 64, 65, 130])
+def test_linear_fast_partial_tiles(bits, T, gpu_tol):
+    # rows not a multiple of any tile; cols = 96 leaves a half k-tile (K % 64 == 32)
+    rng = np.random.default_rng(7 + T)
+    m = random_matrix(rng, 3, 133, 96, bits, 32, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, 96)).astype(np.float32)
+    check(ops.linear(wg, 2, x), ops.linear(wc, 2, x), path_of(m, T), gpu_tol)
+
+
+REAL = [(4, 64, 2048, 8192), (4, 64, 8192, 2048), (8, 64, 256, 2048), (8, 64, 1, 2048), (4, 64, 2048, 4096)]
+
+
+@pytest.mark.parametrize("bits,group,rows,cols", REAL)
+@pytest.mark.parametrize("T", [1, 3, 8, 37, 300])
+def test_linear_real_dims(bits, group, rows, cols, T, gpu_tol):
+    rng = np.random.default_rng(rows + cols + T)
+    m = random_matrix(rng, 1, rows, cols, bits, group, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_linear_lm_head(T, gpu_tol):
+    rng = np.random.default_rng(248320 + T)
+    m = random_words_matrix(rng, 248320, 2048)
+    wc, wg = both(m)
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
+
+
+def test_linear_deterministic():
+    rng = np.random.default_rng(3)
+    for T in (1, 300):
+        m = random_matrix(rng, 1, 300, 512, 4, 64, "BF16")
+        wg = ops.QMatrix("cuda", **m)
+        x = rng.standard_normal((T, 512)).astype(np.float32)
+        assert np.array_equal(ops.linear(wg, 0, x), ops.linear(wg, 0, x))
+
+
+@pytest.mark.parametrize("bits,group,sdt", [(0, 0, "F32"), (0, 0, "BF16"), (4, 64, "BF16"), (8, 32, "F16"), (2, 128, "F32")])
+def test_embedding(bits, group, sdt, gpu_tol):
+    rng = np.random.default_rng(11)
+    V, H = 1000, 256
+    m = random_matrix(rng, 1, V, H, bits, group, sdt)
+    wc, wg = both(m)
+    ids = rng.integers(0, V, 19).astype(np.int32)
+    ids[:2] = [0, V - 1]
+    check(ops.embedding(wg, ids), ops.embedding(wc, ids), "embedding", gpu_tol)
+
+
+def test_embedding_clamps_ids():
+    rng = np.random.default_rng(12)
+    m = random_matrix(rng, 1, 50, 64, 4, 64, "BF16")
+    wc, wg = both(m)
+    out = ops.embedding(wg, np.array([-3, 50, 1000], dtype=np.int32))
+    ref = ops.embedding(wc, np.array([0, 49, 49], dtype=np.int32))
+    assert np.array_equal(out, ref)

@@ -1,0 +1,82 @@
+"""CUDA MoE block against the fp32 CPU reference: tiny odd expert counts and the real dims."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import _core
+from test_linear import both, check, random_matrix
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _core.backend_available("cuda"), reason="no CUDA backend on this machine"),
+]
+ops = _core.ops
+
+
+def moe_weights(rng, E, H, I, Is, bits, group, sdt, router_bits):
+    """CPU and CUDA copies of (router, gate, up, down, shared gate, up, down, shared_expert_gate)."""
+    mats = [
+        random_matrix(rng, 1, E, H, router_bits, group, sdt),
+        random_matrix(rng, E, I, H, bits, group, sdt),
+        random_matrix(rng, E, I, H, bits, group, sdt),
+        random_matrix(rng, E, H, I, bits, group, sdt),
+        random_matrix(rng, 1, Is, H, bits, group, sdt),
+        random_matrix(rng, 1, Is, H, bits, group, sdt),
+        random_matrix(rng, 1, H, Is, bits, group, sdt),
+        random_matrix(rng, 1, 1, H, router_bits, group, sdt),
+    ]
+    pairs = [both(m) for m in mats]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def stable_rows(router_cpu, h, top_k, margin):
+    """Tokens whose k-th and (k+1)-th router logits differ by more than `margin`: CPU and GPU round
+    the router differently, so nearer ties may legitimately pick different experts."""
+    logits = np.sort(ops.linear(router_cpu, 0, h), axis=1)[:, ::-1]
+    if top_k == logits.shape[1]:
+        return np.ones(len(h), bool)
+    return logits[:, top_k - 1] - logits[:, top_k] > margin
+
+
+CASES = [
+    # E, top_k, H, I, Is, bits, group, scale dtype, router bits
+    (5, 1, 64, 32, 32, 4, 32, "BF16", 8),
+    (6, 2, 96, 64, 32, 8, 32, "BF16", 8),
+    (7, 4, 128, 96, 64, 4, 64, "BF16", 8),
+    (7, 3, 64, 32, 64, 4, 32, "F32", 4),  # generic kernels throughout
+    (5, 5, 64, 32, 32, 0, 0, "F32", 0),   # dense fp32, every expert chosen
+    (6, 2, 64, 64, 32, 2, 64, "F16", 8),
+]
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,sdt,rbits", CASES)
+@pytest.mark.parametrize("T", [1, 3, 19, 99])
+def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
+    rng = np.random.default_rng(E * 100 + T)
+    cpu, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, top_k)
+    out = ops.moe("cuda", *gpu, h, top_k)
+    ok = stable_rows(cpu[0], h, top_k, 0.05)
+    assert ok.mean() > 0.5
+    check(out[ok], ref[ok], "moe", gpu_tol)
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_moe_real_dims(T, gpu_tol):
+    rng = np.random.default_rng(256 + T)
+    cpu, gpu = moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
+    h = rng.standard_normal((T, 2048)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, 8)
+    out = ops.moe("cuda", *gpu, h, 8)
+    ok = stable_rows(cpu[0], h, 8, 0.05)
+    assert ok.mean() > 0.5
+    check(out[ok], ref[ok], "moe", gpu_tol)
+
+
+def test_moe_deterministic():
+    rng = np.random.default_rng(5)
+    _, gpu = moe_weights(rng, 7, 128, 64, 64, 4, 64, "BF16", 8)
+    h = rng.standard_normal((99, 128)).astype(np.float32)
+    assert np.array_equal(ops.moe("cuda", *gpu, h, 3), ops.moe("cuda", *gpu, h, 3))
