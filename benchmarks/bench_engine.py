@@ -1,0 +1,85 @@
+"""First end-to-end numbers of one engine on one device: load time, prefill and decode throughput
+at several context lengths, peak device memory and kernels per decode step.
+
+    python benchmarks/bench_engine.py --model PATH [--device cuda] [--contexts 1024,4096,16384]
+
+Prompt token i = ((i * 2654435761) mod 2^32) mod vocab (the measurement contract's prompt). Each
+context gets a fresh session: a warm-up prefill of the same length and a few decode steps, then one
+timed prefill (to the first sampled token) and `--decode` timed greedy steps fed on the device.
+`lily bench` (issue 6) is the full contract against MLX-LM; this is the engine's own quick check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import numpy as np
+
+import lily
+
+
+def prompt_ids(n: int, vocab: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 2654435761) % 2**32 % vocab).astype(np.int32)
+
+
+def device_used_bytes() -> int | None:
+    """Device memory in use, from nvidia-smi (None where it is missing)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def measure(model: lily.Model, ctx: int, steps: int) -> dict:
+    s = model.new_session(max_context=ctx + steps + 8)
+    ids = prompt_ids(ctx, model.config.vocab_size)
+    s._core.set_sampler()
+    s._core.prefill_sample(ids)  # warm-up of the exact shape, and the decode graph's capture
+    for _ in range(4):
+        s._core.decode_sample(-1)
+    s.reset()
+    t0 = time.perf_counter()
+    s._core.prefill_sample(ids)
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        s._core.decode_sample(-1)
+    t2 = time.perf_counter()
+    return {"context": ctx, "prefill_s": t1 - t0, "prefill_tok_s": ctx / (t1 - t0),
+            "decode_ms": (t2 - t1) / steps * 1e3, "decode_tok_s": steps / (t2 - t1),
+            "graph_nodes": s._core.decode_graph_nodes, "used_bytes": device_used_bytes()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--json", help="write the results here too")
+    a = ap.parse_args()
+    base = device_used_bytes()
+    t0 = time.perf_counter()
+    model = lily.Model.load(a.model, device=a.device, max_context=8)
+    load_s = time.perf_counter() - t0
+    rows = [measure(model, int(c), a.decode) for c in a.contexts.split(",")]
+    peak = max((r["used_bytes"] or 0) for r in rows)
+    result = {"load_s": load_s, "weights_bytes": model._engine.weight_bytes, "device_base_bytes": base,
+              "device_peak_bytes": peak, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"load {load_s:.1f} s; weights {model._engine.weight_bytes / 2**30:.2f} GiB; "
+          f"device memory peak {peak / 2**30:.2f} GiB (before load {(base or 0) / 2**30:.2f} GiB)")
+    print("| context | prefill tok/s | prefill ms | decode tok/s | decode ms/tok | graph nodes |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['context']} | {r['prefill_tok_s']:.0f} | {r['prefill_s'] * 1e3:.1f} | {r['decode_tok_s']:.1f} | "
+              f"{r['decode_ms']:.3f} | {r['graph_nodes']} |")
+
+
+if __name__ == "__main__":
+    main()

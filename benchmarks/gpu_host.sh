@@ -1,0 +1,36 @@
+#!/bin/bash
+# One call on the GPU host: build lily with CUDA, run the GPU tests, then (stage "bench") generate the
+# full-size synthetic checkpoint and measure it. Logs go to $OUT; a short table is printed last.
+#   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
+set -uo pipefail
+stage=${1:-all}
+kexpr=${2:-}
+OUT=${OUT:-/tmp/lily-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+if ! python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40
+  echo "BUILD FAILED"; exit 1
+fi
+grep -E "spill|lily:" "$OUT/build.log" | grep -v " 0 bytes spill" | head -20
+echo "build: $(( $(date +%s) - t0 )) s"
+cd /tmp  # import the installed package, not the source tree
+src=$OLDPWD
+python3 -c "import lily; from lily import _core; print('cuda available:', _core.backend_available('cuda'))"
+if [[ $stage == tests || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider "$src/tests/gpu" ${kexpr:+-k "$kexpr"} --tb=short -rfE -s \
+    --deselect "$src/tests/gpu/test_engine.py::test_full_size_prefill_4k_decode_256" 2>&1 | tee "$OUT/tests.log" | tail -60
+  echo "gpu tests: $(( $(date +%s) - t0 )) s"
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  t0=$(date +%s)
+  python3 -c "from lily import synthetic; synthetic.make_checkpoint('/tmp/full', 'qwen3.6-35b-a3b', with_tokenizer=False)"
+  echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh /tmp/full | cut -f1)"
+  LILY_FULL_CHECKPOINT=/tmp/full python3 -m pytest -q -p no:cacheprovider -s --tb=short \
+    "$src/tests/gpu/test_engine.py::test_full_size_prefill_4k_decode_256" 2>&1 | tee "$OUT/full.log" | tail -8
+  python3 "$src/benchmarks/bench_engine.py" --model /tmp/full --contexts ${CONTEXTS:-1024,4096,16384} \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -12
+fi
