@@ -2,14 +2,21 @@
 
     import lily
     model = lily.Model.load("path/or/org/repo")        # device="auto": CUDA when available
-    logits = model.prefill(token_ids)                  # [vocab] float32 of the last token
+    print(model.generate("The capital of France is", max_tokens=16).text)
+    for event in model.chat([{"role": "user", "content": "Hi!"}], stream=True, temperature=0.7):
+        print(event.text, end="", flush=True)
+    logits = model.prefill(token_ids)                  # step-wise: [vocab] float32 of the last token
     logits = model.decode_step(next_id)
 """
 from .errors import CheckpointError, ConfigError, DeviceError, LilyError
-from .model import Generation, Model, Session, Snapshot
+from .generate import Generation, GenerationEvent, GenerationStream, TokenLogprob, Usage
+from .model import Model, Session, Snapshot
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "LilyError", "Model", "Session",
-           "Snapshot", "make_checkpoint"]
+__all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "GenerationEvent", "GenerationStream",
+           "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "TokenLogprob", "Tokenizer", "Usage",
+           "make_checkpoint"]
 __version__ = "0.1.0"
 
 

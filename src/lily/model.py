@@ -1,15 +1,20 @@
-"""The public entry point: Model.load, sessions, prefill / decode_step, a greedy generate.
+"""The public entry point: Model.load, sessions, prefill / decode_step, generate and chat.
 
-A Session holds one conversation's state (KV cache, conv state, fp32 recurrent state, position).
-``Session.prefill(ids)`` continues from the session's position, so a multi-turn chat prefills only
-its new tokens; ``Model.prefill`` / ``Model.decode_step`` drive a default session, and
+A Session holds one conversation's state (KV cache, conv state, fp32 recurrent state, position) and
+the token ids it has processed. ``Session.prefill(ids)`` continues from the session's position;
+``Model.generate`` / ``Model.chat`` resume from the longest prefix of the new prompt that the session
+holds (or has a snapshot of, taken at the last message boundary), so a multi-turn chat prefills only
+its new tokens. ``Model.prefill`` / ``Model.decode_step`` drive a default session, and
 ``Model.prefill`` starts it afresh.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -18,11 +23,17 @@ import numpy as np
 from . import _core
 from .config import TextConfig, load_config
 from .errors import CheckpointError, DeviceError, LilyError
+from .generate import Generation, GenerationStream, check_prompt, common_prefix_length, run
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
 from .weights import load_weights
 
 DEFAULT_MAX_CONTEXT = 16384
 DEFAULT_PREFILL_CHUNK = {"cpu": 128, "cuda": 2048}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Prefix snapshots a session keeps for reuse (each holds the full state: KV cache up to its position
+# plus every GDN layer's recurrent state, ~60 MB + 20 KB/token for Qwen3.6-35B-A3B).
+MAX_PREFIX_SNAPSHOTS = 4
 
 
 def resolve_device(device: str) -> str:
@@ -69,10 +80,11 @@ def _token_array(token_ids: Iterable[int] | np.ndarray, vocab_size: int) -> np.n
 
 
 class Snapshot:
-    """A saved session state; ``Session.restore`` resumes from it exactly."""
+    """A saved session state and the token ids it holds; ``Session.restore`` resumes from it exactly."""
 
-    def __init__(self, core: _core.Snapshot):
+    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...]):
         self._core = core
+        self.tokens = tokens
 
     @property
     def position(self) -> int:
@@ -83,7 +95,7 @@ class Snapshot:
         return self._core.nbytes
 
     def __repr__(self) -> str:
-        return f"Snapshot(position={self.position}, nbytes={self.nbytes})"
+        return f"Snapshot(position={self.position}, nbytes={self.nbytes / 2**20:.1f} MiB)"
 
 
 class Session:
@@ -92,6 +104,9 @@ class Session:
     def __init__(self, model: "Model", max_context: int, prefill_chunk: int, use_graph: bool = True):
         self.model = model
         # use_graph: on GPUs, replay one captured CUDA graph per decode step (False: launch eagerly).
+        self._tokens: list[int] = []
+        self._prefixes: list[Snapshot] = []
+        self._busy = False
         self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk), bool(use_graph))
 
     @property
@@ -103,8 +118,42 @@ class Session:
     def max_context(self) -> int:
         return self._core.max_context
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The token ids processed so far, in order (``len(tokens) == position``)."""
+        return tuple(self._tokens)
+
+    @property
+    def prefix_snapshots(self) -> tuple[Snapshot, ...]:
+        """Snapshots kept for prefix reuse, least recently used first."""
+        return tuple(self._prefixes)
+
+    def remember_prefix(self, snapshot: Snapshot) -> None:
+        """Keep ``snapshot`` for prefix reuse by generate/chat (the least recently used one beyond
+        MAX_PREFIX_SNAPSHOTS is dropped)."""
+        self._prefixes = [s for s in self._prefixes if s is not snapshot and s.tokens != snapshot.tokens]
+        self._prefixes.append(snapshot)
+        del self._prefixes[:-MAX_PREFIX_SNAPSHOTS]
+
+    def clear_prefix_snapshots(self) -> None:
+        """Drop the snapshots kept for prefix reuse (frees their memory)."""
+        self._prefixes.clear()
+
+    def _acquire(self) -> None:
+        # A session's state and token list change with every call: two requests at once would
+        # interleave their tokens, so the second one is refused rather than silently corrupted.
+        if self._busy:
+            raise LilyError("this session is busy with another generation (finish or close that stream, "
+                            "or use model.new_session())")
+        self._busy = True
+
+    def _release(self) -> None:
+        self._busy = False
+
     def _new_ids(self, token_ids) -> np.ndarray:
         """Validated int32 ids that fit in the remaining context."""
+        if self._busy:
+            raise LilyError("this session is busy with a generation; finish or close that stream first")
         ids = _token_array(token_ids, self.model.config.vocab_size)
         if self.position + ids.size > self.max_context:
             raise LilyError(f"context overflow: {self.position} tokens in the session + {ids.size} new exceed "
@@ -114,31 +163,56 @@ class Session:
     def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
         (float32), or [T, V] for every token when ``all_logits``."""
-        return self._core.prefill(self._new_ids(token_ids), all_logits)
+        ids = self._new_ids(token_ids)
+        with self.model._lock:
+            logits = self._core.prefill(ids, all_logits)
+        self._tokens.extend(ids.tolist())
+        return logits
 
     def decode_step(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V] float32 of the next position."""
         if isinstance(token_id, (bool, float)) or not isinstance(token_id, (int, np.integer)):
             raise LilyError(f"token id must be an integer, got {token_id!r}")
-        return self._core.decode_step(int(token_id))
+        self._new_ids([token_id])
+        with self.model._lock:
+            logits = self._core.decode_step(int(token_id))
+        self._tokens.append(int(token_id))
+        return logits
 
     def trace(self, token_ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Debug: prefill ``token_ids`` [T] like ``prefill`` and also return named activations, each
         [T, H] float32: 'embedding', 'layers.{i}.mixer' (GDN/attention output), 'layers.{i}.moe',
         'layers.{i}.residual' (the stream after layer i), and 'logits' [T, V]."""
-        return dict(self._core.trace(self._new_ids(token_ids)))
+        ids = self._new_ids(token_ids)
+        with self.model._lock:
+            out = dict(self._core.trace(ids))
+        self._tokens.extend(ids.tolist())
+        return out
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self._core.snapshot())
+        with self.model._lock:
+            return Snapshot(self._core.snapshot(), tuple(self._tokens))
 
     def restore(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
             raise LilyError(f"restore expects a lily Snapshot, got {type(snapshot).__name__}")
-        self._core.restore(snapshot._core)
+        with self.model._lock:
+            self._core.restore(snapshot._core)
+        self._tokens = list(snapshot.tokens)
 
     def reset(self) -> None:
-        """Forget every token: position 0, zero recurrent and conv state."""
-        self._core.reset()
+        """Forget every token: position 0, zero recurrent and conv state (prefix snapshots stay)."""
+        with self.model._lock:
+            self._core.reset()
+        self._tokens.clear()
+
+    def generate(self, prompt, params: SamplingParams | None = None, **kwargs):
+        """``model.generate(prompt, params, session=this session, **kwargs)``."""
+        return self.model.generate(prompt, params, session=self, **kwargs)
+
+    def chat(self, messages, params: SamplingParams | None = None, **kwargs):
+        """``model.chat(messages, params, session=this session, **kwargs)``."""
+        return self.model.chat(messages, params, session=self, **kwargs)
 
     def state(self) -> dict[str, np.ndarray]:
         """Copies of the state tensors: per GDN layer conv_state [K-1, conv_dim] and recurrent_state
@@ -146,16 +220,8 @@ class Session:
         return dict(self._core.state())
 
     def __repr__(self) -> str:
-        return f"Session(position={self.position}, max_context={self.max_context})"
-
-
-@dataclass
-class Generation:
-    """Result of a blocking greedy generation."""
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    prompt_tokens: int = 0
+        return (f"Session(position={self.position}, max_context={self.max_context}, "
+                f"prefix_snapshots={len(self._prefixes)}{', busy' if self._busy else ''})")
 
 
 class Model:
@@ -166,8 +232,11 @@ class Model:
         self.path, self.config, self.raw_config = path, config, raw_config
         self._engine, self.device, self.layout = engine, device, layout
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
         self._session: Session | None = None
+        self._stop_ids: frozenset[int] | None = None
+        # One core call at a time: sessions share the engine's weights and scratch buffers.
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path_or_repo: str | os.PathLike, device: str = "auto", *, max_context: int | None = None,
@@ -212,50 +281,149 @@ class Model:
         return self.session.decode_step(token_id)
 
     @property
-    def tokenizer(self):
-        """The checkpoint's tokenizers.Tokenizer (from tokenizer.json)."""
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer and chat template (lily.tokenizer.Tokenizer)."""
         if self._tokenizer is None:
-            path = self.path / "tokenizer.json"
-            if not path.is_file():
-                raise CheckpointError(f"{path}: not found; this checkpoint has no tokenizer (pass token ids)")
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(path))
+            self._tokenizer = Tokenizer.from_dir(self.path)
         return self._tokenizer
 
-    def stop_token_ids(self) -> set[int]:
-        """generation_config.json's eos ids, else the config's."""
-        import json
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None or (self.path / "tokenizer.json").is_file()
 
+    @property
+    def generation_config(self) -> dict:
+        """generation_config.json ({} when the checkpoint has none)."""
         gen = self.path / "generation_config.json"
-        ids = self.config.eos_token_id
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id", ids)
-            ids = eos if isinstance(eos, list) else [eos]
-        return {int(i) for i in ids}
+        if not gen.is_file():
+            return {}
+        try:
+            return json.loads(gen.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{gen}: invalid JSON ({e})") from None
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 32) -> Generation:
-        """Greedy generation from text (tokenized without BOS) or token ids; stops at an eos id."""
-        if max_tokens < 0:
-            raise LilyError(f"max_tokens must be >= 0, got {max_tokens}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
-        stops, out, reason = self.stop_token_ids(), [], "length"
-        if max_tokens:
-            logits = self.prefill(ids)
-            while len(out) < max_tokens:
-                tok = int(np.argmax(logits))
-                if tok in stops:
-                    reason = "stop"
-                    break
-                out.append(tok)
-                if len(out) == max_tokens or self.session.position >= self.session.max_context:
-                    break
-                logits = self.decode_step(tok)
-        text = self.tokenizer.decode(out, skip_special_tokens=False) if (self.path / "tokenizer.json").is_file() else ""
-        return Generation(text=text, token_ids=out, finish_reason=reason, prompt_tokens=len(ids))
+    def stop_token_ids(self) -> frozenset[int]:
+        """The ids that end a generation: generation_config.json's eos ids, else the config's
+        (Qwen3.6: <|im_end|> 248046 and <|endoftext|> 248044)."""
+        if self._stop_ids is None:
+            eos = self.generation_config.get("eos_token_id", self.config.eos_token_id)
+            eos = eos if isinstance(eos, list) else [eos]
+            self._stop_ids = frozenset(int(i) for i in eos if i is not None)
+        return self._stop_ids
+
+    def default_sampling(self, **overrides) -> SamplingParams:
+        """The checkpoint's recommended sampling (generation_config.json; Qwen3.6: temperature 1.0,
+        top_k 20, top_p 0.95), with ``overrides``."""
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    def generate(self, prompt, params: SamplingParams | None = None, *, stream: bool = False,
+                 session: Session | None = None, tools: Sequence[Mapping] | None = None,
+                 enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+                 chat_template_kwargs: Mapping | None = None, **sampling):
+        """Generate from one prompt or a list of prompts.
+
+        ``prompt``: text (encoded without BOS), token ids (a list or 1-D integer array), chat
+        messages (a list of {'role', 'content'} dicts, rendered with the chat template and a
+        generation prompt), or a list of such prompts (run one after another; prompts that share a
+        prefix prefill it once). ``params``: a SamplingParams (default greedy); keyword arguments
+        (``max_tokens=16``, ``temperature=0.7``, ``stop=[...]``, ...) override its fields.
+        ``session``: the Session to run on (default: the model's default session); it resumes from
+        the longest prefix of the prompt it already holds. ``tools``, ``enable_thinking``,
+        ``preserve_thinking``, ``chat_template_kwargs``: passed to the chat template for messages.
+
+        Returns a Generation; with ``stream=True`` a GenerationStream, an iterator of
+        GenerationEvent (text delta, token id, logprobs, finish reason) whose ``result()`` is the
+        Generation; for a list of prompts, a list of Generation.
+        """
+        params = _sampling_params(params, sampling)
+        session = session if session is not None else self.session
+        if not isinstance(session, Session) or session.model is not self:
+            raise LilyError("session must be a Session of this model (model.new_session())")
+        template = dict(chat_template_kwargs or {}, tools=tools, enable_thinking=enable_thinking,
+                        preserve_thinking=preserve_thinking)
+        if _is_batch(prompt):
+            if stream:
+                raise LilyError("stream=True takes one prompt; iterate over the prompts instead")
+            prepared = [self._prepare(p, template) for p in prompt]
+            results = []
+            for i, (ids, boundary, thinking) in enumerate(prepared):
+                if i + 1 < len(prepared):
+                    # Snapshot where the next prompt diverges, so that it prefills only its own part.
+                    boundary = common_prefix_length(ids, prepared[i + 1][0]) or boundary
+                results.append(self._start(session, ids, params, boundary, thinking).result())
+            return results
+        ids, boundary, thinking = self._prepare(prompt, template)
+        out = self._start(session, ids, params, boundary, thinking)
+        return out if stream else out.result()
+
+    def chat(self, messages: Sequence[Mapping], params: SamplingParams | None = None, **kwargs):
+        """``generate`` for one conversation: ``messages`` is a list of {'role', 'content'} dicts
+        (system, user, assistant with optional 'reasoning_content' / 'tool_calls', tool). Append
+        ``result.message`` and the next user message to continue; the session then prefills only
+        what is new since the last message boundary."""
+        if not _is_messages(messages):
+            raise LilyError("chat takes a list of messages: [{'role': 'user', 'content': '...'}, ...]")
+        return self.generate(messages, params, **kwargs)
+
+    def _prepare(self, prompt, template: dict) -> tuple[list[int], int | None, bool]:
+        """(prompt ids, message boundary or None, whether the prompt leaves a think block open)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), None, _opens_think(prompt)
+        if _is_messages(prompt):
+            tok = self.tokenizer
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template)
+            ids = tok.encode(text)
+            history = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=False, **template))
+            boundary = len(history) if ids[:len(history)] == history else None
+            return ids, boundary, _opens_think(text)
+        if isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
+            return _token_array(prompt, self.config.vocab_size).tolist(), None, False
+        raise LilyError(f"prompt must be text, token ids, chat messages or a list of those, "
+                        f"got {type(prompt).__name__}")
+
+    def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
+               thinking: bool) -> GenerationStream:
+        check_prompt(ids, session)
+        tokenizer = self.tokenizer if self.has_tokenizer else None
+        if params.stop and tokenizer is None:
+            raise LilyError("stop strings need the checkpoint's tokenizer (tokenizer.json); use stop_token_ids")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids())
+        result = Generation(text="", thinking=thinking)
+        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary), result)
 
     def __repr__(self) -> str:
         c = self.config
         return (f"Model('{self.path}', device={self.device}, layout={self.layout}, layers={c.num_hidden_layers}, "
                 f"hidden={c.hidden_size}, experts={c.num_experts}x top-{c.num_experts_per_tok}, "
                 f"weights={self._engine.weight_bytes / 2**20:.1f} MiB)")
+
+
+def _sampling_params(params: SamplingParams | None, overrides: dict) -> SamplingParams:
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise LilyError(f"params must be a lily.SamplingParams, got {type(params).__name__}")
+    if overrides:
+        names = [f.name for f in dataclasses.fields(SamplingParams)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise LilyError(f"unknown generation argument(s) {', '.join(unknown)}; sampling parameters are "
+                            f"{', '.join(names)}")
+        params = dataclasses.replace(params, **overrides)
+    return params
+
+
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (texts, id lists or conversations), as opposed to one id list or conversation."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, np.ndarray)) or (isinstance(p, Sequence) and not isinstance(p, bytes))
+                    for p in prompt))
+
+
+def _opens_think(text: str) -> bool:
+    """Whether the prompt ends inside a think block (Qwen3.6's generation prompt with thinking on)."""
+    return text.rfind("<think>") > text.rfind("</think>")

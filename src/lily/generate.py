@@ -1,0 +1,304 @@
+"""The generation loop: prompt ids in, events and a result out.
+
+One request on one session: bring the session to the longest reusable prefix of the prompt (its
+current tokens, or a snapshot taken at an earlier message boundary), prefill the rest and sample the
+first token in the core, then per token: check the stop ids, detokenize, match stop strings, check
+max_tokens and the context, and feed the token back while the core samples the next one. The
+sampled token that ends generation is never fed, so the session then holds the prompt and every
+returned token but the last.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from .detokenizer import StreamingDetokenizer
+from .errors import LilyError
+from .sampling import SamplingParams, StopMatcher
+
+if TYPE_CHECKING:
+    from .model import Session
+    from .tokenizer import Tokenizer
+
+THINK_END = "</think>"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """log p of a generated token under the raw model distribution, and the top alternatives
+    [(token id, log p)], most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class GenerationEvent:
+    """One step of a stream: ``text`` is the new text (may be "" while a character or a possible
+    stop string is incomplete), ``token_id`` the generated id (None on a final event that only
+    closes the stream after a stop token), ``finish_reason`` is set on the last event only:
+    'stop' (a stop token or string) or 'length' (max_tokens or the end of the context)."""
+    text: str
+    token_id: int | None
+    logprobs: TokenLogprob | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts and timings of one request. ``cached_tokens``: prompt tokens the session
+    already held (not prefilled again)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first one per second of decoding."""
+        n = self.completion_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    def __repr__(self) -> str:
+        return (f"Usage(prompt={self.prompt_tokens}, cached={self.cached_tokens}, completion="
+                f"{self.completion_tokens}, prefill={self.prefill_seconds * 1e3:.1f} ms, "
+                f"decode={self.decode_tokens_per_second:.1f} tok/s)")
+
+
+@dataclass
+class Generation:
+    """The result of one request.
+
+    ``text``: the generated text (stop strings and stop tokens excluded); ``token_ids``: the
+    generated ids (a stop token excluded, the ids that spelled a stop string included);
+    ``finish_reason``: 'stop' or 'length'; ``stop_reason``: the stop token id or stop string that
+    ended it (None for 'length'); ``logprobs``: one TokenLogprob per token when requested.
+    For chat prompts whose generation prompt opens a think block, ``reasoning`` and ``content``
+    split the text at ``</think>``, and ``message`` is the assistant message to append to the
+    conversation.
+    """
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stop_reason: int | str | None = None
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[TokenLogprob] | None = None
+    thinking: bool = False
+
+    @property
+    def reasoning(self) -> str:
+        """The text inside the think block ("" when the prompt did not open one)."""
+        if not self.thinking:
+            return ""
+        return self.text.split(THINK_END, 1)[0].strip("\n")
+
+    @property
+    def content(self) -> str:
+        """The answer after the think block (the whole text when the prompt did not open one)."""
+        if not self.thinking:
+            return self.text
+        parts = self.text.split(THINK_END, 1)
+        return parts[1].lstrip("\n") if len(parts) == 2 else ""
+
+    @property
+    def message(self) -> dict:
+        """``{'role': 'assistant', 'content': ..., 'reasoning_content': ...}`` for the history."""
+        msg = {"role": "assistant", "content": self.content}
+        if self.thinking:
+            msg["reasoning_content"] = self.reasoning
+        return msg
+
+    def __repr__(self) -> str:
+        text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
+        return (f"Generation(text={text!r}, tokens={len(self.token_ids)}, finish_reason={self.finish_reason!r}, "
+                f"{self.usage!r})")
+
+
+class GenerationStream:
+    """An iterator of GenerationEvent for one request. The prompt is processed on the first
+    ``next``; ``result()`` finishes the request (consuming what is left) and returns the
+    Generation. ``close()`` (or leaving a ``with`` block) stops early and frees the session."""
+
+    def __init__(self, events: Iterator[GenerationEvent], result: Generation):
+        self._events = events
+        self._result = result
+        self._done = False
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        try:
+            return next(self._events)
+        except StopIteration:
+            self._done = True
+            raise
+
+    def result(self) -> Generation:
+        for _ in self:
+            pass
+        return self._result
+
+    def close(self) -> None:
+        self._events.close()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "running"
+        return f"GenerationStream({state}, tokens so far={len(self._result.token_ids)})"
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading ids a and b share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def resume(session: "Session", ids: list[int]) -> int:
+    """Bring ``session`` to the longest prefix of ``ids`` it can reach without recomputation, and
+    return its length (always < len(ids), so at least one token is left to prefill): the session's
+    own tokens when they are a prefix of ids, else the longest saved prefix snapshot that is, else
+    an empty session."""
+    held = session.tokens
+    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held):
+        return len(held)
+    best = None
+    for snap in session.prefix_snapshots:
+        n = len(snap.tokens)
+        if n < len(ids) and (best is None or n > len(best.tokens)) and snap.tokens == tuple(ids[:n]):
+            best = snap
+    if best is None:
+        session.reset()
+        return 0
+    session.restore(best)
+    session.remember_prefix(best)
+    return len(best.tokens)
+
+
+def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "Tokenizer | None",
+        stop_ids: frozenset[int], result: Generation, boundary: int | None = None) -> Iterator[GenerationEvent]:
+    """Generate on ``session`` after prompt ``ids`` [T] and yield one event per token; fills
+    ``result`` as it goes. ``boundary``: a prompt length (e.g. the end of the last complete message)
+    at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it."""
+    model = session.model
+    core, lock = session._core, model._lock
+    session._acquire()
+    try:
+        t0 = time.perf_counter()
+        cached = resume(session, ids)
+        if boundary is not None and cached < boundary < len(ids):
+            session.prefill(ids[cached:boundary])
+            session.remember_prefix(session.snapshot())
+            start = boundary
+        else:
+            start = cached
+        params = params.with_seed()
+        num_logprobs = params.num_logprobs
+        rest = np.asarray(ids[start:], dtype=np.int32)
+        with lock:
+            core.set_sampler(temperature=float(params.temperature), top_k=int(params.top_k),
+                             top_p=float(params.top_p), min_p=float(params.min_p),
+                             presence_penalty=float(params.presence_penalty),
+                             frequency_penalty=float(params.frequency_penalty),
+                             repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
+                             num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
+            token = core.prefill_sample(rest)
+        tokens = session._tokens
+        tokens.extend(ids[start:])
+        usage = result.usage
+        usage.prompt_tokens, usage.cached_tokens = len(ids), cached
+        t1 = time.perf_counter()
+        usage.prefill_seconds = t1 - t0
+        yield from _decode(session, token, params, tokenizer, stop_ids, result)
+        usage.decode_seconds = time.perf_counter() - t1
+    finally:
+        session._release()
+
+
+def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "Tokenizer | None",
+            stop_ids: frozenset[int], result: Generation) -> Iterator[GenerationEvent]:
+    # The per-token path: keep it to a few dict/list operations besides the core call.
+    core, lock, tokens = session._core, session.model._lock, session._tokens
+    detok = StreamingDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
+    stops = StopMatcher(params.stop) if params.stop else None
+    out_ids, parts = result.token_ids, []
+    logprobs = [] if params.num_logprobs >= 0 else None
+    result.logprobs = logprobs
+    max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
+    room = session.max_context
+    usage = result.usage
+    while True:
+        if token in stop_ids:
+            text, hit = _finish(detok, stops)
+            parts.append(text)
+            result.finish_reason, result.stop_reason = "stop", hit if hit is not None else token
+            yield GenerationEvent(text, None, None, "stop")
+            break
+        out_ids.append(token)
+        usage.completion_tokens += 1
+        lp = None
+        if logprobs is not None:
+            lp = _last_logprob(core, params.num_logprobs)
+            logprobs.append(lp)
+        text = detok.add(token) if detok is not None else ""
+        if stops is not None:
+            text, hit = stops.feed(text)
+            if hit is not None:
+                parts.append(text)
+                result.finish_reason, result.stop_reason = "stop", hit
+                yield GenerationEvent(text, token, lp, "stop")
+                break
+        if len(out_ids) >= max_tokens or len(tokens) >= room:
+            tail, hit = _finish(detok, stops)
+            text += tail
+            parts.append(text)
+            result.finish_reason, result.stop_reason = ("stop", hit) if hit is not None else ("length", None)
+            yield GenerationEvent(text, token, lp, result.finish_reason)
+            break
+        parts.append(text)
+        yield GenerationEvent(text, token, lp, None)
+        with lock:
+            nxt = core.decode_sample(-1)
+        tokens.append(token)
+        token = nxt
+    result.text = "".join(parts)
+
+
+def _finish(detok: StreamingDetokenizer | None, stops: StopMatcher | None) -> tuple[str, str | None]:
+    """End of stream: flush the detokenizer through the stop matcher, then release held text."""
+    text = detok.flush() if detok is not None else ""
+    if stops is None:
+        return text, None
+    text, hit = stops.feed(text)
+    return (text, hit) if hit is not None else (text + stops.flush(), None)
+
+
+def _last_logprob(core, n: int) -> TokenLogprob:
+    ids, values = core.last_logprobs()
+    ids, values = ids[:n + 1].tolist(), values[:n + 1].tolist()
+    return TokenLogprob(ids[0], values[0], list(zip(ids[1:], values[1:])))
+
+
+def check_prompt(ids: list[int], session: "Session") -> None:
+    """Raise LilyError when a prompt cannot run on ``session`` at all."""
+    if not ids:
+        raise LilyError("the prompt is empty (no tokens)")
+    if len(ids) >= session.max_context:
+        raise LilyError(f"the prompt has {len(ids)} tokens; the session's max_context is {session.max_context} "
+                        f"and at least one token must be left to generate")
