@@ -70,7 +70,7 @@ def test_moe_real_dims(T, gpu_tol):
     h = rng.standard_normal((T, 2048)).astype(np.float32)
     ref = ops.moe("cpu", *cpu, h, 8)
     out = ops.moe("cuda", *gpu, h, 8)
-    ok = stable_rows(cpu[0], h, 8, 0.05)
+    ok = stable_rows(cpu[0], h, 8, 0.25)
     assert ok.mean() > 0.5
     check(out[ok], ref[ok], "moe", gpu_tol)
 
