@@ -1,2 +1,59 @@
-// Placeholder until the kernels land.
+// Launchers of the sampler kernels (kernels/sample.cuh): the draw, prompt marking and the device
+// position counter. All stay on the device: the next decode step reads state.token from there.
 #include "cuda_ops.h"
+#include "kernels/sample.cuh"
+#include "runtime.cuh"
+
+namespace lily::cuda {
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state) {
+  const int64_t V = logits.dim(0);
+  LILY_CHECK(V > 0 && V <= (int64_t(1) << 30), "sample: vocabulary size ", V, " outside the CUDA sampler's range");
+  LILY_CHECK(aligned16(logits.data) && aligned16(state.counts.data) && aligned16(state.seen.data),
+             "sample: logits, counts and seen must be 16-byte aligned on CUDA");
+  SampleParams p{};
+  p.logits = logits.ptr<float>();
+  p.counts = state.counts.ptr<int32_t>();
+  p.seen = state.seen.ptr<int32_t>();
+  p.token = state.token.ptr<int32_t>();
+  p.logprob_ids = state.logprob_ids.ptr<int32_t>();
+  p.logprob_values = state.logprob_values.ptr<float>();
+  p.V = int(V);
+  p.top_k = params.top_k;
+  p.num_logprobs = params.num_logprobs;
+  p.max_logprobs = ops::MAX_LOGPROBS;
+  p.temperature = params.temperature;
+  p.top_p = params.top_p;
+  p.min_p = params.min_p;
+  p.presence = params.presence_penalty;
+  p.frequency = params.frequency_penalty;
+  p.repetition = params.repetition_penalty;
+  // Without penalties the scores are the logits and counts/seen are not read while drawing.
+  p.has_penalty = params.repetition_penalty != 1.f || params.presence_penalty != 0.f ||
+                  params.frequency_penalty != 0.f;
+  p.seed = params.seed;
+  p.step = step;
+  // One cluster; its size is fixed by the kernel's __cluster_dims__.
+  sample_kernel<<<SAMPLE_CTAS, SAMPLE_THREADS, 0, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state) {
+  const int64_t n = ids.dim(0);
+  LILY_CHECK(n <= 0x7fffffff, "sampler_mark_seen: too many ids (", n, ")");
+  if (n == 0) return;
+  constexpr int THREADS = 256;
+  mark_seen_kernel<<<unsigned(ceil_div<int64_t>(n, THREADS)), THREADS, 0, stream()>>>(
+      ids.ptr<int32_t>(), int(n), state.seen.ptr<int32_t>(), int(state.seen.dim(0)));
+  LILY_CUDA_LAUNCHED();
+}
+
+void advance_position(int32_t* pos, int64_t T) {
+  LILY_CHECK(T >= 0 && T <= 0x7fffffff, "advance_position: step of ", T, " tokens out of range");
+  advance_position_kernel<<<1, 1, 0, stream()>>>(pos, int(T));
+  LILY_CUDA_LAUNCHED();
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,232 @@
+// The sampler (device code only; launcher in sample.cu): the canonical algorithm of
+// docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS CTAs x SAMPLE_THREADS
+// (512 threads leave 128 registers, no spills).
+//   z_v = penalise(l_v) [/ T];  greedy: argmax z;  else top_k threshold (radix select on z keys),
+//   e_v = exp(z_v - max z), min_p, top_p threshold (radix select on e keys weighted by e in 2^-40
+//   fixed point), u = uniform01(seed, step), chosen = first kept id with prefix(e) > u * sum(e).
+// logits, counts, seen [V] (f32, i32, i32; 16-byte aligned); token [1]; logprob ids/values [21].
+// CTA r owns ids [r*chunk, (r+1)*chunk), chunk a multiple of 4; in each tile of SAMPLE_TILE ids
+// thread t owns the 4 consecutive ids 4t..4t+3 (one 16-byte load). Scores are recomputed from the logits
+// (L2-resident after the first pass) in each pass rather than stored. Every reduction is in a
+// fixed order (sample_cluster.cuh), so the draw is reproducible; greedy is bit-equal to the CPU
+// (same IEEE division/multiply/fma on the scores, no sums). Rank 0 thread 0 writes the state last.
+#pragma once
+#include "sample_cluster.cuh"
+
+namespace lily::cuda {
+
+struct SampleParams {
+  const float* logits;    // [V]
+  int32_t* counts;        // [V]
+  int32_t* seen;          // [V]
+  int32_t* token;         // [1]
+  int32_t* logprob_ids;   // [1 + MAX_LOGPROBS]
+  float* logprob_values;  // [1 + MAX_LOGPROBS]
+  int V, top_k, num_logprobs, max_logprobs;
+  float temperature, top_p, min_p, presence, frequency, repetition;
+  bool has_penalty;
+  u64 seed, step;
+};
+
+__device__ __forceinline__ float uniform01(u64 seed, u64 step) {
+  u64 x = seed + (step + 1) * 0x9E3779B97F4A7C15ull;
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return float(x >> 40) * 0x1p-24f;
+}
+
+// Raw logits and penalised scores of ids v0..v0+3 (ids >= hi read as -inf; callers skip them).
+struct Quad {
+  float l[4], z[4];
+};
+
+__device__ __forceinline__ Quad load_quad(const SampleParams& p, int v0, int hi) {
+  Quad q;
+  const bool full = v0 + 4 <= hi;
+  if (full) {
+    const float4 f = *reinterpret_cast<const float4*>(p.logits + v0);
+    q.l[0] = f.x, q.l[1] = f.y, q.l[2] = f.z, q.l[3] = f.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.l[k] = v0 + k < hi ? p.logits[v0 + k] : -INFINITY;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) q.z[k] = q.l[k];
+  if (!p.has_penalty) return q;
+  int c[4] = {0, 0, 0, 0}, s[4] = {0, 0, 0, 0};
+  if (full) {
+    const int4 c4 = *reinterpret_cast<const int4*>(p.counts + v0), s4 = *reinterpret_cast<const int4*>(p.seen + v0);
+    c[0] = c4.x, c[1] = c4.y, c[2] = c4.z, c[3] = c4.w, s[0] = s4.x, s[1] = s4.y, s[2] = s4.z, s[3] = s4.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (v0 + k < hi) c[k] = p.counts[v0 + k], s[k] = p.seen[v0 + k];
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // explicit roundings: no contraction, the CPU's exact steps
+    float z = q.z[k];
+    if (p.repetition != 1.f && s[k]) z = z > 0.f ? __fdiv_rn(z, p.repetition) : __fmul_rn(z, p.repetition);
+    if (c[k] > 0) z = __fsub_rn(z, __fmaf_rn(p.frequency, __int2float_rn(c[k]), p.presence));
+    q.z[k] = z;
+  }
+  return q;
+}
+
+struct Keep {  // the thresholds found so far; an id is kept when it passes all of them
+  float m, z_min = -INFINITY, e_min = 0.f;
+};
+
+__device__ __forceinline__ float scaled(const SampleParams& p, float z) { return __fdiv_rn(z, p.temperature); }
+__device__ __forceinline__ float weight_e(float zt, float m) { return zt == m ? 1.f : expf(zt - m); }
+
+// The draw of steps 4-8 given m = max z / T; every thread of the cluster returns the chosen id.
+__device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& c) {
+  Keep keep{m};
+  if (p.top_k > 0 && p.top_k < p.V) {  // 5
+    auto by_score = [&](int v0, unsigned key[4], u64 w[4]) {
+      const Quad q = load_quad(p, v0, hi);
+      unsigned is_candidate = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        key[k] = float_key(scaled(p, q.z[k])), w[k] = 1;
+        if (v0 + k < hi) is_candidate |= 1u << k;
+      }
+      return is_candidate;
+    };
+    const float t = key_float(radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c));
+    keep.z_min = isnan(t) ? -INFINITY : t;
+  }
+  if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7
+  if (p.top_p < 1.f) {                       // 8: weights in 2^-40 fixed point, integer atomics
+    auto by_mass = [&](int v0, unsigned key[4], u64 w[4]) {
+      const Quad q = load_quad(p, v0, hi);
+      unsigned is_candidate = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float zt = scaled(p, q.z[k]), e = weight_e(zt, keep.m);
+        key[k] = float_key(e), w[k] = __float2ull_rz(e * 0x1p40f);
+        if (v0 + k < hi && zt >= keep.z_min && e >= keep.e_min) is_candidate |= 1u << k;
+      }
+      return is_candidate;
+    };
+    const float tau = key_float(radix_select(by_mass, lo, hi, 0, double(p.top_p), c));
+    if (!isnan(tau)) keep.e_min = fmaxf(keep.e_min, tau);
+  }
+  // Inverse CDF over kept ids in id order: the CTA's mass, then each CTA scans its own ids.
+  float run = 0.f;
+  int last = -1;
+  for (int tile = lo; tile < hi; tile += SAMPLE_TILE) {
+    const int v0 = tile + 4 * int(threadIdx.x);
+    const Quad q = load_quad(p, v0, hi);
+    float mine = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float zt = scaled(p, q.z[k]), e = weight_e(zt, keep.m);
+      if (v0 + k < hi && zt >= keep.z_min && e >= keep.e_min) mine += e, last = v0 + k;
+    }
+    float tile_total;
+    block_exclusive_scan(mine, tile_total, c.sh);
+    run += tile_total;
+  }
+  float W;
+  const float offset = cluster_exclusive_sum(run, W, c);
+  const float target = uniform01(p.seed, p.step) * W;
+  int found = INT_MAX;
+  run = offset;
+  for (int tile = lo; tile < hi; tile += SAMPLE_TILE) {
+    const int v0 = tile + 4 * int(threadIdx.x);
+    const Quad q = load_quad(p, v0, hi);
+    float e[4], mine = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float zt = scaled(p, q.z[k]);
+      e[k] = weight_e(zt, keep.m);
+      if (!(v0 + k < hi && zt >= keep.z_min && e[k] >= keep.e_min)) e[k] = -1.f;
+      else mine += e[k];
+    }
+    float tile_total;
+    float prefix = run + block_exclusive_scan(mine, tile_total, c.sh);
+    int hit = INT_MAX;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (e[k] < 0.f) continue;
+      prefix += e[k];
+      if (prefix > target && hit == INT_MAX) hit = v0 + k;
+    }
+    found = block_reduce(hit, MinI{}, c.sh);
+    if (found != INT_MAX) break;
+    run += tile_total;
+  }
+  found = cluster_reduce(found, MinI{}, c);
+  last = cluster_reduce(last, MaxI{}, c);
+  return found != INT_MAX ? found : last;
+}
+
+__global__ void __cluster_dims__(SAMPLE_CTAS, 1, 1) __launch_bounds__(SAMPLE_THREADS, 1)
+    sample_kernel(SampleParams p) {
+  __shared__ SampleShared sh;
+  ClusterCtx c{cg::this_cluster(), sh};
+  const int rank = int(c.cluster.block_rank());
+  const int chunk = (p.V + SAMPLE_CTAS * 4 - 1) / (SAMPLE_CTAS * 4) * 4;
+  const int lo = min(p.V, rank * chunk), hi = min(p.V, lo + chunk);
+  const bool want_lp = p.num_logprobs >= 0;
+  ArgMax best{-INFINITY, INT_MAX};  // of the scores z
+  Lse lse{-INFINITY, 0.f};          // of the raw logits
+#pragma unroll 4
+  for (int v0 = lo + 4 * int(threadIdx.x); v0 < hi; v0 += SAMPLE_TILE) {
+    const Quad q = load_quad(p, v0, hi);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (v0 + k >= hi) continue;
+      best = MaxFirst{}(best, ArgMax{q.z[k], v0 + k});
+      if (want_lp) lse = lse_add(lse, q.l[k]);
+    }
+  }
+  best = cluster_reduce(best, MaxFirst{}, c);
+  int chosen = best.id;
+  if (p.temperature != 0.f) chosen = draw(p, lo, hi, scaled(p, best.v), c);
+  if (chosen < 0 || chosen >= p.V) chosen = 0;  // only with NaN logits
+  if (want_lp) {  // step 1: the chosen id's logprob, then the top n raw logits by repeated argmax
+    lse = cluster_reduce(lse, LseMerge{}, c);
+    const float log_z = lse.m + logf(lse.s);
+    const bool writer = rank == 0 && threadIdx.x == 0;  // logprob arrays are outputs only
+    if (writer) p.logprob_ids[0] = chosen, p.logprob_values[0] = p.logits[chosen] - log_z;
+    ArgMax prev{INFINITY, -1};
+    for (int i = 1; i <= p.max_logprobs; ++i) {
+      if (i <= p.num_logprobs) {  // the same in every thread: each CTA runs the same reductions
+        ArgMax b{-INFINITY, INT_MAX};
+#pragma unroll 4
+        for (int v0 = lo + 4 * int(threadIdx.x); v0 < hi; v0 += SAMPLE_TILE) {
+          const Quad q = load_quad(p, v0, hi);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int v = v0 + k;
+            if (v < hi && (q.l[k] < prev.v || (q.l[k] == prev.v && v > prev.id))) b = MaxFirst{}(b, ArgMax{q.l[k], v});
+          }
+        }
+        prev = cluster_reduce(b, MaxFirst{}, c);
+      }
+      const bool has = i <= p.num_logprobs && prev.id != INT_MAX;
+      if (writer) p.logprob_ids[i] = has ? prev.id : -1, p.logprob_values[i] = has ? prev.v - log_z : -INFINITY;
+    }
+  }
+  if (rank == 0 && threadIdx.x == 0) {  // after the last cluster barrier: every CTA is done reading
+    p.token[0] = chosen;
+    p.counts[chosen] += 1;
+    p.seen[chosen] = 1;
+  }
+  c.cluster.sync();  // no CTA leaves while another may still read its shared memory
+}
+
+// seen[ids[i]] = 1; ids outside [0, V) are ignored (the CPU op rejects them).
+__global__ void mark_seen_kernel(const int32_t* ids, int n, int32_t* seen, int V) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && ids[i] >= 0 && ids[i] < V) seen[ids[i]] = 1;
+}
+
+__global__ void advance_position_kernel(int32_t* pos, int T) { pos[0] += T; }
+
+}  // namespace lily::cuda
