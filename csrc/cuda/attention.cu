@@ -1,2 +1,169 @@
-// Placeholder until the kernels land.
+// Launchers of the gated-attention ops (kernels/attention_*.cuh). attention() picks a variant:
+//   head_dim in {32, 64, 128, 256} (tensor cores):
+//     T <= 4 and T * group <= 32 -> split-KV decode (one wave of CTAs per device) + LSE merge
+//     otherwise                  -> 64-query-row flash attention (prefill)
+//   any other head_dim           -> the generic fp32 kernel.
+// No grid depends on the position: the decode step is captured once and replayed at every pos.
+#include <algorithm>
+#include <cmath>
+
 #include "cuda_ops.h"
+#include "kernels/attention_decode.cuh"
+#include "kernels/attention_generic.cuh"
+#include "kernels/attention_prefill.cuh"
+#include "kernels/attention_rope.cuh"
+#include "runtime.cuh"
+
+namespace lily::cuda {
+namespace {
+
+using namespace attn;
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
+
+// Four elements per thread when rows are a multiple of 4 long and every base is 16-byte aligned.
+bool can_use_vec4(int64_t row_elems, std::initializer_list<const void*> ptrs16) {
+  if (row_elems % 4 != 0) return false;
+  for (const void* p : ptrs16)
+    if (!aligned(p, 16)) return false;
+  return true;
+}
+
+unsigned elementwise_blocks(const char* op, int64_t items) {
+  const int64_t blocks = ceil_div<int64_t>(items, kElementwiseThreads);
+  LILY_CHECK(blocks <= 0x7fffffff, op, ": too many elements for the CUDA grid (", items, ")");
+  return unsigned(blocks);
+}
+
+bool is_mma_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128 || D == 256; }
+
+bool use_split_kv_decode(int64_t T, int64_t group) { return T <= kMaxDecodeTokens && T * group <= kMaxDecodeRows; }
+
+// Decode CTAs per KV head: one wave over the device (a CTA fills a multiprocessor's shared
+// memory), within the merge's thread count and the partial scratch.
+int64_t decode_ctas_per_head(int64_t T, int64_t nH, int64_t nKV, int64_t D) {
+  const int64_t fit = kDecodeScratchFloats / (T * nH * D);
+  LILY_CHECK(fit >= 1, "attention: ", T, " tokens x ", nH, " heads x ", D, " dims exceed the decode scratch of ",
+             kDecodeScratchFloats, " floats");
+  return std::min({std::max<int64_t>(1, num_sms() / nKV), int64_t(kMaxDecodeCtas), fit});
+}
+
+// Launch with more than 48 KB of dynamic shared memory (the limit is raised once per kernel).
+template <auto kKernel, typename Params>
+void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params& p) {
+  static const bool raised = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    return true;
+  }();
+  (void)raised;
+  kKernel<<<grid, threads, smem_bytes, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+template <int kD>
+void launch_decode(const DecodeParams& p, int64_t M) {
+  const dim3 grid(unsigned(p.num_ctas), unsigned(p.nKV));
+  if (M <= 16)
+    launch_big_smem<attention_decode_split_kernel<kD, 1>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(), p);
+  else
+    launch_big_smem<attention_decode_split_kernel<kD, 2>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(), p);
+}
+
+template <int kD>
+void launch_prefill(const PrefillParams& p) {
+  const dim3 grid(unsigned(ceil_div(p.T, kPrefillRows)), unsigned(p.nH));
+  launch_big_smem<attention_prefill_kernel<kD>>(grid, kPrefillThreads, prefill_smem_bytes<kD>(), p);
+}
+
+void launch_decode_for_dim(const DecodeParams& p, int64_t M, int64_t D) {
+  switch (D) {
+    case 32: return launch_decode<32>(p, M);
+    case 64: return launch_decode<64>(p, M);
+    case 128: return launch_decode<128>(p, M);
+    case 256: return launch_decode<256>(p, M);
+  }
+  fail("attention: unsupported head_dim ", D, " for the split-KV decode kernel");
+}
+
+void launch_prefill_for_dim(const PrefillParams& p, int64_t D) {
+  switch (D) {
+    case 32: return launch_prefill<32>(p);
+    case 64: return launch_prefill<64>(p);
+    case 128: return launch_prefill<128>(p);
+    case 256: return launch_prefill<256>(p);
+  }
+  fail("attention: unsupported head_dim ", D, " for the prefill kernel");
+}
+
+}  // namespace
+
+void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads) {
+  const int64_t T = p.dim(0), D = p.dim(1) / (2 * num_heads), n = T * num_heads * D;
+  if (n == 0) return;
+  const SplitQGateParams sp{p.ptr<float>(), q.ptr<float>(), gate.ptr<float>(), n, int(D)};
+  if (can_use_vec4(D, {sp.p, sp.q, sp.gate}))
+    split_q_gate_kernel<4><<<elementwise_blocks("split_q_gate", n / 4), kElementwiseThreads, 0, stream()>>>(sp);
+  else
+    split_q_gate_kernel<1><<<elementwise_blocks("split_q_gate", n), kElementwiseThreads, 0, stream()>>>(sp);
+  LILY_CUDA_LAUNCHED();
+}
+
+void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos) {
+  const int64_t T = x.dim(0), D = x.dim(1) / num_heads, half = rotary_dim / 2;
+  if (T == 0 || half == 0) return;
+  LILY_CHECK(half <= kMaxRopeHalf, "rope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
+  RopeParams rp{x.ptr<float>(), pos, T * num_heads * half, num_heads, int(D), int(half), {}};
+  for (int64_t j = 0; j < half; ++j) rp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  rope_kernel<<<elementwise_blocks("rope", rp.n), kElementwiseThreads, 0, stream()>>>(rp);
+  LILY_CUDA_LAUNCHED();
+}
+
+void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos) {
+  const int64_t W = x.dim(1), n = x.dim(0) * W;
+  if (n == 0) return;
+  const KvCacheWriteParams kp{x.ptr<float>(), cache.ptr<__nv_bfloat16>(), pos, n, W};
+  if (can_use_vec4(W, {kp.x}) && aligned(kp.cache, 8))
+    kv_cache_write_kernel<4><<<elementwise_blocks("kv_cache_write", n / 4), kElementwiseThreads, 0, stream()>>>(kp);
+  else
+    kv_cache_write_kernel<1><<<elementwise_blocks("kv_cache_write", n), kElementwiseThreads, 0, stream()>>>(kp);
+  LILY_CUDA_LAUNCHED();
+}
+
+void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int num_heads,
+               int num_kv_heads, const int32_t* pos) {
+  const int64_t T = q.dim(0), D = q.dim(1) / num_heads, maxT = k_cache.dim(0), group = num_heads / num_kv_heads;
+  if (T == 0) return;
+  LILY_CHECK(maxT <= 0x7fffffff, "attention: cache of ", maxT, " rows exceeds int32 positions");
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
+  const auto* k = k_cache.ptr<__nv_bfloat16>();
+  const auto* v = v_cache.ptr<__nv_bfloat16>();
+
+  if (!is_mma_head_dim(D)) {
+    const int smem = int((2 * D + kGenericThreads) * sizeof(float));
+    LILY_CHECK(smem <= 48 * 1024, "attention: head_dim ", D, " too large for the generic CUDA kernel");
+    LILY_CHECK(T * num_heads <= 0x7fffffff, "attention: too many (token, head) rows for the CUDA grid");
+    const GenericParams gp{q.ptr<float>(), k, v, o.ptr<float>(), pos, num_heads, num_kv_heads, int(group),
+                           int(D), scale_log2};
+    attention_generic_kernel<<<unsigned(T * num_heads), kGenericThreads, smem, stream()>>>(gp);
+    LILY_CUDA_LAUNCHED();
+    return;
+  }
+  // The tensor-core kernels move q, o and cache rows in 16-byte pieces.
+  for (const void* ptr : {q.data, o.data, k_cache.data, v_cache.data})
+    LILY_CHECK(aligned(ptr, 16), "attention: q, o and the caches must be 16-byte aligned on CUDA");
+
+  if (use_split_kv_decode(T, group)) {
+    const int P = int(decode_ctas_per_head(T, num_heads, num_kv_heads, D));
+    const DecodeParams dp{q.ptr<float>(), k, v, pos, int(T), num_heads, num_kv_heads, int(group), P, scale_log2};
+    launch_decode_for_dim(dp, dp.T * dp.group, D);
+    const DecodeMergeParams mp{o.ptr<float>(), pos, num_heads, int(D), int(T), P};
+    attention_decode_merge_kernel<<<unsigned(T * num_heads), kMergeThreads, 0, stream()>>>(mp);
+    LILY_CUDA_LAUNCHED();
+    return;
+  }
+  const PrefillParams pp{q.ptr<float>(), k, v, o.ptr<float>(), pos, int(T), num_heads, num_kv_heads, int(group),
+                         scale_log2};
+  launch_prefill_for_dim(pp, D);
+}
+
+}  // namespace lily::cuda

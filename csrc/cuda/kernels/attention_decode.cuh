@@ -1,0 +1,275 @@
+// Split-KV (flash-decoding) attention for a few new tokens, then a log-sum-exp merge of the splits.
+//   o[t, h, :] = sum_{j <= pos0+t} softmax_j(q[t, h, :] . k[j, kvh, :] / sqrt(D)) v[j, kvh, :],
+//   kvh = h / group. Matches cpu::attention.
+// q, o [T, nH*D] f32; k_cache, v_cache [maxT, nKV*D] bf16; pos [1] i32 on the device.
+// Split kernel: grid (P, nKV), 128 threads, P fixed per device (not per position, so one captured
+// graph serves every position). CTA (c, kvh) takes the 64-row cache tiles c, c + P, c + 2P, ...
+// below pos0 + T (cp.async, two stages) with one online softmax, and packs all T*group queries of
+// its KV head as the M rows of the tensor-core products (m = t*group + head-in-group), so each
+// K/V byte is read once per step. Q K^T: warp w takes tile rows [16w, 16w+16); P V: warp w takes
+// dims [w*D/4, (w+1)*D/4).
+// Precision: q and p are split into bf16 hi + lo parts (two products each) so scores and weighted
+// sums keep ~16 mantissa bits against the exact bf16 K/V; softmax and accumulators are fp32.
+// Partials (unnormalised o, running max in log2 units, sum) go to a fixed device scratch; the
+// merge kernel (one CTA per (t, h)) combines them in CTA order.
+#pragma once
+#include "attention_mma.cuh"
+#include "common.cuh"
+
+namespace lily::cuda::attn {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeTile = 64;          // cache rows per pipeline stage
+constexpr int kMaxDecodeRows = 32;       // T * group packed per CTA (two m-tiles)
+constexpr int kMaxDecodeTokens = 4;
+constexpr int kMaxDecodeCtas = 256;      // P per KV head; the merge gives each a thread
+// Scratch bound: T * nH * P * D partial floats (8 MiB; real dims use 4 * 16 * 66 * 256 at most).
+constexpr int64_t kDecodeScratchFloats = int64_t(1) << 21;
+constexpr int64_t kDecodeMaxPartials = kDecodeScratchFloats / 32;  // D >= 32 on this path
+
+__device__ float g_decode_partial_o[kDecodeScratchFloats];     // [T, nH, P, D] f32
+__device__ float2 g_decode_partial_ml[kDecodeMaxPartials];     // [T, nH, P] (max, sum)
+
+struct DecodeParams {
+  const float* q;        // [T, nH*D] f32
+  const bf16* k_cache;   // [maxT, nKV*D] bf16
+  const bf16* v_cache;   // [maxT, nKV*D] bf16
+  const int32_t* pos;    // [1] i32
+  int T, nH, nKV, group;
+  int num_ctas;          // P, CTAs per KV head
+  float scale_log2;      // log2(e) / sqrt(D)
+};
+
+template <int kD, int kMTiles>
+constexpr int decode_smem_bytes() {
+  constexpr int kM = kMTiles * 16;
+  return (2 * kM * (kD + kPad) + 4 * kDecodeTile * (kD + kPad) + 2 * kM * (kDecodeTile + kPad)) * 2 +
+         (kM * (kDecodeTile + 4) + 3 * kM) * 4;
+}
+
+template <int kD, int kMTiles>
+__global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(const DecodeParams p) {
+  constexpr int kM = kMTiles * 16, kStride = kD + kPad, kPStride = kDecodeTile + kPad;
+  constexpr int kSStride = kDecodeTile + 4, kWarpDims = kD / 4, kNT = kWarpDims / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* q_hi = reinterpret_cast<bf16*>(smem);      // [kM][kStride]
+  bf16* q_lo = q_hi + kM * kStride;                // [kM][kStride]
+  bf16* k_s = q_lo + kM * kStride;                 // [2][kDecodeTile][kStride]
+  bf16* v_s = k_s + 2 * kDecodeTile * kStride;     // [2][kDecodeTile][kStride]
+  bf16* p_hi = v_s + 2 * kDecodeTile * kStride;    // [kM][kPStride]
+  bf16* p_lo = p_hi + kM * kPStride;               // [kM][kPStride]
+  float* s_s = reinterpret_cast<float*>(p_lo + kM * kPStride);  // [kM][kSStride] scores, log2 units
+  float* row_m = s_s + kM * kSStride;              // [kM] running max
+  float* row_l = row_m + kM;                       // [kM] running sum
+  float* row_alpha = row_l + kM;                   // [kM] rescale of this tile
+
+  const int cta = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int pos0 = *p.pos;
+  const int row_end = pos0 + p.T;  // cache rows [0, pos0 + T) are visible to some query
+  const int total_tiles = (row_end + kDecodeTile - 1) / kDecodeTile;
+  if (cta >= total_tiles) return;
+  const int num_tiles = (total_tiles - cta + p.num_ctas - 1) / p.num_ctas;  // tiles cta + i P
+  const int tile_step = p.num_ctas * kDecodeTile;
+  const int row_begin = cta * kDecodeTile;
+  const int M = p.T * p.group;
+  const int64_t row_stride = int64_t(p.nKV) * kD;
+  const bf16* k_head = p.k_cache + kvh * kD;
+  const bf16* v_head = p.v_cache + kvh * kD;
+
+  load_kv_tile<kDecodeTile, kD, kDecodeThreads>(k_s, k_head, row_stride, row_begin, row_end);
+  load_kv_tile<kDecodeTile, kD, kDecodeThreads>(v_s, v_head, row_stride, row_begin, row_end);
+  cp_async_commit();
+
+  for (int i = tid; i < kM * (kD / 4); i += kDecodeThreads) {
+    const int m = i / (kD / 4), d = (i % (kD / 4)) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < M) {
+      const int t = m / p.group, h = kvh * p.group + m % p.group;
+      x = *reinterpret_cast<const float4*>(p.q + (int64_t(t) * p.nH + h) * kD + d);
+    }
+    const uint32_t h01 = pack_bf16(x.x, x.y), h23 = pack_bf16(x.z, x.w);
+    const float2 f01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h01));
+    const float2 f23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h23));
+    *reinterpret_cast<uint2*>(q_hi + m * kStride + d) = make_uint2(h01, h23);
+    *reinterpret_cast<uint2*>(q_lo + m * kStride + d) =
+        make_uint2(pack_bf16(x.x - f01.x, x.y - f01.y), pack_bf16(x.z - f23.x, x.w - f23.y));
+  }
+  if (tid < kM) {
+    row_m[tid] = -INFINITY;
+    row_l[tid] = 0.f;
+  }
+
+  float o[kMTiles][kNT][4] = {};  // rows mt*16 + g (+8), dims warp*kWarpDims + 8j + 2c (+1)
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int buf = tile & 1, tile_row0 = row_begin + tile * tile_step;
+    if (tile + 1 < num_tiles) {
+      const int next = (buf ^ 1) * kDecodeTile * kStride;
+      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(k_s + next, k_head, row_stride, tile_row0 + tile_step, row_end);
+      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(v_s + next, v_head, row_stride, tile_row0 + tile_step, row_end);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* k_t = k_s + buf * kDecodeTile * kStride;  // [kDecodeTile][kStride]
+    const bf16* v_t = v_s + buf * kDecodeTile * kStride;  // [kDecodeTile][kStride]
+
+    // Scores of tile rows [16 warp, 16 warp + 16) for all packed queries.
+    float sc[kMTiles][2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t kb[4];
+      load_bt_frag_x2n(kb, k_t, kStride, 16 * warp, 16 * kk);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        uint32_t ah[4], al[4];
+        load_a_frag(ah, q_hi, kStride, 16 * mt, 16 * kk);
+        load_a_frag(al, q_lo, kStride, 16 * mt, 16 * kk);
+        mma_bf16(sc[mt][0], al, kb[0], kb[1]);
+        mma_bf16(sc[mt][0], ah, kb[0], kb[1]);
+        mma_bf16(sc[mt][1], al, kb[2], kb[3]);
+        mma_bf16(sc[mt][1], ah, kb[2], kb[3]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = 16 * mt + g + (e >> 1) * 8, n = 16 * warp + 8 * nt + 2 * c + (e & 1);
+          const bool valid = m < M && tile_row0 + n <= pos0 + m / p.group;
+          s_s[m * kSStride + n] = valid ? sc[mt][nt][e] * p.scale_log2 : -INFINITY;
+        }
+    __syncthreads();
+
+    // Online softmax: kThreadsPerRow consecutive lanes own one packed query row.
+    {
+      constexpr int kThreadsPerRow = kDecodeThreads / kM, kCols = kDecodeTile / kThreadsPerRow;
+      const int r = tid / kThreadsPerRow, col0 = (tid % kThreadsPerRow) * kCols;
+      const float m_old = row_m[r];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) mx = fmaxf(mx, s_s[r * kSStride + col0 + i]);
+#pragma unroll
+      for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_old, mx);
+      const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // rows with nothing valid yet stay at 0
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) {
+        const float pv = exp2f(s_s[r * kSStride + col0 + i] - m_ref);
+        const __nv_bfloat16 hi = __float2bfloat16_rn(pv);
+        sum += pv;
+        p_hi[r * kPStride + col0 + i] = hi;
+        p_lo[r * kPStride + col0 + i] = __float2bfloat16_rn(pv - __bfloat162float(hi));
+      }
+#pragma unroll
+      for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      const float alpha = exp2f(m_old - m_ref);
+      __syncwarp();
+      if (tid % kThreadsPerRow == 0) {
+        row_m[r] = m_new;
+        row_l[r] = row_l[r] * alpha + sum;
+        row_alpha[r] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // o = o * alpha + P V over this warp's dims.
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const float a0 = row_alpha[16 * mt + g], a1 = row_alpha[16 * mt + g + 8];
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        o[mt][j][0] *= a0;
+        o[mt][j][1] *= a0;
+        o[mt][j][2] *= a1;
+        o[mt][j][3] *= a1;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kDecodeTile / 16; ++kk) {
+      uint32_t ph[kMTiles][4], pl[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        load_a_frag(ph[mt], p_hi, kPStride, 16 * mt, 16 * kk);
+        load_a_frag(pl[mt], p_lo, kPStride, 16 * mt, 16 * kk);
+      }
+#pragma unroll
+      for (int j = 0; j + 1 < kNT; j += 2) {
+        uint32_t vb[4];
+        load_b_frag_x2n(vb, v_t, kStride, 16 * kk, warp * kWarpDims + 8 * j);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_bf16(o[mt][j], pl[mt], vb[0], vb[1]);
+          mma_bf16(o[mt][j], ph[mt], vb[0], vb[1]);
+          mma_bf16(o[mt][j + 1], pl[mt], vb[2], vb[3]);
+          mma_bf16(o[mt][j + 1], ph[mt], vb[2], vb[3]);
+        }
+      }
+      if constexpr (kNT % 2 == 1) {
+        uint32_t vb[2];
+        load_b_frag_x1n(vb, v_t, kStride, 16 * kk, warp * kWarpDims + 8 * (kNT - 1));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_bf16(o[mt][kNT - 1], pl[mt], vb[0], vb[1]);
+          mma_bf16(o[mt][kNT - 1], ph[mt], vb[0], vb[1]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration refills this stage's buffers, scores and P
+  }
+
+  // The partial of (t, h) from this CTA is row (t*nH + h) * P + cta.
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = 16 * mt + g + 8 * half;
+      if (m >= M) continue;
+      const int t = m / p.group, h = kvh * p.group + m % p.group;
+      float* dst = g_decode_partial_o + ((int64_t(t) * p.nH + h) * p.num_ctas + cta) * kD;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+        *reinterpret_cast<float2*>(dst + warp * kWarpDims + 8 * j + 2 * c) =
+            make_float2(o[mt][j][2 * half], o[mt][j][2 * half + 1]);
+    }
+  if (tid < M) {
+    const int t = tid / p.group, h = kvh * p.group + tid % p.group;
+    g_decode_partial_ml[(int64_t(t) * p.nH + h) * p.num_ctas + cta] = make_float2(row_m[tid], row_l[tid]);
+  }
+}
+
+struct DecodeMergeParams {
+  float* o;             // [T, nH*D] f32
+  const int32_t* pos;   // [1] i32
+  int nH, D, T, num_ctas;
+};
+
+constexpr int kMergeThreads = 256;  // >= kMaxDecodeCtas and >= D
+
+// o[t, h, :] = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c over the CTAs c that had tiles, in
+// CTA order (M = max_c m_c; CTAs with no visible row for t carry m_c = -inf, weight 0).
+// Grid T*nH (one CTA per (t, h)); thread c loads CTA c's (max, sum), thread d sums dim d.
+__global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(const DecodeMergeParams p) {
+  __shared__ float weight[kMergeThreads];  // [P]
+  __shared__ float red[32];
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const int n = min(p.num_ctas, (*p.pos + p.T + kDecodeTile - 1) / kDecodeTile);
+  const float2 ml = tid < n ? g_decode_partial_ml[int64_t(row) * p.num_ctas + tid] : make_float2(-INFINITY, 0.f);
+  const float mx = block_max(ml.x, red);  // finite: CTA 0 holds cache row 0
+  const float w = tid < n ? exp2f(ml.x - mx) : 0.f;
+  weight[tid] = w;
+  const float inv_l = 1.f / block_sum(ml.y * w, red);
+  if (tid >= p.D) return;
+  const float* part = g_decode_partial_o + int64_t(row) * p.num_ctas * p.D + tid;  // [P, D] f32, column tid
+  float acc = 0.f;
+#pragma unroll 8
+  for (int c = 0; c < n; ++c) acc += weight[c] * part[int64_t(c) * p.D];
+  p.o[int64_t(row) * p.D + tid] = acc * inv_l;
+}
+
+}  // namespace lily::cuda::attn
