@@ -1,11 +1,13 @@
-"""The ``lily`` command: generate, make-checkpoint.
+"""The ``lily`` command: generate, chat, make-checkpoint.
 
-``lily generate`` without ``--model`` runs the tiny built-in synthetic checkpoint (random weights,
-real Qwen3.6 tokenizer), made once and cached, so a fresh install can run end to end offline.
+Without ``--model``, ``generate`` and ``chat`` run the tiny built-in synthetic checkpoint (random
+weights, real Qwen3.6 tokenizer and chat template), made once and cached, so a fresh install can run
+end to end offline.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -15,6 +17,11 @@ from pathlib import Path
 
 from .errors import LilyError
 
+TINY_MAX_TOKENS = 32
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "seed", "max_tokens", "stop", "ignore_eos", "logprobs")
+DIM, RESET = "\033[2m", "\033[0m"
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("LILY_CACHE_DIR") or Path.home() / ".cache" / "lily")
@@ -23,9 +30,12 @@ def cache_root() -> Path:
 def tiny_checkpoint() -> Path:
     """The built-in tiny MLX 4-bit checkpoint (seed 0), created on first use."""
     from .synthetic import make_checkpoint
+    from .tokenizer_files import write_tokenizer_files
 
     dest = cache_root() / "checkpoints" / "tiny-mlx-4bit-seed0"
     if (dest / "config.json").is_file():
+        if not (dest / "chat_template.jinja").is_file():  # cached before checkpoints carried a template
+            write_tokenizer_files(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"lily: writing the built-in tiny checkpoint to {dest} ...", file=sys.stderr)
@@ -42,42 +52,288 @@ def tiny_checkpoint() -> Path:
     return dest
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def load_model(args: argparse.Namespace):
     from .model import Model
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     path = args.model or tiny_checkpoint()
+    if not args.quiet:
+        print(f"lily: loading {path} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     model = Model.load(path, device=args.device, max_context=args.max_context, progress=not args.quiet)
-    t1 = time.perf_counter()
-    result = model.generate(prompt, max_tokens=args.max_tokens)
-    t2 = time.perf_counter()
     if not args.quiet:
-        print(f"{model!r}\nprompt tokens: {result.prompt_tokens}", file=sys.stderr)
-        print(f"generated token ids: {result.token_ids}", file=sys.stderr)
-    print(result.text)
+        print(f"lily: {model!r} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return model
+
+
+def sampling_params(args: argparse.Namespace, model, chat: bool):
+    """The command's sampling: greedy for generate, the checkpoint's recommendation for chat, then
+    every flag given on the command line."""
+    from .sampling import SamplingParams
+
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) not in (None, False)}
+    if "max_tokens" not in given and args.model is None:
+        given["max_tokens"] = TINY_MAX_TOKENS  # random weights rarely sample a stop token
+    return model.default_sampling(**given) if chat else SamplingParams(**given)
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    return {"enable_thinking": False if args.no_think else None,
+            "preserve_thinking": True if args.preserve_thinking else None}
+
+
+class ThinkPrinter:
+    """Streams a chat answer to a terminal: the reasoning (up to ``</think>``) dimmed or hidden."""
+
+    def __init__(self, out, thinking: bool, show_reasoning: bool):
+        self.out, self.in_think, self.show = out, thinking, show_reasoning
+        self.color = out.isatty()
+        self.skip_newlines = False
+
+    def write(self, text: str) -> None:
+        if self.in_think:
+            head, sep, tail = text.partition("</think>")
+            if self.show and head:
+                self.out.write(f"{DIM}{head}{RESET}" if self.color else head)
+            if not sep:
+                return
+            self.in_think, self.skip_newlines = False, True
+            if self.show:
+                self.out.write("\n")
+            text = tail
+        if self.skip_newlines:
+            text = text.lstrip("\n")
+            self.skip_newlines = not text
+        self.out.write(text)
+        self.out.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    params = sampling_params(args, model, chat=False)
+    if args.input:
+        return generate_jsonl(model, params, args)
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = text
+    if args.chat:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                 [{"role": "user", "content": text}]
+    stream = model.generate(prompt, params, stream=True, **template_kwargs(args))
+    printer = ThinkPrinter(sys.stdout, stream.thinking, True)
+    for event in stream:
+        printer.write(event.text)
+    result = stream.result()
+    print()
     if not args.quiet:
-        n = len(result.token_ids)
-        print(f"[{n} tokens, finish_reason={result.finish_reason}, load {t1 - t0:.2f}s, "
-              f"generate {t2 - t1:.2f}s ({n / max(t2 - t1, 1e-9):.1f} tok/s incl. prefill)]", file=sys.stderr)
+        u = result.usage
+        print(f"prompt tokens: {u.prompt_tokens}\ngenerated token ids: {result.token_ids}", file=sys.stderr)
+        if result.logprobs is not None:
+            for lp in result.logprobs:
+                alts = " ".join(f"{i}:{v:.3f}" for i, v in lp.top)
+                print(f"  {lp.token_id}: {lp.logprob:.3f}  [{alts}]", file=sys.stderr)
+        print(f"[{u.completion_tokens} tokens, finish_reason={result.finish_reason}, prefill "
+              f"{u.prefill_seconds * 1e3:.1f} ms, decode {u.decode_tokens_per_second:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def generate_jsonl(model, params, args: argparse.Namespace) -> int:
+    """Each input line is a JSON string (the prompt) or an object with 'prompt' (text) or 'messages'
+    (a conversation) and an optional 'id' (default: the line's index among non-empty lines). One
+    result line per prompt, written as soon as it is done; prompts whose id is already in the
+    output file are skipped, so an interrupted run continues where it stopped."""
+    from tqdm.auto import tqdm
+
+    if not args.output:
+        raise LilyError("--input needs --output (a .jsonl file for the results)")
+    prompts = read_prompts(Path(args.input))
+    out_path = Path(args.output)
+    done = completed_ids(out_path)
+    todo = [(pid, p) for pid, p in prompts if pid not in done]
+    if not args.quiet:
+        print(f"lily: {len(prompts)} prompts, {len(prompts) - len(todo)} already in {out_path}", file=sys.stderr)
+    kwargs = template_kwargs(args)
+    with open(out_path, "a", encoding="utf-8") as out, \
+            tqdm(total=len(todo), desc="generate", unit="prompt", disable=args.quiet, file=sys.stderr) as bar:
+        results = model.generate([p for _, p in todo], params, stream=True, **kwargs) if todo else []
+        for (pid, _), r in zip(todo, results):
+            row = {"id": pid, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                   "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
+                             "cached_tokens": r.usage.cached_tokens}}
+            if r.thinking:
+                row.update(reasoning=r.reasoning, content=r.content)
+            if r.logprobs is not None:
+                row["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                                   for lp in r.logprobs]
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+            bar.update(1)
+    return 0
+
+
+def read_prompts(path: Path) -> list[tuple[object, object]]:
+    if not path.is_file():
+        raise LilyError(f"{path}: no such input file")
+    prompts, seen = [], set()
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LilyError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+            raise LilyError(f"{path}:{lineno}: expected a JSON string or an object with 'prompt' or 'messages'")
+        pid = item.get("id", len(prompts))
+        if pid in seen:
+            raise LilyError(f"{path}:{lineno}: duplicate id {pid!r}")
+        seen.add(pid)
+        prompts.append((pid, item.get("prompt", item.get("messages"))))
+    return prompts
+
+
+def completed_ids(path: Path) -> set:
+    """Ids already in the output file; a last line cut short by an interruption is removed."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    done = set()
+    for lineno, line in enumerate(data[:end].decode("utf-8").splitlines(), 1):
+        try:
+            done.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LilyError(f"{path}:{lineno}: not a lily result line; use another --output file") from None
+    return done
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    params = sampling_params(args, model, chat=True)
+    kwargs = template_kwargs(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    session = model.new_session()
+    if not args.quiet:
+        print("lily chat: /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": line})
+        stream = model.chat(messages, params, stream=True, session=session, **kwargs)
+        printer = ThinkPrinter(sys.stdout, stream.thinking, not args.hide_thinking)
+        try:
+            for event in stream:
+                printer.write(event.text)
+        except KeyboardInterrupt:
+            stream.close()
+            messages.pop()
+            print("\n[interrupted]")
+            continue
+        result = stream.result()
+        print()
+        messages.append(result.message)
+        if args.verbose:
+            u = result.usage
+            print(f"[{u.prompt_tokens} prompt tokens ({u.cached_tokens} reused), {u.completion_tokens} generated, "
+                  f"finish_reason={result.finish_reason}, prefill {u.prefill_seconds * 1e3:.1f} ms, "
+                  f"decode {u.decode_tokens_per_second:.1f} tok/s]", file=sys.stderr)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the tiny "
+                                         "built-in synthetic checkpoint: random weights, gibberish text)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="compute device (default auto: CUDA when available)")
+    p.add_argument("--max-context", type=int, default=None, help="session size in tokens (default 16384)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("sampling", f"Default: {default}. A flag given here overrides that one value.")
+    g.add_argument("--temperature", "-t", type=float, help="0 = greedy; higher = more random")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="keep the most likely tokens up to this probability mass (1 = off)")
+    g.add_argument("--min-p", type=float, help="keep tokens with p >= min_p * p_max (0 = off)")
+    g.add_argument("--presence-penalty", type=float, help="subtract from the logit of every token generated so far")
+    g.add_argument("--frequency-penalty", type=float, help="subtract per occurrence of a token generated so far")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="divide positive / multiply negative logits of prompt and output tokens (1 = off)")
+    g.add_argument("--seed", type=int, help="random seed; the same seed and prompt give the same text (default random)")
+    g.add_argument("--max-tokens", "-n", type=int, help=f"the most tokens to generate (default: until a stop token "
+                                                        f"or the end of the context; {TINY_MAX_TOKENS} with the "
+                                                        f"built-in tiny checkpoint)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when this text appears (not printed); repeat for several")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's end-of-turn tokens")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="report each token's logprob and the N most likely alternatives (generate only)")
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("chat template")
+    g.add_argument("--system", help="system message")
+    g.add_argument("--no-think", action="store_true",
+                   help="disable thinking (enable_thinking=false; Qwen3.6 thinks by default)")
+    g.add_argument("--preserve-thinking", action="store_true",
+                   help="keep the reasoning of earlier turns in the history (preserve_thinking=true)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import synthetic
 
-    p = argparse.ArgumentParser(prog="lily", description="Batch-1 inference for Qwen3.5/3.6 MoE checkpoints.")
+    p = argparse.ArgumentParser(prog="lily", description="Batch-1 inference for Qwen3.5/3.6 MoE checkpoints.",
+                                epilog="Run 'lily COMMAND --help' for each command's options.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy generation from a prompt (argument or stdin)",
-                       description="Greedy generation. Without --model, uses the tiny built-in synthetic "
-                                   "checkpoint (random weights: the text is gibberish, the pipeline is real).")
+
+    g = sub.add_parser(
+        "generate", help="generate from a prompt (argument, stdin, or a JSONL file), streaming the text",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text from a prompt, printed as it is generated. Statistics go to stderr.",
+        epilog="examples:\n"
+               "  lily generate 'Hello, world'                       # tiny built-in model\n"
+               "  echo 'Why is the sky blue?' | lily generate -m CKPT --chat --no-think -t 0.7\n"
+               "  lily generate -m CKPT --input prompts.jsonl --output results.jsonl\n\n"
+               "JSONL input: one prompt per line, a JSON string or {\"id\": ..., \"prompt\": TEXT} or\n"
+               "{\"id\": ..., \"messages\": [...]}. Output: one JSON object per prompt (id, text, token_ids,\n"
+               "finish_reason, usage, and reasoning/content for thinking chats), written as each one\n"
+               "finishes. Rerunning with the same --output skips the ids already there (resume).")
     g.add_argument("prompt", nargs="?", help="prompt text (read from stdin when omitted)")
-    g.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: tiny built-in)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    g.add_argument("--max-context", type=int, default=None, help="session size in tokens")
-    g.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
+    add_model_arguments(g)
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the chat template (default: raw text)")
+    g.add_argument("--input", "-i", metavar="PROMPTS.jsonl", help="generate for every prompt of a JSONL file")
+    g.add_argument("--output", "-o", metavar="RESULTS.jsonl", help="where --input writes results (appended; resumable)")
+    add_sampling_arguments(g, "greedy")
+    add_chat_arguments(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser(
+        "chat", help="interactive multi-turn chat",
+        description="Interactive chat with the checkpoint's chat template. Each turn resumes the session, so only "
+                    "the new tokens are prefilled. The reasoning is shown dimmed. Commands: /reset, /exit.")
+    add_model_arguments(c)
+    c.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
+    c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each answer")
+    add_sampling_arguments(c, "the checkpoint's generation_config.json (Qwen3.6: temperature 1.0, top_k 20, "
+                              "top_p 0.95)")
+    add_chat_arguments(c)
+    c.set_defaults(func=cmd_chat)
+
     m = sub.add_parser("make-checkpoint", help="write a random synthetic checkpoint",
                        description="Write a random checkpoint of any config, MLX 4-bit or Hugging Face bf16 layout.")
     synthetic.add_cli_arguments(m)

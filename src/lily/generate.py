@@ -79,7 +79,7 @@ class Generation:
 
     ``text``: the generated text (stop strings and stop tokens excluded); ``token_ids``: the
     generated ids (a stop token excluded, the ids that spelled a stop string included);
-    ``finish_reason``: 'stop' or 'length'; ``stop_reason``: the stop token id or stop string that
+    ``finish_reason``: 'stop', 'length', or 'cancelled' (the stream was closed early); ``stop_reason``: the stop token id or stop string that
     ended it (None for 'length'); ``logprobs``: one TokenLogprob per token when requested.
     For chat prompts whose generation prompt opens a think block, ``reasoning`` and ``content``
     split the text at ``</think>``, and ``message`` is the assistant message to append to the
@@ -142,6 +142,11 @@ class GenerationStream:
             self._done = True
             raise
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the prompt leaves a think block open (the text starts with reasoning)."""
+        return self._result.thinking
+
     def result(self) -> Generation:
         for _ in self:
             pass
@@ -201,13 +206,14 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
     session._acquire()
     try:
         t0 = time.perf_counter()
-        cached = resume(session, ids)
+        tokens = session._tokens
+        cached = start = resume(session, ids)
         if boundary is not None and cached < boundary < len(ids):
-            session.prefill(ids[cached:boundary])
+            with lock:
+                core.prefill(np.asarray(ids[cached:boundary], dtype=np.int32), False)
+            tokens.extend(ids[cached:boundary])
             session.remember_prefix(session.snapshot())
             start = boundary
-        else:
-            start = cached
         params = params.with_seed()
         num_logprobs = params.num_logprobs
         rest = np.asarray(ids[start:], dtype=np.int32)
@@ -219,7 +225,6 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
                              repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
                              num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
             token = core.prefill_sample(rest)
-        tokens = session._tokens
         tokens.extend(ids[start:])
         usage = result.usage
         usage.prompt_tokens, usage.cached_tokens = len(ids), cached
@@ -237,47 +242,50 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
     core, lock, tokens = session._core, session.model._lock, session._tokens
     detok = StreamingDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
     stops = StopMatcher(params.stop) if params.stop else None
-    out_ids, parts = result.token_ids, []
-    logprobs = [] if params.num_logprobs >= 0 else None
-    result.logprobs = logprobs
+    out_ids, parts, usage = result.token_ids, [], result.usage
+    num_logprobs = params.num_logprobs
+    logprobs = result.logprobs = [] if num_logprobs >= 0 else None
     max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
     room = session.max_context
-    usage = result.usage
-    while True:
-        if token in stop_ids:
-            text, hit = _finish(detok, stops)
-            parts.append(text)
-            result.finish_reason, result.stop_reason = "stop", hit if hit is not None else token
-            yield GenerationEvent(text, None, None, "stop")
-            break
-        out_ids.append(token)
-        usage.completion_tokens += 1
-        lp = None
-        if logprobs is not None:
-            lp = _last_logprob(core, params.num_logprobs)
-            logprobs.append(lp)
-        text = detok.add(token) if detok is not None else ""
-        if stops is not None:
-            text, hit = stops.feed(text)
-            if hit is not None:
+    result.finish_reason = "cancelled"  # until the loop decides; stays so when the stream is closed early
+    try:
+        while True:
+            if token in stop_ids:
+                text, hit = _finish(detok, stops)
                 parts.append(text)
-                result.finish_reason, result.stop_reason = "stop", hit
-                yield GenerationEvent(text, token, lp, "stop")
-                break
-        if len(out_ids) >= max_tokens or len(tokens) >= room:
-            tail, hit = _finish(detok, stops)
-            text += tail
+                result.finish_reason, result.stop_reason = "stop", hit if hit is not None else token
+                yield GenerationEvent(text, None, None, "stop")
+                return
+            out_ids.append(token)
+            usage.completion_tokens += 1
+            lp = None
+            if logprobs is not None:
+                lp = _last_logprob(core, num_logprobs)
+                logprobs.append(lp)
+            text = detok.add(token) if detok is not None else ""
+            if stops is not None:
+                text, hit = stops.feed(text)
+                if hit is not None:
+                    parts.append(text)
+                    result.finish_reason, result.stop_reason = "stop", hit
+                    yield GenerationEvent(text, token, lp, "stop")
+                    return
+            # The sampled token can be fed only while the context has room for it.
+            if len(out_ids) >= max_tokens or len(tokens) >= room:
+                tail, hit = _finish(detok, stops)
+                text += tail
+                parts.append(text)
+                result.finish_reason, result.stop_reason = ("stop", hit) if hit is not None else ("length", None)
+                yield GenerationEvent(text, token, lp, result.finish_reason)
+                return
             parts.append(text)
-            result.finish_reason, result.stop_reason = ("stop", hit) if hit is not None else ("length", None)
-            yield GenerationEvent(text, token, lp, result.finish_reason)
-            break
-        parts.append(text)
-        yield GenerationEvent(text, token, lp, None)
-        with lock:
-            nxt = core.decode_sample(-1)
-        tokens.append(token)
-        token = nxt
-    result.text = "".join(parts)
+            yield GenerationEvent(text, token, lp, None)
+            with lock:
+                nxt = core.decode_sample(-1)
+            tokens.append(token)
+            token = nxt
+    finally:
+        result.text = "".join(parts)
 
 
 def _finish(detok: StreamingDetokenizer | None, stops: StopMatcher | None) -> tuple[str, str | None]:

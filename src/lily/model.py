@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -333,7 +333,8 @@ class Model:
 
         Returns a Generation; with ``stream=True`` a GenerationStream, an iterator of
         GenerationEvent (text delta, token id, logprobs, finish reason) whose ``result()`` is the
-        Generation; for a list of prompts, a list of Generation.
+        Generation. For a list of prompts: a list of Generation, or with ``stream=True`` an iterator
+        that yields each prompt's Generation as soon as it is done (all prompts are checked first).
         """
         params = _sampling_params(params, sampling)
         session = session if session is not None else self.session
@@ -342,16 +343,11 @@ class Model:
         template = dict(chat_template_kwargs or {}, tools=tools, enable_thinking=enable_thinking,
                         preserve_thinking=preserve_thinking)
         if _is_batch(prompt):
-            if stream:
-                raise LilyError("stream=True takes one prompt; iterate over the prompts instead")
             prepared = [self._prepare(p, template) for p in prompt]
-            results = []
-            for i, (ids, boundary, thinking) in enumerate(prepared):
-                if i + 1 < len(prepared):
-                    # Snapshot where the next prompt diverges, so that it prefills only its own part.
-                    boundary = common_prefix_length(ids, prepared[i + 1][0]) or boundary
-                results.append(self._start(session, ids, params, boundary, thinking).result())
-            return results
+            for ids, _, _ in prepared:
+                check_prompt(ids, session)
+            results = self._generate_each(prepared, params, session)
+            return results if stream else list(results)
         ids, boundary, thinking = self._prepare(prompt, template)
         out = self._start(session, ids, params, boundary, thinking)
         return out if stream else out.result()
@@ -364,6 +360,13 @@ class Model:
         if not _is_messages(messages):
             raise LilyError("chat takes a list of messages: [{'role': 'user', 'content': '...'}, ...]")
         return self.generate(messages, params, **kwargs)
+
+    def _generate_each(self, prepared: list, params: SamplingParams, session: Session) -> Iterator[Generation]:
+        for i, (ids, boundary, thinking) in enumerate(prepared):
+            if i + 1 < len(prepared):
+                # Snapshot where the next prompt diverges, so that it prefills only its own part.
+                boundary = common_prefix_length(ids, prepared[i + 1][0]) or boundary
+            yield self._start(session, ids, params, boundary, thinking).result()
 
     def _prepare(self, prompt, template: dict) -> tuple[list[int], int | None, bool]:
         """(prompt ids, message boundary or None, whether the prompt leaves a think block open)."""
