@@ -43,16 +43,21 @@ struct Quad {
   float l[4], z[4];
 };
 
+// Raw logits of ids v0..v0+3; ids >= hi read as -inf.
+__device__ __forceinline__ void load_logits(const SampleParams& p, int v0, int hi, float l[4]) {
+  if (v0 + 4 <= hi) {
+    const float4 f = *reinterpret_cast<const float4*>(p.logits + v0);
+    l[0] = f.x, l[1] = f.y, l[2] = f.z, l[3] = f.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) l[k] = v0 + k < hi ? p.logits[v0 + k] : -INFINITY;
+  }
+}
+
 __device__ __forceinline__ Quad load_quad(const SampleParams& p, int v0, int hi) {
   Quad q;
   const bool full = v0 + 4 <= hi;
-  if (full) {
-    const float4 f = *reinterpret_cast<const float4*>(p.logits + v0);
-    q.l[0] = f.x, q.l[1] = f.y, q.l[2] = f.z, q.l[3] = f.w;
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.l[k] = v0 + k < hi ? p.logits[v0 + k] : -INFINITY;
-  }
+  load_logits(p, v0, hi, q.l);
 #pragma unroll
   for (int k = 0; k < 4; ++k) q.z[k] = q.l[k];
   if (!p.has_penalty) return q;
@@ -200,11 +205,12 @@ __global__ void __cluster_dims__(SAMPLE_CTAS, 1, 1) __launch_bounds__(SAMPLE_THR
         ArgMax b{-INFINITY, INT_MAX};
 #pragma unroll 4
         for (int v0 = lo + 4 * int(threadIdx.x); v0 < hi; v0 += SAMPLE_TILE) {
-          const Quad q = load_quad(p, v0, hi);
+          float l[4];
+          load_logits(p, v0, hi, l);
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const int v = v0 + k;
-            if (v < hi && (q.l[k] < prev.v || (q.l[k] == prev.v && v > prev.id))) b = MaxFirst{}(b, ArgMax{q.l[k], v});
+            if (v < hi && (l[k] < prev.v || (l[k] == prev.v && v > prev.id))) b = MaxFirst{}(b, ArgMax{l[k], v});
           }
         }
         prev = cluster_reduce(b, MaxFirst{}, c);
