@@ -138,11 +138,14 @@ void Session::decode_from_device() {
     engine_->forward_chunk(*this, i32_view(sampler_.token, 1), 1);
     engine_->logits_rows(*this, 0, 1);
   };
-  if (use_graph && engine_->device() != Device::CPU && !tracing) {
+  // The first step runs eagerly so one-time kernel setup (attributes, lazy module loading) happens
+  // outside the capture; later steps replay the captured graph.
+  if (use_graph && engine_->device() != Device::CPU && !tracing && eager_steps_ > 0) {
     if (decode_graph_.empty()) decode_graph_ = DeviceGraph(engine_->device(), step);
     decode_graph_.launch();
   } else {
     step();
+    ++eager_steps_;
   }
   ++position_;
 }

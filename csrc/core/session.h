@@ -104,6 +104,7 @@ class Session {
   Scratch s_;
   SamplerBuffers sampler_;
   DeviceGraph decode_graph_;
+  int64_t eager_steps_ = 0;
 };
 
 }  // namespace lily
