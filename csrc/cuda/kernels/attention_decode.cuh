@@ -4,7 +4,7 @@
 // q, o [T, nH*D] f32; k_cache, v_cache [maxT, nKV*D] bf16; pos [1] i32 on the device.
 // Split kernel: grid (P, nKV), 128 threads, P fixed per device (not per position, so one captured
 // graph serves every position). CTA (c, kvh) takes the 64-row cache tiles c, c + P, c + 2P, ...
-// below pos0 + T (cp.async, two stages) with one online softmax, and packs all T*group queries of
+// below pos0 + T (cp.async, 2-3 stages) with one online softmax, and packs all T*group queries of
 // its KV head as the M rows of the tensor-core products (m = t*group + head-in-group), so each
 // K/V byte is read once per step. Q K^T: warp w takes tile rows [16w, 16w+16); P V: warp w takes
 // dims [w*D/4, (w+1)*D/4).
@@ -40,23 +40,31 @@ struct DecodeParams {
   float scale_log2;      // log2(e) / sqrt(D)
 };
 
-template <int kD, int kMTiles>
-constexpr int decode_smem_bytes() {
+template <int kD, int kMTiles, int kStages>
+constexpr int decode_smem_bytes_for() {
   constexpr int kM = kMTiles * 16;
-  return (2 * kM * (kD + kPad) + 4 * kDecodeTile * (kD + kPad) + 2 * kM * (kDecodeTile + kPad)) * 2 +
+  return (2 * kM * (kD + kPad) + 2 * kStages * kDecodeTile * (kD + kPad) + 2 * kM * (kDecodeTile + kPad)) * 2 +
          (kM * (kDecodeTile + 4) + 3 * kM) * 4;
 }
+
+// Three tiles in flight where they fit in a multiprocessor's 227 KB of shared memory, else two.
+template <int kD, int kMTiles>
+constexpr int decode_stages() { return decode_smem_bytes_for<kD, kMTiles, 3>() <= 227 * 1024 ? 3 : 2; }
+
+template <int kD, int kMTiles>
+constexpr int decode_smem_bytes() { return decode_smem_bytes_for<kD, kMTiles, decode_stages<kD, kMTiles>()>(); }
 
 template <int kD, int kMTiles>
 __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(const DecodeParams p) {
   constexpr int kM = kMTiles * 16, kStride = kD + kPad, kPStride = kDecodeTile + kPad;
   constexpr int kSStride = kDecodeTile + 4, kWarpDims = kD / 4, kNT = kWarpDims / 8;
+  constexpr int kStages = decode_stages<kD, kMTiles>(), kStageElems = kDecodeTile * kStride;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_hi = reinterpret_cast<bf16*>(smem);      // [kM][kStride]
   bf16* q_lo = q_hi + kM * kStride;                // [kM][kStride]
-  bf16* k_s = q_lo + kM * kStride;                 // [2][kDecodeTile][kStride]
-  bf16* v_s = k_s + 2 * kDecodeTile * kStride;     // [2][kDecodeTile][kStride]
-  bf16* p_hi = v_s + 2 * kDecodeTile * kStride;    // [kM][kPStride]
+  bf16* k_s = q_lo + kM * kStride;                 // [kStages][kDecodeTile][kStride]
+  bf16* v_s = k_s + kStages * kStageElems;         // [kStages][kDecodeTile][kStride]
+  bf16* p_hi = v_s + kStages * kStageElems;        // [kM][kPStride]
   bf16* p_lo = p_hi + kM * kPStride;               // [kM][kPStride]
   float* s_s = reinterpret_cast<float*>(p_lo + kM * kPStride);  // [kM][kSStride] scores, log2 units
   float* row_m = s_s + kM * kSStride;              // [kM] running max
@@ -77,9 +85,18 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   const bf16* k_head = p.k_cache + kvh * kD;
   const bf16* v_head = p.v_cache + kvh * kD;
 
-  load_kv_tile<kDecodeTile, kD, kDecodeThreads>(k_s, k_head, row_stride, row_begin, row_end);
-  load_kv_tile<kDecodeTile, kD, kDecodeThreads>(v_s, v_head, row_stride, row_begin, row_end);
-  cp_async_commit();
+  // Tile i goes to stage i % kStages; one commit group per tile (empty past the last) keeps the
+  // wait count uniform.
+  const auto issue_tile = [&](int i) {
+    if (i < num_tiles) {
+      const int row0 = row_begin + i * tile_step, stage = (i % kStages) * kStageElems;
+      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(k_s + stage, k_head, row_stride, row0, row_end);
+      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(v_s + stage, v_head, row_stride, row0, row_end);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
 
   for (int i = tid; i < kM * (kD / 4); i += kDecodeThreads) {
     const int m = i / (kD / 4), d = (i % (kD / 4)) * 4;
@@ -101,23 +118,25 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
   }
 
   float o[kMTiles][kNT][4] = {};  // rows mt*16 + g (+8), dims warp*kWarpDims + 8j + 2c (+1)
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buf = tile & 1, tile_row0 = row_begin + tile * tile_step;
-    if (tile + 1 < num_tiles) {
-      const int next = (buf ^ 1) * kDecodeTile * kStride;
-      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(k_s + next, k_head, row_stride, tile_row0 + tile_step, row_end);
-      load_kv_tile<kDecodeTile, kD, kDecodeThreads>(v_s + next, v_head, row_stride, tile_row0 + tile_step, row_end);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
+  int last_key[kMTiles][2];        // causal limit pos0 + t of rows mt*16 + g (+8); -1 for padding rows
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = 16 * mt + g + 8 * half;
+      last_key[mt][half] = m < M ? pos0 + m / p.group : -1;
     }
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int tile_row0 = row_begin + tile * tile_step;
+    cp_async_wait<kStages - 2>();
+    // After this barrier every warp is done with tile - 1: its stage, the scores and P are free.
     __syncthreads();
-    const bf16* k_t = k_s + buf * kDecodeTile * kStride;  // [kDecodeTile][kStride]
-    const bf16* v_t = v_s + buf * kDecodeTile * kStride;  // [kDecodeTile][kStride]
+    issue_tile(tile + kStages - 1);
+    const bf16* k_t = k_s + (tile % kStages) * kStageElems;  // [kDecodeTile][kStride]
+    const bf16* v_t = v_s + (tile % kStages) * kStageElems;  // [kDecodeTile][kStride]
 
     // Scores of tile rows [16 warp, 16 warp + 16) for all packed queries.
-    float sc[kMTiles][2][4] = {};
+    float sc[kMTiles][2][4] = {}, sc_lo[kMTiles][2][4] = {};  // hi and lo products: independent chains
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t kb[4];
@@ -127,9 +146,9 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
         uint32_t ah[4], al[4];
         load_a_frag(ah, q_hi, kStride, 16 * mt, 16 * kk);
         load_a_frag(al, q_lo, kStride, 16 * mt, 16 * kk);
-        mma_bf16(sc[mt][0], al, kb[0], kb[1]);
+        mma_bf16(sc_lo[mt][0], al, kb[0], kb[1]);
         mma_bf16(sc[mt][0], ah, kb[0], kb[1]);
-        mma_bf16(sc[mt][1], al, kb[2], kb[3]);
+        mma_bf16(sc_lo[mt][1], al, kb[2], kb[3]);
         mma_bf16(sc[mt][1], ah, kb[2], kb[3]);
       }
     }
@@ -138,10 +157,13 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = 16 * mt + g + (e >> 1) * 8, n = 16 * warp + 8 * nt + 2 * c + (e & 1);
-          const bool valid = m < M && tile_row0 + n <= pos0 + m / p.group;
-          s_s[m * kSStride + n] = valid ? sc[mt][nt][e] * p.scale_log2 : -INFINITY;
+        for (int half = 0; half < 2; ++half) {
+          const int m = 16 * mt + g + 8 * half, n = 16 * warp + 8 * nt + 2 * c, key = tile_row0 + n;
+          const float* acc_hi = sc[mt][nt] + 2 * half;
+          const float* acc_lo = sc_lo[mt][nt] + 2 * half;
+          *reinterpret_cast<float2*>(s_s + m * kSStride + n) =
+              make_float2(key <= last_key[mt][half] ? (acc_hi[0] + acc_lo[0]) * p.scale_log2 : -INFINITY,
+                          key + 1 <= last_key[mt][half] ? (acc_hi[1] + acc_lo[1]) * p.scale_log2 : -INFINITY);
         }
     __syncthreads();
 
@@ -150,21 +172,30 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
       constexpr int kThreadsPerRow = kDecodeThreads / kM, kCols = kDecodeTile / kThreadsPerRow;
       const int r = tid / kThreadsPerRow, col0 = (tid % kThreadsPerRow) * kCols;
       const float m_old = row_m[r];
+      float sv[kCols];
+#pragma unroll
+      for (int i = 0; i < kCols; i += 4) *reinterpret_cast<float4*>(sv + i) = *reinterpret_cast<const float4*>(s_s + r * kSStride + col0 + i);
       float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < kCols; ++i) mx = fmaxf(mx, s_s[r * kSStride + col0 + i]);
+      for (int i = 0; i < kCols; ++i) mx = fmaxf(mx, sv[i]);
 #pragma unroll
       for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float m_new = fmaxf(m_old, mx);
       const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // rows with nothing valid yet stay at 0
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < kCols; ++i) {
-        const float pv = exp2f(s_s[r * kSStride + col0 + i] - m_ref);
-        const __nv_bfloat16 hi = __float2bfloat16_rn(pv);
-        sum += pv;
-        p_hi[r * kPStride + col0 + i] = hi;
-        p_lo[r * kPStride + col0 + i] = __float2bfloat16_rn(pv - __bfloat162float(hi));
+      for (int i = 0; i < kCols; i += 8) {
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float p0 = exp2f(sv[i + 2 * k] - m_ref), p1 = exp2f(sv[i + 2 * k + 1] - m_ref);
+          sum += p0 + p1;
+          hi[k] = pack_bf16(p0, p1);
+          const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi[k]));
+          lo[k] = pack_bf16(p0 - h.x, p1 - h.y);
+        }
+        *reinterpret_cast<uint4*>(p_hi + r * kPStride + col0 + i) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        *reinterpret_cast<uint4*>(p_lo + r * kPStride + col0 + i) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
       }
 #pragma unroll
       for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
@@ -220,8 +251,8 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
         }
       }
     }
-    __syncthreads();  // the next iteration refills this stage's buffers, scores and P
   }
+  __syncthreads();  // row_m, row_l final
 
   // The partial of (t, h) from this CTA is row (t*nH + h) * P + cta.
 #pragma unroll

@@ -31,19 +31,21 @@ struct PrefillParams {
   float scale_log2;      // log2(e) / sqrt(D)
 };
 
+constexpr int kPrefillStages = 2;  // keeps two CTAs per multiprocessor at every head_dim
+
 template <int kD>
 constexpr int prefill_smem_bytes() {
-  return (kPrefillRows + 4 * prefill_tile<kD>()) * (kD + kPad) * 2;
+  return (kPrefillRows + 2 * kPrefillStages * prefill_tile<kD>()) * (kD + kPad) * 2;
 }
 
 template <int kD>
 __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(const PrefillParams p) {
   constexpr int kPrefillTile = prefill_tile<kD>();
-  constexpr int kStride = kD + kPad, kNT = kD / 8, kTileNT = kPrefillTile / 8;
+  constexpr int kStride = kD + kPad, kNT = kD / 8, kTileNT = kPrefillTile / 8, kStageElems = kPrefillTile * kStride;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem);       // [kPrefillRows][kStride]
-  bf16* k_s = q_s + kPrefillRows * kStride;        // [2][kPrefillTile][kStride]
-  bf16* v_s = k_s + 2 * kPrefillTile * kStride;    // [2][kPrefillTile][kStride]
+  bf16* k_s = q_s + kPrefillRows * kStride;        // [kPrefillStages][kPrefillTile][kStride]
+  bf16* v_s = k_s + kPrefillStages * kStageElems;  // [kPrefillStages][kPrefillTile][kStride]
 
   const int q_tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, kvh = h / p.group, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -54,9 +56,17 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(cons
   const bf16* k_head = p.k_cache + kvh * kD;
   const bf16* v_head = p.v_cache + kvh * kD;
 
-  load_kv_tile<kPrefillTile, kD, kPrefillThreads>(k_s, k_head, row_stride, 0, kv_end);
-  load_kv_tile<kPrefillTile, kD, kPrefillThreads>(v_s, v_head, row_stride, 0, kv_end);
-  cp_async_commit();
+  // Tile i goes to stage i % kPrefillStages; one commit group per tile (empty past the last).
+  const auto issue_tile = [&](int i) {
+    if (i < num_tiles) {
+      const int stage = (i % kPrefillStages) * kStageElems;
+      load_kv_tile<kPrefillTile, kD, kPrefillThreads>(k_s + stage, k_head, row_stride, i * kPrefillTile, kv_end);
+      load_kv_tile<kPrefillTile, kD, kPrefillThreads>(v_s + stage, v_head, row_stride, i * kPrefillTile, kv_end);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kPrefillStages - 1; ++i) issue_tile(i);
 
   for (int i = tid; i < kPrefillRows * (kD / 4); i += kPrefillThreads) {
     const int r = i / (kD / 4), d = (i % (kD / 4)) * 4;
@@ -71,19 +81,12 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(cons
   float run_m[2] = {-INFINITY, -INFINITY}, run_l[2] = {0.f, 0.f};  // run_l: this thread's columns only
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buf = tile & 1, tile_row0 = tile * kPrefillTile;
-    if (tile + 1 < num_tiles) {
-      const int next = (buf ^ 1) * kPrefillTile * kStride;
-      load_kv_tile<kPrefillTile, kD, kPrefillThreads>(k_s + next, k_head, row_stride, tile_row0 + kPrefillTile, kv_end);
-      load_kv_tile<kPrefillTile, kD, kPrefillThreads>(v_s + next, v_head, row_stride, tile_row0 + kPrefillTile, kv_end);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* k_t = k_s + buf * kPrefillTile * kStride;  // [kPrefillTile][kStride]
-    const bf16* v_t = v_s + buf * kPrefillTile * kStride;  // [kPrefillTile][kStride]
+    const int tile_row0 = tile * kPrefillTile;
+    cp_async_wait<kPrefillStages - 2>();
+    __syncthreads();  // every warp is done with tile - 1, whose stage the next issue refills
+    issue_tile(tile + kPrefillStages - 1);
+    const bf16* k_t = k_s + (tile % kPrefillStages) * kStageElems;  // [kPrefillTile][kStride]
+    const bf16* v_t = v_s + (tile % kPrefillStages) * kStageElems;  // [kPrefillTile][kStride]
 
     float s[kTileNT][4] = {};  // scores of rows row_a (+8) x tile cols 8n + 2c (+1)
 #pragma unroll
@@ -148,7 +151,6 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(cons
         mma_bf16(o[j + 1], a, b[2], b[3]);
       }
     }
-    __syncthreads();  // the next iteration refills this stage's buffers
   }
 
 #pragma unroll
