@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
       const float m_old = row_m[r];
       float sv[kCols];
 #pragma unroll
-      for (int i = 0; i < kCols; i += 4) *reinterpret_cast<float4*>(sv + i) = *reinterpret_cast<const float4*>(s_s + r * kSStride + col0 + i);
+      for (int i = 0; i < kCols; i += 4)
+        *reinterpret_cast<float4*>(sv + i) = *reinterpret_cast<const float4*>(s_s + r * kSStride + col0 + i);
       float mx = -INFINITY;
 #pragma unroll
       for (int i = 0; i < kCols; ++i) mx = fmaxf(mx, sv[i]);

@@ -5,8 +5,8 @@
 // rows [pos0, pos0+T) this chunk); pos [1] i32 on the device.
 // Grid (ceil(T/64), nH), 128 threads: CTA (tile, h) owns query rows [64 tile, 64 tile + 64) of
 // head h (the last query tiles, which see the most keys, are launched first); warp w owns 16 of
-// them. K/V tiles of 64 rows (32 at D = 256) stream through shared memory (cp.async, two stages) up to the causal
-// limit pos0 + last row, read from the device position.
+// them. K/V tiles of 64 rows (32 at D = 256) stream through shared memory (cp.async, two stages)
+// up to the causal limit pos0 + last row, read from the device position.
 // Precision: q and p are rounded to bf16 for the products (fp32 accumulation); the online softmax
 // (running max, sum, rescale) is fp32 in log2 units.
 #pragma once
