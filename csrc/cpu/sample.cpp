@@ -41,9 +41,10 @@ static void write_logprobs(const float* l, int64_t V, int n, int64_t chosen, con
   float* vals = s.logprob_values.ptr<float>();    // [1 + MAX_LOGPROBS]
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t v = 0; v < V; ++v) m = std::max(m, l[v]);
-  float sum = 0.f;
-  for (int64_t v = 0; v < V; ++v) sum += std::exp(l[v] - m);
-  const float lse = m + std::log(sum);
+  // A float running sum over 248K positive terms drifts by ~1e-4 relative; the reference sums in double.
+  double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(double(l[v]) - m);
+  const float lse = float(m + std::log(sum));
   for (int i = 0; i <= ops::MAX_LOGPROBS; ++i) {
     ids[i] = -1;
     vals[i] = -std::numeric_limits<float>::infinity();

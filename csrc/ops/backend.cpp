@@ -35,7 +35,10 @@ static void graph_launch(Device d, void* g) { LILY_DISPATCH_DEVICE(d, graph_laun
 static void graph_destroy(Device d, void* g) { LILY_DISPATCH_DEVICE(d, graph_destroy(g)); }
 
 DeviceGraph::DeviceGraph(Device device, const std::function<void()>& body)
-    : device_(device), handle_(graph_capture(device, body, &num_nodes_)) {}
+    : device_(device) {
+  // In the body: a member initialiser of num_nodes_ would run after handle_'s and reset the count.
+  handle_ = graph_capture(device, body, &num_nodes_);
+}
 
 DeviceGraph::~DeviceGraph() {
   if (handle_) graph_destroy(device_, handle_);
