@@ -65,15 +65,15 @@ def load_model(args: argparse.Namespace):
     return model
 
 
-def sampling_params(args: argparse.Namespace, model, chat: bool):
-    """The command's sampling: greedy for generate, the checkpoint's recommendation for chat, then
-    every flag given on the command line."""
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling flags given on the command line, checked (LilyError) before the slow load."""
     from .sampling import SamplingParams
 
-    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) not in (None, False)}
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     if "max_tokens" not in given and args.model is None:
         given["max_tokens"] = TINY_MAX_TOKENS  # random weights rarely sample a stop token
-    return model.default_sampling(**given) if chat else SamplingParams(**given)
+    SamplingParams(**given)
+    return given
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
@@ -108,11 +108,13 @@ class ThinkPrinter:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    model = load_model(args)
-    params = sampling_params(args, model, chat=False)
+    from .sampling import SamplingParams
+
+    params = SamplingParams(**sampling_overrides(args))  # generate is greedy unless told otherwise
     if args.input:
-        return generate_jsonl(model, params, args)
+        return generate_jsonl(params, args)
     text = args.prompt if args.prompt is not None else sys.stdin.read()
+    model = load_model(args)
     prompt = text
     if args.chat:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -135,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_jsonl(model, params, args: argparse.Namespace) -> int:
+def generate_jsonl(params, args: argparse.Namespace) -> int:
     """Each input line is a JSON string (the prompt) or an object with 'prompt' (text) or 'messages'
     (a conversation) and an optional 'id' (default: the line's index among non-empty lines). One
     result line per prompt, written as soon as it is done; prompts whose id is already in the
@@ -150,10 +152,12 @@ def generate_jsonl(model, params, args: argparse.Namespace) -> int:
     todo = [(pid, p) for pid, p in prompts if pid not in done]
     if not args.quiet:
         print(f"lily: {len(prompts)} prompts, {len(prompts) - len(todo)} already in {out_path}", file=sys.stderr)
-    kwargs = template_kwargs(args)
+    if not todo:
+        return 0
+    model = load_model(args)
+    results = model.generate([p for _, p in todo], params, stream=True, **template_kwargs(args))
     with open(out_path, "a", encoding="utf-8") as out, \
             tqdm(total=len(todo), desc="generate", unit="prompt", disable=args.quiet, file=sys.stderr) as bar:
-        results = model.generate([p for _, p in todo], params, stream=True, **kwargs) if todo else []
         for (pid, _), r in zip(todo, results):
             row = {"id": pid, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                    "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
@@ -212,8 +216,9 @@ def completed_ids(path: Path) -> set:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    overrides = sampling_overrides(args)
     model = load_model(args)
-    params = sampling_params(args, model, chat=True)
+    params = model.default_sampling(**overrides)
     kwargs = template_kwargs(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
