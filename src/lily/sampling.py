@@ -142,12 +142,13 @@ class StopMatcher:
     first wins (the longest on a tie).
     """
 
-    __slots__ = ("stops", "_held", "_max")
+    __slots__ = ("stops", "_held", "_max", "_prefixes")
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(sorted(stops, key=len, reverse=True))
         self._held = ""
         self._max = max(map(len, self.stops), default=0)
+        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         text = self._held + delta
@@ -165,9 +166,9 @@ class StopMatcher:
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
+        prefixes = self._prefixes
         for n in range(min(len(text), self._max - 1), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stops):
+            if text[-n:] in prefixes:
                 return n
         return 0
 
