@@ -17,9 +17,8 @@ static_assert(LINEAR_TILE_ROWS == GEMM_BM && LINEAR_TILE_ROWS == GENERIC_TILE_RO
               "MoE tile maps assume one tile height for every linear kernel");
 
 constexpr int GEMV_MAX_TOKENS = 8;
-constexpr size_t GEMV_MAX_SMEM = 96 * 1024;  // x staged per CTA; two CTAs still fit an SM
 
-static bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 WeightView weight_view(const QMatrix& w) {
   WeightView v;
@@ -35,9 +34,7 @@ WeightView weight_view(const QMatrix& w) {
   return v;
 }
 
-// The fast kernels read 16-byte chunks of 4- or 8-bit rows (cols % 32 == 0 keeps every row's words
-// 16-byte aligned) with BF16 scales: the model's own variants.
-static bool is_fast_affine(const WeightView& w) {
+bool is_fast_affine(const WeightView& w) {
   return (w.bits == 4 || w.bits == 8) && w.scale_dtype == DType::BF16 && w.cols % 32 == 0 && is_aligned16(w.w);
 }
 
@@ -57,8 +54,25 @@ static bool use_tensor_gemm(const LinearArgs& a) {
   return is_fast_affine(a.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
 }
 
+// The power of two covering a row's 16-byte chunks in one step, at most a CTA.
+int gemv_tpr(int64_t chunks) {
+  int tpr = 1;
+  while (tpr < chunks && tpr < GEMV_THREADS) tpr *= 2;
+  return tpr;
+}
+
+// CTAs for `passes` units of work: as many as fit on the device at once, spread evenly so that no
+// CTA runs one pass more than the others when a second round is needed.
+int gemv_grid(const void* kernel, size_t smem, int64_t passes) {
+  int per_sm = 0;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GEMV_THREADS, smem));
+  const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1);
+  const int64_t rounds = std::max<int64_t>(1, ceil_div<int64_t>(passes, resident));
+  return int(ceil_div<int64_t>(passes, rounds));
+}
+
 template <int BITS, int NT>
-static void launch_gemv(const GemvParams& p) {
+static void launch_gemv(GemvParams p) {
   const size_t smem = gemv_smem_bytes(NT, p.cols, BITS);
   static const bool configured = [] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(linear_gemv_kernel<BITS, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -66,10 +80,10 @@ static void launch_gemv(const GemvParams& p) {
     return true;
   }();
   (void)configured;
-  const int rows_per_cta = GEMV_WARPS * GemvTiling<NT>::R;
-  const int ctas_per_sm = int(std::max<size_t>(1, std::min<size_t>(8, (200 * 1024) / std::max<size_t>(smem, 1))));
-  const int grid = std::min(ceil_div(p.rows, rows_per_cta), num_sms() * ctas_per_sm);
-  linear_gemv_kernel<BITS, NT><<<grid, GEMV_WARPS * 32, smem, stream()>>>(p);
+  p.tpr = gemv_tpr(p.cols / (128 / BITS));
+  p.num_passes = ceil_div(p.rows, (GEMV_THREADS / p.tpr) * GemvTiling<NT>::R);
+  const int grid = gemv_grid(reinterpret_cast<const void*>(linear_gemv_kernel<BITS, NT>), smem, p.num_passes);
+  linear_gemv_kernel<BITS, NT><<<grid, GEMV_THREADS, smem, stream()>>>(p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -1,5 +1,6 @@
-// Launcher-level pieces of linear.cu that moe.cu reuses: the weight view of a QMatrix and the
-// tiled product over (possibly grouped) rows. Host-side; the kernels are in kernels/linear_*.cuh.
+// Launcher-level pieces of linear.cu that moe.cu reuses: the weight view of a QMatrix, the tiled
+// product over (possibly grouped) rows and the GEMV sizing. Host-side; the kernels are in
+// kernels/linear_*.cuh.
 #pragma once
 #include "../core/weights.h"
 #include "kernels/linear_common.cuh"
@@ -14,5 +15,18 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles);
 
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;
+
+// 4/8-bit affine with BF16 scales, cols % 32 == 0 and 16-byte aligned words: every row (and every
+// stack entry) starts on a 16-byte chunk, the form the GEMV kernels read.
+bool is_fast_affine(const WeightView& w);
+bool is_aligned16(const void* p);
+
+// GEMV sizing (kernels/linear_gemv.cuh): threads per row slot for rows of `chunks` 16-byte chunks,
+// and the CTA count for `passes` independent passes of `kernel` (256 threads, `smem` dynamic bytes).
+int gemv_tpr(int64_t chunks);
+int gemv_grid(const void* kernel, size_t smem, int64_t passes);
+
+// Largest dynamic shared memory of one GEMV CTA (staged activations).
+constexpr size_t GEMV_MAX_SMEM = 96 * 1024;
 
 }  // namespace lily::cuda
