@@ -1,4 +1,9 @@
-// Launcher of the sparse MoE block, all on the device with no host synchronisation:
+// Launcher of the sparse MoE block, all on the device with no host synchronisation.
+// Decode (use_moe_decode: T <= 4, fast affine experts), five launches:
+//   router logits, shared expert gate logit (GEMV) -> moe_topk
+//   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
+//   -> moe_down (all K+1 down products per output, summed in slot order into out); kernels/moe_decode.cuh.
+// Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
 //   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
@@ -8,6 +13,7 @@
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include "cuda_ops.h"
+#include "kernels/moe_decode.cuh"
 #include "kernels/moe_routing.cuh"
 #include "linear.cuh"
 #include "runtime.cuh"
@@ -96,6 +102,65 @@ static LinearArgs swiglu(LinearArgs a, const float* row_scale) {
   return a;
 }
 
+static AffineStack affine_stack(const QMatrix& m) {
+  return AffineStack{static_cast<const uint32_t*>(m.weight.data()), static_cast<const uint16_t*>(m.scales.data()),
+                     static_cast<const uint16_t*>(m.biases.data()), int(m.rows), int(m.cols), m.group_size};
+}
+
+static size_t staged_bytes(int64_t rows, int64_t cols, int bits) {
+  return size_t(rows) * (size_t(cols) * 4 + size_t(cols) / (128 / bits) * 4);  // x, one sum per 16-byte chunk
+}
+
+// The decode chain: few tokens, every expert matrix in the GEMV form with one bit width, the
+// activation rows [T, K+1, ld] and h 16-byte aligned, the staged rows within a CTA's shared memory.
+static bool use_moe_decode(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k) {
+  const QMatrix* mats[] = {w.gate_proj, w.up_proj, w.down_proj, w.shared_gate_proj, w.shared_up_proj,
+                           w.shared_down_proj};
+  for (const QMatrix* m : mats)
+    if (!is_fast_affine(weight_view(*m)) || m->bits != w.gate_proj->bits) return false;
+  const int64_t T = h.dim(0), I = w.gate_proj->rows, Is = w.shared_gate_proj->rows, ld = s.gate.dim(1);
+  const int bits = w.gate_proj->bits;
+  return T <= MOE_DECODE_MAX_TOKENS && I % MOE_UP_PAIRS == 0 && Is % MOE_UP_PAIRS == 0 && is_aligned16(h.data) &&
+         is_aligned16(s.gate.data) && ld % 4 == 0 && staged_bytes(1, h.dim(1), bits) <= GEMV_MAX_SMEM &&
+         staged_bytes(top_k + 1, std::max(I, Is), bits) <= GEMV_MAX_SMEM;
+}
+
+template <typename Kernel>
+static void allow_gemv_smem(Kernel* kernel) {
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
+}
+
+template <int BITS>
+static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
+                              const float* shared_w, float* act, int64_t ld, int top_k) {
+  static const bool configured = [] {
+    allow_gemv_smem(moe_up_kernel<BITS>);
+    allow_gemv_smem(moe_down_kernel<BITS>);
+    return true;
+  }();
+  (void)configured;
+  const int64_t T = h.dim(0), H = h.dim(1);
+  MoeUpParams u{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
+                affine_stack(*w.shared_up_proj), h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, top_k, int(ld),
+                gemv_tpr(H / (128 / BITS)), 0};
+  u.passes = int(ceil_div<int64_t>(top_k * w.gate_proj->rows + w.shared_gate_proj->rows,
+                                   (GEMV_THREADS / u.tpr) * MOE_UP_PAIRS));
+  const size_t up_smem = staged_bytes(1, H, BITS);
+  const int up_ctas = int(ceil_div<int64_t>(
+      gemv_grid(reinterpret_cast<const void*>(moe_up_kernel<BITS>), up_smem, u.passes * T), T));
+  moe_up_kernel<BITS><<<dim3(unsigned(up_ctas), unsigned(T)), GEMV_THREADS, up_smem, stream()>>>(u);
+  LILY_CUDA_LAUNCHED();
+
+  const int64_t cmax = std::max(w.down_proj->cols, w.shared_down_proj->cols) / (128 / BITS);
+  MoeDownParams d{affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj), r.topk_id, act, out.ptr<float>(),
+                  top_k, int(ld), gemv_tpr(cmax), int(ceil_div<int64_t>(H, MOE_DOWN_ROWS))};
+  const size_t down_smem = staged_bytes(top_k + 1, cmax * (128 / BITS), BITS);
+  const int down_ctas = int(ceil_div<int64_t>(
+      gemv_grid(reinterpret_cast<const void*>(moe_down_kernel<BITS>), down_smem, d.passes * T), T));
+  moe_down_kernel<BITS><<<dim3(unsigned(down_ctas), unsigned(T)), GEMV_THREADS, down_smem, stream()>>>(d);
+  LILY_CUDA_LAUNCHED();
+}
+
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
@@ -113,6 +178,14 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   LILY_CHECK(topk_smem <= 48 * 1024, "moe: ", E, " experts exceed the top-k kernel's shared memory");
   moe_topk_kernel<<<unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS)), MOE_TOPK_WARPS * 32, topk_smem, stream()>>>(tp);
   LILY_CUDA_LAUNCHED();
+
+  if (use_moe_decode(w, h, s, top_k)) {
+    switch (w.gate_proj->bits) {
+      case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
+      case 8: return launch_moe_decode<8>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
+      default: fail("moe: unsupported decode bits ", w.gate_proj->bits);
+    }
+  }
 
   constexpr int warps = 8;  // one expert per warp
   const unsigned expert_ctas = unsigned(ceil_div<int64_t>(E, warps));

@@ -1,0 +1,202 @@
+// MoE decode (T <= MOE_DECODE_MAX_TOKENS): after the router GEMV and moe_topk, two GEMV kernels over
+// the chosen experts and the shared expert, reading expert ids from the device routing table; no
+// grouping tables, no tensor cores. Same per-chunk algebra as linear_gemv.cuh (fp32, xsum bias term).
+// Slot s of token t: s < K is routed expert topk_id[t, s] (ascending id), s == K the shared expert.
+#pragma once
+#include "linear_gemv.cuh"
+#include "moe_routing.cuh"
+
+namespace lily::cuda {
+
+constexpr int MOE_DECODE_MAX_TOKENS = 4;
+constexpr int MOE_UP_PAIRS = 1;    // (gate, up) row pairs per thread and pass (registers: 4 CTAs per SM)
+constexpr int MOE_DOWN_ROWS = 8;   // output rows per CTA pass of the down kernel
+
+// One affine stack [E, rows, cols] in the fast variant (4/8 bits, BF16 scales, 16-byte rows).
+struct AffineStack {
+  const uint32_t* w;       // [E, rows, cols*BITS/32] U32
+  const uint16_t* scales;  // [E, rows, cols/group_size] BF16
+  const uint16_t* biases;
+  int rows, cols, group_size;
+};
+
+struct MoeUpParams {
+  AffineStack gate, up;                // [E, I, H]
+  AffineStack shared_gate, shared_up;  // [1, Is, H]
+  const float* h;                      // [T, H] F32, 16-byte aligned
+  const int32_t* topk_id;              // [T, K]
+  const float* topk_w;                 // [T, K]
+  const float* shared_w;               // [T] sigmoid of the shared expert gate
+  float* act;                          // [T, K+1, ld] F32
+  int K, ld, tpr, passes;              // passes per token
+};
+
+// act[t, s, i] = w(t, s) * silu(G_s[i, :] . h[t]) * (U_s[i, :] . h[t]) for i < I (s < K) or Is
+// (s == K), w = topk_w[t, s] or shared_w[t]. Grid (CTAs, T): a CTA stages h[t] once, then its
+// passes cover rho in [0, K*I + Is) (rho = s*I + i, shared rows last), MOE_UP_PAIRS pairs per
+// thread of a slot of tpr threads over H's chunks (as linear_gemv_kernel, two rows per pair and one
+// x row). Fixed-order slot sums; deterministic. Matches cpu::moe's expert SwiGLU in fp32.
+template <int BITS>
+__global__ void __launch_bounds__(GEMV_THREADS, 4) moe_up_kernel(const MoeUpParams p) {
+  using S = GemvShape<BITS>;
+  constexpr int P = MOE_UP_PAIRS, N = 2 * P;
+  extern __shared__ float4 xs[];  // [C*F] swizzled h[t], then xsum [C]
+  __shared__ float red[2][GEMV_WARPS][N];
+  __shared__ int32_t ids[MOE_MAX_TOP_K];  // topk_id[t]: weight addresses wait on shared, not global memory
+  const int t = blockIdx.y, H = p.gate.cols, C = H / S::VALS, tpr = p.tpr;
+  float* xsum = reinterpret_cast<float*>(xs + C * S::F);
+  const int slot = threadIdx.x / tpr, q = threadIdx.x % tpr;
+  const int rows_per_pass = (GEMV_THREADS / tpr) * P, nk = (C + tpr - 1) / tpr;
+  const int units = (p.passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) * nk;
+  const int I = p.gate.rows, KI = p.K * I, total = KI + p.shared_gate.rows, wpr = H * BITS / 32;
+  float acc[N][1] = {};
+
+  // The slot's first pair of unit j: slot s, row i of that expert, stack row e*I + i. Pairs never
+  // straddle two slots (P divides I and Is).
+  auto where = [&](int j, int& s, int& i, int64_t& row) {
+    const int rho = (int(blockIdx.x) + GemvUnit(j, nk).pass * int(gridDim.x)) * rows_per_pass + slot * P;
+    s = rho < KI ? rho / I : p.K;
+    i = rho < KI ? rho % I : rho - KI;
+    row = rho < KI ? int64_t(ids[s]) * I + i : i;
+    return rho < total;
+  };
+  auto load = [&](GemvStage<N>& st, int j) {
+    int s, i;
+    int64_t row;
+    const bool ok = where(j, s, i, row);
+    const int c = q + GemvUnit(j, nk).step * tpr;
+    const bool sh = s == p.K;
+    const AffineStack g = sh ? p.shared_gate : p.gate, u = sh ? p.shared_up : p.up;
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      gemv_load<BITS>(st, 2 * r, ok && c < C, g.w, g.scales, g.biases, row + r, c, wpr, H / g.group_size,
+                      g.group_size);
+      gemv_load<BITS>(st, 2 * r + 1, ok && c < C, u.w, u.scales, u.biases, row + r, c, wpr, H / u.group_size,
+                      u.group_size);
+    }
+  };
+  auto compute = [&](const GemvStage<N>& st, int j) {
+    const GemvUnit u(j, nk);
+    const int c = q + u.step * tpr;
+    if (c < C) gemv_chunk<BITS, N, 1>(st, xs, xsum, C, c, acc);
+    if (u.step != nk - 1) return;
+    float v[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] = acc[n][0], acc[n][0] = 0.f;
+    if (!slot_sum(v, tpr, red[u.pass & 1])) return;
+    int s, i;
+    int64_t row;
+    if (!where(j, s, i, row)) return;
+    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    float* y = p.act + (int64_t(t) * (p.K + 1) + s) * p.ld + i;
+#pragma unroll
+    for (int r = 0; r < P; ++r) y[r] = w * silu(v[2 * r]) * v[2 * r + 1];
+  };
+
+  for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+  __syncthreads();
+  GemvStage<N> a, b;
+  if (units > 0) load(a, 0);
+  gemv_stage_x<BITS>(p.h + int64_t(t) * H, H, 1, 1, C, xs, xsum);
+  __syncthreads();
+  for (int j = 0; j < units; j += 2) {  // units is uniform over the CTA: so are the barriers
+    if (j + 1 < units) load(b, j + 1);
+    compute(a, j);
+    if (j + 1 >= units) break;
+    if (j + 2 < units) load(a, j + 2);
+    compute(b, j + 1);
+  }
+}
+
+struct MoeDownParams {
+  AffineStack down;         // [E, H, I]
+  AffineStack shared_down;  // [1, H, Is]
+  const int32_t* topk_id;   // [T, K]
+  const float* act;         // [T, K+1, ld] F32, 16-byte aligned rows
+  float* out;               // [T, H] F32
+  int K, ld, tpr, passes;   // passes per token: ceil(H / MOE_DOWN_ROWS)
+};
+
+// out[t, o] = sum_{s = 0..K} D_s[o, :] . act[t, s, :]  (routed in ascending expert id, shared last,
+// the routing weights already folded into act: cpu::moe's order of contributions).
+// Grid (CTAs, T): a CTA stages act[t] (K+1 rows of max(I, Is)) once; a pass covers MOE_DOWN_ROWS
+// outputs as (K+1) x MOE_DOWN_ROWS items (slot s, row r), item m*groups + g on the g-th group of tpr
+// threads (split-K across the CTA); each item's dot is a fixed-order slot sum, kept in shared
+// memory, and after one barrier the first threads add the K+1 dots in slot order.
+template <int BITS>
+__global__ void __launch_bounds__(GEMV_THREADS, 4) moe_down_kernel(const MoeDownParams p) {
+  using S = GemvShape<BITS>;
+  constexpr int RB = MOE_DOWN_ROWS;
+  extern __shared__ float4 xs[];  // [K+1, Cmax*F] swizzled act[t], then xsum [K+1, Cmax]
+  __shared__ float red[2][GEMV_WARPS][1];
+  __shared__ float dots[2][MOE_MAX_TOP_K + 1][RB];  // per pass parity
+  __shared__ int32_t ids[MOE_MAX_TOP_K];
+  const int t = blockIdx.y, H = p.down.rows, tpr = p.tpr, slots = p.K + 1;
+  const int Cr = p.down.cols / S::VALS, Cs = p.shared_down.cols / S::VALS, Cmax = max(Cr, Cs);
+  float* xsum = reinterpret_cast<float*>(xs + slots * Cmax * S::F);
+  const int group = threadIdx.x / tpr, q = threadIdx.x % tpr, groups = GEMV_THREADS / tpr;
+  const int items = slots * RB, M = (items + groups - 1) / groups, nk = (Cmax + tpr - 1) / tpr;
+  const int per_pass = M * nk;
+  const int units = (p.passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) * per_pass;
+  float acc[1][1] = {};
+
+  // Unit j: chunk step u.step of item m = u.pass % M of local pass pl = u.pass / M (u = GemvUnit(j, nk));
+  // the group's item is m*groups + group: slot s = item / RB, output row o = pass*RB + item % RB.
+  struct Item {
+    int pl, s, o, step;
+    bool ok;
+  };
+  auto item_of = [&](int j) {
+    const GemvUnit u(j, nk);
+    Item x;
+    x.pl = u.pass / M;
+    const int it = (u.pass - x.pl * M) * groups + group;
+    x.s = it / RB;
+    x.o = (int(blockIdx.x) + x.pl * int(gridDim.x)) * RB + it % RB;
+    x.step = u.step;
+    x.ok = it < items && x.o < H;
+    return x;
+  };
+  auto load = [&](GemvStage<1>& st, int j) {
+    const Item x = item_of(j);
+    const bool sh = x.s == p.K;
+    const AffineStack d = sh ? p.shared_down : p.down;
+    const int c = q + x.step * tpr, cols = d.cols;
+    const int64_t row = sh ? x.o : int64_t(x.ok ? ids[x.s] : 0) * H + x.o;
+    gemv_load<BITS>(st, 0, x.ok && c < cols / S::VALS, d.w, d.scales, d.biases, row, c, cols * BITS / 32,
+                    cols / d.group_size, d.group_size);
+  };
+  auto compute = [&](const GemvStage<1>& st, int j) {
+    const Item x = item_of(j);
+    const int c = q + x.step * tpr, par = x.pl & 1;
+    if (x.ok && c < (x.s == p.K ? Cs : Cr))
+      gemv_chunk<BITS, 1, 1>(st, xs + x.s * Cmax * S::F, xsum + x.s * Cmax, 0, c, acc);
+    if (x.step != nk - 1) return;
+    float v[1] = {acc[0][0]};
+    acc[0][0] = 0.f;
+    if (slot_sum(v, tpr, red[GemvUnit(j, nk).pass & 1]) && x.ok) dots[par][x.s][x.o % RB] = v[0];
+    if (j % per_pass != per_pass - 1) return;  // the pass's last item: every dot is in shared memory
+    __syncthreads();
+    const int out_row = (int(blockIdx.x) + x.pl * int(gridDim.x)) * RB + int(threadIdx.x);
+    if (threadIdx.x >= RB || out_row >= H) return;
+    float sum = 0.f;
+    for (int k = 0; k < slots; ++k) sum += dots[par][k][threadIdx.x];
+    p.out[int64_t(t) * H + out_row] = sum;
+  };
+
+  for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+  __syncthreads();
+  GemvStage<1> a, b;
+  if (units > 0) load(a, 0);
+  gemv_stage_x<BITS>(p.act + int64_t(t) * slots * p.ld, p.ld, slots, slots, Cmax, xs, xsum);
+  __syncthreads();
+  for (int j = 0; j < units; j += 2) {  // units is uniform over the CTA: so are the barriers
+    if (j + 1 < units) load(b, j + 1);
+    compute(a, j);
+    if (j + 1 >= units) break;
+    if (j + 2 < units) load(a, j + 2);
+    compute(b, j + 1);
+  }
+}
+
+}  // namespace lily::cuda
