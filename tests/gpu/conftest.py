@@ -22,6 +22,8 @@ GPU_TOL = {
     "linear_generic": 2e-5,
     "embedding": 1e-6,
     "moe": 2e-2,
+    # moe decode chain (T <= 4): fp32 GEMVs throughout, summation order and expf only
+    "moe_decode": 1e-4,
     # norms / elementwise / Gated DeltaNet: fp32 on both sides, summation order and expf only
     "rms_norm": 1e-5,
     "elementwise": 1e-6,

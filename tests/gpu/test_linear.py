@@ -58,7 +58,8 @@ def path_of(m: dict, T: int) -> str:
     if not fast:
         return "linear_generic"
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
-    return "linear_gemv" if T <= 8 and nt * m["cols"] * 4 * 1.125 <= 96 * 1024 else "linear_gemm"
+    staged = nt * m["cols"] * (4 + m["bits"] / 32)  # x and one sum per 16-byte chunk, per CTA
+    return "linear_gemv" if T <= 8 and staged <= 96 * 1024 else "linear_gemm"
 
 
 def check(out, ref, key, tol):
@@ -87,7 +88,7 @@ def test_linear_variants(bits, group, sdt, T, gpu_tol):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 9, 64, 65, 130])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65, 130])
 def test_linear_fast_partial_tiles(bits, T, gpu_tol):
     # rows not a multiple of any tile; cols = 96 leaves a half k-tile (K % 64 == 32)
     rng = np.random.default_rng(7 + T)
@@ -97,11 +98,25 @@ def test_linear_fast_partial_tiles(bits, T, gpu_tol):
     check(ops.linear(wg, 2, x), ops.linear(wc, 2, x), path_of(m, T), gpu_tol)
 
 
-REAL = [(4, 64, 2048, 8192), (4, 64, 8192, 2048), (8, 64, 256, 2048), (8, 64, 1, 2048), (4, 64, 2048, 4096)]
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,cols", [(133, 3072), (61, 9216), (257, 4128), (5, 64)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
+    # GEMV slots of 2..256 threads per row: idle threads (3072 cols), two chunk steps per thread
+    # (9216 cols at 4 bits, 4128 at 8 bits), a row count that leaves most of a pass empty
+    rng = np.random.default_rng(rows * 31 + cols + T)
+    m = random_matrix(rng, 2, rows, cols, bits, 64 if cols % 64 == 0 else 32, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    check(ops.linear(wg, 1, x), ops.linear(wc, 1, x), path_of(m, T), gpu_tol)
+
+
+REAL = [(4, 64, 2048, 8192), (4, 64, 8192, 2048), (8, 64, 256, 2048), (8, 64, 1, 2048), (4, 64, 2048, 4096),
+        (4, 64, 512, 2048), (4, 64, 2048, 512)]
 
 
 @pytest.mark.parametrize("bits,group,rows,cols", REAL)
-@pytest.mark.parametrize("T", [1, 3, 8, 37, 300])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 37, 300])
 def test_linear_real_dims(bits, group, rows, cols, T, gpu_tol):
     rng = np.random.default_rng(rows + cols + T)
     m = random_matrix(rng, 1, rows, cols, bits, group, "BF16")
@@ -110,7 +125,7 @@ def test_linear_real_dims(bits, group, rows, cols, T, gpu_tol):
     check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
 
 
-@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("T", [1, 2, 37])
 def test_linear_lm_head(T, gpu_tol):
     rng = np.random.default_rng(248320 + T)
     m = random_words_matrix(rng, 248320, 2048)
@@ -121,7 +136,7 @@ def test_linear_lm_head(T, gpu_tol):
 
 def test_linear_deterministic():
     rng = np.random.default_rng(3)
-    for T in (1, 300):
+    for T in (1, 4, 300):
         m = random_matrix(rng, 1, 300, 512, 4, 64, "BF16")
         wg = ops.QMatrix("cuda", **m)
         x = rng.standard_normal((T, 512)).astype(np.float32)

@@ -50,8 +50,13 @@ CASES = [
 ]
 
 
+def path_of(T, bits, sdt):
+    """moe.cu's use_moe_decode: the fp32 GEMV chain for T <= 4 over 4/8-bit BF16-scaled experts."""
+    return "moe_decode" if T <= 4 and bits in (4, 8) and sdt == "BF16" else "moe"
+
+
 @pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,sdt,rbits", CASES)
-@pytest.mark.parametrize("T", [1, 3, 19, 99])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 19, 99])
 def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
     rng = np.random.default_rng(E * 100 + T)
     cpu, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
@@ -60,10 +65,10 @@ def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
     out = ops.moe("cuda", *gpu, h, top_k)
     ok = stable_rows(cpu[0], h, top_k, 0.05)
     assert ok.mean() > 0.5
-    check(out[ok], ref[ok], "moe", gpu_tol)
+    check(out[ok], ref[ok], path_of(T, bits, sdt), gpu_tol)
 
 
-@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 300])
 def test_moe_real_dims(T, gpu_tol):
     rng = np.random.default_rng(256 + T)
     cpu, gpu = moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
@@ -72,11 +77,25 @@ def test_moe_real_dims(T, gpu_tol):
     out = ops.moe("cuda", *gpu, h, 8)
     ok = stable_rows(cpu[0], h, 8, 0.25)
     assert ok.mean() > 0.5
-    check(out[ok], ref[ok], "moe", gpu_tol)
+    check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
 
 
-def test_moe_deterministic():
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_decode_shared_wider(T, gpu_tol):
+    # shared expert wider than the routed ones (the down kernel's act rows differ in length), 8-bit
+    rng = np.random.default_rng(900 + T)
+    cpu, gpu = moe_weights(rng, 9, 256, 64, 160, 8, 32, "BF16", 8)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, 4)
+    out = ops.moe("cuda", *gpu, h, 4)
+    ok = stable_rows(cpu[0], h, 4, 0.05)
+    assert ok.mean() > 0.5
+    check(out[ok], ref[ok], "moe_decode", gpu_tol)
+
+
+@pytest.mark.parametrize("T", [1, 4, 99])
+def test_moe_deterministic(T):
     rng = np.random.default_rng(5)
     _, gpu = moe_weights(rng, 7, 128, 64, 64, 4, 64, "BF16", 8)
-    h = rng.standard_normal((99, 128)).astype(np.float32)
+    h = rng.standard_normal((T, 128)).astype(np.float32)
     assert np.array_equal(ops.moe("cuda", *gpu, h, 3), ops.moe("cuda", *gpu, h, 3))
