@@ -94,8 +94,8 @@ def test_history_reasoning_stripped_or_preserved(tok, reasoning_in_content):
     ([user("a"), {"role": "system", "content": "late"}], "System message must be at the beginning"),
     ([{"role": "robot", "content": "x"}], r"messages\[0\]\['role'\]"),
     ([{"role": "assistant", "content": "only me"}], "No user query found"),
-    ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
-     "not valid JSON"),
+    ([user("a"), {"role": "assistant", "content": "",
+                  "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], "not valid JSON"),
     (["not a dict"], r"messages\[0\] must be a dict"),
 ])
 def test_bad_conversations_are_clear_errors(tok, messages, match):
@@ -140,6 +140,7 @@ def test_matches_transformers_rendering(tok):
     for msgs in conversations:
         for kwargs in ({}, {"enable_thinking": False}, {"preserve_thinking": True}):
             ours = tok.apply_chat_template(msgs, tools=TOOLS, **kwargs)
-            theirs = chat_utils.render_jinja_template(conversations=[msgs], tools=TOOLS, chat_template=tok.chat_template,
+            theirs = chat_utils.render_jinja_template(conversations=[msgs], tools=TOOLS,
+                                                      chat_template=tok.chat_template,
                                                       add_generation_prompt=True, **kwargs)[0][0]
             assert ours == theirs

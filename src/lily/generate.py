@@ -79,8 +79,9 @@ class Generation:
 
     ``text``: the generated text (stop strings and stop tokens excluded); ``token_ids``: the
     generated ids (a stop token excluded, the ids that spelled a stop string included);
-    ``finish_reason``: 'stop', 'length', or 'cancelled' (the stream was closed early); ``stop_reason``: the stop token id or stop string that
-    ended it (None for 'length'); ``logprobs``: one TokenLogprob per token when requested.
+    ``finish_reason``: 'stop', 'length', or 'cancelled' (the stream was closed early);
+    ``stop_reason``: the stop token id or stop string that ended it (None otherwise);
+    ``logprobs``: one TokenLogprob per token when requested.
     For chat prompts whose generation prompt opens a think block, ``reasoning`` and ``content``
     split the text at ``</think>``, and ``message`` is the assistant message to append to the
     conversation.

@@ -289,6 +289,7 @@ class Model:
 
     @property
     def has_tokenizer(self) -> bool:
+        """Whether the checkpoint has a tokenizer.json (without one, prompts must be token ids)."""
         return self._tokenizer is not None or (self.path / "tokenizer.json").is_file()
 
     @property
@@ -364,8 +365,9 @@ class Model:
     def _generate_each(self, prepared: list, params: SamplingParams, session: Session) -> Iterator[Generation]:
         for i, (ids, boundary, thinking) in enumerate(prepared):
             if i + 1 < len(prepared):
-                # Snapshot where the next prompt diverges, so that it prefills only its own part.
-                boundary = common_prefix_length(ids, prepared[i + 1][0]) or boundary
+                # Snapshot where the next prompt diverges, so that it prefills only its own part
+                # (at most one token before this prompt's end: one is needed to sample from).
+                boundary = min(common_prefix_length(ids, prepared[i + 1][0]), len(ids) - 1) or boundary
             yield self._start(session, ids, params, boundary, thinking).result()
 
     def _prepare(self, prompt, template: dict) -> tuple[list[int], int | None, bool]:
