@@ -136,7 +136,8 @@ def full_size(tmp_path_factory):
     given = os.environ.get("LILY_FULL_CHECKPOINT")
     if given and os.path.exists(os.path.join(given, "config.json")):
         return given
-    return synthetic.make_checkpoint(given or tmp_path_factory.mktemp("full"), "qwen3.6-35b-a3b", with_tokenizer=False)
+    return synthetic.make_checkpoint(given or tmp_path_factory.mktemp("full"), "qwen3.6-35b-a3b",
+                                     with_tokenizer=False)
 
 
 def test_full_size_prefill_4k_decode_256(full_size):
