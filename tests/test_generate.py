@@ -180,8 +180,8 @@ def test_session_continues_and_reuses_snapshots(model, greedy):
     assert batch[1].usage.cached_tokens == 4
     assert list(model.generate(prompts, max_tokens=1, stream=True))[1].token_ids == fresh[1].token_ids[:1]
     # A prompt that extends the previous one reuses all of it but the token sampled from.
-    extended = model.generate([ids, ids + greedy[:1]], max_tokens=1, session=model.new_session())
-    assert [r.usage.cached_tokens for r in extended] == [0, 2] and extended[1].token_ids == greedy[1:2]
+    extended = model.generate([ids, ids + greedy[:1]], max_tokens=2, session=model.new_session())
+    assert [r.usage.cached_tokens for r in extended] == [0, 2] and extended[1].token_ids == greedy[1:3]
 
 
 def test_chat_turns_resume_from_the_message_boundary(model):
