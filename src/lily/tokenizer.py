@@ -84,10 +84,10 @@ def _normalise_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise LilyError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role not in ("system", "user", "assistant", "tool"):
-            raise LilyError(f"messages[{i}]['role'] must be 'system', 'user', 'assistant' or 'tool', "
-                            f"got {role!r}")
+        # Which roles exist is the template's business (Qwen: system, user, assistant, tool).
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise LilyError(f"messages[{i}] needs a 'role' string (system, user, assistant, tool), "
+                            f"got {m.get('role')!r}")
         m = dict(m)
         calls = m.get("tool_calls")
         if calls:
