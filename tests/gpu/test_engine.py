@@ -56,8 +56,8 @@ def test_logits_match_cpu(which, request, gpu_tol):
     assert agree >= gpu_tol["engine_top1"]
 
 
-def test_prefill_equals_decode_steps(tiny, gpu_tol):
-    m = lily.Model.load(tiny, device="cuda")
+def test_prefill_equals_decode_steps(real_widths, gpu_tol):
+    m = lily.Model.load(real_widths, device="cuda")
     ids = np.random.default_rng(2).integers(0, m.config.vocab_size, 40).tolist()
     a = m.new_session()
     full = a.prefill(ids, all_logits=True)
@@ -87,16 +87,18 @@ def test_device_greedy_sampling_feeds_itself(tiny, use_graph):
     s = m.new_session(use_graph=use_graph)
     s._core.set_sampler()
     toks = [s._core.prefill_sample(ids)]
-    toks += [s._core.decode_sample(-1) for _ in range(20)]
+    for _ in range(20):
+        toks.append(s._core.decode_sample(-1))
     r = m.new_session(use_graph=use_graph)
     ref = [int(np.argmax(r.prefill(ids)))]
-    ref += [int(np.argmax(r.decode_step(ref[-1]))) for _ in range(20)]
+    for _ in range(20):
+        ref.append(int(np.argmax(r.decode_step(ref[-1]))))
     # The same chain fed from the host through decode_sample(token) (the sampler, not numpy argmax).
     h = m.new_session(use_graph=use_graph)
     h._core.set_sampler()
     fed = [h._core.prefill_sample(ids)]
-    fed += [h._core.decode_sample(fed[-1]) for _ in range(20)]
-    print(f"graph={use_graph}\n device-fed {toks}\n host-fed   {fed}\n argmax     {ref}")
+    for _ in range(20):
+        fed.append(h._core.decode_sample(fed[-1]))
     assert fed == ref
     assert toks == ref
 
