@@ -12,7 +12,7 @@ from lily import dtypes
 from lily import quant
 from lily import safetensors_io as sio
 from lily import synthetic
-from conftest import read_dir
+from checks import read_dir
 from lily import errors
 
 P = "language_model.model."

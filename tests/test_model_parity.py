@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lily
-from conftest import TOL, assert_logits_close
+from checks import TOL, assert_logits_close
 from hf_reference import build_model, reference_logits, save_hf
 from lily.safetensors_io import LazyTensor, save_sharded
 

@@ -52,5 +52,5 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.fixture
 def gpu_tol() -> dict[str, float]:
-    """The GPU tolerance table (use this fixture: `from conftest import` would find tests/conftest.py)."""
+    """The GPU tolerance table."""
     return GPU_TOL
