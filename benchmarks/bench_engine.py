@@ -53,6 +53,27 @@ def measure(model: lily.Model, ctx: int, steps: int) -> dict:
             "graph_nodes": s._core.decode_graph_nodes, "used_bytes": device_used_bytes()}
 
 
+def profile(model: lily.Model, ctx: int, steps: int) -> dict:
+    """Per-group times of one eager prefill of ctx tokens and `steps` eager decode steps."""
+    s = model.new_session(max_context=ctx + 2 * steps + 8)
+    ids = prompt_ids(ctx, model.config.vocab_size)
+    s._core.set_sampler()
+    s._core.profile(ids, steps)  # warm-up: kernel setup, caches
+    s.reset()
+    return s._core.profile(ids, steps)
+
+
+def print_profile(ctx: int, steps: int, prof: dict) -> None:
+    for phase, per in (("prefill", 1), ("decode", steps)):
+        rows = sorted(prof[phase].items(), key=lambda kv: -kv[1][0])
+        total = sum(ms for ms, _ in prof[phase].values())
+        print(f"\n{phase} at context {ctx}: {total / per:.3f} ms per {'prefill' if per == 1 else 'step'} (eager)")
+        print("| group | ms | % | calls |")
+        print("|---|---:|---:|---:|")
+        for name, (ms, calls) in rows:
+            print(f"| {name} | {ms / per:.3f} | {100 * ms / total:.1f} | {calls // per} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -60,15 +81,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--profile", action="store_true", help="also time named groups of ops (eager passes)")
     a = ap.parse_args()
     base = device_used_bytes()
     t0 = time.perf_counter()
     model = lily.Model.load(a.model, device=a.device, max_context=8)
     load_s = time.perf_counter() - t0
     rows = [measure(model, int(c), a.decode) for c in a.contexts.split(",")]
+    profiles = {int(c): profile(model, int(c), 16) for c in a.contexts.split(",")} if a.profile else {}
     peak = max((r["used_bytes"] or 0) for r in rows)
     result = {"load_s": load_s, "weights_bytes": model._engine.weight_bytes, "device_base_bytes": base,
-              "device_peak_bytes": peak, "rows": rows}
+              "device_peak_bytes": peak, "rows": rows, "profiles": profiles}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -79,6 +102,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['context']} | {r['prefill_tok_s']:.0f} | {r['prefill_s'] * 1e3:.1f} | {r['decode_tok_s']:.1f} | "
               f"{r['decode_ms']:.3f} | {r['graph_nodes']} |")
+    for ctx, prof in profiles.items():
+        print_profile(ctx, 16, prof)
 
 
 if __name__ == "__main__":

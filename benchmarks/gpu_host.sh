@@ -35,5 +35,5 @@ if [[ $stage == tests || $stage == all ]]; then
 fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 "$src/benchmarks/bench_engine.py" --model /tmp/full --contexts ${CONTEXTS:-1024,4096,16384} \
-    --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -12
+    --profile --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
 fi

@@ -149,3 +149,28 @@ def test_device_errors(ckpt):
         with pytest.raises(lily.DeviceError, match="cuda"):
             lily.Model.load(ckpt, device="cuda")
     assert lily.Model.load(ckpt, device="auto").device in ("cpu", "cuda")
+
+
+def test_profile_times_every_group_and_changes_nothing(model, rng):
+    """Session.profile runs the same computation (same sampled tokens) and names where time went."""
+    cfg = model.config
+    ids = rng.integers(0, cfg.vocab_size, 20).astype(np.int32)
+    plain = model.new_session()
+    plain._core.set_sampler()
+    plain._core.prefill_sample(ids)
+    for _ in range(3):
+        plain._core.decode_sample(-1)
+    prof = model.new_session()
+    prof._core.set_sampler()
+    out = prof._core.profile(ids, 3)
+    assert prof.position == plain.position == 20 + 3
+    # The next draw after the profiled steps equals the plain session's (same state, same sampler).
+    assert prof._core.decode_sample(-1) == plain._core.decode_sample(-1)
+    n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
+    n_gdn = cfg.num_hidden_layers - n_attn
+    dec = out["decode"]
+    assert dec["embedding"][1] == dec["lm_head"][1] == dec["sample"][1] == 3
+    assert dec["moe"][1] == 3 * cfg.num_hidden_layers
+    assert dec["gdn.gated_delta_rule"][1] == 3 * n_gdn and dec["attn.attention"][1] == 3 * n_attn
+    assert out["prefill"]["lm_head"][1] == 1 and out["prefill"]["moe"][1] == cfg.num_hidden_layers
+    assert all(ms >= 0 for ms, _ in dec.values()) and sum(ms for ms, _ in dec.values()) > 0

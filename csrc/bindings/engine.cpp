@@ -158,6 +158,37 @@ void init_engine(nb::module_& m) {
         s.last_logprobs(ids.data(), vals.data());
         return nb::make_tuple(ids, vals);
       }, "(ids, logprobs) of the last sample: entry 0 is the chosen token, then the top n (id -1 = unused).")
+      .def("profile", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
+                         int decode_steps) {
+        LILY_CHECK(decode_steps >= 0, "profile: decode_steps must be >= 0, got ", decode_steps);
+        using Totals = std::map<std::string, Profiler::Entry>;
+        Totals prefill, decode;
+        s.profiler = std::make_unique<Profiler>(s.engine().device());
+        try {
+          nb::gil_scoped_release release;
+          s.prefill_sample(ids.data(), int64_t(ids.shape(0)));
+          s.profiler->collect();
+          prefill.swap(s.profiler->totals);
+          for (int i = 0; i < decode_steps; ++i) s.decode_sample(-1);
+          s.profiler->collect();
+          decode.swap(s.profiler->totals);
+        } catch (...) {
+          s.profiler.reset();
+          throw;
+        }
+        s.profiler.reset();
+        auto to_dict = [](const Totals& t) {
+          nb::dict d;
+          for (const auto& [name, e] : t) d[name.c_str()] = nb::make_tuple(e.ms, e.calls);
+          return d;
+        };
+        nb::dict out;
+        out["prefill"] = to_dict(prefill);
+        out["decode"] = to_dict(decode);
+        return out;
+      }, nb::arg("ids"), nb::arg("decode_steps") = 0,
+         "Prefills ids then runs decode_steps sampled steps eagerly, timing named groups of ops: "
+         "{'prefill'|'decode': {name: (total ms, calls)}} (device events on GPUs).")
       .def_rw("use_graph", &Session::use_graph)
       .def_prop_ro("decode_graph_nodes", &Session::decode_graph_nodes)
       .def("prefill", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,

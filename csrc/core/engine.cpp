@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include "profile.h"
+
 namespace lily {
 
 Engine::Engine(ModelConfig config, std::unique_ptr<WeightStore> weights)
@@ -20,18 +22,32 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
   Tensor z = view(x.z, T, Vd);                // [T, Hv*Dv]
   Tensor a = view(x.a, T, Hv), b = view(x.b, T, Hv);  // [T, Hv]
   Tensor o = view(x.o, T, Vd);                // [T, Hv*Dv]
-  ops::linear(*w.in_proj_qkv, 0, h, qkv);
-  ops::linear(*w.in_proj_z, 0, h, z);
-  ops::linear(*w.in_proj_b, 0, h, b);
-  ops::linear(*w.in_proj_a, 0, h, a);
-  ops::conv1d_silu(qkv, w.conv1d->view(), view(st.conv, c.linear_conv_kernel_dim - 1, C), y);
+  Profiler* prof = s.profiler.get();
+  {
+    ProfileScope p(prof, "gdn.in_proj");
+    ops::linear(*w.in_proj_qkv, 0, h, qkv);
+    ops::linear(*w.in_proj_z, 0, h, z);
+    ops::linear(*w.in_proj_b, 0, h, b);
+    ops::linear(*w.in_proj_a, 0, h, a);
+  }
+  {
+    ProfileScope p(prof, "gdn.conv1d_silu");
+    ops::conv1d_silu(qkv, w.conv1d->view(), view(st.conv, c.linear_conv_kernel_dim - 1, C), y);
+  }
   Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(),
                         {Hv, c.linear_key_head_dim, c.linear_value_head_dim});  // [Hv, Dk, Dv]
-  ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, c.linear_num_key_heads,
-                        c.linear_key_head_dim);
+  {
+    ProfileScope p(prof, "gdn.gated_delta_rule");
+    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, c.linear_num_key_heads,
+                          c.linear_key_head_dim);
+  }
   Tensor n = view(x.normed, T * Hv, c.linear_value_head_dim);  // [T*Hv, Dv]
-  ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim), view(x.z, T * Hv, c.linear_value_head_dim),
-                      w.norm->view(), c.rms_norm_eps, n);
+  {
+    ProfileScope p(prof, "gdn.gated_rms_norm");
+    ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim), view(x.z, T * Hv, c.linear_value_head_dim),
+                        w.norm->view(), c.rms_norm_eps, n);
+  }
+  ProfileScope p(prof, "gdn.out_proj");
   ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H));
 }
 
@@ -46,21 +62,35 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
   Tensor gate = view(x.z, T, nH * D);              // [T, nH*D]
   Tensor k = view(x.kbuf, T, nKV * D), v = view(x.vbuf, T, nKV * D);  // [T, nKV*D]
   Tensor o = view(x.o, T, nH * D);                 // [T, nH*D]
-  ops::linear(*w.q_proj, 0, h, p);
-  ops::split_q_gate(p, q, gate, int(nH));
-  ops::linear(*w.k_proj, 0, h, k);
-  ops::linear(*w.v_proj, 0, h, v);
-  ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
-  ops::rms_norm(view(x.kbuf, T * nKV, D), w.k_norm->view(), c.rms_norm_eps, view(x.kbuf, T * nKV, D));
+  Profiler* prof = s.profiler.get();
+  {
+    ProfileScope ps(prof, "attn.qkv_proj");
+    ops::linear(*w.q_proj, 0, h, p);
+    ops::split_q_gate(p, q, gate, int(nH));
+    ops::linear(*w.k_proj, 0, h, k);
+    ops::linear(*w.v_proj, 0, h, v);
+  }
   const ops::Position pos = s.position_arg();
-  ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
-  ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
+  {
+    ProfileScope ps(prof, "attn.qk_norm_rope");
+    ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
+    ops::rms_norm(view(x.kbuf, T * nKV, D), w.k_norm->view(), c.rms_norm_eps, view(x.kbuf, T * nKV, D));
+    ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
+    ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
+  }
   const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
   Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
   Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
-  ops::kv_cache_write(k, kc, pos);
-  ops::kv_cache_write(v, vc, pos);
-  ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
+  {
+    ProfileScope ps(prof, "attn.kv_cache_write");
+    ops::kv_cache_write(k, kc, pos);
+    ops::kv_cache_write(v, vc, pos);
+  }
+  {
+    ProfileScope ps(prof, "attn.attention");
+    ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
+  }
+  ProfileScope ps(prof, "attn.gate_o_proj");
   ops::sigmoid_mul(o, gate);
   ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
 }
@@ -70,6 +100,7 @@ void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
   const Scratch& x = s.s_;
   LILY_CHECK(n <= x.logit_rows, "logits_rows: ", n, " rows exceed the ", x.logit_rows, " rows of scratch");
   Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + row0 * H, DType::F32, device(), {n, H});  // [n, H]
+  ProfileScope p(s.profiler.get(), "lm_head");
   ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, view(x.final_h, n, H));
   ops::linear(*weights_->lm_head, 0, view(x.final_h, n, H), view(x.logits, n, V));
 }
@@ -99,7 +130,11 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   const int64_t H = c.hidden_size, I = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
   LILY_CHECK(T > 0 && T <= s.chunk_, "forward_chunk: ", T, " tokens exceed the chunk of ", s.chunk_);
   Tensor xs = view(x.x, T, H);  // [T, H] residual stream
-  ops::embedding(*weights_->embed_tokens, ids, xs);
+  Profiler* prof = s.profiler.get();
+  {
+    ProfileScope p(prof, "embedding");
+    ops::embedding(*weights_->embed_tokens, ids, xs);
+  }
   record(s, "embedding", x.x, T, H);
   const int64_t R = ops::moe_work_rows(device(), s.chunk_, c.num_experts_per_tok);
   const int64_t words = ops::moe_routing_words(device(), s.chunk_, c.num_experts, c.num_experts_per_tok);
@@ -108,18 +143,31 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
                      Tensor::of(x.routing.data(), DType::I32, device(), {words})};
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
-    ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+    {
+      ProfileScope p(prof, "norm");
+      ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+    }
     if (L.is_full_attention) attention_layer(s, L, s.layers_[l], T);
     else gdn_layer(s, L, s.layers_[l], T);
     const std::string p = "layers." + std::to_string(l) + ".";
     record(s, p + "mixer", x.mix, T, H);
-    ops::add(xs, view(x.mix, T, H));
-    ops::rms_norm(xs, L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
-    ops::moe(L.moe, view(x.h, T, H), view(x.mix, T, H), ms, c.num_experts_per_tok);
+    {
+      ProfileScope ps(prof, "norm");
+      ops::add(xs, view(x.mix, T, H));
+      ops::rms_norm(xs, L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+    }
+    {
+      ProfileScope ps(prof, "moe");
+      ops::moe(L.moe, view(x.h, T, H), view(x.mix, T, H), ms, c.num_experts_per_tok);
+    }
     record(s, p + "moe", x.mix, T, H);
-    ops::add(xs, view(x.mix, T, H));
+    {
+      ProfileScope ps(prof, "add");
+      ops::add(xs, view(x.mix, T, H));
+    }
     record(s, p + "residual", x.x, T, H);
   }
+  ProfileScope ps(prof, "position");
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }
 

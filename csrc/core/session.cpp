@@ -116,6 +116,7 @@ void Session::set_sampler(const ops::SamplerParams& params, const int32_t* promp
 
 int32_t Session::sample_last() {
   const int64_t V = engine_->config().vocab_size;
+  ProfileScope p(profiler.get(), "sample");
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;
@@ -140,7 +141,7 @@ void Session::decode_from_device() {
   };
   // The first step runs eagerly so one-time kernel setup (attributes, lazy module loading) happens
   // outside the capture; later steps replay the captured graph.
-  if (use_graph && engine_->device() != Device::CPU && !tracing && eager_steps_ > 0) {
+  if (use_graph && engine_->device() != Device::CPU && !tracing && !profiler && eager_steps_ > 0) {
     if (decode_graph_.empty()) decode_graph_ = DeviceGraph(engine_->device(), step);
     decode_graph_.launch();
   } else {

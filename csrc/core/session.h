@@ -7,6 +7,7 @@
 
 #include "../ops/backend.h"
 #include "../ops/ops.h"
+#include "profile.h"
 #include "tensor.h"
 
 namespace lily {
@@ -90,6 +91,8 @@ class Session {
   struct Trace { int64_t width = 0; std::vector<float> data; };
   bool tracing = false;
   std::map<std::string, Trace> trace;
+  // Profiling: when set, forward passes run eagerly and record named spans (core/profile.h).
+  std::unique_ptr<Profiler> profiler;
 
  private:
   friend class Engine;

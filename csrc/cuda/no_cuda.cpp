@@ -21,5 +21,9 @@ void synchronize() { not_built(); }
 void* graph_capture(const std::function<void()>&, size_t*) { not_built(); }
 void graph_launch(void*) { not_built(); }
 void graph_destroy(void*) {}
+void* event_create() { not_built(); }
+void event_record(void*) { not_built(); }
+float event_elapsed_ms(void*, void*) { not_built(); }
+void event_destroy(void*) {}
 
 }  // namespace lily::cuda

@@ -106,4 +106,20 @@ void graph_launch(void* g) { LILY_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGra
 
 void graph_destroy(void* g) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)); }
 
+void* event_create() {
+  cudaEvent_t e;
+  LILY_CUDA_CHECK(cudaEventCreate(&e));
+  return e;
+}
+
+void event_record(void* e) { LILY_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), stream())); }
+
+float event_elapsed_ms(void* a, void* b) {
+  float ms = 0.f;
+  LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)));
+  return ms;
+}
+
+void event_destroy(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
+
 }  // namespace lily::cuda

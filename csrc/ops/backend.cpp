@@ -28,6 +28,11 @@ void backend_synchronize(Device d) {
   LILY_DISPATCH_DEVICE(d, synchronize());
 }
 
+void* backend_event_create(Device d) { LILY_DISPATCH_DEVICE(d, event_create()); }
+void backend_event_record(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_record(e)); }
+float backend_event_elapsed_ms(Device d, void* a, void* b) { LILY_DISPATCH_DEVICE(d, event_elapsed_ms(a, b)); }
+void backend_event_destroy(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_destroy(e)); }
+
 static void* graph_capture(Device d, const std::function<void()>& body, size_t* n) {
   LILY_DISPATCH_DEVICE(d, graph_capture(body, n));
 }

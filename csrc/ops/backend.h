@@ -17,6 +17,11 @@ void backend_download(Device device, void* host, const void* src, size_t nbytes)
 void backend_copy(Device device, void* dst, const void* src, size_t nbytes);
 void backend_memset(Device device, void* dst, int value, size_t nbytes);
 void backend_synchronize(Device device);
+// Device events on the backend's stream, for profiling.
+void* backend_event_create(Device device);
+void backend_event_record(Device device, void* event);
+float backend_event_elapsed_ms(Device device, void* start, void* stop);
+void backend_event_destroy(Device device, void* event);
 
 // A captured sequence of device work (a CUDA graph), replayed with launch(). Move-only.
 class DeviceGraph {

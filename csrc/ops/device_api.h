@@ -19,7 +19,11 @@ namespace lily {
      handle for graph_launch / graph_destroy. */                    \
   void* graph_capture(const std::function<void()>& body, size_t* num_nodes);          \
   void graph_launch(void* graph);                                  \
-  void graph_destroy(void* graph);
+  void graph_destroy(void* graph);                                 \
+  void* event_create();                                            \
+  void event_record(void* event);                                  \
+  float event_elapsed_ms(void* start, void* stop);                 \
+  void event_destroy(void* event);
 namespace cuda { LILY_DEVICE_API }
 namespace metal { LILY_DEVICE_API }
 #undef LILY_DEVICE_API
