@@ -12,6 +12,7 @@ from lily import dtypes
 from lily import quant
 from lily import safetensors_io as sio
 from lily import synthetic
+from lily.tensors import is_router_gate
 from checks import read_dir
 from lily import errors
 
@@ -190,7 +191,7 @@ def test_quantized_weights_reproduce_hf_weights(hf_dir, mlx_dir, tmp_path):
             continue
         module = name.removesuffix(".weight")
         w = floats[name][1]
-        bits = 8 if convert.is_router_gate(module) else 4
+        bits = 8 if is_router_gate(module) else 4
         codes, scales, biases = quant.quantize(w, bits, 64)
         # Same codes as quantizing the bf16 weights directly; scales and biases narrowed to bf16.
         np.testing.assert_array_equal(packed, codes)

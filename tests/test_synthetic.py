@@ -13,6 +13,7 @@ from lily import dtypes
 from lily import quant
 from lily import safetensors_io as sio
 from lily import synthetic
+from lily.tensors import is_zero_centred_norm
 from checks import read_dir
 from lily import errors
 
@@ -46,7 +47,7 @@ def causal_lm_state_dict(mlx_tensors: dict) -> dict:
     state = {}
     for name, w in floats.items():
         hf = name.replace(P, "model.").replace("language_model.lm_head", "lm_head")
-        if convert.is_shifted_norm(name):
+        if is_zero_centred_norm(name.removeprefix(P)):
             w = w - np.float32(1)
         if name.endswith("conv1d.weight"):
             w = w.transpose(0, 2, 1)

@@ -10,7 +10,8 @@ experts as `mlp.switch_mlp.{gate,up,down}_proj` stacks, conv1d weight [C, K, 1],
 stored as 1 + w (not `linear_attn.norm`), A_log in fp32, the rest in bf16. Quantized, every
 Linear / Embedding / SwitchLinear weight whose input dim divides by the group size becomes
 `weight` (uint32 codes) + `scales` + `biases`; the router `mlp.gate` and `mlp.shared_expert_gate`
-use 8 bits, group 64 (mlx-lm's `quant_predicate` for this model).
+use 8 bits, group 64 (mlx-lm's `quant_predicate` for this model). Names, shapes and that rule come
+from `lily.tensors`.
 
 As in mlx-lm, weights are first rounded to the output float dtype and then quantized, so a bf16
 source converts byte-exactly to what MLX's CPU `quantize` would produce.
@@ -29,9 +30,18 @@ from pathlib import Path
 import numpy as np
 
 from . import quant
+from .config import parse_config
 from .dtypes import FLOAT_DTYPE_NAMES, decode_float, encode_float, round_to
 from .errors import CheckpointError, ConfigError
 from .safetensors_io import DEFAULT_SHARD_SIZE, INDEX_FILE, LazyTensor, SafetensorsFile, save_sharded
+from .tensors import (
+    ROUTER_GATE_QUANTIZATION,
+    is_router_gate,
+    is_zero_centred_norm,
+    model_tensors,
+    quantization_of,
+    stored_name,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,24 +54,12 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-ROUTER_GATE_QUANTIZATION = {"group_size": 64, "bits": 8}
 HF_PREFIX = "model.language_model."
 MLX_PREFIX = "language_model.model."
 MLX_LM_HEAD = "language_model.lm_head.weight"
 
 _DROPPED_PREFIXES = ("mtp.", "model.visual.")
 _SOURCE_PREFIXES = (HF_PREFIX, "model.")
-# Leaf names of the nn.Linear / nn.Embedding / SwitchLinear modules mlx-lm may quantize.
-_LINEAR_LEAVES = frozenset(
-    "embed_tokens lm_head in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj q_proj k_proj v_proj "
-    "o_proj gate gate_proj up_proj down_proj shared_expert_gate".split()
-)
-_SHIFTED_NORM_SUFFIXES = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-)
 _PER_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FLOAT_SOURCES = ("BF16", "F16", "F32", "F64")
 
@@ -88,90 +86,25 @@ def text_config_of(config: Mapping) -> dict:
     raise ConfigError(f"model_type {model_type!r} is not qwen3_5_moe (with text_config) or qwen3_5_moe_text")
 
 
-def layer_types_of(text_config: Mapping) -> list[str]:
-    """`layer_types`, or the pattern `full_attention_interval` implies (every 4th layer attention)."""
-    num_layers = text_config["num_hidden_layers"]
-    layer_types = text_config.get("layer_types")
-    if layer_types is None:
-        interval = text_config.get("full_attention_interval", 4)
-        layer_types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
-        ]
-    if len(layer_types) != num_layers:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
-    return list(layer_types)
-
-
-def _gdn_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
-    H, Hv = c["hidden_size"], c["linear_num_value_heads"]
-    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
-    value_dim = Hv * c["linear_value_head_dim"]
-    conv_dim = 2 * key_dim + value_dim  # q | k | v channels
-    return {
-        "in_proj_qkv.weight": (conv_dim, H),
-        "in_proj_z.weight": (value_dim, H),
-        "in_proj_b.weight": (Hv, H),
-        "in_proj_a.weight": (Hv, H),
-        "conv1d.weight": (conv_dim, 1, c["linear_conv_kernel_dim"]),
-        "A_log": (Hv,),
-        "dt_bias": (Hv,),
-        "norm.weight": (c["linear_value_head_dim"],),
-        "out_proj.weight": (H, value_dim),
-    }
-
-
-def _attention_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
-    H, D = c["hidden_size"], c["head_dim"]
-    q_dim, kv_dim = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
-    return {
-        "q_proj.weight": (2 * q_dim, H),  # query and output gate, interleaved per head
-        "k_proj.weight": (kv_dim, H),
-        "v_proj.weight": (kv_dim, H),
-        "o_proj.weight": (H, q_dim),
-        "q_norm.weight": (D,),
-        "k_norm.weight": (D,),
-    }
-
-
-def _moe_shapes(c: Mapping) -> dict[str, tuple[int, ...]]:
-    H, E = c["hidden_size"], c["num_experts"]
-    I, I_shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
-    return {
-        "gate.weight": (E, H),
-        "experts.gate_up_proj": (E, 2 * I, H),
-        "experts.down_proj": (E, H, I),
-        "shared_expert.gate_proj.weight": (I_shared, H),
-        "shared_expert.up_proj.weight": (I_shared, H),
-        "shared_expert.down_proj.weight": (H, I_shared),
-        "shared_expert_gate.weight": (1, H),
-    }
-
-
 def hf_tensor_shapes(text_config: Mapping) -> dict[str, tuple[int, ...]]:
     """Every text tensor of the Hugging Face checkpoint (spec 4.1 names: `model.language_model.`
     prefix, fused experts) -> its shape."""
-    c = text_config
-    try:
-        H, V = c["hidden_size"], c["vocab_size"]
-        shapes = {HF_PREFIX + "embed_tokens.weight": (V, H), HF_PREFIX + "norm.weight": (H,)}
-        if not c.get("tie_word_embeddings", False):
-            shapes["lm_head.weight"] = (V, H)
-        mixers = {
-            "linear_attention": ("linear_attn.", _gdn_shapes(c)),
-            "full_attention": ("self_attn.", _attention_shapes(c)),
-        }
-        moe = _moe_shapes(c)
-        for i, kind in enumerate(layer_types_of(c)):
-            if kind not in mixers:
-                raise ConfigError(f"layer {i}: unknown layer type {kind!r}")
-            p = f"{HF_PREFIX}layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (H,)
-            shapes[p + "post_attention_layernorm.weight"] = (H,)
-            mixer, mixer_shapes = mixers[kind]
-            shapes.update({p + mixer + name: shape for name, shape in mixer_shapes.items()})
-            shapes.update({p + "mlp." + name: shape for name, shape in moe.items()})
-    except KeyError as e:
-        raise ConfigError(f"text config lacks {e.args[0]!r}") from None
+    config = parse_config({**text_config, "model_type": "qwen3_5_moe_text"}, "text config")
+    shapes = {}
+    for spec in model_tensors(config):
+        if spec.name == "lm_head":
+            if not text_config.get("tie_word_embeddings", False):
+                shapes["lm_head.weight"] = spec.shape
+        elif spec.name.endswith("experts.gate_proj"):
+            E, I, H = spec.shape
+            shapes[HF_PREFIX + spec.name.removesuffix("gate_proj") + "gate_up_proj"] = (E, 2 * I, H)
+        elif spec.name.endswith("experts.down_proj"):
+            shapes[HF_PREFIX + spec.name] = spec.shape
+        elif spec.name.endswith("conv1d"):
+            C, K = spec.shape
+            shapes[HF_PREFIX + stored_name(spec.name)] = (C, 1, K)
+        elif not spec.name.endswith("experts.up_proj"):  # the up stack is the second half of gate_up_proj
+            shapes[HF_PREFIX + stored_name(spec.name)] = spec.shape
     return shapes
 
 
@@ -240,27 +173,6 @@ def mlx_float_shapes(text_config: Mapping) -> dict[str, tuple[int, ...]]:
     """MLX tensor names -> shapes before quantization, for this text config."""
     placeholders = {n: LazyTensor("BF16", s, lambda: None) for n, s in hf_tensor_shapes(text_config).items()}
     return {name: t.shape for name, t in mlx_float_tensors(placeholders).items()}
-
-
-def is_shifted_norm(mlx_name: str) -> bool:
-    """True for the zero-centred RMSNorm weights MLX stores as 1 + w (never `linear_attn.norm`)."""
-    return mlx_name == MLX_PREFIX + "norm.weight" or mlx_name.endswith(_SHIFTED_NORM_SUFFIXES)
-
-
-def is_router_gate(module: str) -> bool:
-    """True for the modules mlx-lm quantizes at 8 bits: the router and the shared-expert gate."""
-    return module.endswith(("mlp.gate", "shared_expert_gate"))
-
-
-def quantization_of(mlx_name: str, in_features: int, bits: int, group_size: int) -> tuple[int, int] | None:
-    """(bits, group_size) mlx-lm quantizes weight `mlx_name` with, or None when it stays float."""
-    module, _, leaf = mlx_name.rpartition(".")
-    if leaf != "weight" or module.rpartition(".")[2] not in _LINEAR_LEAVES or in_features % group_size:
-        return None
-    if is_router_gate(module):
-        gate_bits, gate_group = ROUTER_GATE_QUANTIZATION["bits"], ROUTER_GATE_QUANTIZATION["group_size"]
-        return (gate_bits, gate_group) if in_features % gate_group == 0 else None
-    return bits, group_size
 
 
 def quantization_config(text_config: Mapping, bits: int = 4, group_size: int = 64) -> dict:
@@ -370,7 +282,8 @@ def hf_to_mlx_tensors(
         elif name.endswith(".A_log"):
             out[name] = _recast(t, "F32")
         else:
-            out[name] = _recast(t, float_dtype, 1.0 if is_shifted_norm(name) else 0.0)
+            shift = 1.0 if is_zero_centred_norm(name.removeprefix(MLX_PREFIX)) else 0.0
+            out[name] = _recast(t, float_dtype, shift)
     return out
 
 

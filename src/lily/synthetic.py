@@ -46,12 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from .convert import (
+    MLX_PREFIX,
     hf_tensor_shapes,
     hf_to_mlx_tensors,
-    is_shifted_norm,
     mlx_float_shapes,
     quantization_config,
-    quantization_of,
     read_config,
     text_config_of,
     write_mlx_config,
@@ -59,6 +58,7 @@ from .convert import (
 from .dtypes import encode_float, f32_to_bf16_bits
 from .errors import ConfigError
 from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, save_sharded
+from .tensors import is_zero_centred_norm, quantization_of
 
 
 def _text_config(**dims: object) -> dict:
@@ -258,7 +258,8 @@ def _direct_scales_biases(seed: int, module: str, std: float, bits: int, shape: 
 
 def _mlx_float_value(name: str, shape: tuple[int, ...], text_config: Mapping, seed: int, dtype: str):
     values = _sample(name, shape, text_config, seed)
-    return encode_float(dtype, values + np.float32(1.0) if is_shifted_norm(name) else values)
+    shifted = is_zero_centred_norm(name.removeprefix(MLX_PREFIX))
+    return encode_float(dtype, values + np.float32(1.0) if shifted else values)
 
 
 def direct_mlx_tensors(text_config: Mapping, seed: int = 0) -> dict[str, LazyTensor]:

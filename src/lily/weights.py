@@ -13,7 +13,6 @@ tensors are skipped. Every problem raises CheckpointError naming the file and te
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +22,10 @@ from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
 from .errors import CheckpointError
 from .safetensors_io import SafetensorsFile
+from .tensors import is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
-# Norms stored as w in Hugging Face checkpoints and as 1+w in MLX ones (never linear_attn.norm).
-ZERO_CENTRED_NORMS = re.compile(r"(^norm|input_layernorm|post_attention_layernorm|q_norm|k_norm)$")
 
 
 @dataclass
@@ -204,44 +202,6 @@ def matrix_args(tensors: CheckpointTensors, quant: QuantSpec, canon: str, stack:
                 group_size=group, scales=s.read(), biases=b.read(), scale_dtype=s.info.dtype)
 
 
-def expected_matrices(c: TextConfig) -> list[tuple[str, int, int, int]]:
-    """(canonical module, stack, out, in) of every matrix the model needs."""
-    H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    out = [("embed_tokens", 1, c.vocab_size, H), ("lm_head", 1, c.vocab_size, H)]
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        if c.is_full_attention(i):
-            nhd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            out += [(p + "self_attn.q_proj", 1, 2 * nhd, H), (p + "self_attn.k_proj", 1, kvd, H),
-                    (p + "self_attn.v_proj", 1, kvd, H), (p + "self_attn.o_proj", 1, H, nhd)]
-        else:
-            Hv = c.linear_num_value_heads
-            out += [(p + "linear_attn.in_proj_qkv", 1, c.conv_dim, H), (p + "linear_attn.in_proj_z", 1, c.value_dim, H),
-                    (p + "linear_attn.in_proj_b", 1, Hv, H), (p + "linear_attn.in_proj_a", 1, Hv, H),
-                    (p + "linear_attn.out_proj", 1, H, c.value_dim)]
-        out += [(p + "mlp.gate", 1, E, H), (p + "mlp.experts.gate_proj", E, I, H), (p + "mlp.experts.up_proj", E, I, H),
-                (p + "mlp.experts.down_proj", E, H, I), (p + "mlp.shared_expert.gate_proj", 1, Is, H),
-                (p + "mlp.shared_expert.up_proj", 1, Is, H), (p + "mlp.shared_expert.down_proj", 1, H, Is),
-                (p + "mlp.shared_expert_gate", 1, 1, H)]
-    return out
-
-
-def expected_vectors(c: TextConfig) -> list[tuple[str, tuple]]:
-    """(canonical name, canonical shape) of every float32 vector parameter."""
-    out = [("norm", (c.hidden_size,))]
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        out += [(p + "input_layernorm", (c.hidden_size,)), (p + "post_attention_layernorm", (c.hidden_size,))]
-        if c.is_full_attention(i):
-            out += [(p + "self_attn.q_norm", (c.head_dim,)), (p + "self_attn.k_norm", (c.head_dim,))]
-        else:
-            Hv = c.linear_num_value_heads
-            out += [(p + "linear_attn.conv1d", (c.conv_dim, c.linear_conv_kernel_dim)),
-                    (p + "linear_attn.A_log", (Hv,)), (p + "linear_attn.dt_bias", (Hv,)),
-                    (p + "linear_attn.norm", (c.linear_value_head_dim,))]
-    return out
-
-
 def _expert_args(t: CheckpointTensors, quant: QuantSpec, canon: str, E: int, rows: int, cols: int) -> dict:
     """Expert stacks in either layout -> set_matrix arguments for [E, rows, cols]."""
     layer, kind = canon.rsplit(".experts.", 1)  # kind: gate_proj | up_proj | down_proj
@@ -261,8 +221,7 @@ def _expert_args(t: CheckpointTensors, quant: QuantSpec, canon: str, E: int, row
 
 
 def _vector(t: CheckpointTensors, canon: str, shape: tuple) -> np.ndarray:
-    stored = canon if canon.endswith(("A_log", "dt_bias")) else canon + ".weight"
-    src = t.get(stored)
+    src = t.get(stored_name(canon))
     a = _as_f32(src)
     if canon.endswith("conv1d"):  # HF [C, 1, K], MLX [C, K, 1]: same element order as [C, K]
         C, K = shape
@@ -271,7 +230,7 @@ def _vector(t: CheckpointTensors, canon: str, shape: tuple) -> np.ndarray:
                                   f"or [{C}, {K}, 1] (MLX)")
         return np.ascontiguousarray(a.reshape(C, K))
     _check_shape(src, shape)
-    if t.layout == "hf" and ZERO_CENTRED_NORMS.search(canon):
+    if t.layout == "hf" and is_zero_centred_norm(canon):
         a = a + np.float32(1.0)  # HF stores w; the core takes the multiplier 1+w (MLX stores 1+w)
     return np.ascontiguousarray(a, dtype=np.float32)
 
@@ -281,24 +240,27 @@ def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, prog
     tensors = CheckpointTensors(Path(model_dir))
     quant = QuantSpec(raw_config)
     tied = bool(raw_config.get("tie_word_embeddings", False)) and not tensors.has("lm_head.weight")
-    jobs = expected_matrices(cfg)
+    specs = model_tensors(cfg)
+    matrices = [spec for spec in specs if spec.is_matrix]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(jobs) + 1, desc=f"loading {Path(model_dir).name}", unit="tensor")
+        bar = tqdm(total=len(matrices) + 1, desc=f"loading {Path(model_dir).name}", unit="tensor")
     try:
-        for canon, stack, rows, cols in jobs:
-            src = "embed_tokens" if canon == "lm_head" and tied else canon
-            if ".experts." in canon:
-                args = _expert_args(tensors, quant, canon, stack, rows, cols)
+        for spec in matrices:
+            rows, cols = spec.shape[-2:]
+            if ".experts." in spec.name:
+                args = _expert_args(tensors, quant, spec.name, spec.num_stack, rows, cols)
             else:
-                args = matrix_args(tensors, quant, src, stack, rows, cols)
-            store.set_matrix(canon, **args)
+                src = "embed_tokens" if spec.name == "lm_head" and tied else spec.name
+                args = matrix_args(tensors, quant, src, spec.num_stack, rows, cols)
+            store.set_matrix(spec.name, **args)
             if bar:
                 bar.update(1)
-        for canon, shape in expected_vectors(cfg):
-            store.set_vector(canon, _vector(tensors, canon, shape))
+        for spec in specs:
+            if not spec.is_matrix:
+                store.set_vector(spec.name, _vector(tensors, spec.name, spec.shape))
         if bar:
             bar.update(1)
     finally:
