@@ -5,7 +5,8 @@
 set -uo pipefail
 stage=${1:-all}
 kexpr=${2:-}
-OUT=${OUT:-/tmp/lily-out}
+OUT=${OUT:-/tmp/lily-out}          # the device tool sets OUT; a local default otherwise
+FULL=${FULL:-/tmp/full}            # where the full-size synthetic checkpoint is written
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -23,9 +24,9 @@ src=$OLDPWD
 python3 -c "import lily; from lily import _core; print('cuda available:', _core.backend_available('cuda'))"
 if [[ $stage == bench || $stage == all ]]; then
   t0=$(date +%s)
-  python3 -c "from lily import synthetic; synthetic.make_checkpoint('/tmp/full', 'qwen3.6-35b-a3b', with_tokenizer=False)"
-  echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh /tmp/full | cut -f1)"
-  export LILY_FULL_CHECKPOINT=/tmp/full
+  python3 -c "from lily import synthetic; synthetic.make_checkpoint('$FULL', 'qwen3.6-35b-a3b', with_tokenizer=False)"
+  echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh "$FULL" | cut -f1)"
+  export LILY_FULL_CHECKPOINT=$FULL
 fi
 if [[ $stage == tests || $stage == all ]]; then
   t0=$(date +%s)
@@ -34,6 +35,6 @@ if [[ $stage == tests || $stage == all ]]; then
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $stage == bench || $stage == all ]]; then
-  python3 "$src/benchmarks/bench_engine.py" --model /tmp/full --contexts ${CONTEXTS:-1024,4096,16384} \
+  python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts ${CONTEXTS:-1024,4096,16384} \
     --profile --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
 fi

@@ -182,6 +182,19 @@ struct GemvUnit {
   __device__ __forceinline__ GemvUnit(int j, int nk) : pass(nk == 1 ? j : j / nk), step(nk == 1 ? 0 : j % nk) {}
 };
 
+// Double-buffered over `units` work units: unit j+1's weight loads are in flight while unit j
+// computes. `units` must be uniform over the CTA, since compute may hold barriers.
+template <class Stage, class Load, class Compute>
+__device__ __forceinline__ void gemv_pipeline(int units, Stage& a, Stage& b, Load& load, Compute& compute) {
+  for (int j = 0; j < units; j += 2) {
+    if (j + 1 < units) load(b, j + 1);
+    compute(a, j);
+    if (j + 1 >= units) break;
+    if (j + 2 < units) load(a, j + 2);
+    compute(b, j + 1);
+  }
+}
+
 template <int BITS, int NT>
 __global__ void __launch_bounds__(GEMV_THREADS, GemvTiling<NT>::MIN_CTAS) linear_gemv_kernel(const GemvParams p) {
   using S = GemvShape<BITS>;
@@ -229,13 +242,7 @@ __global__ void __launch_bounds__(GEMV_THREADS, GemvTiling<NT>::MIN_CTAS) linear
   if (units > 0) load(a, 0);  // weights do not depend on x: their latency overlaps the staging
   gemv_stage_x<BITS>(p.x, p.cols, p.T, NT, C, xs, xsum);
   __syncthreads();
-  for (int j = 0; j < units; j += 2) {  // units is uniform over the CTA: so are the barriers
-    if (j + 1 < units) load(b, j + 1);
-    compute(a, j);
-    if (j + 1 >= units) break;
-    if (j + 2 < units) load(a, j + 2);
-    compute(b, j + 1);
-  }
+  gemv_pipeline(units, a, b, load, compute);
 }
 
 }  // namespace lily::cuda

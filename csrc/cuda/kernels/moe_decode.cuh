@@ -99,13 +99,7 @@ __global__ void __launch_bounds__(GEMV_THREADS, 4) moe_up_kernel(const MoeUpPara
   if (units > 0) load(a, 0);
   gemv_stage_x<BITS>(p.h + int64_t(t) * H, H, 1, 1, C, xs, xsum);
   __syncthreads();
-  for (int j = 0; j < units; j += 2) {  // units is uniform over the CTA: so are the barriers
-    if (j + 1 < units) load(b, j + 1);
-    compute(a, j);
-    if (j + 1 >= units) break;
-    if (j + 2 < units) load(a, j + 2);
-    compute(b, j + 1);
-  }
+  gemv_pipeline(units, a, b, load, compute);
 }
 
 struct MoeDownParams {
@@ -190,13 +184,7 @@ __global__ void __launch_bounds__(GEMV_THREADS, 4) moe_down_kernel(const MoeDown
   if (units > 0) load(a, 0);
   gemv_stage_x<BITS>(p.act + int64_t(t) * slots * p.ld, p.ld, slots, slots, Cmax, xs, xsum);
   __syncthreads();
-  for (int j = 0; j < units; j += 2) {  // units is uniform over the CTA: so are the barriers
-    if (j + 1 < units) load(b, j + 1);
-    compute(a, j);
-    if (j + 1 >= units) break;
-    if (j + 2 < units) load(a, j + 2);
-    compute(b, j + 1);
-  }
+  gemv_pipeline(units, a, b, load, compute);
 }
 
 }  // namespace lily::cuda
