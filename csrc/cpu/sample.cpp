@@ -8,23 +8,14 @@
 #include <numeric>
 #include <vector>
 
+#include "../ops/sample_rng.h"
 #include "cpu_ops.h"
 
 namespace lily::cpu {
 
 using ops::SamplerParams;
+using ops::uniform01;
 using ops::SamplerState;
-
-// uniform01(seed, step): splitmix64 of seed + (step+1)*golden, top 24 bits -> [0, 1) exactly.
-static float uniform01(uint64_t seed, uint64_t step) {
-  uint64_t x = seed + (step + 1) * 0x9E3779B97F4A7C15ull;
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return float(x >> 40) * 0x1p-24f;
-}
 
 // Step 2: the penalised score. The penalty is one fused multiply-add so that every backend
 // rounds it the same way (greedy must be bit-equal across backends).

@@ -11,9 +11,12 @@
 // fixed order (sample_cluster.cuh), so the draw is reproducible; greedy is bit-equal to the CPU
 // (same IEEE division/multiply/fma on the scores, no sums). Rank 0 thread 0 writes the state last.
 #pragma once
+#include "../../ops/sample_rng.h"
 #include "sample_cluster.cuh"
 
 namespace lily::cuda {
+
+using ops::uniform01;
 
 struct SampleParams {
   const float* logits;    // [V]
@@ -27,16 +30,6 @@ struct SampleParams {
   bool has_penalty;
   u64 seed, step;
 };
-
-__device__ __forceinline__ float uniform01(u64 seed, u64 step) {
-  u64 x = seed + (step + 1) * 0x9E3779B97F4A7C15ull;
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return float(x >> 40) * 0x1p-24f;
-}
 
 // Raw logits and penalised scores of ids v0..v0+3 (ids >= hi read as -inf; callers skip them).
 struct Quad {
