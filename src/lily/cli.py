@@ -343,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a random checkpoint of any config, MLX 4-bit or Hugging Face bf16 layout.")
     synthetic.add_cli_arguments(m)
     m.set_defaults(func=synthetic.run_cli)
+
+    from .bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
