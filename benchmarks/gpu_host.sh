@@ -10,22 +10,13 @@ FULL=${FULL:-/tmp/full}            # where the full-size synthetic checkpoint is
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-t0=$(date +%s)
-if [[ -n ${SKIP_BUILD:-} ]] && (cd /tmp && python3 -c "import lily._core") 2>/dev/null; then
-  echo "build: reusing the installed lily"
-elif ! python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1; then
-  grep -E "error|Error" "$OUT/build.log" | head -40
-  echo "BUILD FAILED"; exit 1
-fi
-grep -E "spill|lily:" "$OUT/build.log" | grep -v " 0 bytes spill" | head -20
-echo "build: $(( $(date +%s) - t0 )) s"
+source "$(dirname "$0")/host_lib.sh"   # host_build, host_full_checkpoint
+host_build || exit 1
 cd /tmp  # import the installed package, not the source tree
 src=$OLDPWD
 python3 -c "import lily; from lily import _core; print('cuda available:', _core.backend_available('cuda'))"
 if [[ $stage == bench || $stage == all ]]; then
-  t0=$(date +%s)
-  python3 -c "from lily import synthetic; synthetic.make_checkpoint('$FULL', 'qwen3.6-35b-a3b', with_tokenizer=False)"
-  echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh "$FULL" | cut -f1)"
+  host_full_checkpoint "$FULL"
   export LILY_FULL_CHECKPOINT=$FULL
 fi
 if [[ $stage == tests || $stage == all ]]; then

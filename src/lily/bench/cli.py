@@ -24,6 +24,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "throughput per context, each arm in a fresh process, against MLX-LM; "
                                    "teacher-forced numerics; markdown and PNG reports.",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    add_commands(b)
+    return b
+
+
+def add_commands(b: argparse.ArgumentParser) -> None:
+    """The sub-commands of `lily bench` on parser b."""
     bs = b.add_subparsers(dest="bench_command", required=True)
 
     s = bs.add_parser("sweep", help="time every engine at every context (fresh process per arm)")
@@ -60,6 +66,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     n.add_argument("--reduced-engines", default=None, help="engines run on the reduced copy (default: all)")
     n.add_argument("--out", "-o", default="bench-numerics.json")
     n.add_argument("--timeout", type=float, default=900.0, help="per engine run (default 900 s)")
+    n.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="all engine runs together; later ones get what is left or are skipped")
     n.add_argument("--workdir", help="keep the reduced copy and the logits here (default: a temp folder)")
     n.add_argument("--no-hash", action="store_true")
     n.set_defaults(func=cmd_numerics)
@@ -81,7 +89,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     i.add_argument("--model", "-m")
     i.add_argument("--no-hash", action="store_true")
     i.set_defaults(func=cmd_identity)
-    return b
 
 
 def _engine_list(text: str | None) -> list[str] | None:
@@ -145,9 +152,14 @@ def cmd_numerics(args: argparse.Namespace) -> int:
             from ..errors import LilyError
 
             raise LilyError(f"unknown numerics engine {e!r} (expected {', '.join(ENGINE_LABELS)})")
-    result = run_numerics(args.model, args.out, device=args.device, cpu_layers=args.cpu_layers or None,
-                          full_engines=full, reduced_engines=reduced, workdir=args.workdir, timeout=args.timeout,
-                          hash_checkpoint=not args.no_hash)
+    try:
+        result = run_numerics(args.model, args.out, device=args.device, cpu_layers=args.cpu_layers or None,
+                              full_engines=full, reduced_engines=reduced, workdir=args.workdir, timeout=args.timeout,
+                              time_budget=args.time_budget, hash_checkpoint=not args.no_hash)
+    except ValueError as e:
+        from ..errors import LilyError
+
+        raise LilyError(str(e)) from None
     from .report import numerics_table
 
     print(numerics_table(result))
@@ -191,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m lily.bench.cli ...` = `lily bench ...` (usable where the lily script is not on PATH)."""
     from ..errors import LilyError
 
-    p = argparse.ArgumentParser(prog="lily")
-    add_parser(p.add_subparsers(dest="command", required=True))
+    p = argparse.ArgumentParser(prog="python -m lily.bench.cli", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="= lily bench", epilog=EPILOG)
+    add_commands(p)
     args = p.parse_args(argv)
     try:
         return int(args.func(args) or 0)

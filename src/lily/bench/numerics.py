@@ -198,14 +198,23 @@ def run_engine(label: str, model: str | Path, workdir: Path, tokens: int, timeou
 
 def compare_run(model: str | Path, engines: list[str], workdir: Path, timeout: float | None,
                 python: str = sys.executable, log_dir: Path | None = None,
-                log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
-    """All `engines` on one checkpoint, then every pair of PAIRS whose two engines produced logits."""
+                log=lambda msg: print(msg, file=sys.stderr, flush=True), deadline: float | None = None) -> dict:
+    """All `engines` on one checkpoint, then every pair of PAIRS whose two engines produced logits.
+    `deadline` (time.monotonic()) bounds the whole run: later engines get what is left, or are skipped."""
     tokens = NUMERICS_TOKENS
     targets = prompt_ids(tokens, vocab_size_of(model))[1:]
     workdir.mkdir(parents=True, exist_ok=True)
     records, paths = {}, {}
     for label in engines:
-        rec, path = run_engine(label, model, workdir, tokens, timeout, python, log_dir)
+        limit = timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 1:
+                records[label] = {"status": "skipped", "reason": "numerics time budget spent"}
+                log(f"numerics {Path(model).name}: {label}: skipped (time budget spent)")
+                continue
+            limit = left if limit is None else min(limit, left)
+        rec, path = run_engine(label, model, workdir, tokens, limit, python, log_dir)
         records[label] = rec
         if path is not None:
             logits = np.load(path, mmap_mode="r")
@@ -232,10 +241,13 @@ def compare_run(model: str | Path, engines: list[str], workdir: Path, timeout: f
 def run_numerics(model: str | Path, out: str | Path, *, device: str = "cuda", cpu_layers: int | None = 4,
                  full_engines: list[str] | None = None, reduced_engines: list[str] | None = None,
                  workdir: str | Path | None = None, timeout: float | None = 900, hash_checkpoint: bool = True,
-                 python: str = sys.executable, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+                 time_budget: float | None = None, python: str = sys.executable,
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """The numerics of docs/bench.md: on a `cpu_layers`-layer copy, every engine (lily on `device`,
     lily-cpu, mlx, mlx-fp32); on the full checkpoint, `full_engines` (default: all but lily-cpu).
-    Written to `out` (JSON) after each run. With device 'cpu' the lily-cuda arm is left out."""
+    Written to `out` (JSON) after each run. With device 'cpu' the lily-cuda arm is left out.
+    `timeout` bounds each engine run, `time_budget` all of them together."""
+    deadline = None if time_budget is None else time.monotonic() + time_budget
     from .identity import identity
     from .sweep import write_json
 
@@ -251,6 +263,15 @@ def run_numerics(model: str | Path, out: str | Path, *, device: str = "cuda", cp
               "sequence": {"tokens": NUMERICS_TOKENS, "positions": NUMERICS_TOKENS - 1,
                            "formula": "((i * 2654435761) mod 2^32) mod vocab_size"},
               "pairs_meaning": "ref -> test; KL(ref || test)", "runs": {}}
+    if cpu_layers and any(e.startswith("mlx") for e in reduced_engines):
+        from ..convert import text_config_of
+
+        interval = text_config_of(json.loads((Path(model) / "config.json").read_text())).get(
+            "full_attention_interval", 4)
+        if cpu_layers < interval:
+            raise ValueError(f"--cpu-layers {cpu_layers}: mlx-lm's qwen3_5 model needs at least "
+                             f"full_attention_interval = {interval} layers (it indexes the cache of layer "
+                             f"{interval - 1}, the first attention layer)")
     try:
         if cpu_layers:
             reduced = work / f"{Path(model).name}-{cpu_layers}l"
@@ -258,11 +279,12 @@ def run_numerics(model: str | Path, out: str | Path, *, device: str = "cuda", cp
             reduce_checkpoint(model, reduced, cpu_layers)
             log(f"numerics: wrote the {cpu_layers}-layer copy in {time.perf_counter() - t0:.1f} s")
             result["runs"]["reduced"] = compare_run(reduced, reduced_engines, work / "reduced", timeout, python,
-                                                    log_dir, log)
+                                                    log_dir, log, deadline)
             write_json(out, result)
             shutil.rmtree(reduced, ignore_errors=True)
         if full_engines:
-            result["runs"]["full"] = compare_run(model, full_engines, work / "full", timeout, python, log_dir, log)
+            result["runs"]["full"] = compare_run(model, full_engines, work / "full", timeout, python, log_dir, log,
+                                                 deadline)
             write_json(out, result)
     finally:
         if not keep:

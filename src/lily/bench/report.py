@@ -7,10 +7,11 @@ in its legend. matplotlib is needed only for the plot (`pip install lily[bench]`
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from . import format_context
-from .sweep import summarize
+from .sweep import status_counts, summarize
 
 DASH = "—"
 
@@ -87,8 +88,9 @@ def identity_lines(result: dict) -> str:
         rows.append(("checkpoint", f"`{ck.get('path')}` sha256 {(ck.get('sha256') or 'not hashed')[:16]}{size}"))
     rows.append(("contract", f"batch 1, greedy, {cfg['decode']} decode steps, {cfg['rounds']} rounds "
                              f"(engine order alternating), lily device {cfg['device']}"))
-    if cfg.get("time_budget_s") or cfg.get("arm_timeout_s"):
-        rows.append(("limits", f"time budget {cfg.get('time_budget_s')} s, arm timeout {cfg.get('arm_timeout_s')} s"))
+    budget, timeout = cfg.get("time_budget_s"), cfg.get("arm_timeout_s")
+    rows.append(("limits", f"sweep time budget {f'{budget:.0f} s' if budget else 'none'}, arm timeout "
+                           f"{f'{timeout:.0f} s' if timeout else 'none'}; arms: {status_counts(result)}"))
     return "\n".join(f"- {k}: {v}" for k, v in rows) + "\n"
 
 
@@ -98,6 +100,9 @@ def numerics_table(numerics: dict) -> str:
         out.append(f"\n{run_name} checkpoint ({run['layers']} layers, {run['positions']} positions): "
                    + ", ".join(f"{k} {'ppl %.4g' % v['ppl'] if 'ppl' in v else v.get('status')}"
                                for k, v in run["engines"].items()) + "\n")
+        if not run["pairs"]:
+            out.append("(no pair to compare: fewer than two engines produced logits)")
+            continue
         out.append("| test vs ref | ppl ref | ppl test | ppl rel diff | top-1 agreement | mean KL (nats) | max rel dlogit |")
         out.append("|---|---:|---:|---:|---:|---:|---:|")
         for p in run["pairs"]:
@@ -121,6 +126,32 @@ def render_markdown(result: dict, numerics: dict | None = None, plot_name: str |
     if numerics:
         parts += ["\n## Numerics (teacher-forced, next token)\n\n", numerics_table(numerics)]
     return "".join(parts)
+
+
+def _plain_ticks(ax) -> None:
+    """Log-scale y ticks as plain numbers (1,500 rather than 1.5x10^3)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def fmt(v, _pos):
+        return f"{v:,.0f}" if v >= 10 else f"{v:.2g}"
+
+    ax.yaxis.set_major_formatter(FuncFormatter(fmt))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, p: fmt(v, p) if str(round(v / 10 ** math.floor(
+        math.log10(v)))) in "25" else ""))
+
+
+def _log_axes(ax, contexts: list[int]) -> None:
+    """Log-2 context axis with the contexts as ticks; log y when the panel has data, else a note."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(min(contexts) / 1.3, max(contexts) * 1.3)
+    ax.set_xticks(contexts, [format_context(c) for c in contexts], rotation=45)
+    has_data = any(len(line.get_xdata()) for line in ax.get_lines() if line.get_label() and
+                   not line.get_label().startswith("_"))
+    if has_data:
+        ax.set_yscale("log")
+        _plain_ticks(ax)
+    else:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="gray")
 
 
 def plot(result: dict, path: str | Path) -> Path:
@@ -147,11 +178,9 @@ def plot(result: dict, path: str | Path) -> Path:
             for c in xs:  # every round, faint
                 vals = cells[str(c)].get("all_" + key) or []
                 ax.scatter([c] * len(vals), vals, s=10, color=line.get_color(), alpha=0.35)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        _log_axes(ax, contexts)
         ax.set_title(title)
         ax.set_xlabel("context (tokens)")
-        ax.set_xticks(contexts, [format_context(c) for c in contexts], rotation=45)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     if ratios:
@@ -160,9 +189,7 @@ def plot(result: dict, path: str | Path) -> Path:
             xs = [c for c in contexts if ratios["by_context"][str(c)][kind] is not None]
             ax.plot(xs, [ratios["by_context"][str(c)][kind] for c in xs], marker="o", label=kind)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(contexts, [format_context(c) for c in contexts], rotation=45)
+        _log_axes(ax, contexts)
         ax.set_title(f"ratio {ratios['label']} (tok/s over tok/s)")
         ax.set_xlabel("context (tokens)")
         ax.grid(True, which="both", alpha=0.3)

@@ -214,8 +214,12 @@ def run_sweep(cfg: SweepConfig, runner=None, clock: Callable[[], float] = time.m
     kept: list[dict] = []
     if cfg.resume and Path(cfg.out).is_file():
         previous = json.loads(Path(cfg.out).read_text())
-        kept = [a for a in previous.get("arms", []) if a.get("status") == "ok"]
-        log(f"lily bench: resuming {cfg.out}: keeping {len(kept)} measured arms")
+        kept = [a for a in previous.get("arms", []) if keep_on_resume(a, cfg)]
+        pc = previous.get("config", {})
+        cfg.contexts = sorted(set(cfg.contexts) | set(pc.get("contexts", [])))
+        cfg.engines = cfg.engines + [e for e in pc.get("engines", []) if e not in cfg.engines]
+        log(f"lily bench: resuming {cfg.out}: keeping {len(kept)} arms (measured, or timed out at >= the arm "
+            f"timeout); contexts {','.join(format_context(c) for c in cfg.contexts)}")
     ident = identity(cfg.model, hash_checkpoint=cfg.hash_checkpoint)
     if kept and cfg.hash_checkpoint:
         old = (previous.get("identity") or {}).get("checkpoint", {}).get("sha256")
@@ -234,7 +238,7 @@ def run_sweep(cfg: SweepConfig, runner=None, clock: Callable[[], float] = time.m
 
     save()
     done = {(a["engine"], a["context"], a["round"]) for a in kept}
-    blocked: dict[str, str] = {}  # engine -> reason its later arms are skipped
+    blocked: dict[str, str] = {}  # engine -> reason all its later arms are skipped (unavailable)
     for order, (engine, context, rnd) in enumerate(plan(cfg.engines, cfg.contexts, cfg.rounds)):
         if (engine, context, rnd) in done:
             continue
@@ -244,9 +248,14 @@ def run_sweep(cfg: SweepConfig, runner=None, clock: Callable[[], float] = time.m
         if predicted is not None:
             arm["predicted_s"] = round(predicted[0], 2)
         cap = cfg.max_context.get(engine)
+        timed_out = [a for a in result["arms"] if a["engine"] == engine and a["status"] == "timeout"
+                     and a["context"] <= context]
         reason = None
         if engine in blocked:
             reason = blocked[engine]
+        elif timed_out:
+            t = timed_out[0]
+            reason = f"{engine} timed out at {format_context(t['context'])} (limit {t.get('limit_s') or 0:.0f} s)"
         elif cap is not None and context > cap:
             reason = f"above --max-context {engine}={cap}"
         elif remaining is not None and remaining <= 0:
@@ -277,13 +286,29 @@ def run_sweep(cfg: SweepConfig, runner=None, clock: Callable[[], float] = time.m
                 log(f"[{clock() - start:7.1f} s] {engine} {format_context(context)} round {rnd}: {arm_reason(arm)}")
             if arm["status"] == "unavailable":
                 blocked[engine] = arm_reason(arm)
-            elif arm["status"] == "timeout":
-                blocked[engine] = f"{engine} timed out at {format_context(context)} (limit {arm.get('limit_s', 0):.0f} s)"
         result["arms"].append(arm)
         save()
     result["finished"] = True
     save()
     return result
+
+
+def keep_on_resume(arm: dict, cfg: SweepConfig) -> bool:
+    """A previous arm that a resumed sweep keeps instead of running again: a measurement, or a
+    timeout at a limit at least the current arm timeout (it would time out again)."""
+    if arm.get("status") == "ok":
+        return True
+    if arm.get("status") == "timeout" and arm.get("limit_s") is not None:
+        return cfg.arm_timeout_s is not None and arm["limit_s"] >= cfg.arm_timeout_s
+    return False
+
+
+def status_counts(result: dict) -> str:
+    """'18 ok, 2 skipped, 1 timeout' over the arms of a results dict."""
+    counts: dict[str, int] = {}
+    for a in result.get("arms", []):
+        counts[a["status"]] = counts.get(a["status"], 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0]))) or "none"
 
 
 def parse_max_context(items: list[str] | None) -> dict[str, int]:

@@ -1,0 +1,32 @@
+# Functions shared by the GPU-host scripts (gpu_host.sh, sweep_host.sh); source it, with OUT set.
+# Both run from the repository root and leave the working directory as they found it.
+
+# Build and install lily (CUDA backend) into the host's python, or reuse the installed one when
+# SKIP_BUILD is set and lily imports. The build log goes to $OUT/build.log.
+host_build() {
+  local t0
+  t0=$(date +%s)
+  if [[ -n ${SKIP_BUILD:-} ]] && (cd /tmp && python3 -c "import lily._core") 2>/dev/null; then
+    echo "build: reusing the installed lily"
+  elif ! python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -40
+    echo "BUILD FAILED"; return 1
+  fi
+  grep -E "spill|lily:" "$OUT/build.log" 2>/dev/null | grep -v " 0 bytes spill" | head -20
+  echo "build: $(( $(date +%s) - t0 )) s"
+}
+
+# Write the full-size synthetic Qwen3.6-35B-A3B checkpoint (MLX 4-bit, ~19.5 GB, deterministic) to
+# DIR with the installed lily. With REUSE=1, a complete earlier copy (config.json is written last)
+# is kept.
+host_full_checkpoint() {
+  local dir=$1 t0
+  t0=$(date +%s)
+  if [[ -n ${REUSE:-} && -f $dir/config.json ]]; then
+    echo "full-size checkpoint: reusing $dir ($(du -sh "$dir" | cut -f1))"
+    return 0
+  fi
+  (cd /tmp && python3 -c "from lily import synthetic; synthetic.make_checkpoint('$dir', 'qwen3.6-35b-a3b', with_tokenizer=False)") \
+    || { echo "CHECKPOINT FAILED"; return 1; }
+  echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh "$dir" | cut -f1)"
+}
