@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_sweep_host_dry_run(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", DRY="1", ENGINES="lily", NUMERICS_REDUCED="lily-cpu",
-               NUMERICS_FULL="lily-cpu", OUT=str(tmp_path / "out"), LILY_COMMIT="0123abc")
+               NUMERICS_FULL="lily-cpu", OUT=str(tmp_path / "out"), LILY_COMMIT="0123abc",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # python3 = ours
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "sweep_host.sh")], capture_output=True, text=True,
                        env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -55,3 +55,15 @@ def test_sweep_times_mlx_lm(micro, tmp_path):
     assert res["engine_versions"]["mlx"]["mlx_lm"] == mlx_arm["versions"]["mlx_lm"]
     ratio = res["summary"]["ratios"]["by_context"]["64"]
     assert ratio["prefill"] > 0 and ratio["decode"] > 0
+
+
+def test_mlx_on_cpu_is_no_baseline_for_cuda():
+    import mlx.core as mx
+
+    from lily.bench import mlx_arm
+
+    if "gpu" in str(mx.default_device()).lower():
+        pytest.skip("MLX has a GPU here")
+    with pytest.raises(mlx_arm.Unavailable, match="MLX has no GPU here"):
+        mlx_arm.require_gpu_if("cuda")
+    mlx_arm.require_gpu_if("cpu")

@@ -90,6 +90,7 @@ def timed_arm(a: argparse.Namespace) -> dict:
     else:
         from . import mlx_arm
 
+        mlx_arm.require_gpu_if(a.device)
         r = mlx_arm.timed(a.model, ids, a.decode, a.warmup_decode)
         r["device"] = r["versions"]["device"]
     tokens = r.pop("tokens")
@@ -107,6 +108,7 @@ def logits_arm(a: argparse.Namespace) -> dict:
     else:
         from . import mlx_arm
 
+        mlx_arm.require_gpu_if(a.device)
         out, info = mlx_arm.logits(a.model, ids, a.dtype)
     seconds = time.perf_counter() - t0
     np.save(a.logits, np.ascontiguousarray(out, dtype=np.float32))
@@ -122,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, help="prompt tokens of a timed arm")
     p.add_argument("--decode", type=int, default=DECODE_STEPS, help="measured decode steps (default 64)")
     p.add_argument("--warmup-decode", type=int, default=WARMUP_DECODE, help="decode steps of the warm-up")
-    p.add_argument("--device", default="auto", help="lily's device: auto, cpu or cuda (MLX uses its default)")
+    p.add_argument("--device", default="auto",
+                   help="lily's device: auto, cpu or cuda; MLX runs on its default device, and with cuda it must be a GPU")
     p.add_argument("--logits", metavar="OUT.npy", help="save teacher-forced logits instead of timing")
     p.add_argument("--tokens", type=int, default=NUMERICS_TOKENS, help="sequence length of --logits (default 193)")
     p.add_argument("--dtype", help="MLX --logits: float32 casts the model's float parameters to fp32")

@@ -38,6 +38,20 @@ def import_mlx():
     return mx, mlx_lm
 
 
+def require_gpu_if(device: str | None) -> None:
+    """When lily runs on a GPU ('cuda'), MLX must too: a CPU fallback would be a meaningless baseline."""
+    if device not in ("cuda", "gpu"):
+        return
+    try:
+        import mlx.core as mx
+    except Exception:
+        import_mlx()  # raises Unavailable with the reason
+        raise
+    if "gpu" not in str(mx.default_device()).lower():
+        raise Unavailable(f"MLX has no GPU here (mx.default_device() is {mx.default_device()}): is the MLX CUDA "
+                          f"backend (mlx-cuda-13) installed next to mlx?")
+
+
 def versions() -> dict:
     mx, mlx_lm = import_mlx()
     return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())}

@@ -151,22 +151,25 @@ def reduce_checkpoint(src: str | Path, dst: str | Path, layers: int, workers: in
 # ---------------------------------------------------------------------------------------------
 # Orchestration
 
-def engine_command(label: str, model: str | Path, out: Path, tokens: int, python: str) -> list[str]:
+def engine_command(label: str, model: str | Path, out: Path, tokens: int, python: str,
+                   device: str = "auto") -> list[str]:
+    """The arm command of one numerics engine; MLX gets lily's device under test (cuda: MLX must be on a GPU)."""
     base = [python, "-m", "lily.bench.arm", "--model", str(model), "--logits", str(out), "--tokens", str(tokens)]
     if label.startswith("lily-"):
         return base + ["--engine", "lily", "--device", label.split("-", 1)[1]]
     if label == "mlx":
-        return base + ["--engine", "mlx"]
+        return base + ["--engine", "mlx", "--device", device]
     if label == "mlx-fp32":
-        return base + ["--engine", "mlx", "--dtype", "float32"]
+        return base + ["--engine", "mlx", "--device", device, "--dtype", "float32"]
     raise ValueError(f"unknown numerics engine {label!r} (expected one of {', '.join(ENGINE_LABELS)})")
 
 
 def run_engine(label: str, model: str | Path, workdir: Path, tokens: int, timeout: float | None,
-               python: str = sys.executable, log_dir: Path | None = None) -> tuple[dict, Path | None]:
+               python: str = sys.executable, log_dir: Path | None = None,
+               device: str = "auto") -> tuple[dict, Path | None]:
     """One engine's logits in its own process: (result record, .npy path or None)."""
     out = workdir / f"{label}.npy"
-    cmd = engine_command(label, model, out, tokens, python)
+    cmd = engine_command(label, model, out, tokens, python, device)
     log_path = (log_dir or workdir) / f"numerics-{Path(model).name}-{label}.log"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -198,7 +201,8 @@ def run_engine(label: str, model: str | Path, workdir: Path, tokens: int, timeou
 
 def compare_run(model: str | Path, engines: list[str], workdir: Path, timeout: float | None,
                 python: str = sys.executable, log_dir: Path | None = None,
-                log=lambda msg: print(msg, file=sys.stderr, flush=True), deadline: float | None = None) -> dict:
+                log=lambda msg: print(msg, file=sys.stderr, flush=True), deadline: float | None = None,
+                device: str = "auto") -> dict:
     """All `engines` on one checkpoint, then every pair of PAIRS whose two engines produced logits.
     `deadline` (time.monotonic()) bounds the whole run: later engines get what is left, or are skipped."""
     tokens = NUMERICS_TOKENS
@@ -214,7 +218,7 @@ def compare_run(model: str | Path, engines: list[str], workdir: Path, timeout: f
                 log(f"numerics {Path(model).name}: {label}: skipped (time budget spent)")
                 continue
             limit = left if limit is None else min(limit, left)
-        rec, path = run_engine(label, model, workdir, tokens, limit, python, log_dir)
+        rec, path = run_engine(label, model, workdir, tokens, limit, python, log_dir, device)
         records[label] = rec
         if path is not None:
             logits = np.load(path, mmap_mode="r")
@@ -279,12 +283,12 @@ def run_numerics(model: str | Path, out: str | Path, *, device: str = "cuda", cp
             reduce_checkpoint(model, reduced, cpu_layers)
             log(f"numerics: wrote the {cpu_layers}-layer copy in {time.perf_counter() - t0:.1f} s")
             result["runs"]["reduced"] = compare_run(reduced, reduced_engines, work / "reduced", timeout, python,
-                                                    log_dir, log, deadline)
+                                                    log_dir, log, deadline, device)
             write_json(out, result)
             shutil.rmtree(reduced, ignore_errors=True)
         if full_engines:
             result["runs"]["full"] = compare_run(model, full_engines, work / "full", timeout, python, log_dir, log,
-                                                 deadline)
+                                                 deadline, device)
             write_json(out, result)
     finally:
         if not keep:
