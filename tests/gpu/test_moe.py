@@ -47,6 +47,8 @@ CASES = [
     (7, 3, 64, 32, 64, 4, 32, "F32", 4),  # generic kernels throughout
     (5, 5, 64, 32, 32, 0, 0, "F32", 0),   # dense fp32, every expert chosen
     (6, 2, 64, 64, 128, 2, 64, "F16", 8),
+    (6, 2, 96, 64, 64, 8, 32, "BF16", 8),      # tensor-core decode chain, 8 bits
+    (5, 3, 256, 128, 128, 4, 128, "BF16", 8),  # tensor-core decode chain, two steps per group
 ]
 
 
