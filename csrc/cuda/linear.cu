@@ -1,16 +1,12 @@
 // Launchers of linear and embedding. Three kernels, chosen by named predicates:
-//   use_gemv_tc:    decode (T <= 4), 4/8-bit affine with BF16 scales, groups of whole 32-byte
-//                   steps -> kernels/linear_gemv_tc.cuh (tensor cores)
-//   use_gemv:       other decode shapes (T <= 8), same variants -> kernels/linear_gemv.cuh
+//   use_gemv:       decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
 //   use_tensor_gemm: larger T, same variants, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)          -> kernels/linear_generic.cuh
-#include <algorithm>
 #include <cstdint>
 
 #include "cuda_ops.h"
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
-#include "kernels/linear_gemv_tc.cuh"
 #include "kernels/linear_generic.cuh"
 #include "linear.cuh"
 #include "runtime.cuh"
@@ -91,81 +87,6 @@ static void launch_gemv(GemvParams p) {
   LILY_CUDA_LAUNCHED();
 }
 
-// Steps a warp of linear_gemv_tc_kernel holds per tile (a power of two), 0 when over 8.
-static int gemv_tc_steps(int64_t cols, int bits, int group_size) {
-  const int64_t vq = 256 / bits, groups = cols / group_size, spg = group_size / vq;
-  const int64_t need = ceil_div<int64_t>(groups, TC_WARPS) * spg;
-  for (int sw = 1; sw <= 8; sw *= 2)
-    if (need <= sw) return sw;
-  return 0;
-}
-
-template <int BITS, int NT>
-static size_t gemv_tc_smem(int64_t cols, int group_size) {
-  return gemv_tc_smem_bytes<BITS, NT>(int(cols), group_size);
-}
-
-static bool use_gemv_tc(const WeightView& w, const Tensor& x) {
-  const int64_t T = x.dim(0);
-  if (T > 4 || !is_aligned16(x.data) || w.group_size % (256 / w.bits) != 0 || gemv_tc_steps(w.cols, w.bits, w.group_size) == 0) return false;
-  const size_t smem = w.bits == 4 ? gemv_tc_smem<4, 4>(w.cols, w.group_size) : gemv_tc_smem<8, 4>(w.cols, w.group_size);
-  return smem <= GEMV_MAX_SMEM;
-}
-
-template <int BITS, int NT, int SW>
-static void launch_gemv_tc(const GemvTcParams& p) {
-  const auto kernel = linear_gemv_tc_kernel<BITS, NT, SW>;
-  static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
-    return true;
-  }();
-  (void)configured;
-  const size_t smem = gemv_tc_smem<BITS, NT>(p.x.cols, p.x.group_size);
-  int per_sm = 0;
-  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, TC_THREADS, smem));
-  const int64_t tiles = ceil_div<int64_t>(p.w.rows, TC_TILE_ROWS);
-  const int grid = int(std::min<int64_t>(tiles, int64_t(num_sms()) * std::max(per_sm, 1)));
-  kernel<<<grid, TC_THREADS, smem, stream()>>>(p);
-  LILY_CUDA_LAUNCHED();
-}
-
-template <int BITS, int NT>
-static void dispatch_gemv_tc_steps(const GemvTcParams& p) {
-  switch (gemv_tc_steps(p.x.cols, BITS, p.x.group_size)) {
-    case 1: return launch_gemv_tc<BITS, NT, 1>(p);
-    case 2: return launch_gemv_tc<BITS, NT, 2>(p);
-    case 4: return launch_gemv_tc<BITS, NT, 4>(p);
-    case 8: return launch_gemv_tc<BITS, NT, 8>(p);
-    default: fail("linear: unsupported tensor-core GEMV width ", p.x.cols);
-  }
-}
-
-template <int BITS>
-static void dispatch_gemv_tc(const GemvTcParams& p) {
-  switch (gemv_tokens(p.x.T)) {
-    case 1: return dispatch_gemv_tc_steps<BITS, 1>(p);
-    case 2: return dispatch_gemv_tc_steps<BITS, 2>(p);
-    case 4: return dispatch_gemv_tc_steps<BITS, 4>(p);
-    default: fail("linear: unsupported tensor-core GEMV token count ", p.x.T);
-  }
-}
-
-TcMatrix tc_matrix(const QMatrix& w, int64_t e) {
-  return TcMatrix{static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row(),
-                  static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row(),
-                  static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row(), int(w.rows),
-                  int(w.cols), w.group_size};
-}
-
-static void run_gemv_tc(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
-  GemvTcParams p;
-  p.w = tc_matrix(w, e);
-  p.x = TcX{x.ptr<float>(), w.cols, w.cols, int(w.cols), int(w.cols), int(x.dim(0)), w.group_size};
-  p.y = y.ptr<float>();
-  if (w.bits == 4) return dispatch_gemv_tc<4>(p);
-  return dispatch_gemv_tc<8>(p);
-}
-
 template <int BITS>
 static void dispatch_gemv_tokens(const GemvParams& p) {
   switch (gemv_tokens(p.T)) {
@@ -228,9 +149,8 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   const WeightView v = weight_view(w);
-  const bool aligned = is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row());
-  if (aligned && is_fast_affine(v) && use_gemv_tc(v, x)) return run_gemv_tc(w, e, x, y);
-  if (aligned && use_gemv(v, x)) return run_gemv(w, e, x, y);
+  if (use_gemv(v, x) && is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()))
+    return run_gemv(w, e, x, y);
   LinearArgs a;
   a.w = v;
   a.x = x.ptr<float>();

@@ -4,7 +4,6 @@
 #pragma once
 #include "../core/weights.h"
 #include "kernels/linear_common.cuh"
-#include "kernels/linear_gemv_tc.cuh"
 
 namespace lily::cuda {
 
@@ -26,9 +25,6 @@ bool is_aligned16(const void* p);
 // and the CTA count for `passes` independent passes of `kernel` (256 threads, `smem` dynamic bytes).
 int gemv_tpr(int64_t chunks);
 int gemv_grid(const void* kernel, size_t smem, int64_t passes);
-
-// One stack entry of a fast-affine matrix in the tensor-core GEMV form (kernels/linear_gemv_tc.cuh).
-TcMatrix tc_matrix(const QMatrix& w, int64_t e);
 
 // Largest dynamic shared memory of one GEMV CTA (staged activations).
 constexpr size_t GEMV_MAX_SMEM = 96 * 1024;

@@ -14,7 +14,6 @@
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include "cuda_ops.h"
 #include "kernels/moe_decode.cuh"
-#include "kernels/moe_decode_tc.cuh"
 #include "kernels/moe_routing.cuh"
 #include "linear.cuh"
 #include "runtime.cuh"
@@ -162,94 +161,6 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
   LILY_CUDA_LAUNCHED();
 }
 
-// Steps per warp of a tensor-core tile over `groups` groups of `spg` steps, from `choices`
-// (ascending); 0 when none is large enough.
-static int tc_steps(int64_t groups, int64_t spg, std::initializer_list<int> choices) {
-  const int64_t need = ceil_div<int64_t>(groups, TC_WARPS) * spg;
-  for (int sw : choices)
-    if (need <= sw) return sw;
-  return 0;
-}
-
-static int up_tc_steps(const MoeWeights& w) {
-  const int64_t gs = w.gate_proj->group_size, vq = 256 / w.gate_proj->bits;
-  return tc_steps(w.gate_proj->cols / gs, gs / vq, {1, 2, 4, 8});
-}
-
-static int down_tc_steps(const MoeWeights& w, int top_k) {
-  const int64_t gs = w.down_proj->group_size, vq = 256 / w.down_proj->bits;
-  return tc_steps((top_k + 1) * (w.down_proj->cols / gs), gs / vq, {4, 8, 9, 12, 16});
-}
-
-// The tensor-core chain's shape class (moe_decode_tc.cuh) on top of use_moe_decode's.
-static bool use_moe_decode_tc(const MoeWeights& w, int top_k) {
-  const QMatrix* mats[] = {w.gate_proj, w.up_proj, w.down_proj, w.shared_gate_proj, w.shared_up_proj,
-                           w.shared_down_proj};
-  const int64_t I = w.gate_proj->rows, gs = w.gate_proj->group_size, bits = w.gate_proj->bits;
-  for (const QMatrix* m : mats)
-    if (m->group_size != gs) return false;
-  if (gs % (256 / bits) != 0 || I % TC_TILE_ROWS != 0 || w.shared_gate_proj->rows != I) return false;
-  if (up_tc_steps(w) == 0 || down_tc_steps(w, top_k) == 0) return false;
-  const int64_t H = w.gate_proj->cols, cols = (top_k + 1) * I;
-  const size_t up = bits == 4 ? gemv_tc_smem_bytes<4, 1>(int(H), int(gs)) : gemv_tc_smem_bytes<8, 1>(int(H), int(gs));
-  const size_t down =
-      bits == 4 ? gemv_tc_smem_bytes<4, 1>(int(cols), int(gs)) : gemv_tc_smem_bytes<8, 1>(int(cols), int(gs));
-  return up <= GEMV_MAX_SMEM && down <= GEMV_MAX_SMEM;
-}
-
-// CTAs per token for `tiles` tiles of `kernel`: at most what is resident at once over all T tokens.
-template <typename Kernel>
-static int tc_ctas(Kernel* kernel, size_t smem, int64_t tiles, int64_t T) {
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
-  int per_sm = 0;
-  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, TC_THREADS, smem));
-  const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1);
-  return int(std::max<int64_t>(1, std::min(tiles, ceil_div<int64_t>(resident, T))));
-}
-
-template <int BITS, int SW>
-static void launch_moe_up_tc(const MoeUpTcParams& u, int64_t T) {
-  const size_t smem = gemv_tc_smem_bytes<BITS, 1>(u.gate.cols, u.gate.group_size);
-  const int64_t tiles = (u.K + 1) * int64_t(u.gate.rows) / TC_TILE_ROWS;
-  const int ctas = tc_ctas(moe_up_tc_kernel<BITS, SW>, smem, tiles, T);
-  moe_up_tc_kernel<BITS, SW><<<dim3(unsigned(ctas), unsigned(T)), TC_THREADS, smem, stream()>>>(u);
-  LILY_CUDA_LAUNCHED();
-}
-
-template <int BITS, int SW>
-static void launch_moe_down_tc(const MoeDownTcParams& d, int64_t T) {
-  const size_t smem = gemv_tc_smem_bytes<BITS, 1>((d.K + 1) * d.down.cols, d.down.group_size);
-  const int ctas = tc_ctas(moe_down_tc_kernel<BITS, SW>, smem, ceil_div<int64_t>(d.down.rows, TC_TILE_ROWS), T);
-  moe_down_tc_kernel<BITS, SW><<<dim3(unsigned(ctas), unsigned(T)), TC_THREADS, smem, stream()>>>(d);
-  LILY_CUDA_LAUNCHED();
-}
-
-template <int BITS>
-static void launch_moe_decode_tc(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
-                                 const float* shared_w, float* act, int64_t ld, int top_k) {
-  const int64_t T = h.dim(0);
-  const MoeUpTcParams u{tc_matrix(*w.gate_proj, 0), tc_matrix(*w.up_proj, 0), tc_matrix(*w.shared_gate_proj, 0),
-                        tc_matrix(*w.shared_up_proj, 0), h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, top_k,
-                        int(ld)};
-  switch (up_tc_steps(w)) {
-    case 1: launch_moe_up_tc<BITS, 1>(u, T); break;
-    case 2: launch_moe_up_tc<BITS, 2>(u, T); break;
-    case 4: launch_moe_up_tc<BITS, 4>(u, T); break;
-    case 8: launch_moe_up_tc<BITS, 8>(u, T); break;
-    default: fail("moe: unsupported tensor-core up width ", w.gate_proj->cols);
-  }
-  const MoeDownTcParams d{tc_matrix(*w.down_proj, 0), tc_matrix(*w.shared_down_proj, 0), r.topk_id, act,
-                          out.ptr<float>(), top_k, int(ld)};
-  switch (down_tc_steps(w, top_k)) {
-    case 4: return launch_moe_down_tc<BITS, 4>(d, T);
-    case 8: return launch_moe_down_tc<BITS, 8>(d, T);
-    case 9: return launch_moe_down_tc<BITS, 9>(d, T);
-    case 12: return launch_moe_down_tc<BITS, 12>(d, T);
-    case 16: return launch_moe_down_tc<BITS, 16>(d, T);
-    default: fail("moe: unsupported tensor-core down width ", (top_k + 1) * w.down_proj->cols);
-  }
-}
-
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
@@ -268,11 +179,6 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   moe_topk_kernel<<<unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS)), MOE_TOPK_WARPS * 32, topk_smem, stream()>>>(tp);
   LILY_CUDA_LAUNCHED();
 
-  if (use_moe_decode(w, h, s, top_k) && use_moe_decode_tc(w, top_k)) {
-    if (w.gate_proj->bits == 4)
-      return launch_moe_decode_tc<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
-    return launch_moe_decode_tc<8>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
-  }
   if (use_moe_decode(w, h, s, top_k)) {
     switch (w.gate_proj->bits) {
       case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
