@@ -344,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_cli_arguments(m)
     m.set_defaults(func=synthetic.run_cli)
 
+    from .server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+
     from .bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)

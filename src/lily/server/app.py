@@ -1,0 +1,505 @@
+"""The HTTP layer: routes, API key, JSON in and out, server-sent events, disconnects.
+
+``Server`` runs a standard-library ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1
+keep-alive) in front of one ``Engine``. A handler thread validates and tokenizes its request,
+submits a job, then relays the job's events: as one JSON response, or as ``text/event-stream``
+chunks ending in ``data: [DONE]``. While it waits it checks whether the client is still there; if
+not, it cancels the job, which frees the engine at the next token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import os
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from ..errors import LilyError
+from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Engine, Job, QueueFull, ShuttingDown, Source
+from .errors import APIError, bad_request
+from .output import ChatOutput, CompletionLogprobs, chat_logprob, usage
+from .parse import Request, parse_chat, parse_completion
+from .prompt import Prompt, chat_prompt, text_prompt
+from .schema import openapi
+
+MAX_BODY_BYTES = 32 << 20
+POLL_SECONDS = 0.1  # how often a waiting handler checks that its client is still connected
+RETRY_AFTER_SECONDS = 1
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog: many clients may connect at once
+    app: "Server"
+
+
+class Server:
+    """An OpenAI-compatible server for one loaded ``lily.Model``.
+
+    ``port=0`` picks a free port (see ``url``). ``api_key``: when set, /v1/* needs
+    ``Authorization: Bearer KEY``. ``model_name``: the id clients send and /v1/models lists;
+    ``aliases`` are accepted too. ``max_queue``: requests that may wait while one runs.
+    ``cache_mib``: the prefix-snapshot budget. ``source``: a test hook that replaces the model's
+    generation (see engine.Source).
+    """
+
+    def __init__(self, model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 model_name: str | None = None, aliases: tuple[str, ...] = (), max_queue: int = DEFAULT_MAX_QUEUE,
+                 cache_mib: int = DEFAULT_CACHE_MIB, max_context: int | None = None, source: Source | None = None,
+                 log: bool = False, max_body_bytes: int = MAX_BODY_BYTES):
+        self.model = model
+        self.tokenizer = model.tokenizer  # loaded once here, shared by the handler threads
+        self.defaults = model.default_sampling()
+        self.model_name = model_name or Path(model.path).name
+        self.names = {self.model_name, *aliases}
+        self.api_key = api_key or None
+        self.log = log
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20, max_context=max_context,
+                             source=source)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("_Server", (_HTTPServer,), {"address_family": family})
+        try:
+            self.httpd = server_class((host, port), Handler)
+        except OSError:
+            self.engine.close()
+            raise
+        self.httpd.app = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self.httpd.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def start(self) -> "Server":
+        """Serve from a background thread (returns at once)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="lily-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting connections, cancel what is queued or running, and free the socket."""
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.engine.close()
+        self.httpd.server_close()
+        self.httpd.app = None  # no cycle keeps the model's objects alive after close
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def model_object(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lily",
+                "max_model_len": self.engine.max_context}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def fit_context(self, prompt: Prompt, req: Request, prompt_field: str):
+        """The request's SamplingParams with max_tokens fitted to the context; 400 when it cannot fit."""
+        n, room = len(prompt.ids), self.engine.max_context
+        if n == 0:
+            raise bad_request("the prompt is empty (no tokens)", prompt_field)
+        if n >= room:
+            raise bad_request(f"the prompt has {n} tokens, but the context holds {room} (at least one token "
+                              f"must be left to generate)", prompt_field, "context_length_exceeded")
+        params = req.params
+        if req.max_tokens_field is not None and n + params.max_tokens > room:
+            raise bad_request(f"{req.max_tokens_field}={params.max_tokens} with a {n}-token prompt exceeds the "
+                              f"context of {room} tokens; at most {room - n} tokens can be generated",
+                              req.max_tokens_field, "context_length_exceeded")
+        if req.max_tokens_field is None and params.max_tokens is not None and n + params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room - n)
+        return params
+
+
+class _Gone(Exception):
+    """The client disconnected."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "lily"
+    disable_nagle_algorithm = True  # small SSE chunks and responses go out at once
+    server: _HTTPServer
+
+    @property
+    def app(self) -> Server:
+        return self.server.app
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        if self.app.log:
+            sys.stderr.write(f"lily serve: {self.address_string()} {format % args}\n")
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    # --- dispatch -------------------------------------------------------------------------------
+
+    def _dispatch(self, method: str) -> None:
+        self._started = False  # whether a response status line has been sent
+        self._job: Job | None = None
+        try:
+            raw = self._read_body()
+            path = unquote(urlsplit(self.path).path).rstrip("/") or "/"
+            if path.startswith("/v1/"):
+                self._authorize()
+            route = self._route(method, path)
+            route(raw)
+        except APIError as e:
+            self._cancel()
+            self._send_error(e)
+        except (BrokenPipeError, ConnectionResetError, _Gone):
+            self._cancel()  # the client went away: free the engine
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug: answer 500 rather than drop the connection
+            self._cancel()
+            traceback.print_exc(file=sys.stderr)
+            self._send_error(APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error"))
+
+    def _cancel(self) -> None:
+        if self._job is not None:
+            self._job.cancel()
+
+    def _route(self, method: str, path: str):
+        get = {"/health": self._health, "/v1/models": self._models, "/openapi.json": self._openapi}
+        post = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
+        if path.startswith("/v1/models/"):
+            allowed, handler = "GET", lambda raw: self._model(path[len("/v1/models/"):])
+        elif path in get:
+            allowed, handler = "GET", get[path]
+        elif path in post:
+            allowed, handler = "POST", post[path]
+        else:
+            raise APIError(404, f"no such route: {method} {path} (see GET /openapi.json)", code="not_found")
+        if method != allowed:
+            raise APIError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
+                           headers={"Allow": allowed})
+        return handler
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise APIError(411, "chunked request bodies are not supported; send Content-Length", code="length_required")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return b""
+        try:
+            n = int(length)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise bad_request(f"invalid Content-Length {length!r}", code="invalid_content_length") from None
+        if n > self.app.max_body_bytes:
+            self.close_connection = True
+            raise APIError(413, f"the request body has {n} bytes; the limit is {self.app.max_body_bytes}",
+                           code="request_too_large")
+        return self.rfile.read(n)
+
+    def _authorize(self) -> None:
+        key = self.app.api_key
+        if key is None:
+            return
+        header = self.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            what = "missing" if not header else "incorrect"
+            raise APIError(401, f"{what} API key: send 'Authorization: Bearer KEY' with the server's key",
+                           code="invalid_api_key")
+
+    @staticmethod
+    def _json(raw: bytes) -> dict:
+        if not raw.strip():
+            raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
+        try:
+            body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except UnicodeDecodeError as e:
+            raise bad_request(f"the request body is not UTF-8 ({e})", code="invalid_json") from None
+        except (ValueError, RecursionError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}",
+                              code="invalid_json")
+        return body
+
+    # --- plain routes ---------------------------------------------------------------------------
+
+    def _health(self, raw: bytes) -> None:
+        self._send_json(200, {"status": "ok", "model": self.app.model_name, **self.app.engine.stats()})
+
+    def _models(self, raw: bytes) -> None:
+        self._send_json(200, {"object": "list", "data": [self.app.model_object()]})
+
+    def _model(self, name: str) -> None:
+        self.app.check_model(name)
+        self._send_json(200, self.app.model_object())
+
+    def _openapi(self, raw: bytes) -> None:
+        from .. import __version__
+
+        self._send_json(200, openapi(__version__))
+
+    # --- completions ----------------------------------------------------------------------------
+
+    def _chat(self, raw: bytes) -> None:
+        app = self.app
+        req = parse_chat(self._json(raw), app.defaults)
+        app.check_model(req.model)
+        try:
+            prompt = chat_prompt(app.tokenizer, req.messages, req.tools, req.template_kwargs)
+        except LilyError as e:
+            raise bad_request(str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - the template failed on these messages
+            raise bad_request(f"the chat template could not render the messages: {type(e).__name__}: {e}",
+                              "messages") from None
+        params = app.fit_context(prompt, req, "messages")
+        job = self._submit("chatcmpl-", prompt, params)
+        out = ChatOutput(prompt.thinking, req.tool_defs if req.parse_tools else None)
+        want_logprobs = params.num_logprobs >= 0
+        head = {"id": job.id, "created": int(time.time()), "model": app.model_name}
+        if not req.stream:
+            logprobs = []
+            result = None
+            for kind, payload in self._events(job):
+                if kind == "event":
+                    out.feed(payload)
+                    if want_logprobs and payload.logprobs is not None:
+                        logprobs.append(chat_logprob(app.tokenizer, payload.logprobs))
+                else:
+                    result = payload
+            out.finish()
+            choice = {"index": 0, "message": out.message(),
+                      "logprobs": {"content": logprobs} if want_logprobs else None,
+                      "finish_reason": out.finish_reason(result)}
+            self._send_json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": usage(result),
+                                  "system_fingerprint": None})
+            return
+        chunk = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+        if req.include_usage:
+            chunk["usage"] = None
+
+        def send(delta: dict, logprobs=None, finish=None):
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            self._sse({**chunk, "choices": [choice]})
+
+        self._start_stream()
+        send({"role": "assistant", "content": ""})
+        for kind, payload in self._events(job):
+            if kind == "event":
+                delta = out.feed(payload)
+                lp = None
+                if want_logprobs and payload.logprobs is not None:
+                    lp = {"content": [chat_logprob(app.tokenizer, payload.logprobs)]}
+                if delta or lp:
+                    send(delta, lp)
+            else:
+                delta = out.finish()
+                if delta:
+                    send(delta)
+                send({}, finish=out.finish_reason(payload))
+                if req.include_usage:
+                    self._sse({**chunk, "choices": [], "usage": usage(payload)})
+        self._end_stream()
+
+    def _completion(self, raw: bytes) -> None:
+        app = self.app
+        req = parse_completion(self._json(raw), app.defaults)
+        app.check_model(req.model)
+        try:
+            prompt = text_prompt(app.tokenizer, req.prompt, app.model.config.vocab_size)
+        except LilyError as e:
+            raise bad_request(str(e), "prompt") from None
+        params = app.fit_context(prompt, req, "prompt")
+        job = self._submit("cmpl-", prompt, params)
+        n = params.num_logprobs
+        lps = CompletionLogprobs(app.tokenizer, n > 0) if n >= 0 else None
+        head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": app.model_name,
+                "system_fingerprint": None}
+        if not req.stream:
+            texts, entries, result = [], [], None
+            for kind, payload in self._events(job):
+                if kind == "event":
+                    texts.append(payload.text)
+                    if lps is not None and payload.logprobs is not None:
+                        entries.append(lps.entry(payload.logprobs))
+                else:
+                    result = payload
+            choice = {"index": 0, "text": "".join(texts),
+                      "logprobs": CompletionLogprobs.merge(entries, n > 0) if lps is not None else None,
+                      "finish_reason": result.finish_reason}
+            self._send_json(200, {**head, "choices": [choice], "usage": usage(result)})
+            return
+        if req.include_usage:
+            head["usage"] = None
+        self._start_stream()
+        for kind, payload in self._events(job):
+            if kind == "event":
+                lp = lps.entry(payload.logprobs) if lps is not None and payload.logprobs is not None else None
+                if payload.text or lp or payload.finish_reason:
+                    choice = {"index": 0, "text": payload.text, "logprobs": lp, "finish_reason": None}
+                    self._sse({**head, "choices": [choice]})
+            else:
+                self._sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                                "finish_reason": payload.finish_reason}]})
+                if req.include_usage:
+                    self._sse({**head, "choices": [], "usage": usage(payload)})
+        self._end_stream()
+
+    # --- jobs -----------------------------------------------------------------------------------
+
+    def _submit(self, prefix: str, prompt: Prompt, params) -> Job:
+        job = Job(prefix + uuid.uuid4().hex, prompt, params)
+        try:
+            self.app.engine.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), code="shutting_down") from None
+        self._job = job
+        return job
+
+    def _events(self, job: Job):
+        """Yield the job's ("event", GenerationEvent) items and finally ("done", Generation); raise
+        _Gone when the client disconnects (``_dispatch`` then cancels the job), APIError when the job
+        failed."""
+        checked = time.monotonic()
+        while True:
+            item = job.next_item(POLL_SECONDS)
+            now = time.monotonic()
+            if item is None or now - checked >= POLL_SECONDS:  # also while tokens keep coming
+                checked = now
+                if self._client_gone():
+                    raise _Gone()
+            if item is None:
+                continue
+            kind, payload = item
+            if kind == "event":
+                yield item
+            elif kind == "done":
+                yield item
+                return
+            elif kind == "cancelled":
+                raise APIError(503, "the request was cancelled: the server is shutting down", code="cancelled")
+            else:
+                if isinstance(payload, LilyError):
+                    raise bad_request(str(payload))
+                raise APIError(500, f"generation failed: {type(payload).__name__}: {payload}",
+                               code="internal_error")
+
+    def _client_gone(self) -> bool:
+        """Whether the peer closed the connection (readable with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            return True
+
+    # --- writing --------------------------------------------------------------------------------
+
+    def _send_json(self, status: int, obj, headers: dict | None = None) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        self.send_response(status)
+        self._started = True
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _send_error(self, e: APIError) -> None:
+        if getattr(self, "_started", False):
+            # A stream is under way: report the error in it and end it.
+            try:
+                self._sse(e.body())
+                self._end_stream()
+            except OSError:
+                pass
+            self.close_connection = True
+            return
+        try:
+            self._send_json(e.status, e.body(), e.headers)
+        except OSError:
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Errors the base class detects (malformed request line, headers too long, unknown method)
+        as OpenAI error objects."""
+        if code == HTTPStatus.NOT_IMPLEMENTED:  # an HTTP method this server does not serve
+            code = HTTPStatus.METHOD_NOT_ALLOWED
+        self.close_connection = True
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "error"
+        self._started = False
+        self._send_error(APIError(code, message or phrase, code=phrase.lower().replace(" ", "_")))
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self._started = True
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("X-Accel-Buffering", "no")
+        self.end_headers()
+
+    def _sse(self, obj) -> None:
+        self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+
+    def _end_stream(self) -> None:
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def default_api_key() -> str | None:
+    return os.environ.get("LILY_API_KEY") or None

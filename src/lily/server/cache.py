@@ -1,0 +1,89 @@
+"""Prefix snapshots of session state, kept for reuse across requests: an LRU under a byte budget.
+
+The recurrent state of a Gated DeltaNet layer cannot be rolled back, so a request whose prompt
+diverges from what the session holds can only resume from a saved copy of the state taken at a
+prefix of its prompt. The server keeps such copies (``lily.Snapshot``, keyed by the token ids they
+hold) at message boundaries; a request restores the longest one that is a prefix of its prompt.
+Where the boundaries are is decided in ``prompt.py``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+
+class SnapshotLike(Protocol):
+    tokens: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PrefixCache:
+    """Snapshots keyed by their token prefix, least recently used dropped first, so that the total
+    ``nbytes`` stays within ``budget_bytes`` (and the count within ``max_entries``). A snapshot larger
+    than the whole budget is not kept; ``budget_bytes=0`` keeps nothing."""
+
+    def __init__(self, budget_bytes: int, max_entries: int = 256):
+        if budget_bytes < 0 or max_entries < 0:
+            raise ValueError("budget_bytes and max_entries must be >= 0")
+        self.budget_bytes, self.max_entries = int(budget_bytes), int(max_entries)
+        self._entries: OrderedDict[tuple[int, ...], SnapshotLike] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()  # the engine thread writes; /health reads
+        self.hits = self.misses = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        return tuple(tokens) in self._entries
+
+    def longest_prefix(self, ids: Sequence[int], longer_than: int = 0) -> SnapshotLike | None:
+        """The snapshot of the longest proper prefix of ``ids`` (at least one id is left to run) with
+        more than ``longer_than`` tokens, marked as recently used; None when there is none."""
+        ids = tuple(ids)
+        best: tuple[int, ...] | None = None
+        with self._lock:
+            for key in self._entries:
+                n = len(key)
+                if longer_than < n < len(ids) and (best is None or n > len(best)) and ids[:n] == key:
+                    best = key
+            if best is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._entries.move_to_end(best)
+            return self._entries[best]
+
+    def add(self, snapshot: SnapshotLike) -> bool:
+        """Keep ``snapshot`` (replacing one of the same tokens); returns whether it was kept."""
+        key = tuple(snapshot.tokens)
+        size = int(snapshot.nbytes)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._nbytes -= int(old.nbytes)
+            if size > self.budget_bytes or self.max_entries == 0:
+                return False
+            self._entries[key] = snapshot
+            self._nbytes += size
+            while self._nbytes > self.budget_bytes or len(self._entries) > self.max_entries:
+                _, dropped = self._entries.popitem(last=False)
+                self._nbytes -= int(dropped.nbytes)
+                self.evictions += 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = 0
+
+    def stats(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self._nbytes, "budget_bytes": self.budget_bytes,
+                "hits": self.hits, "misses": self.misses, "evictions": self.evictions}

@@ -1,0 +1,92 @@
+"""``lily serve``: the OpenAI-compatible server on the command line."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from ..errors import LilyError
+from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
+
+TINY_NAME = "lily-tiny"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``lily serve`` on the sub-command parsers of ``lily.cli.build_parser``."""
+    from ..cli import add_model_arguments
+
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve one model over HTTP: POST /v1/chat/completions, POST /v1/completions (both with "
+                    "stream), GET /v1/models, GET /health, GET /openapi.json. One request runs at a time; "
+                    "others wait in a FIFO queue (429 when it is full). Multi-turn chats resume from "
+                    "snapshots at message boundaries. See docs/server.md.",
+        epilog="examples:\n"
+               "  lily serve -m mlx-community/Qwen3.6-35B-A3B-4bit\n"
+               "  lily serve -m CKPT --port 8080 --api-key SECRET --max-context 32768\n\n"
+               "client:\n"
+               "  from openai import OpenAI\n"
+               "  client = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='SECRET')\n"
+               "  r = client.chat.completions.create(model='CKPT', messages=[{'role': 'user', 'content': 'Hi'}])")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LILY_API_KEY; unset = no key)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help=f"the model id clients send and /v1/models lists (default: the --model value, or "
+                        f"'{TINY_NAME}' for the built-in tiny checkpoint)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait while one runs; more get 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--prefix-cache-mib", type=int, default=DEFAULT_CACHE_MIB, metavar="MIB",
+                   help=f"memory for prefix snapshots reused across requests, in MiB (default {DEFAULT_CACHE_MIB}; "
+                        f"0 turns the cache off)")
+    p.add_argument("--log-requests", action="store_true", help="print one line per HTTP request to stderr")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import load_model
+    from .app import Server, default_api_key
+
+    if not 0 <= args.port <= 65535:
+        raise LilyError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1:
+        raise LilyError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.prefix_cache_mib < 0:
+        raise LilyError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
+    if args.max_context is not None and args.max_context < 2:
+        raise LilyError(f"--max-context must be >= 2, got {args.max_context}")
+    api_key = args.api_key or default_api_key()
+    model = load_model(args)
+    name = args.served_model_name or args.model or TINY_NAME
+    aliases = tuple({str(args.model), str(model.path), model.path.name} - {"None"})
+    try:
+        server = Server(model, host=args.host, port=args.port, api_key=api_key, model_name=name, aliases=aliases,
+                        max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests)
+    except OSError as e:
+        raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if args.host not in LOOPBACK and api_key is None:
+        print(f"lily serve: warning: listening on {args.host} without an API key", file=sys.stderr)
+    print(f"lily serve: '{name}' on {server.url}/v1 (context {server.engine.max_context} tokens, queue "
+          f"{args.max_queue}, prefix cache {args.prefix_cache_mib} MiB{', API key required' if api_key else ''}); "
+          f"Ctrl-C stops", file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.close()
+    if not args.quiet:
+        print("lily serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

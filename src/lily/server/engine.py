@@ -1,0 +1,246 @@
+"""The engine thread: one request at a time on one session, taken from a bounded FIFO queue.
+
+HTTP handler threads parse and tokenize a request, then ``submit`` a ``Job``; when the queue is
+full, ``submit`` raises ``QueueFull`` (the server answers 429). The engine thread runs jobs in the
+order they were accepted and sends each job's events to the job's own queue, which the handler
+turns into a response. A handler whose client went away calls ``job.cancel()``: a waiting job is
+skipped, a running one stops at its next token, and the engine moves on. Every accepted job gets
+exactly one final item (``done``, ``cancelled`` or ``error``).
+
+Before a request runs, the session is brought to the longest prefix of its prompt that it holds
+(its own tokens, when the prompt continues them) or that the prefix cache has a snapshot of; then
+the prompt is prefilled up to each message boundary, keeping a snapshot there, and generation
+continues from the last one (``lily.Model.generate`` on the session, which resumes from the
+session's tokens). Nothing else differs from a cold run, so the output is the same.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Callable
+
+from ..errors import LilyError
+from ..generate import Generation, GenerationStream
+from ..sampling import SamplingParams
+from .cache import PrefixCache
+from .prompt import Prompt
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_CACHE_MIB = 4096
+
+
+class QueueFull(Exception):
+    """The waiting queue is full; retry later."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new requests."""
+
+
+class Job:
+    """One accepted request. The handler reads ``next_item()``: ("event", GenerationEvent) per token,
+    then one of ("done", Generation), ("cancelled", Generation | None), ("error", exception)."""
+
+    def __init__(self, request_id: str, prompt: Prompt, params: SamplingParams):
+        self.id, self.prompt, self.params = request_id, prompt, params
+        self.seq: int | None = None
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def put(self, kind: str, payload=None) -> None:
+        self._items.put((kind, payload))
+
+    def next_item(self, timeout: float):
+        """The next item, or None after ``timeout`` seconds without one."""
+        try:
+            return self._items.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+# A generation source for tests: job -> GenerationStream, used instead of the model.
+Source = Callable[[Job], GenerationStream]
+
+
+class Engine:
+    """Owns the model's serving session, the prefix cache, the queue and the engine thread."""
+
+    def __init__(self, model, *, max_queue: int = DEFAULT_MAX_QUEUE, cache_bytes: int = DEFAULT_CACHE_MIB << 20,
+                 max_context: int | None = None, source: Source | None = None, history: int = 4096):
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.model = model
+        self.session = model.new_session(max_context)
+        self.cache = PrefixCache(cache_bytes)
+        self.source = source
+        self.max_queue = max_queue
+        self._queue: queue.Queue = queue.Queue(max_queue)
+        self._submit_lock = threading.Lock()
+        self._seq = itertools.count()
+        self._closed = False
+        self.running: Job | None = None
+        # Finished jobs, oldest first: seq, id, token counts, finish reason (for /health and tests).
+        self.records: collections.deque = collections.deque(maxlen=history)
+        self.totals = collections.Counter(dict.fromkeys(
+            ("requests", "done", "cancelled", "error", "prompt_tokens", "cached_tokens", "completion_tokens"), 0))
+        self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_context(self) -> int:
+        return self.session.max_context
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Accept ``job`` at the back of the queue; QueueFull when it is full."""
+        with self._submit_lock:  # seq order == queue order
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            job.seq = next(self._seq)  # before the put: the engine may take the job at once
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise QueueFull(f"{self.max_queue} requests are already waiting") from None
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop: waiting jobs and the running one end as cancelled; the thread exits."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = []
+            while True:
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            running = self.running
+            self._queue.put(None)
+        if running is not None:
+            running.cancel()
+        for job in pending:
+            job.cancel()
+            job.put("cancelled", None)
+        self._thread.join(timeout)
+
+    # --- the engine thread ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self.running = job
+            try:
+                self._run(job)
+            except BaseException as e:  # noqa: BLE001 - reported to the one request; the engine goes on
+                if not isinstance(e, LilyError):
+                    traceback.print_exc(file=sys.stderr)
+                self._recover()
+                self._record(job, None, "error")
+                job.put("error", e)
+            finally:
+                self.running = None
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled:
+            self._record(job, None, "cancelled")
+            job.put("cancelled", None)
+            return
+        if self.source is not None:
+            stream, cached, setup = self.source(job), 0, 0.0
+        else:
+            stream, cached, setup = self._start(job)
+        try:
+            while not job.cancelled:  # checked before every token, the first one included
+                event = next(stream, None)
+                if event is None:
+                    break
+                job.put("event", event)
+        finally:
+            stream.close()
+        result: Generation = stream.result()
+        result.usage.cached_tokens = cached
+        result.usage.prefill_seconds += setup
+        kind = "cancelled" if job.cancelled else "done"
+        self._record(job, result, kind)
+        job.put(kind, result)
+
+    def _start(self, job: Job) -> tuple[GenerationStream, int, float]:
+        """Resume the session for the job's prompt, prefill and snapshot its boundaries; the stream
+        of the rest, the number of prompt tokens reused, and the seconds spent here."""
+        t0 = time.perf_counter()
+        session, ids = self.session, job.prompt.ids
+        cached = pos = self._resume(ids)
+        for b in job.prompt.boundaries:
+            if pos < b < len(ids):
+                session.prefill(ids[pos:b])
+                pos = b
+                if self.cache.budget_bytes and ids[:b] not in self.cache:
+                    self._keep_snapshot()
+        stream = self.model.generate(ids, job.params, stream=True, session=session)
+        return stream, cached, time.perf_counter() - t0
+
+    def _keep_snapshot(self) -> None:
+        """Add the session's state to the prefix cache; a failed copy (e.g. out of device memory)
+        empties the cache instead of failing the request."""
+        try:
+            self.cache.add(self.session.snapshot())
+        except Exception as e:  # noqa: BLE001 - reuse is an optimisation, never a reason to fail
+            self.cache.clear()
+            print(f"lily serve: prefix snapshot failed ({type(e).__name__}: {e}); cache cleared", file=sys.stderr)
+
+    def _resume(self, ids: list[int]) -> int:
+        """Bring the session to the longest reusable prefix of ``ids`` and return its length."""
+        session = self.session
+        held = session.tokens
+        own = len(held) if len(held) < len(ids) and tuple(ids[:len(held)]) == held else -1
+        snap = self.cache.longest_prefix(ids, longer_than=max(own, 0))
+        if snap is not None:
+            session.restore(snap)
+            return len(snap.tokens)
+        if own >= 0:
+            return own
+        session.reset()
+        return 0
+
+    def _recover(self) -> None:
+        try:
+            self.session._release()  # an exception inside generation leaves no stream to close
+            self.session.reset()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _record(self, job: Job, result: Generation | None, kind: str) -> None:
+        usage = result.usage if result is not None else None
+        row = {"seq": job.seq, "id": job.id, "outcome": kind, "prompt_tokens": len(job.prompt.ids),
+               "cached_tokens": usage.cached_tokens if usage else 0,
+               "completion_tokens": usage.completion_tokens if usage else 0,
+               "finish_reason": result.finish_reason if result is not None else None}
+        self.records.append(row)
+        self.totals["requests"] += 1
+        self.totals[kind] += 1
+        if usage is not None:
+            self.totals["prompt_tokens"] += usage.prompt_tokens
+            self.totals["cached_tokens"] += usage.cached_tokens
+            self.totals["completion_tokens"] += usage.completion_tokens
+
+    def stats(self) -> dict:
+        running = self.running
+        return {"queued": self.queued, "max_queue": self.max_queue, "running": running is not None,
+                "max_context": self.max_context, "prefix_cache": self.cache.stats(), "totals": dict(self.totals)}

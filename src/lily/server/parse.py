@@ -1,0 +1,181 @@
+"""Validated request bodies -> what the engine runs: template-ready messages, tools, SamplingParams.
+
+The JSON schemas (``schema.py``) check types and ranges; this module checks what they cannot say
+and maps OpenAI fields onto lily's: ``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` +
+``top_logprobs``, ``stop``, ``seed`` (negative seeds modulo 2**64), ``top_k = -1`` (off),
+``tool_choice`` (which tools are rendered and whether calls are parsed), ``chat_template_kwargs``.
+Fields a request leaves out take the checkpoint's recommended sampling (generation_config.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import LilyError
+from ..sampling import SamplingParams
+from .errors import bad_request
+from .schema import CHAT_REQUEST, COMPLETION_REQUEST, validate
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+@dataclass
+class Request:
+    """One parsed request. ``max_tokens_field``: the field that set ``params.max_tokens`` (None when
+    it is the default), named in context errors."""
+    kind: str  # "chat" | "completion"
+    model: str | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens_field: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None  # what the template renders
+    parse_tools: bool = False
+    tool_defs: list[dict] = field(default_factory=list)  # what types the parsed arguments
+    template_kwargs: dict = field(default_factory=dict)
+    prompt: Any = None  # completion: text or token ids
+
+
+def parse_chat(body: Any, defaults: SamplingParams) -> Request:
+    validate(body, CHAT_REQUEST)
+    response_format = body.get("response_format")
+    if response_format and response_format.get("type") != "text":
+        raise bad_request(f"'response_format.type': {response_format.get('type')!r} is not supported (structured "
+                          f"output is not implemented yet); use {{'type': 'text'}} or leave it out",
+                          "response_format.type", "unsupported_value")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if top and not logprobs:
+        raise bad_request("'top_logprobs': needs logprobs: true", "top_logprobs")
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
+        "max_tokens" if body.get("max_tokens") is not None else None)
+    params = _sampling(body, defaults, body.get(max_field) if max_field else None,
+                       (top or True) if logprobs else None)
+    tools, parse_tools, tool_defs = _tools(body)
+    req = Request("chat", body.get("model"), params, bool(body.get("stream")), _include_usage(body), max_field,
+                  messages=[_message(m, i) for i, m in enumerate(body["messages"])], tools=tools,
+                  parse_tools=parse_tools, tool_defs=tool_defs, template_kwargs=_template_kwargs(body))
+    return req
+
+
+def parse_completion(body: Any, defaults: SamplingParams) -> Request:
+    validate(body, COMPLETION_REQUEST)
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    logprobs = body.get("logprobs")
+    max_tokens = body.get("max_tokens")
+    params = _sampling(body, defaults, max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS,
+                       (logprobs or True) if logprobs is not None else None)
+    return Request("completion", body.get("model"), params, bool(body.get("stream")), _include_usage(body),
+                   "max_tokens" if max_tokens is not None else None, prompt=prompt)
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    return bool(options.get("include_usage"))
+
+
+def _sampling(body: dict, defaults: SamplingParams, max_tokens: int | None, logprobs) -> SamplingParams:
+    kw: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "ignore_eos", "skip_special_tokens"):
+        if body.get(name) is not None:
+            kw[name] = body[name]
+    if body.get("top_k") is not None:
+        kw["top_k"] = max(0, body["top_k"])
+    if body.get("seed") is not None:
+        kw["seed"] = body["seed"] % 2**64
+    stop = body.get("stop")
+    kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    kw["stop_token_ids"] = tuple(body.get("stop_token_ids") or ())
+    kw["max_tokens"] = max_tokens
+    kw["logprobs"] = logprobs
+    try:
+        return dataclasses.replace(defaults, **kw)
+    except LilyError as e:  # the schema checks ranges first; this is a second line
+        raise bad_request(str(e)) from None
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    for name in RESERVED_TEMPLATE_KWARGS:
+        if name in kwargs:
+            raise bad_request(f"'chat_template_kwargs.{name}': chat_template_kwargs may not set '{name}' (it comes "
+                              f"from the request itself)",
+                              f"chat_template_kwargs.{name}")
+    for name in ("enable_thinking", "preserve_thinking"):
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], bool):
+            raise bad_request(f"'chat_template_kwargs.{name}': expected a boolean, got {json.dumps(kwargs[name])}",
+                              f"chat_template_kwargs.{name}")
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, bool, list[dict]]:
+    """(tools the template renders, whether calls are parsed, tool definitions that type arguments)."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return None, False, []
+    if choice == "required" and not tools:
+        raise bad_request("'tool_choice': 'required' needs tools", "tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise bad_request(f"'tool_choice.function.name': the function {name!r} is not among the tools",
+                              "tool_choice.function.name")
+        tools = chosen[:1]
+    return (tools or None), bool(tools), tools
+
+
+def _message(m: dict, i: int) -> dict:
+    """An OpenAI message -> the dict the chat template takes."""
+    role = "system" if m["role"] == "developer" else m["role"]
+    out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), f"messages[{i}].content")}
+    if m.get("content") is None and role in ("system", "user", "tool"):
+        raise bad_request(f"'messages[{i}].content' is required for {m['role']} messages", f"messages[{i}].content")
+    if role == "assistant":
+        reasoning = m.get("reasoning_content")
+        if reasoning is None:
+            reasoning = m.get("reasoning")
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        if m.get("tool_calls"):
+            out["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+    elif m.get("tool_calls"):
+        raise bad_request(f"'messages[{i}].tool_calls' is only allowed in assistant messages",
+                          f"messages[{i}].tool_calls")
+    return out
+
+
+def _content(content, path: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"'{path}[{j}].text' is required (a string) for a text part", f"{path}[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call(call: dict, path: str) -> dict:
+    fn = call["function"]
+    args = fn.get("arguments")
+    if args is None:
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError) as e:
+            raise bad_request(f"'{path}.function.arguments' is not valid JSON ({e})",
+                              f"{path}.function.arguments") from None
+    if not isinstance(args, dict):
+        raise bad_request(f"'{path}.function.arguments' must be a JSON object", f"{path}.function.arguments")
+    return {"id": call.get("id") or "", "type": "function", "function": {"name": fn["name"], "arguments": args}}
