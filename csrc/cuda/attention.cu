@@ -56,7 +56,7 @@ void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params& p) {
     return true;
   }();
   (void)raised;
-  kKernel<<<grid, threads, smem_bytes, stream()>>>(p);
+  launch(kKernel, grid, threads, smem_bytes, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -102,9 +102,9 @@ void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_
   if (n == 0) return;
   const SplitQGateParams sp{p.ptr<float>(), q.ptr<float>(), gate.ptr<float>(), n, int(D)};
   if (can_use_vec4(D, {sp.p, sp.q, sp.gate}))
-    split_q_gate_kernel<4><<<elementwise_blocks("split_q_gate", n / 4), kElementwiseThreads, 0, stream()>>>(sp);
+    launch(split_q_gate_kernel<4>, elementwise_blocks("split_q_gate", n / 4), kElementwiseThreads, 0, sp);
   else
-    split_q_gate_kernel<1><<<elementwise_blocks("split_q_gate", n), kElementwiseThreads, 0, stream()>>>(sp);
+    launch(split_q_gate_kernel<1>, elementwise_blocks("split_q_gate", n), kElementwiseThreads, 0, sp);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -114,7 +114,7 @@ void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const in
   LILY_CHECK(half <= kMaxRopeHalf, "rope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
   RopeParams rp{x.ptr<float>(), pos, T * num_heads * half, num_heads, int(D), int(half), {}};
   for (int64_t j = 0; j < half; ++j) rp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
-  rope_kernel<<<elementwise_blocks("rope", rp.n), kElementwiseThreads, 0, stream()>>>(rp);
+  launch(rope_kernel, elementwise_blocks("rope", rp.n), kElementwiseThreads, 0, rp);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -123,9 +123,9 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos) {
   if (n == 0) return;
   const KvCacheWriteParams kp{x.ptr<float>(), cache.ptr<__nv_bfloat16>(), pos, n, W};
   if (can_use_vec4(W, {kp.x}) && aligned(kp.cache, 8))
-    kv_cache_write_kernel<4><<<elementwise_blocks("kv_cache_write", n / 4), kElementwiseThreads, 0, stream()>>>(kp);
+    launch(kv_cache_write_kernel<4>, elementwise_blocks("kv_cache_write", n / 4), kElementwiseThreads, 0, kp);
   else
-    kv_cache_write_kernel<1><<<elementwise_blocks("kv_cache_write", n), kElementwiseThreads, 0, stream()>>>(kp);
+    launch(kv_cache_write_kernel<1>, elementwise_blocks("kv_cache_write", n), kElementwiseThreads, 0, kp);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -144,7 +144,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
     LILY_CHECK(T * num_heads <= 0x7fffffff, "attention: too many (token, head) rows for the CUDA grid");
     const GenericParams gp{q.ptr<float>(), k, v, o.ptr<float>(), pos, num_heads, num_kv_heads, int(group),
                            int(D), scale_log2};
-    attention_generic_kernel<<<unsigned(T * num_heads), kGenericThreads, smem, stream()>>>(gp);
+    launch(attention_generic_kernel, unsigned(T * num_heads), kGenericThreads, smem, gp);
     LILY_CUDA_LAUNCHED();
     return;
   }
@@ -157,7 +157,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
     const DecodeParams dp{q.ptr<float>(), k, v, pos, int(T), num_heads, num_kv_heads, int(group), P, scale_log2};
     launch_decode_for_dim(dp, dp.T * dp.group, D);
     const DecodeMergeParams mp{o.ptr<float>(), pos, num_heads, int(D), int(T), P};
-    attention_decode_merge_kernel<<<unsigned(T * num_heads), kMergeThreads, 0, stream()>>>(mp);
+    launch(attention_decode_merge_kernel, unsigned(T * num_heads), kMergeThreads, 0, mp);
     LILY_CUDA_LAUNCHED();
     return;
   }

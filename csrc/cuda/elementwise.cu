@@ -20,9 +20,9 @@ static void launch_elementwise(const Tensor& x, const Tensor& y) {
   // A grid-stride loop over at most a few waves: 4 elements per thread per pass.
   const int64_t blocks = std::min<int64_t>(ceil_div<int64_t>(p.n, 4 * THREADS), int64_t(num_sms()) * 8);
   if (can_use_vec4(p.x, p.y))
-    elementwise_kernel<Op, true><<<unsigned(blocks), THREADS, 0, stream()>>>(p);
+    launch(elementwise_kernel<Op, true>, unsigned(blocks), THREADS, 0, p);
   else
-    elementwise_kernel<Op, false><<<unsigned(blocks), THREADS, 0, stream()>>>(p);
+    launch(elementwise_kernel<Op, false>, unsigned(blocks), THREADS, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -9,7 +9,7 @@ namespace lily::cuda {
 template <int K>
 static void launch_conv1d(const Conv1dParams& p) {
   const dim3 grid{unsigned(ceil_div(p.C, CONV_THREADS)), unsigned(ceil_div(p.T, CONV_STEPS))};
-  conv1d_silu_kernel<K><<<grid, CONV_THREADS, 0, stream()>>>(p);
+  launch(conv1d_silu_kernel<K>, grid, CONV_THREADS, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -35,7 +35,7 @@ static bool gdn_has_fast_path(int Dk) { return Dk == 16 || Dk == 32 || Dk == 64 
 
 template <int DK>
 static void launch_gdn_fast(const GatedDeltaParams& p, const dim3& grid) {
-  gated_delta_kernel<DK><<<grid, GDN_THREADS, 0, stream()>>>(p);
+  launch(gated_delta_kernel<DK>, grid, GDN_THREADS, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -51,7 +51,7 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
                            num_key_heads,        int(Hv),            key_head_dim,    int(Dv)};
   const dim3 grid{unsigned(Hv), unsigned(ceil_div<int64_t>(Dv, GDN_COLS))};
   if (!gdn_has_fast_path(key_head_dim)) {
-    gated_delta_generic_kernel<<<grid, 32, 0, stream()>>>(p);
+    launch(gated_delta_generic_kernel, grid, 32, 0, p);
     LILY_CUDA_LAUNCHED();
     return;
   }

@@ -83,7 +83,7 @@ static void launch_gemv(GemvParams p) {
   p.tpr = gemv_tpr(p.cols / (128 / BITS));
   p.num_passes = ceil_div(p.rows, (GEMV_THREADS / p.tpr) * GemvTiling<NT>::R);
   const int grid = gemv_grid(reinterpret_cast<const void*>(linear_gemv_kernel<BITS, NT>), smem, p.num_passes);
-  linear_gemv_kernel<BITS, NT><<<grid, GEMV_THREADS, smem, stream()>>>(p);
+  launch(linear_gemv_kernel<BITS, NT>, grid, GEMV_THREADS, smem, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -125,7 +125,7 @@ static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   }();
   (void)configured;
   const dim3 grid(unsigned(max_tiles), unsigned(ceil_div<int64_t>(a.w.rows, GEMM_BN)));
-  linear_gemm_kernel<BITS><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES, stream()>>>(a);
+  launch(linear_gemm_kernel<BITS>, grid, GEMM_THREADS, GEMM_SMEM_BYTES, a);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -141,7 +141,7 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
     }
   }
   const dim3 grid(unsigned(max_tiles), unsigned(ceil_div<int64_t>(a.w.rows, GENERIC_WARPS)));
-  linear_generic_kernel<<<grid, GENERIC_WARPS * 32, 0, stream()>>>(a);
+  launch(linear_generic_kernel, grid, GENERIC_WARPS * 32, 0, a);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -172,7 +172,7 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
   p.H = table.cols;
   constexpr int threads = 256;
   const dim3 grid(unsigned(T), unsigned(ceil_div<int64_t>(table.cols, threads)));
-  embedding_kernel<<<grid, threads, 0, stream()>>>(p);
+  launch(embedding_kernel, grid, threads, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -148,7 +148,7 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
   const size_t up_smem = staged_bytes(1, H, BITS);
   const int up_ctas = int(ceil_div<int64_t>(
       gemv_grid(reinterpret_cast<const void*>(moe_up_kernel<BITS>), up_smem, u.passes * T), T));
-  moe_up_kernel<BITS><<<dim3(unsigned(up_ctas), unsigned(T)), GEMV_THREADS, up_smem, stream()>>>(u);
+  launch(moe_up_kernel<BITS>, dim3(unsigned(up_ctas), unsigned(T)), GEMV_THREADS, up_smem, u);
   LILY_CUDA_LAUNCHED();
 
   const int64_t cmax = std::max(w.down_proj->cols, w.shared_down_proj->cols) / (128 / BITS);
@@ -157,7 +157,7 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
   const size_t down_smem = staged_bytes(top_k + 1, cmax * (128 / BITS), BITS);
   const int down_ctas = int(ceil_div<int64_t>(
       gemv_grid(reinterpret_cast<const void*>(moe_down_kernel<BITS>), down_smem, d.passes * T), T));
-  moe_down_kernel<BITS><<<dim3(unsigned(down_ctas), unsigned(T)), GEMV_THREADS, down_smem, stream()>>>(d);
+  launch(moe_down_kernel<BITS>, dim3(unsigned(down_ctas), unsigned(T)), GEMV_THREADS, down_smem, d);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -176,7 +176,7 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
   const size_t topk_smem = size_t(MOE_TOPK_WARPS) * E * sizeof(float);
   LILY_CHECK(topk_smem <= 48 * 1024, "moe: ", E, " experts exceed the top-k kernel's shared memory");
-  moe_topk_kernel<<<unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS)), MOE_TOPK_WARPS * 32, topk_smem, stream()>>>(tp);
+  launch(moe_topk_kernel, unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS)), MOE_TOPK_WARPS * 32, topk_smem, tp);
   LILY_CUDA_LAUNCHED();
 
   if (use_moe_decode(w, h, s, top_k)) {
@@ -190,11 +190,11 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   constexpr int warps = 8;  // one expert per warp
   const unsigned expert_ctas = unsigned(ceil_div<int64_t>(E, warps));
   MoeCountParams cp{r.topk_id, r.count, int(T), int(E), top_k};
-  moe_count_kernel<<<expert_ctas, warps * 32, 0, stream()>>>(cp);
+  launch(moe_count_kernel, expert_ctas, warps * 32, 0, cp);
   LILY_CUDA_LAUNCHED();
   MoeScatterParams sp{r.topk_id, r.topk_w, r.count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, LINEAR_TILE_ROWS};
-  moe_scatter_kernel<<<expert_ctas, warps * 32, 0, stream()>>>(sp);
+  launch(moe_scatter_kernel, expert_ctas, warps * 32, 0, sp);
   LILY_CUDA_LAUNCHED();
 
   const int64_t ld = s.gate.dim(1);
@@ -216,7 +216,7 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
-  moe_combine_kernel<<<dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, stream()>>>(mp);
+  launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -30,9 +30,9 @@ static void launch_rms_norm(const RmsNormParams& p, int64_t R, bool vec4) {
   LILY_CHECK(R <= 0x7fffffff, "rms_norm: too many rows for the CUDA grid (", R, ")");
   const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(p.D))};
   if (vec4)
-    rms_norm_kernel<GATED, true><<<grid, block, 0, stream()>>>(p);
+    launch(rms_norm_kernel<GATED, true>, grid, block, 0, p);
   else
-    rms_norm_kernel<GATED, false><<<grid, block, 0, stream()>>>(p);
+    launch(rms_norm_kernel<GATED, false>, grid, block, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -79,13 +79,20 @@ void memset(void* dst, int value, size_t n) { LILY_CUDA_CHECK(cudaMemsetAsync(ds
 
 void synchronize() { LILY_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
+static thread_local bool capturing = false;
+
+bool programmatic_launches() { return capturing; }
+
 // Captures on the backend stream; an error inside body() ends the capture before it propagates so
 // the stream is usable again.
 void* graph_capture(const std::function<void()>& body, size_t* num_nodes) {
   LILY_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
   try {
+    capturing = true;
     body();
+    capturing = false;
   } catch (...) {
+    capturing = false;
     cudaGraph_t g = nullptr;
     cudaStreamEndCapture(stream(), &g);
     if (g) cudaGraphDestroy(g);

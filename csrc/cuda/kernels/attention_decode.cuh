@@ -56,6 +56,8 @@ constexpr int decode_smem_bytes() { return decode_smem_bytes_for<kD, kMTiles, de
 
 template <int kD, int kMTiles>
 __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(const DecodeParams p) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int kM = kMTiles * 16, kStride = kD + kPad, kPStride = kDecodeTile + kPad;
   constexpr int kSStride = kDecodeTile + 4, kWarpDims = kD / 4, kNT = kWarpDims / 8;
   constexpr int kStages = decode_stages<kD, kMTiles>(), kStageElems = kDecodeTile * kStride;
@@ -287,6 +289,8 @@ constexpr int kMergeThreads = 256;  // >= kMaxDecodeCtas and >= D
 // CTA order (M = max_c m_c; CTAs with no visible row for t carry m_c = -inf, weight 0).
 // Grid T*nH (one CTA per (t, h)); thread c loads CTA c's (max, sum), thread d sums dim d.
 __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(const DecodeMergeParams p) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float weight[kMergeThreads];  // [P]
   __shared__ float red[32];
   const int row = blockIdx.x, tid = threadIdx.x;

@@ -25,6 +25,8 @@ struct GenericParams {
 };
 
 __global__ void __launch_bounds__(kGenericThreads) attention_generic_kernel(const GenericParams p) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ float gsmem[];
   float* q_s = gsmem;          // [D]
   float* o_s = q_s + p.D;      // [D]

@@ -40,6 +40,8 @@ constexpr int prefill_smem_bytes() {
 
 template <int kD>
 __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(const PrefillParams p) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int kPrefillTile = prefill_tile<kD>();
   constexpr int kStride = kD + kPad, kNT = kD / 8, kTileNT = kPrefillTile / 8, kStageElems = kPrefillTile * kStride;
   extern __shared__ __align__(16) unsigned char smem[];

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common.cuh"
+
 namespace lily::cuda::attn {
 
 constexpr int kElementwiseThreads = 256;
@@ -23,6 +25,8 @@ struct SplitQGateParams {
 
 template <int kVec>
 __global__ void split_q_gate_kernel(const SplitQGateParams p) {
+  pdl_wait();
+  pdl_trigger();
   using V = std::conditional_t<kVec == 4, float4, float>;
   const int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (e >= p.n) return;
@@ -45,6 +49,8 @@ struct RopeParams {
 };
 
 __global__ void rope_kernel(const RopeParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.n) return;
   const int j = int(i % p.half);
@@ -70,6 +76,8 @@ struct KvCacheWriteParams {
 
 template <int kVec>
 __global__ void kv_cache_write_kernel(const KvCacheWriteParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (e >= p.n) return;
   __nv_bfloat16* dst = p.cache + int64_t(*p.pos) * p.W + e;

@@ -7,6 +7,13 @@
 
 namespace lily::cuda {
 
+// Programmatic dependent launch (runtime.cuh's launch): a kernel may start while its predecessor on
+// the stream finishes. pdl_wait() blocks until every earlier kernel has completed and its writes are
+// visible, so nothing but constant weights may be read, and nothing written, before it; pdl_trigger()
+// then lets the next kernel start its own prologue. Both are no-ops in a plain launch.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

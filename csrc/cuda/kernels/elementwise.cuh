@@ -23,6 +23,8 @@ struct AddOp {
 
 template <class Op, bool VEC4>
 __global__ void elementwise_kernel(ElementwiseParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t tail = 0;

@@ -24,6 +24,8 @@ struct Conv1dParams {
 
 template <int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams p) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int S = K - 1;
   static_assert(S <= CONV_STEPS, "one block of tokens must cover the carried state");
   const int c = blockIdx.x * CONV_THREADS + threadIdx.x;
@@ -103,6 +105,8 @@ __device__ __forceinline__ float2 gdn_gates(const GatedDeltaParams& p, int t, in
 
 template <int DK>
 __global__ void __launch_bounds__(GDN_THREADS) gated_delta_kernel(GatedDeltaParams p) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int RPT = DK / GDN_KSPLIT;  // rows of S per thread
   static_assert(RPT % 4 == 0, "rows go in float4 groups");
   __shared__ float4 qk[GDN_STEPS][2][DK / 4];  // normalised q, k of the staged tokens
@@ -179,6 +183,8 @@ __global__ void __launch_bounds__(GDN_THREADS) gated_delta_kernel(GatedDeltaPara
 // in place in global memory every token; each thread normalises q and k itself. Slow, for the odd
 // sizes of tests; same equations and order of operations as the fast path.
 __global__ void __launch_bounds__(32) gated_delta_generic_kernel(GatedDeltaParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int h = blockIdx.x, kh = h / (p.Hv / p.Hk), j = blockIdx.y * 32 + threadIdx.x;
   if (j >= p.Dv) return;
   const int64_t W = 2 * int64_t(p.Hk) * p.Dk + int64_t(p.Hv) * p.Dv;

@@ -40,6 +40,8 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 
 template <int BITS>
 __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearArgs a) {
+  pdl_wait();
+  pdl_trigger();
   constexpr int VALS = 128 / BITS;                             // weight values per 16-byte chunk
   constexpr int CPR = GEMM_BK / VALS;                          // chunks per weight row per k-tile
   constexpr int B_LOADS = GEMM_BN * CPR / GEMM_THREADS;        // chunks per thread per k-tile

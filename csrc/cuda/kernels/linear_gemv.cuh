@@ -240,6 +240,8 @@ __global__ void __launch_bounds__(GEMV_THREADS, GemvTiling<NT>::MIN_CTAS) linear
 
   GemvStage<R> a, b;
   if (units > 0) load(a, 0);  // weights do not depend on x: their latency overlaps the staging
+  pdl_wait();                 // ... and the previous kernel's tail
+  pdl_trigger();
   gemv_stage_x<BITS>(p.x, p.cols, p.T, NT, C, xs, xsum);
   __syncthreads();
   gemv_pipeline(units, a, b, load, compute);

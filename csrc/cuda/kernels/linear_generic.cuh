@@ -17,6 +17,8 @@ constexpr int GENERIC_TILE_ROWS = 64;  // product rows per tile (the MoE tile ma
 // rows, 8 rows at a time: lanes stride over i, each dequantized weight is used for all 8 rows,
 // then a fixed-order warp sum. Matches cpu::linear to fp32 rounding.
 __global__ void __launch_bounds__(GENERIC_WARPS * 32) linear_generic_kernel(const LinearArgs a) {
+  pdl_wait();
+  pdl_trigger();
   Tile tile;
   if (!find_tile(a.tiles, blockIdx.x, GENERIC_TILE_ROWS, tile)) return;
   const int lane = threadIdx.x & 31;
@@ -53,6 +55,8 @@ struct EmbeddingParams {
 // element. Ids come from the device (prompt or sampler), so they are clamped, never trusted.
 // Matches cpu::embedding exactly (same fp32 dequantization).
 __global__ void embedding_kernel(const EmbeddingParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x, j = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j >= p.H) return;
   const int64_t id = min(max(int64_t(p.ids[t]), int64_t(0)), p.table.rows - 1);

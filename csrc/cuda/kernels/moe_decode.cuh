@@ -38,6 +38,8 @@ struct MoeUpParams {
 // x row). Fixed-order slot sums; deterministic. Matches cpu::moe's expert SwiGLU in fp32.
 template <int BITS>
 __global__ void __launch_bounds__(GEMV_THREADS, 4) moe_up_kernel(const MoeUpParams p) {
+  pdl_wait();
+  pdl_trigger();
   using S = GemvShape<BITS>;
   constexpr int P = MOE_UP_PAIRS, N = 2 * P;
   extern __shared__ float4 xs[];  // [C*F] swizzled h[t], then xsum [C]
@@ -119,6 +121,8 @@ struct MoeDownParams {
 // memory, and after one barrier the first threads add the K+1 dots in slot order.
 template <int BITS>
 __global__ void __launch_bounds__(GEMV_THREADS, 4) moe_down_kernel(const MoeDownParams p) {
+  pdl_wait();
+  pdl_trigger();
   using S = GemvShape<BITS>;
   constexpr int RB = MOE_DOWN_ROWS;
   extern __shared__ float4 xs[];  // [K+1, Cmax*F] swizzled act[t], then xsum [K+1, Cmax]

@@ -23,6 +23,8 @@ struct MoeTopkParams {
 // over a token's experts runs in cpu::moe's order. One warp per token, p in shared memory
 // [4 warps, E]; K rounds of a warp argmax. Also turns the shared expert gate logit into its sigmoid.
 __global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const MoeTopkParams p) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ float probs[];  // [MOE_TOPK_WARPS, E]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * MOE_TOPK_WARPS + warp;
@@ -76,6 +78,8 @@ struct MoeCountParams {
 
 // count[e] = #{(t, k): topk_id[t, k] == e}. One warp per expert, lanes over tokens.
 __global__ void moe_count_kernel(const MoeCountParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (e >= p.E) return;
@@ -104,6 +108,8 @@ struct MoeScatterParams {
 // One warp per expert: prefix sums over lower experts, then 32 tokens at a time, a ballot ranks the
 // tokens that chose e. The last expert's warp writes the tile count.
 __global__ void moe_scatter_kernel(const MoeScatterParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (e >= p.E) return;
@@ -149,6 +155,8 @@ struct MoeCombineParams {
 // out[t, j] = sum_k down[topk_row[t, k], j] (k in ascending expert id) + down[T*K + t, j].
 // Grid (T, ceil(H / 256)), one thread per element, a fixed summation order.
 __global__ void moe_combine_kernel(const MoeCombineParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x, j = blockIdx.y * blockDim.x + threadIdx.x;
   if (j >= p.H) return;
   float s = 0.f;

@@ -44,6 +44,8 @@ __device__ __forceinline__ float norm_out(float x, float s, float w, float z) {
 
 template <bool GATED, bool VEC4>
 __global__ void rms_norm_kernel(RmsNormParams p) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float red[32];
   const int64_t off = int64_t(blockIdx.x) * p.D;
   const float s = row_inv_rms<VEC4>(p.x + off, p.D, p.eps, red);
