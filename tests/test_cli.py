@@ -138,3 +138,56 @@ def test_make_checkpoint_loads_and_runs(tmp_path):
     assert (out / "chat_template.jinja").is_file()
     logits = model.prefill(model.tokenizer.encode("The quick brown fox"))
     assert np.isfinite(logits).all() and logits.std() > 0.5
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    from lily import synthetic
+
+    return synthetic.make_checkpoint(tmp_path_factory.mktemp("hf"), "tiny", layout="hf", with_tokenizer=False)
+
+
+def test_convert_writes_what_the_converter_writes(hf_tiny, tmp_path):
+    from lily import convert
+
+    out = tmp_path / "mlx"
+    r = run("convert", str(hf_tiny), str(out), cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "4-bit, group 64" in r.stdout and "converting" in r.stderr  # summary, progress bar
+    ref = convert.convert_hf_to_mlx(hf_tiny, tmp_path / "ref")
+    files = sorted(f.name for f in ref.iterdir())
+    assert sorted(f.name for f in out.iterdir()) == files
+    for name in files:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    model = lily.Model.load(out, device="cpu")
+    assert model.layout == "mlx" and np.isfinite(model.prefill([1, 2, 3])).all()
+
+
+def test_convert_keeps_a_non_empty_output_unless_told(hf_tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run("convert", str(hf_tiny), str(out), cache=tmp_path)
+    assert r.returncode == 2 and "not empty" in r.stderr and "--overwrite" in r.stderr
+    assert "Traceback" not in r.stderr and [f.name for f in out.iterdir()] == ["notes.txt"]
+    r = run("convert", str(hf_tiny), str(out), "--bits", "8", "--overwrite", "--quiet", cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "8-bit" in r.stdout and (out / "notes.txt").read_text() == "mine"
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "3"], "invalid choice: 3"),
+    (["--group-size", "48"], "invalid choice: 48"),
+    (["--workers", "0"], "--workers must be >= 1"),
+])
+def test_convert_bad_arguments_are_clear_errors(hf_tiny, tmp_path, args, message):
+    r = run("convert", str(hf_tiny), str(tmp_path / "out"), *args, cache=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_missing_source_is_a_clear_error(tmp_path):
+    r = run("convert", str(tmp_path / "nope"), str(tmp_path / "out"), cache=tmp_path)
+    assert r.returncode == 2 and "no such folder" in r.stderr and "Traceback" not in r.stderr

@@ -299,7 +299,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import synthetic
+    from . import convert, synthetic
 
     p = argparse.ArgumentParser(prog="lily", description="Batch-1 inference for Qwen3.5/3.6 MoE checkpoints.",
                                 epilog="Run 'lily COMMAND --help' for each command's options.")
@@ -338,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "top_p 0.95)")
     add_chat_arguments(c)
     c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("convert", help="convert a Hugging Face bf16 checkpoint to the MLX 4/8-bit layout",
+                       description="Convert a Hugging Face checkpoint (bf16 or fp32, model_type qwen3_5_moe) into "
+                                   "the MLX layout lily and mlx-lm load: matrices quantized to 4 or 8 bits (the "
+                                   "router and shared-expert gates always 8), tokenizer and generation files "
+                                   "copied. Shows progress; refuses a non-empty output folder unless --overwrite.")
+    convert.add_cli_arguments(v)
+    v.set_defaults(func=convert.run_cli)
 
     m = sub.add_parser("make-checkpoint", help="write a random synthetic checkpoint",
                        description="Write a random checkpoint of any config, MLX 4-bit or Hugging Face bf16 layout.")

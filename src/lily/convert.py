@@ -19,6 +19,8 @@ source converts byte-exactly to what MLX's CPU `quantize` would produce.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import re
@@ -323,12 +325,13 @@ def convert_hf_to_mlx(
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     workers: int | None = None,
+    progress: bool = False,
 ) -> Path:
     """Convert the Hugging Face checkpoint in `hf_dir` into an MLX-layout checkpoint in `out_dir`.
 
     Unquantized float tensors are written as `dtype` ("bfloat16", "float16" or "float32"); A_log stays
     fp32. config.json gains "quantization" == "quantization_config" when `quantize`. Tokenizer and
-    generation files are copied. Returns `out_dir`.
+    generation files are copied. `progress` shows a bar of bytes written. Returns `out_dir`.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.resolve() == hf_dir.resolve():
@@ -351,7 +354,12 @@ def convert_hf_to_mlx(
     _check_against(tensors, specs, hf_dir)
 
     workers = workers or os.cpu_count() or 1
-    save_sharded(out_dir, tensors, shard_size=shard_size, metadata={"format": "mlx"}, workers=workers)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=sum(t.nbytes for t in tensors.values()), desc=f"converting {hf_dir.name}", unit="B",
+              unit_scale=True, disable=not progress) as bar:
+        save_sharded(out_dir, tensors, shard_size=shard_size, metadata={"format": "mlx"}, workers=workers,
+                     on_write=bar.update)
     quantization = quantization_config(text_config, bits, group_size) if quantize else None
     write_mlx_config(out_dir, config, quantization)
     for name in TOKENIZER_FILES:
@@ -367,3 +375,40 @@ def write_mlx_config(out_dir: Path, config: Mapping, quantization: dict | None) 
         config["quantization"] = quantization
         config["quantization_config"] = quantization
     (out_dir / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4) + "\n")
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `lily convert`."""
+    parser.add_argument("source", help="Hugging Face checkpoint: a local folder or a repo id (downloaded)")
+    parser.add_argument("output", type=Path, help="output folder (created; must be empty unless --overwrite)")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="bits per weight (default 4)")
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                        help="weights per scale and bias (default 64, as mlx-community's Qwen3.6 4-bit)")
+    parser.add_argument("--no-quantize", action="store_true", help="keep every matrix as floats (MLX layout only)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="storage of the tensors left unquantized (default bfloat16)")
+    parser.add_argument("--revision", help="Hugging Face revision of a repo id")
+    parser.add_argument("--workers", type=int, default=None, help="tensors prepared in parallel (default: CPUs)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty output folder (replaces its checkpoint files)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run `lily convert` with parsed `args`; returns the exit status."""
+    from .model import resolve_path
+
+    if args.workers is not None and args.workers < 1:
+        raise CheckpointError(f"--workers must be >= 1, got {args.workers}")
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: output exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise CheckpointError(f"{out}: output folder is not empty (pass --overwrite to replace its checkpoint)")
+    source = resolve_path(args.source, args.revision)
+    path = convert_hf_to_mlx(source, out, bits=args.bits, group_size=args.group_size, quantize=not args.no_quantize,
+                             dtype=args.dtype, workers=args.workers, progress=not args.quiet)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    kind = "unquantized" if args.no_quantize else f"{args.bits}-bit, group {args.group_size}"
+    print(f"wrote {path} ({kind}, {size / 1e9:.2f} GB of weights)")
+    return 0

@@ -306,10 +306,12 @@ def save_sharded(
     shard_size: int = DEFAULT_SHARD_SIZE,
     metadata: Mapping[str, str] | None = None,
     workers: int = 1,
+    on_write: Callable[[int], object] | None = None,
 ) -> list[Path]:
     """Write `tensors` as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus
     `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}) when they exceed
-    `shard_size` bytes. Tensors are loaded lazily, `workers` at a time, and written sequentially.
+    `shard_size` bytes. Tensors are loaded lazily, `workers` at a time, and written sequentially;
+    `on_write(nbytes)` is called after each (progress).
 
     Checkpoint files of ours left in `directory` by an earlier write are removed. Returns the files.
     """
@@ -333,6 +335,8 @@ def save_sharded(
             with SafetensorsWriter(directory / file, specs, metadata) as writer:
                 for name in writer.names:
                     writer.write(name, next(arrays))
+                    if on_write is not None:
+                        on_write(tensors[name].nbytes)
     finally:
         arrays.close()
 
