@@ -13,6 +13,7 @@
 #   NUMERICS_REDUCED / NUMERICS_FULL  engines of each numerics run [lily-DEVICE,lily-cpu,mlx,mlx-fp32 /
 #             lily-DEVICE,mlx,mlx-fp32]; NUMERICS_FULL= (empty) skips the full-model run
 #   RESUME_FROM  a results.json of an earlier call: its measured arms are kept, the rest is run
+#   MLX_WARMUP_TIMEOUT [420]  SKIP_MLX_WARMUP: skip the untimed MLX run that fills its kernel cache
 #   SKIP_BUILD (reuse the installed lily)  DRY=1: no GPU, no build: a micro checkpoint, CPU, 256 and 512
 set -uo pipefail
 stage=${1:-all}
@@ -27,7 +28,7 @@ source "$here/host_lib.sh"   # host_build, host_full_checkpoint
 if [[ -n ${DRY:-} ]]; then
   DEVICE=${DEVICE:-cpu}
   CONTEXTS=${CONTEXTS:-256,512}
-  CPU_LAYERS=${CPU_LAYERS:-2}
+  CPU_LAYERS=${CPU_LAYERS:-4}  # mlx-lm's qwen3_5 needs >= 4 layers
   FULL=${FULL:-$OUT/micro}
   (cd /tmp && python3 -c "from lily.bench import micro_checkpoint; micro_checkpoint('$FULL')") || exit 1
   echo "dry run: micro checkpoint $FULL, device $DEVICE"
@@ -46,8 +47,19 @@ NUMERICS_REDUCED=${NUMERICS_REDUCED-}
 NUMERICS_FULL=${NUMERICS_FULL-default}
 cd /tmp  # import the installed package, not the source tree
 py="python3 -m lily.bench.cli"
-python3 -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, mx.default_device(), 'mlx_lm', mlx_lm.__version__)" \
-  2>/dev/null || echo "MLX-LM is not importable here (PYTHONPATH=${PYTHONPATH:-}): its arms will say so"
+if python3 -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, mx.default_device(), 'mlx_lm', mlx_lm.__version__)" \
+    2>/dev/null; then
+  # MLX compiles its CUDA kernels on first use (NVRTC, cached on disk): on a fresh host that took
+  # longer than a 150 s arm timeout (2026-11-29). One untimed short run fills the cache first.
+  if [[ ,${ENGINES:-lily,mlx}, == *,mlx,* && -z ${SKIP_MLX_WARMUP:-} ]]; then
+    t0=$(date +%s)
+    timeout "${MLX_WARMUP_TIMEOUT:-420}" python3 -m lily.bench.arm --engine mlx --model "$FULL" --context 256 \
+      --decode 4 --device "$DEVICE" >"$OUT/mlx_warmup.log" 2>&1
+    echo "mlx kernel-cache warm-up: exit $?, $(( $(date +%s) - t0 )) s (untimed; log: mlx_warmup.log)"
+  fi
+else
+  echo "MLX-LM is not importable here (PYTHONPATH=${PYTHONPATH:-}): its arms will say so"
+fi
 
 if [[ $stage == numerics || $stage == all ]]; then
   t0=$(date +%s)

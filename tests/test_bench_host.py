@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sweep_host_dry_run(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DRY="1", ENGINES="lily", NUMERICS_REDUCED="lily-cpu",
+    env = dict(os.environ, OMP_NUM_THREADS="1", DRY="1", ENGINES="lily", NUMERICS_REDUCED="lily-cpu", CPU_LAYERS="2",
                NUMERICS_FULL="lily-cpu", OUT=str(tmp_path / "out"), LILY_COMMIT="0123abc",
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # python3 = ours
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "sweep_host.sh")], capture_output=True, text=True,
