@@ -174,3 +174,32 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     assert dec["gdn.gated_delta_rule"][1] == 3 * n_gdn and dec["attn.attention"][1] == 3 * n_attn
     assert out["prefill"]["lm_head"][1] == 1 and out["prefill"]["moe"][1] == cfg.num_hidden_layers
     assert all(ms >= 0 for ms, _ in dec.values()) and sum(ms for ms, _ in dec.values()) > 0
+
+
+def test_close_releases_the_model_and_its_sessions(ckpt):
+    m = lily.Model.load(ckpt, device="cpu", max_context=64, prefill_chunk=32)
+    s = m.new_session()
+    s.prefill([1, 2, 3])
+    s.remember_prefix(s.snapshot())
+    m.prefill([4, 5])
+    m.close()
+    assert m.closed and "closed" in repr(m) and repr(s) == "Session(closed)"
+    assert s.prefix_snapshots == () and s.tokens == ()
+    for call in (lambda: m.prefill([1]), lambda: m.decode_step(1), lambda: m.new_session(),
+                 lambda: m.generate([1, 2], max_tokens=2), lambda: s.prefill([1]), lambda: s.decode_step(1),
+                 lambda: s.snapshot(), lambda: s.position):
+        with pytest.raises(lily.LilyError, match="closed"):
+            call()
+    m.close()  # idempotent
+
+
+def test_close_waits_for_running_generations_and_with_closes(ckpt):
+    with lily.Model.load(ckpt, device="cpu", max_context=64, prefill_chunk=32) as m:
+        stream = m.generate([1, 2, 3], max_tokens=8, stream=True)
+        next(iter(stream))
+        with pytest.raises(lily.LilyError, match="still running"):
+            m.close()
+        assert not m.closed
+        stream.close()
+        assert len(m.generate([1, 2, 3], max_tokens=2).token_ids) == 2
+    assert m.closed

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -98,6 +99,16 @@ class Snapshot:
         return f"Snapshot(position={self.position}, nbytes={self.nbytes / 2**20:.1f} MiB)"
 
 
+class _Closed:
+    """Stands in for a released core object: any use names the problem."""
+
+    def __init__(self, what: str):
+        self._what = what
+
+    def __getattr__(self, name: str):
+        raise LilyError(f"{self._what} is closed (Model.close() released its memory)")
+
+
 class Session:
     """One conversation: caches and recurrent state sized for ``max_context`` tokens."""
 
@@ -108,6 +119,12 @@ class Session:
         self._prefixes: list[Snapshot] = []
         self._busy = False
         self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk), bool(use_graph))
+
+    def _close(self) -> None:
+        """Release the caches and state (Model.close)."""
+        self._core = _Closed("this session's model")
+        self._prefixes.clear()
+        self._tokens.clear()
 
     @property
     def position(self) -> int:
@@ -220,6 +237,8 @@ class Session:
         return dict(self._core.state())
 
     def __repr__(self) -> str:
+        if isinstance(self._core, _Closed):
+            return "Session(closed)"
         return (f"Session(position={self.position}, max_context={self.max_context}, "
                 f"prefix_snapshots={len(self._prefixes)}{', busy' if self._busy else ''})")
 
@@ -237,6 +256,7 @@ class Model:
         self._stop_ids: frozenset[int] | None = None
         # One core call at a time: sessions share the engine's weights and scratch buffers.
         self._lock = threading.Lock()
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
     @classmethod
     def load(cls, path_or_repo: str | os.PathLike, device: str = "auto", *, max_context: int | None = None,
@@ -262,7 +282,36 @@ class Model:
 
     def new_session(self, max_context: int | None = None, *, use_graph: bool = True) -> Session:
         """A fresh, independent conversation state."""
-        return Session(self, max_context or self.max_context, self.prefill_chunk, use_graph)
+        if self.closed:
+            raise LilyError("this model is closed (Model.close() released its memory)")
+        session = Session(self, max_context or self.max_context, self.prefill_chunk, use_graph)
+        self._sessions.add(session)
+        return session
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self._engine, _Closed)
+
+    def close(self) -> None:
+        """Release the weights and every session's caches (device memory is freed once no snapshot
+        or array you hold refers to it). Later calls on the model or its sessions raise LilyError.
+        Refused while a generation is running. Idempotent; ``with Model.load(...) as m:`` closes on exit."""
+        if self.closed:
+            return
+        with self._lock:
+            busy = [s for s in self._sessions if s._busy]
+            if busy:
+                raise LilyError("Model.close(): a generation is still running (finish or close its stream first)")
+            for s in list(self._sessions):
+                s._close()
+            self._session = None
+            self._engine = _Closed("this model")
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def session(self) -> Session:
@@ -308,7 +357,7 @@ class Model:
         (Qwen3.6: <|im_end|> 248046 and <|endoftext|> 248044)."""
         if self._stop_ids is None:
             eos = self.generation_config.get("eos_token_id", self.config.eos_token_id)
-            eos = eos if isinstance(eos, list) else [eos]
+            eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
             self._stop_ids = frozenset(int(i) for i in eos if i is not None)
         return self._stop_ids
 
@@ -398,6 +447,8 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
+        if self.closed:
+            return f"Model('{self.path}', device={self.device}, closed)"
         return (f"Model('{self.path}', device={self.device}, layout={self.layout}, layers={c.num_hidden_layers}, "
                 f"hidden={c.hidden_size}, experts={c.num_experts}x top-{c.num_experts_per_tok}, "
                 f"weights={self._engine.weight_bytes / 2**20:.1f} MiB)")
