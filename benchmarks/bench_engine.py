@@ -12,26 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
 import numpy as np
 
 import lily
+from lily.bench.arm import device_used_bytes
 
 
 def prompt_ids(n: int, vocab: int) -> np.ndarray:
     return ((np.arange(n, dtype=np.int64) * 2654435761) % 2**32 % vocab).astype(np.int32)
-
-
-def device_used_bytes() -> int | None:
-    """Device memory in use, from nvidia-smi (None where it is missing)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True).stdout
-        return int(out.split()[0]) << 20
-    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
-        return None
 
 
 def measure(model: lily.Model, ctx: int, steps: int) -> dict:

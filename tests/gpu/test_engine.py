@@ -165,33 +165,24 @@ def test_full_size_prefill_4k_decode_256(full_size):
           f"decode {256 / decode_s:.0f} tok/s, graph nodes {s._core.decode_graph_nodes}")
 
 
-def _device_used_bytes() -> int | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True).stdout
-        return int(out.split()[0]) << 20
-    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
-        return None
-
-
 def test_close_frees_device_memory(real_widths):
     import gc
 
-    if _device_used_bytes() is None:
+    from lily.bench.arm import device_used_bytes
+
+    if device_used_bytes() is None:
         pytest.skip("nvidia-smi is not available")
     lily.Model.load(real_widths, device="cuda", max_context=64).close()  # the CUDA context stays: count from here
     gc.collect()
-    base = _device_used_bytes()
+    base = device_used_bytes()
     model = lily.Model.load(real_widths, device="cuda", max_context=4096)
     session = model.new_session()
     session.prefill(np.arange(1, 300, dtype=np.int32))
-    loaded = _device_used_bytes()
+    loaded = device_used_bytes()
     assert loaded - base > model._engine.weight_bytes // 2
     model.close()
     gc.collect()
-    freed = _device_used_bytes()
+    freed = device_used_bytes()
     assert freed - base < 64 << 20, (base, loaded, freed)
     with pytest.raises(lily.LilyError, match="closed"):
         session.decode_step(1)
