@@ -292,3 +292,32 @@ def test_convert_other_settings(hf_dir, tmp_path, bits, group_size):
     specs = convert.mlx_tensor_specs(synthetic.TINY_TEXT_CONFIG, bits=bits, group_size=group_size)
     assert {n: (d, a.shape) for n, (d, a) in tensors.items()} == specs
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+
+
+def test_quantize_at_load_is_the_converted_checkpoint(hf_dir, mlx_dir):
+    # Model.load(float checkpoint, quantize=4) computes what `lily convert` writes, without the files
+    import lily
+
+    ids = [1, 2, 3, 40, 500, 77]
+    at_load = lily.Model.load(hf_dir, device="cpu", quantize=4)
+    converted = lily.Model.load(mlx_dir, device="cpu")
+    assert at_load.layout == "hf" and at_load._engine.weight_bytes == converted._engine.weight_bytes
+    np.testing.assert_array_equal(at_load.new_session().prefill(ids, all_logits=True),
+                                  converted.new_session().prefill(ids, all_logits=True))
+    eight = lily.Model.load(hf_dir, device="cpu", quantize=8)
+    assert eight._engine.weight_bytes > at_load._engine.weight_bytes
+
+
+@pytest.mark.parametrize("bad", [3, True, "4", 16])
+def test_quantize_at_load_rejects_bad_values(hf_dir, bad):
+    import lily
+
+    with pytest.raises(lily.LilyError, match="quantize must be 4, 8 or None"):
+        lily.Model.load(hf_dir, device="cpu", quantize=bad)
+
+
+def test_quantize_at_load_refuses_a_quantized_checkpoint(mlx_dir):
+    import lily
+
+    with pytest.raises(lily.LilyError, match="quantize=4 applies to float"):
+        lily.Model.load(mlx_dir, device="cpu", quantize=4)

@@ -260,19 +260,25 @@ class Model:
 
     @classmethod
     def load(cls, path_or_repo: str | os.PathLike, device: str = "auto", *, max_context: int | None = None,
-             prefill_chunk: int | None = None, progress: bool | None = None, revision: str | None = None) -> "Model":
+             prefill_chunk: int | None = None, progress: bool | None = None, revision: str | None = None,
+             quantize: int | None = None) -> "Model":
         """Load a checkpoint folder (MLX or Hugging Face layout) or a Hugging Face repo id.
 
         ``device``: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'. ``max_context``: the
         default session size in tokens. ``progress``: show a progress bar (default: for big checkpoints).
+        ``quantize``: 4 or 8 quantizes a float (Hugging Face) checkpoint's matrices while loading, to the
+        MLX affine form ``lily convert`` writes (group 64, router gates 8-bit), so the GPU runs its fast
+        quantized kernels; None (default) runs the stored floats.
         """
+        if quantize is not None and (isinstance(quantize, bool) or quantize not in (4, 8)):
+            raise LilyError(f"quantize must be 4, 8 or None, got {quantize!r}")
         dev = resolve_device(device)
         path = resolve_path(path_or_repo, revision)
         config, raw = load_config(path)
         if progress is None:
             progress = sum(f.stat().st_size for f in path.glob("*.safetensors")) > (1 << 30)
         store = _core.WeightStore(dev)
-        layout = load_weights(path, config, raw, store, progress=progress)
+        layout = load_weights(path, config, raw, store, progress=progress, quantize=quantize)
         engine = _core.Engine.create(config.to_core(), store)
         ctx = int(max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         chunk = int(prefill_chunk or DEFAULT_PREFILL_CHUNK.get(dev, 256))

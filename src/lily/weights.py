@@ -21,7 +21,7 @@ import numpy as np
 from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
 from .errors import CheckpointError
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import LazyTensor, SafetensorsFile
 from .tensors import is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -82,24 +82,45 @@ def canonical_name(stored: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+@dataclass
+class MemorySource:
+    """A tensor computed at load time (e.g. quantized from a float checkpoint), read like a Source."""
+    name: str
+    tensor: LazyTensor
+    origin: str
+
+    @property
+    def info(self) -> LazyTensor:  # .dtype and .shape, as a file's tensor info
+        return self.tensor
+
+    def where(self) -> str:
+        return f"tensor '{self.name}' ({self.origin})"
+
+    def read(self) -> np.ndarray:
+        return self.tensor.load()
+
+
 class CheckpointTensors:
     """Index of every tensor of a checkpoint by canonical name, with its layout."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, computed: dict[str, LazyTensor] | None = None, origin: str = ""):
+        """The tensors of the files in ``model_dir``, or ``computed`` ones (stored names -> tensors)."""
         self.dir = model_dir
-        self.sources: dict[str, Source] = {}
+        self.sources: dict[str, Source | MemorySource] = {}
         layouts = set()
-        for path in find_shards(model_dir):
-            f = SafetensorsFile(path)
-            for name in f.names():
-                layout, canon = canonical_name(name)
-                if canon is None:
-                    continue
-                layouts.add(layout)
-                if canon in self.sources:
-                    other = self.sources[canon]
-                    raise CheckpointError(f"tensor '{name}' appears twice: in {other.path.name} and {path.name}")
-                self.sources[canon] = Source(name, f, path)
+        if computed is None:
+            named = ((name, Source(name, f, path)) for path in find_shards(model_dir)
+                     for f in [SafetensorsFile(path)] for name in f.names())
+        else:
+            named = ((name, MemorySource(name, t, origin)) for name, t in computed.items())
+        for name, src in named:
+            layout, canon = canonical_name(name)
+            if canon is None:
+                continue
+            layouts.add(layout)
+            if canon in self.sources:
+                raise CheckpointError(f"{src.where()} appears twice (also {self.sources[canon].where()})")
+            self.sources[canon] = src
         if not self.sources:
             raise CheckpointError(f"{model_dir}: no text-model tensors found (expected names starting "
                                   f"'language_model.model.' (MLX) or 'model.language_model.' (Hugging Face))")
@@ -235,9 +256,31 @@ def _vector(t: CheckpointTensors, canon: str, shape: tuple) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, progress: bool = False) -> str:
-    """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf')."""
+def quantized_at_load(tensors: CheckpointTensors, raw_config: dict, bits: int) -> tuple[CheckpointTensors, dict]:
+    """A float (Hugging Face layout) checkpoint's tensors as the MLX affine checkpoint `lily convert`
+    would write (bits, group 64, router gates 8-bit), computed lazily, and the config that says so."""
+    from .convert import hf_to_mlx_tensors, quantization_config, text_config_of
+
+    if tensors.layout != "hf":
+        raise CheckpointError(f"{tensors.dir}: quantize={bits} applies to float (Hugging Face) checkpoints; "
+                              f"this one is already in the MLX layout")
+    hf = {src.name: LazyTensor(src.info.dtype, tuple(src.info.shape), src.read) for src in tensors.sources.values()}
+    try:
+        mlx = hf_to_mlx_tensors(hf, bits=bits, group_size=64, quantize=True, dtype="bfloat16")
+    except CheckpointError as e:
+        raise CheckpointError(f"{tensors.dir}: {e}") from e
+    config = dict(raw_config, quantization=quantization_config(text_config_of(raw_config), bits, 64))
+    return CheckpointTensors(tensors.dir, mlx, f"{bits}-bit, quantized at load"), config
+
+
+def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, progress: bool = False,
+                 quantize: int | None = None) -> str:
+    """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf').
+    ``quantize`` (4 or 8): quantize a float checkpoint's matrices as it loads (``lily convert``'s result)."""
     tensors = CheckpointTensors(Path(model_dir))
+    layout = tensors.layout
+    if quantize is not None:
+        tensors, raw_config = quantized_at_load(tensors, raw_config, quantize)
     quant = QuantSpec(raw_config)
     tied = bool(raw_config.get("tie_word_embeddings", False)) and not tensors.has("lm_head.weight")
     specs = model_tensors(cfg)
@@ -266,4 +309,4 @@ def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, prog
     finally:
         if bar:
             bar.close()
-    return tensors.layout
+    return layout
