@@ -35,7 +35,7 @@ from . import quant
 from .config import parse_config
 from .dtypes import FLOAT_DTYPE_NAMES, decode_float, encode_float, round_to
 from .errors import CheckpointError, ConfigError
-from .safetensors_io import DEFAULT_SHARD_SIZE, INDEX_FILE, LazyTensor, SafetensorsFile, save_sharded
+from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, SafetensorsFile, save_sharded
 from .tensors import (
     ROUTER_GATE_QUANTIZATION,
     is_router_gate,
@@ -44,6 +44,7 @@ from .tensors import (
     quantization_of,
     stored_name,
 )
+from .weights import find_shards
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -289,19 +290,6 @@ def hf_to_mlx_tensors(
     return out
 
 
-def _source_files(hf_dir: Path) -> list[Path]:
-    index = hf_dir / INDEX_FILE
-    if index.exists():
-        weight_map = read_config(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map")
-        return [hf_dir / f for f in sorted(set(weight_map.values()))]
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir}: no .safetensors files")
-    return files
-
-
 def _check_against(tensors: Mapping[str, LazyTensor], specs: Mapping[str, tuple], where: Path) -> None:
     problems = []
     if missing := sorted(set(specs) - set(tensors)):
@@ -340,7 +328,7 @@ def convert_hf_to_mlx(
     text_config = text_config_of(config)
 
     sources: dict[str, LazyTensor] = {}
-    for file in _source_files(hf_dir):
+    for file in find_shards(hf_dir):
         st = SafetensorsFile(file)
         for name in st.names():
             if name in sources:
