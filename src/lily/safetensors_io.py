@@ -19,15 +19,17 @@ import re
 import struct
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from .dtypes import SAFETENSORS_DTYPES
 from .errors import CheckpointError
+
+T = TypeVar("T")
 
 # Shard size limit, as mlx-lm's default (5 GiB).
 DEFAULT_SHARD_SIZE = 5 << 30
@@ -280,16 +282,13 @@ def plan_shards(tensors: Mapping[str, LazyTensor], shard_size: int) -> list[list
     return shards
 
 
-def _produced_in_order(
-    tensors: Mapping[str, LazyTensor], order: list[str], workers: int
-) -> Iterator[np.ndarray]:
-    """Yield tensors[name].load() for `order`, computing up to 2*workers ahead on a thread pool."""
+def produced_in_order(jobs: Iterable[Callable[[], T]], workers: int) -> Iterator[T]:
+    """Yield job() for each job in order, computing up to 2*workers ahead on a thread pool."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque[Future] = deque()
-        names = iter(order)
         try:
-            for name in names:
-                pending.append(pool.submit(tensors[name].load))
+            for job in jobs:
+                pending.append(pool.submit(job))
                 if len(pending) > 2 * workers:
                     yield pending.popleft().result()
             while pending:
@@ -328,7 +327,7 @@ def save_sharded(
             old.unlink()
 
     order = [name for shard in shards for name in sorted(shard)]
-    arrays = _produced_in_order(tensors, order, workers)
+    arrays = produced_in_order((tensors[name].load for name in order), workers)
     try:
         for file, shard in zip(files, shards):
             specs = {name: (tensors[name].dtype, tensors[name].shape) for name in shard}

@@ -13,6 +13,7 @@ tensors are skipped. Every problem raises CheckpointError naming the file and te
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
 from .errors import CheckpointError
-from .safetensors_io import LazyTensor, SafetensorsFile
+from .safetensors_io import LazyTensor, SafetensorsFile, produced_in_order
 from .tensors import is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -290,14 +291,18 @@ def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, prog
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(matrices) + 1, desc=f"loading {Path(model_dir).name}", unit="tensor")
+    def prepare(spec) -> dict:
+        rows, cols = spec.shape[-2:]
+        if ".experts." in spec.name:
+            return _expert_args(tensors, quant, spec.name, spec.num_stack, rows, cols)
+        src = "embed_tokens" if spec.name == "lm_head" and tied else spec.name
+        return matrix_args(tensors, quant, src, spec.num_stack, rows, cols)
+
+    # Stored matrices are memory-mapped views: read in order. Quantizing is CPU work: a few threads
+    # ahead (each holds up to two float32 matrices in flight, ~1 GB for a full-size expert stack).
+    workers = min(8, os.cpu_count() or 1) if quantize is not None else 1
     try:
-        for spec in matrices:
-            rows, cols = spec.shape[-2:]
-            if ".experts." in spec.name:
-                args = _expert_args(tensors, quant, spec.name, spec.num_stack, rows, cols)
-            else:
-                src = "embed_tokens" if spec.name == "lm_head" and tied else spec.name
-                args = matrix_args(tensors, quant, src, spec.num_stack, rows, cols)
+        for spec, args in zip(matrices, produced_in_order((lambda s=s: prepare(s) for s in matrices), workers)):
             store.set_matrix(spec.name, **args)
             if bar:
                 bar.update(1)
