@@ -1,6 +1,7 @@
 #!/bin/bash
 # One call on the GPU host: build lily with CUDA, run the GPU tests, then (stage "bench") generate the
-# full-size synthetic checkpoint and measure it. Logs go to $OUT; a short table is printed last.
+# full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles).
+# Logs go to $OUT; a short table is printed last.
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
 set -uo pipefail
 stage=${1:-all}
@@ -28,4 +29,7 @@ fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts ${CONTEXTS:-1024,4096,16384} \
     --profile --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
+  # per-kernel device times of eager decode steps and one prefill (torch.profiler; the host's torch)
+  python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 2>&1 \
+    | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
 fi
