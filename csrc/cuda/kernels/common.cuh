@@ -8,9 +8,11 @@
 namespace lily::cuda {
 
 // Programmatic dependent launch (runtime.cuh's launch): a kernel may start while its predecessor on
-// the stream finishes. pdl_wait() blocks until every earlier kernel has completed and its writes are
-// visible, so nothing but constant weights may be read, and nothing written, before it; pdl_trigger()
-// then lets the next kernel start its own prologue. Both are no-ops in a plain launch.
+// the stream finishes. pdl_wait() blocks until the preceding kernel has completed and its writes are
+// visible; earlier kernels are covered only because every launch()-ed kernel calls pdl_wait() in every
+// block before it can finish (a kernel that skipped it would break that chain). So: call it first,
+// read nothing but constant weights and write nothing before it. pdl_trigger() then lets the next
+// kernel start its own prologue. Both are no-ops in a plain launch.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
