@@ -16,8 +16,12 @@ See docs/bench.md.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +91,32 @@ def median(values: list[float]) -> float | None:
         return None
     mid = len(vals) // 2
     return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout: float | None) -> dict:
+    """Run one arm's process (`cmd`, its own process group) with stderr and stdout in `log_path`; its
+    result record from the last RESULT_PREFIX line of stdout, with returncode and log (plus log_tail
+    on errors). On timeout the whole group is killed: {"status": "timeout", "limit_s", "log"}."""
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, _ = proc.communicate()
+            log.write(out or "")
+            return {"status": "timeout", "limit_s": timeout, "log": str(log_path)}
+        log.write(out or "")
+    lines = [ln for ln in (out or "").splitlines() if ln.startswith(RESULT_PREFIX)]
+    rec = json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {
+        "status": "error", "error": f"no result line from the arm (exit {proc.returncode})"}
+    rec["returncode"] = proc.returncode
+    rec["log"] = str(log_path)
+    if rec.get("status") == "error":
+        rec["log_tail"] = log_path.read_text()[-2000:]
+    return rec

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import NUMERICS_TOKENS, RESULT_PREFIX, prompt_ids, vocab_size_of
+from . import NUMERICS_TOKENS, prompt_ids, run_logged, vocab_size_of
 
 ENGINE_LABELS = ("lily-cuda", "lily-cpu", "mlx", "mlx-fp32")
 PAIRS = (("lily-cpu", "lily-cuda"), ("mlx", "lily-cuda"), ("mlx-fp32", "mlx"), ("lily-cpu", "mlx-fp32"),
@@ -172,30 +171,8 @@ def run_engine(label: str, model: str | Path, workdir: Path, tokens: int, timeou
     cmd = engine_command(label, model, out, tokens, python, device)
     log_path = (log_dir or workdir) / f"numerics-{Path(model).name}-{label}.log"
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        try:
-            stdout, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            import os
-            import signal
-
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-            return {"status": "timeout", "limit_s": timeout, "log": str(log_path)}, None
-        log.write(stdout or "")
-    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith(RESULT_PREFIX)]
-    rec = json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {
-        "status": "error", "error": f"no result line (exit {proc.returncode})"}
+    rec = run_logged(cmd, log_path, timeout)
     rec["wall_s"] = time.perf_counter() - t0
-    rec["log"] = str(log_path)
-    if rec.get("status") == "error":
-        rec["log_tail"] = log_path.read_text()[-2000:]
     return rec, (out if rec.get("status") == "ok" else None)
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from . import DECODE_STEPS, RESULT_PREFIX, format_context, median
+from . import DECODE_STEPS, format_context, median, run_logged
 from .arm import WARMUP_DECODE
 
 SCHEMA = "lily-bench-sweep/1"
@@ -104,33 +102,7 @@ def subprocess_runner(cfg: SweepConfig) -> Callable[[str, int, int, float | None
         cmd = [cfg.python, "-m", "lily.bench.arm", "--engine", engine, "--model", str(cfg.model),
                "--context", str(context), "--decode", str(cfg.decode), "--warmup-decode", str(cfg.warmup_decode),
                "--device", cfg.device]
-        log_path = logs / _arm_log_name(engine, context, rnd)
-        with open(log_path, "w") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
-            log.flush()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-            try:
-                out, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                out, _ = proc.communicate()
-                log.write(out or "")
-                return {"status": "timeout", "limit_s": timeout, "log": str(log_path)}
-            log.write(out or "")
-        lines = [ln for ln in (out or "").splitlines() if ln.startswith(RESULT_PREFIX)]
-        if not lines:
-            tail = log_path.read_text()[-2000:]
-            return {"status": "error", "returncode": proc.returncode, "error": "no result line from the arm",
-                    "log_tail": tail, "log": str(log_path)}
-        result = json.loads(lines[-1][len(RESULT_PREFIX):])
-        result["returncode"] = proc.returncode
-        result["log"] = str(log_path)
-        if result.get("status") == "error":
-            result["log_tail"] = log_path.read_text()[-2000:]
-        return result
+        return run_logged(cmd, logs / _arm_log_name(engine, context, rnd), timeout)
 
     return run
 
