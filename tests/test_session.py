@@ -203,3 +203,18 @@ def test_close_waits_for_running_generations_and_with_closes(ckpt):
         stream.close()
         assert len(m.generate([1, 2, 3], max_tokens=2).token_ids) == 2
     assert m.closed
+
+
+def test_decode_runs_stacked_projections_bit_exactly():
+    # Every layer's same-input projections (GDN in_proj qkv|z|b|a, attention q|k|v) share one storage
+    # format here, so a decode step runs each group as one stacked GEMV; prefill runs them apart.
+    from lily.cli import tiny_checkpoint
+
+    m = lily.Model.load(tiny_checkpoint(), device="cpu")
+    assert m._engine.stacked_projections == m.config.num_hidden_layers
+    ids = [5, 17, 99, 1000, 42, 7, 31337]
+    full = m.new_session().prefill(ids, all_logits=True)
+    s = m.new_session()
+    s.prefill(ids[:1])
+    steps = np.stack([s.decode_step(t) for t in ids[1:]])
+    np.testing.assert_array_equal(steps, full[1:])

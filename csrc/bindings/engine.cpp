@@ -121,7 +121,14 @@ void init_engine(nb::module_& m) {
         return std::make_shared<Engine>(cfg, std::move(store));
       })
       .def_prop_ro("device", [](const Engine& e) { return std::string(device_name(e.device())); })
-      .def_prop_ro("weight_bytes", [](const Engine& e) { return e.weights().nbytes(); });
+      .def_prop_ro("weight_bytes", [](const Engine& e) { return e.weights().nbytes(); })
+      .def_prop_ro("stacked_projections",
+                   [](const Engine& e) {
+                     int n = 0;
+                     for (const LayerWeights& L : e.weights().layers) n += (L.gdn.in_proj != nullptr) + (L.attn.qkv_proj != nullptr);
+                     return n;
+                   },
+                   "Layers whose same-input projections run as one stacked GEMV in a decode step.");
 
   nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
       .def_ro("position", &Snapshot::position)

@@ -17,18 +17,26 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
   const Scratch& x = s.s_;
   const int64_t H = c.hidden_size, C = c.conv_dim(), Hv = c.linear_num_value_heads, Vd = c.value_dim();
   Tensor h = view(x.h, T, H);                 // [T, H]
-  Tensor qkv = view(x.proj, T, C);            // [T, conv_dim] pre-conv q | k | v
   Tensor y = view(x.conv_out, T, C);          // [T, conv_dim] after conv + SiLU
-  Tensor z = view(x.z, T, Vd);                // [T, Hv*Dv]
-  Tensor a = view(x.a, T, Hv), b = view(x.b, T, Hv);  // [T, Hv]
   Tensor o = view(x.o, T, Vd);                // [T, Hv*Dv]
+  Tensor qkv, z, a, b;                        // [T, conv_dim] pre-conv q | k | v, [T, Hv*Dv], [T, Hv] x2
   Profiler* prof = s.profiler.get();
   {
     ProfileScope p(prof, "gdn.in_proj");
-    ops::linear(*w.in_proj_qkv, 0, h, qkv);
-    ops::linear(*w.in_proj_z, 0, h, z);
-    ops::linear(*w.in_proj_b, 0, h, b);
-    ops::linear(*w.in_proj_a, 0, h, a);
+    if (T == 1 && w.in_proj) {  // one GEMV; the four outputs lie back to back in one row
+      float* row = static_cast<float*>(x.stacked.data());
+      qkv = Tensor::of(row, DType::F32, device(), {1, C});
+      z = Tensor::of(row + C, DType::F32, device(), {1, Vd});
+      b = Tensor::of(row + C + Vd, DType::F32, device(), {1, Hv});
+      a = Tensor::of(row + C + Vd + Hv, DType::F32, device(), {1, Hv});
+      ops::linear(*w.in_proj, 0, h, view(x.stacked, 1, C + Vd + 2 * Hv));
+    } else {
+      qkv = view(x.proj, T, C), z = view(x.z, T, Vd), a = view(x.a, T, Hv), b = view(x.b, T, Hv);
+      ops::linear(*w.in_proj_qkv, 0, h, qkv);
+      ops::linear(*w.in_proj_z, 0, h, z);
+      ops::linear(*w.in_proj_b, 0, h, b);
+      ops::linear(*w.in_proj_a, 0, h, a);
+    }
   }
   {
     ProfileScope p(prof, "gdn.conv1d_silu");
@@ -44,8 +52,9 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
   Tensor n = view(x.normed, T * Hv, c.linear_value_head_dim);  // [T*Hv, Dv]
   {
     ProfileScope p(prof, "gdn.gated_rms_norm");
-    ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim), view(x.z, T * Hv, c.linear_value_head_dim),
-                        w.norm->view(), c.rms_norm_eps, n);
+    ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim),
+                        Tensor::of(z.data, DType::F32, device(), {T * Hv, c.linear_value_head_dim}), w.norm->view(),
+                        c.rms_norm_eps, n);
   }
   ProfileScope p(prof, "gdn.out_proj");
   ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H));
@@ -57,24 +66,34 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
   const Scratch& x = s.s_;
   const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   Tensor h = view(x.h, T, H);                      // [T, H]
-  Tensor p = view(x.proj, T, c.q_proj_dim());      // [T, nH*2D] per head: query | gate
   Tensor q = view(x.conv_out, T, nH * D);          // [T, nH*D]
   Tensor gate = view(x.z, T, nH * D);              // [T, nH*D]
-  Tensor k = view(x.kbuf, T, nKV * D), v = view(x.vbuf, T, nKV * D);  // [T, nKV*D]
   Tensor o = view(x.o, T, nH * D);                 // [T, nH*D]
+  Tensor p, k, v;                                  // [T, nH*2D] per head query | gate; [T, nKV*D] x2
   Profiler* prof = s.profiler.get();
   {
     ProfileScope ps(prof, "attn.qkv_proj");
-    ops::linear(*w.q_proj, 0, h, p);
+    if (T == 1 && w.qkv_proj) {  // one GEMV; q|gate, k and v lie back to back in one row
+      float* row = static_cast<float*>(x.stacked.data());
+      const int64_t P = c.q_proj_dim(), KV = nKV * D;
+      p = Tensor::of(row, DType::F32, device(), {1, P});
+      k = Tensor::of(row + P, DType::F32, device(), {1, KV});
+      v = Tensor::of(row + P + KV, DType::F32, device(), {1, KV});
+      ops::linear(*w.qkv_proj, 0, h, view(x.stacked, 1, P + 2 * KV));
+    } else {
+      p = view(x.proj, T, c.q_proj_dim()), k = view(x.kbuf, T, nKV * D), v = view(x.vbuf, T, nKV * D);
+      ops::linear(*w.q_proj, 0, h, p);
+      ops::linear(*w.k_proj, 0, h, k);
+      ops::linear(*w.v_proj, 0, h, v);
+    }
     ops::split_q_gate(p, q, gate, int(nH));
-    ops::linear(*w.k_proj, 0, h, k);
-    ops::linear(*w.v_proj, 0, h, v);
   }
   const ops::Position pos = s.position_arg();
   {
     ProfileScope ps(prof, "attn.qk_norm_rope");
     ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
-    ops::rms_norm(view(x.kbuf, T * nKV, D), w.k_norm->view(), c.rms_norm_eps, view(x.kbuf, T * nKV, D));
+    const Tensor kh = Tensor::of(k.data, DType::F32, device(), {T * nKV, D});  // [T*nKV, D]
+    ops::rms_norm(kh, w.k_norm->view(), c.rms_norm_eps, kh);
     ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
     ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
   }

@@ -37,6 +37,7 @@ struct Scratch {
   Buffer x, h, mix;                  // [C, H] residual stream, normed input, mixer/MoE output
   Buffer proj, conv_out, z, o, normed;  // [C, widest projection]
   Buffer a, b;                       // [C, Hv]
+  Buffer stacked;                    // [1, widest stacked projection]: a decode step's one-GEMV outputs
   Buffer kbuf, vbuf;                 // [C, nKV*D]
   Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass

@@ -41,6 +41,17 @@ Buffer::Buffer(Device device, size_t nbytes) : nbytes_(nbytes), device_(device) 
   }
 }
 
+Buffer Buffer::view(const Buffer& base, size_t offset, size_t nbytes) {
+  LILY_CHECK(offset + nbytes <= base.nbytes_, "view of ", nbytes, " bytes at ", offset, " past a buffer of ",
+             base.nbytes_);
+  Buffer b;
+  b.data_ = static_cast<char*>(base.data_) + offset;
+  b.nbytes_ = nbytes;
+  b.device_ = base.device_;
+  b.owned_ = false;
+  return b;
+}
+
 Buffer::~Buffer() { release(); }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
@@ -49,6 +60,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     data_ = o.data_;
     nbytes_ = o.nbytes_;
     device_ = o.device_;
+    owned_ = o.owned_;
     o.data_ = nullptr;
     o.nbytes_ = 0;
   }
@@ -56,10 +68,12 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 }
 
 void Buffer::release() {
-  if (!data_) return;
-  if (device_ == Device::CPU) std::free(data_);
-  else backend_free(device_, data_);
+  if (data_ && owned_) {
+    if (device_ == Device::CPU) std::free(data_);
+    else backend_free(device_, data_);
+  }
   data_ = nullptr;
+  owned_ = true;
 }
 
 void Buffer::upload(const void* host, size_t n, size_t offset) {
@@ -76,11 +90,12 @@ void Buffer::download(void* host, size_t n, size_t offset) const {
   else backend_download(device_, host, static_cast<const char*>(data_) + offset, n);
 }
 
-void Buffer::copy_from(const Buffer& src, size_t n) {
-  LILY_CHECK(n <= nbytes_ && n <= src.nbytes_ && device_ == src.device_, "bad buffer copy");
+void Buffer::copy_from(const Buffer& src, size_t n, size_t offset) {
+  LILY_CHECK(offset + n <= nbytes_ && n <= src.nbytes_ && device_ == src.device_, "bad buffer copy");
   if (n == 0) return;
-  if (device_ == Device::CPU) std::memcpy(data_, src.data_, n);
-  else backend_copy(device_, data_, src.data_, n);
+  char* dst = static_cast<char*>(data_) + offset;
+  if (device_ == Device::CPU) std::memcpy(dst, src.data_, n);
+  else backend_copy(device_, dst, src.data_, n);
 }
 
 void Buffer::zero() {

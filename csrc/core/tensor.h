@@ -9,11 +9,13 @@
 
 namespace lily {
 
-// Owning, aligned, device-tagged allocation. Move-only.
+// Owning, aligned, device-tagged allocation, or a borrowed range of one (view()). Move-only.
 class Buffer {
  public:
   Buffer() = default;
   Buffer(Device device, size_t nbytes);
+  // nbytes at offset of `base`, not owned: `base` must outlive it and stay where it is.
+  static Buffer view(const Buffer& base, size_t offset, size_t nbytes);
   ~Buffer();
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
@@ -25,14 +27,16 @@ class Buffer {
   Device device() const { return device_; }
   void upload(const void* host, size_t nbytes, size_t offset = 0);
   void download(void* host, size_t nbytes, size_t offset = 0) const;
-  void copy_from(const Buffer& src, size_t nbytes);
+  void copy_from(const Buffer& src, size_t nbytes, size_t offset = 0);  // into this at offset
   void zero();
+  bool owned() const { return owned_; }
 
  private:
   void release();
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_ = Device::CPU;
+  bool owned_ = true;
 };
 
 // A contiguous row-major view: shape[0] is the slowest axis.

@@ -46,6 +46,48 @@ const Vector* WeightStore::vector(const std::string& name, std::vector<int64_t> 
   return &it->second;
 }
 
+const QMatrix* WeightStore::stack_rows(const std::string& name, const std::vector<std::string>& parts) {
+  const QMatrix& first = matrices_.at(parts[0]);
+  QMatrix m;
+  m.num_stack = 1;
+  m.cols = first.cols;
+  m.dtype = first.dtype;
+  m.bits = first.bits;
+  m.group_size = first.group_size;
+  m.scale_dtype = first.scale_dtype;
+  size_t wb = 0, sb = 0;
+  for (const std::string& part : parts) {
+    const QMatrix& q = matrices_.at(part);
+    if (q.num_stack != 1 || q.cols != m.cols || q.dtype != m.dtype || q.bits != m.bits ||
+        q.group_size != m.group_size || q.scale_dtype != m.scale_dtype)
+      return nullptr;
+    m.rows += q.rows;
+    wb += q.weight.nbytes();
+    sb += q.scales.nbytes();
+  }
+  m.weight = Buffer(device_, wb);
+  if (m.quantized()) {
+    m.scales = Buffer(device_, sb);
+    m.biases = Buffer(device_, sb);
+  }
+  size_t wo = 0, so = 0;
+  for (const std::string& part : parts) {  // rows are contiguous: each part is a block of bytes
+    QMatrix& q = matrices_.at(part);
+    const size_t w = q.weight.nbytes(), sc = q.scales.nbytes();
+    m.weight.copy_from(q.weight, w, wo);
+    q.weight = Buffer::view(m.weight, wo, w);
+    if (m.quantized()) {
+      m.scales.copy_from(q.scales, sc, so);
+      m.biases.copy_from(q.biases, sc, so);
+      q.scales = Buffer::view(m.scales, so, sc);
+      q.biases = Buffer::view(m.biases, so, sc);
+    }
+    wo += w;
+    so += sc;
+  }
+  return &(matrices_[name] = std::move(m));  // map nodes never move: the views stay valid
+}
+
 void WeightStore::resolve(const ModelConfig& c) {
   c.validate();
   const int64_t H = c.hidden_size, V = c.vocab_size, E = c.num_experts;
@@ -65,6 +107,7 @@ void WeightStore::resolve(const ModelConfig& c) {
       L.attn.k_proj = matrix(a + "k_proj", 1, c.kv_dim(), H);
       L.attn.v_proj = matrix(a + "v_proj", 1, c.kv_dim(), H);
       L.attn.o_proj = matrix(a + "o_proj", 1, H, c.attn_dim());
+      L.attn.qkv_proj = stack_rows(a + "qkv_proj", {a + "q_proj", a + "k_proj", a + "v_proj"});
       L.attn.q_norm = vector(a + "q_norm", {c.head_dim});
       L.attn.k_norm = vector(a + "k_norm", {c.head_dim});
     } else {
@@ -75,6 +118,7 @@ void WeightStore::resolve(const ModelConfig& c) {
       L.gdn.in_proj_b = matrix(g + "in_proj_b", 1, Hv, H);
       L.gdn.in_proj_a = matrix(g + "in_proj_a", 1, Hv, H);
       L.gdn.out_proj = matrix(g + "out_proj", 1, H, c.value_dim());
+      L.gdn.in_proj = stack_rows(g + "in_proj", {g + "in_proj_qkv", g + "in_proj_z", g + "in_proj_b", g + "in_proj_a"});
       L.gdn.conv1d = vector(g + "conv1d", {c.conv_dim(), c.linear_conv_kernel_dim});
       L.gdn.A_log = vector(g + "A_log", {Hv});
       L.gdn.dt_bias = vector(g + "dt_bias", {Hv});
@@ -95,7 +139,8 @@ void WeightStore::resolve(const ModelConfig& c) {
 
 size_t WeightStore::nbytes() const {
   size_t n = 0;
-  for (auto& [_, m] : matrices_) n += m.weight.nbytes() + m.scales.nbytes() + m.biases.nbytes();
+  for (auto& [_, m] : matrices_)
+    if (m.weight.owned()) n += m.weight.nbytes() + m.scales.nbytes() + m.biases.nbytes();
   for (auto& [_, v] : vectors_) n += v.data.nbytes();
   return n;
 }

@@ -37,6 +37,9 @@ struct Vector {
 
 struct GdnWeights {
   const QMatrix *in_proj_qkv, *in_proj_z, *in_proj_b, *in_proj_a, *out_proj;
+  // [qkv; z; b; a] stacked by rows (the four above are views into it) when they share one storage
+  // format, else null: the decode step's one GEMV over the shared input.
+  const QMatrix* in_proj = nullptr;
   const Vector *conv1d;  // [conv_dim, K]
   const Vector *A_log, *dt_bias;  // [Hv]
   const Vector *norm;    // [Dv], plain multiplier
@@ -44,6 +47,7 @@ struct GdnWeights {
 
 struct AttentionWeights {
   const QMatrix *q_proj, *k_proj, *v_proj, *o_proj;
+  const QMatrix* qkv_proj = nullptr;  // [q; k; v] stacked by rows, as GdnWeights::in_proj
   const Vector *q_norm, *k_norm;  // [D], stored as the 1+w multiplier
 };
 
@@ -79,10 +83,13 @@ class WeightStore {
   const QMatrix* lm_head = nullptr;       // [V, H]
   const Vector* final_norm = nullptr;     // [H]
   std::vector<LayerWeights> layers;
-  size_t nbytes() const;
+  size_t nbytes() const;  // owned bytes (stacked matrices once)
 
  private:
   const QMatrix* matrix(const std::string& name, int64_t stack, int64_t rows, int64_t cols) const;
+  // Moves the single-entry matrices `parts` (already shape-checked) into one matrix `name` stacked by
+  // rows and leaves views of it in their place; null (nothing moved) when their formats differ.
+  const QMatrix* stack_rows(const std::string& name, const std::vector<std::string>& parts);
   const Vector* vector(const std::string& name, std::vector<int64_t> shape) const;
   Device device_;
   std::map<std::string, QMatrix> matrices_;
