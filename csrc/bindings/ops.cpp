@@ -123,6 +123,12 @@ void init_ops(nb::module_& parent) {
     ops::rms_norm(xi.t, wi.t, eps, y.t);
     return out_f32(y);
   });
+  m.def("add_rms_norm", [](const std::string& device, const F32In& x, const F32In& res, const F32In& w, float eps) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, w), y(d, DType::F32, shape_of(x));
+    ops::add_rms_norm(xi.t, ri.t, wi.t, eps, y.t);
+    return nb::make_tuple(out_f32(xi), out_f32(y));
+  });
   m.def("gated_rms_norm", [](const std::string& device, const F32In& x, const F32In& z, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, w), y(d, DType::F32, shape_of(x));

@@ -160,20 +160,19 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
                      view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
                      Tensor::of(x.routing.data(), DType::I32, device(), {words})};
+  {
+    ProfileScope p(prof, "norm");
+    ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+  }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
-    {
-      ProfileScope p(prof, "norm");
-      ops::rms_norm(xs, L.input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
-    }
     if (L.is_full_attention) attention_layer(s, L, s.layers_[l], T);
     else gdn_layer(s, L, s.layers_[l], T);
     const std::string p = "layers." + std::to_string(l) + ".";
     record(s, p + "mixer", x.mix, T, H);
     {
-      ProfileScope ps(prof, "norm");
-      ops::add(xs, view(x.mix, T, H));
-      ops::rms_norm(xs, L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
+      ProfileScope ps(prof, "norm");  // x += mixer; h = post_attention_layernorm(x)
+      ops::add_rms_norm(xs, view(x.mix, T, H), L.post_attention_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));
     }
     {
       ProfileScope ps(prof, "moe");
@@ -181,8 +180,12 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
     }
     record(s, p + "moe", x.mix, T, H);
     {
-      ProfileScope ps(prof, "add");
-      ops::add(xs, view(x.mix, T, H));
+      ProfileScope ps(prof, "norm");  // x += moe; h = the next layer's input_layernorm(x)
+      if (l + 1 < c.num_hidden_layers)
+        ops::add_rms_norm(xs, view(x.mix, T, H), weights_->layers[l + 1].input_layernorm->view(), c.rms_norm_eps,
+                          view(x.h, T, H));
+      else
+        ops::add(xs, view(x.mix, T, H));
     }
     record(s, p + "residual", x.x, T, H);
   }

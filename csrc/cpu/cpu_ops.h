@@ -8,6 +8,7 @@ namespace lily::cpu {
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
 void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,

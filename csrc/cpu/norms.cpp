@@ -23,6 +23,19 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   }
 }
 
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+  const int64_t R = x.dim(0), D = x.dim(1);
+  const float* w = weight.ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    float* xr = x.ptr<float>() + r * D;
+    const float* rr = res.ptr<float>() + r * D;
+    float* yr = y.ptr<float>() + r * D;
+    for (int64_t i = 0; i < D; ++i) xr[i] += rr[i];
+    const float s = inv_rms(xr, D, eps);
+    for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * s * w[i];
+  }
+}
+
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const int64_t R = x.dim(0), D = x.dim(1);
   const float* w = weight.ptr<float>();

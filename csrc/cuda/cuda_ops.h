@@ -17,6 +17,7 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
 // norms.cu, elementwise.cu, gated_delta.cu
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);

@@ -42,6 +42,19 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   launch_rms_norm<false>(p, R, can_use_vec4(D, {p.x, p.w, p.y}));
 }
 
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+  const int64_t R = x.dim(0), D = x.dim(1);
+  if (R == 0) return;
+  LILY_CHECK(R <= 0x7fffffff, "add_rms_norm: too many rows for the CUDA grid (", R, ")");
+  const AddRmsNormParams p{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps};
+  const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(D))};
+  if (can_use_vec4(D, {p.x, p.res, p.w, p.y}))
+    launch(add_rms_norm_kernel<true>, grid, block, 0, p);
+  else
+    launch(add_rms_norm_kernel<false>, grid, block, 0, p);
+  LILY_CUDA_LAUNCHED();
+}
+
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const int64_t R = x.dim(0), D = x.dim(1);
   const RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps};

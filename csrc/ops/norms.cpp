@@ -17,6 +17,24 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   no_backend(op, x.device);
 }
 
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+  const char* op = "add_rms_norm";
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, x.dim(1));
+  for (const Tensor* t : {&res, &y}) {
+    check_shape(op, "res/y", *t, 0, x.dim(0));
+    check_shape(op, "res/y", *t, 1, x.dim(1));
+  }
+  LILY_CHECK(y.data != x.data && y.data != res.data, op, ": y must not alias x or res");
+  check_same_device(op, {x, res, y, weight});
+  if (x.device == Device::CPU) return cpu::add_rms_norm(x, res, weight, eps, y);
+  LILY_CUDA_CASE(x.device, add_rms_norm(x, res, weight, eps, y));
+  no_backend(op, x.device);
+}
+
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "gated_rms_norm";
   check_tensor(op, "x", x, DType::F32, 2);

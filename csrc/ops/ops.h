@@ -27,6 +27,11 @@ void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 
+// x[r, :] += res[r, :], then y[r, :] = weight * rms_normalise(x[r, :]): a residual add and the next
+// RMSNorm in one pass, bit-identical to add() then rms_norm(). x, res, y [R, D] (y aliases neither
+// x nor res); weight [D].
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
+
 // y[r, :] = weight * rms_normalise(x[r, :]) * silu(z[r, :]).  x, z, y [R, D]; weight [D].
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
 

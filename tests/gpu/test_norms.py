@@ -51,3 +51,19 @@ def test_sigmoid_mul_and_add(R, D, gpu_tol):
     y = rng.standard_normal((R, D)).astype(np.float32) * 4
     check(ops.sigmoid_mul("cuda", x, y), ops.sigmoid_mul("cpu", x, y), gpu_tol["elementwise"])
     check(ops.add("cuda", x, y), ops.add("cpu", x, y), gpu_tol["elementwise"])
+
+
+@pytest.mark.parametrize("R, D", SHAPES)
+def test_add_rms_norm(R, D, gpu_tol):
+    # the fused residual add + RMSNorm: against the CPU, and bit-identical to add then rms_norm on the GPU
+    rng = np.random.default_rng(R * 7919 + D)
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    res = rng.standard_normal((R, D)).astype(np.float32) * 3
+    w = rng.standard_normal(D).astype(np.float32)
+    xg, yg = ops.add_rms_norm("cuda", x, res, w, 1e-6)
+    xc, yc = ops.add_rms_norm("cpu", x, res, w, 1e-6)
+    check(xg, xc, gpu_tol["elementwise"])
+    check(yg, yc, gpu_tol["rms_norm"])
+    added = ops.add("cuda", x, res)
+    np.testing.assert_array_equal(xg, added)
+    np.testing.assert_array_equal(yg, ops.rms_norm("cuda", added, w, 1e-6))

@@ -65,4 +65,54 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   }
 }
 
+// add_rms_norm: x[r, :] += res[r, :], then y[r, :] = x[r, :] * s_r * w. Each thread adds, writes back
+// and squares the same elements it later normalises (same stride and block reduction as
+// rms_norm_kernel, so the result is bit-identical to elementwise add then rms_norm).
+struct AddRmsNormParams {
+  float* x;          // [R, D] residual stream, updated in place
+  const float* res;  // [R, D]
+  const float* w;    // [D]
+  float* y;          // [R, D]
+  int D;
+  float eps;
+};
+
+template <bool VEC4>
+__global__ void add_rms_norm_kernel(AddRmsNormParams p) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float red[32];
+  const int64_t off = int64_t(blockIdx.x) * p.D;
+  float ss = 0.f;
+  if constexpr (VEC4) {
+    float4* x4 = reinterpret_cast<float4*>(p.x + off);
+    const float4* r4 = reinterpret_cast<const float4*>(p.res + off);
+    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+      const float4 a = x4[i], b = r4[i];
+      const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+      x4[i] = v;
+      ss += sq4(v);
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.D; i += blockDim.x) {
+      const float v = p.x[off + i] + p.res[off + i];
+      p.x[off + i] = v;
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss, red);
+  const float s = 1.f / sqrtf(ss / float(p.D) + p.eps);
+  if constexpr (VEC4) {
+    const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
+    const float4* w4 = reinterpret_cast<const float4*>(p.w);
+    float4* y4 = reinterpret_cast<float4*>(p.y + off);
+    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+      const float4 x = x4[i], w = w4[i];
+      y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
+  }
+}
+
 }  // namespace lily::cuda
