@@ -206,12 +206,13 @@ def test_close_waits_for_running_generations_and_with_closes(ckpt):
 
 
 def test_decode_runs_stacked_projections_bit_exactly():
-    # Every layer's same-input projections (GDN in_proj qkv|z|b|a, attention q|k|v) share one storage
-    # format here, so a decode step runs each group as one stacked GEMV; prefill runs them apart.
+    # Every layer's same-input projections (GDN in_proj qkv|z|b|a or attention q|k|v, and the MoE
+    # router + shared-expert gate) share one storage format here, so a decode step runs each group
+    # as one stacked GEMV; prefill runs them apart.
     from lily.cli import tiny_checkpoint
 
     m = lily.Model.load(tiny_checkpoint(), device="cpu")
-    assert m._engine.stacked_projections == m.config.num_hidden_layers
+    assert m._engine.stacked_projections == 2 * m.config.num_hidden_layers  # mixer inputs, router + gate
     ids = [5, 17, 99, 1000, 42, 7, 31337]
     full = m.new_session().prefill(ids, all_logits=True)
     s = m.new_session()

@@ -125,10 +125,12 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("stacked_projections",
                    [](const Engine& e) {
                      int n = 0;
-                     for (const LayerWeights& L : e.weights().layers) n += (L.gdn.in_proj != nullptr) + (L.attn.qkv_proj != nullptr);
+                     for (const LayerWeights& L : e.weights().layers)
+                       n += (L.gdn.in_proj != nullptr) + (L.attn.qkv_proj != nullptr) + (L.moe.router_gates != nullptr);
                      return n;
                    },
-                   "Layers whose same-input projections run as one stacked GEMV in a decode step.");
+                   "Groups of same-input projections (GDN in_proj, attention q|k|v, router + shared-expert "
+                   "gate) that run as one stacked GEMV in a decode step.");
 
   nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
       .def_ro("position", &Snapshot::position)

@@ -134,6 +134,7 @@ void WeightStore::resolve(const ModelConfig& c) {
     L.moe.shared_up_proj = matrix(m + "shared_expert.up_proj", 1, Is, H);
     L.moe.shared_down_proj = matrix(m + "shared_expert.down_proj", 1, H, Is);
     L.moe.shared_expert_gate = matrix(m + "shared_expert_gate", 1, 1, H);
+    L.moe.router_gates = stack_rows(m + "router_gates", {m + "gate", m + "shared_expert_gate"});
   }
 }
 

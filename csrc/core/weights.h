@@ -58,6 +58,7 @@ struct MoeWeights {
   const QMatrix *shared_gate_proj, *shared_up_proj;  // [Is, H]
   const QMatrix* shared_down_proj;            // [H, Is]
   const QMatrix* shared_expert_gate;          // [1, H]
+  const QMatrix* router_gates = nullptr;      // [router; shared_expert_gate] stacked, as GdnWeights::in_proj
 };
 
 struct LayerWeights {

@@ -28,8 +28,18 @@ static void swiglu_expert(const QMatrix& gate, const QMatrix& up, const QMatrix&
 
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int K) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows;
+  // As on the GPU, a decode step runs the router and the shared-expert gate as one product over
+  // their stacked rows: E logits, then the gate logit, in router_logits' first E + 1 floats.
+  const bool stacked = T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   Tensor logits = rows(s.router_logits, T);  // [T, E]
-  linear(*w.router, 0, h, logits);
+  Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
+                      : rows(s.shared_gate, T);  // [T, 1]
+  if (stacked) {
+    linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}));
+  } else {
+    linear(*w.router, 0, h, logits);
+    linear(*w.shared_expert_gate, 0, h, sg);
+  }
 
   // Routing: per expert, the (token, weight) pairs that chose it.
   std::vector<std::vector<std::pair<int64_t, float>>> routed(E);
@@ -67,8 +77,6 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   }
 
   swiglu_expert(*w.shared_gate_proj, *w.shared_up_proj, *w.shared_down_proj, 0, h, s, T);
-  Tensor sg = rows(s.shared_gate, T);  // [T, 1]
-  linear(*w.shared_expert_gate, 0, h, sg);
   for (int64_t t = 0; t < T; ++t) {
     const float gate = 1.f / (1.f + std::exp(-sg.ptr<float>()[t]));
     const float* d = s.down.ptr<float>() + t * H;

@@ -168,10 +168,18 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   LILY_CHECK(s.down.dim(1) == H && s.gate.dim(1) >= std::max(w.gate_proj->rows, w.shared_gate_proj->rows),
              "moe: scratch rows are too narrow");
   const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, E, top_k);
+  // A decode step runs the router and the shared-expert gate as one GEMV over their stacked rows:
+  // E logits, then the gate logit, back to back in router_logits (which has a spare row then).
+  const bool stacked = T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
-  const Tensor sg = rows_of(s.shared_gate, 0, T);        // [T, 1]
-  linear(*w.router, 0, h, logits);
-  linear(*w.shared_expert_gate, 0, h, sg);
+  const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
+                            : rows_of(s.shared_gate, 0, T);  // [T, 1]
+  if (stacked) {
+    linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}));
+  } else {
+    linear(*w.router, 0, h, logits);
+    linear(*w.shared_expert_gate, 0, h, sg);
+  }
 
   MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
   const size_t topk_smem = size_t(MOE_TOPK_WARPS) * E * sizeof(float);
