@@ -182,9 +182,11 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   }
 
   MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
-  const size_t topk_smem = size_t(MOE_TOPK_WARPS) * E * sizeof(float);
-  LILY_CHECK(topk_smem <= 48 * 1024, "moe: ", E, " experts exceed the top-k kernel's shared memory");
-  launch(moe_topk_kernel, unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS)), MOE_TOPK_WARPS * 32, topk_smem, tp);
+  const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
+  if (E <= 64) launch(moe_topk_kernel<2>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+  else if (E <= 256) launch(moe_topk_kernel<8>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+  else if (E <= 1024) launch(moe_topk_kernel<32>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+  else fail("moe: ", E, " experts exceed the CUDA top-k kernel's 1024");
   LILY_CUDA_LAUNCHED();
 
   if (use_moe_decode(w, h, s, top_k)) {

@@ -20,46 +20,52 @@ struct MoeTopkParams {
 
 // p = softmax(logits[t]) in fp32; the K largest p (ties: lower id), w_k = p_k / sum of the K p
 // (summed in choice order like cpu::moe); stored in ascending expert id so that every later sum
-// over a token's experts runs in cpu::moe's order. One warp per token, p in shared memory
-// [4 warps, E]; K rounds of a warp argmax. Also turns the shared expert gate logit into its sigmoid.
+// over a token's experts runs in cpu::moe's order. One warp per token; lane l holds experts
+// l, l+32, ... (PL of them, E <= 32*PL) in registers; K rounds of a warp argmax over (p, id) with
+// u32 reductions (p >= 0, so its float bits order like p). Also turns the shared expert gate logit
+// into its sigmoid.
+template <int PL>
 __global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const MoeTopkParams p) {
   pdl_wait();
   pdl_trigger();
-  extern __shared__ float probs[];  // [MOE_TOPK_WARPS, E]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * MOE_TOPK_WARPS + warp;
   if (t >= p.T) return;  // no block-wide barrier below
-  float* pw = probs + warp * p.E;
   const float* l = p.logits + int64_t(t) * p.E;
+  float v[PL];  // logits, then probabilities; -1 for experts past E and for chosen ones
   float mx = -INFINITY;
-  for (int e = lane; e < p.E; e += 32) mx = fmaxf(mx, l[e]);
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < p.E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
   mx = warp_max(mx);
   float sum = 0.f;
-  for (int e = lane; e < p.E; e += 32) sum += (pw[e] = expf(l[e] - mx));
+#pragma unroll
+  for (int i = 0; i < PL; ++i)
+    if (lane + 32 * i < p.E) sum += (v[i] = expf(v[i] - mx));
   sum = warp_sum(sum);
-  for (int e = lane; e < p.E; e += 32) pw[e] /= sum;
-  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < PL; ++i) v[i] = lane + 32 * i < p.E ? v[i] / sum : -1.f;
 
   int my_id = 0;
   float my_p = 0.f, top = 0.f;
   for (int k = 0; k < p.K; ++k) {
-    float best = -1.f;  // probabilities are >= 0; chosen experts are marked -1
+    float best = -1.f;  // ascending e within the lane: the first maximum is the lowest id
     int best_id = INT32_MAX;
-    for (int e = lane; e < p.E; e += 32) {
-      const float v = pw[e];
-      if (v > best) best = v, best_id = e;  // ascending e: the first maximum is the lowest id
-    }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oid = __shfl_xor_sync(0xffffffffu, best_id, o);
-      if (ov > best || (ov == best && oid < best_id)) best = ov, best_id = oid;
-    }
+    for (int i = 0; i < PL; ++i)
+      if (v[i] > best) best = v[i], best_id = lane + 32 * i;
+    const unsigned bits = best >= 0.f ? __float_as_uint(best) : 0u;  // p >= 0: bits order like p
+    const unsigned top_bits = __reduce_max_sync(0xffffffffu, bits);
+    best_id = int(__reduce_min_sync(0xffffffffu, bits == top_bits ? unsigned(best_id) : 0xffffffffu));
+    best = __uint_as_float(top_bits);
     if (lane == k) my_id = best_id, my_p = best;
     top += best;
-    __syncwarp();
-    if (lane == 0) pw[best_id] = -1.f;
-    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < PL; ++i)
+      if (lane + 32 * i == best_id) v[i] = -1.f;
   }
   int rank = 0;  // position of this lane's expert in ascending id order
   for (int j = 0; j < p.K; ++j) rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
