@@ -1,5 +1,7 @@
 #include "weights.h"
 
+#include "../ops/backend.h"
+
 namespace lily {
 
 std::string QMatrix::describe() const {
@@ -72,13 +74,22 @@ const QMatrix* WeightStore::stack_rows(const std::string& name, const std::vecto
   }
   size_t wo = 0, so = 0;
   for (const std::string& part : parts) {  // rows are contiguous: each part is a block of bytes
+    const QMatrix& q = matrices_.at(part);
+    m.weight.copy_from(q.weight, q.weight.nbytes(), wo);
+    if (m.quantized()) {
+      m.scales.copy_from(q.scales, q.scales.nbytes(), so);
+      m.biases.copy_from(q.biases, q.scales.nbytes(), so);
+    }
+    wo += q.weight.nbytes();
+    so += q.scales.nbytes();
+  }
+  if (device_ != Device::CPU) backend_synchronize(device_);  // the copies are queued: finish them first
+  wo = so = 0;
+  for (const std::string& part : parts) {  // then the parts become views (freeing their own bytes)
     QMatrix& q = matrices_.at(part);
     const size_t w = q.weight.nbytes(), sc = q.scales.nbytes();
-    m.weight.copy_from(q.weight, w, wo);
     q.weight = Buffer::view(m.weight, wo, w);
     if (m.quantized()) {
-      m.scales.copy_from(q.scales, sc, so);
-      m.biases.copy_from(q.biases, sc, so);
       q.scales = Buffer::view(m.scales, so, sc);
       q.biases = Buffer::view(m.biases, so, sc);
     }

@@ -46,9 +46,10 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   const int64_t R = x.dim(0), D = x.dim(1);
   if (R == 0) return;
   LILY_CHECK(R <= 0x7fffffff, "add_rms_norm: too many rows for the CUDA grid (", R, ")");
-  const AddRmsNormParams p{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps};
+  const AddRmsNormParams p{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps,
+                           can_use_vec4(D, {res.data})};
   const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(D))};
-  if (can_use_vec4(D, {p.x, p.res, p.w, p.y}))
+  if (can_use_vec4(D, {p.x, p.w, p.y}))  // as rms_norm decides: the same summation order
     launch(add_rms_norm_kernel<true>, grid, block, 0, p);
   else
     launch(add_rms_norm_kernel<false>, grid, block, 0, p);

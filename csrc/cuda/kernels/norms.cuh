@@ -75,6 +75,7 @@ struct AddRmsNormParams {
   float* y;          // [R, D]
   int D;
   float eps;
+  bool res_vec4;     // res 16-byte aligned (the float4 path is chosen by x, w, y, as rms_norm's)
 };
 
 template <bool VEC4>
@@ -88,7 +89,8 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
     float4* x4 = reinterpret_cast<float4*>(p.x + off);
     const float4* r4 = reinterpret_cast<const float4*>(p.res + off);
     for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
-      const float4 a = x4[i], b = r4[i];
+      const float* rs = p.res + off + 4 * i;
+      const float4 a = x4[i], b = p.res_vec4 ? r4[i] : make_float4(rs[0], rs[1], rs[2], rs[3]);
       const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
       x4[i] = v;
       ss += sq4(v);
