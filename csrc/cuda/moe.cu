@@ -2,7 +2,7 @@
 // Decode (use_moe_decode: T <= 4, fast affine experts), five launches:
 //   router logits, shared expert gate logit (GEMV) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
-//   -> moe_down (all K+1 down products per output, summed in slot order into out); kernels/moe_decode.cuh.
+//   -> moe_down (all K+1 down products per output as one virtual row, summed into out); kernels/moe_decode.cuh.
 // Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
@@ -152,8 +152,11 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
   LILY_CUDA_LAUNCHED();
 
   const int64_t cmax = std::max(w.down_proj->cols, w.shared_down_proj->cols) / (128 / BITS);
+  // one virtual row per output: K routed rows then the shared one; tpr threads take it in one batch
+  const int64_t cv = (top_k * w.down_proj->cols + w.shared_down_proj->cols) / (128 / BITS);
+  const int down_tpr = gemv_tpr(ceil_div<int64_t>(cv, MOE_DOWN_LOADS));
   MoeDownParams d{affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj), r.topk_id, act, out.ptr<float>(),
-                  top_k, int(ld), gemv_tpr(cmax), int(ceil_div<int64_t>(H, MOE_DOWN_ROWS))};
+                  top_k, int(ld), down_tpr, int(ceil_div<int64_t>(H, GEMV_THREADS / down_tpr))};
   const size_t down_smem = staged_bytes(top_k + 1, cmax * (128 / BITS), BITS);
   const int down_ctas = int(ceil_div<int64_t>(
       gemv_grid(reinterpret_cast<const void*>(moe_down_kernel<BITS>), down_smem, d.passes * T), T));

@@ -9,8 +9,8 @@
 namespace lily::cuda {
 
 constexpr int MOE_DECODE_MAX_TOKENS = 4;
-constexpr int MOE_UP_PAIRS = 1;    // (gate, up) row pairs per thread and pass (registers: 4 CTAs per SM)
-constexpr int MOE_DOWN_ROWS = 8;   // output rows per CTA pass of the down kernel
+constexpr int MOE_UP_PAIRS = 2;    // (gate, up) row pairs per thread and pass (registers: 3 CTAs per SM)
+constexpr int MOE_DOWN_LOADS = 8;  // weight chunks in flight per thread of the down kernel (one batch)
 
 // One affine stack [E, rows, cols] in the fast variant (4/8 bits, BF16 scales, 16-byte rows).
 struct AffineStack {
@@ -37,7 +37,7 @@ struct MoeUpParams {
 // thread of a slot of tpr threads over H's chunks (as linear_gemv_kernel, two rows per pair and one
 // x row). Fixed-order slot sums; deterministic. Matches cpu::moe's expert SwiGLU in fp32.
 template <int BITS>
-__global__ void __launch_bounds__(GEMV_THREADS, 4) moe_up_kernel(const MoeUpParams p) {
+__global__ void __launch_bounds__(GEMV_THREADS, 3) moe_up_kernel(const MoeUpParams p) {
   pdl_wait();
   pdl_trigger();
   using S = GemvShape<BITS>;
@@ -110,85 +110,87 @@ struct MoeDownParams {
   const int32_t* topk_id;   // [T, K]
   const float* act;         // [T, K+1, ld] F32, 16-byte aligned rows
   float* out;               // [T, H] F32
-  int K, ld, tpr, passes;   // passes per token: ceil(H / MOE_DOWN_ROWS)
+  int K, ld, tpr, passes;   // passes per token: ceil(H / (GEMV_THREADS / tpr))
 };
 
-// out[t, o] = sum_{s = 0..K} D_s[o, :] . act[t, s, :]  (routed in ascending expert id, shared last,
-// the routing weights already folded into act: cpu::moe's order of contributions).
-// Grid (CTAs, T): a CTA stages act[t] (K+1 rows of max(I, Is)) once; a pass covers MOE_DOWN_ROWS
-// outputs as (K+1) x MOE_DOWN_ROWS items (slot s, row r), item m*groups + g on the g-th group of tpr
-// threads (split-K across the CTA); each item's dot is a fixed-order slot sum, kept in shared
-// memory, and after one barrier the first threads add the K+1 dots in slot order.
+// Chunk n of a batch of GemvStage entries against one staged x chunk c (xs, xsum: that x row).
+template <int BITS, int N>
+__device__ __forceinline__ void gemv_entry(const GemvStage<N>& st, int n, const float4* xs, const float* xsum, int c,
+                                           float& acc) {
+  GemvStage<1> one;
+  one.w[0] = st.w[n], one.s[0] = st.s[n], one.b[0] = st.b[n];
+  float a[1][1] = {{acc}};
+  gemv_chunk<BITS, 1, 1>(one, xs, xsum, 0, c, a);
+  acc = a[0][0];
+}
+
+// out[t, o] = sum_{s = 0..K} D_s[o, :] . act[t, s, :]  (routed slots in ascending expert id, the
+// shared expert last, the routing weights already folded into act).
+// Output row o is one virtual row of Cv = K*Cr + Cs 16-byte chunks: segment s < K is row o of expert
+// topk_id[t, s] (Cr chunks), segment K row o of the shared expert (Cs chunks).
+// Grid (CTAs, T): a CTA stages act[t] (K+1 rows of Cmax chunks) once; a pass covers GEMV_THREADS/tpr
+// output rows, one per slot of tpr threads. Thread q of a slot reads virtual chunks q, q+tpr, ... in
+// batches of MOE_DOWN_LOADS, all loads of a batch issued before the first is used (the launcher
+// sizes tpr so that a row takes one batch: every weight byte of a thread in flight at once, one
+// memory latency per pass). Per-thread sums in chunk order, then the slot's fixed-order sum:
+// deterministic.
 template <int BITS>
-__global__ void __launch_bounds__(GEMV_THREADS, 4) moe_down_kernel(const MoeDownParams p) {
-  pdl_wait();
+__global__ void __launch_bounds__(GEMV_THREADS, 2) moe_down_kernel(const MoeDownParams p) {
+  pdl_wait();  // expert ids and act come from the kernels before
   pdl_trigger();
   using S = GemvShape<BITS>;
-  constexpr int RB = MOE_DOWN_ROWS;
+  constexpr int NL = MOE_DOWN_LOADS;
   extern __shared__ float4 xs[];  // [K+1, Cmax*F] swizzled act[t], then xsum [K+1, Cmax]
   __shared__ float red[2][GEMV_WARPS][1];
-  __shared__ float dots[2][MOE_MAX_TOP_K + 1][RB];  // per pass parity
   __shared__ int32_t ids[MOE_MAX_TOP_K];
   const int t = blockIdx.y, H = p.down.rows, tpr = p.tpr, slots = p.K + 1;
   const int Cr = p.down.cols / S::VALS, Cs = p.shared_down.cols / S::VALS, Cmax = max(Cr, Cs);
+  const int KCr = p.K * Cr, Cv = KCr + Cs, rows_per_pass = GEMV_THREADS / tpr;
   float* xsum = reinterpret_cast<float*>(xs + slots * Cmax * S::F);
-  const int group = threadIdx.x / tpr, q = threadIdx.x % tpr, groups = GEMV_THREADS / tpr;
-  const int items = slots * RB, M = (items + groups - 1) / groups, nk = (Cmax + tpr - 1) / tpr;
-  const int per_pass = M * nk;
-  const int units = (p.passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) * per_pass;
-  float acc[1][1] = {};
+  const int slot = threadIdx.x / tpr, q = threadIdx.x % tpr;
 
-  // Unit j: chunk step u.step of item m = u.pass % M of local pass pl = u.pass / M (u = GemvUnit(j, nk));
-  // the group's item is m*groups + group: slot s = item / RB, output row o = pass*RB + item % RB.
-  struct Item {
-    int pl, s, o, step;
-    bool ok;
-  };
-  auto item_of = [&](int j) {
-    const GemvUnit u(j, nk);
-    Item x;
-    x.pl = u.pass / M;
-    const int it = (u.pass - x.pl * M) * groups + group;
-    x.s = it / RB;
-    x.o = (int(blockIdx.x) + x.pl * int(gridDim.x)) * RB + it % RB;
-    x.step = u.step;
-    x.ok = it < items && x.o < H;
-    return x;
-  };
-  auto load = [&](GemvStage<1>& st, int j) {
-    const Item x = item_of(j);
-    const bool sh = x.s == p.K;
-    const AffineStack d = sh ? p.shared_down : p.down;
-    const int c = q + x.step * tpr, cols = d.cols;
-    const int64_t row = sh ? x.o : int64_t(x.ok ? ids[x.s] : 0) * H + x.o;
-    gemv_load<BITS>(st, 0, x.ok && c < cols / S::VALS, d.w, d.scales, d.biases, row, c, cols * BITS / 32,
-                    cols / d.group_size, d.group_size);
-  };
-  auto compute = [&](const GemvStage<1>& st, int j) {
-    const Item x = item_of(j);
-    const int c = q + x.step * tpr, par = x.pl & 1;
-    if (x.ok && c < (x.s == p.K ? Cs : Cr))
-      gemv_chunk<BITS, 1, 1>(st, xs + x.s * Cmax * S::F, xsum + x.s * Cmax, 0, c, acc);
-    if (x.step != nk - 1) return;
-    float v[1] = {acc[0][0]};
-    acc[0][0] = 0.f;
-    if (slot_sum(v, tpr, red[GemvUnit(j, nk).pass & 1]) && x.ok) dots[par][x.s][x.o % RB] = v[0];
-    if (j % per_pass != per_pass - 1) return;  // the pass's last item: every dot is in shared memory
-    __syncthreads();
-    const int out_row = (int(blockIdx.x) + x.pl * int(gridDim.x)) * RB + int(threadIdx.x);
-    if (threadIdx.x >= RB || out_row >= H) return;
-    float sum = 0.f;
-    for (int k = 0; k < slots; ++k) sum += dots[par][k][threadIdx.x];
-    p.out[int64_t(t) * H + out_row] = sum;
+  // virtual chunk v -> segment s and its chunk c
+  auto split = [&](int v, int& s, int& c) {
+    s = v < KCr ? v / Cr : p.K;
+    c = v < KCr ? v - s * Cr : v - KCr;
   };
 
   for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
   __syncthreads();
-  GemvStage<1> a, b;
-  if (units > 0) load(a, 0);
-  gemv_stage_x<BITS>(p.act + int64_t(t) * slots * p.ld, p.ld, slots, slots, Cmax, xs, xsum);
-  __syncthreads();
-  gemv_pipeline(units, a, b, load, compute);
+  bool staged = false;
+  for (int pass = blockIdx.x, lp = 0; pass < p.passes; pass += gridDim.x, ++lp) {  // uniform over the CTA
+    const int o = pass * rows_per_pass + slot;
+    float acc = 0.f;
+    for (int base = 0; base < Cv; base += NL * tpr) {  // uniform over the CTA
+      GemvStage<NL> st;
+#pragma unroll
+      for (int n = 0; n < NL; ++n) {
+        const int v = base + n * tpr + q;
+        int s, c;
+        split(v, s, c);
+        const bool sh = s == p.K;
+        const AffineStack d = sh ? p.shared_down : p.down;
+        const bool ok = o < H && v < Cv;
+        const int64_t row = sh ? o : int64_t(ok ? ids[s] : 0) * H + o;
+        gemv_load<BITS>(st, n, ok, d.w, d.scales, d.biases, row, c, d.cols * BITS / 32, d.cols / d.group_size,
+                        d.group_size);
+      }
+      if (!staged) {  // the first batch's loads are in flight meanwhile
+        gemv_stage_x<BITS>(p.act + int64_t(t) * slots * p.ld, p.ld, slots, slots, Cmax, xs, xsum);
+        __syncthreads();
+        staged = true;
+      }
+#pragma unroll
+      for (int n = 0; n < NL; ++n) {
+        const int v = base + n * tpr + q;
+        int s, c;
+        split(v, s, c);
+        if (o < H && v < Cv) gemv_entry<BITS>(st, n, xs + s * Cmax * S::F, xsum + s * Cmax, c, acc);
+      }
+    }
+    float v[1] = {acc};
+    if (slot_sum(v, tpr, red[lp & 1]) && o < H) p.out[int64_t(t) * H + o] = v[0];
+  }
 }
 
 }  // namespace lily::cuda
