@@ -145,8 +145,10 @@ void init_ops(nb::module_& parent) {
                                const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk) {
     const Device d = parse_device(device);
     Dev q = f32(d, qkv), ai = f32(d, a), bi = f32(d, b), al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state);
-    Dev o(d, DType::F32, {int64_t(qkv.shape(0)), int64_t(state.shape(0) * state.shape(2))});
-    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, Hk, Dk);
+    const int64_t T = int64_t(qkv.shape(0)), Hv = int64_t(state.shape(0)), Dv = int64_t(state.shape(2));
+    Dev o(d, DType::F32, {T, Hv * Dv});
+    Dev ws(d, DType::F32, {std::max<int64_t>(1, ops::gated_delta_workspace_floats(d, T, Hv, Dk, Dv))});
+    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, ws.t, Hk, Dk);
     return nb::make_tuple(out_f32(o), out_f32(st));
   });
   m.def("split_q_gate", [](const std::string& device, const F32In& p, int nH) {

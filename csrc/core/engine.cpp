@@ -46,7 +46,8 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
                         {Hv, c.linear_key_head_dim, c.linear_value_head_dim});  // [Hv, Dk, Dv]
   {
     ProfileScope p(prof, "gdn.gated_delta_rule");
-    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, c.linear_num_key_heads,
+    const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
+    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, c.linear_num_key_heads,
                           c.linear_key_head_dim);
   }
   Tensor n = view(x.normed, T * Hv, c.linear_value_head_dim);  // [T*Hv, Dv]

@@ -58,6 +58,9 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.down = f32(R, H);
   s_.shared_gate = f32(C, 1);
   s_.routing = Buffer(d, size_t(ops::moe_routing_words(d, C, c.num_experts, c.num_experts_per_tok)) * 4);
+  s_.gdn_work = Buffer(d, size_t(ops::gated_delta_workspace_floats(d, C, c.linear_num_value_heads,
+                                                                   c.linear_key_head_dim, c.linear_value_head_dim)) *
+                              4);
   s_.logit_rows = std::min<int64_t>(C, 16);
   s_.final_h = f32(s_.logit_rows, H);
   s_.logits = f32(s_.logit_rows, c.vocab_size);

@@ -23,8 +23,9 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);
 void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
-                      int key_head_dim);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
+                      int num_key_heads, int key_head_dim);
+int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 // attention.cu: pos points to the I32 position of the chunk's first token in device memory.
 // k_cache, v_cache are BF16.
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);

@@ -2,6 +2,7 @@
 // the delta-rule recurrence, both updating their carried state in place.
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
+#include "kernels/gdn_chunk.cuh"
 #include "runtime.cuh"
 
 namespace lily::cuda {
@@ -39,13 +40,56 @@ static void launch_gdn_fast(const GatedDeltaParams& p, const dim3& grid) {
   LILY_CUDA_LAUNCHED();
 }
 
+// The chunked (WY) prefill (kernels/gdn_chunk.cuh) from GDN_CHUNK_MIN_T tokens, at Dk = Dv = 128.
+// Below, the token-by-token kernel: it costs ~0.7 us per token at the real widths (1.45 ms for
+// 2048), while the chunked pair costs about the same for any T <= 64 (one padded chunk per head:
+// ~15 us for prep + scan, estimated), a break-even near 20-30 tokens. 64 is conservative by ~2x,
+// makes every chunked call at least one full chunk, and leaves decode (T = 1, inside the captured
+// graph) and all short calls bit-identical to before. To be lowered once measured.
+constexpr int64_t GDN_CHUNK_MIN_T = 64;
+
+static bool gdn_chunked(int64_t T, int64_t Dk, int64_t Dv) {
+  return T >= GDN_CHUNK_MIN_T && Dk == GDNC_D && Dv == GDNC_D;
+}
+
+int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
+  return gdn_chunked(T, Dk, Dv) ? ceil_div<int64_t>(T, GDNC_C) * Hv * GDNC_BLOCK : 0;
+}
+
+static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+static void launch_gdn_chunked(const GdnChunkParams& p) {
+  static const bool raised = [] {  // > 48 KB of dynamic shared memory
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(sizeof(GdnPrepSmem))));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(sizeof(GdnScanSmem))));
+    return true;
+  }();
+  (void)raised;
+  launch(gdn_chunk_prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), GDNC_THREADS, sizeof(GdnPrepSmem), p);
+  LILY_CUDA_LAUNCHED();
+  launch(gdn_chunk_scan_kernel, dim3(unsigned(p.Hv), unsigned(GDNC_D / GDNC_COLS)), GDNC_THREADS,
+         sizeof(GdnScanSmem), p);
+  LILY_CUDA_LAUNCHED();
+}
+
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
-                      int key_head_dim) {
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
+                      int num_key_heads, int key_head_dim) {
   const int64_t T = qkv.dim(0), Hv = state.dim(0), Dv = state.dim(2);
   LILY_CHECK(T <= 0x7fffffff && Hv <= 0xffff && Dv <= 0x7fffffff,
              "gated_delta_rule: sizes exceed the CUDA kernel's range");
   if (T == 0) return;
+  // ops/ checked workspace.numel() >= gated_delta_workspace_floats(); float4 and cp.async access
+  // needs 16-byte aligned bases (always so for buffers; a misaligned view takes the token path).
+  if (gdn_chunked(T, key_head_dim, Dv) && aligned16(qkv.data) && aligned16(state.data) && aligned16(o.data) &&
+      aligned16(workspace.data)) {
+    const GdnChunkParams cp{qkv.ptr<float>(),     a.ptr<float>(),     b.ptr<float>(), A_log.ptr<float>(),
+                            dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
+                            int(T),               num_key_heads,      int(Hv),        int(ceil_div<int64_t>(T, GDNC_C))};
+    return launch_gdn_chunked(cp);
+  }
   const GatedDeltaParams p{qkv.ptr<float>(), a.ptr<float>(),     b.ptr<float>(),  A_log.ptr<float>(),
                            dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), int(T),
                            num_key_heads,        int(Hv),            key_head_dim,    int(Dv)};

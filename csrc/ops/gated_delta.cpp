@@ -22,8 +22,17 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
   no_backend(op, u.device);
 }
 
+int64_t gated_delta_workspace_floats(Device d, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
+  if (d == Device::CPU) return 0;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::gated_delta_workspace_floats(T, Hv, Dk, Dv);
+#endif
+  no_backend("gated_delta_rule", d);
+}
+
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int Hk, int Dk) {
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
+                      int Hk, int Dk) {
   const char* op = "gated_delta_rule";
   check_tensor(op, "qkv", qkv, DType::F32, 2);
   check_tensor(op, "a", a, DType::F32, 2);
@@ -46,7 +55,14 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   check_shape(op, "o", o, 1, Hv * Dv);
   check_same_device(op, {qkv, a, b, A_log, dt_bias, state, o});
   if (qkv.device == Device::CPU) return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk);
-  LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk));
+  const int64_t need = gated_delta_workspace_floats(qkv.device, T, Hv, Dk, Dv);
+  if (need > 0) {
+    check_tensor(op, "workspace", workspace, DType::F32, 1);
+    LILY_CHECK(workspace.numel() >= need, op, ": workspace ", workspace.shape_str(), " is too small for ", T,
+               " tokens (", need, " floats)");
+    check_same_device(op, {qkv, workspace});
+  }
+  LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, workspace, Hk, Dk));
   no_backend(op, qkv.device);
 }
 

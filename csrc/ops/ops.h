@@ -42,9 +42,15 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
 
 // The Gated DeltaNet recurrence over T tokens, fp32 state S [Hv, Dk, Dv] updated in place.
 // qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v, head-major), a, b [T, Hv], A_log, dt_bias [Hv], o [T, Hv*Dv].
+// workspace [>= gated_delta_workspace_floats(device, T, Hv, Dk, Dv)] F32: the chunked CUDA prefill's
+// per-chunk tiles (docs/gdn-prefill.md); when that size is 0 (CPU, short calls, other head sizes)
+// it is not read and may be an empty tensor.
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
-                      int key_head_dim);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
+                      int num_key_heads, int key_head_dim);
+// F32 elements of gated_delta_rule's workspace for T tokens; 0 where the backend needs none.
+// Non-decreasing in T, so a buffer sized for the largest chunk serves every call.
+int64_t gated_delta_workspace_floats(Device device, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 
 // Splits q_proj's per-head [query | gate] rows.  p [T, nH*2D] -> q, gate [T, nH*D].
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);

@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams 
 }
 
 // ---------------------------------------------------------------------------------------------
-// gated_delta_rule, token by token (a chunked WY form for long prefills is a later optimisation):
+// gated_delta_rule, token by token (decode and short calls; from 64 tokens at Dk = Dv = 128 the
+// chunked WY kernels of gdn_chunk.cuh take over, see gated_delta.cu):
 //   q, k = l2norm(q_t[kh]) / sqrt(Dk), l2norm(k_t[kh])  (eps 1e-6 inside the sqrt), kh = h / (Hv/Hk)
 //   beta = sigmoid(b[t, h]);  alpha = exp(-exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
 //   S = alpha S;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
