@@ -31,6 +31,11 @@ GPU_TOL = {
     "gated_delta_rule": 2e-4,
     # the GDN op run T times with T=1 against one call over T tokens, both on the GPU: same arithmetic
     "gated_delta_steps_vs_chunk": 0.0,
+    # the same from T = 64 on, where the one call takes the chunked (WY) kernels: both fp32, but the
+    # chunked form sums in another order (an fp32 NumPy twin of its exact tiles matched the CPU op to
+    # 3.7e-7, strong decays included); 2e-5 is ~50x that, and an indexing or masking error shows at
+    # 1e-3 or more
+    "gated_delta_chunked_vs_steps": 2e-5,
     # sampler: max |logprob difference| (greedy tokens and seeded draws away from boundaries are exact)
     "sample_logprobs": 2e-5,
     # attention: split_q_gate and kv_cache_write (bf16 round to nearest even) are exact; rope differs

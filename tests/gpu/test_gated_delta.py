@@ -84,3 +84,88 @@ def test_gated_delta_steps_equal_one_call(T, Hk, Hv, Dk, Dv, gpu_tol):
     tol = gpu_tol["gated_delta_steps_vs_chunk"]
     assert rel_err(np.concatenate(outs), o_all) <= tol
     assert rel_err(state, s_all) <= tol
+
+
+# ---- the chunked (WY) prefill path: T >= 64 at Dk = Dv = 128 (csrc/cuda/kernels/gdn_chunk.cuh) ----
+# T = 1 stays on the token kernel; 63 is the last token-path length; 64 one full chunk; 65, 130,
+# 300 end in a partial chunk (1, 2, 44 tokens); 2048 is the engine's prefill chunk (32 chunks).
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130, 300, 2048])
+def test_gated_delta_chunked_real_widths(T, gpu_tol):
+    x = gdn_inputs(np.random.default_rng(1000 + T), T, 16, 32, 128, 128)
+    o_cpu, s_cpu = gdn("cpu", x, 16, 128)
+    o_gpu, s_gpu = gdn("cuda", x, 16, 128)
+    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+    tail = (T - 1) // 64 * 64  # the last chunk's rows on their own: a partial chunk must be right too
+    check("o (last chunk)", o_gpu[tail:], o_cpu[tail:], gpu_tol["gated_delta_rule"])
+
+
+# GQA groups other than the model's 2 (value head h reads key head h // (Hv/Hk)): 1, 4, and all
+# value heads on one key head.
+@pytest.mark.parametrize("T, Hk, Hv", [(100, 4, 4), (100, 2, 8), (77, 1, 3)])
+def test_gated_delta_chunked_gqa(T, Hk, Hv, gpu_tol):
+    x = gdn_inputs(np.random.default_rng(2000 + T + Hk * 10 + Hv), T, Hk, Hv, 128, 128)
+    o_cpu, s_cpu = gdn("cpu", x, Hk, 128)
+    o_gpu, s_gpu = gdn("cuda", x, Hk, 128)
+    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+
+
+def strong_decay(x, mixed):
+    """Decays strong enough that a chunk's cumulative decay exp(G) underflows to 0 in fp32:
+    g = -exp(A_log) * softplus(a + dt_bias) ~ -10 .. -100 per token. mixed: only the first 40 tokens
+    of every 64 decay hard, the rest as usual, so exp(G_t - G_s) between late tokens is of order 1
+    while G itself is ~ -1000 (the fp64 prefix sum in the prep kernel keeps that difference exact)."""
+    T = x["a"].shape[0]
+    x = dict(x)
+    rows = np.arange(T) % 64 < 40 if mixed else np.ones(T, bool)
+    x["a"] = (x["a"] + 12.0 * rows[:, None]).astype(np.float32)
+    x["A_log"] = (x["A_log"] + 1.5).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_gated_delta_chunked_strong_decay(mixed, gpu_tol):
+    T = 200
+    x = strong_decay(gdn_inputs(np.random.default_rng(3000 + mixed), T, 16, 32, 128, 128), mixed)
+    o_cpu, s_cpu = gdn("cpu", x, 16, 128)
+    o_gpu, s_gpu = gdn("cuda", x, 16, 128)
+    assert np.isfinite(o_gpu).all() and np.isfinite(s_gpu).all()
+    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+
+
+def test_gated_delta_chunked_continues_state(gpu_tol):
+    """Two chunked calls (150 then 170 tokens) continue from the state the first left, a large one
+    (|S| ~ 1), and equal one CPU call over all 320 tokens."""
+    T1, T2 = 150, 170
+    x = gdn_inputs(np.random.default_rng(4000), T1 + T2, 16, 32, 128, 128)
+    x["state"] = (x["state"] * 10.0).astype(np.float32)
+    o_cpu, s_cpu = gdn("cpu", x, 16, 128)
+    first = {k: (v[:T1] if k in ("qkv", "a", "b") else v) for k, v in x.items()}
+    o1, s1 = gdn("cuda", first, 16, 128)
+    second = {k: (v[T1:] if k in ("qkv", "a", "b") else v) for k, v in x.items()}
+    second["state"] = s1
+    o2, s2 = gdn("cuda", second, 16, 128)
+    check("o", np.concatenate([o1, o2]), o_cpu, gpu_tol["gated_delta_rule"])
+    check("state", s2, s_cpu, gpu_tol["gated_delta_rule"])
+
+
+@pytest.mark.parametrize("T", [64, 130])
+def test_gated_delta_chunked_vs_steps(T, gpu_tol):
+    """One chunked call against T calls of one token (the token kernel) on the GPU."""
+    x = gdn_inputs(np.random.default_rng(5000 + T), T, 16, 32, 128, 128)
+    o_all, s_all = gdn("cuda", x, 16, 128)
+    state, outs = x["state"], []
+    for t in range(T):
+        step = {k: (v[t:t + 1] if k in ("qkv", "a", "b") else v) for k, v in x.items()}
+        step["state"] = state
+        o, state = gdn("cuda", step, 16, 128)
+        outs.append(o)
+    o_steps = np.concatenate(outs)
+    tol = gpu_tol["gated_delta_chunked_vs_steps"]
+    assert rel_err(o_all, o_steps) <= tol, rel_err(o_all, o_steps)
+    assert rel_err(s_all, state) <= tol, rel_err(s_all, state)
+    # The chunked path sums in another order than the token kernel, so the two are not bit-identical;
+    # identical results would mean the long call never left the token kernel.
+    assert not np.array_equal(o_all, o_steps), "the T >= 64 call did not take the chunked path"
