@@ -9,7 +9,7 @@
 namespace lily::cuda {
 
 constexpr int MOE_DECODE_MAX_TOKENS = 4;
-constexpr int MOE_UP_PAIRS = 2;    // (gate, up) row pairs per thread and pass (registers: 3 CTAs per SM)
+constexpr int MOE_UP_PAIRS = 1;    // (gate, up) row pairs per thread and pass (registers: 4 CTAs per SM; 2 pairs at 3 CTAs/SM measured slower)
 constexpr int MOE_DOWN_LOADS = 8;  // weight chunks in flight per thread of the down kernel (one batch)
 
 // One affine stack [E, rows, cols] in the fast variant (4/8 bits, BF16 scales, 16-byte rows).
@@ -37,7 +37,7 @@ struct MoeUpParams {
 // thread of a slot of tpr threads over H's chunks (as linear_gemv_kernel, two rows per pair and one
 // x row). Fixed-order slot sums; deterministic. Matches cpu::moe's expert SwiGLU in fp32.
 template <int BITS>
-__global__ void __launch_bounds__(GEMV_THREADS, 3) moe_up_kernel(const MoeUpParams p) {
+__global__ void __launch_bounds__(GEMV_THREADS, 4) moe_up_kernel(const MoeUpParams p) {
   pdl_wait();
   pdl_trigger();
   using S = GemvShape<BITS>;
