@@ -3,7 +3,7 @@
 // Times the decode GEMV (kernels/linear_gemv.cuh, linear_gemv_kernel<BITS, 1>) and the MoE decode kernels
 // (kernels/moe_decode.cuh) at the model's one-token shapes, next to lab variants that each remove or
 // change one thing, and prints a markdown table (stdout, and $OUT/gemv_lab.md when OUT is set).
-//   Run: bash benchmarks/gemv_lab.sh   (nvcc build into /tmp/gemv_lab ~15 s, then a few seconds on an H200)
+//   Run: bash benchmarks/gemv_lab.sh   (nvcc build into $TMPDIR or /tmp ~15 s, then a few seconds on an H200)
 // Method: each (shape, variant) is one CUDA graph of N >= 100 back-to-back launches (whole rounds over the
 // copies below; the engine also replays its decode step as a graph), replayed 7 times after a warm-up and
 // timed with cudaEvents; us/call = median replay / N. Unlike a CUPTI kernel duration it includes the gap
@@ -31,12 +31,6 @@
 #include <string>
 #include <vector>
 
-// moe_down's sizing constant differs between versions of moe_decode.cuh (MOE_DOWN_ROWS: item passes,
-// MOE_DOWN_LOADS: batched virtual rows). These fallbacks in the enclosing namespace are found only when
-// lily::cuda does not declare the name, so the lab follows whichever version it is built against.
-namespace lily {
-[[maybe_unused]] constexpr int MOE_DOWN_ROWS = 0, MOE_DOWN_LOADS = 0;
-}
 #include "cuda/kernels/linear_gemv.cuh"
 #include "cuda/kernels/moe_decode.cuh"
 
@@ -281,41 +275,6 @@ __global__ void __launch_bounds__(GEMV_THREADS, UP_MIN_CTAS) lab_moe_up_loads(co
   GemvStage<2 * P> a, b;
   if (units > 0) load(a, 0);
   gemv_stage_x<BITS>(p.h + int64_t(t) * H, H, 1, 1, C, xs, reinterpret_cast<float*>(xs + C * S::F));
-  __syncthreads();
-  gemv_pipeline(units, a, b, load, compute);
-  sink[flat_tid()] = bits;
-}
-
-// moe_down_kernel with MOE_DOWN_ROWS = RB: items (slot s, row) of RB output rows per pass, one per group
-// of tpr threads, double-buffered units (the per-pass barrier and dot sums go with the math).
-template <int BITS, int RB>
-__global__ void __launch_bounds__(GEMV_THREADS, 4) lab_moe_down_loads_items(const MoeDownParams p, uint32_t* sink) {
-  using S = GemvShape<BITS>;
-  extern __shared__ float4 xs[];
-  __shared__ int32_t ids[MOE_MAX_TOP_K];
-  const int t = blockIdx.y, H = p.down.rows, tpr = p.tpr, slots = p.K + 1;
-  const int Cmax = max(p.down.cols, p.shared_down.cols) / S::VALS;
-  const int group = threadIdx.x / tpr, q = threadIdx.x % tpr, groups = GEMV_THREADS / tpr;
-  const int items = slots * RB, M = (items + groups - 1) / groups, nk = (Cmax + tpr - 1) / tpr;
-  const int units = (p.passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) * M * nk;
-  uint32_t bits = 0;
-  auto load = [&](GemvStage<1>& st, int j) {
-    const GemvUnit u(j, nk);
-    const int pl = u.pass / M, it = (u.pass - pl * M) * groups + group, s = it / RB;
-    const int o = (int(blockIdx.x) + pl * int(gridDim.x)) * RB + it % RB, c = q + u.step * tpr;
-    const bool ok = it < items && o < H, sh = s == p.K;
-    const AffineStack d = sh ? p.shared_down : p.down;
-    const int64_t row = sh ? o : int64_t(ok ? ids[s] : 0) * H + o;
-    gemv_load<BITS>(st, 0, ok && c < d.cols / S::VALS, d.w, d.scales, d.biases, row, c, d.cols * BITS / 32,
-                    d.cols / d.group_size, d.group_size);
-  };
-  auto compute = [&](const GemvStage<1>& st, int) { bits ^= stage_bits(st); };
-  for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
-  __syncthreads();
-  GemvStage<1> a, b;
-  if (units > 0) load(a, 0);
-  gemv_stage_x<BITS>(p.act + int64_t(t) * slots * p.ld, p.ld, slots, slots, Cmax, xs,
-                     reinterpret_cast<float*>(xs + slots * Cmax * S::F));
   __syncthreads();
   gemv_pipeline(units, a, b, load, compute);
   sink[flat_tid()] = bits;
@@ -603,9 +562,8 @@ size_t staged_bytes(int64_t rows, int64_t cols, int bits) {
 
 // One token through moe_up and moe_down, sized as moe.cu's launch_moe_decode with T = 1. Launch i uses
 // expert set i % sets (K distinct ids of a fixed random permutation, ascending) and its own shared expert.
-template <int BITS, int NL, int RB>
+template <int BITS, int NL>
 void bench_moe(int E, int K, int H, int I, int Is) {
-  static_assert(NL > 0 || RB > 0, "moe_decode.cuh has neither MOE_DOWN_LOADS nor MOE_DOWN_ROWS: update the lab");
   using S = GemvShape<BITS>;
   std::fprintf(stderr, "gemv_lab: moe E=%d K=%d H=%d I=%d Is=%d\n", E, K, H, I, Is);
   const int sets = E / K, ld = std::max(I, Is), n = sets * int(cdiv(100, sets));
@@ -650,7 +608,7 @@ void bench_moe(int E, int K, int H, int I, int Is) {
   add_row("moe_up", "loads-only", [&](int i) { up_lo<<<up_ctas, GEMV_THREADS, up_smem, g_stream>>>(upp(i), g_sink); },
           n, up_mb, "n/a", launch_desc(up_ctas, up_smem, up_tpr, (const void*)up_lo));
 
-  // moe_down: act [K+1, ld] staged; tpr and passes per the header's version.
+  // moe_down: act [K+1, ld] staged.
   const int cmax = std::max(I, Is) / S::VALS;
   const size_t down_smem = staged_bytes(K + 1, int64_t(cmax) * S::VALS, BITS);
   const double down_mb = K * down.mb() + sdown.mb();
@@ -669,12 +627,9 @@ void bench_moe(int E, int K, int H, int I, int Is) {
             [&](int i) { lo_kernel<<<ctas, GEMV_THREADS, down_smem, g_stream>>>(dp(i), g_sink); }, n, down_mb, "n/a",
             launch_desc(ctas, down_smem, tpr, (const void*)lo_kernel));
   };
-  if constexpr (NL > 0) {  // one virtual row of K*I + Is values per slot, one batch of NL loads per thread
-    const int tpr = gemv_tpr(cdiv((int64_t(K) * I + Is) / S::VALS, NL));
-    run_down(lab_moe_down_loads_batched<BITS, NL>, tpr, int(cdiv(H, GEMV_THREADS / tpr)));
-  } else {  // RB output rows per pass, items over max(I, Is)'s chunks
-    run_down(lab_moe_down_loads_items<BITS, RB>, gemv_tpr(cmax), int(cdiv(H, RB)));
-  }
+  // one virtual row of K*I + Is values per slot, one batch of NL loads per thread (moe.cu's sizing)
+  const int down_tpr = gemv_tpr(cdiv((int64_t(K) * I + Is) / S::VALS, NL));
+  run_down(lab_moe_down_loads_batched<BITS, NL>, down_tpr, int(cdiv(H, GEMV_THREADS / down_tpr)));
   CK(cudaStreamSynchronize(g_stream));
   for (void* p : {(void*)gate.base, (void*)up.base, (void*)down.base, (void*)sgate.base, (void*)sup.base,
                   (void*)sdown.base, (void*)ids, (void*)topk_w, (void*)shared_w, (void*)h, (void*)act, (void*)act_in,
@@ -727,7 +682,7 @@ int run() {
   bench_linear<4>("o_proj 2048x4096", 2048, 4096);
   bench_linear<8>("router 257x2048 (8-bit)", 257, 2048);
   bench_linear<4>("lm_head 248320x2048", 248320, 2048);
-  bench_moe<4, MOE_DOWN_LOADS, MOE_DOWN_ROWS>(256, 8, 2048, 512, 512);
+  bench_moe<4, MOE_DOWN_LOADS>(256, 8, 2048, 512, 512);
 
   std::string md;
   char line[512];

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=-warn-spills -I csrc \
-  -o /tmp/gemv_lab benchmarks/gemv_lab.cu
-/tmp/gemv_lab
+  -o "${TMPDIR:-/tmp}/gemv_lab" benchmarks/gemv_lab.cu
+"${TMPDIR:-/tmp}/gemv_lab"
