@@ -1,10 +1,13 @@
-// Launchers of linear and embedding. Three kernels, chosen by named predicates:
+// Launchers of linear and embedding. Four kernels, chosen by named predicates:
+//   use_gemv_mma:   one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
+//                   -> kernels/gemv_mma.cuh (integer tensor cores)
 //   use_gemv:       decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
 //   use_tensor_gemm: larger T, same variants, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)          -> kernels/linear_generic.cuh
 #include <cstdint>
 
 #include "cuda_ops.h"
+#include "kernels/gemv_mma.cuh"
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_generic.cuh"
@@ -116,6 +119,80 @@ static void run_gemv(const QMatrix& w, int64_t e, const Tensor& x, const Tensor&
   }
 }
 
+int mma_group_halves(int bits, int64_t group_size) {
+  const int64_t vals = 512 / bits;  // values per 64-byte row segment
+  if (group_size <= 0 || (group_size & (group_size - 1)) != 0) return 0;
+  return group_size >= vals ? 1 : group_size * 2 == vals ? 2 : 0;
+}
+
+int log2_of(int64_t v) {
+  int n = 0;
+  while ((int64_t(1) << n) < v) ++n;
+  return n;
+}
+
+MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows) {
+  int per_sm = 0;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
+  const int64_t resident = std::max<int64_t>(1, int64_t(num_sms()) * std::max(per_sm, 1) / std::max<int64_t>(grid_rows, 1));
+  MmaPlan best{1, 1};
+  int64_t best_cost = INT64_MAX;
+  for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
+    if (ks > 1 && ks > segments) break;
+    const MmaSplit sp(ks, int(segments));
+    const int64_t passes = ceil_div<int64_t>(tiles, sp.rt), rounds = ceil_div<int64_t>(passes, resident);
+    const int64_t cost = rounds * (sp.upp + 1);  // units on a CTA's critical path, +1 for a pass's reduction
+    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int(ceil_div<int64_t>(passes, rounds))};
+  }
+  return best;
+}
+
+static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
+  const WeightView v = weight_view(w);
+  if (x.dim(0) != 1 || !is_fast_affine(v) || !is_aligned16(x.data)) return false;
+  const int halves = mma_group_halves(w.bits, w.group_size);
+  const int64_t vals = 512 / w.bits;
+  const uint16_t* scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  const uint16_t* biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  return halves != 0 && w.cols % vals == 0 &&
+         is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
+         (halves == 1 || (reinterpret_cast<uintptr_t>(scales) % 4 == 0 && reinterpret_cast<uintptr_t>(biases) % 4 == 0)) &&
+         mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
+}
+
+template <int BITS, int NG>
+static void launch_gemv_mma(const MmaLinearParams& p0) {
+  const auto kernel = linear_gemv_mma_kernel<BITS, NG>;
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
+  const size_t smem = mma_x_bytes(p0.cols, MmaSeg<BITS>::VALS / NG);
+  MmaLinearParams p = p0;
+  const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(kernel), smem, ceil_div(p.rows, 16),
+                                p.cols / MmaSeg<BITS>::VALS, 1);
+  p.ks = plan.ks;
+  launch(kernel, plan.grid, MMA_THREADS, smem, p);
+  LILY_CUDA_LAUNCHED();
+}
+
+static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  MmaLinearParams p;
+  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
+  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  p.x = x.ptr<float>();
+  p.y = y.ptr<float>();
+  p.rows = int(w.rows);
+  p.cols = int(w.cols);
+  p.group_shift = log2_of(w.group_size);
+  const int halves = mma_group_halves(w.bits, w.group_size);
+  if (w.bits == 4) return halves == 1 ? launch_gemv_mma<4, 1>(p) : launch_gemv_mma<4, 2>(p);
+  if (w.bits == 8) return halves == 1 ? launch_gemv_mma<8, 1>(p) : launch_gemv_mma<8, 2>(p);
+  fail("linear: unsupported tensor-core GEMV bits ", w.bits);
+}
+
 template <int BITS>
 static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   static const bool configured = [] {
@@ -148,6 +225,7 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
+  if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
   const WeightView v = weight_view(w);
   if (use_gemv(v, x) && is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()))
     return run_gemv(w, e, x, y);

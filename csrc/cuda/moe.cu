@@ -1,8 +1,10 @@
 // Launcher of the sparse MoE block, all on the device with no host synchronisation.
-// Decode (use_moe_decode: T <= 4, fast affine experts), five launches:
-//   router logits, shared expert gate logit (GEMV) -> moe_topk
+// Decode (use_moe_decode: T <= 4, fast affine experts), four launches:
+//   router logits and shared expert gate logit (one stacked GEMV) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
-//   -> moe_down (all K+1 down products per output as one virtual row, summed into out); kernels/moe_decode.cuh.
+//   -> moe_down (all K+1 down products per output as one virtual row, summed into out);
+//   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
+//   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
@@ -14,6 +16,7 @@
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include "cuda_ops.h"
 #include "kernels/moe_decode.cuh"
+#include "kernels/moe_mma.cuh"
 #include "kernels/moe_routing.cuh"
 #include "linear.cuh"
 #include "runtime.cuh"
@@ -164,6 +167,55 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
   LILY_CUDA_LAUNCHED();
 }
 
+// The tensor-core decode chain: use_moe_decode's conditions, one group size over all six matrices that
+// gemv_mma takes (whole segments in H, I and Is; BF16 pairs 4-byte aligned when a group is half a segment),
+// and both staged activations within a CTA's shared memory.
+static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k) {
+  if (!use_moe_decode(w, h, s, top_k)) return false;
+  const QMatrix* mats[] = {w.gate_proj, w.up_proj, w.down_proj, w.shared_gate_proj, w.shared_up_proj,
+                           w.shared_down_proj};
+  const int bits = w.gate_proj->bits, halves = mma_group_halves(bits, w.gate_proj->group_size);
+  const int64_t vals = 512 / bits, I = w.gate_proj->rows, Is = w.shared_gate_proj->rows, H = h.dim(1);
+  if (halves == 0 || H % vals != 0 || I % vals != 0 || Is % vals != 0) return false;
+  for (const QMatrix* m : mats) {
+    if (m->group_size != w.gate_proj->group_size) return false;
+    if (halves == 2 && (reinterpret_cast<uintptr_t>(m->scales.data()) % 4 != 0 ||
+                        reinterpret_cast<uintptr_t>(m->biases.data()) % 4 != 0))
+      return false;
+  }
+  const int vb = int(vals / halves);
+  return mma_x_bytes(H, vb) <= GEMV_MAX_SMEM && mma_x_bytes(top_k * I + Is, vb) <= GEMV_MAX_SMEM;
+}
+
+template <int BITS, int NG>
+static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
+                           const float* shared_w, float* act, int64_t ld, int top_k) {
+  const auto up = moe_up_mma_kernel<BITS, NG>;
+  const auto down = moe_down_mma_kernel<BITS, NG>;
+  static const bool configured = [&] {
+    allow_gemv_smem(up);
+    allow_gemv_smem(down);
+    return true;
+  }();
+  (void)configured;
+  constexpr int VALS = MmaSeg<BITS>::VALS, VB = VALS / NG;
+  const int64_t T = h.dim(0), H = h.dim(1), I = w.gate_proj->rows, Is = w.shared_gate_proj->rows;
+  MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
+                 affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
+                 h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
+                 log2_of(w.gate_proj->group_size), 1, 1};
+  const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
+  const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
+                              H / VALS, T);
+  const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(down), down_smem, ceil_div<int64_t>(H, 16),
+                              (top_k * I + Is) / VALS, T);
+  p.ks_up = pu.ks, p.ks_down = pd.ks;
+  launch(up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
+  LILY_CUDA_LAUNCHED();
+  launch(down, dim3(unsigned(pd.grid), unsigned(T)), MMA_THREADS, down_smem, p);
+  LILY_CUDA_LAUNCHED();
+}
+
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
@@ -192,6 +244,16 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   else fail("moe: ", E, " experts exceed the CUDA top-k kernel's 1024");
   LILY_CUDA_LAUNCHED();
 
+  if (use_moe_mma(w, h, s, top_k)) {
+    const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;
+    float* act = s.gate.ptr<float>();
+    const int64_t ld = s.gate.dim(1);
+    if (w.gate_proj->bits == 4)
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k)
+                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k);
+  }
   if (use_moe_decode(w, h, s, top_k)) {
     switch (w.gate_proj->bits) {
       case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);

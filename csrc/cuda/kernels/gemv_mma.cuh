@@ -1,0 +1,390 @@
+// Decode GEMV on integer tensor cores (one token), the shared engine of linear and the MoE decode kernels.
+//
+// Equation. For weight rows W[o, :] (MLX affine: w = s[o, g] * q + b[o, g], q of BITS = 4 or 8 bits) and
+// one activation row x [K] (fp32), the K values are cut into blocks u of VB values that share one weight
+// group inside one row segment (below). Per block, x is written exactly as x[j] = e_u * X[j] + r[j] with
+// e_u a power of two, X[j] an integer |X| <= 2^22 and |r[j]| <= e_u / 2 = 2^-23 * max_u |x| (round to
+// nearest). X[j] = D0 + 2^8 D1 + 2^16 D2 with signed 8-bit digits (balanced base 256), so
+//   y[o] = sum_u s[o, g(u)] * e_u * sum_d 2^(8d) * (sum_{j in u} q[o, j] * D_d[j])  +  b[o, g(u)] * xsum_u
+// where the inner sums are exact int32 products of mma.sync m16n8k32 u8 x s8 and xsum_u = sum_{j in u} x[j]
+// (fp32, fixed order). Error ~1e-7 relative to max |x| of a block (the FP32 GEMV: ~1e-7 too). Inf in a
+// block makes e_u NaN and NaN makes xsum_u NaN; either reaches y, as in the fp32 product.
+//
+// Layout. A row segment = the 64 bytes that 4 lanes read with one 16-byte load each (VALS = 128 values at
+// 4 bits, 64 at 8 bits); a tile = 16 rows (the mma's M). Lane (g = lane / 4, t = lane % 4) loads bytes
+// [16t, 16t + 16) of the segment in rows g and g + 8, and runs STEPS mma k-steps on them:
+//   4-bit: step s takes word s of its 16 bytes = the 8 values of octet 4t + s (an octet = 8 consecutive
+//          values): a0 / a1 = the even values (w & 0x0F0F0F0F) of rows g / g+8, a2 / a3 = the odd values
+//          ((w >> 4) & 0x0F0F0F0F), each byte an unsigned q;
+//   8-bit: step s takes words 2s, 2s+1 = octet 2t + s: a0 / a1 = its values 0-3, a2 / a3 = values 4-7.
+// So mma k-slots 4t + i and 16 + 4t + i of step s hold values of octet t * STEPS + s, and B (32 x 8, column
+// n = g) must hold digit d of the same values in the same order: the staged digits are, per octet and digit,
+// one uint2 (b0, b1) = (values 0,2,4,6 | 1,3,5,7) at 4 bits or (values 0-3 | 4-7) at 8 bits.
+// Columns: n = 3h + d for half h < NG of the segment (NG = VALS / VB = 2 when a weight group is half a
+// segment, else 1) and digit d < 3; lanes t = 0,1 hold octets of half 0 and t = 2,3 of half 1, so B of
+// lane (g, t) is digit g % 3 when g / 3 is its half (NG = 2) or g < 3 (NG = 1), zero otherwise. The
+// accumulator c0, c1 (row g) / c2, c3 (row g + 8) of lane t are columns 2t, 2t + 1: after each segment the
+// lane scales the columns it holds (fp32) into two row partials. Lanes t of a quad are summed by xor
+// shuffles, then a tile's K-split warps through shared memory in ascending order: deterministic.
+//
+// Work. CTA = 8 warps = RT = 8 / ks tiles x ks K-parts; a pass of the CTA covers RT tiles; warp (tile tl,
+// part k) takes segments [k * spw, (k+1) * spw) in units of MMA_SPU segments, double-buffered in registers
+// (unit j+1's loads in flight while unit j computes). The Rows policy (linear, MoE up, MoE down) says
+// which weight row each of the 16 A rows reads at a segment, and what a finished tile stores.
+#pragma once
+#include <cstring>
+
+#include "linear_gemv.cuh"
+
+namespace lily::cuda {
+
+constexpr int MMA_THREADS = 256, MMA_WARPS = MMA_THREADS / 32;
+constexpr int MMA_SPU = 2;  // segments per unit (pipeline stage)
+
+template <int BITS>
+struct MmaSeg {
+  static constexpr int VALS = 512 / BITS;        // values per row segment (64 bytes)
+  static constexpr int STEPS = BITS == 4 ? 4 : 2;  // mma k-steps per segment
+  static constexpr int OCTETS = VALS / 8;
+};
+
+// Bytes of one CTA's staged x for K values in blocks of VB: digits (3 uint2 per octet), e_u and xsum_u.
+__host__ __device__ constexpr size_t mma_x_bytes(int64_t K, int VB) { return size_t(K) / 8 * 24 + size_t(K) / VB * 8; }
+
+// Where row r of a tile reads a segment: the row's 64-byte segment (4 uint4), its scale and bias at the
+// segment's first group (NG consecutive BF16 when NG = 2); w == nullptr: no such row (reads as zeros).
+struct MmaRowRef {
+  const uint4* w = nullptr;
+  const uint16_t* s = nullptr;
+  const uint16_t* b = nullptr;
+};
+
+// One unit of a lane's loads: per segment, 16 bytes of rows g and g + 8 and their scale/bias bits
+// (NG = 2: both halves' BF16 in one word, half 0 low).
+struct MmaStage {
+  uint4 w[MMA_SPU][2];
+  uint32_t s[MMA_SPU][2], b[MMA_SPU][2];
+};
+
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A registers of step s from a lane's 16 bytes of rows g (w0) and g + 8 (w1); see the layout above.
+template <int BITS>
+__host__ __device__ __forceinline__ void mma_a_frag(const uint4& w0, const uint4& w1, int s, uint32_t (&a)[4]) {
+  auto word = [](const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; };
+  if constexpr (BITS == 4) {
+    const uint32_t u = word(w0, s), v = word(w1, s);
+    a[0] = u & 0x0F0F0F0Fu, a[2] = (u >> 4) & 0x0F0F0F0Fu;
+    a[1] = v & 0x0F0F0F0Fu, a[3] = (v >> 4) & 0x0F0F0F0Fu;
+  } else {
+    a[0] = word(w0, 2 * s), a[2] = word(w0, 2 * s + 1);
+    a[1] = word(w1, 2 * s), a[3] = word(w1, 2 * s + 1);
+  }
+}
+
+// Octet (within a segment) whose values lane t's A registers hold at step s.
+template <int BITS>
+__host__ __device__ constexpr int mma_octet(int t, int s) {
+  return t * MmaSeg<BITS>::STEPS + s;
+}
+
+// The exponent of a block: e = 2^(E - 22) with max|x| < 2^E, so |x / e| <= 2^22; E is clamped to
+// [-104, 128] (blocks below 2^-104 round towards zero). Returns 1/e; e itself through `e`. A block with
+// Inf or NaN gets e = NaN (its digits are then meaningless, and the NaN reaches the output).
+__host__ __device__ __forceinline__ float mma_block_scale(float maxabs, float& e) {
+  uint32_t bits;
+  memcpy(&bits, &maxabs, 4);
+  const int eb = int(bits >> 23);
+  int E = eb - 126;
+  E = E < -104 ? -104 : E > 128 ? 128 : E;
+  const uint32_t inv_bits = uint32_t(127 + 22 - E) << 23, e_bits = uint32_t(127 - 22 + E) << 23;
+  float inv;
+  memcpy(&inv, &inv_bits, 4);
+  memcpy(&e, &e_bits, 4);
+  if (eb == 255) e = NAN;
+  return inv;
+}
+
+// Digits of one octet v[8] scaled by inv: out[d] = (b0, b1) in the B order of BITS (layout above).
+// Exact: X = rint(v * inv) = D0 + 2^8 D1 + 2^16 D2, each D the signed byte stored.
+template <int BITS>
+__host__ __device__ __forceinline__ void mma_octet_digits(const float (&v)[8], float inv, uint2 (&out)[3]) {
+  uint32_t byte[3][8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int X = int(rintf(v[k] * inv));   // |X| <= 2^22 (NaN/Inf: any value, e = NaN)
+    const int d0 = int(int8_t(X & 0xFF));
+    const int Y = X - d0;                   // multiple of 2^8
+    const int d1 = int(int8_t((Y >> 8) & 0xFF));
+    const int Z = Y - d1 * 256;             // multiple of 2^16: D2 = Z >> 16, |D2| <= 64
+    byte[0][k] = uint32_t(X) & 0xFFu, byte[1][k] = (uint32_t(Y) >> 8) & 0xFFu, byte[2][k] = (uint32_t(Z) >> 16) & 0xFFu;
+  }
+#pragma unroll
+  for (int d = 0; d < 3; ++d) {
+    const uint32_t* q = byte[d];
+    if constexpr (BITS == 4) {
+      out[d].x = q[0] | q[2] << 8 | q[4] << 16 | q[6] << 24;
+      out[d].y = q[1] | q[3] << 8 | q[5] << 16 | q[7] << 24;
+    } else {
+      out[d].x = q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24;
+      out[d].y = q[4] | q[5] << 8 | q[6] << 16 | q[7] << 24;
+    }
+  }
+}
+
+// Stages x into a CTA's shared memory: xd [K/8][3] digits, xe [K/VB] block scales e_u, xsum [K/VB].
+// x_at(o) is the address of octet o (8 consecutive floats, 16-byte aligned). Each thread takes one octet
+// per round; a block's VB/8 octets are consecutive lanes of one warp (VB/8 in {4, 8, 16}), so its max and
+// sum are xor-shuffle trees (every lane gets the same, fixed-order sum). Every thread must call it; the
+// caller synchronises afterwards.
+template <int BITS, int VB, class XAt>
+__device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, float* xe, float* xsum) {
+  constexpr int OPB = VB / 8;
+  static_assert(OPB == 4 || OPB == 8 || OPB == 16, "a block spans 4, 8 or 16 octets");
+  const int octets = K / 8;
+  for (int base = 0; base < octets; base += blockDim.x) {  // uniform over the CTA: full warps shuffle
+    const int o = base + int(threadIdx.x);
+    float v[8] = {};
+    if (o < octets) {
+      const float4* p = reinterpret_cast<const float4*>(x_at(o));
+      const float4 a = p[0], b = p[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    float m = 0.f, s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+    s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+#pragma unroll
+    for (int off = 1; off < OPB; off <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      s += __shfl_xor_sync(0xffffffffu, s, off);
+    }
+    if (o >= octets) continue;
+    float e;
+    const float inv = mma_block_scale(m, e);
+    uint2 dg[3];
+    mma_octet_digits<BITS>(v, inv, dg);
+#pragma unroll
+    for (int d = 0; d < 3; ++d) xd[o * 3 + d] = dg[d];
+    if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
+  }
+}
+
+// Per-lane constants of the column epilogue: which of the lane's two accumulator columns are real,
+// their half h, digit weight 2^(8d), and whether the column is digit 0 (which adds the bias term).
+template <int NG>
+struct MmaLane {
+  int g, t;
+  bool b_ok;     // this lane's B is a digit (else zero)
+  int b_digit;   // which
+  bool col[2], d0[2];
+  int h[2];
+  float dpow[2];
+  __host__ __device__ MmaLane(int lane) : g(lane >> 2), t(lane & 3) {
+    b_ok = NG == 2 ? g / 3 == t / 2 && g < 6 : g < 3;
+    b_digit = g % 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int n = 2 * t + j;
+      col[j] = n < 3 * NG, h[j] = n / 3, d0[j] = n % 3 == 0;
+      dpow[j] = n % 3 == 0 ? 1.f : n % 3 == 1 ? 256.f : 65536.f;
+    }
+  }
+};
+
+__host__ __device__ __forceinline__ float bf16_word_to_f32(uint32_t w, int shift) {
+  const uint32_t bits = (w >> shift) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The lane's share of a finished segment: its accumulator columns (c[j] row g, c[2 + j] row g + 8) times
+// 2^(8d) e_u and the row's scale, plus b * xsum_u for digit-0 columns, into acc[0] (row g), acc[1] (row g+8).
+// s_bits, b_bits: the rows' scale and bias BF16 (both halves when NG = 2, half 0 low).
+template <int NG>
+__host__ __device__ __forceinline__ void mma_columns(const MmaLane<NG>& L, const int (&c)[4], const uint32_t (&s_bits)[2],
+                                                     const uint32_t (&b_bits)[2], int seg, const float* xe,
+                                                     const float* xsum, float (&acc)[2]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (!L.col[j]) continue;
+    const int u = seg * NG + L.h[j], sh = 16 * L.h[j];
+    const float coef = xe[u] * L.dpow[j];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      acc[r] = fmaf(bf16_word_to_f32(s_bits[r], sh), coef * float(c[2 * r + j]), acc[r]);
+      if (L.d0[j]) acc[r] = fmaf(bf16_word_to_f32(b_bits[r], sh), xsum[u], acc[r]);
+    }
+  }
+}
+
+// One segment of one unit: STEPS mmas into fresh int32 accumulators, then mma_columns.
+template <int BITS, int NG>
+__device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
+                                            const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
+  using S = MmaSeg<BITS>;
+  int c[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int s = 0; s < S::STEPS; ++s) {
+    uint32_t a[4];
+    mma_a_frag<BITS>(st.w[i][0], st.w[i][1], s, a);
+    const uint2 b = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
+    mma_s8(c, a, b.x, b.y);
+  }
+  mma_columns<NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
+}
+
+// Loads segment `seg` of the lane's rows into unit slot i (zeros where ok is false or a row is absent).
+template <int NG>
+__device__ __forceinline__ void mma_load(MmaStage& st, int i, bool ok, const MmaRowRef (&ref)[2], int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const MmaRowRef& R = ref[r];
+    if (!ok || R.w == nullptr) {
+      st.w[i][r] = make_uint4(0u, 0u, 0u, 0u), st.s[i][r] = st.b[i][r] = 0u;
+      continue;
+    }
+    st.w[i][r] = ld_stream(R.w + t);
+    if constexpr (NG == 2) {
+      st.s[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.s));
+      st.b[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.b));
+    } else {
+      st.s[i][r] = __ldg(reinterpret_cast<const unsigned short*>(R.s));
+      st.b[i][r] = __ldg(reinterpret_cast<const unsigned short*>(R.b));
+    }
+  }
+}
+
+// How a CTA's 8 warps split the work: ks K-parts per tile (1, 2, 4 or 8), RT = 8 / ks tiles per pass,
+// spw segments per K-part, upp units per pass.
+struct MmaSplit {
+  int ks, rt, spw, upp;
+  __host__ __device__ MmaSplit(int ks_, int S) : ks(ks_), rt(MMA_WARPS / ks_), spw((S + ks_ - 1) / ks_) {
+    upp = (spw + MMA_SPU - 1) / MMA_SPU;
+  }
+};
+
+// The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
+// (virtual) row; passes over tiles are strided by gridDim.x. prologue() must stage x into xd, xe, xsum
+// and synchronise the CTA; it runs after unit 0's loads are issued when load_first (weights that do not
+// depend on earlier kernels), else before them (rows that depend on the router's output).
+template <int BITS, int NG, class Rows, class Prologue>
+__device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
+                                              const float* xe, const float* xsum, const Prologue& prologue,
+                                              bool load_first) {
+  __shared__ float red[2][MMA_WARPS][16];
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int tl = warp / sp.ks, kp = warp % sp.ks;
+  const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw);
+  const int passes = (tiles + sp.rt - 1) / sp.rt;
+  const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+  const int units = max(my_passes, 0) * sp.upp;
+  const MmaLane<NG> L(lane);
+  float acc[2] = {0.f, 0.f};
+
+  auto pass_of = [&](int j) { return int(blockIdx.x) + (j / sp.upp) * int(gridDim.x); };
+  auto load = [&](MmaStage& st, int j) {
+    const int tile = pass_of(j) * sp.rt + tl, first = seg0 + (j % sp.upp) * MMA_SPU;
+#pragma unroll
+    for (int i = 0; i < MMA_SPU; ++i) {
+      const int seg = first + i;
+      const bool ok = seg < seg1 && tile < tiles;
+      MmaRowRef ref[2];
+      if (ok) ref[0] = rows.row(tile, L.g, seg), ref[1] = rows.row(tile, L.g + 8, seg);
+      mma_load<NG>(st, i, ok, ref, L.t);
+    }
+  };
+  auto compute = [&](const MmaStage& st, int j) {
+    const int first = seg0 + (j % sp.upp) * MMA_SPU;
+#pragma unroll
+    for (int i = 0; i < MMA_SPU; ++i)
+      if (first + i < seg1) mma_segment<BITS, NG>(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
+    if (j % sp.upp != sp.upp - 1) return;
+    // end of a pass: quad sum, then the tile's K-parts in ascending order
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    }
+    float(*rd)[16] = red[(j / sp.upp) & 1];
+    if (L.t == 0) rd[warp][L.g] = acc[0], rd[warp][L.g + 8] = acc[1];
+    acc[0] = acc[1] = 0.f;
+    __syncthreads();
+    const int tid = int(threadIdx.x);
+    if (tid < sp.rt * 16) {
+      const int t2 = tid / 16, r = tid % 16, tile = pass_of(j) * sp.rt + t2;
+      auto row_sum = [&](int rr) {
+        float v = 0.f;
+        for (int k = 0; k < sp.ks; ++k) v += rd[t2 * sp.ks + k][rr];
+        return v;
+      };
+      if (tile < tiles) rows.finish(tile, r, row_sum);
+    }
+  };
+  MmaStage a, b;
+  if (load_first && units > 0) load(a, 0);
+  prologue();
+  if (!load_first && units > 0) load(a, 0);
+  gemv_pipeline(units, a, b, load, compute);
+}
+
+// ---- linear ------------------------------------------------------------------------------------------
+
+// Rows of one matrix: tile t, row r is weight row 16 t + r; y[o] = the row's sum.
+template <int BITS>
+struct MmaLinearRows {
+  const uint32_t* w;  // [rows, cols*BITS/32]
+  const uint16_t* s;  // [rows, cols/group] BF16
+  const uint16_t* b;
+  float* y;           // [rows]
+  int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
+  __device__ __forceinline__ MmaRowRef row(int tile, int r, int seg) const {
+    const int o = tile * 16 + r;
+    if (o >= rows) return {};
+    const int64_t gi = int64_t(o) * gpr + ((seg * MmaSeg<BITS>::VALS) >> group_shift);
+    return {reinterpret_cast<const uint4*>(w + int64_t(o) * wpr) + seg * 4, s + gi, b + gi};
+  }
+  template <class Sum>
+  __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
+    const int o = tile * 16 + r;
+    if (o < rows) y[o] = row_sum(r);
+  }
+};
+
+struct MmaLinearParams {
+  const uint32_t* w;
+  const uint16_t* scales;
+  const uint16_t* biases;
+  const float* x;  // [cols] F32, 16-byte aligned
+  float* y;        // [rows]
+  int rows, cols, group_shift, ks;
+};
+
+// y = W x for one token (T = 1). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
+// requested before the wait on the previous kernel and before x is staged.
+template <int BITS, int NG>
+__global__ void __launch_bounds__(MMA_THREADS, 2) linear_gemv_mma_kernel(const MmaLinearParams p) {
+  using S = MmaSeg<BITS>;
+  constexpr int VB = S::VALS / NG;
+  extern __shared__ uint2 xd[];  // [cols/8][3] digits, then xe, xsum [cols/VB]
+  float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
+  float* xsum = xe + p.cols / VB;
+  const int Sg = p.cols / S::VALS;
+  const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
+                                 p.cols >> p.group_shift, p.group_shift};
+  auto prologue = [&] {
+    pdl_wait();
+    pdl_trigger();
+    mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
+    __syncthreads();
+  };
+  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, prologue, true);
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,137 @@
+// MoE decode on integer tensor cores: the gemv_mma.cuh engine with two row policies, one token per
+// grid row (blockIdx.y = t, T <= MOE_DECODE_MAX_TOKENS). Same results as moe_decode.cuh's fp32 kernels up to
+// the ~1e-7 of x's 23-bit blocks; these run where every expert matrix has the same BITS and group size
+// and the widths are whole segments (moe.cu: use_moe_mma).
+//   moe_up_mma:   act[t, s, i] = w(t, s) * silu(G_s[i, :] . h[t]) * (U_s[i, :] . h[t]): a tile is 8 (gate,
+//                 up) row pairs, A rows 0-7 the gate rows and 8-15 the up rows of the same i, so one
+//                 finished tile holds both products of each pair. Slot s < K is expert topk_id[t, s],
+//                 s == K the shared expert (w = sigmoid gate); pair p = s * I + i, shared pairs last.
+//   moe_down_mma: out[t, o] = sum_s D_s[o, :] . act[t, s, :] as one GEMV over a virtual row of
+//                 K*I + Is values (the K+1 act rows back to back; segment v of row o reads expert
+//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values).
+#pragma once
+#include "gemv_mma.cuh"
+#include "moe_decode.cuh"
+
+namespace lily::cuda {
+
+struct MoeMmaParams {
+  AffineStack gate, up, shared_gate, shared_up;  // [E, I, H], [1, Is, H]
+  AffineStack down, shared_down;                 // [E, H, I], [1, H, Is]
+  const float* h;                                // [T, H] F32, 16-byte aligned
+  const int32_t* topk_id;                        // [T, K]
+  const float* topk_w;                           // [T, K]
+  const float* shared_w;                         // [T] sigmoid of the shared expert gate
+  float* act;                                    // [T, K+1, ld] F32, 16-byte aligned rows
+  float* out;                                    // [T, H]
+  int K, ld, group_shift, ks_up, ks_down;
+};
+
+template <int BITS>
+__device__ __forceinline__ MmaRowRef mma_row_ref(const AffineStack& m, int64_t row, int seg, int group_shift) {
+  const int64_t gi = row * (m.cols >> group_shift) + ((seg * MmaSeg<BITS>::VALS) >> group_shift);
+  return {reinterpret_cast<const uint4*>(m.w + row * (m.cols * BITS / 32)) + seg * 4, m.scales + gi, m.biases + gi};
+}
+
+template <int BITS>
+struct MmaMoeUpRows {
+  const MoeMmaParams& p;
+  const int32_t* ids;  // [K] of this token, in shared memory
+  int t;
+  __device__ __forceinline__ int total() const { return p.K * p.gate.rows + p.shared_gate.rows; }
+  // pair -> slot s and row i of that slot's matrices
+  __device__ __forceinline__ void slot_of(int pair, int& s, int& i) const {
+    const int KI = p.K * p.gate.rows;
+    s = pair < KI ? pair / p.gate.rows : p.K;
+    i = pair < KI ? pair - s * p.gate.rows : pair - KI;
+  }
+  __device__ __forceinline__ MmaRowRef row(int tile, int r, int seg) const {
+    const int pair = tile * 8 + (r & 7);
+    if (pair >= total()) return {};
+    int s, i;
+    slot_of(pair, s, i);
+    const bool sh = s == p.K;
+    const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
+    return mma_row_ref<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, seg, p.group_shift);
+  }
+  template <class Sum>
+  __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
+    const int pair = tile * 8 + r;
+    if (r >= 8 || pair >= total()) return;
+    int s, i;
+    slot_of(pair, s, i);
+    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = w * silu(row_sum(r)) * row_sum(r + 8);
+  }
+};
+
+template <int BITS>
+struct MmaMoeDownRows {
+  const MoeMmaParams& p;
+  const int32_t* ids;
+  int t;
+  __device__ __forceinline__ MmaRowRef row(int tile, int r, int v) const {
+    const int o = tile * 16 + r, H = p.down.rows, sr = p.down.cols / MmaSeg<BITS>::VALS;
+    if (o >= H) return {};
+    const int s = v < p.K * sr ? v / sr : p.K;
+    if (s == p.K) return mma_row_ref<BITS>(p.shared_down, o, v - p.K * sr, p.group_shift);
+    return mma_row_ref<BITS>(p.down, int64_t(ids[s]) * H + o, v - s * sr, p.group_shift);
+  }
+  template <class Sum>
+  __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
+    const int o = tile * 16 + r;
+    if (o < p.down.rows) p.out[int64_t(t) * p.down.rows + o] = row_sum(r);
+  }
+};
+
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
+template <int BITS, int NG>
+__global__ void __launch_bounds__(MMA_THREADS, 2) moe_up_mma_kernel(const MoeMmaParams p) {
+  using S = MmaSeg<BITS>;
+  constexpr int VB = S::VALS / NG;
+  extern __shared__ uint2 xd[];
+  __shared__ int32_t ids[MOE_MAX_TOP_K];
+  const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
+  float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
+  float* xsum = xe + H / VB;
+  const MmaMoeUpRows<BITS> rows{p, ids, t};
+  auto prologue = [&] {
+    pdl_wait();  // expert ids and h come from the kernels before
+    pdl_trigger();
+    for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+    const float* h = p.h + int64_t(t) * H;
+    mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
+    __syncthreads();
+  };
+  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, prologue, false);
+}
+
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
+template <int BITS, int NG>
+__global__ void __launch_bounds__(MMA_THREADS, 2) moe_down_mma_kernel(const MoeMmaParams p) {
+  using S = MmaSeg<BITS>;
+  constexpr int VB = S::VALS / NG;
+  extern __shared__ uint2 xd[];
+  __shared__ int32_t ids[MOE_MAX_TOP_K];
+  const int t = blockIdx.y, I = p.down.cols, KI = p.K * I, Kv = KI + p.shared_down.cols, Sg = Kv / S::VALS;
+  float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
+  float* xsum = xe + Kv / VB;
+  const MmaMoeDownRows<BITS> rows{p, ids, t};
+  auto prologue = [&] {
+    pdl_wait();
+    pdl_trigger();
+    for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+    const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
+    mma_stage_x<BITS, VB>(
+        [&](int o) {
+          const int j = 8 * o, s = j < KI ? j / I : p.K;
+          return act + int64_t(s) * p.ld + (j - s * I);
+        },
+        Kv, xd, xe, xsum);
+    __syncthreads();
+  };
+  mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, prologue,
+                          false);
+}
+
+}  // namespace lily::cuda

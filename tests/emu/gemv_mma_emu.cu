@@ -1,0 +1,174 @@
+// CPU emulator of the integer tensor-core GEMV (csrc/cuda/kernels/gemv_mma.cuh): runs the kernel's own
+// host-callable pieces (block scale, octet digits, A fragments, octet of a lane's step, lane constants,
+// column epilogue) for every lane of a warp, with mma.sync m16n8k32 u8 x s8 emulated from the PTX ISA's
+// fragment tables, and compares one 16-row tile's y with an fp64 product of the dequantized weights.
+// Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
+//   A 16x32: a0 row g, k 4t..4t+3 | a1 row g+8, k 4t.. | a2 row g, k 16+4t.. | a3 row g+8, k 16+4t..
+//   B 32x8:  b0 col g, k 4t..4t+3 | b1 col g, k 16+4t..
+//   C 16x8:  c0, c1 row g, cols 2t, 2t+1 | c2, c3 row g+8, cols 2t, 2t+1        (g = lane/4, t = lane%4)
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/kernels/gemv_mma.cuh"
+
+using namespace lily::cuda;
+
+static int8_t sbyte(uint32_t w, int i) { return int8_t((w >> (8 * i)) & 0xFF); }
+static uint8_t ubyte(uint32_t w, int i) { return uint8_t((w >> (8 * i)) & 0xFF); }
+
+// D += A B for one warp: a[lane][4], b[lane][2] -> c[lane][4], per the tables above.
+static void emulate_mma(const uint32_t (*a)[4], const uint32_t (*b)[2], int (*c)[4]) {
+  int A[16][32], B[32][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      A[g][4 * t + i] = ubyte(a[lane][0], i);
+      A[g + 8][4 * t + i] = ubyte(a[lane][1], i);
+      A[g][16 + 4 * t + i] = ubyte(a[lane][2], i);
+      A[g + 8][16 + 4 * t + i] = ubyte(a[lane][3], i);
+      B[4 * t + i][g] = sbyte(b[lane][0], i);
+      B[16 + 4 * t + i][g] = sbyte(b[lane][1], i);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+      int64_t d = 0;
+      for (int k = 0; k < 32; ++k) d += int64_t(A[row][k]) * B[k][col];
+      c[lane][e] += int(d);
+    }
+  }
+}
+
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t(u >> 16);  // truncation: any BF16 value is a valid test scale
+}
+static float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int BITS, int NG>
+static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
+  using S = MmaSeg<BITS>;
+  constexpr int VB = S::VALS / NG;
+  const int rows = 16, wpr = K * BITS / 32, gpr = K / group, Sg = K / S::VALS;
+  std::vector<uint32_t> w(rows * wpr);
+  std::vector<uint16_t> sc(rows * gpr), bi(rows * gpr);
+  std::vector<float> x(K);
+  for (uint32_t& v : w) v = rng();
+  for (uint16_t& v : sc) v = to_bf16(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng) / ((1 << BITS) - 1));
+  for (uint16_t& v : bi) v = to_bf16(std::uniform_real_distribution<float>(-0.6f, -0.4f)(rng));
+  // activations with a spread of magnitudes across blocks, and outliers
+  for (int j = 0; j < K; ++j) {
+    const float mag = std::exp2(float(int(rng() % 9) - 4)) * xscale;
+    x[j] = std::normal_distribution<float>(0.f, 1.f)(rng) * mag;
+    if (rng() % 97 == 0) x[j] *= 50.f;
+  }
+  // staging, per octet, as mma_stage_x does (block max and sum over the block's octets)
+  std::vector<uint2> xd(K / 8 * 3);
+  std::vector<float> xe(K / VB), xsum(K / VB);
+  for (int u = 0; u < K / VB; ++u) {
+    float m = 0.f, s = 0.f;
+    for (int j = u * VB; j < (u + 1) * VB; ++j) m = std::fmax(m, std::fabs(x[j])), s += x[j];
+    float e;
+    const float inv = mma_block_scale(m, e);
+    xe[u] = e, xsum[u] = s;
+    for (int o = u * VB / 8; o < (u + 1) * VB / 8; ++o) {
+      float v[8];
+      for (int k = 0; k < 8; ++k) v[k] = x[8 * o + k];
+      uint2 dg[3];
+      mma_octet_digits<BITS>(v, inv, dg);
+      for (int d = 0; d < 3; ++d) xd[o * 3 + d] = dg[d];
+      // the digits must reconstruct rint(v * inv) exactly
+      for (int k = 0; k < 8; ++k) {
+        const int byte = BITS == 4 ? (k % 2) * 4 + k / 2 : k;  // position of value k in (b0, b1)
+        int X = 0;
+        for (int d = 2; d >= 0; --d) {
+          const uint32_t word = byte < 4 ? dg[d].x : dg[d].y;
+          X = X * 256 + sbyte(word, byte % 4);
+        }
+        if (X != int(std::rint(v[k] * inv))) {
+          std::printf("FAIL digits: value %d of octet %d: %d vs %d\n", k, o, X, int(std::rint(v[k] * inv)));
+          return false;
+        }
+      }
+    }
+  }
+  // one warp over all segments of the tile
+  float acc[32][2] = {};
+  for (int seg = 0; seg < Sg; ++seg) {
+    uint4 wl[32][2];
+    uint32_t sbits[32][2], bbits[32][2];
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4;
+      for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        const uint32_t* p = &w[row * wpr + seg * 16 + 4 * t];
+        wl[lane][r] = make_uint4(p[0], p[1], p[2], p[3]);
+        const int gi = row * gpr + (seg * S::VALS) / group;
+        sbits[lane][r] = NG == 2 ? uint32_t(sc[gi]) | uint32_t(sc[gi + 1]) << 16 : sc[gi];
+        bbits[lane][r] = NG == 2 ? uint32_t(bi[gi]) | uint32_t(bi[gi + 1]) << 16 : bi[gi];
+      }
+    }
+    int c[32][4] = {};
+    for (int s = 0; s < S::STEPS; ++s) {
+      uint32_t a[32][4], b[32][2];
+      for (int lane = 0; lane < 32; ++lane) {
+        const MmaLane<NG> L(lane);
+        mma_a_frag<BITS>(wl[lane][0], wl[lane][1], s, a[lane]);
+        const uint2 v = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
+        b[lane][0] = v.x, b[lane][1] = v.y;
+      }
+      emulate_mma(a, b, c);
+    }
+    for (int lane = 0; lane < 32; ++lane)
+      mma_columns<NG>(MmaLane<NG>(lane), c[lane], sbits[lane], bbits[lane], seg, xe.data(), xsum.data(), acc[lane]);
+  }
+  // quad sums (lane t of each g), against fp64
+  double num = 0, den = 0, num32 = 0;
+  for (int row = 0; row < rows; ++row) {
+    const int g = row % 8, r = row / 8;
+    const float y = (acc[4 * g][r] + acc[4 * g + 1][r]) + (acc[4 * g + 2][r] + acc[4 * g + 3][r]);
+    double ref = 0;
+    float y32 = 0.f;  // the fp32 product in natural order, for scale
+    for (int j = 0; j < K; ++j) {
+      const uint32_t word = w[row * wpr + j * BITS / 32];
+      const int q = int((word >> ((j * BITS) % 32)) & ((1u << BITS) - 1));
+      const int gi = row * gpr + j / group;
+      ref += (double(from_bf16(sc[gi])) * q + double(from_bf16(bi[gi]))) * double(x[j]);
+      y32 = std::fma(std::fma(from_bf16(sc[gi]), float(q), from_bf16(bi[gi])), x[j], y32);
+    }
+    num += (y - ref) * (y - ref), den += ref * ref, num32 += (y32 - ref) * (y32 - ref);
+  }
+  // inputs with 2^-4..2^4 spread and x50 outliers inside a block: ~1e-6 (the fp32 loop: ~1e-7..1e-6);
+  // a mapping error shows as O(1)
+  const double err = std::sqrt(num / den), err32 = std::sqrt(num32 / den);
+  const bool ok = err < 1e-5;
+  std::printf("%s bits %d group %3d NG %d K %5d xscale %-6g rel err %.2e (fp32 loop %.2e)\n", ok ? "ok  " : "FAIL",
+              BITS, group, NG, K, xscale, err, err32);
+  return ok;
+}
+
+int main() {
+  std::mt19937 rng(7);
+  bool ok = true;
+  for (float xs : {1.f, 1e-3f, 3e4f}) {
+    ok &= run_case<4, 2>(2048, 64, xs, rng);
+    ok &= run_case<4, 1>(512, 128, xs, rng);
+    ok &= run_case<4, 1>(256, 256, xs, rng);
+    ok &= run_case<8, 1>(2048, 64, xs, rng);
+    ok &= run_case<8, 2>(512, 32, xs, rng);
+    ok &= run_case<8, 1>(256, 128, xs, rng);
+  }
+  std::printf(ok ? "gemv_mma_emu: all passed\n" : "gemv_mma_emu: FAILED\n");
+  return ok ? 0 : 1;
+}
