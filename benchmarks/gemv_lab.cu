@@ -33,6 +33,7 @@
 
 #include "cuda/kernels/linear_gemv.cuh"
 #include "cuda/kernels/moe_decode.cuh"
+#include "cuda/kernels/moe_mma.cuh"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -487,7 +488,7 @@ void bench_linear(const char* name, int rows, int cols) {
   const auto v1 = linear_gemv_kernel<BITS, 1>;
   allow_smem(v1, MAX_SMEM);
   const int grid = gemv_grid(reinterpret_cast<const void*>(v1), smem, p0.num_passes);
-  std::vector<float> ref1;
+  std::vector<float> ref1, mma_y;
   // Times launch(i, y) over the copies; then (check) runs it on copy 0 and compares with v1.
   auto variant = [&](const char* label, auto launch, bool check, const std::string& desc) {
     const double us = time_us([&](int i) { launch(i, yv); }, n);
@@ -510,6 +511,35 @@ void bench_linear(const char* name, int rows, int cols) {
     cudaLaunchConfig_t cfg{dim3(grid), dim3(GEMV_THREADS), smem, g_stream, &attr, 1};
     CK(cudaLaunchKernelEx(&cfg, v1, params(i, y)));
   }, true, v1_desc);
+  // the integer tensor-core GEMV (kernels/gemv_mma.cuh) at every K-split, launched with PDL like the engine;
+  // "*" marks the launcher's choice (mma_plan_for)
+  {
+    constexpr int NG = BITS == 4 ? 2 : 1;  // group 64
+    const auto mk = linear_gemv_mma_kernel<BITS, NG>;
+    const size_t ms = mma_x_bytes(cols, MmaSeg<BITS>::VALS / NG);
+    allow_smem(mk, MAX_SMEM);
+    int mper = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&mper, mk, MMA_THREADS, ms));
+    const int64_t tiles = cdiv(rows, 16), segs = cols / MmaSeg<BITS>::VALS, resident = int64_t(g_sms) * mper;
+    const MmaPlan chosen = mma_plan_for(tiles, segs, resident);
+    for (int ks = 1; ks <= MMA_WARPS && ks <= segs; ks *= 2) {
+      const MmaSplit sp(ks, int(segs));
+      const int64_t passes = cdiv(tiles, sp.rt), rounds = cdiv(passes, resident);
+      const int grid = int(cdiv(passes, rounds));
+      const std::string label = "mma ks=" + std::to_string(ks) + (ks == chosen.ks ? " *" : "");
+      char desc[128];
+      std::snprintf(desc, sizeof desc, "grid %d, smem %zu, %d CTA/SM, %d units/pass", grid, ms, mper, sp.upp);
+      variant(label.c_str(), [&](int i, float* y) {
+        cudaLaunchAttribute attr{};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg{dim3(grid), dim3(MMA_THREADS), ms, g_stream, &attr, 1};
+        const MmaLinearParams mp{W.w(i % copies), W.s(i % copies), W.b(i % copies), x, y, rows, cols, 6, ks};
+        CK(cudaLaunchKernelEx(&cfg, mk, mp));
+      }, true, desc);
+      if (ks == chosen.ks) mma_y = to_host(yv, rows);
+    }
+  }
   const auto lo = lab_gemv_kernel<BITS, LOADS_ONLY>, ns = lab_gemv_kernel<BITS, NO_STAGE>;
   allow_smem(lo, MAX_SMEM);
   variant("loads-only", [&](int i, float* y) { lo<<<grid, GEMV_THREADS, smem, g_stream>>>(params(i, y), g_sink); },
@@ -549,6 +579,7 @@ void bench_linear(const char* name, int rows, int cols) {
         ref[o] += (double(bf16_to_f32(hs[g])) * q + bf16_to_f32(hb[g])) * hx[j];
       }
     push_row({name, "v1 vs host fp64", -1, W.mb(), fmt("%.1e", rel_err(ref1, ref)), "reference"});
+    push_row({name, "mma * vs host fp64", -1, W.mb(), fmt("%.1e", rel_err(mma_y, ref)), "reference"});
   }
   CK(cudaStreamSynchronize(g_stream));
   for (void* p : {(void*)W.base, (void*)x, (void*)yv})
@@ -630,6 +661,61 @@ void bench_moe(int E, int K, int H, int I, int Is) {
   // one virtual row of K*I + Is values per slot, one batch of NL loads per thread (moe.cu's sizing)
   const int down_tpr = gemv_tpr(cdiv((int64_t(K) * I + Is) / S::VALS, NL));
   run_down(lab_moe_down_loads_batched<BITS, NL>, down_tpr, int(cdiv(H, GEMV_THREADS / down_tpr)));
+  // the integer tensor-core pair (kernels/moe_mma.cuh), sized like moe.cu's launch_moe_mma; errors against
+  // v1's act and out for expert set 0
+  {
+    constexpr int NG = BITS == 4 ? 2 : 1, VB = MmaSeg<BITS>::VALS / NG;
+    const auto mu = moe_up_mma_kernel<BITS, NG>;
+    const auto md = moe_down_mma_kernel<BITS, NG>;
+    allow_smem(mu, MAX_SMEM);
+    allow_smem(md, MAX_SMEM);
+    const size_t us = mma_x_bytes(H, VB), ds = mma_x_bytes(int64_t(K) * I + Is, VB);
+    int pu = 0, pd = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pu, mu, MMA_THREADS, us));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd, md, MMA_THREADS, ds));
+    const MmaPlan plan_u = mma_plan_for(cdiv(int64_t(K) * I + Is, 8), H / MmaSeg<BITS>::VALS, int64_t(g_sms) * pu);
+    const MmaPlan plan_d =
+        mma_plan_for(cdiv(H, 16), (int64_t(K) * I + Is) / MmaSeg<BITS>::VALS, int64_t(g_sms) * pd);
+    float* act_mma = dalloc<float>((K + 1) * ld);
+    float* out_mma = dalloc<float>(H);
+    auto mp = [&](int i, float* a, float* o) {
+      const int k = i % sets;
+      return MoeMmaParams{gate.stack(0), up.stack(0), sgate.stack(k), sup.stack(k), down.stack(0), sdown.stack(k),
+                          h, ids + k * K, topk_w + k * K, shared_w, a, o, K, ld, 6, plan_u.ks, plan_d.ks};
+    };
+    char desc[128];
+    std::snprintf(desc, sizeof desc, "grid %d, ks %d, smem %zu, %d CTA/SM", plan_u.grid, plan_u.ks, us, pu);
+    add_row("moe_up", "mma", [&](int i) { mu<<<plan_u.grid, MMA_THREADS, us, g_stream>>>(mp(i, act_mma, out_mma)); },
+            n, up_mb, "-", desc);
+    std::snprintf(desc, sizeof desc, "grid %d, ks %d, smem %zu, %d CTA/SM", plan_d.grid, plan_d.ks, ds, pd);
+    add_row("moe_down", "mma", [&](int i) { md<<<plan_d.grid, MMA_THREADS, ds, g_stream>>>(mp(i, act_in, out_mma)); },
+            n, down_mb, "-", desc);
+    // errors, expert set 0: v1 and mma on the same inputs
+    const int up_ctas0 = up_ctas;
+    CK(cudaMemsetAsync(act, 0xff, (K + 1) * ld * 4, g_stream));
+    CK(cudaMemsetAsync(act_mma, 0xff, (K + 1) * ld * 4, g_stream));
+    up_v1<<<up_ctas0, GEMV_THREADS, up_smem, g_stream>>>(upp(0));
+    mu<<<plan_u.grid, MMA_THREADS, us, g_stream>>>(mp(0, act_mma, out_mma));
+    CK(cudaGetLastError());
+    std::vector<float> a1 = to_host(act, (K + 1) * ld), a2 = to_host(act_mma, (K + 1) * ld);
+    std::vector<float> a1v, a2v;  // the written columns: I per routed slot, Is for the shared one
+    for (int s2 = 0; s2 <= K; ++s2)
+      for (int i2 = 0; i2 < (s2 < K ? I : Is); ++i2) a1v.push_back(a1[s2 * ld + i2]), a2v.push_back(a2[s2 * ld + i2]);
+    push_row({"moe_up", "mma vs v1", -1, up_mb, fmt("%.1e", rel_err(a2v, as_double(a1v))), "act of set 0"});
+    const int dtpr = gemv_tpr(cdiv((int64_t(K) * I + Is) / S::VALS, NL));
+    const MoeDownParams dp0{down.stack(0), sdown.stack(0), ids, act_in, out, K, ld, dtpr,
+                            int(cdiv(H, GEMV_THREADS / dtpr))};
+    CK(cudaMemsetAsync(out, 0xff, H * 4, g_stream));
+    CK(cudaMemsetAsync(out_mma, 0xff, H * 4, g_stream));
+    moe_down_kernel<BITS><<<gemv_grid((const void*)moe_down_kernel<BITS>, down_smem, dp0.passes), GEMV_THREADS,
+                            down_smem, g_stream>>>(dp0);
+    md<<<plan_d.grid, MMA_THREADS, ds, g_stream>>>(mp(0, act_in, out_mma));
+    CK(cudaGetLastError());
+    push_row({"moe_down", "mma vs v1", -1, down_mb,
+              fmt("%.1e", rel_err(to_host(out_mma, H), as_double(to_host(out, H)))), "out of set 0"});
+    CK(cudaFree(act_mma));
+    CK(cudaFree(out_mma));
+  }
   CK(cudaStreamSynchronize(g_stream));
   for (void* p : {(void*)gate.base, (void*)up.base, (void*)down.base, (void*)sgate.base, (void*)sup.base,
                   (void*)sdown.base, (void*)ids, (void*)topk_w, (void*)shared_w, (void*)h, (void*)act, (void*)act_in,

@@ -134,17 +134,8 @@ int log2_of(int64_t v) {
 MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows) {
   int per_sm = 0;
   LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
-  const int64_t resident = std::max<int64_t>(1, int64_t(num_sms()) * std::max(per_sm, 1) / std::max<int64_t>(grid_rows, 1));
-  MmaPlan best{1, 1};
-  int64_t best_cost = INT64_MAX;
-  for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
-    if (ks > 1 && ks > segments) break;
-    const MmaSplit sp(ks, int(segments));
-    const int64_t passes = ceil_div<int64_t>(tiles, sp.rt), rounds = ceil_div<int64_t>(passes, resident);
-    const int64_t cost = rounds * (sp.upp + 1);  // units on a CTA's critical path, +1 for a pass's reduction
-    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int(ceil_div<int64_t>(passes, rounds))};
-  }
-  return best;
+  const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1) / std::max<int64_t>(grid_rows, 1);
+  return mma_plan_for(tiles, segments, std::max<int64_t>(resident, 1));
 }
 
 static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {

@@ -3,6 +3,7 @@
 // kernels/linear_*.cuh.
 #pragma once
 #include "../core/weights.h"
+#include "kernels/gemv_mma.cuh"
 #include "kernels/linear_common.cuh"
 
 namespace lily::cuda {
@@ -27,12 +28,9 @@ int gemv_tpr(int64_t chunks);
 int gemv_grid(const void* kernel, size_t smem, int64_t passes);
 
 // The integer tensor-core GEMV (kernels/gemv_mma.cuh): weight-group halves per 64-byte row segment
-// (1 or 2; 0: the group size does not fit it), log2 of a power of two, and the launch plan of a kernel
-// over `tiles` 16-row tiles of `segments` segments each: K-parts per tile (ks) and CTAs per grid row
-// (grid_rows grid rows share the device).
-struct MmaPlan {
-  int ks, grid;
-};
+// (1 or 2; 0: the group size does not fit it), log2 of a power of two, and the launch plan
+// (mma_plan_for) of `kernel` over `tiles` 16-row tiles of `segments` segments each, when grid_rows grid
+// rows share the device.
 int mma_group_halves(int bits, int64_t group_size);
 int log2_of(int64_t v);
 MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows);

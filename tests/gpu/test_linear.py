@@ -134,6 +134,36 @@ def test_linear_lm_head(T, gpu_tol):
     check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (4, 256), (8, 32), (8, 64), (8, 128)])
+@pytest.mark.parametrize("rows,segs", [(1, 1), (15, 3), (17, 5), (33, 17), (250, 40), (1000, 2)])
+def test_linear_gemv_mma_shapes(bits, group, rows, segs, gpu_tol):
+    # one token on the integer tensor-core GEMV: rows that leave tiles partial, segment counts (64-byte
+    # row pieces) that leave K-parts uneven or empty, every group size that fits a segment or half of one
+    cols = segs * 512 // bits
+    if cols % group:
+        pytest.skip("group does not divide the row")
+    rng = np.random.default_rng(rows * 7 + segs + bits + group)
+    m = random_matrix(rng, 2, rows, cols, bits, group, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((1, cols)).astype(np.float32) * np.exp2(rng.integers(-6, 7, (1, cols)))
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_gemv", gpu_tol)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_gemv_nonfinite(bits):
+    # NaN and Inf in x reach every output, as in the fp32 product (the tensor-core GEMV scales x per block)
+    rng = np.random.default_rng(bits)
+    m = random_matrix(rng, 1, 40, 1024, bits, 64, "BF16")
+    wc, wg = both(m)
+    for bad in (np.nan, np.inf):
+        x = rng.standard_normal((1, 1024)).astype(np.float32)
+        x[0, 300] = bad
+        ref, out = ops.linear(wc, 0, x), ops.linear(wg, 0, x)
+        assert not np.isfinite(ref).any()
+        assert not np.isfinite(out).any()
+
+
 def test_linear_deterministic():
     rng = np.random.default_rng(3)
     for T in (1, 4, 300):

@@ -48,7 +48,10 @@ CASES = [
     (5, 5, 64, 32, 32, 0, 0, "F32", 0),   # dense fp32, every expert chosen
     (6, 2, 64, 64, 128, 2, 64, "F16", 8),
     (6, 2, 96, 64, 64, 8, 32, "BF16", 8),      # tensor-core decode chain, 8 bits
-    (5, 3, 256, 128, 128, 4, 128, "BF16", 8),  # tensor-core decode chain, two steps per group
+    (5, 3, 256, 128, 128, 4, 128, "BF16", 8),  # tensor-core prefill, two steps per group; decode: gemv_mma, one group a segment
+    (9, 4, 256, 128, 256, 4, 64, "BF16", 8),   # decode on gemv_mma: two groups a segment, wider shared expert
+    (7, 3, 192, 64, 128, 8, 32, "BF16", 8),    # decode on gemv_mma, 8 bits, two groups a segment
+    (6, 2, 128, 128, 64, 8, 64, "BF16", 8),    # decode on gemv_mma, 8 bits, narrower shared expert
 ]
 
 
@@ -95,9 +98,10 @@ def test_moe_decode_shared_wider(T, gpu_tol):
     check(out[ok], ref[ok], "moe_decode", gpu_tol)
 
 
+@pytest.mark.parametrize("I", [64, 128])  # fp32 decode GEMVs, then gemv_mma
 @pytest.mark.parametrize("T", [1, 4, 99])
-def test_moe_deterministic(T):
+def test_moe_deterministic(T, I):
     rng = np.random.default_rng(5)
-    _, gpu = moe_weights(rng, 7, 128, 64, 64, 4, 64, "BF16", 8)
+    _, gpu = moe_weights(rng, 7, 128, I, 64 if I == 64 else 128, 4, 64, "BF16", 8)
     h = rng.standard_normal((T, 128)).astype(np.float32)
     assert np.array_equal(ops.moe("cuda", *gpu, h, 3), ops.moe("cuda", *gpu, h, 3))

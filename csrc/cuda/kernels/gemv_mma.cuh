@@ -270,6 +270,25 @@ struct MmaSplit {
   }
 };
 
+// The launch plan over `tiles` 16-row tiles of `segments` segments with `resident` CTAs on the device at
+// once: K-parts per tile (ks) and the CTA count. Cost = rounds of passes x (units per pass + 1 for the
+// pass's reduction), the smallest ks among equals.
+struct MmaPlan {
+  int ks, grid;
+};
+inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident) {
+  MmaPlan best{1, 1};
+  int64_t best_cost = INT64_MAX;
+  for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
+    if (ks > 1 && ks > segments) break;
+    const MmaSplit sp(ks, int(segments));
+    const int64_t passes = (tiles + sp.rt - 1) / sp.rt, rounds = (passes + resident - 1) / resident;
+    const int64_t cost = rounds * (sp.upp + 1);
+    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int((passes + rounds - 1) / rounds)};
+  }
+  return best;
+}
+
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
 // (virtual) row; passes over tiles are strided by gridDim.x. prologue() must stage x into xd, xe, xsum
 // and synchronise the CTA; it runs after unit 0's loads are issued when load_first (weights that do not
