@@ -120,13 +120,17 @@ __device__ __forceinline__ void wgmma_rows(float (&d)[BM / 2], const uint32_t (&
   else wgmma_m64n64k16_rA(d, a, desc);
 }
 
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // bf16x2 (scale*q0 + bias, scale*q1 + bias) from q pair bits at 0..3 and 16..19: exact q, one rounding.
 __device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
   const uint32_t v = (qbits & 0x000F000Fu) | 0x43004300u;  // bf16 (128 + q0, 128 + q1), exact
-  __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&v);
-  h = __hsub2(h, __floats2bfloat162_rn(128.f, 128.f));  // exact q
-  h = __hfma2(h, *reinterpret_cast<const __nv_bfloat162*>(&s2), *reinterpret_cast<const __nv_bfloat162*>(&b2));
-  return *reinterpret_cast<const uint32_t*>(&h);
+  const uint32_t q = fma_bf16x2(v, 0x3F803F80u, 0xC300C300u);  // (128 + q) * 1 - 128: exact q
+  return fma_bf16x2(q, s2, b2);  // s*q + b, rounded once
 }
 
 // Scale/bias bits of one thread for one k-tile: [m64 block][row g / g+8][half of the k-tile]; each
