@@ -1,15 +1,18 @@
-// Launchers of linear and embedding. Four kernels, chosen by named predicates:
-//   use_gemv_mma:   one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
-//                   -> kernels/gemv_mma.cuh (integer tensor cores)
-//   use_gemv:       decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
-//   use_tensor_gemm: larger T, same variants, 16-byte aligned operands -> kernels/linear_gemm.cuh
-//   otherwise the generic kernel (every variant, any shape)          -> kernels/linear_generic.cuh
+// Launchers of linear and embedding. Five kernels, chosen by named predicates:
+//   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
+//                    -> kernels/gemv_mma.cuh (integer tensor cores)
+//   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
+//   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a multiple of 64,
+//                    16-byte aligned operands -> kernels/linear_wgmma.cuh (Hopper wgmma)
+//   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
+//   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <cstdint>
 
 #include "cuda_ops.h"
 #include "kernels/gemv_mma.cuh"
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
+#include "kernels/linear_wgmma.cuh"
 #include "kernels/linear_generic.cuh"
 #include "linear.cuh"
 #include "runtime.cuh"
@@ -51,6 +54,15 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
   const int64_t T = x.dim(0);
   return T <= GEMV_MAX_TOKENS && is_fast_affine(w) && is_aligned16(x.data) &&
          gemv_smem_bytes(gemv_tokens(T), w.cols, w.bits) <= GEMV_MAX_SMEM;
+}
+
+// The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
+// inside K, one or two scale groups per k-tile, 16-byte aligned X rows for cp.async.
+static bool use_wgmma_gemm(const LinearArgs& a) {
+  const int gs = a.w.group_size;
+  return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
+         (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 && is_aligned16(a.w.w) && a.ldx % 4 == 0 &&
+         is_aligned16(a.x);
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
@@ -197,10 +209,37 @@ static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   LILY_CUDA_LAUNCHED();
 }
 
+template <int BM, bool GS32>
+static void launch_wgmma(const LinearArgs& a, int64_t tiles) {
+  static const bool configured = [] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(linear_wgmma_kernel<BM, GS32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         wg_smem_bytes(BM)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(tiles), unsigned(ceil_div<int64_t>(a.w.rows, WG_BN)));
+  launch(linear_wgmma_kernel<BM, GS32>, grid, WG_THREADS, size_t(wg_smem_bytes(BM)), a);
+  LILY_CUDA_LAUNCHED();
+}
+
+// Grouped (MoE) tile maps have LINEAR_TILE_ROWS = 64 rows per tile: BM = 64. Dense products take
+// 128-row tiles when that still gives at least one CTA per SM, 64-row tiles otherwise (and always
+// with 32-wide groups, whose 128-row variant spills).
+static void run_wgmma(const LinearArgs& a, int64_t max_tiles) {
+  const bool gs32 = a.w.group_size == 32;
+  const int64_t col_tiles = ceil_div<int64_t>(a.w.rows, WG_BN);
+  if (a.tiles.tile_expert == nullptr && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
+    return launch_wgmma<128, false>(a, ceil_div<int64_t>(a.tiles.M, 128));
+  static_assert(LINEAR_TILE_ROWS == 64, "the wgmma kernel's grouped tiles are 64 rows");
+  if (gs32) return launch_wgmma<64, true>(a, max_tiles);
+  return launch_wgmma<64, false>(a, max_tiles);
+}
+
 void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
+  if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles);
   if (use_tensor_gemm(a)) {
     switch (a.w.bits) {
       case 4: return launch_gemm<4>(a, max_tiles);

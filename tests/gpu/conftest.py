@@ -19,6 +19,7 @@ GPU_TOL = {
     # moe round matmul operands to bf16; linear_generic and embedding dequantize like the CPU in fp32.
     "linear_gemv": 2e-5,
     "linear_gemm": 1e-2,
+    "linear_wgmma": 1e-2,
     "linear_generic": 2e-5,
     "embedding": 1e-6,
     "moe": 2e-2,

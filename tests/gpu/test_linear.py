@@ -59,7 +59,11 @@ def path_of(m: dict, T: int) -> str:
         return "linear_generic"
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
     staged = nt * m["cols"] * (4 + m["bits"] / 32)  # x and one sum per 16-byte chunk, per CTA
-    return "linear_gemv" if T <= 8 and staged <= 96 * 1024 else "linear_gemm"
+    if T <= 8 and staged <= 96 * 1024:
+        return "linear_gemv"
+    group = m["group_size"]
+    wgmma = m["bits"] == 4 and m["cols"] % 64 == 0 and (group == 32 or group % 64 == 0)
+    return "linear_wgmma" if wgmma else "linear_gemm"
 
 
 def check(out, ref, key, tol):
@@ -109,6 +113,22 @@ def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
     wc, wg = both(m)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     check(ops.linear(wg, 1, x), ops.linear(wc, 1, x), path_of(m, T), gpu_tol)
+
+
+@pytest.mark.parametrize("rows,cols,group,T", [
+    (4000, 1024, 64, 1100),  # 128-row tiles (>= one CTA per SM), partial row and column tiles
+    (4096, 2048, 128, 2048),  # 128-row tiles, full; one group over two k-tiles
+    (4000, 1024, 32, 1100),  # group 32: two groups per k-tile (64-row tiles)
+    (300, 128, 64, 9), (300, 128, 64, 65), (300, 128, 64, 300),  # 64-row tiles, two k-tiles, partial tiles
+])
+def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
+    rng = np.random.default_rng(rows + cols + group + T)
+    m = random_matrix(rng, 2, rows, cols, 4, group, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    assert path_of(m, T) == "linear_wgmma"
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
 
 
 REAL = [(4, 64, 2048, 8192), (4, 64, 8192, 2048), (8, 64, 256, 2048), (8, 64, 1, 2048), (4, 64, 2048, 4096),
