@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on the GPU host: build lily with CUDA, run the GPU tests, then (stage "bench") generate the
 # full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles).
-# Logs go to $OUT; a short table is printed last.
+# LABS="gemv gemm ..." also builds and runs benchmarks/<name>_lab.sh while lily builds (the GPU is idle
+# then); their tables go to $OUT/<name>_lab.txt. Logs go to $OUT; a short table is printed last.
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
 set -uo pipefail
 stage=${1:-all}
@@ -9,10 +10,16 @@ kexpr=${2:-}
 OUT=${OUT:-/tmp/lily-out}          # the device tool sets OUT; a local default otherwise
 FULL=${FULL:-/tmp/full}            # where the full-size synthetic checkpoint is written
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+export OUT PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/host_lib.sh"   # host_build, host_full_checkpoint
+labs_pid=
+if [[ -n ${LABS:-} ]]; then
+  (for lab in $LABS; do bash "benchmarks/${lab}_lab.sh" >"$OUT/${lab}_lab.txt" 2>&1 || echo "LAB $lab FAILED" >>"$OUT/${lab}_lab.txt"; done) &
+  labs_pid=$!
+fi
 host_build || exit 1
+[[ -n $labs_pid ]] && wait "$labs_pid"
 cd /tmp  # import the installed package, not the source tree
 src=$OLDPWD
 python3 -c "import lily; from lily import _core; print('cuda available:', _core.backend_available('cuda'))"
@@ -33,3 +40,4 @@ if [[ $stage == bench || $stage == all ]]; then
   python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 2>&1 \
     | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
 fi
+for lab in ${LABS:-}; do echo "== $lab lab"; grep -E "^\|" "$OUT/${lab}_lab.txt" | cut -c1-150; grep "FAIL" "$OUT/${lab}_lab.txt"; done
