@@ -524,8 +524,7 @@ void bench_linear(const char* name, int rows, int cols) {
     const MmaPlan chosen = mma_plan_for(tiles, segs, resident);
     for (int ks = 1; ks <= MMA_WARPS && ks <= segs; ks *= 2) {
       const MmaSplit sp(ks, int(segs));
-      const int64_t passes = cdiv(tiles, sp.rt), rounds = cdiv(passes, resident);
-      const int grid = int(cdiv(passes, rounds));
+      const int grid = int(std::min<int64_t>(cdiv(tiles, sp.rt), resident));  // mma_plan_for's CTA count
       const std::string label = "mma ks=" + std::to_string(ks) + (ks == chosen.ks ? " *" : "");
       char desc[128];
       std::snprintf(desc, sizeof desc, "grid %d, smem %zu, %d CTA/SM, %d units/pass", grid, ms, mper, sp.upp);

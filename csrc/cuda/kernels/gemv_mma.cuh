@@ -271,20 +271,23 @@ struct MmaSplit {
 };
 
 // The launch plan over `tiles` 16-row tiles of `segments` segments with `resident` CTAs on the device at
-// once: K-parts per tile (ks) and the CTA count. Cost = rounds of passes x (units per pass + 1 for the
-// pass's reduction), the smallest ks among equals.
+// once: K-parts per tile (ks) and the CTA count. Measured on the H200 (docs/perf-notes.md): a memory-bound
+// pass runs at a rate set by the warps in flight, so a plan that leaves CTA slots empty pays in proportion;
+// cost = rounds of passes x (units per pass + 1/2 for the pass's reduction) x empty-slot factor, the
+// smallest ks among equals; CTAs = all slots, or the passes when fewer.
 struct MmaPlan {
   int ks, grid;
 };
 inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident) {
   MmaPlan best{1, 1};
-  int64_t best_cost = INT64_MAX;
+  double best_cost = 1e300;
   for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
     if (ks > 1 && ks > segments) break;
     const MmaSplit sp(ks, int(segments));
     const int64_t passes = (tiles + sp.rt - 1) / sp.rt, rounds = (passes + resident - 1) / resident;
-    const int64_t cost = rounds * (sp.upp + 1);
-    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int((passes + rounds - 1) / rounds)};
+    const double fill = passes < resident ? double(resident) / double(passes) : 1.0;
+    const double cost = double(rounds) * (sp.upp + 0.5) * fill;
+    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int(passes < resident ? passes : resident)};
   }
   return best;
 }
@@ -310,6 +313,10 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   auto pass_of = [&](int j) { return int(blockIdx.x) + (j / sp.upp) * int(gridDim.x); };
   auto load = [&](MmaStage& st, int j) {
     const int tile = pass_of(j) * sp.rt + tl, first = seg0 + (j % sp.upp) * MMA_SPU;
+    if (j % sp.upp == 0 && lane == 0) {  // the next pass's tile towards L2, this warp's share of its rows
+      const int next = tile + int(gridDim.x) * sp.rt;
+      if (next < tiles) rows.prefetch(next, kp, sp.ks);
+    }
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i) {
       const int seg = first + i;
@@ -353,6 +360,11 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   gemv_pipeline(units, a, b, load, compute);
 }
 
+// Asks L2 for `bytes` (a multiple of 16) at p (16-byte aligned) without waiting (bulk prefetch).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- linear ------------------------------------------------------------------------------------------
 
 // Rows of one matrix: tile t, row r is weight row 16 t + r; y[o] = the row's sum.
@@ -373,6 +385,13 @@ struct MmaLinearRows {
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
     if (o < rows) y[o] = row_sum(r);
+  }
+  // rows [16 tile + 16 part / parts, 16 tile + 16 (part + 1) / parts): contiguous words, scales, biases
+  __device__ __forceinline__ void prefetch(int tile, int part, int parts) const {
+    const int r0 = min(rows, tile * 16 + 16 * part / parts), r1 = min(rows, tile * 16 + 16 * (part + 1) / parts);
+    prefetch_l2(w + int64_t(r0) * wpr, uint32_t(r1 - r0) * wpr * 4);
+    const uint32_t gb = uint32_t(r1 - r0) * gpr * 2;  // BF16 scale bytes, 16-byte multiple when gpr % 8 == 0
+    if (gpr % 8 == 0 && (int64_t(r0) * gpr) % 8 == 0) prefetch_l2(s + int64_t(r0) * gpr, gb), prefetch_l2(b + int64_t(r0) * gpr, gb);
   }
 };
 

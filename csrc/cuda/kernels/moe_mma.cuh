@@ -54,6 +54,20 @@ struct MmaMoeUpRows {
     const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
     return mma_row_ref<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, seg, p.group_shift);
   }
+  // part 0 of a tile: the gate rows, part 1 (or 0 when alone): the up rows, of the tile's first slot
+  __device__ __forceinline__ void prefetch(int tile, int part, int parts) const {
+    const int pair = tile * 8;
+    if (pair >= total() || part > 1) return;
+    int s, i;
+    slot_of(pair, s, i);
+    const bool sh = s == p.K;
+    const int n = min(8, (sh ? p.shared_gate.rows : p.gate.rows) - i);
+    const int64_t row = sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, wpr = p.gate.cols * BITS / 32;
+    for (int m = part; m < 2; m += parts) {
+      const AffineStack& a = m == 0 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
+      prefetch_l2(a.w + row * wpr, uint32_t(n * wpr * 4));
+    }
+  }
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int pair = tile * 8 + r;
@@ -77,6 +91,7 @@ struct MmaMoeDownRows {
     if (s == p.K) return mma_row_ref<BITS>(p.shared_down, o, v - p.K * sr, p.group_shift);
     return mma_row_ref<BITS>(p.down, int64_t(ids[s]) * H + o, v - s * sr, p.group_shift);
   }
+  __device__ __forceinline__ void prefetch(int, int, int) const {}  // one pass per CTA at the model's sizes
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
