@@ -109,11 +109,14 @@ __device__ __forceinline__ unsigned char* gdnc_smem() {
 }
 #endif
 
-// d += a b in 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi (small terms first).
-__device__ __forceinline__ void gdnc_mma3(float (&d)[4], const GdncSplit (&a)[4], GdncSplit b0, GdncSplit b1) {
-  gdnc_mma(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
-  gdnc_mma(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
-  gdnc_mma(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+// a b in 3xTF32: big += a_hi b_hi, small += a_lo b_hi + a_hi b_lo; the caller adds small to big after
+// its k loop. Two accumulators make two independent mma chains per output tile (mma.sync latency,
+// not throughput, bounds a warp with few tiles).
+__device__ __forceinline__ void gdnc_mma3(float (&big)[4], float (&small)[4], const GdncSplit (&a)[4], GdncSplit b0,
+                                          GdncSplit b1) {
+  gdnc_mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+  gdnc_mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+  gdnc_mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 }
 // A fragment of a row-major tile: t points at element (row 0, k 0) of the 16 x 8 block, rows of LD
 // floats; rows g and g + 8 scaled by f0, f1 (1.f: exact).
@@ -256,14 +259,16 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
       const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
       const float* xa = &(is_qk ? sm.q : sm.k)[16 * mt][0];
       const float* xb = &sm.k[8 * nt][0];
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
         GdncSplit a[4], b0, b1;
         gdnc_frag_a<GDNC_LD>(a, xa + 8 * ks, g, c);
         gdnc_frag_bt<GDNC_LD>(b0, b1, xb + 8 * ks, g, c);
-        gdnc_mma3(acc, a, b0, b1);
+        gdnc_mma3(acc, sml, a, b0, b1);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] += sml[e];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
@@ -419,7 +424,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 
     // (a) Delta = U - W S
     {
-      float acc[2][4] = {};
+      float acc[2][4] = {}, sml[2][4] = {};
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
         GdncSplit a[4], b0, b1;
@@ -427,9 +432,13 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           gdnc_frag_b<NLD>(b0, b1, &sm.S[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], a, b0, b1);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int r = 16 * mt + g, col = nb + 8 * j + 2 * c;
@@ -445,7 +454,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 
     // (b) O = (fq * Q) S + P Delta
     {
-      float acc[2][4] = {};
+      float acc[2][4] = {}, sml[2][4] = {};
       const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
@@ -454,7 +463,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           gdnc_frag_b<NLD>(b0, b1, &sm.S[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], a, b0, b1);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
 #pragma unroll 2
@@ -464,9 +473,13 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           gdnc_frag_b<NLD>(b0, b1, &sm.Dl[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], a, b0, b1);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
       float* out = p.o + int64_t(ci) * C * o_row + int64_t(h) * D + j0;  // row 0 of the chunk
       const int r = 16 * mt + g;
 #pragma unroll
@@ -483,6 +496,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
     __syncthreads();  // K, fk of chunk ci landed
 
     // (c) S <- exp(G_last) S + (fk * K)^T Delta
+    float sml[4][4] = {};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -494,9 +508,13 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         gdnc_frag_b<NLD>(b0, b1, &sm.Dl[8 * ks][8 * nt], g, c);
-        gdnc_mma3(s[nt], a, b0, b1);
+        gdnc_mma3(s[nt], sml[nt], a, b0, b1);
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int r = 16 * warp + g, col = 8 * nt + 2 * c;
