@@ -39,6 +39,10 @@ struct float4 {
 struct float2 {
   float x, y;
 };
+struct uint2 {
+  uint32_t x, y;
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 struct dim3v {
   unsigned x, y, z;
 };

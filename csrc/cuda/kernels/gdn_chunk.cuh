@@ -144,6 +144,19 @@ __device__ __forceinline__ void gdnc_frag_b(GdncSplit& b0, GdncSplit& b1, const 
   b0 = gdnc_split(t[c * LD + g]);
   b1 = gdnc_split(t[(c + 4) * LD + g]);
 }
+// B fragment of a [k][n] tile kept pre-split in shared memory (hi and lo arrays, t offsets equal).
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_b_pre(GdncSplit& b0, GdncSplit& b1, const uint32_t* th, const uint32_t* tl,
+                                                int g, int c) {
+  b0 = {th[c * LD + g], tl[c * LD + g]};
+  b1 = {th[(c + 4) * LD + g], tl[(c + 4) * LD + g]};
+}
+// stores the split of (x, y) at hi/lo element i (8-byte aligned)
+__device__ __forceinline__ void gdnc_st2_split(uint32_t* th, uint32_t* tl, int i, float x, float y) {
+  const GdncSplit sx = gdnc_split(x), sy = gdnc_split(y);
+  *reinterpret_cast<uint2*>(th + i) = make_uint2(sx.hi, sy.hi);
+  *reinterpret_cast<uint2*>(tl + i) = make_uint2(sx.lo, sy.lo);
+}
 // B fragment of a tile stored [n][k] row-major (B = X^T; t at X[n0][k0]).
 template <int LD>
 __device__ __forceinline__ void gdnc_frag_bt(GdncSplit& b0, GdncSplit& b1, const float* t, int g, int c) {
@@ -328,6 +341,8 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
 //       columns (four n8 tiles) as mma accumulators in registers across the whole loop; the A operand is
 //       K^T, read transposed from the raw k rows, times fk = exp(G_last - G) / |k|; then S to shared
 //       memory for the next (a), (b).
+// S and Delta, the B operands, are kept in shared memory already split into tf32 hi and lo words
+// (split once when written, not at each of their two or three reads); W, Q, P, K are split at load.
 // Tiles arrive by cp.async, each as soon as the phase reading it is done: W and U during (b), (c)
 // of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
 // tile set, always committed, so wait_group 2 before a phase means its own group has landed). q, k
@@ -338,8 +353,8 @@ struct GdnScanSmem {
   float K[GDNC_C][GDNC_KLD];    // raw k rows
   float P[GDNC_C][GDNC_PLD];
   float U[GDNC_C][GDNC_NLD];    // this CTA's columns of U
-  float S[GDNC_D][GDNC_NLD];    // this CTA's columns of S
-  float Dl[GDNC_C][GDNC_NLD];   // Delta
+  uint32_t Sh[GDNC_D][GDNC_NLD], Sl[GDNC_D][GDNC_NLD];  // this CTA's columns of S, split (tf32 hi, lo)
+  uint32_t Dh[GDNC_C][GDNC_NLD], Dl[GDNC_C][GDNC_NLD];  // Delta, split
   float fq[GDNC_C], fk[GDNC_C];
 };
 
@@ -402,8 +417,8 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
     const float2 lo = *reinterpret_cast<const float2*>(Sg + r * D + col);
     const float2 hi = *reinterpret_cast<const float2*>(Sg + (r + 8) * D + col);
     s[nt][0] = lo.x, s[nt][1] = lo.y, s[nt][2] = hi.x, s[nt][3] = hi.y;
-    gdnc_st2(&sm.S[r][col], lo.x, lo.y);
-    gdnc_st2(&sm.S[r + 8][col], hi.x, hi.y);
+    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
+    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
   }
   auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * GDNC_BLOCK; };
   auto rows_in = [&](int ci) { return min(C, p.T - ci * C); };
@@ -431,7 +446,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
         gdnc_frag_a<GDNC_LD>(a, &sm.W[16 * mt][8 * ks], g, c);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b<NLD>(b0, b1, &sm.S[8 * ks][nb + 8 * j], g, c);
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
           gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
@@ -442,8 +457,9 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int r = 16 * mt + g, col = nb + 8 * j + 2 * c;
-        gdnc_st2(&sm.Dl[r][col], sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
-        gdnc_st2(&sm.Dl[r + 8][col], sm.U[r + 8][col] - acc[j][2], sm.U[r + 8][col + 1] - acc[j][3]);
+        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], r * NLD + col, sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
+        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], (r + 8) * NLD + col, sm.U[r + 8][col] - acc[j][2],
+                       sm.U[r + 8][col + 1] - acc[j][3]);
       }
     }
     __syncthreads();  // Delta complete; W, U free
@@ -462,7 +478,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
         gdnc_frag_a<GDNC_LD>(a, &sm.Q[16 * mt][8 * ks], g, c, f0, f1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b<NLD>(b0, b1, &sm.S[8 * ks][nb + 8 * j], g, c);
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
           gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
@@ -472,7 +488,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
         gdnc_frag_a<GDNC_PLD>(a, &sm.P[16 * mt][8 * ks], g, c);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b<NLD>(b0, b1, &sm.Dl[8 * ks][nb + 8 * j], g, c);
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][nb + 8 * j], &sm.Dl[8 * ks][nb + 8 * j], g, c);
           gdnc_mma3(acc[j], sml[j], a, b0, b1);
         }
       }
@@ -507,7 +523,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
       gdnc_frag_at<GDNC_KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        gdnc_frag_b<NLD>(b0, b1, &sm.Dl[8 * ks][8 * nt], g, c);
+        gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][8 * nt], &sm.Dl[8 * ks][8 * nt], g, c);
         gdnc_mma3(s[nt], sml[nt], a, b0, b1);
       }
     }
@@ -518,8 +534,8 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int r = 16 * warp + g, col = 8 * nt + 2 * c;
-      gdnc_st2(&sm.S[r][col], s[nt][0], s[nt][1]);
-      gdnc_st2(&sm.S[r + 8][col], s[nt][2], s[nt][3]);
+      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, s[nt][0], s[nt][1]);
+      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
     }
     __syncthreads();  // K, fk, Delta free
     if (more) gdnc_issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
