@@ -6,30 +6,52 @@
 //   A[t, s] = beta_t exp(G_t - G_s) (k_t . k_s) for s < t (else 0);   Tinv = (I + A)^-1
 //   U = Tinv (beta * V),  W = Tinv ((beta exp(G)) * K),  P[t, s] = exp(G_t - G_s) (q_t . k_s), s <= t
 //   Delta = U - W S;  O = (exp(G) * Q) S + P Delta;  S <- exp(G_last) S + (exp(G_last - G) * K)^T Delta
-// Two kernels: gdn_chunk_prep (parallel over chunks and heads) writes U, W, P, exp(G) * Q,
-// exp(G_last - G) * K and exp(G_last) to a workspace; gdn_chunk_scan runs the chunks in order.
-// Only Dk = Dv = 128 (the model's); fp32 SIMT FMA throughout (no tensor cores yet), G in fp64.
+// Two kernels: gdn_chunk_prep (parallel over chunks and heads) writes U, W, P and the per-token row
+// factors of q and k to a workspace; gdn_chunk_scan runs the chunks in order and reads q, k straight
+// from qkv. Only Dk = Dv = 128 (the model's). G in fp64.
+//
+// Tensor cores, 3xTF32. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
+// the scan) runs on mma.sync.m16n8k8 tf32 with fp32 accumulation, each fp32 operand x split as
+// x = hi + lo, hi = tf32(x), lo = tf32(x - hi) (round to nearest, ties away, by integer bit arithmetic:
+// exact, and the same on the host emulation), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi (the dropped
+// a_lo b_lo and the rounding of lo are <= ~2^-22 |a b|): fp32-class products at 3 tensor-core ops
+// each. A single tf32 product (2^-11) would not meet the 2e-5 chunked-vs-token-kernel tolerance; see
+// docs/gdn-prefill.md for the error budget. The forward substitution stays fp32 SIMT FMA.
+//
+// Fragment layout of mma.m16n8k8 .tf32 (PTX ISA), g = lane / 4, c = lane % 4:
+//   A [16 x 8]: a0 (g, c)  a1 (g+8, c)  a2 (g, c+4)  a3 (g+8, c+4)
+//   B [8 x 8]:  b0 (k = c, n = g)  b1 (k = c+4, n = g)
+//   C [16 x 8]: c0 (g, 2c)  c1 (g, 2c+1)  c2 (g+8, 2c)  c3 (g+8, 2c+1)
 #pragma once
+#ifndef LILY_GDN_HOST_EMU  // benchmarks/gdn_emu.cpp compiles this file on the host with its own shim
 #include "gated_delta.cuh"
+#endif
 
 namespace lily::cuda {
 
 constexpr int GDNC_C = 64;         // tokens per chunk
 constexpr int GDNC_D = 128;        // Dk = Dv
-constexpr int GDNC_THREADS = 256;  // both kernels
+constexpr int GDNC_THREADS = 256;  // both kernels (8 warps)
 constexpr int GDNC_COLS = 32;      // state columns per scan CTA
-constexpr int GDNC_LD = GDNC_D + 4;   // padded shared row of a [C, D] tile read by 4 rows per warp
-constexpr int GDNC_PLD = GDNC_C + 4;  // padded shared row of a [C, C] tile
+// Shared row strides (floats), chosen for conflict-free fragment loads: a row-major A fragment reads
+// (g * ld + c) -> ld % 32 == 4; a [k][n] B fragment or a transposed A fragment reads (c * ld + g) ->
+// ld % 32 == 8; a C fragment's float2 (g * ld + 2c) is conflict-free per half-warp at ld % 32 == 8.
+constexpr int GDNC_LD = GDNC_D + 4;    // [64, 128] tiles read as A or as [n][k] B (132)
+constexpr int GDNC_KLD = GDNC_D + 8;   // the scan's K tile, read transposed (136)
+constexpr int GDNC_PLD = GDNC_C + 4;   // [64, 64] tiles read as A (68)
+constexpr int GDNC_NLD = GDNC_COLS + 8;  // [., 32] tiles: S, Delta, U (40)
 
 // Workspace: one block of GDNC_BLOCK floats per (chunk c, value head h) at (c * Hv + h) * GDNC_BLOCK,
-// every tile row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros.
-constexpr int GDNC_QT = 0;                                // [C, D] exp(G_t) q_t
-constexpr int GDNC_KD = GDNC_C * GDNC_D;                  // [C, D] exp(G_last - G_t) k_t
-constexpr int GDNC_W = 2 * GDNC_C * GDNC_D;               // [C, D] W
-constexpr int GDNC_U = 3 * GDNC_C * GDNC_D;               // [C, D] U
-constexpr int GDNC_P = 4 * GDNC_C * GDNC_D;               // [C, C] P (zero above the diagonal)
-constexpr int GDNC_GC = GDNC_P + GDNC_C * GDNC_C;         // exp(G_last), then 3 floats of padding
-constexpr int GDNC_BLOCK = GDNC_GC + 4;                   // floats; a multiple of 4 (16-byte blocks)
+// tiles row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros.
+constexpr int GDNC_W = 0;                          // [C, D] W
+constexpr int GDNC_U = GDNC_C * GDNC_D;            // [C, D] U
+constexpr int GDNC_P = 2 * GDNC_C * GDNC_D;        // [C, C] P: zero above the diagonal inside the 8-column
+                                                   // tiles it touches; tiles wholly above (8 nt > 16 mt + 15)
+                                                   // are never written nor read
+constexpr int GDNC_FQ = GDNC_P + GDNC_C * GDNC_C;  // [C] exp(G_t) / sqrt(Dk) / |q_t|   (0 past the prompt)
+constexpr int GDNC_FK = GDNC_FQ + GDNC_C;          // [C] exp(G_last - G_t) / |k_t|      (0 past the prompt)
+constexpr int GDNC_GC = GDNC_FK + GDNC_C;          // exp(G_last), then 3 floats of padding
+constexpr int GDNC_BLOCK = GDNC_GC + 4;            // floats; a multiple of 4 (16-byte blocks)
 
 struct GdnChunkParams {
   const float* qkv;      // [T, 2*Hk*D + Hv*D]
@@ -46,66 +68,135 @@ struct GdnChunkParams {
 __device__ __forceinline__ float4 gdnc_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void gdnc_st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float4 gdnc_scale4(float f, float4 v) { return make_float4(f * v.x, f * v.y, f * v.z, f * v.w); }
-// acc + f * v, per component
-__device__ __forceinline__ float4 gdnc_fma4(float f, float4 v, float4 acc) {
-  return make_float4(fmaf(f, v.x, acc.x), fmaf(f, v.y, acc.y), fmaf(f, v.z, acc.z), fmaf(f, v.w, acc.w));
+__device__ __forceinline__ void gdnc_st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+
+// ---- 3xTF32 pieces ----------------------------------------------------------------------------
+// tf32(x) as fp32 bits with the 13 low mantissa bits zero, rounded to nearest (ties away from zero).
+__device__ __forceinline__ uint32_t gdnc_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+struct GdncSplit {  // a fragment's hi and lo halves
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ GdncSplit gdnc_split(float x) {
+  const uint32_t hi = gdnc_tf32(x);
+  return {hi, gdnc_tf32(x - __uint_as_float(hi))};  // x - hi is exact in fp32
 }
-__device__ __forceinline__ float gdnc_dot4(float4 x, float4 y, float acc) {
-  return fmaf(x.w, y.w, fmaf(x.z, y.z, fmaf(x.y, y.y, fmaf(x.x, y.x, acc))));
+
+#ifndef LILY_GDN_HOST_EMU
+// d += a b, one m16n8k8 tf32 mma (fragments as in the table at the top).
+__device__ __forceinline__ void gdnc_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void gdnc_cp16(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+// 16 bytes from src if valid, else 16 zero bytes (src is not read then, but must be a valid address).
+__device__ __forceinline__ void gdnc_cp16z(float* dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void gdnc_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void gdnc_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned char* gdnc_smem() {
+  extern __shared__ __align__(16) unsigned char gdnc_dyn_smem[];
+  return gdnc_dyn_smem;
+}
+#endif
+
+// a b in 3xTF32: big += a_hi b_hi, small += a_lo b_hi + a_hi b_lo; the caller adds small to big after
+// its k loop. Two accumulators make two independent mma chains per output tile (mma.sync latency,
+// not throughput, bounds a warp with few tiles).
+__device__ __forceinline__ void gdnc_mma3(float (&big)[4], float (&small)[4], const GdncSplit (&a)[4], GdncSplit b0,
+                                          GdncSplit b1) {
+  gdnc_mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+  gdnc_mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+  gdnc_mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+}
+// A fragment of a row-major tile: t points at element (row 0, k 0) of the 16 x 8 block, rows of LD
+// floats; rows g and g + 8 scaled by f0, f1 (1.f: exact).
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_a(GdncSplit (&a)[4], const float* t, int g, int c, float f0 = 1.f,
+                                            float f1 = 1.f) {
+  a[0] = gdnc_split(f0 * t[g * LD + c]);
+  a[1] = gdnc_split(f1 * t[(g + 8) * LD + c]);
+  a[2] = gdnc_split(f0 * t[g * LD + c + 4]);
+  a[3] = gdnc_split(f1 * t[(g + 8) * LD + c + 4]);
+}
+// A fragment of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points at
+// X[k0][m0], fk at fk[k0].
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_at(GdncSplit (&a)[4], const float* t, const float* fk, int g, int c) {
+  const float f0 = fk[c], f1 = fk[c + 4];
+  a[0] = gdnc_split(f0 * t[c * LD + g]);
+  a[1] = gdnc_split(f0 * t[c * LD + g + 8]);
+  a[2] = gdnc_split(f1 * t[(c + 4) * LD + g]);
+  a[3] = gdnc_split(f1 * t[(c + 4) * LD + g + 8]);
+}
+// B fragment of a [k][n] row-major tile (t at (k0, n0)).
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_b(GdncSplit& b0, GdncSplit& b1, const float* t, int g, int c) {
+  b0 = gdnc_split(t[c * LD + g]);
+  b1 = gdnc_split(t[(c + 4) * LD + g]);
+}
+// B fragment of a [k][n] tile kept pre-split in shared memory (hi and lo arrays, t offsets equal).
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_b_pre(GdncSplit& b0, GdncSplit& b1, const uint32_t* th, const uint32_t* tl,
+                                                int g, int c) {
+  b0 = {th[c * LD + g], tl[c * LD + g]};
+  b1 = {th[(c + 4) * LD + g], tl[(c + 4) * LD + g]};
+}
+// stores the split of (x, y) at hi/lo element i (8-byte aligned)
+__device__ __forceinline__ void gdnc_st2_split(uint32_t* th, uint32_t* tl, int i, float x, float y) {
+  const GdncSplit sx = gdnc_split(x), sy = gdnc_split(y);
+  *reinterpret_cast<uint2*>(th + i) = make_uint2(sx.hi, sy.hi);
+  *reinterpret_cast<uint2*>(tl + i) = make_uint2(sx.lo, sy.lo);
+}
+// B fragment of a tile stored [n][k] row-major (B = X^T; t at X[n0][k0]).
+template <int LD>
+__device__ __forceinline__ void gdnc_frag_bt(GdncSplit& b0, GdncSplit& b1, const float* t, int g, int c) {
+  b0 = gdnc_split(t[g * LD + c]);
+  b1 = gdnc_split(t[g * LD + c + 4]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_prep: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
 //   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
-//      (a warp per row, a float4 per lane), staged in shared memory; rows >= n are zeros.
+//      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
+//      are zeros.
 //   2. G = inclusive prefix sum of g in fp64 (warp 0 shuffle scan): exp(G_t - G_s) is formed from an
 //      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
-//   3. exp(G) q and exp(G_last - G) k to the workspace.
-//   4. K K^T then Q K^T [64, 64]: thread (ty, tx) = (tid / 16, tid % 16) owns rows ty + 16i, columns
-//      tx + 16j (i, j < 4), float4 steps over Dk. A (strictly lower) goes to shared memory, P (lower,
-//      with the diagonal) to the workspace; exp of a positive exponent is never taken.
-//   5. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
+//      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
+//      workspace (the scan applies them to the raw q, k rows of qkv).
+//   3. K K^T -> A (strictly lower, shared) and Q K^T -> P (lower with the diagonal, workspace) on the
+//      tensor cores, 3xTF32. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
+//      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
+//      each a K = 128 loop of 16 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
+//      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
+//      s <= t < n, else 0 (exp of a positive exponent is never taken).
+//   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
 //      c of U (V read from global memory), thread c >= 128 column c - 128 of W; the column's 64
-//      values stay in registers (loops fully unrolled), A rows are shared-memory broadcasts.
-// fp32; the prefix sum and the exponent differences fp64. Rows >= n of every output tile are zeros
-// (zero q, k, beta and decay factors), so the scan needs no masks but on its writes of o.
+//      values stay in registers (loops fully unrolled), A rows are shared-memory broadcasts. fp32 FMA.
+// Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
+// but on its writes of o.
 struct GdnPrepSmem {
   float q[GDNC_C][GDNC_LD];   // normalised, scaled q rows
   float k[GDNC_C][GDNC_LD];   // normalised k rows
-  float A[GDNC_C][GDNC_PLD];  // strictly lower
+  float A[GDNC_C][GDNC_PLD];  // strictly lower (tiles above the diagonal unwritten, never read)
   double G[GDNC_C];           // cumulative log decay
-  float g[GDNC_C], beta[GDNC_C], eG[GDNC_C], eGl[GDNC_C];  // g, beta, exp(G), exp(G_last - G); 0 past n
+  float g[GDNC_C], beta[GDNC_C], eG[GDNC_C], rq[GDNC_C], rk[GDNC_C];  // g, beta, exp(G) (0 past n), norm factors
 };
-
-// acc[i][j] = x_{ty+16i} . k_{tx+16j} over the D columns of two [64, D] shared tiles (rows padded
-// to GDNC_LD: the 16 rows tx + 16j of a warp's float4 loads fall in distinct banks per 8 lanes).
-__device__ __forceinline__ void gdnc_gram(float (&acc)[4][4], const float (*x)[GDNC_LD], const float (*k)[GDNC_LD],
-                                          int ty, int tx) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-#pragma unroll 2
-  for (int d = 0; d < GDNC_D; d += 4) {
-    float4 xa[4], kb[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      xa[i] = gdnc_ld4(&x[ty + 16 * i][d]);
-      kb[i] = gdnc_ld4(&k[tx + 16 * i][d]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][j] = gdnc_dot4(xa[i], kb[j], acc[i][j]);
-  }
-}
 
 __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChunkParams p) {
   pdl_wait();
   pdl_trigger();
   constexpr int C = GDNC_C, D = GDNC_D;
-  extern __shared__ __align__(16) unsigned char gdnc_prep_smem[];
-  GdnPrepSmem& sm = *reinterpret_cast<GdnPrepSmem*>(gdnc_prep_smem);
+  GdnPrepSmem& sm = *reinterpret_cast<GdnPrepSmem*>(gdnc_smem());
   const int ch = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
   const int t0 = ch * C, n = min(C, p.T - t0);  // tokens [t0, t0 + n) of this chunk
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -140,11 +231,12 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
       const float ss = warp_sum(x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w);
       const float f = (is_k ? 1.f : q_scale) / sqrtf(ss + 1e-6f);  // rows past n: 0 * f = 0
       gdnc_st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, gdnc_scale4(f, x[i]));
+      if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
   }
   __syncthreads();
 
-  // 2. G and the decay factors (warp 0; lane l holds tokens 2l, 2l+1)
+  // 2. G, exp(G) and the row factors (warp 0; lane l holds tokens 2l, 2l+1)
   if (warp == 0) {
     const double g0 = sm.g[2 * lane], g1 = sm.g[2 * lane + 1];
     double s = g0 + g1;  // inclusive scan of the pair sums
@@ -162,45 +254,50 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int t = 2 * lane + u;
-      sm.eG[t] = t < n ? expf(float(sm.G[t])) : 0.f;
-      sm.eGl[t] = t < n ? expf(float(Gl - sm.G[t])) : 0.f;
+      const float eG = t < n ? expf(float(sm.G[t])) : 0.f;
+      sm.eG[t] = eG;
+      blk[GDNC_FQ + t] = eG * sm.rq[t];
+      blk[GDNC_FK + t] = t < n ? expf(float(Gl - sm.G[t])) * sm.rk[t] : 0.f;
     }
     if (lane == 0) blk[GDNC_GC] = expf(float(Gl));
   }
   __syncthreads();
 
-  // 3. exp(G) q and exp(G_last - G) k: 2 x 64 rows x 32 float4
+  // 3. K K^T -> A, Q K^T -> P: 40 tiles, warp w takes w, w + 8, ..., w + 32
+  {
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll 1
+    for (int i = 0; i < 5; ++i) {
+      const int idx = warp + 8 * i, is_qk = idx >= 20, j = idx - 20 * is_qk;
+      const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
+      const float* xa = &(is_qk ? sm.q : sm.k)[16 * mt][0];
+      const float* xb = &sm.k[8 * nt][0];
+      float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int ks = 0; ks < D / 8; ++ks) {
+        GdncSplit a[4], b0, b1;
+        gdnc_frag_a<GDNC_LD>(a, xa + 8 * ks, g, c);
+        gdnc_frag_bt<GDNC_LD>(b0, b1, xb + 8 * ks, g, c);
+        gdnc_mma3(acc, sml, a, b0, b1);
+      }
 #pragma unroll
-  for (int i = 0; i < 2 * C * (D / 4) / GDNC_THREADS; ++i) {
-    const int idx = tid + GDNC_THREADS * i, is_k = idx / (C * D / 4), r = (idx / (D / 4)) % C, c4 = idx % (D / 4);
-    const float4 v = is_k ? gdnc_scale4(sm.eGl[r], gdnc_ld4(&sm.k[r][4 * c4])) : gdnc_scale4(sm.eG[r], gdnc_ld4(&sm.q[r][4 * c4]));
-    gdnc_st4(blk + (is_k ? GDNC_KD : GDNC_QT) + r * D + 4 * c4, v);
+      for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
+        if (is_qk) {
+          const float dec = (t < n && s <= t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;
+          blk[GDNC_P + t * C + s] = dec * acc[e];
+        } else {
+          const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
+          sm.A[t][s] = sm.beta[t] * dec * acc[e];
+        }
+      }
+    }
   }
-
-  // 4. K K^T -> A, then Q K^T -> P (one at a time: 16 accumulators)
-  const int ty = tid >> 4, tx = tid & 15;
-  float acc[4][4];
-  gdnc_gram(acc, sm.k, sm.k, ty, tx);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int t = ty + 16 * i, s = tx + 16 * j;
-      const float e = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
-      sm.A[t][s] = sm.beta[t] * e * acc[i][j];
-    }
-  gdnc_gram(acc, sm.q, sm.k, ty, tx);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int t = ty + 16 * i, s = tx + 16 * j;
-      const float e = (t < n && s <= t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;
-      blk[GDNC_P + t * C + s] = e * acc[i][j];
-    }
   __syncthreads();  // A complete
 
-  // 5. forward substitution, one column per thread
+  // 4. forward substitution, one column per thread
   float xs[C];
   if (tid < D) {  // column tid of beta V
     const float* v = p.qkv + int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + tid;
@@ -232,46 +329,49 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
 
 // ---------------------------------------------------------------------------------------------
 // gdn_chunk_scan: one CTA per (value head h, slice of 32 state columns j0 = 32 * blockIdx.y), grid
-// (Hv, D/32), block 256; loops over the chunks in order. Columns of S are independent here, so the
-// CTA needs only its [128, 32] slice of S and of U. Per chunk, with tiles in shared memory:
-//   (a) Delta [64, 32] = U - W S             thread (rg, cg) = (tid / 8, tid % 8): rows rg, rg + 32,
-//   (b) O [64, 32] = (exp(G) Q) S + P Delta    columns 4cg..4cg+3 (float4), written to o (rows < T)
-//   (c) S [128, 32] <- exp(G_last) S + (exp(G_last - G) K)^T Delta: rows 4rg..4rg+3, columns 4cg..
-//       of S in registers (16 floats), copied to shared memory for the next (a), (b).
+// (Hv, D/32), block 256 (8 warps), 1 CTA/SM; loops over the chunks in order. Columns of S are
+// independent here, so the CTA needs only its [128, 32] slice of S and of U. Per chunk, on the tensor
+// cores (3xTF32, m16n8k8), warp w, g = lane / 4, c = lane % 4:
+//   (a) Delta [64, 32] = U - W S: warp w owns rows 16 (w/2) .. +15, columns 16 (w%2) .. +15 (two n8
+//       tiles sharing each A fragment), 16 k-steps over Dk; Delta to shared memory.
+//   (b) O [64, 32] = (fq * Q) S + P Delta, same tiles; Q is the raw q rows of qkv times the row factor
+//       fq = exp(G) / sqrt(Dk) / |q| at fragment load; P Delta runs only the k-steps 8 ks <= 16 mt + 15
+//       (P is zero above the diagonal). Rows < T written to o as float2.
+//   (c) S [128, 32] <- exp(G_last) S + (fk * K)^T Delta: warp w owns S rows 16 w .. +15, all 32
+//       columns (four n8 tiles) as mma accumulators in registers across the whole loop; the A operand is
+//       K^T, read transposed from the raw k rows, times fk = exp(G_last - G) / |k|; then S to shared
+//       memory for the next (a), (b).
+// S and Delta, the B operands, are kept in shared memory already split into tf32 hi and lo words
+// (split once when written, not at each of their two or three reads); W, Q, P, K are split at load.
 // Tiles arrive by cp.async, each as soon as the phase reading it is done: W and U during (b), (c)
-// of the previous chunk, Q and P during (c) and (a), K during (a) and (b) (one commit group per
-// tile set, always committed, so wait_group 2 before a phase means its own group has landed).
-// P is zero above the diagonal, so row rg < 32 of O sums Delta rows 0..31 only. fp32.
+// of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
+// tile set, always committed, so wait_group 2 before a phase means its own group has landed). q, k
+// rows past the prompt are zero-filled copies (their factors are 0 too).
 struct GdnScanSmem {
   float W[GDNC_C][GDNC_LD];
-  float Q[GDNC_C][GDNC_LD];      // exp(G) q
-  float K[GDNC_C][GDNC_D];       // exp(G_last - G) k
+  float Q[GDNC_C][GDNC_LD];     // raw q rows
+  float K[GDNC_C][GDNC_KLD];    // raw k rows
   float P[GDNC_C][GDNC_PLD];
-  float U[GDNC_C][GDNC_COLS];    // this CTA's columns of U
-  float S[GDNC_D][GDNC_COLS];    // this CTA's columns of S
-  float Dl[GDNC_C][GDNC_COLS];   // Delta
+  float U[GDNC_C][GDNC_NLD];    // this CTA's columns of U
+  uint32_t Sh[GDNC_D][GDNC_NLD], Sl[GDNC_D][GDNC_NLD];  // this CTA's columns of S, split (tf32 hi, lo)
+  uint32_t Dh[GDNC_C][GDNC_NLD], Dl[GDNC_C][GDNC_NLD];  // Delta, split
+  float fq[GDNC_C], fk[GDNC_C];
 };
 
-__device__ __forceinline__ void gdnc_cp16(float* dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void gdnc_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void gdnc_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
-
-// [64, 128] workspace tile -> shared rows of `ld` floats: 2048 float4, 8 per thread.
+// [64, 128] tile of rows `stride` floats apart -> shared rows of LD floats: 2048 float4, 8 per thread;
+// rows >= n zero-filled.
 template <int LD>
-__device__ __forceinline__ void gdnc_copy_tile(float (*dst)[LD], const float* src) {
+__device__ __forceinline__ void gdnc_copy_rows(float (*dst)[LD], const float* src, int64_t stride, int n) {
 #pragma unroll
   for (int i = 0; i < GDNC_C * GDNC_D / 4 / GDNC_THREADS; ++i) {
     const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_D / 4), c4 = idx % (GDNC_D / 4);
-    gdnc_cp16(&dst[r][4 * c4], src + r * GDNC_D + 4 * c4);
+    const bool ok = r < n;
+    gdnc_cp16z(&dst[r][4 * c4], src + (ok ? r : 0) * stride + 4 * c4, ok);
   }
 }
 
 __device__ __forceinline__ void gdnc_issue_wu(GdnScanSmem& sm, const float* blk, int j0) {
-  gdnc_copy_tile<GDNC_LD>(sm.W, blk + GDNC_W);
+  gdnc_copy_rows<GDNC_LD>(sm.W, blk + GDNC_W, GDNC_D, GDNC_C);
 #pragma unroll
   for (int i = 0; i < GDNC_C * GDNC_COLS / 4 / GDNC_THREADS; ++i) {  // U columns [j0, j0 + 32)
     const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_COLS / 4), c4 = idx % (GDNC_COLS / 4);
@@ -279,124 +379,174 @@ __device__ __forceinline__ void gdnc_issue_wu(GdnScanSmem& sm, const float* blk,
   }
 }
 
-__device__ __forceinline__ void gdnc_issue_qp(GdnScanSmem& sm, const float* blk) {
-  gdnc_copy_tile<GDNC_LD>(sm.Q, blk + GDNC_QT);
+// q rows of the chunk (from qkv), P, fq
+__device__ __forceinline__ void gdnc_issue_qp(GdnScanSmem& sm, const float* blk, const float* q, int64_t Wd, int n) {
+  gdnc_copy_rows<GDNC_LD>(sm.Q, q, Wd, n);
 #pragma unroll
   for (int i = 0; i < GDNC_C * GDNC_C / 4 / GDNC_THREADS; ++i) {
     const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_C / 4), c4 = idx % (GDNC_C / 4);
     gdnc_cp16(&sm.P[r][4 * c4], blk + GDNC_P + r * GDNC_C + 4 * c4);
   }
+  if (threadIdx.x < GDNC_C / 4) gdnc_cp16(&sm.fq[4 * threadIdx.x], blk + GDNC_FQ + 4 * threadIdx.x);
+}
+
+// k rows of the chunk (from qkv), fk
+__device__ __forceinline__ void gdnc_issue_k(GdnScanSmem& sm, const float* blk, const float* k, int64_t Wd, int n) {
+  gdnc_copy_rows<GDNC_KLD>(sm.K, k, Wd, n);
+  if (threadIdx.x < GDNC_C / 4) gdnc_cp16(&sm.fk[4 * threadIdx.x], blk + GDNC_FK + 4 * threadIdx.x);
 }
 
 __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChunkParams p) {
   pdl_wait();
   pdl_trigger();
-  constexpr int C = GDNC_C, D = GDNC_D;
-  extern __shared__ __align__(16) unsigned char gdnc_scan_smem[];
-  GdnScanSmem& sm = *reinterpret_cast<GdnScanSmem*>(gdnc_scan_smem);
+  constexpr int C = GDNC_C, D = GDNC_D, NLD = GDNC_NLD;
+  GdnScanSmem& sm = *reinterpret_cast<GdnScanSmem*>(gdnc_smem());
   const int h = blockIdx.x, j0 = blockIdx.y * GDNC_COLS, tid = threadIdx.x;
-  const int cg = tid & 7, rg = tid >> 3;
-  const int64_t o_row = int64_t(p.Hv) * D;
-  float* Sg = p.state + int64_t(h) * D * D + j0 + 4 * cg;  // S[h][.][j0 + 4cg], row stride D
-  float4 s[4];                                             // S rows 4rg..4rg+3, columns 4cg..
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int kh = h / (p.Hv / p.Hk);
+  const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D, o_row = int64_t(p.Hv) * D;
+  const float* qg = p.qkv + int64_t(kh) * D;                       // q of token 0
+  const float* kg = p.qkv + int64_t(p.Hk) * D + int64_t(kh) * D;   // k of token 0
+  const int mt = warp >> 1, nb = 16 * (warp & 1);                  // (a), (b): rows 16 mt.., columns nb..
+  // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
+  float* Sg = p.state + int64_t(h) * D * D + j0;  // S[h][.][j0], row stride D
+  float s[4][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    s[i] = gdnc_ld4(Sg + (4 * rg + i) * D);
-    gdnc_st4(&sm.S[4 * rg + i][4 * cg], s[i]);
+  for (int nt = 0; nt < 4; ++nt) {
+    const int r = 16 * warp + g, col = 8 * nt + 2 * c;
+    const float2 lo = *reinterpret_cast<const float2*>(Sg + r * D + col);
+    const float2 hi = *reinterpret_cast<const float2*>(Sg + (r + 8) * D + col);
+    s[nt][0] = lo.x, s[nt][1] = lo.y, s[nt][2] = hi.x, s[nt][3] = hi.y;
+    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
+    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
   }
-  auto block_of = [&](int c) { return p.ws + (int64_t(c) * p.Hv + h) * GDNC_BLOCK; };
+  auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * GDNC_BLOCK; };
+  auto rows_in = [&](int ci) { return min(C, p.T - ci * C); };
   gdnc_issue_wu(sm, block_of(0), j0);
   gdnc_commit();
-  gdnc_issue_qp(sm, block_of(0));
+  gdnc_issue_qp(sm, block_of(0), qg, Wd, rows_in(0));
   gdnc_commit();
-  gdnc_copy_tile<GDNC_D>(sm.K, block_of(0) + GDNC_KD);
+  gdnc_issue_k(sm, block_of(0), kg, Wd, rows_in(0));
   gdnc_commit();
-  for (int c = 0; c < p.num_chunks; ++c) {
-    const float* blk = block_of(c);
-    const bool more = c + 1 < p.num_chunks;
+  for (int ci = 0; ci < p.num_chunks; ++ci) {
+    const float* blk = block_of(ci);
+    const bool more = ci + 1 < p.num_chunks;
+    const int64_t tn = int64_t(ci + 1) * C;  // first token of the next chunk
     const float gC = blk[GDNC_GC];
-    const int n = min(C, p.T - c * C);
+    const int n = rows_in(ci);
     gdnc_wait2();
-    __syncthreads();  // W, U of chunk c landed; S of the previous chunk in shared memory
+    __syncthreads();  // W, U of chunk ci landed; S of the previous chunk in shared memory
 
     // (a) Delta = U - W S
-    float4 d0 = gdnc_ld4(&sm.U[rg][4 * cg]), d1 = gdnc_ld4(&sm.U[rg + 32][4 * cg]);
+    {
+      float acc[2][4] = {}, sml[2][4] = {};
 #pragma unroll 4
-    for (int k = 0; k < D; k += 4) {
-      const float4 w0 = gdnc_ld4(&sm.W[rg][k]), w1 = gdnc_ld4(&sm.W[rg + 32][k]);
-      const float4 s0 = gdnc_ld4(&sm.S[k][4 * cg]), s1 = gdnc_ld4(&sm.S[k + 1][4 * cg]);
-      const float4 s2 = gdnc_ld4(&sm.S[k + 2][4 * cg]), s3 = gdnc_ld4(&sm.S[k + 3][4 * cg]);
-      d0 = gdnc_fma4(-w0.x, s0, d0), d1 = gdnc_fma4(-w1.x, s0, d1);
-      d0 = gdnc_fma4(-w0.y, s1, d0), d1 = gdnc_fma4(-w1.y, s1, d1);
-      d0 = gdnc_fma4(-w0.z, s2, d0), d1 = gdnc_fma4(-w1.z, s2, d1);
-      d0 = gdnc_fma4(-w0.w, s3, d0), d1 = gdnc_fma4(-w1.w, s3, d1);
+      for (int ks = 0; ks < D / 8; ++ks) {
+        GdncSplit a[4], b0, b1;
+        gdnc_frag_a<GDNC_LD>(a, &sm.W[16 * mt][8 * ks], g, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int r = 16 * mt + g, col = nb + 8 * j + 2 * c;
+        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], r * NLD + col, sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
+        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], (r + 8) * NLD + col, sm.U[r + 8][col] - acc[j][2],
+                       sm.U[r + 8][col + 1] - acc[j][3]);
+      }
     }
-    gdnc_st4(&sm.Dl[rg][4 * cg], d0);
-    gdnc_st4(&sm.Dl[rg + 32][4 * cg], d1);
     __syncthreads();  // Delta complete; W, U free
-    if (more) gdnc_issue_wu(sm, block_of(c + 1), j0);
+    if (more) gdnc_issue_wu(sm, block_of(ci + 1), j0);
     gdnc_commit();
     gdnc_wait2();
-    __syncthreads();  // Q, P of chunk c landed
+    __syncthreads();  // Q, P, fq of chunk ci landed
 
-    // (b) O = (exp(G) Q) S + P Delta
-    float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
+    // (b) O = (fq * Q) S + P Delta
+    {
+      float acc[2][4] = {}, sml[2][4] = {};
+      const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
 #pragma unroll 4
-    for (int k = 0; k < D; k += 4) {
-      const float4 q0 = gdnc_ld4(&sm.Q[rg][k]), q1 = gdnc_ld4(&sm.Q[rg + 32][k]);
-      const float4 s0 = gdnc_ld4(&sm.S[k][4 * cg]), s1 = gdnc_ld4(&sm.S[k + 1][4 * cg]);
-      const float4 s2 = gdnc_ld4(&sm.S[k + 2][4 * cg]), s3 = gdnc_ld4(&sm.S[k + 3][4 * cg]);
-      o0 = gdnc_fma4(q0.x, s0, o0), o1 = gdnc_fma4(q1.x, s0, o1);
-      o0 = gdnc_fma4(q0.y, s1, o0), o1 = gdnc_fma4(q1.y, s1, o1);
-      o0 = gdnc_fma4(q0.z, s2, o0), o1 = gdnc_fma4(q1.z, s2, o1);
-      o0 = gdnc_fma4(q0.w, s3, o0), o1 = gdnc_fma4(q1.w, s3, o1);
+      for (int ks = 0; ks < D / 8; ++ks) {
+        GdncSplit a[4], b0, b1;
+        gdnc_frag_a<GDNC_LD>(a, &sm.Q[16 * mt][8 * ks], g, c, f0, f1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+        }
+      }
+#pragma unroll 2
+      for (int ks = 0; ks < 2 * mt + 2; ++ks) {  // P's k-steps at or left of the diagonal
+        GdncSplit a[4], b0, b1;
+        gdnc_frag_a<GDNC_PLD>(a, &sm.P[16 * mt][8 * ks], g, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][nb + 8 * j], &sm.Dl[8 * ks][nb + 8 * j], g, c);
+          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
+      float* out = p.o + int64_t(ci) * C * o_row + int64_t(h) * D + j0;  // row 0 of the chunk
+      const int r = 16 * mt + g;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = nb + 8 * j + 2 * c;
+        if (r < n) gdnc_st2(out + r * o_row + col, acc[j][0], acc[j][1]);
+        if (r + 8 < n) gdnc_st2(out + (r + 8) * o_row + col, acc[j][2], acc[j][3]);
+      }
     }
-#pragma unroll 4
-    for (int t = 0; t < C / 2; t += 4) {  // Delta rows 0..31: both rows
-      const float4 p0 = gdnc_ld4(&sm.P[rg][t]), p1 = gdnc_ld4(&sm.P[rg + 32][t]);
-      const float4 e0 = gdnc_ld4(&sm.Dl[t][4 * cg]), e1 = gdnc_ld4(&sm.Dl[t + 1][4 * cg]);
-      const float4 e2 = gdnc_ld4(&sm.Dl[t + 2][4 * cg]), e3 = gdnc_ld4(&sm.Dl[t + 3][4 * cg]);
-      o0 = gdnc_fma4(p0.x, e0, o0), o1 = gdnc_fma4(p1.x, e0, o1);
-      o0 = gdnc_fma4(p0.y, e1, o0), o1 = gdnc_fma4(p1.y, e1, o1);
-      o0 = gdnc_fma4(p0.z, e2, o0), o1 = gdnc_fma4(p1.z, e2, o1);
-      o0 = gdnc_fma4(p0.w, e3, o0), o1 = gdnc_fma4(p1.w, e3, o1);
-    }
-#pragma unroll 4
-    for (int t = C / 2; t < C; t += 4) {  // Delta rows 32..63: only row rg + 32 (P[rg][t] = 0)
-      const float4 p1 = gdnc_ld4(&sm.P[rg + 32][t]);
-      o1 = gdnc_fma4(p1.x, gdnc_ld4(&sm.Dl[t][4 * cg]), o1);
-      o1 = gdnc_fma4(p1.y, gdnc_ld4(&sm.Dl[t + 1][4 * cg]), o1);
-      o1 = gdnc_fma4(p1.z, gdnc_ld4(&sm.Dl[t + 2][4 * cg]), o1);
-      o1 = gdnc_fma4(p1.w, gdnc_ld4(&sm.Dl[t + 3][4 * cg]), o1);
-    }
-    float* out = p.o + int64_t(c) * C * o_row + int64_t(h) * D + j0 + 4 * cg;  // row 0 of the chunk
-    if (rg < n) gdnc_st4(out + rg * o_row, o0);
-    if (rg + 32 < n) gdnc_st4(out + (rg + 32) * o_row, o1);
-    __syncthreads();  // Q, P and S in shared memory free
-    if (more) gdnc_issue_qp(sm, block_of(c + 1));
+    __syncthreads();  // Q, P, fq and S in shared memory free
+    if (more) gdnc_issue_qp(sm, block_of(ci + 1), qg + tn * Wd, Wd, rows_in(ci + 1));
     gdnc_commit();
     gdnc_wait2();
-    __syncthreads();  // K of chunk c landed
+    __syncthreads();  // K, fk of chunk ci landed
 
-    // (c) S <- exp(G_last) S + (exp(G_last - G) K)^T Delta
+    // (c) S <- exp(G_last) S + (fk * K)^T Delta
+    float sml[4][4] = {};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] = gdnc_scale4(gC, s[i]);
-#pragma unroll 4
-    for (int t = 0; t < C; ++t) {
-      const float4 kd = gdnc_ld4(&sm.K[t][4 * rg]), e = gdnc_ld4(&sm.Dl[t][4 * cg]);
-      s[0] = gdnc_fma4(kd.x, e, s[0]);
-      s[1] = gdnc_fma4(kd.y, e, s[1]);
-      s[2] = gdnc_fma4(kd.z, e, s[2]);
-      s[3] = gdnc_fma4(kd.w, e, s[3]);
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
+#pragma unroll 2
+    for (int ks = 0; ks < C / 8; ++ks) {
+      GdncSplit a[4], b0, b1;
+      gdnc_frag_at<GDNC_KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][8 * nt], &sm.Dl[8 * ks][8 * nt], g, c);
+        gdnc_mma3(s[nt], sml[nt], a, b0, b1);
+      }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) gdnc_st4(&sm.S[4 * rg + i][4 * cg], s[i]);
-    __syncthreads();  // K free
-    if (more) gdnc_copy_tile<GDNC_D>(sm.K, block_of(c + 1) + GDNC_KD);
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int r = 16 * warp + g, col = 8 * nt + 2 * c;
+      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, s[nt][0], s[nt][1]);
+      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
+    }
+    __syncthreads();  // K, fk, Delta free
+    if (more) gdnc_issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
     gdnc_commit();
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) gdnc_st4(Sg + (4 * rg + i) * D, s[i]);
+  for (int nt = 0; nt < 4; ++nt) {
+    const int r = 16 * warp + g, col = 8 * nt + 2 * c;
+    gdnc_st2(Sg + r * D + col, s[nt][0], s[nt][1]);
+    gdnc_st2(Sg + (r + 8) * D + col, s[nt][2], s[nt][3]);
+  }
 }
 
 }  // namespace lily::cuda
