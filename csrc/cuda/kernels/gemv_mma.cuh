@@ -40,6 +40,7 @@ namespace lily::cuda {
 
 constexpr int MMA_THREADS = 256, MMA_WARPS = MMA_THREADS / 32;
 constexpr int MMA_SPU = 2;  // segments per unit (pipeline stage)
+constexpr int MMA_MIN_CTAS = 2;  // CTAs per SM the registers are held to (3: ptxas spills 8-108 bytes)
 
 template <int BITS>
 struct MmaSeg {
@@ -229,13 +230,21 @@ template <int BITS, int NG>
 __device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
                                             const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
   using S = MmaSeg<BITS>;
-  int c[4] = {0, 0, 0, 0};
+  int cs[S::STEPS][4];  // one accumulator per step: independent mmas, no chain through the tensor core
 #pragma unroll
   for (int s = 0; s < S::STEPS; ++s) {
     uint32_t a[4];
     mma_a_frag<BITS>(st.w[i][0], st.w[i][1], s, a);
     const uint2 b = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
-    mma_s8(c, a, b.x, b.y);
+    cs[s][0] = cs[s][1] = cs[s][2] = cs[s][3] = 0;
+    mma_s8(cs[s], a, b.x, b.y);
+  }
+  int c[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    c[e] = cs[0][e];
+#pragma unroll
+    for (int s = 1; s < S::STEPS; ++s) c[e] += cs[s][e];  // exact: |c| < 2^17 per segment
   }
   mma_columns<NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
 }
@@ -293,13 +302,14 @@ inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident) {
 }
 
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by gridDim.x. prologue() must stage x into xd, xe, xsum
-// and synchronise the CTA; it runs after unit 0's loads are issued when load_first (weights that do not
-// depend on earlier kernels), else before them (rows that depend on the router's output).
-template <int BITS, int NG, class Rows, class Prologue>
+// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before unit 0's loads are
+// issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
+// between those loads and the first compute: it must stage x into xd, xe, xsum and synchronise the CTA,
+// so the staging overlaps the weights' memory latency.
+template <int BITS, int NG, class Rows, class Before, class After>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
-                                              const float* xe, const float* xsum, const Prologue& prologue,
-                                              bool load_first) {
+                                              const float* xe, const float* xsum, const Before& before,
+                                              const After& after) {
   __shared__ float red[2][MMA_WARPS][16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
@@ -313,10 +323,6 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   auto pass_of = [&](int j) { return int(blockIdx.x) + (j / sp.upp) * int(gridDim.x); };
   auto load = [&](MmaStage& st, int j) {
     const int tile = pass_of(j) * sp.rt + tl, first = seg0 + (j % sp.upp) * MMA_SPU;
-    if (j % sp.upp == 0 && lane == 0) {  // the next pass's tile towards L2, this warp's share of its rows
-      const int next = tile + int(gridDim.x) * sp.rt;
-      if (next < tiles) rows.prefetch(next, kp, sp.ks);
-    }
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i) {
       const int seg = first + i;
@@ -354,15 +360,10 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     }
   };
   MmaStage a, b;
-  if (load_first && units > 0) load(a, 0);
-  prologue();
-  if (!load_first && units > 0) load(a, 0);
+  before();
+  if (units > 0) load(a, 0);
+  after();
   gemv_pipeline(units, a, b, load, compute);
-}
-
-// Asks L2 for `bytes` (a multiple of 16) at p (16-byte aligned) without waiting (bulk prefetch).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // ---- linear ------------------------------------------------------------------------------------------
@@ -386,13 +387,6 @@ struct MmaLinearRows {
     const int o = tile * 16 + r;
     if (o < rows) y[o] = row_sum(r);
   }
-  // rows [16 tile + 16 part / parts, 16 tile + 16 (part + 1) / parts): contiguous words, scales, biases
-  __device__ __forceinline__ void prefetch(int tile, int part, int parts) const {
-    const int r0 = min(rows, tile * 16 + 16 * part / parts), r1 = min(rows, tile * 16 + 16 * (part + 1) / parts);
-    prefetch_l2(w + int64_t(r0) * wpr, uint32_t(r1 - r0) * wpr * 4);
-    const uint32_t gb = uint32_t(r1 - r0) * gpr * 2;  // BF16 scale bytes, 16-byte multiple when gpr % 8 == 0
-    if (gpr % 8 == 0 && (int64_t(r0) * gpr) % 8 == 0) prefetch_l2(s + int64_t(r0) * gpr, gb), prefetch_l2(b + int64_t(r0) * gpr, gb);
-  }
 };
 
 struct MmaLinearParams {
@@ -407,7 +401,7 @@ struct MmaLinearParams {
 // y = W x for one token (T = 1). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
 // requested before the wait on the previous kernel and before x is staged.
 template <int BITS, int NG>
-__global__ void __launch_bounds__(MMA_THREADS, 2) linear_gemv_mma_kernel(const MmaLinearParams p) {
+__global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];  // [cols/8][3] digits, then xe, xsum [cols/VB]
@@ -416,13 +410,13 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) linear_gemv_mma_kernel(const M
   const int Sg = p.cols / S::VALS;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
                                  p.cols >> p.group_shift, p.group_shift};
-  auto prologue = [&] {
+  auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
     pdl_wait();
     pdl_trigger();
     mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, prologue, true);
+  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
 }
 
 }  // namespace lily::cuda

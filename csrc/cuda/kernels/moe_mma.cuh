@@ -54,20 +54,6 @@ struct MmaMoeUpRows {
     const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
     return mma_row_ref<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, seg, p.group_shift);
   }
-  // part 0 of a tile: the gate rows, part 1 (or 0 when alone): the up rows, of the tile's first slot
-  __device__ __forceinline__ void prefetch(int tile, int part, int parts) const {
-    const int pair = tile * 8;
-    if (pair >= total() || part > 1) return;
-    int s, i;
-    slot_of(pair, s, i);
-    const bool sh = s == p.K;
-    const int n = min(8, (sh ? p.shared_gate.rows : p.gate.rows) - i);
-    const int64_t row = sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, wpr = p.gate.cols * BITS / 32;
-    for (int m = part; m < 2; m += parts) {
-      const AffineStack& a = m == 0 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
-      prefetch_l2(a.w + row * wpr, uint32_t(n * wpr * 4));
-    }
-  }
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int pair = tile * 8 + r;
@@ -91,7 +77,6 @@ struct MmaMoeDownRows {
     if (s == p.K) return mma_row_ref<BITS>(p.shared_down, o, v - p.K * sr, p.group_shift);
     return mma_row_ref<BITS>(p.down, int64_t(ids[s]) * H + o, v - s * sr, p.group_shift);
   }
-  __device__ __forceinline__ void prefetch(int, int, int) const {}  // one pass per CTA at the model's sizes
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
@@ -101,7 +86,7 @@ struct MmaMoeDownRows {
 
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
 template <int BITS, int NG>
-__global__ void __launch_bounds__(MMA_THREADS, 2) moe_up_mma_kernel(const MoeMmaParams p) {
+__global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
@@ -110,20 +95,23 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) moe_up_mma_kernel(const MoeMma
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
   const MmaMoeUpRows<BITS> rows{p, ids, t};
-  auto prologue = [&] {
-    pdl_wait();  // expert ids and h come from the kernels before
+  auto ids_in = [&] {  // expert ids and h come from the kernels before
+    pdl_wait();
     pdl_trigger();
     for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+    __syncthreads();
+  };
+  auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
     mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, prologue, false);
+  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);
 }
 
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
 template <int BITS, int NG>
-__global__ void __launch_bounds__(MMA_THREADS, 2) moe_down_mma_kernel(const MoeMmaParams p) {
+__global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
@@ -132,10 +120,13 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) moe_down_mma_kernel(const MoeM
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
   float* xsum = xe + Kv / VB;
   const MmaMoeDownRows<BITS> rows{p, ids, t};
-  auto prologue = [&] {
+  auto ids_in = [&] {
     pdl_wait();
     pdl_trigger();
     for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+    __syncthreads();
+  };
+  auto stage = [&] {
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
     mma_stage_x<BITS, VB>(
         [&](int o) {
@@ -145,8 +136,8 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) moe_down_mma_kernel(const MoeM
         Kv, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, prologue,
-                          false);
+  mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, ids_in,
+                          stage);
 }
 
 }  // namespace lily::cuda
