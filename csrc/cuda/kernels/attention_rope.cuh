@@ -48,6 +48,14 @@ struct RopeParams {
   float inv_freq[kMaxRopeHalf];
 };
 
+// The rotation of one pair, shared with the fused decode prep (attention_decode.cuh) so both
+// compile to the same arithmetic.
+__device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float s) {
+  const float a = x0, b = x1;
+  x0 = a * c - b * s;
+  x1 = b * c + a * s;
+}
+
 __global__ void rope_kernel(const RopeParams p) {
   pdl_wait();
   pdl_trigger();
@@ -59,9 +67,10 @@ __global__ void rope_kernel(const RopeParams p) {
   float s, c;
   sincosf(ang, &s, &c);
   float* v = p.x + r * p.D;
-  const float x0 = v[j], x1 = v[j + p.half];
-  v[j] = x0 * c - x1 * s;
-  v[j + p.half] = x1 * c + x0 * s;
+  float x0 = v[j], x1 = v[j + p.half];
+  rope_rotate(x0, x1, c, s);
+  v[j] = x0;
+  v[j + p.half] = x1;
 }
 
 // cache[pos0 + t, w] = bf16_rne(x[t, w]), i.e. cache[pos0*W + e] = x[e] with e = t*W + w.
