@@ -48,12 +48,13 @@ struct RopeParams {
   float inv_freq[kMaxRopeHalf];
 };
 
-// The rotation of one pair, shared with the fused decode prep (attention_decode.cuh) so both
-// compile to the same arithmetic.
+// The rotation of one pair, shared with the fused decode prep (attention_decode.cuh). Explicit
+// roundings (one product, then a fused multiply-add) so no compiler contraction choice can make
+// the two kernels differ.
 __device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float s) {
   const float a = x0, b = x1;
-  x0 = a * c - b * s;
-  x1 = b * c + a * s;
+  x0 = __fmaf_rn(a, c, -__fmul_rn(b, s));
+  x1 = __fmaf_rn(b, c, __fmul_rn(a, s));
 }
 
 __global__ void rope_kernel(const RopeParams p) {
