@@ -180,6 +180,19 @@ void init_ops(nb::module_& parent) {
     ops::attention(qi.t, kc.t, vc.t, o.t, nH, nKV, p.pos);
     return out_f32(o);
   });
+  m.def("gated_attention", [](const std::string& device, const F32In& p, const F32In& k, const F32In& v,
+                              const F32In& q_norm, const F32In& k_norm, float eps, int rotary_dim, double theta,
+                              const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0) {
+    const Device d = parse_device(device);
+    Dev pi = f32(d, p), ki = f32(d, k), vi = f32(d, v), qn = f32(d, q_norm), kn = f32(d, k_norm);
+    Dev kc = cache_in(d, k_cache), vc = cache_in(d, v_cache);
+    const std::vector<int64_t> qs{int64_t(p.shape(0)), int64_t(p.shape(1) / 2)};
+    Dev q(d, DType::F32, qs), g(d, DType::F32, qs), o(d, DType::F32, qs);
+    Pos ps(d, pos0);
+    ops::gated_attention(pi.t, ki.t, vi.t, qn.t, kn.t, eps, rotary_dim, theta, kc.t, vc.t, q.t, g.t, o.t, nH, nKV,
+                         ps.pos);
+    return nb::make_tuple(out_f32(q), out_f32(g), out_f32(o), cache_out(kc), cache_out(vc));
+  });
   m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), gi = f32(d, g);

@@ -87,9 +87,22 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
       ops::linear(*w.k_proj, 0, h, k);
       ops::linear(*w.v_proj, 0, h, v);
     }
-    ops::split_q_gate(p, q, gate, int(nH));
+    if (T > 1) ops::split_q_gate(p, q, gate, int(nH));  // decode splits inside gated_attention
   }
   const ops::Position pos = s.position_arg();
+  const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
+  Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
+  Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
+  if (T == 1) {  // decode: split, q/k norm + RoPE, cache rows, attention, gate in one op (CUDA: 2 kernels)
+    {
+      ProfileScope ps(prof, "attn.attention");
+      ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
+                           kc, vc, q, gate, o, int(nH), int(nKV), pos);
+    }
+    ProfileScope ps(prof, "attn.gate_o_proj");
+    ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
+    return;
+  }
   {
     ProfileScope ps(prof, "attn.qk_norm_rope");
     ops::rms_norm(view(x.conv_out, T * nH, D), w.q_norm->view(), c.rms_norm_eps, view(x.conv_out, T * nH, D));
@@ -98,9 +111,6 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
     ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
     ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
   }
-  const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
-  Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
-  Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
   {
     ProfileScope ps(prof, "attn.kv_cache_write");
     ops::kv_cache_write(k, kc, pos);

@@ -3,6 +3,10 @@
 //     T <= 4 and T * group <= 32 -> split-KV decode (one wave of CTAs per device) + LSE merge
 //     otherwise                  -> 64-query-row flash attention (prefill)
 //   any other head_dim           -> the generic fp32 kernel.
+// gated_attention (T = 1, tensor-core head dims): the split-KV decode kernel with the q/k prep and
+// cache-row write fused in (kPrep), then the merge with sigmoid(gate): two launches for what the
+// per-op sequence does in ten (split_q_gate, 2 rms_norm, 2 rope, 2 kv_cache_write, split + merge,
+// sigmoid_mul).
 // No grid depends on the position: the decode step is captured once and replayed at every pos.
 #include <algorithm>
 #include <cmath>
@@ -49,24 +53,27 @@ int64_t decode_ctas_per_head(int64_t T, int64_t nH, int64_t nKV, int64_t D) {
 }
 
 // Launch with more than 48 KB of dynamic shared memory (the limit is raised once per kernel).
-template <auto kKernel, typename Params>
-void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params& p) {
+template <auto kKernel, typename... Params>
+void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params&... p) {
   static const bool raised = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)raised;
-  launch(kKernel, grid, threads, smem_bytes, p);
+  launch(kKernel, grid, threads, smem_bytes, p...);
   LILY_CUDA_LAUNCHED();
 }
 
-template <int kD>
-void launch_decode(const DecodeParams& p, int64_t M) {
+// kPrep: pp carries the raw projections (gated_attention); otherwise pp is unused.
+template <int kD, bool kPrep = false>
+void launch_decode(const DecodeParams& p, int64_t M, const DecodePrepParams& pp) {
   const dim3 grid(unsigned(p.num_ctas), unsigned(p.nKV));
   if (M <= 16)
-    launch_big_smem<attention_decode_split_kernel<kD, 1>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(), p);
+    launch_big_smem<attention_decode_split_kernel<kD, 1, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(),
+                                                                 p, pp);
   else
-    launch_big_smem<attention_decode_split_kernel<kD, 2>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(), p);
+    launch_big_smem<attention_decode_split_kernel<kD, 2, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(),
+                                                                 p, pp);
 }
 
 template <int kD>
@@ -75,12 +82,13 @@ void launch_prefill(const PrefillParams& p) {
   launch_big_smem<attention_prefill_kernel<kD>>(grid, kPrefillThreads, prefill_smem_bytes<kD>(), p);
 }
 
-void launch_decode_for_dim(const DecodeParams& p, int64_t M, int64_t D) {
+template <bool kPrep = false>
+void launch_decode_for_dim(const DecodeParams& p, int64_t M, int64_t D, const DecodePrepParams& pp = {}) {
   switch (D) {
-    case 32: return launch_decode<32>(p, M);
-    case 64: return launch_decode<64>(p, M);
-    case 128: return launch_decode<128>(p, M);
-    case 256: return launch_decode<256>(p, M);
+    case 32: return launch_decode<32, kPrep>(p, M, pp);
+    case 64: return launch_decode<64, kPrep>(p, M, pp);
+    case 128: return launch_decode<128, kPrep>(p, M, pp);
+    case 256: return launch_decode<256, kPrep>(p, M, pp);
   }
   fail("attention: unsupported head_dim ", D, " for the split-KV decode kernel");
 }
@@ -156,7 +164,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
     const int P = int(decode_ctas_per_head(T, num_heads, num_kv_heads, D));
     const DecodeParams dp{q.ptr<float>(), k, v, pos, int(T), num_heads, num_kv_heads, int(group), P, scale_log2};
     launch_decode_for_dim(dp, dp.T * dp.group, D);
-    const DecodeMergeParams mp{o.ptr<float>(), pos, num_heads, int(D), int(T), P};
+    const DecodeMergeParams mp{o.ptr<float>(), nullptr, pos, num_heads, int(D), int(T), P};
     launch(attention_decode_merge_kernel, unsigned(T * num_heads), kMergeThreads, 0, mp);
     LILY_CUDA_LAUNCHED();
     return;
@@ -164,6 +172,37 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   const PrefillParams pp{q.ptr<float>(), k, v, o.ptr<float>(), pos, int(T), num_heads, num_kv_heads, int(group),
                          scale_log2};
   launch_prefill_for_dim(pp, D);
+}
+
+bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                          const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q,
+                          const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads) {
+  const int64_t T = p.dim(0), D = p.dim(1) / (2 * num_heads), group = num_heads / num_kv_heads;
+  if (T != 1 || !is_mma_head_dim(D) || !use_split_kv_decode(1, group)) return false;
+  if (int64_t(num_heads) * D > kDecodeScratchFloats || k_cache.ndim != 2 || k_cache.dim(0) > 0x7fffffff) return false;
+  for (const Tensor* t : {&p, &k, &v, &q_norm, &k_norm, &k_cache, &v_cache, &q, &gate, &o})
+    if (!aligned(t->data, 16)) return false;
+  return true;
+}
+
+void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
+                     float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
+                     const int32_t* pos) {
+  const int64_t D = p.dim(1) / (2 * num_heads), group = num_heads / num_kv_heads, half = rotary_dim / 2;
+  LILY_CHECK(half <= kMaxPrepHalf, "gated_attention: rotary_dim ", rotary_dim, " exceeds ", 2 * kMaxPrepHalf);
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
+  auto* kc = k_cache.ptr<__nv_bfloat16>();
+  auto* vc = v_cache.ptr<__nv_bfloat16>();
+  const int P = int(decode_ctas_per_head(1, num_heads, num_kv_heads, D));
+  const DecodeParams dp{q.ptr<float>(), kc, vc, pos, 1, num_heads, num_kv_heads, int(group), P, scale_log2};
+  DecodePrepParams pp{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(),
+                      kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), {}};
+  for (int64_t j = 0; j < half; ++j) pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  launch_decode_for_dim<true>(dp, group, D, pp);
+  const DecodeMergeParams mp{o.ptr<float>(), gate.ptr<float>(), pos, num_heads, int(D), 1, P};
+  launch(attention_decode_merge_kernel, unsigned(num_heads), kMergeThreads, 0, mp);
+  LILY_CUDA_LAUNCHED();
 }
 
 }  // namespace lily::cuda

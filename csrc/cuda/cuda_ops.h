@@ -33,6 +33,15 @@ void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const in
 void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos);
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
                int num_heads, int num_kv_heads, const int32_t* pos);
+// gated_attention for T = 1 in two kernels (q/k prep and the cache-row write fused into the split-KV
+// decode kernel, sigmoid(gate) into its merge); _fits says whether the shapes and alignment allow it.
+bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                          const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q,
+                          const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads);
+void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
+                     float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
+                     const int32_t* pos);
 // sample.cu
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);

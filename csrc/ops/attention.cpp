@@ -72,4 +72,56 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   no_backend(op, q.device);
 }
 
+void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
+                     float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& q, const Tensor& gate, const Tensor& o, int nH, int nKV, const Position& pos) {
+  const char* op = "gated_attention";
+  check_tensor(op, "p", p, DType::F32, 2);
+  for (const Tensor* t : {&k, &v}) check_tensor(op, "k/v", *t, DType::F32, 2);
+  check_tensor(op, "q_norm", q_norm, DType::F32, 1);
+  check_tensor(op, "k_norm", k_norm, DType::F32, 1);
+  LILY_CHECK(nH > 0 && nKV > 0 && nH % nKV == 0 && p.dim(1) % (2 * nH) == 0, op, ": bad head counts ", nH, "/",
+             nKV, " for p ", p.shape_str());
+  const int64_t T = p.dim(0), D = p.dim(1) / (2 * nH);
+  for (const Tensor* t : {&k, &v}) {
+    check_shape(op, "k/v", *t, 0, T);
+    check_shape(op, "k/v", *t, 1, nKV * D);
+  }
+  check_shape(op, "q_norm", q_norm, 0, D);
+  check_shape(op, "k_norm", k_norm, 0, D);
+  check_same_device(op, {p, k, v, q_norm, k_norm, k_cache, v_cache, q, gate, o});
+#ifdef LILY_WITH_CUDA
+  // The remaining checks are the ops' own; the fused kernels assume the shapes they verify.
+  if (p.device == Device::CUDA &&
+      cuda::gated_attention_fits(p, k, v, q_norm, k_norm, k_cache, v_cache, q, gate, o, nH, nKV)) {
+    for (const Tensor* t : {&q, &gate, &o}) {
+      check_tensor(op, "q/gate/o", *t, DType::F32, 2);
+      check_shape(op, "q/gate/o", *t, 0, T);
+      check_shape(op, "q/gate/o", *t, 1, nH * D);
+    }
+    for (const Tensor* t : {&k_cache, &v_cache}) {
+      check_tensor(op, "k_cache/v_cache", *t, cache_dtype(p.device), 2);
+      check_shape(op, "k_cache/v_cache", *t, 1, nKV * D);
+      check_shape(op, "k_cache/v_cache", *t, 0, k_cache.dim(0));
+    }
+    LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 0 && rotary_dim <= D, op, ": bad rotary_dim ", rotary_dim);
+    check_position(op, pos, p.device, T, k_cache.dim(0));
+    return cuda::gated_attention(p, k, v, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, q, gate, o, nH,
+                                 nKV, pos.device);
+  }
+#endif
+  // The per-op sequence: the CPU reference, and the fallback of every other case.
+  split_q_gate(p, q, gate, nH);
+  const Tensor qh = Tensor::of(q.data, DType::F32, q.device, {T * nH, D});   // [T*nH, D]
+  const Tensor kh = Tensor::of(k.data, DType::F32, k.device, {T * nKV, D});  // [T*nKV, D]
+  rms_norm(qh, q_norm, eps, qh);
+  rms_norm(kh, k_norm, eps, kh);
+  rope(q, nH, rotary_dim, theta, pos);
+  rope(k, nKV, rotary_dim, theta, pos);
+  kv_cache_write(k, k_cache, pos);
+  kv_cache_write(v, v_cache, pos);
+  attention(q, k_cache, v_cache, o, nH, nKV, pos);
+  sigmoid_mul(o, gate);
+}
+
 }  // namespace lily::ops

@@ -67,6 +67,18 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos);
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
                int num_heads, int num_kv_heads, const Position& pos);
 
+// The gated-attention core of a full-attention layer, between the q|k|v and o projections:
+//   q, gate = split_q_gate(p);  q = rope(rms_norm(q, q_norm));  k = rope(rms_norm(k, k_norm));
+//   k_cache[pos0 + t] = k;  v_cache[pos0 + t] = v;  o = attention(q, caches) * sigmoid(gate).
+// Exactly that sequence of ops on the CPU (bit-identical) and wherever a backend has no fused
+// form; on CUDA for T = 1 and the tensor-core head dims it is two kernels (docs/cuda.md).
+// p [T, nH*2D]; k, v [T, nKV*D] (k is work space: it may hold the normed, roped key afterwards);
+// q_norm, k_norm [D]; q, gate, o [T, nH*D] outputs; caches as attention().
+void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
+                     float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
+                     const Position& pos);
+
 // x *= sigmoid(gate), elementwise.  x, gate [R, C].
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 

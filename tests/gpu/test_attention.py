@@ -129,3 +129,109 @@ def test_attention_deterministic(T):
     a = ops.attention("cuda", q, k, v, nH, nKV, 1500)
     b = ops.attention("cuda", q, k, v, nH, nKV, 1500)
     np.testing.assert_array_equal(a, b)
+
+
+# gated_attention: the decode step between the projections in one op. On CUDA at T = 1 with a
+# tensor-core head dim it is two fused kernels; it must match the CUDA op sequence bit for bit and
+# the CPU sequence (with bf16 cache rows) within the op tolerances.
+GATED_CONFIGS = [
+    (16, 2, 256, 64, 1e7),   # the model (group 8, partial rotary)
+    (4, 2, 64, 16, 1e7),     # the tiny synthetic model
+    (4, 2, 32, 32, 1e6),     # full rotation
+    (6, 2, 128, 10, 1e4),    # group 3, odd half
+    (32, 1, 64, 64, 1e4),    # group 32: two m-tiles
+    (8, 4, 256, 0, 1e4),     # no rotation
+    (4, 2, 24, 8, 1e4),      # generic head dim: the per-op fallback
+]
+
+
+def gated_inputs(nH, nKV, D, max_t, pos0, seed):
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal((1, nH * 2 * D)).astype(np.float32)
+    k = (rng.standard_normal((1, nKV * D)) * 2).astype(np.float32)
+    v = rng.standard_normal((1, nKV * D)).astype(np.float32)
+    q_norm = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    k_norm = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    kc = bf16_round(rng.standard_normal((max_t, nKV * D)).astype(np.float32))
+    vc = bf16_round(rng.standard_normal((max_t, nKV * D)).astype(np.float32))
+    kc[pos0:] = np.nan  # row pos0 must be written before it is read; later rows never read
+    vc[pos0:] = np.nan
+    return p, k, v, q_norm, k_norm, kc, vc
+
+
+def gated_sequence(dev, nH, nKV, D, rd, theta, eps, pos0, p, k, v, q_norm, k_norm, kc, vc):
+    """The per-op sequence on `dev`; the CPU caches get bf16 rows, as the GPU's."""
+    q, g = ops.split_q_gate(dev, p, nH)
+    q = ops.rope(dev, ops.rms_norm(dev, q.reshape(nH, D), q_norm, eps).reshape(1, nH * D), nH, rd, theta, pos0)
+    kr = ops.rope(dev, ops.rms_norm(dev, k.reshape(nKV, D), k_norm, eps).reshape(1, nKV * D), nKV, rd, theta, pos0)
+    if dev == "cpu":
+        kc, vc = kc.copy(), vc.copy()
+        kc[pos0], vc[pos0] = bf16_round(kr[0]), bf16_round(v[0])
+    else:
+        kc, vc = ops.kv_cache_write(dev, kr, kc, pos0), ops.kv_cache_write(dev, v, vc, pos0)
+    o = ops.sigmoid_mul(dev, ops.attention(dev, q, kc, vc, nH, nKV, pos0), g)
+    return q, g, o, kc, vc
+
+
+@pytest.mark.parametrize("nH, nKV, D, rd, theta", GATED_CONFIGS)
+@pytest.mark.parametrize("pos0", [0, 1, 37, 5000])
+def test_gated_attention_decode(nH, nKV, D, rd, theta, pos0, gpu_tol):
+    eps, max_t = 1e-6, pos0 + 70
+    args = gated_inputs(nH, nKV, D, max_t, pos0, seed=nH * 1000 + D + pos0)
+    got = ops.gated_attention("cuda", *args[:5], eps, rd, theta, *args[5:], nH, nKV, pos0)
+    q, g, o, kc, vc = got
+    # Bit for bit against the CUDA op sequence (same arithmetic, fused).
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got,
+                          gated_sequence("cuda", nH, nKV, D, rd, theta, eps, pos0, *args)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    # Against the fp32 CPU sequence.
+    q_ref, g_ref, o_ref, kc_ref, vc_ref = gated_sequence("cpu", nH, nKV, D, rd, theta, eps, pos0, *args)
+    np.testing.assert_array_equal(g, g_ref)
+    check(q, q_ref, max(gpu_tol["rms_norm"], gpu_tol["rope"]))
+    np.testing.assert_array_equal(vc[:pos0 + 1], vc_ref[:pos0 + 1])
+    np.testing.assert_array_equal(kc[:pos0], kc_ref[:pos0])
+    # the new key row is bf16 of a value within rms_norm/rope ulps of the CPU's: at most one bf16 ulp off
+    np.testing.assert_allclose(kc[pos0], kc_ref[pos0], rtol=2.0 ** -7, atol=1e-30)
+    check(o, o_ref, gpu_tol[attention_tol_key(1, nH, nKV, D)])
+
+
+@pytest.mark.parametrize("pos0", [131000])
+def test_gated_attention_decode_far_position(pos0, gpu_tol):
+    nH, nKV, D, rd, theta, eps = 16, 2, 256, 64, 1e7, 1e-6
+    args = gated_inputs(nH, nKV, D, 131072, pos0, seed=pos0)
+    got = ops.gated_attention("cuda", *args[:5], eps, rd, theta, *args[5:], nH, nKV, pos0)
+    want = gated_sequence("cuda", nH, nKV, D, rd, theta, eps, pos0, *args)
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    o_ref = gated_sequence("cpu", nH, nKV, D, rd, theta, eps, pos0, *args)[2]
+    check(got[2], o_ref, gpu_tol["attention_decode"])
+
+
+def test_gated_attention_prefill_falls_back():
+    """T > 1 takes the per-op path on CUDA: identical to the op sequence."""
+    nH, nKV, D, rd, theta, eps, T, pos0 = 16, 2, 256, 64, 1e7, 1e-6, 3, 40
+    rng = np.random.default_rng(5)
+    p = rng.standard_normal((T, nH * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    v = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    qn, kn = np.ones(D, np.float32), np.ones(D, np.float32)
+    kc = bf16_round(rng.standard_normal((64, nKV * D)).astype(np.float32))
+    vc = bf16_round(rng.standard_normal((64, nKV * D)).astype(np.float32))
+    got = ops.gated_attention("cuda", p, k, v, qn, kn, eps, rd, theta, kc, vc, nH, nKV, pos0)
+    q, g = ops.split_q_gate("cuda", p, nH)
+    q = ops.rope("cuda", ops.rms_norm("cuda", q.reshape(T * nH, D), qn, eps).reshape(T, nH * D), nH, rd, theta, pos0)
+    kr = ops.rope("cuda", ops.rms_norm("cuda", k.reshape(T * nKV, D), kn, eps).reshape(T, nKV * D), nKV, rd, theta,
+                  pos0)
+    kc2, vc2 = ops.kv_cache_write("cuda", kr, kc, pos0), ops.kv_cache_write("cuda", v, vc, pos0)
+    o = ops.sigmoid_mul("cuda", ops.attention("cuda", q, kc2, vc2, nH, nKV, pos0), g)
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got, (q, g, o, kc2, vc2)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_gated_attention_deterministic():
+    nH, nKV, D = REAL
+    args = gated_inputs(nH, nKV, D, 2048, 1500, seed=9)
+    a = ops.gated_attention("cuda", *args[:5], 1e-6, 64, 1e7, *args[5:], nH, nKV, 1500)
+    b = ops.gated_attention("cuda", *args[:5], 1e-6, 64, 1e7, *args[5:], nH, nKV, 1500)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)

@@ -12,9 +12,22 @@
 // sums keep ~16 mantissa bits against the exact bf16 K/V; softmax and accumulators are fp32.
 // Partials (unnormalised o, running max in log2 units, sum) go to a fixed device scratch; the
 // merge kernel (one CTA per (t, h)) combines them in CTA order.
+//
+// Fused prep (kPrep, gated_attention at T = 1): the split kernel starts from the raw projections
+// instead of a prepared q and a written cache row. Per head row (one warp each, rows m = warp,
+// warp + 4, ...): x = p[h, query D] (resp. k[kvh]); x *= w / sqrt(mean(x^2) + eps) (rms_norm_kernel's
+// 32-lane float4 order and one warp_sum, so the same bits); rotate pairs (j, j + half) by
+// pos0 * inv_freq[j] (rope_kernel's sincosf and rope_rotate), staged in f32 in the score buffer.
+// Every CTA prepares the q rows of its KV head (group x D floats from L2, cheap next to its K/V
+// tiles); the CTA whose tiles hold row pos0 also writes cache row pos0 of its KV head (bf16 round to
+// nearest even, as kv_cache_write) before it issues any tile load; the others issue theirs first.
+// CTA 0 of each KV head also writes q and gate (the op's outputs). The merge multiplies o by
+// sigmoid(gate) (expf, as sigmoid_mul) in its final write when given a gate.
 #pragma once
 #include "attention_mma.cuh"
+#include "attention_rope.cuh"
 #include "common.cuh"
+#include "norms.cuh"
 
 namespace lily::cuda::attn {
 
@@ -40,6 +53,61 @@ struct DecodeParams {
   float scale_log2;      // log2(e) / sqrt(D)
 };
 
+constexpr int kMaxPrepHalf = 128;  // rotary_dim / 2 <= D / 2 <= 128 on this path
+
+struct DecodePrepParams {
+  const float* p;        // [1, nH*2D] f32, per head [query D | gate D]
+  const float* k;        // [1, nKV*D] f32 new key (projection output, before norm and RoPE)
+  const float* v;        // [1, nKV*D] f32 new value
+  const float* q_norm;   // [D] f32
+  const float* k_norm;   // [D] f32
+  bf16* k_cache;         // [maxT, nKV*D] bf16 (DecodeParams' caches, writable)
+  bf16* v_cache;         // [maxT, nKV*D] bf16
+  float* q_out;          // [1, nH*D] f32 normed, roped query
+  float* gate_out;       // [1, nH*D] f32
+  float eps;
+  int half;              // rotary_dim / 2
+  float inv_freq[kMaxPrepHalf];  // as RopeParams: host double pow rounded to float
+};
+
+// x[0, kD) f32 -> stage = rope(rms_norm(x) * w): one warp, in rms_norm_kernel's and rope_kernel's
+// arithmetic (see the header). Ends with the warp synchronised on the staged row.
+template <int kD>
+__device__ __forceinline__ void prep_head_row(const float* x, const float* w, float* stage, int pos0,
+                                              const DecodePrepParams& pp, int lane) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float4* s4 = reinterpret_cast<float4*>(stage);
+  float ss = 0.f;
+  for (int i = lane; i < kD / 4; i += 32) ss += sq4(x4[i]);
+  ss = warp_sum(ss);
+  const float s = 1.f / sqrtf(ss / float(kD) + pp.eps);
+  for (int i = lane; i < kD / 4; i += 32) {
+    const float4 a = x4[i], b = w4[i];
+    s4[i] = make_float4(a.x * s * b.x, a.y * s * b.y, a.z * s * b.z, a.w * s * b.w);
+  }
+  __syncwarp();
+  for (int j = lane; j < pp.half; j += 32) {
+    float sn, cs;
+    sincosf(float(int64_t(pos0)) * pp.inv_freq[j], &sn, &cs);
+    float x0 = stage[j], x1 = stage[j + pp.half];
+    rope_rotate(x0, x1, cs, sn);
+    stage[j] = x0;
+    stage[j + pp.half] = x1;
+  }
+  __syncwarp();
+}
+
+// q row elements [off, off + 4) as bf16 hi and lo parts (x = hi + lo to ~16 bits).
+__device__ __forceinline__ void store_hi_lo(bf16* q_hi, bf16* q_lo, int off, float4 x) {
+  const uint32_t h01 = pack_bf16(x.x, x.y), h23 = pack_bf16(x.z, x.w);
+  const float2 f01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h01));
+  const float2 f23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h23));
+  *reinterpret_cast<uint2*>(q_hi + off) = make_uint2(h01, h23);
+  *reinterpret_cast<uint2*>(q_lo + off) =
+      make_uint2(pack_bf16(x.x - f01.x, x.y - f01.y), pack_bf16(x.z - f23.x, x.w - f23.y));
+}
+
 template <int kD, int kMTiles, int kStages>
 constexpr int decode_smem_bytes_for() {
   constexpr int kM = kMTiles * 16;
@@ -54,8 +122,9 @@ constexpr int decode_stages() { return decode_smem_bytes_for<kD, kMTiles, 3>() <
 template <int kD, int kMTiles>
 constexpr int decode_smem_bytes() { return decode_smem_bytes_for<kD, kMTiles, decode_stages<kD, kMTiles>()>(); }
 
-template <int kD, int kMTiles>
-__global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(const DecodeParams p) {
+template <int kD, int kMTiles, bool kPrep>
+__global__ void __launch_bounds__(kDecodeThreads)
+    attention_decode_split_kernel(const DecodeParams p, const DecodePrepParams pp) {
   pdl_wait();
   pdl_trigger();
   constexpr int kM = kMTiles * 16, kStride = kD + kPad, kPStride = kDecodeTile + kPad;
@@ -97,22 +166,62 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
     }
     cp_async_commit();
   };
+  // kPrep (T = 1): this CTA's tiles hold the new row pos0, which it writes before loading any tile.
+  const bool writes_row = kPrep && cta == (pos0 / kDecodeTile) % p.num_ctas;
+  if (!writes_row) {
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+    for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+  }
 
-  for (int i = tid; i < kM * (kD / 4); i += kDecodeThreads) {
-    const int m = i / (kD / 4), d = (i % (kD / 4)) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m < M) {
-      const int t = m / p.group, h = kvh * p.group + m % p.group;
-      x = *reinterpret_cast<const float4*>(p.q + (int64_t(t) * p.nH + h) * kD + d);
+  if constexpr (kPrep) {
+    static_assert(4 * kD <= kM * kSStride, "per-warp f32 staging rows must fit in the score buffer");
+    float* stage = s_s + warp * kD;  // [kD] f32 per warp; the scores are not used before the tile loop
+    if (writes_row) {
+      const int64_t row = int64_t(pos0) * row_stride + kvh * kD;  // cache row pos0 of this KV head
+      if (warp == 0) {
+        prep_head_row<kD>(pp.k + kvh * kD, pp.k_norm, stage, pos0, pp, lane);
+        for (int i = lane; i < kD; i += 32) pp.k_cache[row + i] = __float2bfloat16_rn(stage[i]);
+        __syncwarp();
+      } else {
+        for (int i = tid - 32; i < kD; i += kDecodeThreads - 32)
+          pp.v_cache[row + i] = __float2bfloat16_rn(pp.v[kvh * kD + i]);
+      }
     }
-    const uint32_t h01 = pack_bf16(x.x, x.y), h23 = pack_bf16(x.z, x.w);
-    const float2 f01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h01));
-    const float2 f23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h23));
-    *reinterpret_cast<uint2*>(q_hi + m * kStride + d) = make_uint2(h01, h23);
-    *reinterpret_cast<uint2*>(q_lo + m * kStride + d) =
-        make_uint2(pack_bf16(x.x - f01.x, x.y - f01.y), pack_bf16(x.z - f23.x, x.w - f23.y));
+    for (int m = warp; m < kM; m += kDecodeThreads / 32) {
+      if (m < M) {  // T = 1: packed row m is head kvh * group + m
+        const int h = kvh * p.group + m;
+        prep_head_row<kD>(pp.p + int64_t(h) * 2 * kD, pp.q_norm, stage, pos0, pp, lane);
+        for (int i = lane; i < kD / 4; i += 32) {
+          const float4 x = reinterpret_cast<const float4*>(stage)[i];
+          store_hi_lo(q_hi, q_lo, m * kStride + 4 * i, x);
+          if (cta == 0) {
+            reinterpret_cast<float4*>(pp.q_out + int64_t(h) * kD)[i] = x;
+            reinterpret_cast<float4*>(pp.gate_out + int64_t(h) * kD)[i] =
+                reinterpret_cast<const float4*>(pp.p + int64_t(h) * 2 * kD + kD)[i];
+          }
+        }
+        __syncwarp();  // the staged row is read before the next row overwrites it
+      } else {
+        for (int i = lane; i < kD / 4; i += 32)
+          store_hi_lo(q_hi, q_lo, m * kStride + 4 * i, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    }
+    if (writes_row) {
+      __threadfence_block();
+      __syncthreads();  // cache row pos0 is written before any thread's cp.async reads it
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) issue_tile(i);
+    }
+  } else {
+    for (int i = tid; i < kM * (kD / 4); i += kDecodeThreads) {
+      const int m = i / (kD / 4), d = (i % (kD / 4)) * 4;
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (m < M) {
+        const int t = m / p.group, h = kvh * p.group + m % p.group;
+        x = *reinterpret_cast<const float4*>(p.q + (int64_t(t) * p.nH + h) * kD + d);
+      }
+      store_hi_lo(q_hi, q_lo, m * kStride + d, x);
+    }
   }
   if (tid < kM) {
     row_m[tid] = -INFINITY;
@@ -279,6 +388,7 @@ __global__ void __launch_bounds__(kDecodeThreads) attention_decode_split_kernel(
 
 struct DecodeMergeParams {
   float* o;             // [T, nH*D] f32
+  const float* gate;    // [T, nH*D] f32, or null: o *= sigmoid(gate) in the final write
   const int32_t* pos;   // [1] i32
   int nH, D, T, num_ctas;
 };
@@ -288,6 +398,7 @@ constexpr int kMergeThreads = 256;  // >= kMaxDecodeCtas and >= D
 // o[t, h, :] = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c over the CTAs c that had tiles, in
 // CTA order (M = max_c m_c; CTAs with no visible row for t carry m_c = -inf, weight 0).
 // Grid T*nH (one CTA per (t, h)); thread c loads CTA c's (max, sum), thread d sums dim d.
+// With a gate: o *= 1 / (1 + expf(-gate)), sigmoid_mul's arithmetic on the same value.
 __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(const DecodeMergeParams p) {
   pdl_wait();
   pdl_trigger();
@@ -305,7 +416,9 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(c
   float acc = 0.f;
 #pragma unroll 8
   for (int c = 0; c < n; ++c) acc += weight[c] * part[int64_t(c) * p.D];
-  p.o[int64_t(row) * p.D + tid] = acc * inv_l;
+  const int64_t i = int64_t(row) * p.D + tid;
+  const float out = acc * inv_l;
+  p.o[i] = p.gate ? out * (1.f / (1.f + expf(-p.gate[i]))) : out;
 }
 
 }  // namespace lily::cuda::attn

@@ -48,6 +48,15 @@ struct RopeParams {
   float inv_freq[kMaxRopeHalf];
 };
 
+// The rotation of one pair, shared with the fused decode prep (attention_decode.cuh). Explicit
+// roundings (one product, then a fused multiply-add) so no compiler contraction choice can make
+// the two kernels differ.
+__device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float s) {
+  const float a = x0, b = x1;
+  x0 = __fmaf_rn(a, c, -__fmul_rn(b, s));
+  x1 = __fmaf_rn(b, c, __fmul_rn(a, s));
+}
+
 __global__ void rope_kernel(const RopeParams p) {
   pdl_wait();
   pdl_trigger();
@@ -59,9 +68,10 @@ __global__ void rope_kernel(const RopeParams p) {
   float s, c;
   sincosf(ang, &s, &c);
   float* v = p.x + r * p.D;
-  const float x0 = v[j], x1 = v[j + p.half];
-  v[j] = x0 * c - x1 * s;
-  v[j + p.half] = x1 * c + x0 * s;
+  float x0 = v[j], x1 = v[j + p.half];
+  rope_rotate(x0, x1, c, s);
+  v[j] = x0;
+  v[j + p.half] = x1;
 }
 
 // cache[pos0 + t, w] = bf16_rne(x[t, w]), i.e. cache[pos0*W + e] = x[e] with e = t*W + w.
