@@ -125,9 +125,12 @@ int32_t Session::sample_last() {
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;
-  sampler_.has_token = true;
   int32_t id = 0;
   sampler_.token.download(&id, 4);
+  // The samplers write -1 when the logits hold NaN (docs/sampling.md): no token to feed back.
+  sampler_.has_token = id >= 0;
+  LILY_CHECK(id >= 0, "sample: the model's logits contain NaN (invalid weights or activations); no token was "
+             "sampled. Check the checkpoint with lily.Model.load(..., check_weights=True)");
   return id;
 }
 
