@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from .errors import CheckpointError, LilyError
 
 TEMPLATE_FILE = "chat_template.jinja"
+LONG_TEXT_CHARS = 1 << 16  # texts longer than this are encoded without holding the GIL
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -180,6 +181,8 @@ class Tokenizer:
         """Token ids of ``text`` [T]; no BOS or other ids are added."""
         if not isinstance(text, str):
             raise LilyError(f"text to encode must be a str, got {type(text).__name__}")
+        if len(text) > LONG_TEXT_CHARS:  # encode_batch releases the GIL: other threads run meanwhile
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
