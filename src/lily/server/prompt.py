@@ -36,13 +36,17 @@ class PromptTooLong(LilyError):
 
 
 def encode_bounded(tokenizer: Tokenizer, text: str, limit: int | None) -> list[int]:
-    """``tokenizer.encode(text)``, but a text whose first ``PROBE_CHARS_PER_TOKEN * limit`` characters
-    already make more than ``limit`` tokens raises PromptTooLong after encoding only those (bounded
-    cost, whatever the text's length)."""
-    if limit is not None and len(text) > PROBE_CHARS_PER_TOKEN * limit:
-        head = len(tokenizer.encode(text[:PROBE_CHARS_PER_TOKEN * limit]))
-        if head > limit + 1:  # a cut may merge at most its last token with the next characters
-            raise PromptTooLong(f"the prompt has more than {head - 1} tokens", head - 1)
+    """``tokenizer.encode(text)``, but a text longer than ``PROBE_CHARS_PER_TOKEN * limit`` characters
+    is first encoded in growing prefixes (x4 limit, x8, ...): once one makes more than ``limit``
+    tokens, PromptTooLong is raised without encoding the rest (cost bounded by the limit, not by the
+    text's length)."""
+    if limit is not None:
+        probe = PROBE_CHARS_PER_TOKEN * limit
+        while probe < len(text):  # doubling probes: at most ~4x the characters that make `limit` tokens
+            head = len(tokenizer.encode(text[:probe]))
+            if head > limit + 1:  # a cut may merge at most its last token with the next characters
+                raise PromptTooLong(f"the prompt has more than {head - 1} tokens", head - 1)
+            probe *= 2
     return tokenizer.encode(text)
 
 
