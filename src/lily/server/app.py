@@ -147,7 +147,8 @@ class Server:
                  cache_mib: int = DEFAULT_CACHE_MIB, max_context: int | None = None, source: Source | None = None,
                  log: bool = False, max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
                  request_timeout: float = REQUEST_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
-                 write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None):
+                 write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None,
+                 allow_control_tokens: bool = False):
         self.model = model
         self.tokenizer = model.tokenizer  # loaded once here, shared by the handler threads
         self.defaults = model.default_sampling()
@@ -161,6 +162,12 @@ class Server:
         self.max_connections = max_connections
         self.request_timeout, self.keepalive_timeout = request_timeout, keepalive_timeout
         self.write_timeout = write_timeout
+        # Text of the tokenizer's special tokens (<|im_start|>, <|im_end|>, ...): in message text they
+        # would encode as the control tokens themselves and forge turns, so they are refused.
+        specials = sorted({t for t in (self.tokenizer.id_to_token(i) for i in self.tokenizer.special_ids) if t},
+                          key=len, reverse=True)
+        self.control_tokens = None if allow_control_tokens or not specials else \
+            re.compile("|".join(map(re.escape, specials)))
         self.created = int(time.time())
         self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20, max_context=max_context,
                              source=source)
@@ -227,6 +234,20 @@ class Server:
         if name is not None and name not in self.names:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    def check_control_tokens(self, messages: list[dict]) -> None:
+        """Refuse message text that spells a special token (a forged turn), unless allowed."""
+        if self.control_tokens is None:
+            return
+        for i, m in enumerate(messages):
+            for field in ("content", "reasoning_content"):
+                found = self.control_tokens.search(m.get(field) or "")
+                if found:
+                    name = "content" if field == "content" else "reasoning_content"
+                    raise bad_request(f"'messages[{i}].{name}' contains the control token {found.group()!r}; "
+                                      f"special tokens are not allowed in message text (the server's "
+                                      f"--allow-control-tokens turns this check off)", f"messages[{i}].{name}",
+                                      "control_token")
 
     def check_chars(self, n: int, field: str) -> None:
         """Refuse prompt text over max_prompt_chars before any template or tokenizer runs."""
@@ -444,6 +465,7 @@ class Handler(BaseHTTPRequestHandler):
         app.check_model(req.model)
         app.check_chars(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "")
                             for m in req.messages), "messages")
+        app.check_control_tokens(req.messages)
         try:
             prompt = chat_prompt(app.tokenizer, req.messages, req.tools, req.template_kwargs, app.engine.max_context)
         except PromptTooLong as e:

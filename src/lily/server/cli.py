@@ -54,6 +54,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mib", type=int, default=DEFAULT_CACHE_MIB, metavar="MIB",
                    help=f"memory for prefix snapshots reused across requests, in MiB (default {DEFAULT_CACHE_MIB}; "
                         f"0 turns the cache off)")
+    p.add_argument("--allow-control-tokens", action="store_true",
+                   help="accept special-token text such as <|im_start|> in chat messages (default: 400)")
     p.add_argument("--log-requests", action="store_true", help="print one line per HTTP request to stderr")
     p.set_defaults(func=cmd_serve)
     return p
@@ -82,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server = Server(model, host=args.host, port=args.port, api_key=api_key, model_name=name, aliases=aliases,
                         max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
-                        max_connections=args.max_connections, request_timeout=args.request_timeout)
+                        max_connections=args.max_connections, request_timeout=args.request_timeout,
+                        allow_control_tokens=args.allow_control_tokens)
     except OSError as e:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in LOOPBACK and api_key is None:
