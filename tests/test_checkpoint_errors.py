@@ -160,7 +160,7 @@ def test_unreadable_config(ckpt):
     (lambda r: r["text_config"].__setitem__("hidden_size", 2**62), "'hidden_size' must be a positive integer"),
     (lambda r: r["text_config"].__setitem__("max_position_embeddings", "abc"), "'max_position_embeddings' must be"),
     (lambda r: r["text_config"].__setitem__("eos_token_id", ["abc"]), "'eos_token_id' must be a token id"),
-    (lambda r: r["text_config"].__setitem__("eos_token_id", 10**9), "'eos_token_id' must be a token id"),
+    (lambda r: r["text_config"].__setitem__("eos_token_id", 2**40), "'eos_token_id' must be a token id"),
     (lambda r: r["text_config"].__setitem__("rms_norm_eps", float("inf")), "'rms_norm_eps' must be a finite number"),
     (lambda r: r["text_config"].__setitem__("rms_norm_eps", 5.0), "'rms_norm_eps' must be a finite number in"),
     (lambda r: r["text_config"].setdefault("rope_parameters", {}).__setitem__("rope_theta", float("nan")),
