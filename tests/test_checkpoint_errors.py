@@ -151,3 +151,96 @@ def test_unreadable_config(ckpt):
     (ckpt / "config.json").write_text("{ nope")
     with pytest.raises(lily.ConfigError, match="unreadable JSON"):
         load(ckpt)
+
+
+# --- issue 14: hostile checkpoints (rows 8-11) ---------------------------------------------------------
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r["text_config"].__setitem__("num_hidden_layers", 10**6), "'num_hidden_layers' must be a positive integer <= 1024"),
+    (lambda r: r["text_config"].__setitem__("hidden_size", 2**62), "'hidden_size' must be a positive integer"),
+    (lambda r: r["text_config"].__setitem__("max_position_embeddings", "abc"), "'max_position_embeddings' must be"),
+    (lambda r: r["text_config"].__setitem__("eos_token_id", ["abc"]), "'eos_token_id' must be a token id"),
+    (lambda r: r["text_config"].__setitem__("eos_token_id", 2**40), "'eos_token_id' must be a token id"),
+    (lambda r: r["text_config"].__setitem__("rms_norm_eps", float("inf")), "'rms_norm_eps' must be a finite number"),
+    (lambda r: r["text_config"].__setitem__("rms_norm_eps", 5.0), "'rms_norm_eps' must be a finite number in"),
+    (lambda r: r["text_config"].setdefault("rope_parameters", {}).__setitem__("rope_theta", float("nan")),
+     "'rope_theta' must be a finite number"),
+    (lambda r: r["text_config"].__setitem__("layer_types", [{"a": 1}] * 4), "unknown layer_types"),
+])
+def test_absurd_config_values_are_lily_errors(ckpt, edit, match):
+    edit_config(ckpt, edit)
+    with pytest.raises(lily.ConfigError, match=match):
+        load(ckpt)
+
+
+def test_deeply_nested_config_is_a_lily_error(ckpt):
+    (ckpt / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(lily.ConfigError, match="unreadable JSON"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("ctx", [2**55 + 1, 2**31, 0, -3, 1.5])
+def test_absurd_max_context_is_refused_before_any_allocation(good, ctx):
+    with pytest.raises(lily.LilyError, match="max_context must be an integer in"):
+        lily.Model.load(good, device="cpu", max_context=ctx)
+    model = load(good)
+    with pytest.raises(lily.LilyError, match="max_context must be an integer in"):
+        model.new_session(ctx)
+    assert model.new_session(8).max_context == 8  # the model is unharmed
+
+
+def test_native_session_refuses_overflowing_sizes(good):
+    from lily import _core
+
+    model = load(good)
+    with pytest.raises(lily.LilyError, match="max_context must be at most"):
+        _core.Session(model._engine, 2**55 + 1, 16, False)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_refused(ckpt, value):
+    def poison(t):
+        dtype, a = t[Q]
+        a = a.copy()
+        a.reshape(-1)[7] = np.float32(value).view(np.uint32) >> 16 if dtype == "BF16" else value
+        t[Q] = (dtype, a)
+
+    rewrite(ckpt, poison)
+    with pytest.raises(lily.CheckpointError, match=r"in_proj_qkv.*holds NaN or infinity"):
+        load(ckpt)
+    lily.Model.load(ckpt, device="cpu", max_context=64, check_weights=False).close()  # the opt-out
+
+
+def test_fifo_weights_file_is_refused_without_blocking(ckpt):
+    import os
+
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors")
+    with pytest.raises(lily.CheckpointError, match="not a regular file"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "a\\..\\b"])
+def test_index_entries_outside_the_folder_are_refused(ckpt, name):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {Q: name}}))
+    with pytest.raises(lily.CheckpointError, match="is not a file name inside the checkpoint folder"):
+        load(ckpt)
+
+
+def test_overlapping_tensor_offsets_are_refused(ckpt):
+    import struct
+
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    names = [k for k in header if k != "__metadata__"]
+    a, b = sorted(names, key=lambda k: header[k]["data_offsets"][0])[:2]
+    size_b = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+    start = header[a]["data_offsets"][0]
+    header[b]["data_offsets"] = [start, start + size_b]  # b now aliases a's bytes
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    path.write_bytes(data[:8] + text + data[8 + n:])
+    with pytest.raises(lily.CheckpointError, match="overlap"):
+        load(ckpt)

@@ -95,7 +95,7 @@ def test_jsonl_batch_resumes(cache, model, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "hi", "--top-p", "0"], "top_p must be > 0.0"),
+    (["generate", "hi", "--top-p", "0"], "top_p must be >= 1e-06"),
     (["generate", "--input", "nope.jsonl", "--output", "x.jsonl"], "nope.jsonl: no such input file"),
     (["generate", "--input", "BAD", "--output", "x.jsonl"], "BAD:1: not valid JSON"),
 ])
@@ -191,3 +191,36 @@ def test_convert_bad_arguments_are_clear_errors(hf_tiny, tmp_path, args, message
 def test_convert_missing_source_is_a_clear_error(tmp_path):
     r = run("convert", str(tmp_path / "nope"), str(tmp_path / "out"), cache=tmp_path)
     assert r.returncode == 2 and "no such folder" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- issue 14 row 12: --output at a file that is not lily's -------------------------------------------
+
+@pytest.mark.parametrize("content", [b"my notes\nlast line without newline", b"\xff\xfe binary \x00\n", b'{"id": [1]}\n'])
+def test_output_that_is_not_a_lily_file_is_left_untouched(tmp_path, content):
+    from lily.cli import completed_ids
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    with pytest.raises(lily.LilyError, match="not a lily result"):
+        completed_ids(out)
+    assert out.read_bytes() == content
+
+
+def test_a_cut_short_lily_line_is_still_removed(tmp_path):
+    from lily.cli import completed_ids
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 1, "text": "a"}\n{"id": 2, "te')
+    assert completed_ids(out) == {1}
+    assert out.read_bytes() == b'{"id": 1, "text": "a"}\n'
+
+
+@pytest.mark.parametrize("line, match", [('{"id": [1], "prompt": "x"}', "'id' must be a string or an integer"),
+                                         (None, "not UTF-8")])
+def test_bad_input_files_are_lily_errors(tmp_path, line, match):
+    from lily.cli import read_prompts
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(line.encode() + b"\n" if line else b"\xff\xfe\n")
+    with pytest.raises(lily.LilyError, match=match):
+        read_prompts(src)

@@ -269,7 +269,7 @@ USER = [{"role": "user", "content": "Hi"}]
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required for user messages"),
     ({"messages": USER, "temperature": "hot"}, "temperature", "expected a number or null"),
     ({"messages": USER, "temperature": -0.1}, "temperature", "between 0 and 2"),
-    ({"messages": USER, "top_p": 0}, "top_p", "must be > 0"),
+    ({"messages": USER, "top_p": 0}, "top_p", "must be between 1e-06 and 1"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"messages": USER, "max_completion_tokens": 2.5}, "max_completion_tokens", "an integer"),
     ({"messages": USER, "n": 2}, "n", "must be 1"),

@@ -1,6 +1,7 @@
 #include "session.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "engine.h"
 
@@ -18,8 +19,19 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   const Device d = engine_->device();
   LILY_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
   LILY_CHECK(chunk > 0, "prefill chunk must be positive, got ", chunk);
-  auto f32 = [d](int64_t rows, int64_t cols) { return Buffer(d, size_t(rows * cols) * 4); };
-  const size_t kv_bytes = size_t(max_context) * c.kv_dim() * (d == Device::CPU ? 4 : 2);
+  // Positions are int32 on the device; sizes below are products of these and the (bounded) config.
+  LILY_CHECK(max_context <= INT32_MAX, "max_context must be at most ", INT32_MAX, ", got ", max_context);
+  LILY_CHECK(chunk <= INT32_MAX, "prefill chunk must be at most ", INT32_MAX, ", got ", chunk);
+  auto product = [](const char* what, int64_t a, int64_t b) {  // a * b, refusing overflow
+    int64_t r = 0;
+    LILY_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &r), what, " overflows: ", a, " x ", b);
+    return r;
+  };
+  auto f32 = [d, &product](int64_t rows, int64_t cols) {
+    return Buffer(d, size_t(product("buffer size", product("buffer size", rows, cols), 4)));
+  };
+  const size_t kv_bytes = size_t(product("KV cache size", product("KV cache size", max_context, c.kv_dim()),
+                                         d == Device::CPU ? 4 : 2));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     LayerState st;
     if (c.is_full_attention[l]) {
@@ -125,9 +137,12 @@ int32_t Session::sample_last() {
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;
-  sampler_.has_token = true;
   int32_t id = 0;
   sampler_.token.download(&id, 4);
+  // The samplers write -1 when the logits hold NaN (docs/sampling.md): no token to feed back.
+  sampler_.has_token = id >= 0;
+  LILY_CHECK(id >= 0, "sample: the model's logits contain NaN (invalid weights or activations); no token was "
+             "sampled. Check the checkpoint with lily.Model.load(..., check_weights=True)");
   return id;
 }
 

@@ -81,7 +81,9 @@ static int64_t draw(const std::vector<float>& z, const SamplerParams& p, float u
       }
     std::sort(kept.begin(), kept.end(), std::greater<float>());
     const float need = p.top_p * W;
-    float tau = kept.back(), cum = 0.f;  // rounding may never reach `need`: then keep all
+    // The id with the largest score is always kept (e = 1), so `kept` is never empty for the finite or
+    // -inf logits sample() lets through; the guard only keeps a broken invariant from reading past it.
+    float tau = kept.empty() ? 0.f : kept.back(), cum = 0.f;  // rounding may never reach `need`: then keep all
     for (float x : kept) {
       cum += x;
       if (cum >= need) {
@@ -111,6 +113,11 @@ void sample(const Tensor& logits, const SamplerParams& p, uint64_t step, const S
   const float* l = logits.ptr<float>();      // [V]
   int32_t* counts = s.counts.ptr<int32_t>();  // [V]
   int32_t* seen = s.seen.ptr<int32_t>();      // [V]
+  for (int64_t v = 0; v < V; ++v)  // 0: NaN logits choose nothing: token -1, state untouched
+    if (std::isnan(l[v])) {
+      s.token.ptr<int32_t>()[0] = -1;
+      return;
+    }
   std::vector<float> z(V);                    // [V]
   for (int64_t v = 0; v < V; ++v) z[v] = penalised_score(l[v], counts[v], seen[v], p);
   int64_t chosen = 0;

@@ -179,7 +179,11 @@ def read_prompts(path: Path) -> list[tuple[object, object]]:
     if not path.is_file():
         raise LilyError(f"{path}: no such input file")
     prompts, seen = [], set()
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LilyError(f"{path}: not UTF-8 text ({e})") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -191,6 +195,8 @@ def read_prompts(path: Path) -> list[tuple[object, object]]:
         if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
             raise LilyError(f"{path}:{lineno}: expected a JSON string or an object with 'prompt' or 'messages'")
         pid = item.get("id", len(prompts))
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise LilyError(f"{path}:{lineno}: 'id' must be a string or an integer, got {json.dumps(pid)[:60]}")
         if pid in seen:
             raise LilyError(f"{path}:{lineno}: duplicate id {pid!r}")
         seen.add(pid)
@@ -204,15 +210,21 @@ def completed_ids(path: Path) -> set:
         return set()
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
     done = set()
-    for lineno, line in enumerate(data[:end].decode("utf-8").splitlines(), 1):
+    try:
+        lines = data[:end].decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise LilyError(f"{path}: not a lily results file (not UTF-8); use another --output file") from None
+    for lineno, line in enumerate(lines, 1):  # every complete line is checked before anything is changed
         try:
             done.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError, TypeError):
             raise LilyError(f"{path}:{lineno}: not a lily result line; use another --output file") from None
+    if end < len(data):  # only a cut-short lily line (as an interrupted run leaves) is removed
+        if not data[end:].startswith(b'{"id": '):
+            raise LilyError(f"{path}:{len(lines) + 1}: not a lily result line; use another --output file")
+        with open(path, "r+b") as f:
+            f.truncate(end)
     return done
 
 

@@ -7,11 +7,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import stat
 from pathlib import Path
 
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+# Upper bounds of the integer hyper-parameters: far above any Qwen3.5/3.6 model (the 35B-A3B has 40
+# layers, hidden 2048, vocab 248320, 256 experts), low enough that nothing sized from them overflows
+# or allocates absurd memory before a later check (docs/checkpoints.md, "What the loader refuses").
+INT_LIMITS = {"num_hidden_layers": 1024, "vocab_size": 1 << 22, "hidden_size": 1 << 16, "head_dim": 1024,
+              "num_attention_heads": 1024, "num_key_value_heads": 1024, "linear_num_key_heads": 1024,
+              "linear_num_value_heads": 1024, "linear_key_head_dim": 1024, "linear_value_head_dim": 1024,
+              "linear_conv_kernel_dim": 64, "num_experts": 4096, "num_experts_per_tok": 4096,
+              "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18,
+              "full_attention_interval": 1024, "max_position_embeddings": 1 << 24}
+MAX_CONFIG_BYTES = 16 << 20  # config.json larger than this is refused unread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +88,28 @@ def _int(d: dict, key: str, where: str) -> int:
     if key not in d:
         raise ConfigError(f"{where}: missing required key '{key}'")
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {v!r}")
+    hi = INT_LIMITS.get(key, 1 << 24)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= hi:
+        raise ConfigError(f"{where}: '{key}' must be a positive integer <= {hi}, got {_short(v)}")
     return v
 
 
-def _float(d: dict, key: str, where: str, default: float | None = None) -> float:
+def _float(d: dict, key: str, where: str, default: float | None = None, hi: float = 1e30) -> float:
     v = d.get(key, default)
     if v is None:
         raise ConfigError(f"{where}: missing required key '{key}'")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= hi and math.isfinite(v)):
+        raise ConfigError(f"{where}: '{key}' must be a finite number in (0, {hi:g}], got {_short(v)}")
     return float(v)
+
+
+def _short(v) -> str:
+    """A config value for an error message, cut short (a hostile config may hold anything)."""
+    try:
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - e.g. a RecursionError on deep nesting
+        text = f"a {type(v).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
@@ -108,26 +132,33 @@ def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
                        for i in range(n_layers)]
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise ConfigError(f"{w}: 'layer_types' must list {n_layers} entries (num_hidden_layers)")
-    bad = sorted({t for t in layer_types if t not in ("full_attention", "linear_attention")})
+    bad = [t for t in layer_types if not isinstance(t, str) or t not in ("full_attention", "linear_attention")]
     if bad:
-        raise ConfigError(f"{w}: unknown layer_types {bad}")
+        raise ConfigError(f"{w}: unknown layer_types {_short(sorted(set(map(str, bad))))}")
     rope = text.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{w}: 'rope_parameters' must be an object")
     theta = rope.get("rope_theta", text.get("rope_theta"))
     prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    vocab = _int(text, "vocab_size", w)
+    # Not bounded by vocab_size: small synthetic models keep the real tokenizer's end ids.
+    if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < 2**31 for e in eos):
+        raise ConfigError(f"{w}: 'eos_token_id' must be a token id or a list of token ids in [0, 2^31), "
+                          f"got {_short(text.get('eos_token_id', raw.get('eos_token_id')))}")
+    max_pos = _int({"max_position_embeddings": text.get("max_position_embeddings", 262144)},
+                   "max_position_embeddings", w)
     cfg = TextConfig(
         hidden_size=_int(text, "hidden_size", w),
         num_hidden_layers=n_layers,
-        vocab_size=_int(text, "vocab_size", w),
+        vocab_size=vocab,
         layer_types=tuple(layer_types),
         num_attention_heads=_int(text, "num_attention_heads", w),
         num_key_value_heads=_int(text, "num_key_value_heads", w),
         head_dim=_int(text, "head_dim", w),
-        partial_rotary_factor=_float({"p": prf}, "p", f"{w}: partial_rotary_factor"),
-        rope_theta=_float({"t": theta}, "t", f"{w}: rope_theta"),
+        partial_rotary_factor=_float({"partial_rotary_factor": prf}, "partial_rotary_factor", w, hi=1.0),
+        rope_theta=_float({"rope_theta": theta}, "rope_theta", w, hi=1e12),
         linear_num_key_heads=_int(text, "linear_num_key_heads", w),
         linear_num_value_heads=_int(text, "linear_num_value_heads", w),
         linear_key_head_dim=_int(text, "linear_key_head_dim", w),
@@ -137,8 +168,8 @@ def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
         num_experts_per_tok=_int(text, "num_experts_per_tok", w),
         moe_intermediate_size=_int(text, "moe_intermediate_size", w),
         shared_expert_intermediate_size=_int(text, "shared_expert_intermediate_size", w),
-        rms_norm_eps=_float(text, "rms_norm_eps", w, 1e-6),
-        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        rms_norm_eps=_float(text, "rms_norm_eps", w, 1e-6, hi=1.0),
+        max_position_embeddings=max_pos,
         eos_token_id=eos,
     )
     _check_consistent(cfg, w)
@@ -163,10 +194,16 @@ def _check_consistent(c: TextConfig, w: str) -> None:
 def load_config(model_dir: Path) -> tuple[TextConfig, dict]:
     """Read ``model_dir/config.json``; return the TextConfig and the raw dict."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found (a checkpoint folder needs config.json)")
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ConfigError(f"{path}: not found (a checkpoint folder needs config.json)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {st.st_size} bytes; a config.json over {MAX_CONFIG_BYTES} bytes is refused")
     try:
         raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     return parse_config(raw, str(path)), raw

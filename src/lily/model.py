@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 import re
 import threading
@@ -107,6 +108,16 @@ class _Closed:
 
     def __getattr__(self, name: str):
         raise LilyError(f"{self._what} is closed (Model.close() released its memory)")
+
+
+MAX_SIZE = 2**31 - 1  # max_context and prefill_chunk: positions are int32 on the device
+
+
+def _check_size(name: str, value) -> int:
+    """A positive int32 session size, checked before anything is allocated from it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= MAX_SIZE:
+        raise LilyError(f"{name} must be an integer in [1, {MAX_SIZE}], got {value!r}")
+    return int(value)
 
 
 class Session:
@@ -261,36 +272,43 @@ class Model:
     @classmethod
     def load(cls, path_or_repo: str | os.PathLike, device: str = "auto", *, max_context: int | None = None,
              prefill_chunk: int | None = None, progress: bool | None = None, revision: str | None = None,
-             quantize: int | None = None) -> "Model":
+             quantize: int | None = None, check_weights: bool = True) -> "Model":
         """Load a checkpoint folder (MLX or Hugging Face layout) or a Hugging Face repo id.
 
         ``device``: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'. ``max_context``: the
         default session size in tokens. ``progress``: show a progress bar (default: for big checkpoints).
         ``quantize``: 4 or 8 quantizes a float (Hugging Face) checkpoint's matrices while loading, to the
         MLX affine form ``lily convert`` writes (group 64, router gates 8-bit), so the GPU runs its fast
-        quantized kernels; None (default) runs the stored floats.
+        quantized kernels; None (default) runs the stored floats. ``check_weights`` (default True):
+        refuse a checkpoint whose float tensors hold NaN or infinity (one vectorised pass over the
+        bits as each tensor is read; False skips it).
         """
         if quantize is not None and (isinstance(quantize, bool) or quantize not in (4, 8)):
             raise LilyError(f"quantize must be 4, 8 or None, got {quantize!r}")
         dev = resolve_device(device)
         path = resolve_path(path_or_repo, revision)
         config, raw = load_config(path)
+        ctx = _check_size("max_context", min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+                          if max_context is None else max_context)
+        chunk = _check_size("prefill_chunk", DEFAULT_PREFILL_CHUNK.get(dev, 256) if prefill_chunk is None
+                            else prefill_chunk)
         if progress is None:
             progress = sum(f.stat().st_size for f in path.glob("*.safetensors")) > (1 << 30)
         store = _core.WeightStore(dev)
-        layout = load_weights(path, config, raw, store, progress=progress, quantize=quantize)
+        layout = load_weights(path, config, raw, store, progress=progress, quantize=quantize,
+                              check_weights=check_weights)
         engine = _core.Engine.create(config.to_core(), store)
-        ctx = int(max_context or min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT))
-        chunk = int(prefill_chunk or DEFAULT_PREFILL_CHUNK.get(dev, 256))
-        if ctx <= 0 or chunk <= 0:
-            raise LilyError(f"max_context ({ctx}) and prefill_chunk ({chunk}) must be positive")
         return cls(path, config, raw, engine, dev, layout, ctx, chunk)
 
     def new_session(self, max_context: int | None = None, *, use_graph: bool = True) -> Session:
         """A fresh, independent conversation state."""
         if self.closed:
             raise LilyError("this model is closed (Model.close() released its memory)")
-        session = Session(self, max_context or self.max_context, self.prefill_chunk, use_graph)
+        ctx = self.max_context if max_context is None else _check_size("max_context", max_context)
+        try:
+            session = Session(self, ctx, self.prefill_chunk, use_graph)
+        except MemoryError:
+            raise LilyError(f"max_context {ctx}: not enough memory for a session of that size") from None
         self._sessions.add(session)
         return session
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import uuid
 from collections import deque
@@ -59,6 +60,27 @@ class LazyTensor(NamedTuple):
         return math.prod(self.shape) * SAFETENSORS_DTYPES[self.dtype].itemsize
 
 
+# Bits that are all ones in the exponent of a NaN or an infinity, per float storage dtype.
+_EXPONENT_MASKS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000),
+                   "F64": (np.uint64, 0x7FF0000000000000)}
+
+
+def first_non_finite(array: np.ndarray, dtype: str, chunk: int = 1 << 24) -> int | None:
+    """The flat index of the first NaN or infinity in a stored float tensor (its storage array), or
+    None (also for non-float dtypes). Vectorised on the bit patterns, chunk by chunk (no big temporaries)."""
+    if dtype not in _EXPONENT_MASKS:
+        return None
+    bits, mask = _EXPONENT_MASKS[dtype]
+    flat = array.reshape(-1).view(bits)
+    mask = bits(mask)
+    for i in range(0, flat.size, chunk):
+        part = flat[i:i + chunk]
+        bad = (part & mask) == mask
+        if bad.any():
+            return i + int(np.argmax(bad))
+    return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -72,7 +94,10 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
+                raise CheckpointError(f"{self.path}: not a regular file")
+            size = st.st_size
             with open(self.path, "rb") as f:
                 prefix = f.read(8)
                 if len(prefix) < 8:
@@ -105,6 +130,10 @@ class SafetensorsFile:
             name: self._parse_entry(name, entry, data_start, size - data_start)
             for name, entry in header.items()
         }
+        spans = sorted((i.offset, i.offset + i.nbytes, name) for name, i in self._infos.items() if i.nbytes)
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensors {a!r} and {b!r} overlap in the file")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def _parse_entry(self, name: str, entry: object, data_start: int, data_size: int) -> TensorInfo:

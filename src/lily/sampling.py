@@ -16,6 +16,10 @@ from .errors import LilyError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1  # the core's top_k is an int32
+# The core computes in float32: these bounds keep every value finite and non-zero there.
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise LilyError naming the first parameter that is out of range."""
-        _real("temperature", self.temperature, lo=0.0)
-        _integer("top_k", self.top_k, lo=0)
-        _real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _real("temperature", self.temperature, lo=0.0, hi=1e6)
+        _integer("top_k", self.top_k, lo=0, hi=MAX_TOP_K)
+        _real("top_p", self.top_p, lo=MIN_TOP_P, hi=1.0)
         _real("min_p", self.min_p, lo=0.0, hi=1.0)
-        _real("presence_penalty", self.presence_penalty)
-        _real("frequency_penalty", self.frequency_penalty)
-        _real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _real("presence_penalty", self.presence_penalty, lo=-1e6, hi=1e6)
+        _real("frequency_penalty", self.frequency_penalty, lo=-1e6, hi=1e6)
+        _real("repetition_penalty", self.repetition_penalty, lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY)
         if self.seed is not None:
             _integer("seed", self.seed, lo=0, hi=MAX_SEED)
         if self.max_tokens is not None:
@@ -142,13 +146,12 @@ class StopMatcher:
     first wins (the longest on a tie).
     """
 
-    __slots__ = ("stops", "_held", "_max", "_prefixes")
+    __slots__ = ("stops", "_held", "_max")
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(sorted(stops, key=len, reverse=True))
         self._held = ""
         self._max = max(map(len, self.stops), default=0)
-        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         text = self._held + delta
@@ -166,11 +169,19 @@ class StopMatcher:
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
-        prefixes = self._prefixes
-        for n in range(min(len(text), self._max - 1), 0, -1):
-            if text[-n:] in prefixes:
-                return n
-        return 0
+        # No table of prefixes (quadratic in a stop's length): each stop's first character locates
+        # the candidate suffixes, longest first, and one startswith (in C) tests each.
+        tail = text[len(text) - min(len(text), self._max - 1):]
+        best = 0
+        for s in self.stops:
+            at = tail.find(s[0], 0, len(tail) - best)
+            while at >= 0:
+                n = len(tail) - at
+                if n < len(s) and s.startswith(tail[at:]):
+                    best = n
+                    break
+                at = tail.find(s[0], at + 1, len(tail) - best)
+        return best
 
     def flush(self) -> str:
         text, self._held = self._held, ""

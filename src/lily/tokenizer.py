@@ -10,6 +10,8 @@ recognised wherever they appear.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any, Mapping, Sequence
 from .errors import CheckpointError, LilyError
 
 TEMPLATE_FILE = "chat_template.jinja"
+LONG_TEXT_CHARS = 1 << 16  # texts longer than this are encoded without holding the GIL
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -51,6 +54,45 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+TEMPLATE_SECONDS = 10.0  # a chat template's render budget (a template with runaway loops fails instead of spinning)
+TEMPLATE_MAX_CHARS = 64 << 20  # and the most text it may produce
+_budget = threading.local()
+
+
+def _tick() -> None:
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        from jinja2.exceptions import TemplateRuntimeError
+
+        raise TemplateRuntimeError(f"rendering took more than {TEMPLATE_SECONDS:g} s (a loop that does not end?)")
+
+
+def _budgeted_range(*args):
+    from jinja2.sandbox import safe_range
+
+    for i in safe_range(*args):  # the sandbox's range (at most MAX_RANGE items), checked per item
+        _tick()
+        yield i
+
+
+def _render(template, context: dict) -> str:
+    """``template.render(**context)`` within TEMPLATE_SECONDS and TEMPLATE_MAX_CHARS."""
+    from jinja2.exceptions import TemplateRuntimeError
+
+    _budget.deadline = time.monotonic() + TEMPLATE_SECONDS
+    try:
+        parts, n = [], 0
+        for part in template.generate(**context):
+            _tick()
+            n += len(part)
+            if n > TEMPLATE_MAX_CHARS:
+                raise TemplateRuntimeError(f"the rendered prompt exceeds {TEMPLATE_MAX_CHARS} characters")
+            parts.append(part)
+        return "".join(parts)
+    finally:
+        _budget.deadline = None
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     from jinja2 import nodes
@@ -67,8 +109,23 @@ def _compile(source: str):
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body, lineno=lineno)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, GenerationBlock])
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with the render budget checked at every call, attribute and item access."""
+
+        def call(self, __context, __obj, *args, **kwargs):
+            _tick()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            _tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _tick()
+            return super().getitem(obj, argument)
+
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock])
+    env.globals["range"] = _budgeted_range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -180,6 +237,8 @@ class Tokenizer:
         """Token ids of ``text`` [T]; no BOS or other ids are added."""
         if not isinstance(text, str):
             raise LilyError(f"text to encode must be a str, got {type(text).__name__}")
+        if len(text) > LONG_TEXT_CHARS:  # encode_batch releases the GIL: other threads run meanwhile
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -238,7 +297,7 @@ class Tokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            return _compile(self.chat_template).render(**context)
+            return _render(_compile(self.chat_template), context)
         except TemplateError as e:
             raise LilyError(f"chat template: {e}") from None
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
 from .errors import CheckpointError
-from .safetensors_io import LazyTensor, SafetensorsFile, produced_in_order
+from .safetensors_io import LazyTensor, SafetensorsFile, first_non_finite, produced_in_order
 from .tensors import is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -35,6 +36,7 @@ class Source:
     name: str  # as stored in the file
     file: SafetensorsFile
     path: Path
+    check_finite: bool = True
 
     @property
     def info(self):
@@ -44,7 +46,14 @@ class Source:
         return f"tensor '{self.name}' in {self.path.name}"
 
     def read(self) -> np.ndarray:
-        return self.file.get(self.name)
+        a = self.file.get(self.name)
+        if self.check_finite:
+            at = first_non_finite(a, self.info.dtype)
+            if at is not None:
+                index = tuple(int(i) for i in np.unravel_index(at, a.shape)) if a.ndim else ()
+                raise CheckpointError(f"{self.where()}: holds NaN or infinity (first at index {list(index)}); "
+                                      f"the checkpoint is corrupt (load with check_weights=False to skip this check)")
+        return a
 
 
 def find_shards(model_dir: Path) -> list[Path]:
@@ -52,10 +61,17 @@ def find_shards(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
+            if not stat.S_ISREG(index.stat().st_mode):
+                raise CheckpointError(f"{index}: not a regular file")
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {str(e)[:200]})") from None
+        for f in files:  # plain names inside the folder (symlinked files, as in the hub cache, are fine)
+            parts = PurePosixPath(f).parts if isinstance(f, str) else ()
+            if not parts or f.startswith("/") or "\\" in f or ":" in f or any(p in ("..", ".") for p in parts):
+                raise CheckpointError(f"{index}: shard name {str(f)[:100]!r} is not a file name inside the "
+                                      f"checkpoint folder")
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
@@ -104,13 +120,15 @@ class MemorySource:
 class CheckpointTensors:
     """Index of every tensor of a checkpoint by canonical name, with its layout."""
 
-    def __init__(self, model_dir: Path, computed: dict[str, LazyTensor] | None = None, origin: str = ""):
-        """The tensors of the files in ``model_dir``, or ``computed`` ones (stored names -> tensors)."""
+    def __init__(self, model_dir: Path, computed: dict[str, LazyTensor] | None = None, origin: str = "",
+                 check_finite: bool = True):
+        """The tensors of the files in ``model_dir``, or ``computed`` ones (stored names -> tensors).
+        ``check_finite``: reading a float tensor that holds NaN or infinity raises CheckpointError."""
         self.dir = model_dir
         self.sources: dict[str, Source | MemorySource] = {}
         layouts = set()
         if computed is None:
-            named = ((name, Source(name, f, path)) for path in find_shards(model_dir)
+            named = ((name, Source(name, f, path, check_finite)) for path in find_shards(model_dir)
                      for f in [SafetensorsFile(path)] for name in f.names())
         else:
             named = ((name, MemorySource(name, t, origin)) for name, t in computed.items())
@@ -275,10 +293,11 @@ def quantized_at_load(tensors: CheckpointTensors, raw_config: dict, bits: int) -
 
 
 def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, progress: bool = False,
-                 quantize: int | None = None) -> str:
+                 quantize: int | None = None, check_weights: bool = True) -> str:
     """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf').
-    ``quantize`` (4 or 8): quantize a float checkpoint's matrices as it loads (``lily convert``'s result)."""
-    tensors = CheckpointTensors(Path(model_dir))
+    ``quantize`` (4 or 8): quantize a float checkpoint's matrices as it loads (``lily convert``'s result).
+    ``check_weights``: refuse float tensors (weights, scales, biases, norms) holding NaN or infinity."""
+    tensors = CheckpointTensors(Path(model_dir), check_finite=check_weights)
     layout = tensors.layout
     if quantize is not None:
         tensors, raw_config = quantized_at_load(tensors, raw_config, quantize)

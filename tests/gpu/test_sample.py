@@ -173,3 +173,24 @@ def test_repeatable_and_never_masked():
     draws = [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
     assert all(d % 2 == 1 for d in draws)
     assert draws == [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=1.0), dict(temperature=0.6, top_k=20, top_p=0.95),
+                                    dict(temperature=0.7, min_p=0.1, top_p=0.8),
+                                    dict(temperature=1.0, top_k=3, num_logprobs=5)])
+@pytest.mark.parametrize("where", ["one", "all"])
+def test_nan_logits_choose_no_token_like_the_cpu(params, where):
+    # Issue 14 row 1: both samplers write token -1 for NaN logits and leave counts/seen untouched.
+    rng = np.random.default_rng(3)
+    logits, counts, seen = inputs(rng, REAL_V)
+    counts[:] = 1
+    if where == "one":
+        logits[REAL_V - 3] = np.nan
+    else:
+        logits[:] = np.nan
+    for device in ("cpu", "cuda"):
+        token, c, s, _, _ = run(device, logits, counts, seen, seed=5, **params)
+        assert token == -1, device
+        assert (c == counts).all() and (s == seen).all(), device
+    logits[:] = -np.inf  # all -inf is still a valid (if degenerate) distribution
+    assert 0 <= run("cuda", logits, counts, seen, seed=5, **params)[0] < REAL_V

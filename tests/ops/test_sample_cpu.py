@@ -159,3 +159,37 @@ def test_logprobs_ties_prefer_lower_id_and_small_vocab():
 def test_invalid_params_raise_naming_the_parameter(params, name):
     with pytest.raises(lily.LilyError, match=name):
         draw(np.zeros(8, np.float32) + 1.0, **params)
+
+
+NAN_CASES = [dict(), dict(temperature=1.0), dict(temperature=0.6, top_k=20, top_p=0.95),
+             dict(temperature=0.7, min_p=0.1, top_p=0.8), dict(temperature=1.0, top_k=3, num_logprobs=5),
+             dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", NAN_CASES)
+@pytest.mark.parametrize("where", ["one", "all"])
+def test_nan_logits_choose_no_token_and_leave_the_state(params, where):
+    # Issue 14 row 1: NaN logits with top_k/min_p and top_p < 1 read past an empty candidate list
+    # (SIGSEGV). Now the sampler writes token -1 and leaves counts/seen untouched; the session raises.
+    rng = np.random.default_rng(3)
+    logits = normal_logits(rng, 4099)
+    if where == "one":
+        logits[17] = np.nan
+    else:
+        logits[:] = np.nan
+    counts, seen = np.ones(4099, np.int32), np.zeros(4099, np.int32)
+    token, c, s, _, _ = draw(logits, counts=counts.copy(), seen=seen.copy(), seed=5, **params)
+    assert token == -1
+    assert (c == counts).all() and (s == seen).all()
+
+
+@pytest.mark.parametrize("params", NAN_CASES)
+def test_inf_logits_still_choose_a_valid_token(params):
+    rng = np.random.default_rng(4)
+    logits = normal_logits(rng, 1031)
+    logits[5] = np.inf
+    logits[9] = -np.inf
+    token = draw(logits, seed=1, **params)[0]
+    assert token == 5
+    logits[:] = -np.inf
+    assert 0 <= draw(logits, seed=1, **params)[0] < 1031

@@ -173,20 +173,29 @@ __global__ void __cluster_dims__(SAMPLE_CTAS, 1, 1) __launch_bounds__(SAMPLE_THR
   const bool want_lp = p.num_logprobs >= 0;
   ArgMax best{-INFINITY, INT_MAX};  // of the scores z
   Lse lse{-INFINITY, 0.f};          // of the raw logits
+  int has_nan = 0;                  // step 0: any NaN logit
 #pragma unroll 4
   for (int v0 = lo + 4 * int(threadIdx.x); v0 < hi; v0 += SAMPLE_TILE) {
     const Quad q = load_quad(p, v0, hi);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if (v0 + k >= hi) continue;
+      if (isnan(q.l[k])) has_nan = 1;
       best = MaxFirst{}(best, ArgMax{q.z[k], v0 + k});
       if (want_lp) lse = lse_add(lse, q.l[k]);
     }
   }
   best = cluster_reduce(best, MaxFirst{}, c);
+  // The same value in every thread of the cluster, so the branches below stay uniform.
+  has_nan = cluster_reduce(has_nan, MaxI{}, c);
+  if (has_nan) {  // NaN logits choose nothing: token -1, counts/seen/logprobs untouched (the host raises)
+    if (rank == 0 && threadIdx.x == 0) p.token[0] = -1;
+    c.cluster.sync();
+    return;
+  }
   int chosen = best.id;
   if (p.temperature != 0.f) chosen = draw(p, lo, hi, scaled(p, best.v), c);
-  if (chosen < 0 || chosen >= p.V) chosen = 0;  // only with NaN logits
+  if (chosen < 0 || chosen >= p.V) chosen = 0;  // never out of range, whatever the logits
   if (want_lp) {  // step 1: the chosen id's logprob, then the top n raw logits by repeated argmax
     lse = cluster_reduce(lse, LseMerge{}, c);
     const float log_z = lse.m + logf(lse.s);

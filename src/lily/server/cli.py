@@ -8,6 +8,8 @@ import sys
 from ..errors import LilyError
 from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
 
+MAX_CONNECTIONS, REQUEST_TIMEOUT = 256, 30.0  # as app.MAX_CONNECTIONS / app.REQUEST_TIMEOUT (not imported: slow)
+
 TINY_NAME = "lily-tiny"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -35,7 +37,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LILY_API_KEY; unset = no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LILY_API_KEY; unset = no key). "
+                        "A key on the command line is visible to other users in `ps`: prefer $LILY_API_KEY or "
+                        "--api-key-file")
+    p.add_argument("--api-key-file", metavar="PATH", default=None,
+                   help="read the API key from the first line of this file")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"open connections at once; more are answered 503 (default {MAX_CONNECTIONS})")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT, metavar="S",
+                   help=f"seconds to receive a request's headers and body (default {REQUEST_TIMEOUT:g})")
     p.add_argument("--served-model-name", metavar="NAME",
                    help=f"the model id clients send and /v1/models lists (default: the --model value, or "
                         f"'{TINY_NAME}' for the built-in tiny checkpoint)")
@@ -44,6 +54,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mib", type=int, default=DEFAULT_CACHE_MIB, metavar="MIB",
                    help=f"memory for prefix snapshots reused across requests, in MiB (default {DEFAULT_CACHE_MIB}; "
                         f"0 turns the cache off)")
+    p.add_argument("--allow-control-tokens", action="store_true",
+                   help="accept special-token text such as <|im_start|> in chat messages (default: 400)")
     p.add_argument("--log-requests", action="store_true", help="print one line per HTTP request to stderr")
     p.set_defaults(func=cmd_serve)
     return p
@@ -51,7 +63,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..cli import load_model
-    from .app import Server, default_api_key
+    from .app import Server
 
     if not 0 <= args.port <= 65535:
         raise LilyError(f"--port must be in [0, 65535], got {args.port}")
@@ -61,13 +73,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LilyError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
     if args.max_context is not None and args.max_context < 2:
         raise LilyError(f"--max-context must be >= 2, got {args.max_context}")
-    api_key = args.api_key or default_api_key()
+    if args.max_connections < 1:
+        raise LilyError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if not args.request_timeout > 0:
+        raise LilyError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    api_key = read_api_key(args.api_key, args.api_key_file)
     model = load_model(args)
     name = args.served_model_name or args.model or TINY_NAME
     aliases = tuple({str(args.model), str(model.path), model.path.name} - {"None"})
     try:
         server = Server(model, host=args.host, port=args.port, api_key=api_key, model_name=name, aliases=aliases,
-                        max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests)
+                        max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
+                        max_connections=args.max_connections, request_timeout=args.request_timeout,
+                        allow_control_tokens=args.allow_control_tokens)
     except OSError as e:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in LOOPBACK and api_key is None:
@@ -82,10 +100,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        server.close()
+        server.close()  # running streams end with the error event and [DONE] first
+        model.close()
     if not args.quiet:
         print("lily serve: stopped", file=sys.stderr)
     return 0
+
+
+def read_api_key(given: str | None, path: str | None) -> str | None:
+    """The key from --api-key, else --api-key-file, else $LILY_API_KEY; an empty one is an error
+    (it would silently turn authentication off)."""
+    import os
+
+    if given is not None and path is not None:
+        raise LilyError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                given = f.readline(4096).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise LilyError(f"--api-key-file {path}: {e}") from None
+    elif given is None:
+        given = os.environ.get("LILY_API_KEY")
+    if given is not None and not given.strip():
+        raise LilyError("the API key is empty: give a non-empty key, or none to serve without one")
+    return given
 
 
 def _interrupt(signum, frame):

@@ -91,14 +91,26 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
     return b.decode("utf-8", errors="replace"), list(b)
 
 
+MIN_LOGPROB = -9999.0  # what a logprob of -inf (or NaN) is reported as: JSON has no infinities
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` as JSON can carry it: -inf and NaN (logits the model made non-finite) -> MIN_LOGPROB,
+    +inf -> 0 (a log-probability is at most 0)."""
+    v = float(value)
+    if v != v or v == float("-inf"):
+        return MIN_LOGPROB
+    return min(v, 0.0)
+
+
 def chat_logprob(tokenizer: Tokenizer, lp: TokenLogprob) -> dict:
     """One token's entry of ``choices[0].logprobs.content``."""
     text, raw = _token_text(tokenizer, lp.token_id)
     top = []
     for tid, value in lp.top:
         t, r = _token_text(tokenizer, tid)
-        top.append({"token": t, "logprob": value, "bytes": r})
-    return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
+        top.append({"token": t, "logprob": finite_logprob(value), "bytes": r})
+    return {"token": text, "logprob": finite_logprob(lp.logprob), "bytes": raw, "top_logprobs": top}
 
 
 class CompletionLogprobs:
@@ -114,8 +126,8 @@ class CompletionLogprobs:
         if self.with_top:
             top = {}
             for tid, value in lp.top:
-                top.setdefault(_token_text(self.tokenizer, tid)[0], value)
-        out = {"tokens": [text], "token_logprobs": [lp.logprob], "top_logprobs": [top] if self.with_top else None,
+                top.setdefault(_token_text(self.tokenizer, tid)[0], finite_logprob(value))
+        out = {"tokens": [text], "token_logprobs": [finite_logprob(lp.logprob)], "top_logprobs": [top] if self.with_top else None,
                "text_offset": [self.offset]}
         self.offset += len(text)
         return out

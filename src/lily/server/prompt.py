@@ -23,6 +23,33 @@ from ..errors import LilyError
 from ..tokenizer import Tokenizer
 
 
+PROBE_CHARS_PER_TOKEN = 4  # a long text's first (4 x limit) characters are encoded first, as a probe
+
+
+class PromptTooLong(LilyError):
+    """The prompt cannot fit the context; ``tokens`` is a lower bound of its length (None: only its
+    characters were counted)."""
+
+    def __init__(self, message: str, tokens: int | None = None):
+        super().__init__(message)
+        self.tokens = tokens
+
+
+def encode_bounded(tokenizer: Tokenizer, text: str, limit: int | None) -> list[int]:
+    """``tokenizer.encode(text)``, but a text longer than ``PROBE_CHARS_PER_TOKEN * limit`` characters
+    is first encoded in growing prefixes (x4 limit, x8, ...): once one makes more than ``limit``
+    tokens, PromptTooLong is raised without encoding the rest (cost bounded by the limit, not by the
+    text's length)."""
+    if limit is not None:
+        probe = PROBE_CHARS_PER_TOKEN * limit
+        while probe < len(text):  # doubling probes: at most ~4x the characters that make `limit` tokens
+            head = len(tokenizer.encode(text[:probe]))
+            if head > limit + 1:  # a cut may merge at most its last token with the next characters
+                raise PromptTooLong(f"the prompt has more than {head - 1} tokens", head - 1)
+            probe *= 2
+    return tokenizer.encode(text)
+
+
 @dataclass
 class Prompt:
     """Token ids to run, the boundaries (prompt lengths) to keep snapshots at, and whether the prompt
@@ -50,12 +77,14 @@ def last_query_index(messages: Sequence[Mapping]) -> int | None:
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None,
-                template_kwargs: Mapping) -> Prompt:
+                template_kwargs: Mapping, limit: int | None = None) -> Prompt:
     """Render ``messages`` (template-ready dicts) with a generation prompt; LilyError when the
-    template refuses them."""
+    template refuses them, PromptTooLong when the prompt surely has more than ``limit`` tokens."""
     kw = dict(template_kwargs)
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kw)
-    ids = tokenizer.encode(text)
+    ids = encode_bounded(tokenizer, text, limit)
+    if limit is not None and len(ids) > limit:
+        return Prompt(ids, (), opens_think(text))  # fit_context refuses it: no boundaries needed
     cuts = [len(messages)]
     query = last_query_index(messages)
     if query is not None and query + 1 < len(messages):
@@ -74,10 +103,10 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | 
     return Prompt(ids, tuple(sorted(boundaries)), opens_think(text))
 
 
-def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int) -> Prompt:
+def text_prompt(tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int, limit: int | None = None) -> Prompt:
     """A completion prompt: text (encoded without BOS) or token ids (checked against the vocabulary)."""
     if isinstance(prompt, str):
-        return Prompt(tokenizer.encode(prompt), (), False)
+        return Prompt(encode_bounded(tokenizer, prompt, limit), (), False)
     for i, t in enumerate(prompt):
         if not 0 <= t < vocab_size:
             raise LilyError(f"token id {t} at index {i} is outside the vocabulary [0, {vocab_size})")

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import math
 
+from ..sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P
 from .errors import bad_request
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_INT32 = 2**31 - 1
 
 _REF = "#/components/schemas/"
 
@@ -48,24 +51,29 @@ def _typed(t: str, doc: str = "", nullable: bool = True) -> dict:
     return s
 
 
-_STOP = {"anyOf": [{"type": "string", "minLength": 1},
-                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+_STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                   {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                    "maxItems": MAX_STOP},
                    {"type": "null"}],
-         "description": f"Up to {MAX_STOP} strings; generation ends before the first one that appears."}
+         "description": f"Up to {MAX_STOP} strings of up to {MAX_STOP_CHARS} characters; generation ends before "
+                        f"the first one that appears."}
 
 # Sampling fields shared by both endpoints. Unset fields take the checkpoint's generation_config.json.
 _SAMPLING = {
     "temperature": _num(0, 2, doc="0 = greedy. Default: the checkpoint's generation_config (Qwen3.6: 1.0)."),
-    "top_p": _num(0, 1, lo_open=True),
-    "top_k": _int(-1, doc="lily extension: keep the k most likely tokens; 0 or -1 = off."),
+    "top_p": _num(MIN_TOP_P, 1, doc=f"In [{MIN_TOP_P:g}, 1]; 1 = off."),
+    "top_k": _int(-1, MAX_INT32, doc="lily extension: keep the k most likely tokens; 0 or -1 = off."),
     "min_p": _num(0, 1, doc="lily extension."),
     "presence_penalty": _num(-2, 2),
     "frequency_penalty": _num(-2, 2),
-    "repetition_penalty": _num(0, lo_open=True, doc="lily extension: 1 = off."),
+    "repetition_penalty": _num(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                               doc=f"lily extension: 1 = off; in [{MIN_REPETITION_PENALTY:g}, "
+                                   f"{MAX_REPETITION_PENALTY:g}]."),
     "seed": _int(-2**63, 2**64 - 1, doc="Same seed, prompt and parameters give the same tokens. "
                                         "Negative seeds are taken modulo 2**64."),
     "stop": _STOP,
-    "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+    "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": MAX_INT32},
+                       "maxItems": 256,
                        "description": "lily extension: token ids that end generation."},
     "ignore_eos": _typed("boolean", "lily extension: do not stop at the checkpoint's end-of-turn tokens."),
     "skip_special_tokens": _typed("boolean", "lily extension (default true)."),
