@@ -171,7 +171,7 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     dec = out["decode"]
     assert dec["embedding"][1] == dec["lm_head"][1] == dec["sample"][1] == 3
     assert dec["moe"][1] == 3 * cfg.num_hidden_layers
-    assert dec["gdn.gated_delta_rule"][1] == 3 * n_gdn and dec["attn.attention"][1] == 3 * n_attn
+    assert dec["gdn.decode_mixer"][1] == 3 * n_gdn and dec["attn.attention"][1] == 3 * n_attn
     assert out["prefill"]["lm_head"][1] == 1 and out["prefill"]["moe"][1] == cfg.num_hidden_layers
     assert all(ms >= 0 for ms, _ in dec.values()) and sum(ms for ms, _ in dec.values()) > 0
 

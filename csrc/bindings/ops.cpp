@@ -151,6 +151,21 @@ void init_ops(nb::module_& parent) {
     ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, ws.t, Hk, Dk);
     return nb::make_tuple(out_f32(o), out_f32(st));
   });
+  m.def("gdn_decode_mixer", [](const std::string& device, const F32In& qkv, const F32In& conv_weight,
+                               const F32In& conv_state, const F32In& a, const F32In& b, const F32In& A_log,
+                               const F32In& dt_bias, const F32In& state, const F32In& z, const F32In& norm_weight,
+                               float eps, int Hk, int Dk) {
+    const Device d = parse_device(device);
+    Dev q = f32(d, qkv), cw = f32(d, conv_weight), cs = f32(d, conv_state), ai = f32(d, a), bi = f32(d, b);
+    Dev al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state), zi = f32(d, z), nw = f32(d, norm_weight);
+    Dev y(d, DType::F32, shape_of(z));
+    ops::gdn_decode_mixer(q.t, cw.t, cs.t, ai.t, bi.t, al.t, dt.t, st.t, zi.t, nw.t, eps, y.t, Hk, Dk);
+    return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st));
+  }, "One decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm; returns (y, conv_state, state).");
+  m.def("gdn_decode_mixer_supported", [](const std::string& device, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                                         int64_t K) {
+    return ops::gdn_decode_mixer_supported(parse_device(device), Hk, Hv, Dk, Dv, K);
+  });
   m.def("split_q_gate", [](const std::string& device, const F32In& p, int nH) {
     const Device d = parse_device(device);
     Dev pi = f32(d, p), q(d, DType::F32, {int64_t(p.shape(0)), int64_t(p.shape(1) / 2)});

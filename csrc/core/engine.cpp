@@ -38,24 +38,31 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
       ops::linear(*w.in_proj_a, 0, h, a);
     }
   }
-  {
-    ProfileScope p(prof, "gdn.conv1d_silu");
-    ops::conv1d_silu(qkv, w.conv1d->view(), view(st.conv, c.linear_conv_kernel_dim - 1, C), y);
-  }
+  const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);  // [K-1, C]
   Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(),
                         {Hv, c.linear_key_head_dim, c.linear_value_head_dim});  // [Hv, Dk, Dv]
-  {
-    ProfileScope p(prof, "gdn.gated_delta_rule");
-    const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
-    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, c.linear_num_key_heads,
+  if (T == 1 && ops::gdn_decode_mixer_supported(device(), c.linear_num_key_heads, Hv, c.linear_key_head_dim,
+                                                c.linear_value_head_dim, c.linear_conv_kernel_dim)) {
+    // decode: the three ops below in one (one kernel on CUDA; literally the three on the CPU)
+    ProfileScope p(prof, "gdn.decode_mixer");
+    ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state, a, b, w.A_log->view(), w.dt_bias->view(), S, z,
+                          w.norm->view(), c.rms_norm_eps, view(x.normed, 1, Vd), c.linear_num_key_heads,
                           c.linear_key_head_dim);
-  }
-  Tensor n = view(x.normed, T * Hv, c.linear_value_head_dim);  // [T*Hv, Dv]
-  {
+  } else {
+    {
+      ProfileScope p(prof, "gdn.conv1d_silu");
+      ops::conv1d_silu(qkv, w.conv1d->view(), conv_state, y);
+    }
+    {
+      ProfileScope p(prof, "gdn.gated_delta_rule");
+      const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
+      ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, c.linear_num_key_heads,
+                            c.linear_key_head_dim);
+    }
     ProfileScope p(prof, "gdn.gated_rms_norm");
     ops::gated_rms_norm(view(x.o, T * Hv, c.linear_value_head_dim),
                         Tensor::of(z.data, DType::F32, device(), {T * Hv, c.linear_value_head_dim}), w.norm->view(),
-                        c.rms_norm_eps, n);
+                        c.rms_norm_eps, view(x.normed, T * Hv, c.linear_value_head_dim));
   }
   ProfileScope p(prof, "gdn.out_proj");
   ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H));

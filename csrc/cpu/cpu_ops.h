@@ -14,6 +14,9 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
                       const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
                       int key_head_dim);
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk);
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, int64_t pos0);
 void kv_cache_write(const Tensor& x, const Tensor& cache, int64_t pos0);

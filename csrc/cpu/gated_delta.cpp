@@ -85,4 +85,19 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   }
 }
 
+// The three ops in order, through temporaries: the reference the fused CUDA kernel is tested against.
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
+  const int64_t C = qkv.dim(1), Hv = state.dim(0), Dv = state.dim(2);
+  std::vector<float> x(C), o(Hv * Dv);
+  const Tensor xt = Tensor::of(x.data(), DType::F32, Device::CPU, {1, C});        // [1, C] after conv + SiLU
+  const Tensor ot = Tensor::of(o.data(), DType::F32, Device::CPU, {1, Hv * Dv});  // [1, Hv*Dv]
+  conv1d_silu(qkv, conv_weight, conv_state, xt);
+  gated_delta_rule(xt, a, b, A_log, dt_bias, state, ot, Hk, Dk);
+  gated_rms_norm(Tensor::of(o.data(), DType::F32, Device::CPU, {Hv, Dv}),
+                 Tensor::of(z.data, DType::F32, Device::CPU, {Hv, Dv}), norm_weight, eps,
+                 Tensor::of(y.data, DType::F32, Device::CPU, {Hv, Dv}));
+}
+
 }  // namespace lily::cpu

@@ -26,6 +26,11 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
                       const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
                       int num_key_heads, int key_head_dim);
 int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
+                      int key_head_dim);
+bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
 // attention.cu: pos points to the I32 position of the chunk's first token in device memory.
 // k_cache, v_cache are BF16.
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);

@@ -1,8 +1,10 @@
 // Launchers of the Gated DeltaNet kernels (kernels/gated_delta.cuh): the causal conv1d + SiLU and
-// the delta-rule recurrence, both updating their carried state in place.
+// the delta-rule recurrence, both updating their carried state in place; and the decode token's
+// conv -> recurrence -> gated norm in one kernel (kernels/gdn_decode.cuh).
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
+#include "kernels/gdn_decode.cuh"
 #include "runtime.cuh"
 
 namespace lily::cuda {
@@ -107,6 +109,50 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
     case 128: return launch_gdn_fast<128>(p, grid);
     case 256: return launch_gdn_fast<256>(p, grid);
     default: fail("gated_delta_rule: unsupported key head dim ", key_head_dim, " for the fast path");
+  }
+}
+
+// The fused decode kernel: a fast-path Dk, a conv kernel size it is built for, and one key head's
+// CTAs (Hv/Hk value heads x ceil(Dv/32) column slices) in one portable cluster.
+bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
+  return gdn_has_fast_path(int(Dk)) && K >= 2 && K <= 4 && Hk > 0 && Hv % Hk == 0 && Hv <= 0xffff && Dv > 0 &&
+         (Hv / Hk) * ceil_div<int64_t>(Dv, GDN_COLS) <= GDN_DECODE_MAX_CLUSTER;
+}
+
+template <int DK>
+static void launch_gdn_decode(const GdnDecodeParams& p, int K, const dim3& grid, const dim3& cluster) {
+  switch (K) {  // the taps live in registers
+    case 2: launch_clustered(gdn_decode_mixer_kernel<DK, 2>, grid, GDN_THREADS, cluster, 0, p); break;
+    case 3: launch_clustered(gdn_decode_mixer_kernel<DK, 3>, grid, GDN_THREADS, cluster, 0, p); break;
+    case 4: launch_clustered(gdn_decode_mixer_kernel<DK, 4>, grid, GDN_THREADS, cluster, 0, p); break;
+    default: fail("gdn_decode_mixer: unsupported conv kernel size ", K, " on CUDA (2..4)");
+  }
+  LILY_CUDA_LAUNCHED();
+}
+
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
+                      int key_head_dim) {
+  const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1);
+  LILY_CHECK(gdn_decode_mixer_supported(num_key_heads, Hv, key_head_dim, Dv, K),
+             "gdn_decode_mixer: no CUDA kernel for Hk ", num_key_heads, ", Hv ", Hv, ", Dk ", key_head_dim, ", Dv ",
+             Dv, ", conv kernel ", K, " (check gdn_decode_mixer_supported first)");
+  // gated_rms_norm's float4 choice for the same row (its x, the unfused o, is always a fresh buffer)
+  const bool vec4 = Dv % 4 == 0 && aligned16(z.data) && aligned16(norm_weight.data) && aligned16(y.data);
+  const GdnDecodeParams p{qkv.ptr<float>(),   conv_weight.ptr<float>(), conv_state.ptr<float>(), a.ptr<float>(),
+                          b.ptr<float>(),     A_log.ptr<float>(),       dt_bias.ptr<float>(),    state.ptr<float>(),
+                          z.ptr<float>(),     norm_weight.ptr<float>(), y.ptr<float>(),          num_key_heads,
+                          int(Hv),            int(Dv),                  eps,                     vec4};
+  const unsigned ns = unsigned(ceil_div<int64_t>(Dv, GDN_COLS));
+  const dim3 grid{ns, unsigned(Hv)}, cluster{ns, unsigned(Hv / num_key_heads)};
+  switch (key_head_dim) {
+    case 16: return launch_gdn_decode<16>(p, int(K), grid, cluster);
+    case 32: return launch_gdn_decode<32>(p, int(K), grid, cluster);
+    case 64: return launch_gdn_decode<64>(p, int(K), grid, cluster);
+    case 128: return launch_gdn_decode<128>(p, int(K), grid, cluster);
+    case 256: return launch_gdn_decode<256>(p, int(K), grid, cluster);
+    default: fail("gdn_decode_mixer: unsupported key head dim ", key_head_dim);
   }
 }
 

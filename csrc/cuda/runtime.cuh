@@ -39,20 +39,31 @@ bool programmatic_launches();
 // programmatic dependent launch: the kernel may start while its predecessor finishes and must call
 // pdl_wait() (kernels/common.cuh) before it reads activations or writes anything. The captured
 // graph keeps the programmatic edges, so each kernel's launch and weight prefetch overlap its
-// predecessor's tail.
+// predecessor's tail. launch_clustered() is the same with thread-block clusters of `cluster` CTAs
+// (the grid a multiple of it in every dimension), for kernels whose cluster shape is chosen at run
+// time (no __cluster_dims__); {1, 1, 1} is launch().
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  cudaLaunchAttribute attr[1];
+void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 cluster, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = programmatic_launches() ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = cluster.x;
+  attr[1].val.clusterDim.y = cluster.y;
+  attr[1].val.clusterDim.z = cluster.z;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream();
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster.x * cluster.y * cluster.z > 1 ? 2 : 1;
   LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  launch_clustered(kernel, grid, block, dim3(1, 1, 1), smem, std::forward<Args>(args)...);
 }
 
 }  // namespace lily::cuda

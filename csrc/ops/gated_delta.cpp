@@ -66,4 +66,58 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   no_backend(op, qkv.device);
 }
 
+bool gdn_decode_mixer_supported(Device d, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
+  if (d == Device::CPU) return true;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::gdn_decode_mixer_supported(Hk, Hv, Dk, Dv, K);
+#endif
+  (void)Hk, (void)Hv, (void)Dk, (void)Dv, (void)K;
+  return false;
+}
+
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
+  const char* op = "gdn_decode_mixer";
+  check_tensor(op, "qkv", qkv, DType::F32, 2);
+  check_tensor(op, "conv_weight", conv_weight, DType::F32, 2);
+  check_tensor(op, "conv_state", conv_state, DType::F32, 2);
+  check_tensor(op, "a", a, DType::F32, 2);
+  check_tensor(op, "b", b, DType::F32, 2);
+  check_tensor(op, "A_log", A_log, DType::F32, 1);
+  check_tensor(op, "dt_bias", dt_bias, DType::F32, 1);
+  check_tensor(op, "state", state, DType::F32, 3);
+  check_tensor(op, "z", z, DType::F32, 2);
+  check_tensor(op, "norm_weight", norm_weight, DType::F32, 1);
+  check_tensor(op, "y", y, DType::F32, 2);
+  const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1), C = 2 * int64_t(Hk) * Dk + Hv * Dv;
+  LILY_CHECK(Hk > 0 && Hv % Hk == 0, op, ": value heads ", Hv, " not a multiple of key heads ", Hk);
+  LILY_CHECK(K >= 2, op, ": conv kernel size ", K, " < 2");
+  check_shape(op, "qkv", qkv, 0, 1);
+  check_shape(op, "qkv", qkv, 1, C);
+  check_shape(op, "conv_weight", conv_weight, 0, C);
+  check_shape(op, "conv_state", conv_state, 0, K - 1);
+  check_shape(op, "conv_state", conv_state, 1, C);
+  for (const Tensor* t : {&a, &b}) {
+    check_shape(op, "a/b", *t, 0, 1);
+    check_shape(op, "a/b", *t, 1, Hv);
+  }
+  check_shape(op, "A_log", A_log, 0, Hv);
+  check_shape(op, "dt_bias", dt_bias, 0, Hv);
+  check_shape(op, "state", state, 1, Dk);
+  check_shape(op, "norm_weight", norm_weight, 0, Dv);
+  for (const Tensor* t : {&z, &y}) {
+    check_shape(op, "z/y", *t, 0, 1);
+    check_shape(op, "z/y", *t, 1, Hv * Dv);
+  }
+  LILY_CHECK(y.data != qkv.data && y.data != z.data, op, ": y must not alias qkv or z");
+  check_same_device(op, {qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z, norm_weight, y});
+  if (qkv.device == Device::CPU)
+    return cpu::gdn_decode_mixer(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z, norm_weight, eps, y,
+                                 Hk, Dk);
+  LILY_CUDA_CASE(qkv.device, gdn_decode_mixer(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z,
+                                              norm_weight, eps, y, Hk, Dk));
+  no_backend(op, qkv.device);
+}
+
 }  // namespace lily::ops

@@ -52,6 +52,21 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
 // Non-decreasing in T, so a buffer sized for the largest chunk serves every call.
 int64_t gated_delta_workspace_floats(Device device, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 
+// The GDN mixer core of one decode token, exactly conv1d_silu -> gated_delta_rule -> gated_rms_norm:
+//   x = conv1d_silu(qkv) (conv_state shifted), o = gated_delta_rule(x, a, b, A_log, dt_bias, state),
+//   y[h, :] = gated_rms_norm(o[h, :], z[h, :], norm_weight, eps) per value head h.
+// qkv [1, C = 2*Hk*Dk + Hv*Dv]; conv_weight [C, K]; conv_state [K-1, C]; a, b [1, Hv]; A_log, dt_bias
+// [Hv]; state [Hv, Dk, Dv]; z, y [1, Hv*Dv]; norm_weight [Dv]. The CPU backend runs the three CPU ops
+// (bit-identical to them); CUDA runs one kernel where gdn_decode_mixer_supported() says so and raises
+// elsewhere (callers then run the three ops).
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
+                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
+                      int key_head_dim);
+// Whether `device` has gdn_decode_mixer for these dims (always on the CPU).
+bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t num_value_heads, int64_t key_head_dim,
+                                int64_t value_head_dim, int64_t conv_kernel);
+
 // Splits q_proj's per-head [query | gate] rows.  p [T, nH*2D] -> q, gate [T, nH*D].
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 

@@ -97,11 +97,16 @@ struct GatedDeltaParams {
 
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
+// (alpha, beta) from the raw gate inputs a, b of one token and head (shared with gdn_decode.cuh).
+__device__ __forceinline__ float2 gdn_gates_of(float a, float b, float A_log, float dt_bias) {
+  const float beta = 1.f / (1.f + expf(-b));
+  const float g = -expf(A_log) * softplus(a + dt_bias);
+  return make_float2(expf(g), beta);
+}
+
 // alpha and beta of token t, value head h.
 __device__ __forceinline__ float2 gdn_gates(const GatedDeltaParams& p, int t, int h) {
-  const float beta = 1.f / (1.f + expf(-p.b[int64_t(t) * p.Hv + h]));
-  const float g = -expf(p.A_log[h]) * softplus(p.a[int64_t(t) * p.Hv + h] + p.dt_bias[h]);
-  return make_float2(expf(g), beta);
+  return gdn_gates_of(p.a[int64_t(t) * p.Hv + h], p.b[int64_t(t) * p.Hv + h], p.A_log[h], p.dt_bias[h]);
 }
 
 template <int DK>

@@ -1,0 +1,50 @@
+"""One GDN layer's decode tokens for the gdn_decode_mixer tests (tests/ops CPU, tests/gpu CUDA): inputs,
+the fused op and the three ops it replaces, run token by token with the states carried."""
+from __future__ import annotations
+
+import numpy as np
+
+from lily import _core
+
+ops = _core.ops
+
+
+def gdn_token_inputs(rng, Hk, Hv, Dk, Dv, K, steps):
+    """`steps` decode tokens of one GDN layer: per-token qkv, a, b, z and the layer's weights/states."""
+    C = 2 * Hk * Dk + Hv * Dv
+    f = np.float32
+    return dict(
+        qkv=rng.standard_normal((steps, 1, C)).astype(f),
+        a=rng.standard_normal((steps, 1, Hv)).astype(f),
+        b=rng.standard_normal((steps, 1, Hv)).astype(f),
+        z=rng.standard_normal((steps, 1, Hv * Dv)).astype(f),
+        conv_weight=(rng.standard_normal((C, K)) / np.sqrt(K)).astype(f),
+        conv_state=rng.standard_normal((K - 1, C)).astype(f),
+        A_log=np.log(rng.uniform(1.0, 16.0, Hv)).astype(f),
+        dt_bias=rng.standard_normal(Hv).astype(f),
+        state=(rng.standard_normal((Hv, Dk, Dv)) * 0.1).astype(f),
+        norm_weight=rng.normal(1.0, 0.1, Dv).astype(f),
+    )
+
+
+def run_fused(device, x, Hk, Dk, eps=1e-6):
+    """Every token through gdn_decode_mixer, states carried: (y [steps, Hv*Dv], conv_state, state)."""
+    conv_state, state, ys = x["conv_state"], x["state"], []
+    for t in range(x["qkv"].shape[0]):
+        y, conv_state, state = ops.gdn_decode_mixer(device, x["qkv"][t], x["conv_weight"], conv_state, x["a"][t],
+                                                    x["b"][t], x["A_log"], x["dt_bias"], state, x["z"][t],
+                                                    x["norm_weight"], eps, Hk, Dk)
+        ys.append(y[0])
+    return np.stack(ys), conv_state, state
+
+
+def run_three_ops(device, x, Hk, Dk, eps=1e-6):
+    """The same tokens through conv1d_silu, gated_delta_rule and gated_rms_norm (the unfused engine)."""
+    Hv, Dv = x["state"].shape[0], x["state"].shape[2]
+    conv_state, state, ys = x["conv_state"], x["state"], []
+    for t in range(x["qkv"].shape[0]):
+        u, conv_state = ops.conv1d_silu(device, x["qkv"][t], x["conv_weight"], conv_state)
+        o, state = ops.gated_delta_rule(device, u, x["a"][t], x["b"][t], x["A_log"], x["dt_bias"], state, Hk, Dk)
+        y = ops.gated_rms_norm(device, o.reshape(Hv, Dv), x["z"][t].reshape(Hv, Dv), x["norm_weight"], eps)
+        ys.append(y.reshape(-1))
+    return np.stack(ys), conv_state, state

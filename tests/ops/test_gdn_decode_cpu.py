@@ -1,0 +1,43 @@
+"""The CPU gdn_decode_mixer (the GDN decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm
+in one op, the reference of the fused CUDA kernel) against the three ops run in sequence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gdn_decode_cases import gdn_token_inputs, run_fused, run_three_ops
+from lily import _core
+
+ops = _core.ops
+
+
+# (Hk, Hv, Dk, Dv, K): the tiny test model, odd widths, GQA groups 1..4, other conv sizes, real widths
+SHAPES = [(2, 4, 32, 32, 4), (1, 1, 16, 16, 4), (3, 3, 20, 19, 3), (1, 4, 8, 12, 2), (2, 2, 64, 72, 5),
+          (16, 32, 128, 128, 4)]
+
+
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, K", SHAPES)
+def test_gdn_decode_mixer_is_the_three_ops(Hk, Hv, Dk, Dv, K):
+    x = gdn_token_inputs(np.random.default_rng(Hk * 1000 + Hv * 100 + Dk + Dv + K), Hk, Hv, Dk, Dv, K, steps=4)
+    fused, three = run_fused("cpu", x, Hk, Dk), run_three_ops("cpu", x, Hk, Dk)
+    for name, got, ref in zip(("y", "conv_state", "state"), fused, three):
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+    assert np.isfinite(fused[0]).all() and np.abs(fused[0]).max() > 0
+
+
+def test_gdn_decode_mixer_supported_on_cpu():
+    assert ops.gdn_decode_mixer_supported("cpu", 16, 32, 128, 128, 4)
+    assert ops.gdn_decode_mixer_supported("cpu", 1, 3, 20, 19, 7)
+
+
+def test_gdn_decode_mixer_names_a_bad_shape():
+    x = gdn_token_inputs(np.random.default_rng(0), 2, 4, 8, 8, 4, steps=1)
+    args = lambda **kw: [kw.get(k, x[k][0] if k in ("qkv", "a", "b", "z") else x[k]) for k in
+                         ("qkv", "conv_weight", "conv_state", "a", "b", "A_log", "dt_bias", "state", "z",
+                          "norm_weight")]
+    with pytest.raises(Exception, match="gdn_decode_mixer.*qkv"):
+        ops.gdn_decode_mixer("cpu", *args(qkv=np.zeros((2, x["qkv"].shape[2]), np.float32)), 1e-6, 2, 8)
+    with pytest.raises(Exception, match="gdn_decode_mixer.*norm_weight"):
+        ops.gdn_decode_mixer("cpu", *args(norm_weight=np.ones(7, np.float32)), 1e-6, 2, 8)
+    with pytest.raises(Exception, match="gdn_decode_mixer.*key heads"):
+        ops.gdn_decode_mixer("cpu", *args(), 1e-6, 3, 8)
