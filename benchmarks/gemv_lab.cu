@@ -516,8 +516,8 @@ void bench_linear(const char* name, int rows, int cols) {
   {
     constexpr int NG = BITS == 4 ? 2 : 1;  // group 64
     const auto mk = linear_gemv_mma_kernel<BITS, NG>;
-    const size_t ms = mma_ring_bytes() + mma_x_bytes(cols, MmaSeg<BITS>::VALS / NG);
-    allow_smem(mk, 200 * 1024);
+    const size_t ms = mma_x_bytes(cols, MmaSeg<BITS>::VALS / NG);
+    allow_smem(mk, MAX_SMEM);
     int mper = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&mper, mk, MMA_THREADS, ms));
     const int64_t tiles = cdiv(rows, 16), segs = cols / MmaSeg<BITS>::VALS, resident = int64_t(g_sms) * mper;
@@ -666,9 +666,9 @@ void bench_moe(int E, int K, int H, int I, int Is) {
     constexpr int NG = BITS == 4 ? 2 : 1, VB = MmaSeg<BITS>::VALS / NG;
     const auto mu = moe_up_mma_kernel<BITS, NG>;
     const auto md = moe_down_mma_kernel<BITS, NG>;
-    allow_smem(mu, 200 * 1024);
-    allow_smem(md, 200 * 1024);
-    const size_t us = mma_ring_bytes() + mma_x_bytes(H, VB), ds = mma_ring_bytes() + mma_x_bytes(int64_t(K) * I + Is, VB);
+    allow_smem(mu, MAX_SMEM);
+    allow_smem(md, MAX_SMEM);
+    const size_t us = mma_x_bytes(H, VB), ds = mma_x_bytes(int64_t(K) * I + Is, VB);
     int pu = 0, pd = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pu, mu, MMA_THREADS, us));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd, md, MMA_THREADS, ds));

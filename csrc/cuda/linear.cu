@@ -164,18 +164,18 @@ static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
   return halves != 0 && w.cols % vals == 0 &&
          is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
          (halves == 1 || (reinterpret_cast<uintptr_t>(scales) % 4 == 0 && reinterpret_cast<uintptr_t>(biases) % 4 == 0)) &&
-         mma_ring_bytes() + mma_x_bytes(w.cols, int(vals / halves)) <= MMA_MAX_SMEM;
+         mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
 }
 
 template <int BITS, int NG>
 static void launch_gemv_mma(const MmaLinearParams& p0) {
   const auto kernel = linear_gemv_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_MAX_SMEM)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
     return true;
   }();
   (void)configured;
-  const size_t smem = mma_ring_bytes() + mma_x_bytes(p0.cols, MmaSeg<BITS>::VALS / NG);
+  const size_t smem = mma_x_bytes(p0.cols, MmaSeg<BITS>::VALS / NG);
   MmaLinearParams p = p0;
   const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(kernel), smem, ceil_div(p.rows, 16),
                                 p.cols / MmaSeg<BITS>::VALS, 1);

@@ -35,9 +35,7 @@ int mma_group_halves(int bits, int64_t group_size);
 int log2_of(int64_t v);
 MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows);
 
-// Largest dynamic shared memory of one GEMV CTA (staged activations), and of one tensor-core GEMV CTA
-// (its weight ring and staged activations; the H200 allows 227 KB).
+// Largest dynamic shared memory of one GEMV CTA (staged activations).
 constexpr size_t GEMV_MAX_SMEM = 96 * 1024;
-constexpr size_t MMA_MAX_SMEM = 200 * 1024;
 
 }  // namespace lily::cuda

@@ -184,7 +184,7 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
       return false;
   }
   const int vb = int(vals / halves);
-  return mma_ring_bytes() + mma_x_bytes(std::max(H, top_k * I + Is), vb) <= MMA_MAX_SMEM;
+  return mma_x_bytes(H, vb) <= GEMV_MAX_SMEM && mma_x_bytes(top_k * I + Is, vb) <= GEMV_MAX_SMEM;
 }
 
 template <int BITS, int NG>
@@ -193,8 +193,8 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   const auto up = moe_up_mma_kernel<BITS, NG>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(up, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_MAX_SMEM)));
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_MAX_SMEM)));
+    allow_gemv_smem(up);
+    allow_gemv_smem(down);
     return true;
   }();
   (void)configured;
@@ -204,8 +204,7 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
                  log2_of(w.gate_proj->group_size), 1, 1};
-  const size_t up_smem = mma_ring_bytes() + mma_x_bytes(H, VB);
-  const size_t down_smem = mma_ring_bytes() + mma_x_bytes(top_k * I + Is, VB);
+  const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T);
   const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(down), down_smem, ceil_div<int64_t>(H, 16),

@@ -60,25 +60,12 @@ struct MmaRowRef {
   const uint16_t* b = nullptr;
 };
 
-// The weights of the next MMA_DEPTH - 1 units are in flight in a per-thread ring in shared memory
-// (cp.async, 16 bytes per row and segment; a thread reads back only what it copied itself). Per stage
-// and thread: MMA_SPU segments x 2 rows of 16 bytes, then (NG = 2) their scale and bias words.
-constexpr int MMA_DEPTH = 4;
-__host__ __device__ constexpr size_t mma_ring_bytes() { return size_t(MMA_DEPTH) * MMA_THREADS * MMA_SPU * 2 * (16 + 8); }
-
-// A valid global address for copies that move no bytes (rows past the end: zero-filled).
-static __device__ uint4 mma_no_source[1];
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(ok ? 4 : 0)
-               : "memory");
-}
+// One unit of a lane's loads: per segment, 16 bytes of rows g and g + 8 and their scale/bias bits
+// (NG = 2: both halves' BF16 in one word, half 0 low).
+struct MmaStage {
+  uint4 w[MMA_SPU][2];
+  uint32_t s[MMA_SPU][2], b[MMA_SPU][2];
+};
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -238,18 +225,16 @@ __host__ __device__ __forceinline__ void mma_columns(const MmaLane<NG>& L, const
   }
 }
 
-// One segment: STEPS mmas into fresh int32 accumulators, then mma_columns. w0, w1: the lane's 16 bytes
-// of rows g and g + 8; s_bits, b_bits: their scale and bias BF16.
+// One segment of one unit: STEPS mmas into fresh int32 accumulators, then mma_columns.
 template <int BITS, int NG>
-__device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const uint4& w0, const uint4& w1,
-                                            const uint32_t (&s_bits)[2], const uint32_t (&b_bits)[2], int seg,
+__device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
                                             const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
   using S = MmaSeg<BITS>;
   int cs[S::STEPS][4];  // one accumulator per step: independent mmas, no chain through the tensor core
 #pragma unroll
   for (int s = 0; s < S::STEPS; ++s) {
     uint32_t a[4];
-    mma_a_frag<BITS>(w0, w1, s, a);
+    mma_a_frag<BITS>(st.w[i][0], st.w[i][1], s, a);
     const uint2 b = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
     cs[s][0] = cs[s][1] = cs[s][2] = cs[s][3] = 0;
     mma_s8(cs[s], a, b.x, b.y);
@@ -261,7 +246,28 @@ __device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const uint4& w
 #pragma unroll
     for (int s = 1; s < S::STEPS; ++s) c[e] += cs[s][e];  // exact: |c| < 2^17 per segment
   }
-  mma_columns<NG>(L, c, s_bits, b_bits, seg, xe, xsum, acc);
+  mma_columns<NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
+}
+
+// Loads segment `seg` of the lane's rows into unit slot i (zeros where ok is false or a row is absent).
+template <int NG>
+__device__ __forceinline__ void mma_load(MmaStage& st, int i, bool ok, const MmaRowRef (&ref)[2], int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const MmaRowRef& R = ref[r];
+    if (!ok || R.w == nullptr) {
+      st.w[i][r] = make_uint4(0u, 0u, 0u, 0u), st.s[i][r] = st.b[i][r] = 0u;
+      continue;
+    }
+    st.w[i][r] = ld_stream(R.w + t);
+    if constexpr (NG == 2) {
+      st.s[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.s));
+      st.b[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.b));
+    } else {
+      st.s[i][r] = __ldg(reinterpret_cast<const unsigned short*>(R.s));
+      st.b[i][r] = __ldg(reinterpret_cast<const unsigned short*>(R.b));
+    }
+  }
 }
 
 // How a CTA's 8 warps split the work: ks K-parts per tile (1, 2, 4 or 8), RT = 8 / ks tiles per pass,
@@ -296,13 +302,13 @@ inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident) {
 }
 
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by gridDim.x; ring: mma_ring_bytes() of shared memory,
-// 16-byte aligned. before() runs before the first units' copies are issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
+// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before unit 0's loads are
+// issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
 // between those loads and the first compute: it must stage x into xd, xe, xsum and synchronise the CTA,
 // so the staging overlaps the weights' memory latency.
 template <int BITS, int NG, class Rows, class Before, class After>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
-                                              const float* xe, const float* xsum, uint4* ring, const Before& before,
+                                              const float* xe, const float* xsum, const Before& before,
                                               const After& after) {
   __shared__ float red[2][MMA_WARPS][16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
@@ -313,62 +319,24 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   const int units = max(my_passes, 0) * sp.upp;
   const MmaLane<NG> L(lane);
   float acc[2] = {0.f, 0.f};
-  (void)lane;
 
-  // ring: [MMA_DEPTH][MMA_SPU * 2][threads] uint4 weights, then [MMA_DEPTH][MMA_SPU * 2][2][threads] words
-  const int tid = int(threadIdx.x);
-  auto wslot = [&](int stage, int i, int r) { return ring + (stage * MMA_SPU * 2 + i * 2 + r) * MMA_THREADS + tid; };
-  uint32_t* ring_sb = reinterpret_cast<uint32_t*>(ring + MMA_DEPTH * MMA_SPU * 2 * MMA_THREADS);
-  auto sbslot = [&](int stage, int i, int r, int k) {
-    return ring_sb + ((stage * MMA_SPU * 2 + i * 2 + r) * 2 + k) * MMA_THREADS + tid;
-  };
   auto pass_of = [&](int j) { return int(blockIdx.x) + (j / sp.upp) * int(gridDim.x); };
-  auto refs = [&](int j, int i, MmaRowRef (&ref)[2]) {  // false: no such segment for this warp
-    const int tile = pass_of(j) * sp.rt + tl, seg = seg0 + (j % sp.upp) * MMA_SPU + i;
-    if (seg >= seg1 || tile >= tiles) return false;
-    ref[0] = rows.row(tile, L.g, seg), ref[1] = rows.row(tile, L.g + 8, seg);
-    return true;
-  };
-  auto issue = [&](int j, int stage) {  // always one commit group, so every thread counts alike
-    if (j < units) {
-#pragma unroll
-      for (int i = 0; i < MMA_SPU; ++i) {
-        MmaRowRef ref[2];
-        const bool ok = refs(j, i, ref);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const bool v = ok && ref[r].w != nullptr;
-          cp_async16(wslot(stage, i, r), v ? ref[r].w + L.t : static_cast<const void*>(mma_no_source), v);
-          if constexpr (NG == 2) {
-            cp_async4(sbslot(stage, i, r, 0), v ? ref[r].s : static_cast<const void*>(mma_no_source), v);
-            cp_async4(sbslot(stage, i, r, 1), v ? ref[r].b : static_cast<const void*>(mma_no_source), v);
-          }
-        }
-      }
-    }
-    cp_async_commit();
-  };
-  auto compute = [&](int j, int stage) {
-    const int first = seg0 + (j % sp.upp) * MMA_SPU;
+  auto load = [&](MmaStage& st, int j) {
+    const int tile = pass_of(j) * sp.rt + tl, first = seg0 + (j % sp.upp) * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i) {
-      if (first + i >= seg1) continue;  // warp-uniform
-      uint32_t sb[2], bb[2];
-      if constexpr (NG == 2) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) sb[r] = *sbslot(stage, i, r, 0), bb[r] = *sbslot(stage, i, r, 1);
-      } else {  // one BF16 per row and segment: read where it lies (rarely used: groups >= a segment)
-        MmaRowRef ref[2];
-        const bool ok = refs(j, i, ref);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const bool v = ok && ref[r].w != nullptr;
-          sb[r] = v ? __ldg(reinterpret_cast<const unsigned short*>(ref[r].s)) : 0u;
-          bb[r] = v ? __ldg(reinterpret_cast<const unsigned short*>(ref[r].b)) : 0u;
-        }
-      }
-      mma_segment<BITS, NG>(L, *wslot(stage, i, 0), *wslot(stage, i, 1), sb, bb, first + i, xd, xe, xsum, acc);
+      const int seg = first + i;
+      const bool ok = seg < seg1 && tile < tiles;
+      MmaRowRef ref[2];
+      if (ok) ref[0] = rows.row(tile, L.g, seg), ref[1] = rows.row(tile, L.g + 8, seg);
+      mma_load<NG>(st, i, ok, ref, L.t);
     }
+  };
+  auto compute = [&](const MmaStage& st, int j) {
+    const int first = seg0 + (j % sp.upp) * MMA_SPU;
+#pragma unroll
+    for (int i = 0; i < MMA_SPU; ++i)
+      if (first + i < seg1) mma_segment<BITS, NG>(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
     if (j % sp.upp != sp.upp - 1) return;
     // end of a pass: quad sum, then the tile's K-parts in ascending order
 #pragma unroll
@@ -380,6 +348,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     if (L.t == 0) rd[warp][L.g] = acc[0], rd[warp][L.g + 8] = acc[1];
     acc[0] = acc[1] = 0.f;
     __syncthreads();
+    const int tid = int(threadIdx.x);
     if (tid < sp.rt * 16) {
       const int t2 = tid / 16, r = tid % 16, tile = pass_of(j) * sp.rt + t2;
       auto row_sum = [&](int rr) {
@@ -390,15 +359,11 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
       if (tile < tiles) rows.finish(tile, r, row_sum);
     }
   };
+  MmaStage a, b;
   before();
-#pragma unroll
-  for (int k = 0; k < MMA_DEPTH - 1; ++k) issue(k, k);
+  if (units > 0) load(a, 0);
   after();
-  for (int j = 0; j < units; ++j) {  // uniform over the CTA (compute holds a barrier)
-    issue(j + MMA_DEPTH - 1, (j + MMA_DEPTH - 1) % MMA_DEPTH);
-    cp_async_wait<MMA_DEPTH - 1>();  // unit j's copies (this thread's own) have landed
-    compute(j, j % MMA_DEPTH);
-  }
+  gemv_pipeline(units, a, b, load, compute);
 }
 
 // ---- linear ------------------------------------------------------------------------------------------
@@ -439,8 +404,7 @@ template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
-  extern __shared__ uint4 mma_smem[];  // ring (mma_ring_bytes), then [cols/8][3] digits, xe, xsum [cols/VB]
-  uint2* xd = reinterpret_cast<uint2*>(reinterpret_cast<char*>(mma_smem) + mma_ring_bytes());
+  extern __shared__ uint2 xd[];  // [cols/8][3] digits, then xe, xsum [cols/VB]
   float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS;
@@ -452,7 +416,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
     mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, mma_smem, [] {}, stage);
+  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
 }
 
 }  // namespace lily::cuda

@@ -84,13 +84,12 @@ struct MmaMoeDownRows {
   }
 };
 
-// Grid (CTAs, T); dynamic shared memory mma_ring_bytes() + mma_x_bytes(H, VB).
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
-  extern __shared__ uint4 mma_smem[];  // ring (mma_ring_bytes), then staged h
-  uint2* xd = reinterpret_cast<uint2*>(reinterpret_cast<char*>(mma_smem) + mma_ring_bytes());
+  extern __shared__ uint2 xd[];
   __shared__ int32_t ids[MOE_MAX_TOP_K];
   const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
@@ -107,16 +106,15 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
     mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, mma_smem, ids_in, stage);
+  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);
 }
 
-// Grid (CTAs, T); dynamic shared memory mma_ring_bytes() + mma_x_bytes(K*I + Is, VB).
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
-  extern __shared__ uint4 mma_smem[];  // ring (mma_ring_bytes), then the staged act rows
-  uint2* xd = reinterpret_cast<uint2*>(reinterpret_cast<char*>(mma_smem) + mma_ring_bytes());
+  extern __shared__ uint2 xd[];
   __shared__ int32_t ids[MOE_MAX_TOP_K];
   const int t = blockIdx.y, I = p.down.cols, KI = p.K * I, Kv = KI + p.shared_down.cols, Sg = Kv / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
@@ -138,8 +136,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
         Kv, xd, xe, xsum);
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, mma_smem,
-                          ids_in, stage);
+  mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, ids_in,
+                          stage);
 }
 
 }  // namespace lily::cuda
