@@ -3,6 +3,7 @@
 # full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles).
 # LABS="gemv gemm ..." also builds and runs benchmarks/<name>_lab.sh while lily builds (the GPU is idle
 # then); their tables go to $OUT/<name>_lab.txt. Logs go to $OUT; a short table is printed last.
+# PROFILE=0 skips the per-group and per-kernel profiles of the bench stage.
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
 set -uo pipefail
 stage=${1:-all}
@@ -34,11 +35,13 @@ if [[ $stage == tests || $stage == all ]]; then
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $stage == bench || $stage == all ]]; then
+  profile=${PROFILE:-1}
   python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts ${CONTEXTS:-1024,4096,16384} \
-    --profile --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
-  # per-kernel device times of eager decode steps and one prefill (torch.profiler; the host's torch)
-  python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 2>&1 \
-    | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
+    $([[ $profile == 1 ]] && echo --profile) --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
+  if [[ $profile == 1 ]]; then  # per-kernel device times of eager decode steps and one prefill (torch.profiler)
+    python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 2>&1 \
+      | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
+  fi
 fi
 # the device tool returns at most 8 files: every log goes into one archive too
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz ./*.txt ./*.log ./*.json ./*.md 2>/dev/null)
