@@ -6,6 +6,13 @@
 host_build() {
   local t0
   t0=$(date +%s)
+  # a carried nanobind wheel (.whl/nanobind-*.whl, e.g. PyPI's, as CI builds with) replaces the image's
+  if compgen -G ".whl/nanobind-*.whl" >/dev/null; then
+    python3 -m pip install -q --no-deps --target /tmp/nbsite .whl/nanobind-*.whl && export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
+    echo "build: nanobind $(python3 -c 'import nanobind; print(nanobind.__version__)') (carried)"
+  else
+    echo "build: nanobind $(python3 -c 'import nanobind; print(nanobind.__version__)') (the image's)"
+  fi
   if [[ -n ${SKIP_BUILD:-} ]] && (cd /tmp && python3 -c "import lily._core") 2>/dev/null; then
     echo "build: reusing the installed lily"
   elif ! python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1; then

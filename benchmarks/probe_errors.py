@@ -1,5 +1,7 @@
 """Which lily errors reach Python on this machine: each probe runs in its own process (a crash is
-reported, not fatal). Usage: python3 benchmarks/probe_errors.py"""
+reported, not fatal). On the GPU host (2026-12-01: GCC 13.3, Python 3.12, the image's nanobind,
+--no-build-isolation) every probe died with SIGSEGV (rc -11), CPU ops included, while CI builds
+(nanobind from PyPI) raise LilyError. Usage: python3 benchmarks/probe_errors.py [tests folder]"""
 import subprocess
 import sys
 
@@ -29,4 +31,5 @@ except Exception as e:
 tests = sys.argv[1] if len(sys.argv) > 1 else "tests"
 for name, probe in PROBES.items():
     r = subprocess.run([sys.executable, "-c", SETUP.format(tests=tests, probe=probe)], capture_output=True, text=True)
-    print(f"{name:26s} rc={r.returncode:4d} {r.stdout.strip()[:100]} {r.stderr.strip().splitlines()[-1][:80] if r.returncode else ''}")
+    err = r.stderr.strip().splitlines()
+    print(f"{name:26s} rc={r.returncode:4d} {r.stdout.strip()[:100]} {err[-1][:80] if r.returncode and err else ''}")
