@@ -14,8 +14,8 @@
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_wgmma.cuh"
 #include "kernels/linear_generic.cuh"
-#include "linear.cuh"
-#include "runtime.cuh"
+#include "linear.h"
+#include "runtime.h"
 
 namespace lily::cuda {
 

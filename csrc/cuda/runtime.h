@@ -1,5 +1,6 @@
 // The CUDA backend's runtime: its one stream, error checks and launch helpers. Every op launches on
-// stream() so that the engine can capture a whole decode step as one CUDA graph.
+// stream() so that the engine can capture a whole decode step as one CUDA graph. Host code (a .h:
+// .cuh files hold device code only), included by the backend's .cu files.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -66,8 +67,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&
   launch_clustered(kernel, grid, block, dim3(1, 1, 1), smem, std::forward<Args>(args)...);
 }
 
-}  // namespace lily::cuda
-
 // Ceiling division for grid sizes.
 template <typename T>
 constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+}  // namespace lily::cuda
