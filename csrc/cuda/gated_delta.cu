@@ -43,12 +43,11 @@ static void launch_gdn_fast(const GatedDeltaParams& p, const dim3& grid) {
 }
 
 // The chunked (WY) prefill (kernels/gdn_chunk.cuh) from GDN_CHUNK_MIN_T tokens, at Dk = Dv = 128.
-// Below, the token-by-token kernel: it costs ~0.7 us per token at the real widths (1.45 ms for
-// 2048), while the chunked pair costs about the same for any T <= 64 (one padded chunk per head:
-// ~15 us for prep + scan, estimated), a break-even near 20-30 tokens (benchmarks/gdn_lab.cu's second
-// table measures both at T = 8..256). 64 is conservative by ~2x,
-// makes every chunked call at least one full chunk, and leaves decode (T = 1, inside the captured
-// graph) and all short calls bit-identical to before. To be lowered once measured.
+// Below, the token-by-token kernel: its cost grows with T, while the chunked pair costs about the same
+// for any T <= 64 (one padded chunk per head), so there is a crossover; benchmarks/gdn_lab.cu's second
+// table measures both at T = 8..256, and it puts the crossover at about 64 tokens (docs/perf-notes.md,
+// "Decisions in the code"). 64 also makes every chunked call at least one full chunk and leaves decode
+// (T = 1, inside the captured graph) and all short calls on the token kernel.
 constexpr int64_t GDN_CHUNK_MIN_T = 64;
 
 static bool gdn_chunked(int64_t T, int64_t Dk, int64_t Dv) {

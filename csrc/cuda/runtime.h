@@ -32,8 +32,9 @@ int num_sms();
 namespace lily::cuda {
 
 // Whether launch() issues programmatic dependent launches: only while a graph is being captured
-// (the decode step). Measured on the H200: decode 3.72 -> 3.54 ms/token with them, but prefill
-// 11% slower, so eager launches (prefill, the first decode step) stay plain.
+// (the decode step). They shorten the replayed decode step but slowed eager prefill (numbers in
+// docs/perf-notes.md, "Decisions in the code"), so eager launches (prefill, the first decode step)
+// stay plain.
 bool programmatic_launches();
 
 // Launches kernel<<<grid, block, smem, stream()>>>(args...), inside a graph capture as a
