@@ -164,25 +164,29 @@ inline float warp_sum(float v) {
   return v;
 }
 inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
-inline unsigned char* gdnc_smem() { return emu::smem.data(); }
-inline void gdnc_cp16(float* dst, const float* src) {
+}  // namespace lily::cuda
+
+// The device primitives the kernels call (gdn_chunk.cuh leaves them out under LILY_GDN_HOST_EMU).
+namespace lily::cuda::gdn_chunk {
+inline unsigned char* smem() { return emu::smem.data(); }
+inline void cp16(float* dst, const float* src) {
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, true};
   if (emu::mode == 0) emu::do_copy(c);
   else emu::fibers[emu::cur].open.push_back(c);
 }
-inline void gdnc_cp16z(float* dst, const float* src, bool valid) {
+inline void cp16z(float* dst, const float* src, bool valid) {
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, valid};
   if (emu::mode == 0) emu::do_copy(c);
   else emu::fibers[emu::cur].open.push_back(c);
 }
-inline void gdnc_commit() {
+inline void commit() {
   auto& f = emu::fibers[emu::cur];
   f.groups.push_back(std::move(f.open));
   f.open.clear();
 }
-inline void gdnc_wait2() {
+inline void wait2() {
   auto& f = emu::fibers[emu::cur];
   while (f.groups.size() > 2) {
     for (auto& c : f.groups.front()) emu::do_copy(c);
@@ -201,7 +205,7 @@ inline double tf32_val(uint32_t bits) {
   }
   return double(__uint_as_float(bits));
 }
-inline void gdnc_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+inline void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   const int lane = emu::cur % 32, base = emu::cur - lane;
   double* x = emu::xch[emu::cur];
   x[0] = tf32_val(a0), x[1] = tf32_val(a1), x[2] = tf32_val(a2), x[3] = tf32_val(a3);
@@ -227,19 +231,19 @@ inline void gdnc_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint3
   emu::warp_barrier();  // everyone has read the slots
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
-}  // namespace lily::cuda
+}  // namespace lily::cuda::gdn_chunk
 
 #include "cuda/kernels/gdn_chunk.cuh"
 
 namespace emu {
-void (*kernel)(lily::cuda::GdnChunkParams) = nullptr;
-lily::cuda::GdnChunkParams kparams;
+void (*kernel)(lily::cuda::gdn_chunk::Params) = nullptr;
+lily::cuda::gdn_chunk::Params kparams;
 void entry() {
   kernel(kparams);
   fibers[cur].done = true;
   // return to sched via uc_link
 }
-void run_block(void (*k)(lily::cuda::GdnChunkParams), const lily::cuda::GdnChunkParams& p, dim3v b, size_t smem_bytes) {
+void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_chunk::Params& p, dim3v b, size_t smem_bytes) {
   kernel = k, kparams = p, block_idx = b;
   smem.assign(smem_bytes, 0);
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -281,18 +285,18 @@ int main(int argc, char** argv) {
     for (const Case& cs : cases) {
       if (argc > 1 && mode == 1 && cs.T != 130) continue;  // quick run: one deferred-copy case
       emu::mode = mode;
-      const int T = cs.T, Hk = cs.Hk, Hv = cs.Hv, D = GDNC_D, nch = (T + GDNC_C - 1) / GDNC_C;
+      const int T = cs.T, Hk = cs.Hk, Hv = cs.Hv, D = gdn_chunk::D, nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
       gdn_ref::Inputs x = gdn_ref::make_inputs(T, Hk, Hv, D, 1234 + T + mode, cs.decay, cs.state_scale);
       std::vector<float> state = x.state, o(size_t(T) * Hv * D, std::numeric_limits<float>::quiet_NaN());
-      std::vector<float> ws(size_t(nch) * Hv * GDNC_BLOCK, std::numeric_limits<float>::quiet_NaN());
+      std::vector<float> ws(size_t(nch) * Hv * gdn_chunk::BLOCK, std::numeric_limits<float>::quiet_NaN());
       emu::ranges = {{x.qkv.data(), x.qkv.data() + x.qkv.size()}, {ws.data(), ws.data() + ws.size()}};
-      GdnChunkParams p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(),
+      gdn_chunk::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(),
                        state.data(), o.data(),   ws.data(),  T,            Hk,           Hv,  nch};
       for (int c = 0; c < nch; ++c)
-        for (int h = 0; h < Hv; ++h) emu::run_block(gdn_chunk_prep_kernel, p, {unsigned(c), unsigned(h), 0}, sizeof(GdnPrepSmem));
+        for (int h = 0; h < Hv; ++h) emu::run_block(gdn_chunk::prep_kernel, p, {unsigned(c), unsigned(h), 0}, sizeof(gdn_chunk::PrepSmem));
       for (int h = 0; h < Hv; ++h)
-        for (int j = 0; j < D / GDNC_COLS; ++j)
-          emu::run_block(gdn_chunk_scan_kernel, p, {unsigned(h), unsigned(j), 0}, sizeof(GdnScanSmem));
+        for (int j = 0; j < D / gdn_chunk::COLS; ++j)
+          emu::run_block(gdn_chunk::scan_kernel, p, {unsigned(h), unsigned(j), 0}, sizeof(gdn_chunk::ScanSmem));
       double eo = 0, es = 0, eo32 = 0, es32 = 0;
       for (int h = 0; h < Hv; ++h) {
         std::vector<double> o64, s64;

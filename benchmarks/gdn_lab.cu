@@ -48,7 +48,7 @@ static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "o
                                   "new prep (3xTF32 mma)", "new scan (3xTF32 mma)", "new prep + scan"};
 
 static void launch(Kind k, const Dev& d, int T) {
-  const int nch = (T + GDNC_C - 1) / GDNC_C;
+  const int nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
   if (k == TOKEN) {
     const GatedDeltaParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, T, HK, HV, D, D};
     gated_delta_kernel<128><<<dim3(HV, (D + GDN_COLS - 1) / GDN_COLS), GDN_THREADS>>>(p);
@@ -61,9 +61,9 @@ static void launch(Kind k, const Dev& d, int T) {
       v1::gdn_chunk_scan_kernel<<<dim3(HV, D / v1::GDNC_COLS), v1::GDNC_THREADS, sizeof(v1::GdnScanSmem)>>>(p);
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
-    const GdnChunkParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != NEW_SCAN) gdn_chunk_prep_kernel<<<dim3(nch, HV), GDNC_THREADS, sizeof(GdnPrepSmem)>>>(p);
-    if (k != NEW_PREP) gdn_chunk_scan_kernel<<<dim3(HV, D / GDNC_COLS), GDNC_THREADS, sizeof(GdnScanSmem)>>>(p);
+    const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
+    if (k != NEW_SCAN) gdn_chunk::prep_kernel<<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
+    if (k != NEW_PREP) gdn_chunk::scan_kernel<<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
   }
   CK(cudaGetLastError());
 }
@@ -95,12 +95,12 @@ static T* upload(const std::vector<T>& v) {
 int main() {
   CK(cudaFuncSetAttribute(v1::gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(v1::GdnPrepSmem))));
   CK(cudaFuncSetAttribute(v1::gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(v1::GdnScanSmem))));
-  CK(cudaFuncSetAttribute(gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(GdnPrepSmem))));
-  CK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(GdnScanSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
 
   const gdn_ref::Inputs x = gdn_ref::make_inputs(T_MAX, HK, HV, D, 42, /*decay=*/1);
-  const int nch = T_MAX / GDNC_C;
-  const size_t ws_floats = size_t(nch) * HV * std::max<size_t>(GDNC_BLOCK, v1::GDNC_BLOCK);
+  const int nch = T_MAX / gdn_chunk::C;
+  const size_t ws_floats = size_t(nch) * HV * std::max<size_t>(gdn_chunk::BLOCK, v1::GDNC_BLOCK);
   Dev d{upload(x.qkv), upload(x.a), upload(x.b), upload(x.A_log), upload(x.dt_bias), upload(x.state), nullptr, nullptr};
   CK(cudaMalloc(&d.o, size_t(T_MAX) * HV * D * sizeof(float)));
   CK(cudaMalloc(&d.ws, ws_floats * sizeof(float)));

@@ -34,6 +34,7 @@
 #include "cuda/kernels/linear_gemv.cuh"
 #include "cuda/kernels/moe_decode.cuh"
 #include "cuda/kernels/moe_mma.cuh"
+#include "cuda/gemv_plan.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -45,7 +46,7 @@ static void check_cuda(cudaError_t e, const char* what, int line) {
 namespace lily::cuda::lab {
 
 constexpr int R = GemvTiling<1>::R;          // rows per thread and unit (NT = 1)
-constexpr size_t MAX_SMEM = 96 * 1024;       // linear.cuh's GEMV_MAX_SMEM
+constexpr size_t MAX_SMEM = 96 * 1024;       // linear.h's GEMV_MAX_SMEM
 constexpr size_t ROTATE_BYTES = 256u << 20;  // weight bytes rotated through (L2 is 50 MB)
 constexpr int SINK_WORDS = 1 << 20;
 

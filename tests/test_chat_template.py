@@ -1,4 +1,4 @@
-"""The Qwen3.6 chat template as lily renders it: what spec section 6 shows, and what transformers
+"""The Qwen3.6 chat template as lily renders it: what docs/model.md section 6 shows, and what transformers
 renders from the same template."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""lily.convert: Hugging Face -> MLX layout (spec sections 4 and 5) on the tiny synthetic checkpoint."""
+"""lily.convert: Hugging Face -> MLX layout (docs/model.md sections 4 and 5) on the tiny synthetic checkpoint."""
 
 import json
 import shutil

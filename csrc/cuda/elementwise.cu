@@ -3,7 +3,7 @@
 
 #include "cuda_ops.h"
 #include "kernels/elementwise.cuh"
-#include "runtime.cuh"
+#include "runtime.h"
 
 namespace lily::cuda {
 

@@ -5,7 +5,7 @@
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
 #include "kernels/gdn_decode.cuh"
-#include "runtime.cuh"
+#include "runtime.h"
 
 namespace lily::cuda {
 
@@ -43,37 +43,37 @@ static void launch_gdn_fast(const GatedDeltaParams& p, const dim3& grid) {
 }
 
 // The chunked (WY) prefill (kernels/gdn_chunk.cuh) from GDN_CHUNK_MIN_T tokens, at Dk = Dv = 128.
-// Below, the token-by-token kernel: it costs ~0.7 us per token at the real widths (1.45 ms for
-// 2048), while the chunked pair costs about the same for any T <= 64 (one padded chunk per head:
-// ~15 us for prep + scan, estimated), a break-even near 20-30 tokens (benchmarks/gdn_lab.cu's second
-// table measures both at T = 8..256). 64 is conservative by ~2x,
-// makes every chunked call at least one full chunk, and leaves decode (T = 1, inside the captured
-// graph) and all short calls bit-identical to before. To be lowered once measured.
+// Below, the token-by-token kernel: its cost grows with T, while the chunked pair costs about the same
+// for any T <= 64 (one padded chunk per head), so there is a crossover; benchmarks/gdn_lab.cu's second
+// table measures both at T = 8..256, and it puts the crossover at about 64 tokens (docs/perf-notes.md,
+// "Decisions in the code"). 64 also makes every chunked call at least one full chunk and leaves decode
+// (T = 1, inside the captured graph) and all short calls on the token kernel.
 constexpr int64_t GDN_CHUNK_MIN_T = 64;
 
 static bool gdn_chunked(int64_t T, int64_t Dk, int64_t Dv) {
-  return T >= GDN_CHUNK_MIN_T && Dk == GDNC_D && Dv == GDNC_D;
+  return T >= GDN_CHUNK_MIN_T && Dk == gdn_chunk::D && Dv == gdn_chunk::D;
 }
 
 int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv) {
-  return gdn_chunked(T, Dk, Dv) ? ceil_div<int64_t>(T, GDNC_C) * Hv * GDNC_BLOCK : 0;
+  return gdn_chunked(T, Dk, Dv) ? ceil_div<int64_t>(T, gdn_chunk::C) * Hv * gdn_chunk::BLOCK : 0;
 }
 
 static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-static void launch_gdn_chunked(const GdnChunkParams& p) {
+static void launch_gdn_chunked(const gdn_chunk::Params& p) {
   static const bool raised = [] {  // > 48 KB of dynamic shared memory
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(sizeof(GdnPrepSmem))));
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(sizeof(GdnScanSmem))));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(sizeof(gdn_chunk::PrepSmem))));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(sizeof(gdn_chunk::ScanSmem))));
     return true;
   }();
   (void)raised;
-  launch(gdn_chunk_prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), GDNC_THREADS, sizeof(GdnPrepSmem), p);
+  launch(gdn_chunk::prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), gdn_chunk::THREADS,
+         sizeof(gdn_chunk::PrepSmem), p);
   LILY_CUDA_LAUNCHED();
-  launch(gdn_chunk_scan_kernel, dim3(unsigned(p.Hv), unsigned(GDNC_D / GDNC_COLS)), GDNC_THREADS,
-         sizeof(GdnScanSmem), p);
+  launch(gdn_chunk::scan_kernel, dim3(unsigned(p.Hv), unsigned(gdn_chunk::D / gdn_chunk::COLS)), gdn_chunk::THREADS,
+         sizeof(gdn_chunk::ScanSmem), p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -88,9 +88,10 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   // needs 16-byte aligned bases (always so for buffers; a misaligned view takes the token path).
   if (gdn_chunked(T, key_head_dim, Dv) && aligned16(qkv.data) && aligned16(state.data) && aligned16(o.data) &&
       aligned16(workspace.data)) {
-    const GdnChunkParams cp{qkv.ptr<float>(),     a.ptr<float>(),     b.ptr<float>(), A_log.ptr<float>(),
-                            dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
-                            int(T),               num_key_heads,      int(Hv),        int(ceil_div<int64_t>(T, GDNC_C))};
+    const gdn_chunk::Params cp{qkv.ptr<float>(),     a.ptr<float>(),     b.ptr<float>(), A_log.ptr<float>(),
+                               dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
+                               int(T),               num_key_heads,      int(Hv),
+                               int(ceil_div<int64_t>(T, gdn_chunk::C))};
     return launch_gdn_chunked(cp);
   }
   const GatedDeltaParams p{qkv.ptr<float>(), a.ptr<float>(),     b.ptr<float>(),  A_log.ptr<float>(),

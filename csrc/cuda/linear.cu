@@ -14,8 +14,8 @@
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_wgmma.cuh"
 #include "kernels/linear_generic.cuh"
-#include "linear.cuh"
-#include "runtime.cuh"
+#include "linear.h"
+#include "runtime.h"
 
 namespace lily::cuda {
 
@@ -151,7 +151,7 @@ MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segment
 }
 
 // Below this many rows the fp32 GEMV is faster: too few 16-row tiles to spread over the SMs (the 257-row
-// router: 2.5 vs 3.6 us on the H200).
+// router is the model's case; docs/perf-notes.md, "Decisions in the code").
 constexpr int64_t GEMV_MMA_MIN_ROWS = 1024;
 
 static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {

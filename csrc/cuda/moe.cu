@@ -18,8 +18,8 @@
 #include "kernels/moe_decode.cuh"
 #include "kernels/moe_mma.cuh"
 #include "kernels/moe_routing.cuh"
-#include "linear.cuh"
-#include "runtime.cuh"
+#include "linear.h"
+#include "runtime.h"
 
 namespace lily::cuda {
 

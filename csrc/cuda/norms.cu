@@ -1,7 +1,7 @@
 // Launchers of the RMSNorm kernels (kernels/norms.cuh): one block per row.
 #include "cuda_ops.h"
 #include "kernels/norms.cuh"
-#include "runtime.cuh"
+#include "runtime.h"
 
 namespace lily::cuda {
 

@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "../ops/device_api.h"
-#include "runtime.cuh"
+#include "runtime.h"
 
 namespace lily::cuda {
 

@@ -2,7 +2,7 @@
 // position counter. All stay on the device: the next decode step reads state.token from there.
 #include "cuda_ops.h"
 #include "kernels/sample.cuh"
-#include "runtime.cuh"
+#include "runtime.h"
 
 namespace lily::cuda {
 

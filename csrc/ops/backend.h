@@ -1,6 +1,6 @@
 // The backend seam: memory services of the GPU backends. The CPU backend needs none of these;
-// cuda/ implements them when LILY_CUDA is on, cuda/no_cuda.cpp and metal/no_metal.cpp otherwise
-// raise a clear "not built" error.
+// cuda/ implements them when LILY_CUDA is on; otherwise, and for Metal, ops/no_backend.cpp raises a
+// clear "not built" error.
 #pragma once
 #include <cstddef>
 #include <functional>

@@ -1,5 +1,5 @@
-// What each GPU backend provides for memory. Implemented by cuda/ (or cuda/no_cuda.cpp) and by
-// metal/no_metal.cpp until a Metal backend exists.
+// What each GPU backend provides for memory. Implemented by cuda/ (or, in a build without CUDA, by
+// ops/no_backend.cpp) and by ops/no_backend.cpp for Metal until a Metal backend exists.
 #pragma once
 #include <cstddef>
 #include <functional>

@@ -6,8 +6,8 @@
 //   A[t, s] = beta_t exp(G_t - G_s) (k_t . k_s) for s < t (else 0);   Tinv = (I + A)^-1
 //   U = Tinv (beta * V),  W = Tinv ((beta exp(G)) * K),  P[t, s] = exp(G_t - G_s) (q_t . k_s), s <= t
 //   Delta = U - W S;  O = (exp(G) * Q) S + P Delta;  S <- exp(G_last) S + (exp(G_last - G) * K)^T Delta
-// Two kernels: gdn_chunk_prep (parallel over chunks and heads) writes U, W, P and the per-token row
-// factors of q and k to a workspace; gdn_chunk_scan runs the chunks in order and reads q, k straight
+// Two kernels: prep_kernel (parallel over chunks and heads) writes U, W, P and the per-token row
+// factors of q and k to a workspace; scan_kernel runs the chunks in order and reads q, k straight
 // from qkv. Only Dk = Dv = 128 (the model's). G in fp64.
 //
 // Tensor cores, 3xTF32. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
@@ -27,33 +27,36 @@
 #include "gated_delta.cuh"
 #endif
 
-namespace lily::cuda {
+// Everything of the chunked prefill lives in this namespace: the sizes, the workspace layout, the
+// 3xTF32 and cp.async helpers and the two kernels (gated_delta.cu says gdn_chunk::C, ...).
+namespace lily::cuda::gdn_chunk {
 
-constexpr int GDNC_C = 64;         // tokens per chunk
-constexpr int GDNC_D = 128;        // Dk = Dv
-constexpr int GDNC_THREADS = 256;  // both kernels (8 warps)
-constexpr int GDNC_COLS = 32;      // state columns per scan CTA
+constexpr int C = 64;          // tokens per chunk
+constexpr int D = 128;         // Dk = Dv
+constexpr int THREADS = 256;   // both kernels (8 warps)
+constexpr int COLS = 32;       // state columns per scan CTA
 // Shared row strides (floats), chosen for conflict-free fragment loads: a row-major A fragment reads
 // (g * ld + c) -> ld % 32 == 4; a [k][n] B fragment or a transposed A fragment reads (c * ld + g) ->
 // ld % 32 == 8; a C fragment's float2 (g * ld + 2c) is conflict-free per half-warp at ld % 32 == 8.
-constexpr int GDNC_LD = GDNC_D + 4;    // [64, 128] tiles read as A or as [n][k] B (132)
-constexpr int GDNC_KLD = GDNC_D + 8;   // the scan's K tile, read transposed (136)
-constexpr int GDNC_PLD = GDNC_C + 4;   // [64, 64] tiles read as A (68)
-constexpr int GDNC_NLD = GDNC_COLS + 8;  // [., 32] tiles: S, Delta, U (40)
+constexpr int LD = D + 4;      // [64, 128] tiles read as A or as [n][k] B (132)
+constexpr int KLD = D + 8;     // the scan's K tile, read transposed (136)
+constexpr int PLD = C + 4;     // [64, 64] tiles read as A (68)
+constexpr int NLD = COLS + 8;  // [., 32] tiles: S, Delta, U (40)
 
-// Workspace: one block of GDNC_BLOCK floats per (chunk c, value head h) at (c * Hv + h) * GDNC_BLOCK,
-// tiles row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros.
-constexpr int GDNC_W = 0;                          // [C, D] W
-constexpr int GDNC_U = GDNC_C * GDNC_D;            // [C, D] U
-constexpr int GDNC_P = 2 * GDNC_C * GDNC_D;        // [C, C] P: zero above the diagonal inside the 8-column
-                                                   // tiles it touches; tiles wholly above (8 nt > 16 mt + 15)
-                                                   // are never written nor read
-constexpr int GDNC_FQ = GDNC_P + GDNC_C * GDNC_C;  // [C] exp(G_t) / sqrt(Dk) / |q_t|   (0 past the prompt)
-constexpr int GDNC_FK = GDNC_FQ + GDNC_C;          // [C] exp(G_last - G_t) / |k_t|      (0 past the prompt)
-constexpr int GDNC_GC = GDNC_FK + GDNC_C;          // exp(G_last), then 3 floats of padding
-constexpr int GDNC_BLOCK = GDNC_GC + 4;            // floats; a multiple of 4 (16-byte blocks)
+// Workspace: one block of BLOCK floats per (chunk c, value head h) at (c * Hv + h) * BLOCK, tiles
+// row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros. WS_* are the
+// offsets (floats) of its pieces.
+constexpr int WS_W = 0;               // [C, D] W
+constexpr int WS_U = C * D;           // [C, D] U
+constexpr int WS_P = 2 * C * D;       // [C, C] P: zero above the diagonal inside the 8-column tiles it
+                                      // touches; tiles wholly above (8 nt > 16 mt + 15) are never
+                                      // written nor read
+constexpr int WS_FQ = WS_P + C * C;   // [C] exp(G_t) / sqrt(Dk) / |q_t|   (0 past the prompt)
+constexpr int WS_FK = WS_FQ + C;      // [C] exp(G_last - G_t) / |k_t|      (0 past the prompt)
+constexpr int WS_GC = WS_FK + C;      // exp(G_last), then 3 floats of padding
+constexpr int BLOCK = WS_GC + 4;      // floats; a multiple of 4 (16-byte blocks)
 
-struct GdnChunkParams {
+struct Params {
   const float* qkv;      // [T, 2*Hk*D + Hv*D]
   const float* a;        // [T, Hv]
   const float* b;        // [T, Hv]
@@ -61,111 +64,111 @@ struct GdnChunkParams {
   const float* dt_bias;  // [Hv]
   float* state;          // [Hv, D, D] (k-major), read and written once per call
   float* o;              // [T, Hv*D]
-  float* ws;             // [num_chunks * Hv * GDNC_BLOCK]
+  float* ws;             // [num_chunks * Hv * BLOCK]
   int T, Hk, Hv, num_chunks;
 };
 
-__device__ __forceinline__ float4 gdnc_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void gdnc_st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ float4 gdnc_scale4(float f, float4 v) { return make_float4(f * v.x, f * v.y, f * v.z, f * v.w); }
-__device__ __forceinline__ void gdnc_st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float4 scale4(float f, float4 v) { return make_float4(f * v.x, f * v.y, f * v.z, f * v.w); }
+__device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 
 // ---- 3xTF32 pieces ----------------------------------------------------------------------------
 // tf32(x) as fp32 bits with the 13 low mantissa bits zero, rounded to nearest (ties away from zero).
-__device__ __forceinline__ uint32_t gdnc_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
-struct GdncSplit {  // a fragment's hi and lo halves
+__device__ __forceinline__ uint32_t tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+struct Split {  // a fragment's hi and lo halves
   uint32_t hi, lo;
 };
-__device__ __forceinline__ GdncSplit gdnc_split(float x) {
-  const uint32_t hi = gdnc_tf32(x);
-  return {hi, gdnc_tf32(x - __uint_as_float(hi))};  // x - hi is exact in fp32
+__device__ __forceinline__ Split split(float x) {
+  const uint32_t hi = tf32(x);
+  return {hi, tf32(x - __uint_as_float(hi))};  // x - hi is exact in fp32
 }
 
 #ifndef LILY_GDN_HOST_EMU
 // d += a b, one m16n8k8 tf32 mma (fragments as in the table at the top).
-__device__ __forceinline__ void gdnc_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void gdnc_cp16(float* dst, const float* src) {
+__device__ __forceinline__ void cp16(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src)
                : "memory");
 }
 // 16 bytes from src if valid, else 16 zero bytes (src is not read then, but must be a valid address).
-__device__ __forceinline__ void gdnc_cp16z(float* dst, const float* src, bool valid) {
+__device__ __forceinline__ void cp16z(float* dst, const float* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void gdnc_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void gdnc_wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
-__device__ __forceinline__ unsigned char* gdnc_smem() {
-  extern __shared__ __align__(16) unsigned char gdnc_dyn_smem[];
-  return gdnc_dyn_smem;
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned char* smem() {
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  return dyn_smem;
 }
 #endif
 
 // a b in 3xTF32: big += a_hi b_hi, small += a_lo b_hi + a_hi b_lo; the caller adds small to big after
 // its k loop. Two accumulators make two independent mma chains per output tile (mma.sync latency,
 // not throughput, bounds a warp with few tiles).
-__device__ __forceinline__ void gdnc_mma3(float (&big)[4], float (&small)[4], const GdncSplit (&a)[4], GdncSplit b0,
-                                          GdncSplit b1) {
-  gdnc_mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
-  gdnc_mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
-  gdnc_mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+__device__ __forceinline__ void mma3(float (&big)[4], float (&small)[4], const Split (&a)[4], Split b0,
+                                          Split b1) {
+  mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+  mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+  mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 }
 // A fragment of a row-major tile: t points at element (row 0, k 0) of the 16 x 8 block, rows of LD
 // floats; rows g and g + 8 scaled by f0, f1 (1.f: exact).
 template <int LD>
-__device__ __forceinline__ void gdnc_frag_a(GdncSplit (&a)[4], const float* t, int g, int c, float f0 = 1.f,
+__device__ __forceinline__ void frag_a(Split (&a)[4], const float* t, int g, int c, float f0 = 1.f,
                                             float f1 = 1.f) {
-  a[0] = gdnc_split(f0 * t[g * LD + c]);
-  a[1] = gdnc_split(f1 * t[(g + 8) * LD + c]);
-  a[2] = gdnc_split(f0 * t[g * LD + c + 4]);
-  a[3] = gdnc_split(f1 * t[(g + 8) * LD + c + 4]);
+  a[0] = split(f0 * t[g * LD + c]);
+  a[1] = split(f1 * t[(g + 8) * LD + c]);
+  a[2] = split(f0 * t[g * LD + c + 4]);
+  a[3] = split(f1 * t[(g + 8) * LD + c + 4]);
 }
 // A fragment of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points at
 // X[k0][m0], fk at fk[k0].
 template <int LD>
-__device__ __forceinline__ void gdnc_frag_at(GdncSplit (&a)[4], const float* t, const float* fk, int g, int c) {
+__device__ __forceinline__ void frag_at(Split (&a)[4], const float* t, const float* fk, int g, int c) {
   const float f0 = fk[c], f1 = fk[c + 4];
-  a[0] = gdnc_split(f0 * t[c * LD + g]);
-  a[1] = gdnc_split(f0 * t[c * LD + g + 8]);
-  a[2] = gdnc_split(f1 * t[(c + 4) * LD + g]);
-  a[3] = gdnc_split(f1 * t[(c + 4) * LD + g + 8]);
+  a[0] = split(f0 * t[c * LD + g]);
+  a[1] = split(f0 * t[c * LD + g + 8]);
+  a[2] = split(f1 * t[(c + 4) * LD + g]);
+  a[3] = split(f1 * t[(c + 4) * LD + g + 8]);
 }
 // B fragment of a [k][n] row-major tile (t at (k0, n0)).
 template <int LD>
-__device__ __forceinline__ void gdnc_frag_b(GdncSplit& b0, GdncSplit& b1, const float* t, int g, int c) {
-  b0 = gdnc_split(t[c * LD + g]);
-  b1 = gdnc_split(t[(c + 4) * LD + g]);
+__device__ __forceinline__ void frag_b(Split& b0, Split& b1, const float* t, int g, int c) {
+  b0 = split(t[c * LD + g]);
+  b1 = split(t[(c + 4) * LD + g]);
 }
 // B fragment of a [k][n] tile kept pre-split in shared memory (hi and lo arrays, t offsets equal).
 template <int LD>
-__device__ __forceinline__ void gdnc_frag_b_pre(GdncSplit& b0, GdncSplit& b1, const uint32_t* th, const uint32_t* tl,
+__device__ __forceinline__ void frag_b_pre(Split& b0, Split& b1, const uint32_t* th, const uint32_t* tl,
                                                 int g, int c) {
   b0 = {th[c * LD + g], tl[c * LD + g]};
   b1 = {th[(c + 4) * LD + g], tl[(c + 4) * LD + g]};
 }
 // stores the split of (x, y) at hi/lo element i (8-byte aligned)
-__device__ __forceinline__ void gdnc_st2_split(uint32_t* th, uint32_t* tl, int i, float x, float y) {
-  const GdncSplit sx = gdnc_split(x), sy = gdnc_split(y);
+__device__ __forceinline__ void st2_split(uint32_t* th, uint32_t* tl, int i, float x, float y) {
+  const Split sx = split(x), sy = split(y);
   *reinterpret_cast<uint2*>(th + i) = make_uint2(sx.hi, sy.hi);
   *reinterpret_cast<uint2*>(tl + i) = make_uint2(sx.lo, sy.lo);
 }
 // B fragment of a tile stored [n][k] row-major (B = X^T; t at X[n0][k0]).
 template <int LD>
-__device__ __forceinline__ void gdnc_frag_bt(GdncSplit& b0, GdncSplit& b1, const float* t, int g, int c) {
-  b0 = gdnc_split(t[g * LD + c]);
-  b1 = gdnc_split(t[g * LD + c + 4]);
+__device__ __forceinline__ void frag_bt(Split& b0, Split& b1, const float* t, int g, int c) {
+  b0 = split(t[g * LD + c]);
+  b1 = split(t[g * LD + c + 4]);
 }
 
 // ---------------------------------------------------------------------------------------------
-// gdn_chunk_prep: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
+// prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
 //   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
 //      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
 //      are zeros.
@@ -184,24 +187,23 @@ __device__ __forceinline__ void gdnc_frag_bt(GdncSplit& b0, GdncSplit& b1, const
 //      values stay in registers (loops fully unrolled), A rows are shared-memory broadcasts. fp32 FMA.
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
-struct GdnPrepSmem {
-  float q[GDNC_C][GDNC_LD];   // normalised, scaled q rows
-  float k[GDNC_C][GDNC_LD];   // normalised k rows
-  float A[GDNC_C][GDNC_PLD];  // strictly lower (tiles above the diagonal unwritten, never read)
-  double G[GDNC_C];           // cumulative log decay
-  float g[GDNC_C], beta[GDNC_C], eG[GDNC_C], rq[GDNC_C], rk[GDNC_C];  // g, beta, exp(G) (0 past n), norm factors
+struct PrepSmem {
+  float q[C][LD];   // normalised, scaled q rows
+  float k[C][LD];   // normalised k rows
+  float A[C][PLD];  // strictly lower (tiles above the diagonal unwritten, never read)
+  double G[C];           // cumulative log decay
+  float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
 };
 
-__global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChunkParams p) {
+__global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
-  constexpr int C = GDNC_C, D = GDNC_D;
-  GdnPrepSmem& sm = *reinterpret_cast<GdnPrepSmem*>(gdnc_smem());
+  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(smem());
   const int ch = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
   const int t0 = ch * C, n = min(C, p.T - t0);  // tokens [t0, t0 + n) of this chunk
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;  // qkv row width
-  float* blk = p.ws + (int64_t(ch) * p.Hv + h) * GDNC_BLOCK;
+  float* blk = p.ws + (int64_t(ch) * p.Hv + h) * BLOCK;
 
   // 1. gates; q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i)
   if (tid < C) {
@@ -214,23 +216,23 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
     sm.beta[tid] = beta;
     sm.g[tid] = g;
   }
-  constexpr int ROWS_PER_WARP = 2 * C / (GDNC_THREADS / 32), BATCH = 8;  // 16 rows, loads 8 at a time
+  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32), BATCH = 8;  // 16 rows, loads 8 at a time
   const float q_scale = 1.f / sqrtf(float(D));
 #pragma unroll
   for (int i0 = 0; i0 < ROWS_PER_WARP; i0 += BATCH) {
     float4 x[BATCH];  // the batch's loads all in flight before the first reduction
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (GDNC_THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
       x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (t < n) x[i] = gdnc_ld4(p.qkv + (t0 + t) * Wd + is_k * int64_t(p.Hk) * D + int64_t(kh) * D + 4 * lane);
+      if (t < n) x[i] = ld4(p.qkv + (t0 + t) * Wd + is_k * int64_t(p.Hk) * D + int64_t(kh) * D + 4 * lane);
     }
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (GDNC_THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
       const float ss = warp_sum(x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w);
       const float f = (is_k ? 1.f : q_scale) / sqrtf(ss + 1e-6f);  // rows past n: 0 * f = 0
-      gdnc_st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, gdnc_scale4(f, x[i]));
+      st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, scale4(f, x[i]));
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
   }
@@ -256,10 +258,10 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
       const int t = 2 * lane + u;
       const float eG = t < n ? expf(float(sm.G[t])) : 0.f;
       sm.eG[t] = eG;
-      blk[GDNC_FQ + t] = eG * sm.rq[t];
-      blk[GDNC_FK + t] = t < n ? expf(float(Gl - sm.G[t])) * sm.rk[t] : 0.f;
+      blk[WS_FQ + t] = eG * sm.rq[t];
+      blk[WS_FK + t] = t < n ? expf(float(Gl - sm.G[t])) * sm.rk[t] : 0.f;
     }
-    if (lane == 0) blk[GDNC_GC] = expf(float(Gl));
+    if (lane == 0) blk[WS_GC] = expf(float(Gl));
   }
   __syncthreads();
 
@@ -275,10 +277,10 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
       float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
-        GdncSplit a[4], b0, b1;
-        gdnc_frag_a<GDNC_LD>(a, xa + 8 * ks, g, c);
-        gdnc_frag_bt<GDNC_LD>(b0, b1, xb + 8 * ks, g, c);
-        gdnc_mma3(acc, sml, a, b0, b1);
+        Split a[4], b0, b1;
+        frag_a<LD>(a, xa + 8 * ks, g, c);
+        frag_bt<LD>(b0, b1, xb + 8 * ks, g, c);
+        mma3(acc, sml, a, b0, b1);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] += sml[e];
@@ -287,7 +289,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
         const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
         if (is_qk) {
           const float dec = (t < n && s <= t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;
-          blk[GDNC_P + t * C + s] = dec * acc[e];
+          blk[WS_P + t * C + s] = dec * acc[e];
         } else {
           const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
           sm.A[t][s] = sm.beta[t] * dec * acc[e];
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
 #pragma unroll
     for (int s4 = 0; s4 < C / 4; ++s4) {
       if (4 * s4 < t) {
-        const float4 a4 = gdnc_ld4(&sm.A[t][4 * s4]);
+        const float4 a4 = ld4(&sm.A[t][4 * s4]);
         acc = fmaf(-a4.x, xs[4 * s4], acc);
         if (4 * s4 + 1 < t) acc = fmaf(-a4.y, xs[4 * s4 + 1], acc);
         if (4 * s4 + 2 < t) acc = fmaf(-a4.z, xs[4 * s4 + 2], acc);
@@ -322,13 +324,13 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
     }
     xs[t] = acc;
   }
-  float* dst = blk + (tid < D ? GDNC_U + tid : GDNC_W + tid - D);
+  float* dst = blk + (tid < D ? WS_U + tid : WS_W + tid - D);
 #pragma unroll
   for (int t = 0; t < C; ++t) dst[t * D] = xs[t];
 }
 
 // ---------------------------------------------------------------------------------------------
-// gdn_chunk_scan: one CTA per (value head h, slice of 32 state columns j0 = 32 * blockIdx.y), grid
+// scan_kernel: one CTA per (value head h, slice of 32 state columns j0 = 32 * blockIdx.y), grid
 // (Hv, D/32), block 256 (8 warps), 1 CTA/SM; loops over the chunks in order. Columns of S are
 // independent here, so the CTA needs only its [128, 32] slice of S and of U. Per chunk, on the tensor
 // cores (3xTF32, m16n8k8), warp w, g = lane / 4, c = lane % 4:
@@ -347,61 +349,60 @@ __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_kernel(GdnChun
 // of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
 // tile set, always committed, so wait_group 2 before a phase means its own group has landed). q, k
 // rows past the prompt are zero-filled copies (their factors are 0 too).
-struct GdnScanSmem {
-  float W[GDNC_C][GDNC_LD];
-  float Q[GDNC_C][GDNC_LD];     // raw q rows
-  float K[GDNC_C][GDNC_KLD];    // raw k rows
-  float P[GDNC_C][GDNC_PLD];
-  float U[GDNC_C][GDNC_NLD];    // this CTA's columns of U
-  uint32_t Sh[GDNC_D][GDNC_NLD], Sl[GDNC_D][GDNC_NLD];  // this CTA's columns of S, split (tf32 hi, lo)
-  uint32_t Dh[GDNC_C][GDNC_NLD], Dl[GDNC_C][GDNC_NLD];  // Delta, split
-  float fq[GDNC_C], fk[GDNC_C];
+struct ScanSmem {
+  float W[C][LD];
+  float Q[C][LD];     // raw q rows
+  float K[C][KLD];    // raw k rows
+  float P[C][PLD];
+  float U[C][NLD];    // this CTA's columns of U
+  uint32_t Sh[D][NLD], Sl[D][NLD];  // this CTA's columns of S, split (tf32 hi, lo)
+  uint32_t Dh[C][NLD], Dl[C][NLD];  // Delta, split
+  float fq[C], fk[C];
 };
 
 // [64, 128] tile of rows `stride` floats apart -> shared rows of LD floats: 2048 float4, 8 per thread;
 // rows >= n zero-filled.
 template <int LD>
-__device__ __forceinline__ void gdnc_copy_rows(float (*dst)[LD], const float* src, int64_t stride, int n) {
+__device__ __forceinline__ void copy_rows(float (*dst)[LD], const float* src, int64_t stride, int n) {
 #pragma unroll
-  for (int i = 0; i < GDNC_C * GDNC_D / 4 / GDNC_THREADS; ++i) {
-    const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_D / 4), c4 = idx % (GDNC_D / 4);
+  for (int i = 0; i < C * D / 4 / THREADS; ++i) {
+    const int idx = threadIdx.x + THREADS * i, r = idx / (D / 4), c4 = idx % (D / 4);
     const bool ok = r < n;
-    gdnc_cp16z(&dst[r][4 * c4], src + (ok ? r : 0) * stride + 4 * c4, ok);
+    cp16z(&dst[r][4 * c4], src + (ok ? r : 0) * stride + 4 * c4, ok);
   }
 }
 
-__device__ __forceinline__ void gdnc_issue_wu(GdnScanSmem& sm, const float* blk, int j0) {
-  gdnc_copy_rows<GDNC_LD>(sm.W, blk + GDNC_W, GDNC_D, GDNC_C);
+__device__ __forceinline__ void issue_wu(ScanSmem& sm, const float* blk, int j0) {
+  copy_rows<LD>(sm.W, blk + WS_W, D, C);
 #pragma unroll
-  for (int i = 0; i < GDNC_C * GDNC_COLS / 4 / GDNC_THREADS; ++i) {  // U columns [j0, j0 + 32)
-    const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_COLS / 4), c4 = idx % (GDNC_COLS / 4);
-    gdnc_cp16(&sm.U[r][4 * c4], blk + GDNC_U + r * GDNC_D + j0 + 4 * c4);
+  for (int i = 0; i < C * COLS / 4 / THREADS; ++i) {  // U columns [j0, j0 + 32)
+    const int idx = threadIdx.x + THREADS * i, r = idx / (COLS / 4), c4 = idx % (COLS / 4);
+    cp16(&sm.U[r][4 * c4], blk + WS_U + r * D + j0 + 4 * c4);
   }
 }
 
 // q rows of the chunk (from qkv), P, fq
-__device__ __forceinline__ void gdnc_issue_qp(GdnScanSmem& sm, const float* blk, const float* q, int64_t Wd, int n) {
-  gdnc_copy_rows<GDNC_LD>(sm.Q, q, Wd, n);
+__device__ __forceinline__ void issue_qp(ScanSmem& sm, const float* blk, const float* q, int64_t Wd, int n) {
+  copy_rows<LD>(sm.Q, q, Wd, n);
 #pragma unroll
-  for (int i = 0; i < GDNC_C * GDNC_C / 4 / GDNC_THREADS; ++i) {
-    const int idx = threadIdx.x + GDNC_THREADS * i, r = idx / (GDNC_C / 4), c4 = idx % (GDNC_C / 4);
-    gdnc_cp16(&sm.P[r][4 * c4], blk + GDNC_P + r * GDNC_C + 4 * c4);
+  for (int i = 0; i < C * C / 4 / THREADS; ++i) {
+    const int idx = threadIdx.x + THREADS * i, r = idx / (C / 4), c4 = idx % (C / 4);
+    cp16(&sm.P[r][4 * c4], blk + WS_P + r * C + 4 * c4);
   }
-  if (threadIdx.x < GDNC_C / 4) gdnc_cp16(&sm.fq[4 * threadIdx.x], blk + GDNC_FQ + 4 * threadIdx.x);
+  if (threadIdx.x < C / 4) cp16(&sm.fq[4 * threadIdx.x], blk + WS_FQ + 4 * threadIdx.x);
 }
 
 // k rows of the chunk (from qkv), fk
-__device__ __forceinline__ void gdnc_issue_k(GdnScanSmem& sm, const float* blk, const float* k, int64_t Wd, int n) {
-  gdnc_copy_rows<GDNC_KLD>(sm.K, k, Wd, n);
-  if (threadIdx.x < GDNC_C / 4) gdnc_cp16(&sm.fk[4 * threadIdx.x], blk + GDNC_FK + 4 * threadIdx.x);
+__device__ __forceinline__ void issue_k(ScanSmem& sm, const float* blk, const float* k, int64_t Wd, int n) {
+  copy_rows<KLD>(sm.K, k, Wd, n);
+  if (threadIdx.x < C / 4) cp16(&sm.fk[4 * threadIdx.x], blk + WS_FK + 4 * threadIdx.x);
 }
 
-__global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChunkParams p) {
+__global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
-  constexpr int C = GDNC_C, D = GDNC_D, NLD = GDNC_NLD;
-  GdnScanSmem& sm = *reinterpret_cast<GdnScanSmem*>(gdnc_smem());
-  const int h = blockIdx.x, j0 = blockIdx.y * GDNC_COLS, tid = threadIdx.x;
+  ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem());
+  const int h = blockIdx.x, j0 = blockIdx.y * COLS, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int kh = h / (p.Hv / p.Hk);
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D, o_row = int64_t(p.Hv) * D;
@@ -417,24 +418,24 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
     const float2 lo = *reinterpret_cast<const float2*>(Sg + r * D + col);
     const float2 hi = *reinterpret_cast<const float2*>(Sg + (r + 8) * D + col);
     s[nt][0] = lo.x, s[nt][1] = lo.y, s[nt][2] = hi.x, s[nt][3] = hi.y;
-    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
-    gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
+    st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
+    st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
   }
-  auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * GDNC_BLOCK; };
+  auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * BLOCK; };
   auto rows_in = [&](int ci) { return min(C, p.T - ci * C); };
-  gdnc_issue_wu(sm, block_of(0), j0);
-  gdnc_commit();
-  gdnc_issue_qp(sm, block_of(0), qg, Wd, rows_in(0));
-  gdnc_commit();
-  gdnc_issue_k(sm, block_of(0), kg, Wd, rows_in(0));
-  gdnc_commit();
+  issue_wu(sm, block_of(0), j0);
+  commit();
+  issue_qp(sm, block_of(0), qg, Wd, rows_in(0));
+  commit();
+  issue_k(sm, block_of(0), kg, Wd, rows_in(0));
+  commit();
   for (int ci = 0; ci < p.num_chunks; ++ci) {
     const float* blk = block_of(ci);
     const bool more = ci + 1 < p.num_chunks;
     const int64_t tn = int64_t(ci + 1) * C;  // first token of the next chunk
-    const float gC = blk[GDNC_GC];
+    const float gC = blk[WS_GC];
     const int n = rows_in(ci);
-    gdnc_wait2();
+    wait2();
     __syncthreads();  // W, U of chunk ci landed; S of the previous chunk in shared memory
 
     // (a) Delta = U - W S
@@ -442,12 +443,12 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
       float acc[2][4] = {}, sml[2][4] = {};
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
-        GdncSplit a[4], b0, b1;
-        gdnc_frag_a<GDNC_LD>(a, &sm.W[16 * mt][8 * ks], g, c);
+        Split a[4], b0, b1;
+        frag_a<LD>(a, &sm.W[16 * mt][8 * ks], g, c);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+          frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
+          mma3(acc[j], sml[j], a, b0, b1);
         }
       }
 #pragma unroll
@@ -457,15 +458,15 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int r = 16 * mt + g, col = nb + 8 * j + 2 * c;
-        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], r * NLD + col, sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
-        gdnc_st2_split(&sm.Dh[0][0], &sm.Dl[0][0], (r + 8) * NLD + col, sm.U[r + 8][col] - acc[j][2],
+        st2_split(&sm.Dh[0][0], &sm.Dl[0][0], r * NLD + col, sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
+        st2_split(&sm.Dh[0][0], &sm.Dl[0][0], (r + 8) * NLD + col, sm.U[r + 8][col] - acc[j][2],
                        sm.U[r + 8][col + 1] - acc[j][3]);
       }
     }
     __syncthreads();  // Delta complete; W, U free
-    if (more) gdnc_issue_wu(sm, block_of(ci + 1), j0);
-    gdnc_commit();
-    gdnc_wait2();
+    if (more) issue_wu(sm, block_of(ci + 1), j0);
+    commit();
+    wait2();
     __syncthreads();  // Q, P, fq of chunk ci landed
 
     // (b) O = (fq * Q) S + P Delta
@@ -474,22 +475,22 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
       const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
-        GdncSplit a[4], b0, b1;
-        gdnc_frag_a<GDNC_LD>(a, &sm.Q[16 * mt][8 * ks], g, c, f0, f1);
+        Split a[4], b0, b1;
+        frag_a<LD>(a, &sm.Q[16 * mt][8 * ks], g, c, f0, f1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+          frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
+          mma3(acc[j], sml[j], a, b0, b1);
         }
       }
 #pragma unroll 2
       for (int ks = 0; ks < 2 * mt + 2; ++ks) {  // P's k-steps at or left of the diagonal
-        GdncSplit a[4], b0, b1;
-        gdnc_frag_a<GDNC_PLD>(a, &sm.P[16 * mt][8 * ks], g, c);
+        Split a[4], b0, b1;
+        frag_a<PLD>(a, &sm.P[16 * mt][8 * ks], g, c);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][nb + 8 * j], &sm.Dl[8 * ks][nb + 8 * j], g, c);
-          gdnc_mma3(acc[j], sml[j], a, b0, b1);
+          frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][nb + 8 * j], &sm.Dl[8 * ks][nb + 8 * j], g, c);
+          mma3(acc[j], sml[j], a, b0, b1);
         }
       }
 #pragma unroll
@@ -501,14 +502,14 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = nb + 8 * j + 2 * c;
-        if (r < n) gdnc_st2(out + r * o_row + col, acc[j][0], acc[j][1]);
-        if (r + 8 < n) gdnc_st2(out + (r + 8) * o_row + col, acc[j][2], acc[j][3]);
+        if (r < n) st2(out + r * o_row + col, acc[j][0], acc[j][1]);
+        if (r + 8 < n) st2(out + (r + 8) * o_row + col, acc[j][2], acc[j][3]);
       }
     }
     __syncthreads();  // Q, P, fq and S in shared memory free
-    if (more) gdnc_issue_qp(sm, block_of(ci + 1), qg + tn * Wd, Wd, rows_in(ci + 1));
-    gdnc_commit();
-    gdnc_wait2();
+    if (more) issue_qp(sm, block_of(ci + 1), qg + tn * Wd, Wd, rows_in(ci + 1));
+    commit();
+    wait2();
     __syncthreads();  // K, fk of chunk ci landed
 
     // (c) S <- exp(G_last) S + (fk * K)^T Delta
@@ -519,12 +520,12 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
       for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
 #pragma unroll 2
     for (int ks = 0; ks < C / 8; ++ks) {
-      GdncSplit a[4], b0, b1;
-      gdnc_frag_at<GDNC_KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
+      Split a[4], b0, b1;
+      frag_at<KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        gdnc_frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][8 * nt], &sm.Dl[8 * ks][8 * nt], g, c);
-        gdnc_mma3(s[nt], sml[nt], a, b0, b1);
+        frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][8 * nt], &sm.Dl[8 * ks][8 * nt], g, c);
+        mma3(s[nt], sml[nt], a, b0, b1);
       }
     }
 #pragma unroll
@@ -534,19 +535,19 @@ __global__ void __launch_bounds__(GDNC_THREADS, 1) gdn_chunk_scan_kernel(GdnChun
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int r = 16 * warp + g, col = 8 * nt + 2 * c;
-      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, s[nt][0], s[nt][1]);
-      gdnc_st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
+      st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, s[nt][0], s[nt][1]);
+      st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
     }
     __syncthreads();  // K, fk, Delta free
-    if (more) gdnc_issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
-    gdnc_commit();
+    if (more) issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
+    commit();
   }
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const int r = 16 * warp + g, col = 8 * nt + 2 * c;
-    gdnc_st2(Sg + r * D + col, s[nt][0], s[nt][1]);
-    gdnc_st2(Sg + (r + 8) * D + col, s[nt][2], s[nt][3]);
+    st2(Sg + r * D + col, s[nt][0], s[nt][1]);
+    st2(Sg + (r + 8) * D + col, s[nt][2], s[nt][3]);
   }
 }
 
-}  // namespace lily::cuda
+}  // namespace lily::cuda::gdn_chunk

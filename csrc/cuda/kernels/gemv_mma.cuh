@@ -279,28 +279,6 @@ struct MmaSplit {
   }
 };
 
-// The launch plan over `tiles` 16-row tiles of `segments` segments with `resident` CTAs on the device at
-// once: K-parts per tile (ks) and the CTA count. Measured on the H200 (docs/perf-notes.md): a memory-bound
-// pass runs at a rate set by the warps in flight, so a plan that leaves CTA slots empty pays in proportion;
-// cost = rounds of passes x (units per pass + 1/2 for the pass's reduction) x empty-slot factor, the
-// smallest ks among equals; CTAs = all slots, or the passes when fewer.
-struct MmaPlan {
-  int ks, grid;
-};
-inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident) {
-  MmaPlan best{1, 1};
-  double best_cost = 1e300;
-  for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
-    if (ks > 1 && ks > segments) break;
-    const MmaSplit sp(ks, int(segments));
-    const int64_t passes = (tiles + sp.rt - 1) / sp.rt, rounds = (passes + resident - 1) / resident;
-    const double fill = passes < resident ? double(resident) / double(passes) : 1.0;
-    const double cost = double(rounds) * (sp.upp + 0.5) * fill;
-    if (cost < best_cost) best_cost = cost, best = MmaPlan{ks, int(passes < resident ? passes : resident)};
-  }
-  return best;
-}
-
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
 // (virtual) row; passes over tiles are strided by gridDim.x. before() runs before unit 0's loads are
 // issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()

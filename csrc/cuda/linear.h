@@ -1,9 +1,9 @@
 // Launcher-level pieces of linear.cu that moe.cu reuses: the weight view of a QMatrix, the tiled
-// product over (possibly grouped) rows and the GEMV sizing. Host-side; the kernels are in
-// kernels/linear_*.cuh.
+// product over (possibly grouped) rows and the GEMV sizing. Host code (a .h, included by .cu files
+// only: it needs the kernel headers' parameter types); the kernels are in kernels/linear_*.cuh.
 #pragma once
 #include "../core/weights.h"
-#include "kernels/gemv_mma.cuh"
+#include "gemv_plan.h"
 #include "kernels/linear_common.cuh"
 
 namespace lily::cuda {

@@ -1,5 +1,6 @@
 // The CUDA backend's runtime: its one stream, error checks and launch helpers. Every op launches on
-// stream() so that the engine can capture a whole decode step as one CUDA graph.
+// stream() so that the engine can capture a whole decode step as one CUDA graph. Host code (a .h:
+// .cuh files hold device code only), included by the backend's .cu files.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -31,8 +32,9 @@ int num_sms();
 namespace lily::cuda {
 
 // Whether launch() issues programmatic dependent launches: only while a graph is being captured
-// (the decode step). Measured on the H200: decode 3.72 -> 3.54 ms/token with them, but prefill
-// 11% slower, so eager launches (prefill, the first decode step) stay plain.
+// (the decode step). They shorten the replayed decode step but slowed eager prefill (numbers in
+// docs/perf-notes.md, "Decisions in the code"), so eager launches (prefill, the first decode step)
+// stay plain.
 bool programmatic_launches();
 
 // Launches kernel<<<grid, block, smem, stream()>>>(args...), inside a graph capture as a
@@ -66,8 +68,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&
   launch_clustered(kernel, grid, block, dim3(1, 1, 1), smem, std::forward<Args>(args)...);
 }
 
-}  // namespace lily::cuda
-
 // Ceiling division for grid sizes.
 template <typename T>
 constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+}  // namespace lily::cuda
