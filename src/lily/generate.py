@@ -221,7 +221,8 @@ class GenerationStream:
         self.close()
 
     def __repr__(self) -> str:
-        state = self._result.finish_reason if self._done else "running"
+        reason = self._result.finish_reason
+        state = "running" if not self._done else "cancelled" if reason == "cancelled" else f"done, {reason}"
         return f"GenerationStream({state}, tokens so far={len(self._result.token_ids)})"
 
 
