@@ -19,6 +19,7 @@ messages = [{"role": "user", "content": "What is 17 * 23?"}]
 stream = client.chat.completions.create(model=model, messages=messages, max_tokens=64, stream=True,
                                         stream_options={"include_usage": True})
 reasoning, content = [], []
+DIM, RESET = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")  # no escape codes into a pipe
 for chunk in stream:
     if chunk.usage:
         print(f"\n[{chunk.usage.prompt_tokens} prompt tokens, {chunk.usage.completion_tokens} generated]")
@@ -27,7 +28,7 @@ for chunk in stream:
     thought = getattr(delta, "reasoning_content", None)  # lily's extension field, like vLLM's
     if thought:
         reasoning.append(thought)
-        print(f"\033[2m{thought}\033[0m", end="", flush=True)
+        print(f"{DIM}{thought}{RESET}", end="", flush=True)
     if delta.content:
         content.append(delta.content)
         print(delta.content, end="", flush=True)

@@ -67,7 +67,7 @@ def test_chat_multi_turn_resumes_the_session(cache, model):
     # After /reset the same first turn starts over and reuses the snapshot of its own prefix.
     assert f"({boundary} reused)" in stats[2]
     # Thinking is hidden and the answers are the greedy ones.
-    first = model.chat(messages, max_tokens=3)
+    first = model.chat(messages, max_tokens=3, temperature=0)
     assert r.stdout.startswith("> \n> ")
     assert first.content == ""  # three tokens are all reasoning
 
@@ -87,7 +87,7 @@ def test_jsonl_batch_resumes(cache, model, tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["id"] for row in lines] == ["b", 0, "c"] and lines[0]["text"] == "earlier"
     assert lines[1]["token_ids"] == model.generate("Hello, world", max_tokens=3).token_ids
-    chat = model.chat([{"role": "user", "content": "Hi"}], max_tokens=3)
+    chat = model.chat([{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
     assert lines[2]["token_ids"] == chat.token_ids and lines[2]["reasoning"] == chat.reasoning
     assert lines[2]["usage"]["prompt_tokens"] == chat.usage.prompt_tokens
     again = run("generate", "-q", "--input", str(prompts), "--output", str(out), cache=cache)

@@ -187,15 +187,15 @@ def test_session_continues_and_reuses_snapshots(model, greedy):
 def test_chat_turns_resume_from_the_message_boundary(model):
     tok, s = model.tokenizer, model.new_session()
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
-    first = model.chat(messages, max_tokens=4, session=s)
+    first = model.chat(messages, max_tokens=4, temperature=0, session=s)
     assert first.thinking and first.usage.prompt_tokens == len(tok.encode_chat(messages))
     messages += [first.message, {"role": "user", "content": "Again"}]
-    second = model.chat(messages, max_tokens=4, session=s)
+    second = model.chat(messages, max_tokens=4, temperature=0, session=s)
     boundary = len(tok.encode_chat(messages[:2], add_generation_prompt=False))
     assert second.usage.cached_tokens == boundary
     # Resuming gives exactly what a fresh session computes.
-    assert second.token_ids == model.chat(messages, max_tokens=4, session=model.new_session()).token_ids
-    off = model.chat(messages[:2], max_tokens=2, enable_thinking=False, session=s)
+    assert second.token_ids == model.chat(messages, max_tokens=4, temperature=0, session=model.new_session()).token_ids
+    off = model.chat(messages[:2], max_tokens=2, temperature=0, enable_thinking=False, session=s)
     assert not off.thinking and off.content == off.text and "reasoning_content" not in off.message
 
 

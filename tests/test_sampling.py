@@ -102,7 +102,7 @@ def test_seed_and_step_fix_the_draw():
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": "hot"}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"temperature": "hot"}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"),
     ({"presence_penalty": float("nan")}, "presence_penalty"), ({"frequency_penalty": None}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"),

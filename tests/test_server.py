@@ -83,7 +83,7 @@ def test_models_health_and_openapi(server, client):
 # --- chat and completions against the Python API -----------------------------------------------------
 
 def test_chat_equals_the_python_api(client, model):
-    expected = model.chat(USER, max_tokens=6, logprobs=3, session=model.new_session())
+    expected = model.chat(USER, max_tokens=6, temperature=0, logprobs=3, session=model.new_session())
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=3)
     choice = r.choices[0]
@@ -109,7 +109,7 @@ def test_chat_equals_the_python_api(client, model):
     assert len({c.id for c in chunks}) == 1
 
     # Thinking off through chat_template_kwargs: everything is content.
-    off = model.chat(USER, max_tokens=4, enable_thinking=False, session=model.new_session())
+    off = model.chat(USER, max_tokens=4, temperature=0, enable_thinking=False, session=model.new_session())
     r = client.chat.completions.create(model=NAME, messages=USER, max_completion_tokens=4, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert not off.thinking and r.choices[0].message.content == off.text
@@ -149,7 +149,7 @@ def test_stop_strings_and_seeds(client, model):
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "stop"
     # Chat: the stop string is matched in the reasoning too.
-    chat = model.chat(USER, max_tokens=8, session=model.new_session())
+    chat = model.chat(USER, max_tokens=8, temperature=0, session=model.new_session())
     cut = chat.text[len(chat.text) // 2:][:3]
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0, stop=cut)
     assert r.choices[0].finish_reason == "stop" and cut not in (r.choices[0].message.reasoning_content or "")

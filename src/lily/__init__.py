@@ -1,7 +1,7 @@
 """lily: a batch-1 inference engine for Qwen3.5/3.6 hybrid MoE checkpoints (Qwen3.6-35B-A3B).
 
     import lily
-    model = lily.Model.load("path/or/org/repo")        # device="auto": CUDA when available
+    model = lily.load("path/or/org/repo")              # or "tiny": the built-in model; device="auto"
     print(model.generate("The capital of France is", max_tokens=16).text)
     for event in model.chat([{"role": "user", "content": "Hi!"}], stream=True, temperature=0.7):
         print(event.text, end="", flush=True)
@@ -16,8 +16,14 @@ from .tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "GenerationEvent", "GenerationStream",
            "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "TokenLogprob", "Tokenizer", "Usage",
-           "make_checkpoint"]
+           "load", "make_checkpoint"]
 __version__ = "0.1.0"
+
+
+def load(path_or_repo="tiny", device: str = "auto", **kwargs) -> Model:
+    """``lily.Model.load(path_or_repo, device, **kwargs)``: a checkpoint folder, a Hugging Face repo id,
+    or "tiny" for the built-in synthetic checkpoint (random weights, real tokenizer)."""
+    return Model.load(path_or_repo, device, **kwargs)
 
 
 def make_checkpoint(*args, **kwargs):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .errors import LilyError
 
-TINY_MAX_TOKENS = 32
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "max_tokens", "stop", "ignore_eos", "logprobs")
 DIM, RESET = "\033[2m", "\033[0m"
@@ -32,10 +31,15 @@ def tiny_checkpoint() -> Path:
     from .synthetic import make_checkpoint
     from .tokenizer_files import write_tokenizer_files
 
+    from .synthetic import SYNTHETIC_MAX_NEW_TOKENS
+
     dest = cache_root() / "checkpoints" / "tiny-mlx-4bit-seed0"
     if (dest / "config.json").is_file():
-        if not (dest / "chat_template.jinja").is_file():  # cached before checkpoints carried a template
-            write_tokenizer_files(dest)
+        # Cached before checkpoints carried a template, or a max_new_tokens (the default max_tokens).
+        gen = dest / "generation_config.json"
+        if not (dest / "chat_template.jinja").is_file() or not gen.is_file() or \
+                "max_new_tokens" not in json.loads(gen.read_text()):
+            write_tokenizer_files(dest, max_new_tokens=SYNTHETIC_MAX_NEW_TOKENS)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"lily: writing the built-in tiny checkpoint to {dest} ...", file=sys.stderr)
@@ -71,8 +75,10 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     from .sampling import SamplingParams
 
     given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
-    if "max_tokens" not in given and args.model is None:
-        given["max_tokens"] = TINY_MAX_TOKENS  # random weights rarely sample a stop token
+    if getattr(args, "greedy", False):
+        if given.get("temperature", 0) != 0:
+            raise LilyError("--greedy and --temperature contradict each other; give one")
+        given["temperature"] = 0.0
     SamplingParams(**given)
     return given
 
@@ -108,18 +114,58 @@ class ThinkPrinter:
         self.out.flush()
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that would otherwise be ignored (before the model loads)."""
+    if args.prompt_opt is not None:
+        if args.prompt is not None:
+            raise LilyError("give the prompt once: as an argument or with --prompt/-p, not both")
+        args.prompt = args.prompt_opt
+    if args.output and not args.input:
+        raise LilyError("--output is where --input writes its results; give --input PROMPTS.jsonl too "
+                        "(without --input the text goes to stdout)")
+    if args.input and args.prompt is not None:
+        raise LilyError("give a prompt or --input PROMPTS.jsonl, not both")
+    if not args.chat and not args.input:
+        for flag, given in (("--system", args.system is not None), ("--no-think", args.no_think),
+                            ("--preserve-thinking", args.preserve_thinking)):
+            if given:
+                raise LilyError(f"{flag} applies to chat prompts: add --chat (the prompt is sent as a user "
+                                f"message through the chat template)")
+    if args.greedy and not args.chat:
+        raise LilyError("--greedy applies to --chat (plain generate is already greedy)")
+
+
+def generate_params(args: argparse.Namespace, model=None):
+    """generate's sampling: greedy for raw text; with --chat the checkpoint's generation_config
+    (as `lily chat` and `lily serve`), --greedy for argmax. Flags override single values."""
     from .sampling import SamplingParams
 
-    params = SamplingParams(**sampling_overrides(args))  # generate is greedy unless told otherwise
+    overrides = sampling_overrides(args)
+    if args.chat and model is not None:
+        return model.default_sampling(**overrides)
+    return SamplingParams(**overrides)
+
+
+def chat_prompt(args: argparse.Namespace, prompt):
+    """A text prompt as a conversation (--chat), with --system first; a conversation gets --system
+    first unless it has a system message of its own."""
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    if isinstance(prompt, str):
+        return system + [{"role": "user", "content": prompt}] if args.chat else prompt
+    if system and not (prompt and isinstance(prompt[0], dict) and prompt[0].get("role") in ("system", "developer")):
+        return system + list(prompt)
+    return prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    check_generate_flags(args)
+    generate_params(args)  # flags checked before the slow load
     if args.input:
-        return generate_jsonl(params, args)
+        return generate_jsonl(args)
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     model = load_model(args)
-    prompt = text
-    if args.chat:
-        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                 [{"role": "user", "content": text}]
+    params = generate_params(args, model)
+    prompt = chat_prompt(args, text)
     stream = model.generate(prompt, params, stream=True, **template_kwargs(args))
     printer = ThinkPrinter(sys.stdout, stream.thinking, True)
     for event in stream:
@@ -129,16 +175,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         u = result.usage
         print(f"prompt tokens: {u.prompt_tokens}\ngenerated token ids: {result.token_ids}", file=sys.stderr)
-        if result.logprobs is not None:
-            for lp in result.logprobs:
-                alts = " ".join(f"{i}:{v:.3f}" for i, v in lp.top)
-                print(f"  {lp.token_id}: {lp.logprob:.3f}  [{alts}]", file=sys.stderr)
+    if result.logprobs is not None:  # asked for explicitly, so printed with -q too
+        for lp in result.logprobs:
+            alts = " ".join(f"{i}:{t!r}:{v:.3f}" for (i, v), t in zip(lp.top, lp.top_tokens))
+            print(f"  {lp.token_id} {lp.token!r}: {lp.logprob:.3f}  [{alts}]", file=sys.stderr)
+    if not args.quiet:
+        u = result.usage
         print(f"[{u.completion_tokens} tokens, finish_reason={result.finish_reason}, prefill "
               f"{u.prefill_seconds * 1e3:.1f} ms, decode {u.decode_tokens_per_second:.1f} tok/s]", file=sys.stderr)
     return 0
 
 
-def generate_jsonl(params, args: argparse.Namespace) -> int:
+def generate_jsonl(args: argparse.Namespace) -> int:
     """Each input line is a JSON string (the prompt) or an object with 'prompt' (text) or 'messages'
     (a conversation) and an optional 'id' (default: the line's index among non-empty lines). One
     result line per prompt, written as soon as it is done; prompts whose id is already in the
@@ -156,7 +204,9 @@ def generate_jsonl(params, args: argparse.Namespace) -> int:
     if not todo:
         return 0
     model = load_model(args)
-    results = model.generate([p for _, p in todo], params, stream=True, **template_kwargs(args))
+    params = generate_params(args, model)
+    results = model.generate([chat_prompt(args, p) for _, p in todo], params, stream=True, progress=False,
+                             **template_kwargs(args))
     with open(out_path, "a", encoding="utf-8") as out, \
             tqdm(total=len(todo), desc="generate", unit="prompt", disable=args.quiet, file=sys.stderr) as bar:
         for (pid, _), r in zip(todo, results):
@@ -178,7 +228,7 @@ def generate_jsonl(params, args: argparse.Namespace) -> int:
 def read_prompts(path: Path) -> list[tuple[object, object]]:
     if not path.is_file():
         raise LilyError(f"{path}: no such input file")
-    prompts, seen = [], set()
+    items, seen = [], set()
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -194,13 +244,26 @@ def read_prompts(path: Path) -> list[tuple[object, object]]:
             item = {"prompt": item}
         if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
             raise LilyError(f"{path}:{lineno}: expected a JSON string or an object with 'prompt' or 'messages'")
-        pid = item.get("id", len(prompts))
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise LilyError(f"{path}:{lineno}: 'id' must be a string or an integer, got {json.dumps(pid)[:60]}")
-        if pid in seen:
-            raise LilyError(f"{path}:{lineno}: duplicate id {pid!r}")
-        seen.add(pid)
-        prompts.append((pid, item.get("prompt", item.get("messages"))))
+        pid = item.get("id")
+        if "id" in item:
+            if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+                raise LilyError(f"{path}:{lineno}: 'id' must be a string or an integer, got {json.dumps(pid)[:60]}")
+            if pid in seen:
+                raise LilyError(f"{path}:{lineno}: duplicate id {pid!r}")
+            seen.add(pid)
+        items.append(("id" in item, pid, item.get("prompt", item.get("messages"))))
+    # A line without an id gets its index among the non-empty lines, or the next integer that no line
+    # uses as its explicit id (so automatic ids never collide with explicit ones, and are the same
+    # every time the same file is read, which resuming needs).
+    prompts, auto = [], 0
+    for index, (explicit, pid, prompt) in enumerate(items):
+        if not explicit:
+            auto = max(auto, index)
+            while auto in seen:
+                auto += 1
+            pid = auto
+            seen.add(pid)
+        prompts.append((pid, prompt))
     return prompts
 
 
@@ -229,6 +292,9 @@ def completed_ids(path: Path) -> set:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.logprobs is not None:
+        raise LilyError("--logprobs is not shown by 'lily chat'; use 'lily generate --chat --logprobs N' "
+                        "(or logprobs= in the Python API)")
     overrides = sampling_overrides(args)
     model = load_model(args)
     params = model.default_sampling(**overrides)
@@ -272,7 +338,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   f"decode {u.decode_tokens_per_second:.1f} tok/s]", file=sys.stderr)
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, quiet_help: str = "print only the generated text") -> None:
     p.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the tiny "
                                          "built-in synthetic checkpoint: random weights, gibberish text)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -281,13 +347,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", type=int, choices=(4, 8), default=None,
                    help="quantize a float (Hugging Face) checkpoint to 4 or 8 bits while loading "
                         "(as 'lily convert' would; default: run the stored floats)")
-    p.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
+    p.add_argument("--quiet", "-q", action="store_true", help=quiet_help)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_argument_group("sampling", f"Default: {default}. A flag given here overrides that one value.")
-    g.add_argument("--temperature", "-t", type=float, help="0 = greedy; higher = more random")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--temperature", "--temp", "-t", type=float, help="0 = greedy; higher = more random")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 or -1 = off)")
     g.add_argument("--top-p", type=float, help="keep the most likely tokens up to this probability mass (1 = off)")
     g.add_argument("--min-p", type=float, help="keep tokens with p >= min_p * p_max (0 = off)")
     g.add_argument("--presence-penalty", type=float, help="subtract from the logit of every token generated so far")
@@ -295,9 +361,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument("--repetition-penalty", type=float,
                    help="divide positive / multiply negative logits of prompt and output tokens (1 = off)")
     g.add_argument("--seed", type=int, help="random seed; the same seed and prompt give the same text (default random)")
-    g.add_argument("--max-tokens", "-n", type=int, help=f"the most tokens to generate (default: until a stop token "
-                                                        f"or the end of the context; {TINY_MAX_TOKENS} with the "
-                                                        f"built-in tiny checkpoint)")
+    g.add_argument("--max-tokens", "-n", type=int,
+                   help="the most tokens to generate (default: generation_config.json's max_new_tokens, else "
+                        "32768, capped by the context; 32 for synthetic checkpoints such as the built-in one)")
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop when this text appears (not printed); repeat for several")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's end-of-turn tokens")
@@ -307,7 +373,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, default: str) -> None:
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("chat template")
-    g.add_argument("--system", help="system message")
+    g.add_argument("--system", "--system-prompt", help="system message")
     g.add_argument("--no-think", action="store_true",
                    help="disable thinking (enable_thinking=false; Qwen3.6 thinks by default)")
     g.add_argument("--preserve-thinking", action="store_true",
@@ -317,8 +383,11 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import convert, synthetic
 
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="lily", description="Batch-1 inference for Qwen3.5/3.6 MoE checkpoints.",
-                                epilog="Run 'lily COMMAND --help' for each command's options.")
+                                epilog="Run 'lily COMMAND --help' for each command's options.", allow_abbrev=False)
+    p.add_argument("--version", "-V", action="version", version=f"lily {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser(
@@ -334,12 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
                "finish_reason, usage, and reasoning/content for thinking chats), written as each one\n"
                "finishes. Rerunning with the same --output skips the ids already there (resume).")
     g.add_argument("prompt", nargs="?", help="prompt text (read from stdin when omitted)")
+    g.add_argument("--prompt", "-p", dest="prompt_opt", metavar="TEXT", help="the prompt, as a flag (mlx-lm style)")
     add_model_arguments(g)
     g.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message through the chat template (default: raw text)")
+                   help="send the prompt as a user message through the chat template (default: raw text), "
+                        "sampled as generation_config.json recommends (Qwen3.6: temperature 1.0, top_k 20, "
+                        "top_p 0.95); with --input, text prompts become user messages")
+    g.add_argument("--greedy", action="store_true", help="with --chat: greedy decoding (temperature 0)")
     g.add_argument("--input", "-i", metavar="PROMPTS.jsonl", help="generate for every prompt of a JSONL file")
     g.add_argument("--output", "-o", metavar="RESULTS.jsonl", help="where --input writes results (appended; resumable)")
-    add_sampling_arguments(g, "greedy")
+    add_sampling_arguments(g, "greedy; with --chat the checkpoint's generation_config.json")
     add_chat_arguments(g)
     g.set_defaults(func=cmd_generate)
 
@@ -375,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    # Options are matched exactly: the aliases are the documented ones (--temp, --system-prompt, -p),
+    # not whatever prefix argparse would accept.
+    for parser in sub.choices.values():
+        parser.allow_abbrev = False
     return p
 
 

@@ -29,10 +29,14 @@ THINK_END = "</think>"
 @dataclass(slots=True)
 class TokenLogprob:
     """log p of a generated token under the raw model distribution, and the top alternatives
-    [(token id, log p)], most likely first."""
+    [(token id, log p)], most likely first. ``token`` is the token's text and ``top_tokens`` the
+    alternatives' texts (decoded on their own: a token holding part of a UTF-8 character shows
+    U+FFFD), "" without a tokenizer."""
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -40,11 +44,22 @@ class GenerationEvent:
     """One step of a stream: ``text`` is the new text (may be "" while a character or a possible
     stop string is incomplete), ``token_id`` the generated id (None on a final event that only
     closes the stream after a stop token), ``finish_reason`` is set on the last event only:
-    'stop' (a stop token or string) or 'length' (max_tokens or the end of the context)."""
+    'stop' (a stop token or string) or 'length' (max_tokens or the end of the context).
+
+    ``reasoning`` / ``content``: the same text split at ``</think>`` (for prompts that open a think
+    block; otherwise everything is content); they concatenate to ``Generation.reasoning`` /
+    ``.content``, and a piece of the tag is never shown. ``channel`` is 'reasoning' or 'content'
+    (where the stream is after this event). ``tokens``: tokens generated so far;
+    ``tokens_per_second``: the decode speed so far (0 until the second token)."""
     text: str
     token_id: int | None
     logprobs: TokenLogprob | None = None
     finish_reason: str | None = None
+    reasoning: str = ""
+    content: str = ""
+    channel: str = "content"
+    tokens: int = 0
+    tokens_per_second: float = 0.0
 
 
 @dataclass
@@ -93,6 +108,27 @@ class Generation:
     usage: Usage = field(default_factory=Usage)
     logprobs: list[TokenLogprob] | None = None
     thinking: bool = False
+    tools: list | None = field(default=None, repr=False)  # the request's tool definitions (type the arguments)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The tool calls in the answer, parsed as the server parses them (Qwen3.6's XML form and
+        Qwen3's JSON form): OpenAI-style ``{'id', 'type': 'function', 'function': {'name',
+        'arguments'}}`` with ``arguments`` JSON text typed by the tool's parameter schema. Empty when
+        the request had no ``tools``."""
+        return self._parsed()[1]
+
+    def _parsed(self) -> tuple[str, list[dict]]:
+        if not self.tools:
+            return self.content, []
+        cache = self.__dict__.get("_tool_cache")
+        if cache is None or cache[0] != self.text:
+            from .server.toolcalls import parse_tool_calls
+
+            content, calls = parse_tool_calls(self.content, self.tools)
+            cache = (self.text, (content, [c.to_openai() for c in calls]))
+            self.__dict__["_tool_cache"] = cache
+        return cache[1]
 
     @property
     def reasoning(self) -> str:
@@ -112,9 +148,12 @@ class Generation:
     @property
     def message(self) -> dict:
         """``{'role': 'assistant', 'content': ..., 'reasoning_content': ...}`` for the history."""
-        msg = {"role": "assistant", "content": self.content}
+        content, calls = self._parsed()
+        msg = {"role": "assistant", "content": content}
         if self.thinking:
             msg["reasoning_content"] = self.reasoning
+        if calls:
+            msg["tool_calls"] = calls
         return msg
 
     def __repr__(self) -> str:
@@ -132,16 +171,34 @@ class GenerationStream:
         self._events = events
         self._result = result
         self._done = False
+        self._split = None  # a ReasoningSplitter, made on the first event
+        self._t0 = 0.0
 
     def __iter__(self) -> "GenerationStream":
         return self
 
     def __next__(self) -> GenerationEvent:
         try:
-            return next(self._events)
+            event = next(self._events)
         except StopIteration:
             self._done = True
             raise
+        split = self._split
+        if split is None:
+            from .server.reasoning import ReasoningSplitter
+
+            split = self._split = ReasoningSplitter(self._result.thinking)
+            self._t0 = time.perf_counter()
+        reasoning, content = split.feed(event.text)
+        if event.finish_reason is not None:
+            r2, c2 = split.flush()
+            reasoning, content = reasoning + r2, content + c2
+        event.reasoning, event.content = reasoning, content
+        event.channel = "reasoning" if split._in_think else "content"
+        n = event.tokens = len(self._result.token_ids)
+        dt = time.perf_counter() - self._t0
+        event.tokens_per_second = (n - 1) / dt if n > 1 and dt > 0 else 0.0
+        return event
 
     @property
     def thinking(self) -> bool:
@@ -155,6 +212,7 @@ class GenerationStream:
 
     def close(self) -> None:
         self._events.close()
+        self._done = True
 
     def __enter__(self) -> "GenerationStream":
         return self
@@ -163,7 +221,8 @@ class GenerationStream:
         self.close()
 
     def __repr__(self) -> str:
-        state = "done" if self._done else "running"
+        reason = self._result.finish_reason
+        state = "running" if not self._done else "cancelled" if reason == "cancelled" else f"done, {reason}"
         return f"GenerationStream({state}, tokens so far={len(self._result.token_ids)})"
 
 
@@ -190,9 +249,9 @@ def resume(session: "Session", ids: list[int]) -> int:
         if n < len(ids) and (best is None or n > len(best.tokens)) and snap.tokens == tuple(ids[:n]):
             best = snap
     if best is None:
-        session.reset()
+        session._reset()
         return 0
-    session.restore(best)
+    session._restore(best)
     session.remember_prefix(best)
     return len(best.tokens)
 
@@ -213,7 +272,7 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
             with lock:
                 core.prefill(np.asarray(ids[cached:boundary], dtype=np.int32), False)
             tokens.extend(ids[cached:boundary])
-            session.remember_prefix(session.snapshot())
+            session.remember_prefix(session._snapshot())
             start = boundary
         params = params.with_seed()
         num_logprobs = params.num_logprobs
@@ -261,7 +320,7 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
             usage.completion_tokens += 1
             lp = None
             if logprobs is not None:
-                lp = _last_logprob(core, num_logprobs)
+                lp = _last_logprob(core, num_logprobs, tokenizer)
                 logprobs.append(lp)
             text = detok.add(token) if detok is not None else ""
             if stops is not None:
@@ -298,10 +357,15 @@ def _finish(detok: StreamingDetokenizer | None, stops: StopMatcher | None) -> tu
     return (text, hit) if hit is not None else (text + stops.flush(), None)
 
 
-def _last_logprob(core, n: int) -> TokenLogprob:
+def _last_logprob(core, n: int, tokenizer: "Tokenizer | None" = None) -> TokenLogprob:
     ids, values = core.last_logprobs()
     ids, values = ids[:n + 1].tolist(), values[:n + 1].tolist()
-    return TokenLogprob(ids[0], values[0], list(zip(ids[1:], values[1:])))
+    lp = TokenLogprob(ids[0], values[0], list(zip(ids[1:], values[1:])))
+    if tokenizer is not None:
+        text = tokenizer.token_bytes
+        lp.token = text(ids[0]).decode("utf-8", errors="replace")
+        lp.top_tokens = [text(i).decode("utf-8", errors="replace") for i in ids[1:]]
+    return lp
 
 
 def check_prompt(ids: list[int], session: "Session") -> None:

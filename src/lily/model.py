@@ -31,6 +31,12 @@ from .tokenizer import Tokenizer
 from .weights import load_weights
 
 DEFAULT_MAX_CONTEXT = 16384
+# max_tokens when neither the request nor generation_config.json's max_new_tokens sets it: Qwen's
+# recommended output length for Qwen3.6 (thinking included), so a real model's reasoning is not cut
+# short; the session's context usually ends generation first (finish_reason "length" either way).
+DEFAULT_MAX_TOKENS = 32768
+# Names Model.load accepts for the tiny built-in synthetic checkpoint (random weights, real tokenizer).
+BUILTIN_NAMES = ("tiny", "lily-tiny")
 DEFAULT_PREFILL_CHUNK = {"cpu": 128, "cuda": 2048}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Prefix snapshots a session keeps for reuse (each holds the full state: KV cache up to its position
@@ -53,6 +59,10 @@ def resolve_device(device: str) -> str:
 def resolve_path(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint folder, or a Hugging Face repo id downloaded with huggingface_hub."""
     p = Path(path_or_repo).expanduser()
+    if not p.exists() and str(path_or_repo) in BUILTIN_NAMES:
+        from .cli import tiny_checkpoint
+
+        return tiny_checkpoint()
     if p.exists():
         if not p.is_dir():
             raise CheckpointError(f"{p}: a checkpoint is a folder with config.json and *.safetensors")
@@ -118,6 +128,15 @@ def _check_size(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= MAX_SIZE:
         raise LilyError(f"{name} must be an integer in [1, {MAX_SIZE}], got {value!r}")
     return int(value)
+
+
+def _check_context(value, config: TextConfig) -> int:
+    """A session size: a positive integer no larger than the model's max_position_embeddings."""
+    ctx = _check_size("max_context", value)
+    if ctx > config.max_position_embeddings:
+        raise LilyError(f"max_context {ctx} exceeds the model's max_position_embeddings "
+                        f"({config.max_position_embeddings}); use at most that")
+    return ctx
 
 
 class Session:
@@ -217,19 +236,39 @@ class Session:
         self._tokens.extend(ids.tolist())
         return out
 
+    def _check_idle(self, what: str) -> None:
+        if self._busy:
+            raise LilyError(f"{what}: this session is busy with a generation; finish or close that stream first")
+
     def snapshot(self) -> Snapshot:
+        """A copy of the state; ``restore`` resumes from it exactly. Refused while a stream is open."""
+        self._check_idle("snapshot()")
+        return self._snapshot()
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Go back to ``snapshot`` (of a session of this model). Refused while a stream is open."""
+        self._check_idle("restore()")
+        self._restore(snapshot)
+
+    def reset(self) -> None:
+        """Forget every token: position 0, zero recurrent and conv state (prefix snapshots stay).
+        Refused while a stream is open."""
+        self._check_idle("reset()")
+        self._reset()
+
+    # The unchecked forms, for the generation loop that holds the session.
+    def _snapshot(self) -> Snapshot:
         with self.model._lock:
             return Snapshot(self._core.snapshot(), tuple(self._tokens))
 
-    def restore(self, snapshot: Snapshot) -> None:
+    def _restore(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
             raise LilyError(f"restore expects a lily Snapshot, got {type(snapshot).__name__}")
         with self.model._lock:
             self._core.restore(snapshot._core)
         self._tokens = list(snapshot.tokens)
 
-    def reset(self) -> None:
-        """Forget every token: position 0, zero recurrent and conv state (prefix snapshots stay)."""
+    def _reset(self) -> None:
         with self.model._lock:
             self._core.reset()
         self._tokens.clear()
@@ -288,8 +327,8 @@ class Model:
         dev = resolve_device(device)
         path = resolve_path(path_or_repo, revision)
         config, raw = load_config(path)
-        ctx = _check_size("max_context", min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-                          if max_context is None else max_context)
+        ctx = _check_context(min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+                             if max_context is None else max_context, config)
         chunk = _check_size("prefill_chunk", DEFAULT_PREFILL_CHUNK.get(dev, 256) if prefill_chunk is None
                             else prefill_chunk)
         if progress is None:
@@ -304,7 +343,7 @@ class Model:
         """A fresh, independent conversation state."""
         if self.closed:
             raise LilyError("this model is closed (Model.close() released its memory)")
-        ctx = self.max_context if max_context is None else _check_size("max_context", max_context)
+        ctx = self.max_context if max_context is None else _check_context(max_context, self.config)
         try:
             session = Session(self, ctx, self.prefill_chunk, use_graph)
         except MemoryError:
@@ -385,6 +424,17 @@ class Model:
             self._stop_ids = frozenset(int(i) for i in eos if i is not None)
         return self._stop_ids
 
+    @property
+    def default_max_tokens(self) -> int:
+        """max_tokens when a request leaves it out: generation_config.json's ``max_new_tokens`` (the
+        synthetic checkpoints set 32: random weights rarely sample an end token), else
+        DEFAULT_MAX_TOKENS (32768, Qwen's recommended output length). The session's context caps it;
+        either way the result says finish_reason 'length'."""
+        n = self.generation_config.get("max_new_tokens")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+        return DEFAULT_MAX_TOKENS
+
     def default_sampling(self, **overrides) -> SamplingParams:
         """The checkpoint's recommended sampling (generation_config.json; Qwen3.6: temperature 1.0,
         top_k 20, top_p 0.95), with ``overrides``."""
@@ -393,7 +443,7 @@ class Model:
     def generate(self, prompt, params: SamplingParams | None = None, *, stream: bool = False,
                  session: Session | None = None, tools: Sequence[Mapping] | None = None,
                  enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
-                 chat_template_kwargs: Mapping | None = None, **sampling):
+                 chat_template_kwargs: Mapping | None = None, progress: bool | None = None, **sampling):
         """Generate from one prompt or a list of prompts.
 
         ``prompt``: text (encoded without BOS), token ids (a list or 1-D integer array), chat
@@ -403,7 +453,11 @@ class Model:
         (``max_tokens=16``, ``temperature=0.7``, ``stop=[...]``, ...) override its fields.
         ``session``: the Session to run on (default: the model's default session); it resumes from
         the longest prefix of the prompt it already holds. ``tools``, ``enable_thinking``,
-        ``preserve_thinking``, ``chat_template_kwargs``: passed to the chat template for messages.
+        ``preserve_thinking``, ``chat_template_kwargs``: passed to the chat template for messages;
+        ``tools`` also types the parsed ``Generation.tool_calls``. ``max_tokens`` left out (None):
+        ``model.default_max_tokens``, capped by the context; given, prompt + max_tokens must fit the
+        session's context (LilyError otherwise, as the server answers 400). ``progress``: a
+        progress bar on stderr for a list of prompts (default: when stderr is a terminal).
 
         Returns a Generation; with ``stream=True`` a GenerationStream, an iterator of
         GenerationEvent (text delta, token id, logprobs, finish reason) whose ``result()`` is the
@@ -420,28 +474,59 @@ class Model:
             prepared = [self._prepare(p, template) for p in prompt]
             for ids, _, _ in prepared:
                 check_prompt(ids, session)
-            results = self._generate_each(prepared, params, session)
+            for ids, _, _ in prepared:
+                self._check_max_tokens(ids, params, session)
+            results = self._generate_each(prepared, params, session, tools, progress)
             return results if stream else list(results)
         ids, boundary, thinking = self._prepare(prompt, template)
-        out = self._start(session, ids, params, boundary, thinking)
+        out = self._start(session, ids, params, boundary, thinking, tools)
         return out if stream else out.result()
 
     def chat(self, messages: Sequence[Mapping], params: SamplingParams | None = None, **kwargs):
-        """``generate`` for one conversation: ``messages`` is a list of {'role', 'content'} dicts
-        (system, user, assistant with optional 'reasoning_content' / 'tool_calls', tool). Append
-        ``result.message`` and the next user message to continue; the session then prefills only
-        what is new since the last message boundary."""
-        if not _is_messages(messages):
-            raise LilyError("chat takes a list of messages: [{'role': 'user', 'content': '...'}, ...]")
+        """``generate`` for one conversation, or for a list of conversations (as vLLM's
+        ``LLM.chat``): ``messages`` is a list of {'role', 'content'} dicts (system, user, assistant
+        with optional 'reasoning_content' / 'tool_calls', tool). Append ``result.message`` and the
+        next user message to continue; the session then prefills only what is new since the last
+        message boundary. ``params`` defaults to the checkpoint's recommended sampling
+        (``default_sampling()``, as ``lily chat`` and ``lily serve`` use); ``temperature=0`` is greedy."""
+        if not (_is_messages(messages) or (isinstance(messages, (list, tuple)) and messages
+                                           and all(_is_messages(c) for c in messages))):
+            raise LilyError("chat takes a list of messages: [{'role': 'user', 'content': '...'}, ...], or a list "
+                            "of such conversations")
+        if params is None:
+            params = self.default_sampling()
         return self.generate(messages, params, **kwargs)
 
-    def _generate_each(self, prepared: list, params: SamplingParams, session: Session) -> Iterator[Generation]:
-        for i, (ids, boundary, thinking) in enumerate(prepared):
-            if i + 1 < len(prepared):
-                # Snapshot where the next prompt diverges, so that it prefills only its own part
-                # (at most one token before this prompt's end: one is needed to sample from).
-                boundary = min(common_prefix_length(ids, prepared[i + 1][0]), len(ids) - 1) or boundary
-            yield self._start(session, ids, params, boundary, thinking).result()
+    def stream_generate(self, prompt, params: SamplingParams | None = None, **kwargs) -> GenerationStream:
+        """``generate(prompt, params, stream=True, **kwargs)`` (mlx-lm's name): an iterator of
+        GenerationEvent with ``text``, ``reasoning`` / ``content``, ``tokens_per_second``."""
+        return self.generate(prompt, params, stream=True, **kwargs)
+
+    def _generate_each(self, prepared: list, params: SamplingParams, session: Session, tools,
+                       progress: bool | None) -> Iterator[Generation]:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        if progress is None:
+            progress = len(prepared) > 1 and sys.stderr.isatty()
+        with tqdm(total=len(prepared), desc="generate", unit="prompt", disable=not progress, file=sys.stderr) as bar:
+            for i, (ids, boundary, thinking) in enumerate(prepared):
+                if i + 1 < len(prepared):
+                    # Snapshot where the next prompt diverges, so that it prefills only its own part
+                    # (at most one token before this prompt's end: one is needed to sample from).
+                    boundary = min(common_prefix_length(ids, prepared[i + 1][0]), len(ids) - 1) or boundary
+                result = self._start(session, ids, params, boundary, thinking, tools).result()
+                bar.update(1)
+                yield result
+
+    def _check_max_tokens(self, ids: list[int], params: SamplingParams, session: Session) -> None:
+        """An explicit max_tokens must fit the context with the prompt (the server's rule: 400)."""
+        n, room = len(ids), session.max_context
+        if params.max_tokens is not None and n + params.max_tokens > room:
+            raise LilyError(f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the session's "
+                            f"max_context of {room} tokens; at most {room - n} tokens can be generated "
+                            f"(leave max_tokens out to generate until the context is full)")
 
     def _prepare(self, prompt, template: dict) -> tuple[list[int], int | None, bool]:
         """(prompt ids, message boundary or None, whether the prompt leaves a think block open)."""
@@ -460,13 +545,16 @@ class Model:
                         f"got {type(prompt).__name__}")
 
     def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
-               thinking: bool) -> GenerationStream:
+               thinking: bool, tools=None) -> GenerationStream:
         check_prompt(ids, session)
+        self._check_max_tokens(ids, params, session)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         tokenizer = self.tokenizer if self.has_tokenizer else None
         if params.stop and tokenizer is None:
             raise LilyError("stop strings need the checkpoint's tokenizer (tokenizer.json); use stop_token_ids")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids())
-        result = Generation(text="", thinking=thinking)
+        result = Generation(text="", thinking=thinking, tools=list(tools) if tools else None)
         return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary), result)
 
     def __repr__(self) -> str:

@@ -27,13 +27,14 @@ class SamplingParams:
     """How to pick each next token, and when to stop.
 
     temperature: 0 = greedy (argmax), else logits / temperature. top_k: keep the k most likely ids
-    (0 = off). top_p: keep the smallest set of most likely ids whose mass reaches top_p (1 = off).
+    (0 or -1 = off, as vLLM; -1 is stored as 0). top_p: keep the smallest set of most likely ids whose mass reaches top_p (1 = off).
     min_p: keep ids with p >= min_p * p_max (0 = off). presence_penalty / frequency_penalty:
     subtracted from the logit of every id generated so far (once / per occurrence).
     repetition_penalty: ids in the prompt or the output get positive logits divided and negative
     ones multiplied by it (1 = off). seed: the random stream (None: a fresh random seed per request);
     the same seed, prompt and parameters give the same tokens.
-    max_tokens: the most tokens to generate (None: until a stop or the end of the context).
+    max_tokens: the most tokens to generate (None: the model's default_max_tokens, i.e.
+    generation_config.json's max_new_tokens or 32768, capped by the context).
     stop: strings that end generation; the matched string and anything after it are not returned.
     stop_token_ids: ids that end generation, in addition to the checkpoint's (generation_config's
     eos ids) unless ignore_eos. The stop token is not part of the output.
@@ -67,6 +68,8 @@ class SamplingParams:
         ids = self.stop_token_ids
         object.__setattr__(self, "stop_token_ids",
                            () if ids is None else tuple(ids) if isinstance(ids, Iterable) else ids)
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's and the server's "off"
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     def validate(self) -> None:

@@ -61,6 +61,11 @@ from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, save_sharded
 from .tensors import is_zero_centred_norm, quantization_of
 
 
+# generation_config.json's max_new_tokens in synthetic checkpoints: the default max_tokens of lily's
+# API, CLI and server, so that random weights (which rarely sample an end token) finish in seconds.
+SYNTHETIC_MAX_NEW_TOKENS = 32
+
+
 def _text_config(**dims: object) -> dict:
     num_layers = dims["num_hidden_layers"]
     return {
@@ -330,7 +335,7 @@ def make_checkpoint(
     if with_tokenizer:
         from .tokenizer_files import write_tokenizer_files
 
-        write_tokenizer_files(path)
+        write_tokenizer_files(path, max_new_tokens=SYNTHETIC_MAX_NEW_TOKENS)
     return path
 
 
@@ -342,10 +347,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder (default: refuse)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `lily make-checkpoint` with parsed `args`; returns the exit status."""
+    from .errors import LilyError
+
+    out = Path(args.path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise LilyError(f"{out} exists and is not an empty folder; use --overwrite to write into it anyway "
+                        f"(as 'lily convert' does)")
     path = make_checkpoint(
         args.path, args.config, args.layout, args.seed, not args.no_tokenizer, num_layers=args.layers
     )

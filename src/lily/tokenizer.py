@@ -146,11 +146,43 @@ def _normalise_messages(messages) -> list[dict]:
             raise LilyError(f"messages[{i}] needs a 'role' string (system, user, assistant, tool), "
                             f"got {m.get('role')!r}")
         m = dict(m)
+        if m["role"] == "developer":  # OpenAI's name for the system role (the server maps it too)
+            m["role"] = "system"
+        m["content"] = _check_content(m, i)
         calls = m.get("tool_calls")
         if calls:
             m["tool_calls"] = [_normalise_tool_call(c, i, j) for j, c in enumerate(calls)]
         out.append(m)
     return out
+
+
+TEXT_ONLY_ROLES = ("system", "user", "tool")  # roles whose messages need content (assistant: tool_calls may stand in)
+
+
+def _check_content(m: Mapping, i: int):
+    """A message's content, checked as the server checks it: a string, a list of text parts (joined),
+    or (assistant messages only) None / missing. Image, audio and video parts are refused: the model
+    reads text only. One rule for the Python API and the server."""
+    content = m.get("content")
+    if content is None:
+        if m["role"] in TEXT_ONLY_ROLES:
+            raise LilyError(f"'messages[{i}].content' is required for {m['role']} messages")
+        return None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
+        raise LilyError(f"'messages[{i}].content': expected a string or a list of text parts, "
+                        f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text":
+            raise LilyError(f"'messages[{i}].content[{j}]': only text parts are supported (this model reads text "
+                            f"only), got {kind if kind is not None else type(part).__name__!r}")
+        if not isinstance(part.get("text"), str):
+            raise LilyError(f"'messages[{i}].content[{j}].text' is required (a string) for a text part")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _normalise_tool_call(call, i: int, j: int) -> dict:

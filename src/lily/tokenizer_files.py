@@ -320,9 +320,10 @@ def cached_tokenizer_json() -> Path:
     return path
 
 
-def write_tokenizer_files(dest_dir) -> None:
+def write_tokenizer_files(dest_dir, max_new_tokens: int | None = None) -> None:
     """Write tokenizer.json, tokenizer_config.json, generation_config.json and chat_template.jinja
-    into dest_dir.
+    into dest_dir. ``max_new_tokens``: added to generation_config.json (synthetic checkpoints set a
+    small one: random weights rarely sample an end token, and it is the default max_tokens).
 
     tokenizer.json is copied from the cache (built on first use).  The
     directory is created if needed; existing files are replaced atomically.
@@ -332,7 +333,8 @@ def write_tokenizer_files(dest_dir) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     _atomic_write(dest / "tokenizer.json", tokenizer_json)
     _atomic_write(dest / "tokenizer_config.json", _dump(_tokenizer_config()))
-    _atomic_write(dest / "generation_config.json", _dump(GENERATION_CONFIG))
+    gen = GENERATION_CONFIG if max_new_tokens is None else {**GENERATION_CONFIG, "max_new_tokens": max_new_tokens}
+    _atomic_write(dest / "generation_config.json", _dump(gen))
     _atomic_write(dest / "chat_template.jinja", CHAT_TEMPLATE.encode("utf-8"))
 
 

@@ -32,7 +32,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "  from openai import OpenAI\n"
                "  client = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='SECRET')\n"
                "  r = client.chat.completions.create(model='CKPT', messages=[{'role': 'user', 'content': 'Hi'}])")
-    add_model_arguments(p)
+    p.add_argument("model_arg", nargs="?", metavar="MODEL",
+                   help="checkpoint folder or Hugging Face repo id (the same as --model)")
+    add_model_arguments(p, quiet_help="no load progress and no start or stop lines on stderr")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
@@ -63,8 +65,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..cli import load_model
+    from ..model import BUILTIN_NAMES
     from .app import Server
 
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise LilyError(f"give the model once: MODEL ({args.model_arg}) or --model ({args.model}), not both")
+        args.model = args.model_arg
     if not 0 <= args.port <= 65535:
         raise LilyError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 1:
@@ -80,7 +87,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = read_api_key(args.api_key, args.api_key_file)
     model = load_model(args)
     name = args.served_model_name or args.model or TINY_NAME
-    aliases = tuple({str(args.model), str(model.path), model.path.name} - {"None"})
+    # Besides the served name, requests may name the model as --model gave it, by its folder, or
+    # (the built-in model) by the names Model.load takes for it.
+    aliases = {str(args.model), str(model.path), model.path.name} - {"None"}
+    if args.model is None or args.model in BUILTIN_NAMES:
+        aliases |= set(BUILTIN_NAMES)
+    aliases = tuple(sorted(aliases))
     try:
         server = Server(model, host=args.host, port=args.port, api_key=api_key, model_name=name, aliases=aliases,
                         max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
@@ -90,9 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in LOOPBACK and api_key is None:
         print(f"lily serve: warning: listening on {args.host} without an API key", file=sys.stderr)
-    print(f"lily serve: '{name}' on {server.url}/v1 (context {server.engine.max_context} tokens, queue "
-          f"{args.max_queue}, prefix cache {args.prefix_cache_mib} MiB{', API key required' if api_key else ''}); "
-          f"Ctrl-C stops", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"lily serve: '{name}' on {server.url}/v1 (context {server.engine.max_context} tokens, queue "
+              f"{args.max_queue}, prefix cache {args.prefix_cache_mib} MiB{', API key required' if api_key else ''}); "
+              f"Ctrl-C stops", file=sys.stderr, flush=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
     try:
         server.serve_forever()

@@ -28,6 +28,7 @@ from ..errors import LilyError
 from ..generate import Generation, GenerationStream
 from ..sampling import SamplingParams
 from .cache import PrefixCache
+from .metrics import Metrics
 from .prompt import Prompt
 
 DEFAULT_MAX_QUEUE = 64
@@ -49,6 +50,8 @@ class Job:
     def __init__(self, request_id: str, prompt: Prompt, params: SamplingParams):
         self.id, self.prompt, self.params = request_id, prompt, params
         self.seq: int | None = None
+        self.accepted = time.perf_counter()  # for the time to first token (metrics)
+        self.first_token: float | None = None
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
 
@@ -93,6 +96,7 @@ class Engine:
         self.running: Job | None = None
         # Finished jobs, oldest first: seq, id, token counts, finish reason (for /health and tests).
         self.records: collections.deque = collections.deque(maxlen=history)
+        self.metrics = Metrics()  # histograms for a /metrics route (lily.server.metrics)
         self.totals = collections.Counter(dict.fromkeys(
             ("requests", "done", "cancelled", "error", "prompt_tokens", "cached_tokens", "completion_tokens"), 0))
         self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
@@ -171,6 +175,8 @@ class Engine:
                 event = next(stream, None)
                 if event is None:
                     break
+                if job.first_token is None:
+                    job.first_token = time.perf_counter()
                 job.put("event", event)
         finally:
             stream.close()
@@ -235,6 +241,9 @@ class Engine:
         self.records.append(row)
         self.totals["requests"] += 1
         self.totals[kind] += 1
+        if result is not None:
+            self.metrics.observe(None if job.first_token is None else job.first_token - job.accepted,
+                                 usage.decode_tokens_per_second)
         if usage is not None:
             self.totals["prompt_tokens"] += usage.prompt_tokens
             self.totals["cached_tokens"] += usage.cached_tokens

@@ -9,7 +9,10 @@ Fields a request leaves out take the checkpoint's recommended sampling (generati
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,12 @@ from .errors import bad_request
 from .schema import CHAT_REQUEST, COMPLETION_REQUEST, validate
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Top-level fields that are not ignored although unknown: they would change the answer's meaning.
+REFUSED_FIELDS = {"functions": "legacy 'functions' is not supported; use 'tools'",
+                  "function_call": "legacy 'function_call' is not supported; use 'tool_choice'"}
+MAX_LOGGED_FIELDS = 256  # distinct ignored names logged (then no more: the log stays bounded)
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 
 
@@ -40,7 +49,47 @@ class Request:
     prompt: Any = None  # completion: text or token ids
 
 
+def drop_unknown_fields(body: Any, schema: dict, log=None) -> Any:
+    """``body`` without the top-level fields ``schema`` does not know, as vLLM and most OpenAI-compatible
+    servers do (clients send ``reasoning_effort``, ``user``, ``metadata``, ... freely); each ignored
+    name is logged once (``log``: a function of one line; default stderr). Still refused with a 400:
+    a name within a typo of a known field (``temprature``: "did you mean 'temperature'?") and the
+    legacy ``functions`` / ``function_call``."""
+    if not isinstance(body, dict):
+        return body
+    props = schema["properties"]
+    unknown = [k for k in body if k not in props]
+    if not unknown:
+        return body
+    for name in unknown:
+        if name in REFUSED_FIELDS:
+            raise bad_request(f"'{name}': {REFUSED_FIELDS[name]}", name, "unsupported_value")
+        close = difflib.get_close_matches(name, list(props), n=1, cutoff=0.85)
+        if close:
+            raise bad_request(f"unrecognized request argument '{name}' (did you mean '{close[0]}'?)", name,
+                              "unknown_parameter")
+    with _logged_lock:
+        new = [k for k in unknown if k not in _logged][:max(0, MAX_LOGGED_FIELDS - len(_logged))]
+        _logged.update(new)
+    for name in new:
+        line = f"lily serve: ignoring the unknown request field {json.dumps(name)[:80]} (logged once)"
+        if log is not None:
+            log(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+    return {k: v for k, v in body.items() if k in props}
+
+
+def _several_prompts(prompt: Any) -> None:
+    """A completion prompt that is a list of several prompts: say that one is supported."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"'prompt': one prompt per request is supported, got {len(prompt)} prompts; send them "
+                          f"as separate requests (a list holding one prompt is accepted)", "prompt",
+                          "unsupported_value")
+
+
 def parse_chat(body: Any, defaults: SamplingParams) -> Request:
+    body = drop_unknown_fields(body, CHAT_REQUEST)
     validate(body, CHAT_REQUEST)
     response_format = body.get("response_format")
     if response_format and response_format.get("type") != "text":
@@ -62,6 +111,9 @@ def parse_chat(body: Any, defaults: SamplingParams) -> Request:
 
 
 def parse_completion(body: Any, defaults: SamplingParams) -> Request:
+    body = drop_unknown_fields(body, COMPLETION_REQUEST)
+    if isinstance(body, dict):
+        _several_prompts(body.get("prompt"))
     validate(body, COMPLETION_REQUEST)
     prompt = body["prompt"]
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
