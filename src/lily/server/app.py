@@ -286,6 +286,9 @@ class Server:
         else:
             self.engine.close()
         self._sock.close()
+        # The app and the protocol class refer back to this server: a cycle. Drop the snapshots now
+        # rather than at some later garbage collection (or never, at exit: nanobind reports leaks).
+        self.engine.cache.clear()
 
     def __enter__(self) -> "Server":
         return self.start()
