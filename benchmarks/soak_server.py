@@ -277,7 +277,8 @@ def main() -> int:
         "rss_mib": {"after_warmup": round(rss0, 1), "with_idle_sockets": round(rss_idle, 1),
                     "middle": round(rss_mid[0], 1), "end": round(rss1, 1), "growth": round(rss1 - rss0, 1),
                     "growth_second_half": round(rss1 - rss_mid[0], 1)},
-        "server_totals": health.get("totals"), "server_exit": proc.returncode,
+        "server_totals": health.get("totals"), "prefix_cache": health.get("prefix_cache"),
+        "server_exit": proc.returncode,
         "total_seconds": round(time.monotonic() - t_start, 1),
     })
     for o in dropped[:10]:

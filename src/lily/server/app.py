@@ -85,8 +85,8 @@ class _Protocol(H11Protocol):
         self.deadline: float | None = None  # loop time by which the current request must have arrived
         self._timer: asyncio.TimerHandle | None = None
         self._idle = True             # no request bytes since the last response (or since the start)
+        self._awaiting_head = False   # a request has begun but its line and headers are not complete
         self._head = b""              # the first bytes of the current request, for the log
-        self._cycle_at_start = None
         self._h11_error: Exception | None = None
         next_event = self.conn.next_event
 
@@ -121,21 +121,27 @@ class _Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._idle:  # the first bytes of a request: its deadline starts now
             self._idle = False
+            self._awaiting_head = True
             self._head = data[:200]
-            self._cycle_at_start = self.cycle
             self.deadline = self.loop.time() + self.lily.request_timeout
             self._cancel_timer()
             self._timer = self.loop.call_at(self.deadline, self._request_timeout)
         super().data_received(data)
 
     def handle_events(self) -> None:
+        before = self.cycle
         super().handle_events()
+        if self.cycle is not before:  # a request's line and headers are complete
+            self._awaiting_head = False
+            if self._idle:  # a pipelined request, buffered during the previous response: its deadline starts now
+                self._idle = False
+                self.deadline = self.loop.time() + self.lily.request_timeout
         if self.scope is not None and CONNECTION not in self.scope:
             self.scope[CONNECTION] = self  # read by the app (the task has not started yet)
 
     def _request_timeout(self) -> None:
         self._timer = None
-        if self.cycle is self._cycle_at_start and not self.transport.is_closing():
+        if self._awaiting_head and not self.transport.is_closing():
             # The line and headers did not arrive in time (a slow body is answered 408 by the app).
             self.transport.close()
 
@@ -146,7 +152,7 @@ class _Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._cancel_timer()
-        self._idle = True
+        self._idle = True  # super() may start a pipelined request at once (handle_events sees it)
         if self.eof and not self.transport.is_closing():
             self.transport.close()  # a half-closed client sends nothing more
             return
@@ -156,7 +162,7 @@ class _Protocol(H11Protocol):
         """The client shut its write side. Between requests (or mid-headers) that ends the connection;
         after a request's headers, it may be a half-close of a client still waiting for the answer:
         keep the write side open (a real disconnect shows when a write fails)."""
-        if self.cycle is None or self.cycle is self._cycle_at_start or self.cycle.response_complete:
+        if self.cycle is None or self._awaiting_head or self.cycle.response_complete:
             return None  # the transport closes
         self.eof = True
         self.cycle.message_event.set()  # a body still being read ends short (the app answers 400)
@@ -223,8 +229,12 @@ class Server:
         except OSError:
             self._sock.close()
             raise
-        self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20, max_context=max_context,
-                             source=source)
+        try:
+            self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20,
+                                 max_context=max_context, source=source)
+        except BaseException:
+            self._sock.close()
+            raise
         # Prompt text longer than this cannot fit the context (no token spans more characters): it is
         # refused before tokenizing. Default: MAX_CHARS_PER_TOKEN characters per token of context.
         self.max_prompt_chars = max_prompt_chars or self.engine.max_context * MAX_CHARS_PER_TOKEN
