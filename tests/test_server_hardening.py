@@ -485,3 +485,17 @@ def test_the_connection_cap_refusal_is_an_openai_error_and_the_log_names_request
         assert health_ok(s)
     err = capfd.readouterr().err
     assert '"GET /health HTTP/1.1" 200' in err
+
+
+def test_a_client_that_does_not_read_is_cut_after_the_write_timeout(model):
+    with Server(model, port=0, model_name="tiny", source=Slow(n=10**6), write_timeout=1.0) as s:
+        body = json.dumps({"prompt": "Hi", "stream": True, "max_tokens": 400}).encode()
+        c = socket.create_connection((s.host, s.port))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not s.engine.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.close()
+        assert s.engine.records[-1]["outcome"] == "cancelled"  # the engine was freed
+        assert health_ok(s)

@@ -247,6 +247,10 @@ class Server:
             headers=[("server", "lily")])
         self._uvicorn = uvicorn.Server(self.config)
         self._thread: threading.Thread | None = None
+        # Set when the serving thread has ended. Waited on instead of Thread.join: a join interrupted
+        # by KeyboardInterrupt (SIGTERM in `lily serve`) marks the thread stopped on Python 3.11
+        # while it still runs, and a later join would return at once, cutting open streams.
+        self._stopped = threading.Event()
         self._log_lock = threading.Lock()
 
     @property
@@ -270,20 +274,24 @@ class Server:
         """Serve until the server stops (close() from another thread) or KeyboardInterrupt."""
         if self._thread is None:
             self.start()
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
+        while self._thread is not None and not self._stopped.wait(0.5):
+            pass
 
     def start(self) -> "Server":
         """Serve from a background thread (returns once the server accepts connections)."""
+        self._stopped.clear()
         self._thread = threading.Thread(target=self._run, name="lily-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
-        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+        while not self._uvicorn.started and not self._stopped.is_set() and time.monotonic() < deadline:
             time.sleep(0.005)
         return self
 
     def _run(self) -> None:
-        asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+        try:
+            asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+        finally:
+            self._stopped.set()
 
     def close(self) -> None:
         """Stop accepting connections, cancel what is queued or running (open streams end with the
@@ -291,7 +299,7 @@ class Server:
         if self._thread is not None:
             self._uvicorn.should_exit = True  # stops accepting at its next tick (0.1 s)
             self.engine.close()  # running and queued jobs end as cancelled: their responses end
-            self._thread.join(SHUTDOWN_GRACE + 5)
+            self._stopped.wait(SHUTDOWN_GRACE + 5)
             self._thread = None
         else:
             self.engine.close()
@@ -730,6 +738,7 @@ class _JobResponse(Response):
                     await asyncio.wait_for(send(message), self.s.write_timeout)
                 except asyncio.TimeoutError:
                     conn.transport.abort()
+                    await asyncio.sleep(0)  # lets connection_lost run: uvicorn then sees a disconnect, not a bug
                     raise _Gone() from None
             else:
                 await send(message)
