@@ -98,10 +98,11 @@ class Outcome:
         self.seconds = 0.0
 
 
-def one_request(port: int, i: int, rng: random.Random, deadline: float, max_tokens: int) -> Outcome:
+def one_request(port: int, i: int, rng: random.Random, deadline: float, max_tokens: int,
+                valid_only: bool = False) -> Outcome:
     """One request of a kind drawn from rng; valid ones are checked in full."""
     kind = rng.choices(["chat", "chat_stream", "completion", "completion_stream", "drop_stream", "drop_wait"],
-                       weights=[20, 25, 20, 20, 10, 5])[0]
+                       weights=[20, 25, 20, 20, 0 if valid_only else 10, 0 if valid_only else 5])[0]
     out = Outcome(kind, valid=not kind.startswith("drop"))
     if time.monotonic() > deadline:
         out.error = "not sent: the time limit was reached"
@@ -220,7 +221,7 @@ def main() -> int:
     try:
         warm_rng = random.Random(-1)
         for i in range(8):  # warm-up (allocator, caches), not counted
-            one_request(port, 10**6 + i, warm_rng, float("inf"), args.max_tokens)
+            one_request(port, 10**6 + i, warm_rng, float("inf"), args.max_tokens, valid_only=True)
         rss0 = rss_mib(proc.pid)
         for _ in range(args.idle):
             idle.append(socket.create_connection((HOST, port), timeout=10))

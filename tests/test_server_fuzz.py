@@ -182,7 +182,7 @@ def test_fuzz_http_requests_never_get_5xx(server, request):
 
 
 @pytest.mark.slow
-@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(request=raw_requests())
 def test_fuzz_http_requests_never_get_5xx_long(server, request):
     check_http(server, request)
@@ -227,7 +227,7 @@ def test_fuzz_schema_bodies_streamed_or_not_never_get_5xx(server, data):
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_schema_bodies_never_get_5xx_long(server, data):
     path, name = data.draw(ENDPOINTS)
