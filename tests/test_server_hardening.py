@@ -146,14 +146,16 @@ def test_slow_headers_time_out_and_the_connection_cap_answers_503(model):
         assert time.monotonic() - t0 < 5
         time.sleep(0.2)
         assert health_ok(s)
-        assert s.httpd.connections <= 1
+        assert s.open_connections <= 1
 
 
 def test_a_short_body_times_out_with_408(scripted):
     c = socket.create_connection((scripted.host, scripted.port))
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")  # HTTP/1.1 needs Host
     c.settimeout(10)
-    data = c.recv(4096)
+    data = b""
+    while part := c.recv(4096):  # the head and the body may come in separate segments
+        data += part
     c.close()
     assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data
 
@@ -445,3 +447,55 @@ def test_a_runaway_chat_template_fails_within_its_budget(monkeypatch):
         with pytest.raises(lily.LilyError, match="chat template: .*(took more than|exceeds)"):
             tok.apply_chat_template(USER * 50)
         assert time.monotonic() - t0 < 5
+
+
+# --- the HTTP layer (uvicorn + h11): pipelining, the refusal at the cap, the request log ----------------------
+
+def test_pipelined_requests_are_answered_in_order(scripted):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 3}).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    c = socket.create_connection((scripted.host, scripted.port))
+    c.sendall(one + one + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    c.settimeout(10)
+    data = b""
+    while True:
+        part = c.recv(65536)
+        if not part:
+            break
+        data += part
+    c.close()
+    assert data.count(b"HTTP/1.1 200") == 3 and data.count(b'"text": "xxx"') == 2 and b'"status": "ok"' in data
+
+
+def test_the_connection_cap_refusal_is_an_openai_error_and_the_log_names_requests(model, capfd):
+    with Server(model, port=0, model_name="tiny", source=Slow(), max_connections=2, log=True) as s:
+        held = [socket.create_connection((s.host, s.port)) for _ in range(2)]
+        time.sleep(0.2)
+        extra = socket.create_connection((s.host, s.port))
+        extra.settimeout(5)
+        reply = extra.recv(4096)
+        extra.close()
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        for c in held:
+            c.close()
+        time.sleep(0.2)
+        assert health_ok(s)
+    err = capfd.readouterr().err
+    assert '"GET /health HTTP/1.1" 200' in err
+
+
+def test_a_client_that_does_not_read_is_cut_after_the_write_timeout(model):
+    with Server(model, port=0, model_name="tiny", source=Slow(n=10**6), write_timeout=1.0) as s:
+        body = json.dumps({"prompt": "Hi", "stream": True, "max_tokens": 400}).encode()
+        c = socket.create_connection((s.host, s.port))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not s.engine.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.close()
+        assert s.engine.records[-1]["outcome"] == "cancelled"  # the engine was freed
+        assert health_ok(s)

@@ -1,30 +1,44 @@
-"""The HTTP layer: routes, API key, JSON in and out, server-sent events, disconnects.
+"""The HTTP layer: uvicorn (h11) and Starlette in front of one ``Engine``.
 
-``Server`` runs a standard-library ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1
-keep-alive) in front of one ``Engine``. A handler thread validates and tokenizes its request,
-submits a job, then relays the job's events: as one JSON response, or as ``text/event-stream``
-chunks ending in ``data: [DONE]``. While it waits it checks whether the client is still there; if
-not, it cancels the job, which frees the engine at the next token.
+``Server`` binds its socket at once and serves from one asyncio event loop (uvicorn, with h11's
+strict HTTP/1.1 parser) in a background thread. A request's body is read within a deadline; its
+JSON is validated and its prompt tokenized in a worker thread (never on the event loop), and the
+job is submitted to the engine's FIFO queue. The response relays the job's events: as one JSON
+object, or as ``text/event-stream`` chunks ending in ``data: [DONE]``. The engine thread wakes the
+event loop after each item (``Job.notify``). While a response waits, a task listens for the
+client's disconnect (uvicorn's ``http.disconnect``); when it comes, the job is cancelled, which
+frees the engine at the next token.
+
+``_Protocol`` adds to uvicorn's h11 protocol what uvicorn lacks: a cap on open connections
+(refused at accept with a JSON 503), a deadline for a request's line, headers and body from its
+first byte, a keep-alive timeout from the moment a connection opens, half-close support (an end of
+stream after a complete request is not a disconnect), JSON 400s for malformed HTTP, and request
+lines logged with control characters escaped.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
-import io
 import json
 import os
 import re
-import select
 import socket
 import sys
 import threading
 import time
-import traceback
 import uuid
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+
+import h11
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import LilyError
 from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Engine, Job, QueueFull, ShuttingDown, Source
@@ -35,18 +49,19 @@ from .prompt import Prompt, PromptTooLong, chat_prompt, text_prompt
 from .schema import openapi
 
 MAX_BODY_BYTES = 32 << 20
-POLL_SECONDS = 0.1  # how often a waiting handler checks that its client is still connected
+POLL_SECONDS = 0.1  # how often a half-closed client's non-streamed answer is probed (see _relay)
 RETRY_AFTER_SECONDS = 1
 MAX_CHARS_PER_TOKEN = 32  # default prompt-character limit per token of context (max_prompt_chars)
 # Limits of the HTTP layer (docs/server.md lists them all with their defaults).
 MAX_CONNECTIONS = 256       # open connections at once; more are answered 503 and closed at once
 REQUEST_TIMEOUT = 30.0      # seconds to receive a request's line, headers and body, from its first byte
-KEEPALIVE_TIMEOUT = 15.0    # seconds an idle keep-alive connection waits for its next request
+KEEPALIVE_TIMEOUT = 15.0    # seconds an idle connection (new, or between requests) waits for a request
 WRITE_TIMEOUT = 60.0        # seconds one write to a client that does not read may block
-SHUTDOWN_GRACE = 10.0       # seconds close() waits for running handlers to end their responses
+SHUTDOWN_GRACE = 10.0       # seconds close() waits for running responses to end
+MAX_HEAD_BYTES = 64 << 10   # request line + headers (h11's limit on an incomplete event)
+CONNECTION = "lily.connection"  # the scope key of the request's _Protocol
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_DIGITS = re.compile(r"[0-9]{1,20}")
 
 
 def printable(text: str) -> str:
@@ -54,83 +69,119 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The connection's read side with a deadline: every recv gets only the time left, so a client
-    that sends a byte every few seconds cannot hold a request open past the deadline."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.deadline: float | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the request took too long to arrive")
-            self.sock.settimeout(left)
-        return self.sock.recv_into(b)
+def _error_bytes(status: int, message: str, code: str) -> bytes:
+    return _dumps(APIError(status, message, code=code).body())
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # listen backlog: many clients may connect at once
-    app: "Server"
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with lily's connection limits (see the module docstring). ``lily`` is
+    set on the per-server subclass that ``Server`` makes."""
+
+    lily: "Server"
 
     def __init__(self, *args, **kw):
-        self._lock = threading.Lock()
-        self.connections = 0  # open connections (handler threads)
-        self.active = 0       # handlers inside a request
-        self.idle = threading.Condition(self._lock)
         super().__init__(*args, **kw)
+        self.eof = False              # the client shut its write side after a complete request
+        self.deadline: float | None = None  # loop time by which the current request must have arrived
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle = True             # no request bytes since the last response (or since the start)
+        self._awaiting_head = False   # a request has begun but its line and headers are not complete
+        self._head = b""              # the first bytes of the current request, for the log
+        self._h11_error: Exception | None = None
+        next_event = self.conn.next_event
 
-    def process_request(self, request, client_address):
-        with self._lock:
-            full = self.connections >= self.app.max_connections
-            if not full:
-                self.connections += 1
-        if full:
-            _refuse(request, self.app.max_connections)
+        def checked_next_event():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._h11_error = e
+                raise
+
+        self.conn.next_event = checked_next_event
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        limit = self.lily.max_connections
+        if len(self.connections) > limit:
+            body = _error_bytes(503, f"too many open connections (the limit is {limit}); retry later",
+                                "too_many_connections")
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Connection: close\r\nRetry-After: %d\r\nContent-Length: %d\r\n\r\n%s"
+                            % (RETRY_AFTER_SECONDS, len(body), body))
+            transport.close()
             return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            with self._lock:
-                self.connections -= 1
-            raise
+        # uvicorn arms its keep-alive timer only after a response; a connection that never sends a
+        # byte is closed after the same time.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
-    def process_request_thread(self, request, client_address):
+    def connection_lost(self, exc) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle:  # the first bytes of a request: its deadline starts now
+            self._idle = False
+            self._awaiting_head = True
+            self._head = data[:200]
+            self.deadline = self.loop.time() + self.lily.request_timeout
+            self._cancel_timer()
+            self._timer = self.loop.call_at(self.deadline, self._request_timeout)
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request's line and headers are complete
+            self._awaiting_head = False
+            if self._idle:  # a pipelined request, buffered during the previous response: its deadline starts now
+                self._idle = False
+                self.deadline = self.loop.time() + self.lily.request_timeout
+        if self.scope is not None and CONNECTION not in self.scope:
+            self.scope[CONNECTION] = self  # read by the app (the task has not started yet)
+
+    def _request_timeout(self) -> None:
+        self._timer = None
+        if self._awaiting_head and not self.transport.is_closing():
+            # The line and headers did not arrive in time (a slow body is answered 408 by the app).
+            self.transport.close()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def on_response_complete(self) -> None:
+        self._cancel_timer()
+        self._idle = True  # super() may start a pipelined request at once (handle_events sees it)
+        if self.eof and not self.transport.is_closing():
+            self.transport.close()  # a half-closed client sends nothing more
+            return
+        super().on_response_complete()
+
+    def eof_received(self):
+        """The client shut its write side. Between requests (or mid-headers) that ends the connection;
+        after a request's headers, it may be a half-close of a client still waiting for the answer:
+        keep the write side open (a real disconnect shows when a write fails)."""
+        if self.cycle is None or self._awaiting_head or self.cycle.response_complete:
+            return None  # the transport closes
+        self.eof = True
+        self.cycle.message_event.set()  # a body still being read ends short (the app answers 400)
+        return True
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (malformed line or headers, ambiguous framing, a head over the
+        limit): a JSON 400, the connection closed."""
+        reason = printable(str(self._h11_error or msg))[:200]
+        if self.lily.log:
+            client = "%s:%d" % self.client if self.client else "-"
+            line = self._head.split(b"\r\n", 1)[0][:160].decode("latin-1")
+            self.lily.write_log(f'{client} "{printable(line)}" 400 (invalid HTTP request: {reason})')
+        body = _error_bytes(400, f"invalid HTTP request: {reason}", "invalid_http_request")
         try:
-            super().process_request_thread(request, client_address)
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         finally:
-            with self._lock:
-                self.connections -= 1
-
-    def handle_error(self, request, client_address):
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):  # a client that vanished mid-request: nothing to report
-            return
-        super().handle_error(request, client_address)
-
-
-def _refuse(sock: socket.socket, limit: int) -> None:
-    """Answer a connection over the cap with a short 503 and close it, never blocking."""
-    body = json.dumps({"error": {"message": f"too many open connections (the limit is {limit}); retry later",
-                                 "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
-    try:
-        sock.setblocking(False)
-        sock.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                  b"Retry-After: %d\r\nContent-Length: %d\r\n\r\n%s" % (RETRY_AFTER_SECONDS, len(body), body))
-    except OSError:
-        pass
-    finally:
-        try:
-            sock.close()
-        except OSError:
-            pass
-
+            self.transport.close()
 
 class Server:
     """An OpenAI-compatible server for one loaded ``lily.Model``.
@@ -150,7 +201,7 @@ class Server:
                  write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None,
                  allow_control_tokens: bool = False):
         self.model = model
-        self.tokenizer = model.tokenizer  # loaded once here, shared by the handler threads
+        self.tokenizer = model.tokenizer  # loaded once here, shared by the worker threads
         self.defaults = model.default_sampling()
         self.model_name = model_name or Path(model.path).name
         self.names = {self.model_name, *aliases}
@@ -169,62 +220,104 @@ class Server:
         self.control_tokens = None if allow_control_tokens or not specials else \
             re.compile("|".join(map(re.escape, specials)))
         self.created = int(time.time())
-        self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20, max_context=max_context,
-                             source=source)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("_Server", (_HTTPServer,), {"address_family": family})
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self.httpd = server_class((host, port), Handler)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(2048)
         except OSError:
-            self.engine.close()
+            self._sock.close()
             raise
-        self.httpd.app = self
-        self._thread: threading.Thread | None = None
+        try:
+            self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20,
+                                 max_context=max_context, source=source)
+        except BaseException:
+            self._sock.close()
+            raise
         # Prompt text longer than this cannot fit the context (no token spans more characters): it is
         # refused before tokenizing. Default: MAX_CHARS_PER_TOKEN characters per token of context.
         self.max_prompt_chars = max_prompt_chars or self.engine.max_context * MAX_CHARS_PER_TOKEN
+        protocol = type("_ServerProtocol", (_Protocol,), {"lily": self})
+        self.config = uvicorn.Config(
+            _App(self, _routes(self)), http=protocol, lifespan="off", interface="asgi3", log_config=None,
+            log_level="error", access_log=False, proxy_headers=False, server_header=False,
+            timeout_keep_alive=keepalive_timeout,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            headers=[("server", "lily")])
+        self._uvicorn = uvicorn.Server(self.config)
+        self._thread: threading.Thread | None = None
+        # Set when the serving thread has ended. Waited on instead of Thread.join: a join interrupted
+        # by KeyboardInterrupt (SIGTERM in `lily serve`) marks the thread stopped on Python 3.11
+        # while it still runs, and a later join would return at once, cutting open streams.
+        self._stopped = threading.Event()
+        self._log_lock = threading.Lock()
 
     @property
     def host(self) -> str:
-        return self.httpd.server_address[0]
+        return self._sock.getsockname()[0]
 
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self._sock.getsockname()[1]
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._uvicorn.server_state.connections)
+
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+        """Serve until the server stops (close() from another thread) or KeyboardInterrupt."""
+        if self._thread is None:
+            self.start()
+        while self._thread is not None and not self._stopped.wait(0.5):
+            pass
 
     def start(self) -> "Server":
-        """Serve from a background thread (returns at once)."""
-        self._thread = threading.Thread(target=self.serve_forever, name="lily-http", daemon=True)
+        """Serve from a background thread (returns once the server accepts connections)."""
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self._run, name="lily-http", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and not self._stopped.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self
 
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+        finally:
+            self._stopped.set()
+
     def close(self) -> None:
-        """Stop accepting connections, cancel what is queued or running, and free the socket."""
+        """Stop accepting connections, cancel what is queued or running (open streams end with the
+        error event and [DONE]), wait up to SHUTDOWN_GRACE s for the responses, free the socket."""
         if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join()
+            self._uvicorn.should_exit = True  # stops accepting at its next tick (0.1 s)
+            self.engine.close()  # running and queued jobs end as cancelled: their responses end
+            self._stopped.wait(SHUTDOWN_GRACE + 5)
             self._thread = None
-        self.engine.close()  # running and queued jobs end as cancelled: their handlers send the error event
-        deadline = time.monotonic() + SHUTDOWN_GRACE
-        with self.httpd.idle:
-            while self.httpd.active and time.monotonic() < deadline:
-                self.httpd.idle.wait(0.05)
-        self.httpd.server_close()
-        self.httpd.app = None  # no cycle keeps the model's objects alive after close
+        else:
+            self.engine.close()
+        self._sock.close()
+        # The app and the protocol class refer back to this server: a cycle. Drop the snapshots now
+        # rather than at some later garbage collection (or never, at exit: nanobind reports leaks).
+        self.engine.cache.clear()
 
     def __enter__(self) -> "Server":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def write_log(self, line: str) -> None:
+        with self._log_lock:
+            sys.stderr.write(f"lily serve: {line}\n")
+            sys.stderr.flush()
 
     def model_object(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lily",
@@ -277,460 +370,463 @@ class Server:
         return params
 
 
+
+
+# --- the ASGI application ----------------------------------------------------------------------------
+
 class _Gone(Exception):
     """The client disconnected."""
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "lily"
-    disable_nagle_algorithm = True  # small SSE chunks and responses go out at once
-    server: _HTTPServer
+class _App:
+    """The outermost ASGI layer: path normalisation, the API key on /v1/*, the request log; then the
+    Starlette routes."""
 
-    @property
-    def app(self) -> Server:
-        return self.server.app
+    def __init__(self, server: Server, routes: Starlette):
+        self.server, self.routes = server, routes
 
-    def setup(self) -> None:
-        super().setup()
-        self._raw = _DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._raw, 64 << 10)
-        self._eof = False  # the client half-closed (sent its whole request and shut its write side)
-
-    def handle_one_request(self) -> None:
-        """One request: wait up to keepalive_timeout for its first byte, then read its line, headers
-        and body within request_timeout (a deadline over all reads, not per read)."""
-        app = self.app
-        self._raw.deadline = time.monotonic() + app.keepalive_timeout
-        try:
-            if not self.rfile.peek(1):
-                self.close_connection = True
-                return
-        except (TimeoutError, OSError):
-            self.close_connection = True
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
             return
-        self._raw.deadline = time.monotonic() + app.request_timeout
-        super().handle_one_request()
+        server = self.server
+        path = scope["path"].rstrip("/") or "/"
+        scope = dict(scope, path=path)
+        status = []
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        if self.app is not None and self.app.log:
-            sys.stderr.write(f"lily serve: {self.address_string()} {printable(format % args)}\n")
+        async def logged_send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    # --- dispatch -------------------------------------------------------------------------------
-
-    def _dispatch(self, method: str) -> None:
-        httpd = self.server
-        with httpd.idle:
-            httpd.active += 1
         try:
-            self._dispatch_request(method)
+            if path.startswith("/v1/") and not _authorized(server.api_key, scope):
+                header = _header(scope, b"authorization")
+                what = "missing" if not header else "incorrect"
+                await _error_response(APIError(401, f"{what} API key: send 'Authorization: Bearer KEY' with the "
+                                                    f"server's key", code="invalid_api_key"))(scope, receive, logged_send)
+            else:
+                await self.routes(scope, receive, logged_send)
         finally:
-            with httpd.idle:
-                httpd.active -= 1
-                httpd.idle.notify_all()
+            if server.log:
+                client = "%s:%d" % tuple(scope["client"]) if scope.get("client") else "-"
+                target = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+                server.write_log(f'{client} "{printable(scope["method"])} {printable(target)} '
+                                 f'HTTP/{scope["http_version"]}" {status[0] if status else "-"}')
 
-    def _dispatch_request(self, method: str) -> None:
-        self._started = False  # whether a response status line has been sent
-        self._job: Job | None = None
-        self._heartbeat = False  # a non-streamed response already started (see _client_gone)
-        try:
-            try:
-                raw = self._read_body()
-            except TimeoutError:
-                self.close_connection = True
-                raise APIError(408, f"the request body did not arrive within {self.app.request_timeout:g} s",
-                               code="request_timeout") from None
-            self._raw.deadline = None  # reading is done: writes get their own timeout
-            self.connection.settimeout(self.app.write_timeout)
-            path = unquote(urlsplit(self.path).path).rstrip("/") or "/"
-            if path.startswith("/v1/"):
-                self._authorize()
-            route = self._route(method, path)
-            route(raw)
-        except APIError as e:
-            self._cancel()
-            self._send_error(e)
-        except (OSError, _Gone):  # broken pipe, reset, write timeout: the client went away
-            self._cancel()  # free the engine
-            self.close_connection = True
-        except Exception as e:  # noqa: BLE001 - a bug: answer 500 rather than drop the connection
-            self._cancel()
-            traceback.print_exc(file=sys.stderr)
-            self._send_error(APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error"))
 
-    def _cancel(self) -> None:
-        if self._job is not None:
-            self._job.cancel()
+def _header(scope, name: bytes) -> str:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return ""
 
-    def _route(self, method: str, path: str):
-        get = {"/health": self._health, "/v1/models": self._models, "/openapi.json": self._openapi}
-        post = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
-        if path.startswith("/v1/models/"):
-            allowed, handler = "GET", lambda raw: self._model(path[len("/v1/models/"):])
-        elif path in get:
-            allowed, handler = "GET", get[path]
-        elif path in post:
-            allowed, handler = "POST", post[path]
-        else:
-            raise APIError(404, f"no such route: {method} {path} (see GET /openapi.json)", code="not_found")
-        if method != allowed:
-            raise APIError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed",
-                           headers={"Allow": allowed})
-        return handler
 
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise APIError(411, "chunked request bodies are not supported; send Content-Length", code="length_required")
-        lengths = self.headers.get_all("Content-Length") or []
-        if len(lengths) > 1:  # ambiguous framing: a proxy may read the body differently (smuggling)
-            self.close_connection = True
-            raise bad_request(f"{len(lengths)} Content-Length headers; send exactly one",
-                              code="invalid_content_length")
-        if "Transfer-Encoding" in self.headers:
-            self.close_connection = True
-            raise bad_request("Transfer-Encoding is not supported; send Content-Length",
-                              code="invalid_transfer_encoding")
-        if not lengths:
-            return b""
-        length = lengths[0].strip()
-        if not _DIGITS.fullmatch(length):
-            self.close_connection = True
-            raise bad_request(f"invalid Content-Length {printable(length[:40])!r}", code="invalid_content_length")
-        n = int(length)
-        if n > self.app.max_body_bytes:
-            self.close_connection = True
-            raise APIError(413, f"the request body has {n} bytes; the limit is {self.app.max_body_bytes}",
-                           code="request_too_large")
-        data = self.rfile.read(n)
-        if len(data) < n:
-            self.close_connection = True
-            raise bad_request(f"the request body ended after {len(data)} of {n} bytes", code="incomplete_body")
-        return data
+def _authorized(key: str | None, scope) -> bool:
+    if key is None:
+        return True
+    scheme, _, given = _header(scope, b"authorization").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
-    def _authorize(self) -> None:
-        key = self.app.api_key
-        if key is None:
-            return
-        header = self.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            what = "missing" if not header else "incorrect"
-            raise APIError(401, f"{what} API key: send 'Authorization: Bearer KEY' with the server's key",
-                           code="invalid_api_key")
 
-    @staticmethod
-    def _json(raw: bytes) -> dict:
-        if not raw.strip():
-            raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
-        try:
-            body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-        except UnicodeDecodeError as e:
-            raise bad_request(f"the request body is not UTF-8 ({e})", code="invalid_json") from None
-        except (ValueError, RecursionError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}",
-                              code="invalid_json")
-        return body
+def _json_response(status: int, obj, headers: dict | None = None) -> Response:
+    return Response(_dumps(obj), status, headers=headers, media_type="application/json")
 
-    # --- plain routes ---------------------------------------------------------------------------
 
-    def _health(self, raw: bytes) -> None:
-        self._send_json(200, {"status": "ok", "model": self.app.model_name, **self.app.engine.stats()})
+def _error_response(e: APIError) -> Response:
+    return _json_response(e.status, e.body(), e.headers)
 
-    def _models(self, raw: bytes) -> None:
-        self._send_json(200, {"object": "list", "data": [self.app.model_object()]})
 
-    def _model(self, name: str) -> None:
-        self.app.check_model(name)
-        self._send_json(200, self.app.model_object())
+def _routes(server: Server) -> Starlette:
+    s = server
 
-    def _openapi(self, raw: bytes) -> None:
+    async def health(request):
+        return _json_response(200, {"status": "ok", "model": s.model_name, **s.engine.stats()})
+
+    async def models(request):
+        return _json_response(200, {"object": "list", "data": [s.model_object()]})
+
+    async def model(request):
+        s.check_model(request.path_params["name"])
+        return _json_response(200, s.model_object())
+
+    async def openapi_doc(request):
         from .. import __version__
 
-        self._send_json(200, openapi(__version__))
+        return _json_response(200, openapi(__version__))
 
-    # --- completions ----------------------------------------------------------------------------
+    async def chat(request):
+        return await _completion_endpoint(s, request, _prepare_chat)
 
-    def _chat(self, raw: bytes) -> None:
-        app = self.app
-        req = parse_chat(self._json(raw), app.defaults)
-        app.check_model(req.model)
-        app.check_chars(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "")
-                            for m in req.messages), "messages")
-        app.check_control_tokens(req.messages)
+    async def completions(request):
+        return await _completion_endpoint(s, request, _prepare_completion)
+
+    async def api_error(request, e: APIError):
+        return _error_response(e)
+
+    async def http_error(request, e: HTTPException):
+        if e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            return _error_response(APIError(405, f"{request.url.path} takes {allowed}, not {request.method}",
+                                            code="method_not_allowed", headers={"Allow": allowed}))
+        if e.status_code == 404:
+            return _error_response(APIError(404, f"no such route: {printable(request.method)} "
+                                                 f"{printable(request.url.path)} (see GET /openapi.json)",
+                                            code="not_found"))
+        return _error_response(APIError(e.status_code, printable(str(e.detail)), code="http_error"))
+
+    async def internal_error(request, e: Exception):  # a bug: the traceback goes to stderr (uvicorn's log)
+        return _error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}",
+                                        code="internal_error"))
+
+    app = Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/openapi.json", openapi_doc, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ], exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
+    app.router.redirect_slashes = False
+    return app
+
+
+async def _read_body(s: Server, request: HTTPRequest) -> bytes:
+    """The request body, within the request deadline and the size limit; Content-Length framing only
+    (h11 has already refused conflicting or malformed lengths)."""
+    scope = request.scope
+    close = {"Connection": "close"}
+    if _header(scope, b"transfer-encoding"):
+        raise APIError(411, "chunked request bodies are not supported; send Content-Length", code="length_required",
+                       headers=close)
+    length = _header(scope, b"content-length")
+    if not length:
+        return b""
+    n = int(length)
+    if n > s.max_body_bytes:
+        raise APIError(413, f"the request body has {n} bytes; the limit is {s.max_body_bytes}",
+                       code="request_too_large", headers=close)
+    conn = scope.get(CONNECTION)
+    loop = asyncio.get_running_loop()
+    deadline = conn.deadline if conn is not None and conn.deadline is not None else loop.time() + s.request_timeout
+    parts, size = [], 0
+    while True:
         try:
-            prompt = chat_prompt(app.tokenizer, req.messages, req.tools, req.template_kwargs, app.engine.max_context)
-        except PromptTooLong as e:
-            raise app.too_long(e.tokens, "messages") from None
-        except LilyError as e:
-            raise bad_request(str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - the template failed on these messages
-            raise bad_request(f"the chat template could not render the messages: {type(e).__name__}: {e}",
-                              "messages") from None
-        params = app.fit_context(prompt, req, "messages")
-        job = self._submit("chatcmpl-", prompt, params)
-        out = ChatOutput(prompt.thinking, req.tool_defs if req.parse_tools else None)
-        want_logprobs = params.num_logprobs >= 0
-        head = {"id": job.id, "created": int(time.time()), "model": app.model_name}
-        if not req.stream:
-            logprobs = []
-            result = None
-            for kind, payload in self._events(job):
-                if kind == "event":
-                    out.feed(payload)
-                    if want_logprobs and payload.logprobs is not None:
-                        logprobs.append(chat_logprob(app.tokenizer, payload.logprobs))
-                else:
-                    result = payload
-            out.finish()
-            choice = {"index": 0, "message": out.message(),
-                      "logprobs": {"content": logprobs} if want_logprobs else None,
-                      "finish_reason": out.finish_reason(result)}
-            self._send_json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": usage(result),
-                                  "system_fingerprint": None})
-            return
-        chunk = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+            message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0.01))
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {s.request_timeout:g} s",
+                           code="request_timeout", headers=close) from None
+        if message["type"] == "http.disconnect":
+            raise _Gone()
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if not message.get("more_body", False):
+            return b"".join(parts)
+        if conn is not None and conn.eof:
+            raise bad_request(f"the request body ended after {size} of {n} bytes", code="incomplete_body")
+
+
+def _json(raw: bytes) -> dict:
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not UTF-8 ({e})", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}",
+                          code="invalid_json")
+    return body
+
+
+# --- completions ---------------------------------------------------------------------------------------
+
+def _submit(s: Server, prefix: str, prompt: Prompt, params, notify) -> Job:
+    job = Job(prefix + uuid.uuid4().hex, prompt, params)
+    job.notify = notify
+    try:
+        s.engine.submit(job)
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), code="shutting_down") from None
+    return job
+
+
+class _ChatRenderer:
+    """Chat completion objects from a job's events (streamed chunks, or one response at the end)."""
+
+    def __init__(self, s: Server, req: Request, prompt: Prompt, params, job: Job):
+        self.s, self.req, self.job = s, req, job
+        self.stream = req.stream
+        self.out = ChatOutput(prompt.thinking, req.tool_defs if req.parse_tools else None)
+        self.want_logprobs = params.num_logprobs >= 0
+        self.logprobs: list = []
+        self.head = {"id": job.id, "created": int(time.time()), "model": s.model_name}
+        self.chunk = {**self.head, "object": "chat.completion.chunk", "system_fingerprint": None}
         if req.include_usage:
-            chunk["usage"] = None
+            self.chunk["usage"] = None
 
-        def send(delta: dict, logprobs=None, finish=None):
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            self._sse({**chunk, "choices": [choice]})
+    def _send(self, delta: dict, logprobs=None, finish=None) -> dict:
+        return {**self.chunk, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
-        self._start_stream()
-        send({"role": "assistant", "content": ""})
-        for kind, payload in self._events(job):
-            if kind == "event":
-                delta = out.feed(payload)
-                lp = None
-                if want_logprobs and payload.logprobs is not None:
-                    lp = {"content": [chat_logprob(app.tokenizer, payload.logprobs)]}
-                if delta or lp:
-                    send(delta, lp)
-            else:
-                delta = out.finish()
-                if delta:
-                    send(delta)
-                send({}, finish=out.finish_reason(payload))
-                if req.include_usage:
-                    self._sse({**chunk, "choices": [], "usage": usage(payload)})
-        self._end_stream()
+    def start(self) -> list[dict]:
+        return [self._send({"role": "assistant", "content": ""})]
 
-    def _completion(self, raw: bytes) -> None:
-        app = self.app
-        req = parse_completion(self._json(raw), app.defaults)
-        app.check_model(req.model)
-        if isinstance(req.prompt, str):
-            app.check_chars(len(req.prompt), "prompt")
-        try:
-            prompt = text_prompt(app.tokenizer, req.prompt, app.model.config.vocab_size, app.engine.max_context)
-        except PromptTooLong as e:
-            raise app.too_long(e.tokens, "prompt") from None
-        except LilyError as e:
-            raise bad_request(str(e), "prompt") from None
-        params = app.fit_context(prompt, req, "prompt")
-        job = self._submit("cmpl-", prompt, params)
-        n = params.num_logprobs
-        lps = CompletionLogprobs(app.tokenizer, n > 0) if n >= 0 else None
-        head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": app.model_name,
-                "system_fingerprint": None}
-        if not req.stream:
-            texts, entries, result = [], [], None
-            for kind, payload in self._events(job):
-                if kind == "event":
-                    texts.append(payload.text)
-                    if lps is not None and payload.logprobs is not None:
-                        entries.append(lps.entry(payload.logprobs))
-                else:
-                    result = payload
-            choice = {"index": 0, "text": "".join(texts),
-                      "logprobs": CompletionLogprobs.merge(entries, n > 0) if lps is not None else None,
+    def event(self, payload) -> list[dict]:
+        lp = None
+        if self.want_logprobs and payload.logprobs is not None:
+            lp = chat_logprob(self.s.tokenizer, payload.logprobs)
+        delta = self.out.feed(payload)
+        if not self.stream:
+            if lp is not None:
+                self.logprobs.append(lp)
+            return []
+        lp = {"content": [lp]} if lp is not None else None
+        return [self._send(delta, lp)] if delta or lp else []
+
+    def done(self, result):
+        """The stream's last chunks, or the whole response."""
+        delta = self.out.finish()
+        if not self.stream:
+            choice = {"index": 0, "message": self.out.message(),
+                      "logprobs": {"content": self.logprobs} if self.want_logprobs else None,
+                      "finish_reason": self.out.finish_reason(result)}
+            return {**self.head, "object": "chat.completion", "choices": [choice], "usage": usage(result),
+                    "system_fingerprint": None}
+        chunks = [self._send(delta)] if delta else []
+        chunks.append(self._send({}, finish=self.out.finish_reason(result)))
+        if self.req.include_usage:
+            chunks.append({**self.chunk, "choices": [], "usage": usage(result)})
+        return chunks
+
+
+class _CompletionRenderer:
+    """Text completion objects from a job's events."""
+
+    def __init__(self, s: Server, req: Request, params, job: Job):
+        self.req, self.stream = req, req.stream
+        self.n = params.num_logprobs
+        self.lps = CompletionLogprobs(s.tokenizer, self.n > 0) if self.n >= 0 else None
+        self.head = {"id": job.id, "object": "text_completion", "created": int(time.time()), "model": s.model_name,
+                     "system_fingerprint": None}
+        if self.stream and req.include_usage:
+            self.head["usage"] = None
+        self.texts: list[str] = []
+        self.entries: list = []
+
+    def start(self) -> list[dict]:
+        return []
+
+    def event(self, payload) -> list[dict]:
+        lp = self.lps.entry(payload.logprobs) if self.lps is not None and payload.logprobs is not None else None
+        if not self.stream:
+            self.texts.append(payload.text)
+            if lp is not None:
+                self.entries.append(lp)
+            return []
+        if payload.text or lp or payload.finish_reason:
+            return [{**self.head, "choices": [{"index": 0, "text": payload.text, "logprobs": lp,
+                                               "finish_reason": None}]}]
+        return []
+
+    def done(self, result):
+        if not self.stream:
+            choice = {"index": 0, "text": "".join(self.texts),
+                      "logprobs": CompletionLogprobs.merge(self.entries, self.n > 0) if self.lps is not None else None,
                       "finish_reason": result.finish_reason}
-            self._send_json(200, {**head, "choices": [choice], "usage": usage(result)})
-            return
-        if req.include_usage:
-            head["usage"] = None
-        self._start_stream()
-        for kind, payload in self._events(job):
-            if kind == "event":
-                lp = lps.entry(payload.logprobs) if lps is not None and payload.logprobs is not None else None
-                if payload.text or lp or payload.finish_reason:
-                    choice = {"index": 0, "text": payload.text, "logprobs": lp, "finish_reason": None}
-                    self._sse({**head, "choices": [choice]})
+            return {**self.head, "choices": [choice], "usage": usage(result)}
+        chunks = [{**self.head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                             "finish_reason": result.finish_reason}]}]
+        if self.req.include_usage:
+            chunks.append({**self.head, "choices": [], "usage": usage(result)})
+        return chunks
+
+
+def _prepare_chat(s: Server, raw: bytes, notify):
+    """Validate, render and tokenize a chat request and submit its job (runs in a worker thread)."""
+    req = parse_chat(_json(raw), s.defaults)
+    s.check_model(req.model)
+    s.check_chars(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in req.messages),
+                  "messages")
+    s.check_control_tokens(req.messages)
+    try:
+        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.engine.max_context)
+    except PromptTooLong as e:
+        raise s.too_long(e.tokens, "messages") from None
+    except LilyError as e:
+        raise bad_request(str(e), "messages") from None
+    except Exception as e:  # noqa: BLE001 - the template failed on these messages
+        raise bad_request(f"the chat template could not render the messages: {type(e).__name__}: {e}",
+                          "messages") from None
+    params = s.fit_context(prompt, req, "messages")
+    job = _submit(s, "chatcmpl-", prompt, params, notify)
+    return job, _ChatRenderer(s, req, prompt, params, job)
+
+
+def _prepare_completion(s: Server, raw: bytes, notify):
+    req = parse_completion(_json(raw), s.defaults)
+    s.check_model(req.model)
+    if isinstance(req.prompt, str):
+        s.check_chars(len(req.prompt), "prompt")
+    try:
+        prompt = text_prompt(s.tokenizer, req.prompt, s.model.config.vocab_size, s.engine.max_context)
+    except PromptTooLong as e:
+        raise s.too_long(e.tokens, "prompt") from None
+    except LilyError as e:
+        raise bad_request(str(e), "prompt") from None
+    params = s.fit_context(prompt, req, "prompt")
+    job = _submit(s, "cmpl-", prompt, params, notify)
+    return job, _CompletionRenderer(s, req, params, job)
+
+
+async def _completion_endpoint(s: Server, request: HTTPRequest, prepare) -> Response:
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    def notify() -> None:  # from the engine thread
+        try:
+            loop.call_soon_threadsafe(wake.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    try:
+        raw = await _read_body(s, request)
+        job, renderer = await run_in_threadpool(prepare, s, raw, notify)
+    except _Gone:
+        return _Nothing()
+    return _JobResponse(s, job, renderer, wake)
+
+
+class _Nothing(Response):
+    """No response: the client is gone."""
+
+    def __init__(self):
+        super().__init__()
+
+    async def __call__(self, scope, receive, send) -> None:
+        return
+
+
+class _JobResponse(Response):
+    """Relays a submitted job: one JSON response or a server-sent event stream. Cancels the job when
+    the client disconnects (a task waits for uvicorn's http.disconnect), when a write blocks past
+    the write timeout, or when the response ends early for any reason."""
+
+    def __init__(self, s: Server, job: Job, renderer, wake: asyncio.Event):
+        super().__init__()
+        self.s, self.job, self.renderer, self.wake = s, job, renderer, wake
+
+    async def __call__(self, scope, receive, send) -> None:
+        conn = scope.get(CONNECTION)
+        job, wake = self.job, self.wake
+        gone = []
+
+        async def listen():  # any message wakes the relay: a disconnect, or the end of stream (conn.eof)
+            while True:
+                message = await receive()
+                wake.set()
+                if message["type"] == "http.disconnect":
+                    gone.append(True)
+                    return
+
+        async def write(message):
+            if conn is not None and conn.flow.write_paused:  # the client does not read: bounded wait
+                try:
+                    await asyncio.wait_for(send(message), self.s.write_timeout)
+                except asyncio.TimeoutError:
+                    conn.transport.abort()
+                    await asyncio.sleep(0)  # lets connection_lost run: uvicorn then sees a disconnect, not a bug
+                    raise _Gone() from None
             else:
-                self._sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                                "finish_reason": payload.finish_reason}]})
-                if req.include_usage:
-                    self._sse({**head, "choices": [], "usage": usage(payload)})
-        self._end_stream()
+                await send(message)
+            if gone:
+                raise _Gone()
 
-    # --- jobs -----------------------------------------------------------------------------------
-
-    def _submit(self, prefix: str, prompt: Prompt, params) -> Job:
-        job = Job(prefix + uuid.uuid4().hex, prompt, params)
+        listener = asyncio.ensure_future(listen())
+        state = {"started": False, "heartbeat": False}
+        stream = self.renderer.stream
         try:
-            self.app.engine.submit(job)
-        except QueueFull as e:
-            raise APIError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except ShuttingDown as e:
-            raise APIError(503, str(e), code="shutting_down") from None
-        self._job = job
-        return job
-
-    def _events(self, job: Job):
-        """Yield the job's ("event", GenerationEvent) items and finally ("done", Generation); raise
-        _Gone when the client disconnects (``_dispatch`` then cancels the job), APIError when the job
-        failed."""
-        checked = time.monotonic()
-        while True:
-            item = job.next_item(POLL_SECONDS)
-            now = time.monotonic()
-            if item is None or now - checked >= POLL_SECONDS:  # also while tokens keep coming
-                checked = now
-                if self._client_gone():
-                    raise _Gone()
-            if item is None:
-                continue
-            kind, payload = item
-            if kind == "event":
-                yield item
-            elif kind == "done":
-                yield item
-                return
-            elif kind == "cancelled":
-                raise APIError(503, "the request was cancelled: the server is shutting down", code="cancelled")
-            else:
-                if isinstance(payload, LilyError):
-                    raise bad_request(str(payload))
-                raise APIError(500, f"generation failed: {type(payload).__name__}: {payload}",
-                               code="internal_error")
-
-    def _client_gone(self) -> bool:
-        """Whether the peer is gone. poll() (not select(), which fails on descriptors >= 1024) says
-        whether the socket is readable; an error or reset means gone. An end of stream (the client
-        shut its write side) may be a half-close of a client still waiting for the answer: from
-        then on a stream finds out by its writes; a non-streamed answer starts at once (status 200,
-        chunked) and writes a space every poll, which fails once the client is really gone. A
-        request that then fails ends with its error object as the body (JSON allows the spaces)."""
-        if self._eof:
-            if self._started and not self._heartbeat:
-                return False  # a stream: the next event's write finds out
-            self._beat()
-            return False
-        try:
-            p = select.poll()
-            p.register(self.connection, select.POLLIN | select.POLLPRI)
-            events = p.poll(0)
-            if not events:
-                return False
-            if events[0][1] & (select.POLLERR | select.POLLNVAL):
-                return True
-            if self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b"":
-                return False  # pipelined bytes of a next request: still there
-        except (BlockingIOError, InterruptedError):
-            return False
-        except (OSError, ValueError):
-            return True
-        self._eof = True
-        if not self._started:
-            self._beat()
-        return False
-
-    def _beat(self) -> None:
-        """Start a non-streamed answer early (see _client_gone) or keep it alive; raises OSError when
-        the client is gone."""
-        if not self._started:
-            self.send_response(200)
-            self._started = self._heartbeat = True
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-        self._chunk(b" ")
-
-    # --- writing --------------------------------------------------------------------------------
-
-    def _send_json(self, status: int, obj, headers: dict | None = None) -> None:
-        data = _dumps(obj)
-        if self._heartbeat:  # the answer already started (a half-closed client): finish its body
-            self._chunk(data)
-            self.wfile.write(b"0\r\n\r\n")
-            return
-        self.send_response(status)
-        self._started = True
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    def _send_error(self, e: APIError) -> None:
-        if getattr(self, "_heartbeat", False):
             try:
-                self._send_json(e.status, e.body())
-            except OSError:
-                pass
-            self.close_connection = True
-            return
-        if getattr(self, "_started", False):
-            # A stream is under way: report the error in it and end it.
-            try:
-                self._sse(e.body())
-                self._end_stream()
-            except OSError:
-                pass
-            self.close_connection = True
-            return
-        try:
-            self._send_json(e.status, e.body(), e.headers)
-        except OSError:
-            self.close_connection = True
+                if stream:
+                    await write({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no")]})
+                    state["started"] = True
+                    for obj in self.renderer.start():
+                        await write(_sse(obj))
+                while True:
+                    wake.clear()
+                    item = job.poll()
+                    if item is None:
+                        if gone:
+                            raise _Gone()
+                        if conn is not None and conn.eof and not stream:
+                            await self._beat(write, state)
+                            try:
+                                await asyncio.wait_for(wake.wait(), POLL_SECONDS)
+                            except asyncio.TimeoutError:
+                                pass
+                        else:
+                            await wake.wait()
+                        continue
+                    kind, payload = item
+                    if kind == "event":
+                        for obj in self.renderer.event(payload):
+                            await write(_sse(obj))
+                        if gone:
+                            raise _Gone()
+                    elif kind == "done":
+                        final = self.renderer.done(payload)
+                        if stream:
+                            for obj in final:
+                                await write(_sse(obj))
+                            await write(_body(b"data: [DONE]\n\n", more=False))
+                        elif state["heartbeat"]:
+                            await write(_body(_dumps(final), more=False))
+                        else:
+                            await _json_response(200, final)(scope, receive, send)
+                        return
+                    elif kind == "cancelled":
+                        raise APIError(503, "the request was cancelled: the server is shutting down", code="cancelled")
+                    elif isinstance(payload, LilyError):
+                        raise bad_request(str(payload))
+                    else:
+                        raise APIError(500, f"generation failed: {type(payload).__name__}: {payload}",
+                                       code="internal_error")
+            except APIError as e:
+                if stream:  # a stream under way: report the error in it and end it
+                    await write(_sse(e.body()))
+                    await write(_body(b"data: [DONE]\n\n", more=False))
+                elif state["heartbeat"]:  # the answer already started (a half-closed client)
+                    await write(_body(_dumps(e.body()), more=False))
+                else:
+                    await _error_response(e)(scope, receive, send)
+        except _Gone:
+            pass
+        finally:
+            listener.cancel()
+            job.cancel()  # a no-op once the job has ended; frees the engine otherwise
+            job.notify = None
 
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """Errors the base class detects (malformed request line, headers too long, unknown method)
-        as OpenAI error objects."""
-        if code == HTTPStatus.NOT_IMPLEMENTED:  # an HTTP method this server does not serve
-            code = HTTPStatus.METHOD_NOT_ALLOWED
-        self.close_connection = True
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "error"
-        self._started = self._heartbeat = False
-        self._send_error(APIError(code, printable(message or phrase), code=phrase.lower().replace(" ", "_")))
+    async def _beat(self, write, state) -> None:
+        """A half-closed client's non-streamed answer starts at once (200, chunked) and gets a space
+        every POLL_SECONDS: the write fails once the client is really gone (JSON allows the spaces)."""
+        if not state["started"]:
+            state["started"] = state["heartbeat"] = True
+            await write({"type": "http.response.start", "status": 200,
+                         "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+        await write(_body(b" "))
 
-    def _start_stream(self) -> None:
-        self.send_response(200)
-        self._started = True
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("X-Accel-Buffering", "no")
-        self.end_headers()
 
-    def _sse(self, obj) -> None:
-        self._chunk(b"data: " + _dumps(obj) + b"\n\n")
+def _body(data: bytes, more: bool = True) -> dict:
+    return {"type": "http.response.body", "body": data, "more_body": more}
 
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
 
-    def _end_stream(self) -> None:
-        self._chunk(b"data: [DONE]\n\n")
-        self.wfile.write(b"0\r\n\r\n")
+def _sse(obj) -> dict:
+    return _body(b"data: " + _dumps(obj) + b"\n\n")
 
 
 def _dumps(obj) -> bytes:

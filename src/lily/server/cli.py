@@ -8,7 +8,8 @@ import sys
 from ..errors import LilyError
 from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
 
-MAX_CONNECTIONS, REQUEST_TIMEOUT = 256, 30.0  # as app.MAX_CONNECTIONS / app.REQUEST_TIMEOUT (not imported: slow)
+# As app.MAX_CONNECTIONS / REQUEST_TIMEOUT / KEEPALIVE_TIMEOUT (not imported: uvicorn and Starlette load slowly).
+MAX_CONNECTIONS, REQUEST_TIMEOUT, KEEPALIVE_TIMEOUT = 256, 30.0, 15.0
 
 TINY_NAME = "lily-tiny"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -48,6 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"open connections at once; more are answered 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT, metavar="S",
                    help=f"seconds to receive a request's headers and body (default {REQUEST_TIMEOUT:g})")
+    p.add_argument("--keepalive-timeout", type=float, default=KEEPALIVE_TIMEOUT, metavar="S",
+                   help=f"seconds an idle connection (new, or between requests) is kept open "
+                        f"(default {KEEPALIVE_TIMEOUT:g})")
     p.add_argument("--served-model-name", metavar="NAME",
                    help=f"the model id clients send and /v1/models lists (default: the --model value, or "
                         f"'{TINY_NAME}' for the built-in tiny checkpoint)")
@@ -84,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LilyError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.request_timeout > 0:
         raise LilyError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if not args.keepalive_timeout > 0:
+        raise LilyError(f"--keepalive-timeout must be > 0, got {args.keepalive_timeout}")
     api_key = read_api_key(args.api_key, args.api_key_file)
     model = load_model(args)
     name = args.served_model_name or args.model or TINY_NAME
@@ -97,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = Server(model, host=args.host, port=args.port, api_key=api_key, model_name=name, aliases=aliases,
                         max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
                         max_connections=args.max_connections, request_timeout=args.request_timeout,
+                        keepalive_timeout=args.keepalive_timeout,
                         allow_control_tokens=args.allow_control_tokens)
     except OSError as e:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None

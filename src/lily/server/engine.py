@@ -1,9 +1,10 @@
 """The engine thread: one request at a time on one session, taken from a bounded FIFO queue.
 
-HTTP handler threads parse and tokenize a request, then ``submit`` a ``Job``; when the queue is
+The HTTP layer parses and tokenizes a request (in a worker thread), then ``submit``s a ``Job``; when the queue is
 full, ``submit`` raises ``QueueFull`` (the server answers 429). The engine thread runs jobs in the
 order they were accepted and sends each job's events to the job's own queue, which the handler
-turns into a response. A handler whose client went away calls ``job.cancel()``: a waiting job is
+turns into a response (``notify``, when set, is called from the engine thread after each item: the
+HTTP layer's event loop wakes on it). A handler whose client went away calls ``job.cancel()``: a waiting job is
 skipped, a running one stops at its next token, and the engine moves on. Every accepted job gets
 exactly one final item (``done``, ``cancelled`` or ``error``).
 
@@ -54,6 +55,7 @@ class Job:
         self.first_token: float | None = None
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
+        self.notify: Callable[[], None] | None = None  # called after each put (from the engine thread)
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -64,6 +66,16 @@ class Job:
 
     def put(self, kind: str, payload=None) -> None:
         self._items.put((kind, payload))
+        notify = self.notify
+        if notify is not None:
+            notify()
+
+    def poll(self):
+        """The next item, or None when there is none yet (never blocks)."""
+        try:
+            return self._items.get_nowait()
+        except queue.Empty:
+            return None
 
     def next_item(self, timeout: float):
         """The next item, or None after ``timeout`` seconds without one."""
