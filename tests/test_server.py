@@ -80,6 +80,21 @@ def test_models_health_and_openapi(server, client):
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
 
 
+def test_metrics_and_version_routes(server, client):
+    client.completions.create(model=NAME, prompt="Hello", max_tokens=3, temperature=0)
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
+    done = [line for line in text.splitlines() if line.startswith('lily_requests_total{outcome="done"}')]
+    assert done and int(done[0].split()[-1]) >= 1
+    assert "lily_time_to_first_token_seconds_count" in text and "lily_queue_waiting 0" in text
+    status, _, version = raw_request(server, "GET", "/version", headers={"Authorization": ""})
+    assert status == 200 and version["version"] == lily.__version__ and version["model"] == NAME
+
+
 # --- chat and completions against the Python API -----------------------------------------------------
 
 def test_chat_equals_the_python_api(client, model):

@@ -454,6 +454,14 @@ def _routes(server: Server) -> Starlette:
 
         return _json_response(200, openapi(__version__))
 
+    async def metrics(request):  # Prometheus text: requests, tokens, queue, TTFT and tok/s (server/metrics.py)
+        return Response(s.engine.metrics.render(s.engine), 200, media_type="text/plain; version=0.0.4")
+
+    async def version(request):
+        from .. import __version__
+
+        return _json_response(200, {"version": __version__, "model": s.model_name})
+
     async def chat(request):
         return await _completion_endpoint(s, request, _prepare_chat)
 
@@ -481,6 +489,8 @@ def _routes(server: Server) -> Starlette:
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/openapi.json", openapi_doc, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
