@@ -1,11 +1,11 @@
 """Hugging Face -> MLX checkpoint conversion for Qwen3.5/3.6 MoE text models, as mlx-lm writes it.
 
-Accepted sources (spec section 4.1, and what transformers 5.24 `save_pretrained` writes):
+Accepted sources (docs/model.md section 4.2, and what transformers 5.24 `save_pretrained` writes):
   - prefix `model.language_model.` (multimodal class) or `model.` (Qwen3_5MoeForCausalLM), `lm_head.`;
   - experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or
     per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what transformers 5.24 saves);
   - `mtp.*` and `model.visual.*` are dropped.
-The MLX layout (spec sections 4.2 and 5): names `language_model.model.*` / `language_model.lm_head.*`,
+The MLX layout (docs/model.md sections 4.2 and 5): names `language_model.model.*` / `language_model.lm_head.*`,
 experts as `mlp.switch_mlp.{gate,up,down}_proj` stacks, conv1d weight [C, K, 1], zero-centred norms
 stored as 1 + w (not `linear_attn.norm`), A_log in fp32, the rest in bf16. Quantized, every
 Linear / Embedding / SwitchLinear weight whose input dim divides by the group size becomes

@@ -3,7 +3,7 @@
 A weight [..., n] is cut into groups of `group_size` consecutive elements along its last axis and
 each group is stored as unsigned codes q with one scale and one bias: w ~= scale * q + bias.
 Codes are packed into uint32 words as a little-endian bit stream along each row: element k of a
-word occupies bits [k*bits, (k+1)*bits), element 0 in the lowest bits (see the spec, section 5).
+word occupies bits [k*bits, (k+1)*bits), element 0 in the lowest bits (docs/model.md section 5).
 
 Per group, in fp32 (mlx/backend/cpu/quantized.cpp):
     scale = max((w_max - w_min) / n_bins, 1e-7), negated unless |w_min| > |w_max|

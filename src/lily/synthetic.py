@@ -2,7 +2,7 @@
 
 `make_checkpoint` writes config.json (the real nested form), the weights in Hugging Face layout
 (bf16, `model.language_model.*`, fused experts, conv [C, 1, K], norms stored as w) or in MLX layout
-(byte-compatible with mlx-lm: 4-bit group-64 affine, 8-bit router gates; spec sections 4-5), and
+(byte-compatible with mlx-lm: 4-bit group-64 affine, 8-bit router gates; docs/model.md sections 4-5), and
 optionally the real tokenizer files.
 
 Conditioning. The weights are random but chosen so that a forward pass stays finite and its logits
@@ -126,7 +126,7 @@ TINY_TEXT_CONFIG = _text_config(
     shared_expert_intermediate_size=64,
 )
 
-# Spec section 1.
+# docs/model.md section 1.
 QWEN36_35B_A3B_TEXT_CONFIG = _text_config(
     hidden_size=2048,
     num_hidden_layers=40,

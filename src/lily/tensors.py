@@ -1,7 +1,7 @@
 """The one description of the model's tensors: names, shapes, matrix or vector, quantization rule.
 
 The loader (weights.py), the converter (convert.py) and the synthetic generator (synthetic.py) all
-read this list; a checkpoint layout is a spelling of it (spec section 4). A canonical name has no
+read this list; a checkpoint layout is a spelling of it (docs/model.md section 4). A canonical name has no
 model prefix and no ``.weight`` suffix (``layers.3.mlp.experts.gate_proj``). Canonical shapes:
 matrices [out, in], expert stacks [E, out, in] (gate and up apart; Hugging Face fuses them into
 ``experts.gate_up_proj`` [E, 2I, H], gate rows first), conv1d taps [C, K] (stored [C, 1, K] by

@@ -26,7 +26,7 @@ The conversion is the usual tiktoken-to-``tokenizers`` one:
   in which case HF never emits those 201 tokens; lily follows tiktoken.
 * Pipeline: NFC normaliser, a Split pre-tokeniser with the Qwen3.5/3.6 regex,
   then ByteLevel without its own regex; ByteLevel decoder; no BOS.
-* The 33 added tokens follow at ids 248044..248076 (spec section 6).
+* The 33 added tokens follow at ids 248044..248076 (docs/model.md section 6).
 
 Building the 12 MB ``tokenizer.json`` takes a few seconds, so it is done once
 and cached under ``$LILY_CACHE_DIR/tokenizer/`` (default
@@ -120,7 +120,7 @@ GENERATION_CONFIG = {
     "top_p": 0.95,
 }
 
-# The Qwen3.6 chat template (spec section 6, [TPL]): ChatML turns, thinking on unless
+# The Qwen3.6 chat template (docs/model.md section 6): ChatML turns, thinking on unless
 # enable_thinking=false, earlier reasoning dropped unless preserve_thinking=true, XML-style tool
 # calls, tool results in user turns.  Written as chat_template.jinja, as Qwen ships it.
 CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}

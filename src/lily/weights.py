@@ -1,6 +1,6 @@
 """Checkpoint folder -> canonical named tensors -> lily._core.WeightStore.
 
-This is the one sanitize step. Two layouts are accepted (see the model spec, section 4):
+This is the one sanitize step. Two layouts are accepted (docs/model.md section 4):
 - MLX (mlx-lm / mlx-vlm): ``language_model.model.*``, ``switch_mlp`` expert stacks, conv [C, K, 1],
   block norms already stored as 1+w, MLX affine quantization (``.weight`` U32 + ``.scales`` + ``.biases``);
 - Hugging Face: ``model.language_model.*`` (or ``model.*``), experts fused (``experts.gate_up_proj``,
