@@ -249,6 +249,15 @@ __device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const MmaStage
   mma_columns<NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
 }
 
+// The segment step of mma_gemv_body (a policy, so that benchmarks/gemv_lab.cu can swap in ablations).
+template <int BITS, int NG>
+struct MmaSegmentOp {
+  static __device__ __forceinline__ void run(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
+                                             const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
+    mma_segment<BITS, NG>(L, st, i, seg, xd, xe, xsum, acc);
+  }
+};
+
 // Loads segment `seg` of the lane's rows into unit slot i (zeros where ok is false or a row is absent).
 template <int NG>
 __device__ __forceinline__ void mma_load(MmaStage& st, int i, bool ok, const MmaRowRef (&ref)[2], int t) {
@@ -284,7 +293,7 @@ struct MmaSplit {
 // issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
 // between those loads and the first compute: it must stage x into xd, xe, xsum and synchronise the CTA,
 // so the staging overlaps the weights' memory latency.
-template <int BITS, int NG, class Rows, class Before, class After>
+template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
                                               const After& after) {
@@ -314,7 +323,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     const int first = seg0 + (j % sp.upp) * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i)
-      if (first + i < seg1) mma_segment<BITS, NG>(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
+      if (first + i < seg1) Segment::run(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
     if (j % sp.upp != sp.upp - 1) return;
     // end of a pass: quad sum, then the tile's K-parts in ascending order
 #pragma unroll
