@@ -267,6 +267,11 @@ class Session:
         max_context before anything is allocated). Refused while a stream is open."""
         self._check_idle("restore()")
         if isinstance(snapshot, (str, os.PathLike)):
+            from .snapshot_file import SnapshotFileError
+
+            if not Path(snapshot).expanduser().exists():
+                raise SnapshotFileError(f"{snapshot}: no such snapshot file (restore takes a lily Snapshot or the "
+                                        f"path of a file that Snapshot.save wrote)")
             snapshot = self.model.load_snapshot(snapshot, max_context=self.max_context)
         self._restore(snapshot)
 
