@@ -182,6 +182,84 @@ def test_stream_repr_after_close(model):
     assert "running" not in repr(stream) and "cancelled" in repr(stream)
 
 
+def _slow_source(n: int, delay: float):
+    """A scripted generation source for the server: n one-token pieces, delay seconds apart."""
+    import time
+
+    from lily import Generation, GenerationEvent, GenerationStream
+
+    def source(job):
+        result = Generation(text="")
+        result.usage.prompt_tokens = len(job.prompt.ids)
+
+        def events():
+            result.finish_reason = "cancelled"
+            for i in range(n):
+                if job.cancelled:
+                    return
+                time.sleep(delay)
+                result.token_ids.append(i)
+                result.usage.completion_tokens += 1
+                yield GenerationEvent("x", i, None, "length" if i == n - 1 else None)
+            result.finish_reason = "length"
+
+        return GenerationStream(events(), result)
+
+    return source
+
+
+def test_a_cancelled_request_gets_a_log_line(model, capfd):
+    import re
+    import socket
+    import time
+
+    from lily.server import Server
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 20
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    with Server(model, port=0, model_name="tiny", source=_slow_source(200, 0.01), log=True) as s:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 200, "stream": True}).encode()
+        c = socket.create_connection((s.host, s.port))
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        c.settimeout(10)
+        data = b""
+        while data.count(b"data: ") < 4:  # a few tokens streamed, then the client goes away
+            data += c.recv(65536)
+        c.close()
+        wait_for(lambda: s.engine.records and s.engine.records[-1]["outcome"] == "cancelled")
+        record = s.engine.records[-1]
+        time.sleep(0.1)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if " cancelled " in line]
+    assert len(lines) == 1, err
+    m = re.fullmatch(r"lily serve: request (cmpl-\w+) cancelled after (\d+) completion tokens? "
+                     r"\(prompt (\d+), cached 0\): the client disconnected", lines[0])
+    assert m, lines[0]
+    assert m[1] == record["id"] and m[1].encode() in data
+    assert 3 <= int(m[2]) == record["completion_tokens"] < 200 and int(m[3]) == record["prompt_tokens"]
+    # Not logged without --log-requests; a queued request cancelled by the shutdown is logged before it starts.
+    with Server(model, port=0, model_name="tiny", source=_slow_source(200, 0.01)) as s:
+        assert s.engine.log is None
+    from lily.server.engine import Engine, Job
+    from lily.server.prompt import Prompt
+
+    lines = []
+    engine = Engine(model, max_context=128, source=_slow_source(10_000, 0.01))
+    engine.log = lines.append
+    running, queued = (Job(f"cmpl-{i}", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=10_000)) for i in "ab")
+    engine.submit(running)
+    wait_for(lambda: running.first_token is not None)
+    engine.submit(queued)
+    engine.close()
+    assert lines[0] == "request cmpl-b cancelled before it started: the server is shutting down"
+    assert re.fullmatch(r"request cmpl-a cancelled after \d+ completion tokens? \(prompt 3, cached 0\): "
+                        r"the server is shutting down", lines[1]), lines
+
+
 def test_server_client_example_has_no_ansi_in_a_pipe():
     source = (ROOT / "examples" / "server_client.py").read_text()
     assert "isatty" in source

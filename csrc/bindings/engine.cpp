@@ -122,6 +122,10 @@ void init_engine(nb::module_& m) {
       })
       .def_prop_ro("device", [](const Engine& e) { return std::string(device_name(e.device())); })
       .def_prop_ro("weight_bytes", [](const Engine& e) { return e.weights().nbytes(); })
+      .def("weight_signature", [](const Engine& e) {
+        nb::gil_scoped_release release;
+        return e.weights().signature();
+      }, "Every tensor's name, storage form, shape and a few sampled bytes, one per line (model identity).")
       .def_prop_ro("stacked_projections",
                    [](const Engine& e) {
                      int n = 0;
@@ -132,9 +136,41 @@ void init_engine(nb::module_& m) {
                    "Groups of same-input projections (GDN in_proj, attention q|k|v, router + shared-expert "
                    "gate) that run as one stacked GEMV in a decode step.");
 
+  auto parts_list = [](const std::vector<Snapshot::Part>& parts) {
+    nb::list out;
+    for (const Snapshot::Part& p : parts) {
+      nb::list shape;
+      for (int64_t d : p.shape) shape.append(d);
+      out.append(nb::make_tuple(p.name, dtype_name(p.dtype), nb::tuple(shape), p.nbytes));
+    }
+    return out;
+  };
+  using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+  using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
   nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
       .def_ro("position", &Snapshot::position)
-      .def_prop_ro("nbytes", &Snapshot::nbytes);
+      .def_prop_ro("nbytes", &Snapshot::nbytes)
+      .def_prop_ro("device", [](const Snapshot& s) { return std::string(device_name(s.engine->device())); })
+      .def("parts", [parts_list](const Snapshot& s) { return parts_list(s.parts()); },
+           "The state's blobs in file order: [(name, dtype, shape, nbytes)].")
+      .def_static("layout", [parts_list](const Engine& e, int64_t position) {
+        return parts_list(Snapshot::layout(e, position));
+      }, nb::arg("engine"), nb::arg("position"), "parts() of a snapshot of `position` tokens of this engine.")
+      .def_static("blank", [](std::shared_ptr<const Engine> e, int64_t position) {
+        return Snapshot::blank(*e, position);
+      }, nb::arg("engine"), nb::arg("position"), "A snapshot with uninitialised state, to be filled by write().")
+      .def("read", [](const Snapshot& s, size_t i, size_t offset, Bytes out) {
+        const Buffer& b = s.part(i);
+        LILY_CHECK(offset <= b.nbytes() && out.size() <= b.nbytes() - offset, "snapshot read past part ", i);
+        nb::gil_scoped_release release;
+        b.download(out.data(), out.size(), offset);
+      }, nb::arg("part"), nb::arg("offset"), nb::arg("out"), "Copies bytes [offset, offset + out.size) of a part to out.")
+      .def("write", [](Snapshot& s, size_t i, size_t offset, ConstBytes data) {
+        Buffer& b = s.part(i);
+        LILY_CHECK(offset <= b.nbytes() && data.size() <= b.nbytes() - offset, "snapshot write past part ", i);
+        nb::gil_scoped_release release;
+        b.upload(data.data(), data.size(), offset);
+      }, nb::arg("part"), nb::arg("offset"), nb::arg("data"), "Copies data into a part at offset.");
 
   nb::class_<Session>(m, "Session", "One conversation's caches and recurrent state.")
       .def("__init__", [](Session* s, std::shared_ptr<const Engine> e, int64_t max_context, int64_t chunk,

@@ -13,6 +13,62 @@ size_t Snapshot::nbytes() const {
   return n;
 }
 
+std::vector<Snapshot::Part> Snapshot::layout(const Engine& engine, int64_t position) {
+  const ModelConfig& c = engine.config();
+  const DType kv = engine.device() == Device::CPU ? DType::F32 : DType::BF16;
+  LILY_CHECK(position >= 0 && position <= INT32_MAX, "snapshot position ", position, " is outside [0, ", INT32_MAX, "]");
+  auto bytes = [](const std::vector<int64_t>& shape, DType t) {
+    size_t n = dtype_size(t);
+    for (int64_t d : shape) LILY_CHECK(!__builtin_mul_overflow(n, size_t(d), &n), "snapshot part size overflows");
+    return n;
+  };
+  std::vector<Part> out;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    if (c.is_full_attention[l]) {
+      const std::vector<int64_t> kv_shape{position, c.num_key_value_heads, c.head_dim};
+      out.push_back({p + "k_cache", kv_shape, kv, bytes(kv_shape, kv)});
+      out.push_back({p + "v_cache", kv_shape, kv, bytes(kv_shape, kv)});
+    } else {
+      const std::vector<int64_t> conv{c.linear_conv_kernel_dim - 1, c.conv_dim()},
+          rec{c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim};
+      out.push_back({p + "conv_state", conv, DType::F32, bytes(conv, DType::F32)});
+      out.push_back({p + "recurrent_state", rec, DType::F32, bytes(rec, DType::F32)});
+    }
+  }
+  return out;
+}
+
+const Buffer& Snapshot::part(size_t i) const {
+  LILY_CHECK(i < 2 * layers.size(), "snapshot part ", i, " of ", 2 * layers.size());
+  const LayerState& st = layers[i / 2];
+  const bool second = i % 2;
+  if (st.recurrent.nbytes() == 0) return second ? st.v : st.k;  // attention
+  return second ? st.recurrent : st.conv;
+}
+
+std::shared_ptr<Snapshot> Snapshot::blank(const Engine& engine, int64_t position) {
+  const std::vector<Part> parts = layout(engine, position);
+  auto snap = std::make_shared<Snapshot>();
+  snap->engine = &engine;
+  snap->position = position;
+  const ModelConfig& c = engine.config();
+  const Device d = engine.device();
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    LayerState st;
+    const Part &a = parts[2 * size_t(l)], &b = parts[2 * size_t(l) + 1];
+    if (c.is_full_attention[l]) {
+      st.k = Buffer(d, a.nbytes);
+      st.v = Buffer(d, b.nbytes);
+    } else {
+      st.conv = Buffer(d, a.nbytes);
+      st.recurrent = Buffer(d, b.nbytes);
+    }
+    snap->layers.push_back(std::move(st));
+  }
+  return snap;
+}
+
 Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int64_t chunk)
     : engine_(std::move(engine)), max_context_(max_context), chunk_(chunk) {
   const ModelConfig& c = engine_->config();

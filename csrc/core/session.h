@@ -29,6 +29,23 @@ struct Snapshot {
   int64_t position = 0;
   std::vector<LayerState> layers;  // attention buffers hold only rows [0, position)
   size_t nbytes() const;
+
+  // The state as named blobs, in a fixed order (per layer: GDN conv_state then recurrent_state, or
+  // attention k_cache then v_cache with `position` rows): what a snapshot file stores.
+  struct Part {
+    std::string name;
+    std::vector<int64_t> shape;
+    DType dtype;
+    size_t nbytes;
+  };
+  static std::vector<Part> layout(const Engine& engine, int64_t position);
+  std::vector<Part> parts() const { return layout(*engine, position); }
+  // The buffer of part i (layout order).
+  const Buffer& part(size_t i) const;
+  Buffer& part(size_t i) { return const_cast<Buffer&>(static_cast<const Snapshot*>(this)->part(i)); }
+  // Uninitialised buffers shaped for `position` tokens of `engine`'s model on its device, to be
+  // filled part by part (loading a snapshot file).
+  static std::shared_ptr<Snapshot> blank(const Engine& engine, int64_t position);
 };
 
 // Scratch activations for up to `chunk` tokens ([chunk, width] f32 each).

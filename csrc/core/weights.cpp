@@ -1,5 +1,8 @@
 #include "weights.h"
 
+#include <algorithm>
+#include <sstream>
+
 #include "../ops/backend.h"
 
 namespace lily {
@@ -147,6 +150,37 @@ void WeightStore::resolve(const ModelConfig& c) {
     L.moe.shared_expert_gate = matrix(m + "shared_expert_gate", 1, 1, H);
     L.moe.router_gates = stack_rows(m + "router_gates", {m + "gate", m + "shared_expert_gate"});
   }
+}
+
+static void sample_bytes(std::ostringstream& s, const Buffer& b) {
+  const size_t n = b.nbytes(), k = std::min<size_t>(16, n);
+  s << " " << n << ":";
+  if (!k) return;
+  static const char* hex = "0123456789abcdef";
+  for (size_t at : {size_t(0), (n - k) / 2, n - k}) {
+    unsigned char buf[16];
+    b.download(buf, k, at);
+    s << ' ';
+    for (size_t i = 0; i < k; ++i) s << hex[buf[i] >> 4] << hex[buf[i] & 15];
+  }
+}
+
+std::string WeightStore::signature() const {
+  std::ostringstream s;
+  for (auto& [name, m] : matrices_) {
+    s << name << " " << m.describe();
+    if (m.quantized()) s << " scales " << dtype_name(m.scale_dtype);
+    sample_bytes(s, m.weight);
+    sample_bytes(s, m.scales);
+    sample_bytes(s, m.biases);
+    s << "\n";
+  }
+  for (auto& [name, v] : vectors_) {
+    s << name << " " << shape_str(v.shape);
+    sample_bytes(s, v.data);
+    s << "\n";
+  }
+  return s.str();
 }
 
 size_t WeightStore::nbytes() const {

@@ -85,6 +85,10 @@ class WeightStore {
   const Vector* final_norm = nullptr;     // [H]
   std::vector<LayerWeights> layers;
   size_t nbytes() const;  // owned bytes (stacked matrices once)
+  // One line per tensor: name, storage form and shape, and the hex of a few bytes read at its start,
+  // middle and end (weight, scales, biases): the model identity that snapshot files record, cheap to
+  // compute (a few small downloads per tensor) and the same for a checkpoint on any device.
+  std::string signature() const;
 
  private:
   const QMatrix* matrix(const std::string& name, int64_t stack, int64_t rows, int64_t cols) const;

@@ -12,10 +12,12 @@ from .errors import CheckpointError, ConfigError, DeviceError, LilyError
 from .generate import Generation, GenerationEvent, GenerationStream, TokenLogprob, Usage
 from .model import Model, Session, Snapshot
 from .sampling import SamplingParams
+from .snapshot_file import SnapshotFileError
 from .tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "GenerationEvent", "GenerationStream",
-           "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "TokenLogprob", "Tokenizer", "Usage",
+           "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "SnapshotFileError", "TokenLogprob",
+           "Tokenizer", "Usage",
            "load", "make_checkpoint"]
 __version__ = "0.1.0"
 

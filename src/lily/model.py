@@ -92,11 +92,27 @@ def _token_array(token_ids: Iterable[int] | np.ndarray, vocab_size: int) -> np.n
 
 
 class Snapshot:
-    """A saved session state and the token ids it holds; ``Session.restore`` resumes from it exactly."""
+    """A saved session state and the token ids it holds; ``Session.restore`` resumes from it exactly.
+    ``save(path)`` writes it to a file that ``Model.load_snapshot`` / ``Session.restore(path)`` read."""
 
-    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...]):
+    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...], model: "Model | None" = None):
         self._core = core
         self.tokens = tokens
+        # A weak reference: snapshots live in their sessions, which their model holds.
+        self._model = weakref.ref(model) if model is not None else (lambda: None)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this snapshot to ``path`` (atomically: a temporary file renamed into place); returns
+        the path. The file records the model (config hash and weights fingerprint), the device's
+        dtypes, the position, the token ids and the raw state; docs/generation.md has the format."""
+        from . import snapshot_file
+
+        return snapshot_file.save(self, path)
+
+    @property
+    def device(self) -> str:
+        """The device whose memory holds the state ('cpu' or 'cuda')."""
+        return self._core.device
 
     @property
     def position(self) -> int:
@@ -245,9 +261,18 @@ class Session:
         self._check_idle("snapshot()")
         return self._snapshot()
 
-    def restore(self, snapshot: Snapshot) -> None:
-        """Go back to ``snapshot`` (of a session of this model). Refused while a stream is open."""
+    def restore(self, snapshot: "Snapshot | str | os.PathLike") -> None:
+        """Go back to ``snapshot`` (of a session of this model), or to the snapshot saved in a file
+        (``Snapshot.save``; checked as ``Model.load_snapshot`` does, and against this session's
+        max_context before anything is allocated). Refused while a stream is open."""
         self._check_idle("restore()")
+        if isinstance(snapshot, (str, os.PathLike)):
+            from .snapshot_file import SnapshotFileError
+
+            if not Path(snapshot).expanduser().exists():
+                raise SnapshotFileError(f"{snapshot}: no such snapshot file (restore takes a lily Snapshot or the "
+                                        f"path of a file that Snapshot.save wrote)")
+            snapshot = self.model.load_snapshot(snapshot, max_context=self.max_context)
         self._restore(snapshot)
 
     def reset(self) -> None:
@@ -259,11 +284,12 @@ class Session:
     # The unchecked forms, for the generation loop that holds the session.
     def _snapshot(self) -> Snapshot:
         with self.model._lock:
-            return Snapshot(self._core.snapshot(), tuple(self._tokens))
+            return Snapshot(self._core.snapshot(), tuple(self._tokens), self.model)
 
     def _restore(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
-            raise LilyError(f"restore expects a lily Snapshot, got {type(snapshot).__name__}")
+            raise LilyError(f"restore expects a lily Snapshot or a snapshot file's path, got "
+                            f"{type(snapshot).__name__}")
         with self.model._lock:
             self._core.restore(snapshot._core)
         self._tokens = list(snapshot.tokens)
@@ -350,6 +376,19 @@ class Model:
             raise LilyError(f"max_context {ctx}: not enough memory for a session of that size") from None
         self._sessions.add(session)
         return session
+
+    def load_snapshot(self, path: str | os.PathLike, *, max_context: int | None = None) -> Snapshot:
+        """The snapshot saved at ``path`` by ``Snapshot.save``, on this model's device, for
+        ``Session.restore``. Refused with a LilyError naming the problem when the file is not a lily
+        snapshot, of another format version, of another model (config or weights), truncated or
+        corrupt (per-blob crc32), saved on a device that keeps the state in other dtypes (a CUDA
+        session's bf16 KV cache does not load into a CPU session's fp32 one, nor the reverse), or
+        longer than ``max_context`` tokens (default: the model's max_position_embeddings)."""
+        from . import snapshot_file
+
+        if self.closed:
+            raise LilyError("this model is closed (Model.close() released its memory)")
+        return snapshot_file.load(self, path, max_context)
 
     @property
     def closed(self) -> bool:

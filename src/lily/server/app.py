@@ -232,6 +232,8 @@ class Server:
         try:
             self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20,
                                  max_context=max_context, source=source)
+            if log:  # cancelled requests get a line of their own: id, tokens so far, reason
+                self.engine.log = self.write_log
         except BaseException:
             self._sock.close()
             raise
@@ -373,6 +375,9 @@ class Server:
 
 
 # --- the ASGI application ----------------------------------------------------------------------------
+
+DISCONNECTED = "the client disconnected"
+
 
 class _Gone(Exception):
     """The client disconnected."""
@@ -526,7 +531,7 @@ async def _read_body(s: Server, request: HTTPRequest) -> bytes:
             raise APIError(408, f"the request body did not arrive within {s.request_timeout:g} s",
                            code="request_timeout", headers=close) from None
         if message["type"] == "http.disconnect":
-            raise _Gone()
+            raise _Gone(DISCONNECTED)
         parts.append(message.get("body", b""))
         size += len(parts[-1])
         if not message.get("more_body", False):
@@ -749,13 +754,15 @@ class _JobResponse(Response):
                 except asyncio.TimeoutError:
                     conn.transport.abort()
                     await asyncio.sleep(0)  # lets connection_lost run: uvicorn then sees a disconnect, not a bug
-                    raise _Gone() from None
+                    raise _Gone(f"the client stopped reading (a write blocked for {self.s.write_timeout:g} s)") \
+                        from None
             else:
                 await send(message)
             if gone:
-                raise _Gone()
+                raise _Gone(DISCONNECTED)
 
         listener = asyncio.ensure_future(listen())
+        reason = None
         state = {"started": False, "heartbeat": False}
         stream = self.renderer.stream
         try:
@@ -772,7 +779,7 @@ class _JobResponse(Response):
                     item = job.poll()
                     if item is None:
                         if gone:
-                            raise _Gone()
+                            raise _Gone(DISCONNECTED)
                         if conn is not None and conn.eof and not stream:
                             await self._beat(write, state)
                             try:
@@ -787,7 +794,7 @@ class _JobResponse(Response):
                         for obj in self.renderer.event(payload):
                             await write(_sse(obj))
                         if gone:
-                            raise _Gone()
+                            raise _Gone(DISCONNECTED)
                     elif kind == "done":
                         final = self.renderer.done(payload)
                         if stream:
@@ -814,11 +821,15 @@ class _JobResponse(Response):
                     await write(_body(_dumps(e.body()), more=False))
                 else:
                     await _error_response(e)(scope, receive, send)
-        except _Gone:
-            pass
+        except _Gone as e:
+            reason = str(e) or DISCONNECTED
+        except BaseException as e:
+            reason = f"the response ended early ({type(e).__name__})"
+            raise
         finally:
             listener.cancel()
-            job.cancel()  # a no-op once the job has ended; frees the engine otherwise
+            # A no-op once the job has ended; frees the engine otherwise (which logs the reason).
+            job.cancel(reason or (DISCONNECTED if gone else "the response ended early"))
             job.notify = None
 
     async def _beat(self, write, state) -> None:

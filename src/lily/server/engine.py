@@ -36,6 +36,9 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_CACHE_MIB = 4096
 
 
+SHUTDOWN_REASON = "the server is shutting down"
+
+
 class QueueFull(Exception):
     """The waiting queue is full; retry later."""
 
@@ -55,10 +58,15 @@ class Job:
         self.first_token: float | None = None
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
+        self._cancel_lock = threading.Lock()
+        self.cancel_reason: str | None = None  # why it was cancelled (the first cancel's reason)
         self.notify: Callable[[], None] | None = None  # called after each put (from the engine thread)
 
-    def cancel(self) -> None:
-        self._cancel.set()
+    def cancel(self, reason: str = "cancelled") -> None:
+        with self._cancel_lock:
+            if not self._cancel.is_set():
+                self.cancel_reason = reason
+                self._cancel.set()
 
     @property
     def cancelled(self) -> bool:
@@ -109,6 +117,9 @@ class Engine:
         # Finished jobs, oldest first: seq, id, token counts, finish reason (for /health and tests).
         self.records: collections.deque = collections.deque(maxlen=history)
         self.metrics = Metrics()  # histograms for a /metrics route (lily.server.metrics)
+        # Called with one line per cancelled request (id, tokens so far, reason): the server's request
+        # log (lily serve --log-requests); None: not logged.
+        self.log: Callable[[str], None] | None = None
         self.totals = collections.Counter(dict.fromkeys(
             ("requests", "done", "cancelled", "error", "prompt_tokens", "cached_tokens", "completion_tokens"), 0))
         self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
@@ -148,9 +159,10 @@ class Engine:
             running = self.running
             self._queue.put(None)
         if running is not None:
-            running.cancel()
+            running.cancel(SHUTDOWN_REASON)
         for job in pending:
-            job.cancel()
+            job.cancel(SHUTDOWN_REASON)
+            self._log_cancelled(job, None)
             job.put("cancelled", None)
         self._thread.join(timeout)
 
@@ -251,6 +263,8 @@ class Engine:
                "completion_tokens": usage.completion_tokens if usage else 0,
                "finish_reason": result.finish_reason if result is not None else None}
         self.records.append(row)
+        if kind == "cancelled":
+            self._log_cancelled(job, result)
         self.totals["requests"] += 1
         self.totals[kind] += 1
         if result is not None:
@@ -265,3 +279,19 @@ class Engine:
         running = self.running
         return {"queued": self.queued, "max_queue": self.max_queue, "running": running is not None,
                 "max_context": self.max_context, "prefix_cache": self.cache.stats(), "totals": dict(self.totals)}
+
+    def _log_cancelled(self, job: Job, result: Generation | None) -> None:
+        """The request log's line for a cancelled job: its id, the tokens generated so far, why."""
+        log = self.log
+        if log is None:
+            return
+        if result is None:
+            when = "before it started"
+        else:
+            usage = result.usage
+            when = (f"after {usage.completion_tokens} completion token{'' if usage.completion_tokens == 1 else 's'} "
+                    f"(prompt {usage.prompt_tokens or len(job.prompt.ids)}, cached {usage.cached_tokens})")
+        try:
+            log(f"request {job.id} cancelled {when}: {job.cancel_reason or 'cancelled'}")
+        except Exception:  # noqa: BLE001 - a log line never fails a request
+            pass
