@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import lily
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 
 TEXT = ("The quick brown fox jumps over the lazy dog. 你好，世界！日本語のテキスト。 Emoji: 😀 👍🏽 🇯🇵. "
         "مرحبا بالعالم! Русский текст. def f(x):\n    return x * 2\n")

@@ -17,7 +17,7 @@ TOL = {"cpu_vs_hf_fp32": 1e-3}
 
 def read_dir(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """Every tensor of a checkpoint folder: name -> (safetensors dtype, array in storage dtype)."""
-    from lily.safetensors_io import SafetensorsFile
+    from lily.checkpoint.safetensors_io import SafetensorsFile
 
     out = {}
     for file in sorted(Path(path).glob("*.safetensors")):

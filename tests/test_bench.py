@@ -287,7 +287,7 @@ def test_reduced_copy_loads_and_matches_the_first_layers(micro, tmp_path):
     q = cfg["quantization"]
     assert "language_model.model.layers.1.mlp.gate" in q and "language_model.model.layers.2.mlp.gate" not in q
     assert q["bits"] == 4 and cfg["quantization_config"] == q
-    from lily.safetensors_io import SafetensorsFile
+    from lily.checkpoint.safetensors_io import SafetensorsFile
 
     full, red = SafetensorsFile(micro / "model.safetensors"), SafetensorsFile(dst / "model.safetensors")
     assert set(red.names()) == {n for n in full.names() if numerics.keep_tensor(n, 2)}

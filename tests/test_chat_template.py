@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lily import LilyError, Tokenizer
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city (<= 10 days)",

@@ -9,7 +9,7 @@ import pytest
 
 import lily
 from hf_reference import build_model, save_hf
-from lily.safetensors_io import SafetensorsFile, save_file
+from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
 
 Q = "model.layers.0.linear_attn.in_proj_qkv.weight"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 
 
 def run(*args, cache, stdin=None, timeout=600):
@@ -142,13 +142,13 @@ def test_make_checkpoint_loads_and_runs(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory):
-    from lily import synthetic
+    from lily.checkpoint import synthetic
 
     return synthetic.make_checkpoint(tmp_path_factory.mktemp("hf"), "tiny", layout="hf", with_tokenizer=False)
 
 
 def test_convert_writes_what_the_converter_writes(hf_tiny, tmp_path):
-    from lily import convert
+    from lily.checkpoint import convert
 
     out = tmp_path / "mlx"
     r = run("convert", str(hf_tiny), str(out), cache=tmp_path)

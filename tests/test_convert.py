@@ -1,4 +1,4 @@
-"""lily.convert: Hugging Face -> MLX layout (docs/model.md sections 4 and 5) on the tiny synthetic checkpoint."""
+"""lily.checkpoint.convert: Hugging Face -> MLX layout (docs/model.md sections 4 and 5) on the tiny synthetic checkpoint."""
 
 import json
 import shutil
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 
-from lily import convert
-from lily import dtypes
-from lily import quant
-from lily import safetensors_io as sio
-from lily import synthetic
-from lily.tensors import is_router_gate
+from lily.checkpoint import convert
+from lily.checkpoint import dtypes
+from lily.checkpoint import quant
+from lily.checkpoint import safetensors_io as sio
+from lily.checkpoint import synthetic
+from lily.checkpoint.tensors import is_router_gate
 from checks import read_dir
 from lily import errors
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lily import Tokenizer
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 from lily.detokenizer import StreamingDetokenizer
 
 NUM_IDS = 248077

@@ -13,7 +13,8 @@ import pytest
 
 import lily
 from lily import LilyError
-from lily.cli import read_prompts, tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
+from lily.cli import read_prompts
 from lily.server.errors import APIError
 from lily.server.parse import parse_chat, parse_completion
 
@@ -230,8 +231,8 @@ def test_a_cancelled_request_gets_a_log_line(model, capfd):
         while data.count(b"data: ") < 4:  # a few tokens streamed, then the client goes away
             data += c.recv(65536)
         c.close()
-        wait_for(lambda: s.engine.records and s.engine.records[-1]["outcome"] == "cancelled")
-        record = s.engine.records[-1]
+        wait_for(lambda: s.worker.records and s.worker.records[-1]["outcome"] == "cancelled")
+        record = s.worker.records[-1]
         time.sleep(0.1)
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if " cancelled " in line]
@@ -243,12 +244,12 @@ def test_a_cancelled_request_gets_a_log_line(model, capfd):
     assert 3 <= int(m[2]) == record["completion_tokens"] < 200 and int(m[3]) == record["prompt_tokens"]
     # Not logged without --log-requests; a queued request cancelled by the shutdown is logged before it starts.
     with Server(model, port=0, model_name="tiny", source=_slow_source(200, 0.01)) as s:
-        assert s.engine.log is None
-    from lily.server.engine import Engine, Job
+        assert s.worker.log is None
+    from lily.server.worker import Job, Worker
     from lily.server.prompt import Prompt
 
     lines = []
-    engine = Engine(model, max_context=128, source=_slow_source(10_000, 0.01))
+    engine = Worker(model, max_context=128, source=_slow_source(10_000, 0.01))
     engine.log = lines.append
     running, queued = (Job(f"cmpl-{i}", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=10_000)) for i in "ab")
     engine.submit(running)
@@ -342,10 +343,10 @@ def test_test_extra_has_no_exact_pins():
 
 
 def test_metrics_text(model):
-    from lily.server.engine import Engine, Job
+    from lily.server.worker import Job, Worker
     from lily.server.prompt import Prompt
 
-    engine = Engine(model, max_context=128)
+    engine = Worker(model, max_context=128)
     try:
         job = Job("cmpl-1", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=4))
         engine.submit(job)

@@ -8,7 +8,7 @@ import pytest
 
 import lily
 from lily import Generation, LilyError, SamplingParams
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 
 PROMPT = "Hello, world"  # [9419, 11, 1814]
 

@@ -12,7 +12,7 @@ import pytest
 import lily
 from checks import TOL, assert_logits_close
 from hf_reference import build_model, reference_logits, save_hf
-from lily.safetensors_io import LazyTensor, save_sharded
+from lily.checkpoint.safetensors_io import LazyTensor, save_sharded
 
 # Odd sizes on purpose: prompts cross the 64-token GDN chunk of the reference, several attention
 # layers, top-k < experts, GQA groups of 1, 2 and 3, value heads per key head 1..3.
@@ -78,10 +78,9 @@ def mlx_to_torch_state(path) -> dict:
     """Dequantized float32 weights of an MLX-layout checkpoint under transformers' parameter names."""
     import torch
 
-    from lily import quant
-    from lily.dtypes import decode_float
-    from lily.safetensors_io import SafetensorsFile
-    from lily.weights import find_shards
+    from lily.checkpoint import quant
+    from lily.checkpoint.dtypes import decode_float
+    from lily.checkpoint.safetensors_io import SafetensorsFile, find_shards
 
     raw, infos = {}, {}
     for f in find_shards(path):
@@ -117,7 +116,7 @@ def mlx_to_torch_state(path) -> dict:
 
 @pytest.mark.parametrize("quantize, bits, group", [(False, 0, 0), (True, 4, 32), (True, 8, 64)])
 def test_mlx_layout(case, tmp_path, quantize, bits, group):
-    from lily.convert import convert_hf_to_mlx
+    from lily.checkpoint.convert import convert_hf_to_mlx
 
     path = convert_hf_to_mlx(case["path"], tmp_path / "mlx", bits=bits or 4, group_size=group or 64,
                              quantize=quantize, dtype="bfloat16" if quantize else "float32")
@@ -159,7 +158,7 @@ def test_real_widths_mlx_direct_codes(tmp_path):
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from lily import synthetic
+    from lily.checkpoint import synthetic
 
     dims = {**synthetic.QWEN36_35B_A3B_TEXT_CONFIG, "num_experts": 16, "vocab_size": 4096}
     path = synthetic.make_checkpoint(tmp_path, dims, layout="mlx", with_tokenizer=False, num_layers=4,

@@ -1,4 +1,4 @@
-"""lily.quant against a scalar re-implementation of MLX's CPU affine quantize (one group at a time)."""
+"""lily.checkpoint.quant against a scalar re-implementation of MLX's CPU affine quantize (one group at a time)."""
 
 
 import numpy as np
@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-from lily import quant
-from lily import dtypes
+from lily.checkpoint import quant
+from lily.checkpoint import dtypes
 
 F32 = np.float32
 COMBOS = [(bits, group) for bits in (2, 4, 8) for group in (32, 64, 128)]

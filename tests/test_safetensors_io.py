@@ -1,4 +1,4 @@
-"""lily.safetensors_io: round trips, interop with the `safetensors` package, malformed files, shards."""
+"""lily.checkpoint.safetensors_io: round trips, interop with the `safetensors` package, malformed files, shards."""
 
 import json
 import struct
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 
-from lily import safetensors_io as sio
-from lily import dtypes
+from lily.checkpoint import safetensors_io as sio
+from lily.checkpoint import dtypes
 from lily.errors import CheckpointError
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import lily
 from lily import Generation, GenerationEvent, GenerationStream
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
 from lily.server.schema import COMPONENTS
 
@@ -268,7 +268,7 @@ def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
         results = converse(warm, turns, before_each=lambda: seen.append(counter.prefilled))
         seen.append(counter.prefilled)
     with Server(model, port=0, model_name=NAME, cache_mib=0) as cold:
-        cold_results = converse(cold, turns, before_each=cold.engine.session.reset)
+        cold_results = converse(cold, turns, before_each=cold.worker.session.reset)
     tok = model.tokenizer
     for k, ((r, sent), (c, _)) in enumerate(zip(results, cold_results)):
         u = r.usage
@@ -287,7 +287,7 @@ def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
 # --- the queue ---------------------------------------------------------------------------------------
 
 def test_sixteen_clients_four_requests_each_in_fifo_order(server, model):
-    engine = server.engine
+    engine = server.worker
     before = len(engine.records)
     # Each request's prompt has its own length, so usage.prompt_tokens tells whose prompt was run.
     prompts = {(i, j): [1000 + i] * (4 * i + j + 1) for i in range(16) for j in range(4)}
@@ -323,7 +323,7 @@ def test_sixteen_clients_four_requests_each_in_fifo_order(server, model):
 
 
 def test_disconnect_mid_stream_frees_the_engine(server, client):
-    engine = server.engine
+    engine = server.worker
     before = len(engine.records)
     stream = client.chat.completions.create(model=NAME, messages=USER, temperature=0, stream=True)  # ~500 tokens
     chunks = iter(stream)
@@ -447,7 +447,7 @@ def test_tool_calls_and_reasoning_over_http(scripted):
 
 
 def test_full_queue_answers_429_and_a_queued_disconnect_is_skipped(scripted):
-    engine, script = scripted.engine, scripted.script
+    engine, script = scripted.worker, scripted.script
     script.pieces, script.gate = ["ok"], threading.Event()
     before = len(engine.records)
     results = {}

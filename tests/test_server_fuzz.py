@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lily
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
 from test_server import COMPONENTS, Script, request_bodies
 

@@ -19,7 +19,7 @@ import pytest
 
 import lily
 from lily import Generation, GenerationEvent, GenerationStream
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
 
 CONTEXT = 512
@@ -253,7 +253,7 @@ def test_nan_weights_loaded_anyway_give_a_clear_error_not_garbage(tmp_path):
     emitting id 0 ('!!!!')."""
     import shutil
 
-    from lily.safetensors_io import SafetensorsFile, save_file
+    from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
 
     ckpt = tmp_path / "nan"
     shutil.copytree(tiny_checkpoint(), ckpt)
@@ -329,7 +329,7 @@ def test_a_half_closed_client_still_gets_its_answer(model, stream):
         c.close()
         assert data.startswith(b"HTTP/1.1 200")
         assert b'"text": "xxxx"' in data or data.count(b'"text": "x"') == 4
-        assert s.engine.records[-1]["outcome"] == "done"
+        assert s.worker.records[-1]["outcome"] == "done"
 
 
 def test_a_fully_closed_client_still_cancels_its_job(model):
@@ -340,10 +340,10 @@ def test_a_fully_closed_client_still_cancels_its_job(model):
         time.sleep(0.3)
         c.close()
         deadline = time.monotonic() + 10
-        while (not s.engine.records) and time.monotonic() < deadline:
+        while (not s.worker.records) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert s.engine.records[-1]["outcome"] == "cancelled"
-        assert s.engine.records[-1]["completion_tokens"] < 150
+        assert s.worker.records[-1]["outcome"] == "cancelled"
+        assert s.worker.records[-1]["completion_tokens"] < 150
 
 
 # --- row 16: SIGTERM during streams ----------------------------------------------------------------------------
@@ -494,8 +494,8 @@ def test_a_client_that_does_not_read_is_cut_after_the_write_timeout(model):
         c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 30
-        while not s.engine.records and time.monotonic() < deadline:
+        while not s.worker.records and time.monotonic() < deadline:
             time.sleep(0.05)
         c.close()
-        assert s.engine.records[-1]["outcome"] == "cancelled"  # the engine was freed
+        assert s.worker.records[-1]["outcome"] == "cancelled"  # the engine was freed
         assert health_ok(s)

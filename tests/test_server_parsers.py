@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lily import Generation, SamplingParams, Tokenizer
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server.cache import PrefixCache
 from lily.server.errors import APIError
 from lily.server.parse import parse_chat, parse_completion
 from lily.server.prompt import chat_prompt, last_query_index
-from lily.server.reasoning import ReasoningSplitter
+from lily.reasoning import ReasoningSplitter
 from lily.server.schema import CHAT_REQUEST, COMPONENTS, openapi, validate
-from lily.server.toolcalls import ToolCallParser, convert_value, parse_tool_calls
+from lily.toolcalls import ToolCallParser, convert_value, parse_tool_calls
 
 # --- reasoning ---------------------------------------------------------------------------------------
 

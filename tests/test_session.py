@@ -209,7 +209,7 @@ def test_decode_runs_stacked_projections_bit_exactly():
     # Every layer's same-input projections (GDN in_proj qkv|z|b|a or attention q|k|v, and the MoE
     # router + shared-expert gate) share one storage format here, so a decode step runs each group
     # as one stacked GEMV; prefill runs them apart.
-    from lily.cli import tiny_checkpoint
+    from lily.checkpoint.tiny import tiny_checkpoint
 
     m = lily.Model.load(tiny_checkpoint(), device="cpu")
     assert m._engine.stacked_projections == 2 * m.config.num_hidden_layers  # mixer inputs, router + gate

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import lily
-from lily import LilyError, SnapshotFileError, snapshot_file, synthetic
-from lily.cli import tiny_checkpoint
+from lily import LilyError, SnapshotFileError, snapshot_file
+from lily.checkpoint import synthetic
+from lily.checkpoint.tiny import tiny_checkpoint
 
 CONTEXT = 256
 

@@ -1,4 +1,4 @@
-"""lily.synthetic: layouts, conditioning (checked by running transformers), direct codes, shards, CLI."""
+"""lily.checkpoint.synthetic: layouts, conditioning (checked by running transformers), direct codes, shards, CLI."""
 
 import argparse
 import json
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 
-from lily import convert
-from lily import dtypes
-from lily import quant
-from lily import safetensors_io as sio
-from lily import synthetic
-from lily.tensors import is_zero_centred_norm
+from lily.checkpoint import convert
+from lily.checkpoint import dtypes
+from lily.checkpoint import quant
+from lily.checkpoint import safetensors_io as sio
+from lily.checkpoint import synthetic
+from lily.checkpoint.tensors import is_zero_centred_norm
 from checks import read_dir
 from lily import errors
 

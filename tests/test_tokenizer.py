@@ -7,7 +7,7 @@ import unicodedata
 import pytest
 
 from lily import CheckpointError, LilyError, Tokenizer
-from lily.cli import tiny_checkpoint
+from lily.checkpoint.tiny import tiny_checkpoint
 
 TEXTS = [
     "Hello, world",

@@ -8,6 +8,7 @@
     logits = model.prefill(token_ids)                  # step-wise: [vocab] float32 of the last token
     logits = model.decode_step(next_id)
 """
+from ._version import __version__
 from .errors import CheckpointError, ConfigError, DeviceError, LilyError
 from .generate import Generation, GenerationEvent, GenerationStream, TokenLogprob, Usage
 from .model import Model, Session, Snapshot
@@ -19,7 +20,6 @@ __all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "Gener
            "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "SnapshotFileError", "TokenLogprob",
            "Tokenizer", "Usage",
            "load", "make_checkpoint"]
-__version__ = "0.1.0"
 
 
 def load(path_or_repo="tiny", device: str = "auto", **kwargs) -> Model:
@@ -29,7 +29,7 @@ def load(path_or_repo="tiny", device: str = "auto", **kwargs) -> Model:
 
 
 def make_checkpoint(*args, **kwargs):
-    """Write a random synthetic checkpoint; see lily.synthetic.make_checkpoint."""
-    from .synthetic import make_checkpoint as make
+    """Write a random synthetic checkpoint; see lily.checkpoint.synthetic.make_checkpoint."""
+    from .checkpoint.synthetic import make_checkpoint as make
 
     return make(*args, **kwargs)

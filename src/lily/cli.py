@@ -9,65 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+from .cli_common import add_model_arguments, load_model
 from .errors import LilyError
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "max_tokens", "stop", "ignore_eos", "logprobs")
 DIM, RESET = "\033[2m", "\033[0m"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LILY_CACHE_DIR") or Path.home() / ".cache" / "lily")
-
-
-def tiny_checkpoint() -> Path:
-    """The built-in tiny MLX 4-bit checkpoint (seed 0), created on first use."""
-    from .synthetic import make_checkpoint
-    from .tokenizer_files import write_tokenizer_files
-
-    from .synthetic import SYNTHETIC_MAX_NEW_TOKENS
-
-    dest = cache_root() / "checkpoints" / "tiny-mlx-4bit-seed0"
-    if (dest / "config.json").is_file():
-        # Cached before checkpoints carried a template, or a max_new_tokens (the default max_tokens).
-        gen = dest / "generation_config.json"
-        if not (dest / "chat_template.jinja").is_file() or not gen.is_file() or \
-                "max_new_tokens" not in json.loads(gen.read_text()):
-            write_tokenizer_files(dest, max_new_tokens=SYNTHETIC_MAX_NEW_TOKENS)
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"lily: writing the built-in tiny checkpoint to {dest} ...", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tiny-"))
-    try:
-        make_checkpoint(tmp, "tiny", layout="mlx", seed=0)
-        try:
-            os.replace(tmp, dest)
-        except OSError:  # another process won the race
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def load_model(args: argparse.Namespace):
-    from .model import Model
-
-    path = args.model or tiny_checkpoint()
-    if not args.quiet:
-        print(f"lily: loading {path} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    model = Model.load(path, device=args.device, max_context=args.max_context, progress=not args.quiet,
-                       quantize=args.quantize)
-    if not args.quiet:
-        print(f"lily: {model!r} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    return model
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
@@ -338,18 +288,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   f"decode {u.decode_tokens_per_second:.1f} tok/s]", file=sys.stderr)
 
 
-def add_model_arguments(p: argparse.ArgumentParser, quiet_help: str = "print only the generated text") -> None:
-    p.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the tiny "
-                                         "built-in synthetic checkpoint: random weights, gibberish text)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="compute device (default auto: CUDA when available)")
-    p.add_argument("--max-context", type=int, default=None, help="session size in tokens (default 16384)")
-    p.add_argument("--quantize", type=int, choices=(4, 8), default=None,
-                   help="quantize a float (Hugging Face) checkpoint to 4 or 8 bits while loading "
-                        "(as 'lily convert' would; default: run the stored floats)")
-    p.add_argument("--quiet", "-q", action="store_true", help=quiet_help)
-
-
 def add_sampling_arguments(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_argument_group("sampling", f"Default: {default}. A flag given here overrides that one value.")
     g.add_argument("--temperature", "--temp", "-t", type=float, help="0 = greedy; higher = more random")
@@ -381,9 +319,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import convert, synthetic
-
-    from . import __version__
+    from ._version import __version__
+    from .checkpoint import convert, synthetic
 
     p = argparse.ArgumentParser(prog="lily", description="Batch-1 inference for Qwen3.5/3.6 MoE checkpoints.",
                                 epilog="Run 'lily COMMAND --help' for each command's options.", allow_abbrev=False)

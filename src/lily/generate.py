@@ -20,7 +20,7 @@ from .errors import LilyError
 from .sampling import SamplingParams, StopMatcher
 
 if TYPE_CHECKING:
-    from .model import Session
+    from .session import Session
     from .tokenizer import Tokenizer
 
 THINK_END = "</think>"
@@ -123,7 +123,7 @@ class Generation:
             return self.content, []
         cache = self.__dict__.get("_tool_cache")
         if cache is None or cache[0] != self.text:
-            from .server.toolcalls import parse_tool_calls
+            from .toolcalls import parse_tool_calls
 
             content, calls = parse_tool_calls(self.content, self.tools)
             cache = (self.text, (content, [c.to_openai() for c in calls]))
@@ -185,7 +185,7 @@ class GenerationStream:
             raise
         split = self._split
         if split is None:
-            from .server.reasoning import ReasoningSplitter
+            from .reasoning import ReasoningSplitter
 
             split = self._split = ReasoningSplitter(self._result.thinking)
             self._t0 = time.perf_counter()

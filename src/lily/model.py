@@ -1,322 +1,43 @@
-"""The public entry point: Model.load, sessions, prefill / decode_step, generate and chat.
+"""The public entry point: Model.load, prefill / decode_step, generate and chat.
 
-A Session holds one conversation's state (KV cache, conv state, fp32 recurrent state, position) and
-the token ids it has processed. ``Session.prefill(ids)`` continues from the session's position;
+A Model is one loaded checkpoint on one device; its conversations are Sessions (lily.session).
 ``Model.generate`` / ``Model.chat`` resume from the longest prefix of the new prompt that the session
 holds (or has a snapshot of, taken at the last message boundary), so a multi-turn chat prefills only
 its new tokens. ``Model.prefill`` / ``Model.decode_step`` drive a default session, and
-``Model.prefill`` starts it afresh.
+``Model.prefill`` starts it afresh. Prompts are prepared in lily.prompts, the token loop runs in
+lily.generate, the checkpoint is read by lily.checkpoint.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 import os
-import re
 import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from . import _core
-from .config import TextConfig, load_config
-from .errors import CheckpointError, DeviceError, LilyError
+from .checkpoint.config import TextConfig, load_config
+from .checkpoint.hub import BUILTIN_NAMES, resolve_path
+from .checkpoint.weights import load_weights
+from .device import resolve_device
+from .errors import CheckpointError, LilyError
 from .generate import Generation, GenerationStream, check_prompt, common_prefix_length, run
+from .prompts import is_batch, is_messages, prepare, sampling_params
 from .sampling import SamplingParams
+from .session import Closed, Session, Snapshot, check_context, check_size
 from .tokenizer import Tokenizer
-from .weights import load_weights
 
 DEFAULT_MAX_CONTEXT = 16384
 # max_tokens when neither the request nor generation_config.json's max_new_tokens sets it: Qwen's
 # recommended output length for Qwen3.6 (thinking included), so a real model's reasoning is not cut
 # short; the session's context usually ends generation first (finish_reason "length" either way).
 DEFAULT_MAX_TOKENS = 32768
-# Names Model.load accepts for the tiny built-in synthetic checkpoint (random weights, real tokenizer).
-BUILTIN_NAMES = ("tiny", "lily-tiny")
 DEFAULT_PREFILL_CHUNK = {"cpu": 128, "cuda": 2048}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Prefix snapshots a session keeps for reuse (each holds the full state: KV cache up to its position
-# plus every GDN layer's recurrent state, ~60 MB + 20 KB/token for Qwen3.6-35B-A3B).
-MAX_PREFIX_SNAPSHOTS = 4
-
-
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when this build has a usable CUDA backend, else 'cpu'."""
-    if device not in ("auto", "cpu", "cuda", "metal"):
-        raise DeviceError(f"unknown device {device!r} (expected 'auto', 'cpu', 'cuda' or 'metal')")
-    if device == "auto":
-        return "cuda" if _core.backend_available("cuda") else "cpu"
-    if not _core.backend_available(device):
-        raise DeviceError(f"device {device!r} is not available: this build of lily has no {device} backend "
-                          f"or no such device is present (use device='cpu' or 'auto')")
-    return device
-
-
-def resolve_path(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local checkpoint folder, or a Hugging Face repo id downloaded with huggingface_hub."""
-    p = Path(path_or_repo).expanduser()
-    if not p.exists() and str(path_or_repo) in BUILTIN_NAMES:
-        from .cli import tiny_checkpoint
-
-        return tiny_checkpoint()
-    if p.exists():
-        if not p.is_dir():
-            raise CheckpointError(f"{p}: a checkpoint is a folder with config.json and *.safetensors")
-        return p
-    if not HUB_ID.match(str(path_or_repo)):
-        raise CheckpointError(f"{path_or_repo}: no such folder, and not a Hugging Face repo id (org/name)")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(path_or_repo), revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
-    except Exception as e:  # network, auth, missing repo: all reported the same way
-        raise CheckpointError(f"could not fetch '{path_or_repo}' from the Hugging Face Hub: {e}") from None
-
-
-def _token_array(token_ids: Iterable[int] | np.ndarray, vocab_size: int) -> np.ndarray:
-    a = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
-    if a.ndim != 1 or a.size == 0:
-        raise LilyError(f"token ids must be a non-empty 1-D sequence, got shape {a.shape}")
-    if a.dtype.kind not in "iu":
-        raise LilyError(f"token ids must be integers, got dtype {a.dtype}")
-    bad = np.flatnonzero((a < 0) | (a >= vocab_size))
-    if bad.size:
-        i = int(bad[0])
-        raise LilyError(f"token id {int(a[i])} at index {i} is outside the vocabulary [0, {vocab_size})")
-    return np.ascontiguousarray(a, dtype=np.int32)
-
-
-class Snapshot:
-    """A saved session state and the token ids it holds; ``Session.restore`` resumes from it exactly.
-    ``save(path)`` writes it to a file that ``Model.load_snapshot`` / ``Session.restore(path)`` read."""
-
-    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...], model: "Model | None" = None):
-        self._core = core
-        self.tokens = tokens
-        # A weak reference: snapshots live in their sessions, which their model holds.
-        self._model = weakref.ref(model) if model is not None else (lambda: None)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write this snapshot to ``path`` (atomically: a temporary file renamed into place); returns
-        the path. The file records the model (config hash and weights fingerprint), the device's
-        dtypes, the position, the token ids and the raw state; docs/generation.md has the format."""
-        from . import snapshot_file
-
-        return snapshot_file.save(self, path)
-
-    @property
-    def device(self) -> str:
-        """The device whose memory holds the state ('cpu' or 'cuda')."""
-        return self._core.device
-
-    @property
-    def position(self) -> int:
-        return self._core.position
-
-    @property
-    def nbytes(self) -> int:
-        return self._core.nbytes
-
-    def __repr__(self) -> str:
-        return f"Snapshot(position={self.position}, nbytes={self.nbytes / 2**20:.1f} MiB)"
-
-
-class _Closed:
-    """Stands in for a released core object: any use names the problem."""
-
-    def __init__(self, what: str):
-        self._what = what
-
-    def __getattr__(self, name: str):
-        raise LilyError(f"{self._what} is closed (Model.close() released its memory)")
-
-
-MAX_SIZE = 2**31 - 1  # max_context and prefill_chunk: positions are int32 on the device
-
-
-def _check_size(name: str, value) -> int:
-    """A positive int32 session size, checked before anything is allocated from it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= MAX_SIZE:
-        raise LilyError(f"{name} must be an integer in [1, {MAX_SIZE}], got {value!r}")
-    return int(value)
-
-
-def _check_context(value, config: TextConfig) -> int:
-    """A session size: a positive integer no larger than the model's max_position_embeddings."""
-    ctx = _check_size("max_context", value)
-    if ctx > config.max_position_embeddings:
-        raise LilyError(f"max_context {ctx} exceeds the model's max_position_embeddings "
-                        f"({config.max_position_embeddings}); use at most that")
-    return ctx
-
-
-class Session:
-    """One conversation: caches and recurrent state sized for ``max_context`` tokens."""
-
-    def __init__(self, model: "Model", max_context: int, prefill_chunk: int, use_graph: bool = True):
-        self.model = model
-        # use_graph: on GPUs, replay one captured CUDA graph per decode step (False: launch eagerly).
-        self._tokens: list[int] = []
-        self._prefixes: list[Snapshot] = []
-        self._busy = False
-        self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk), bool(use_graph))
-
-    def _close(self) -> None:
-        """Release the caches and state (Model.close)."""
-        self._core = _Closed("this session's model")
-        self._prefixes.clear()
-        self._tokens.clear()
-
-    @property
-    def position(self) -> int:
-        """Tokens processed so far (the RoPE position of the next token)."""
-        return self._core.position
-
-    @property
-    def max_context(self) -> int:
-        return self._core.max_context
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        """The token ids processed so far, in order (``len(tokens) == position``)."""
-        return tuple(self._tokens)
-
-    @property
-    def prefix_snapshots(self) -> tuple[Snapshot, ...]:
-        """Snapshots kept for prefix reuse, least recently used first."""
-        return tuple(self._prefixes)
-
-    def remember_prefix(self, snapshot: Snapshot) -> None:
-        """Keep ``snapshot`` for prefix reuse by generate/chat (the least recently used one beyond
-        MAX_PREFIX_SNAPSHOTS is dropped)."""
-        self._prefixes = [s for s in self._prefixes if s is not snapshot and s.tokens != snapshot.tokens]
-        self._prefixes.append(snapshot)
-        del self._prefixes[:-MAX_PREFIX_SNAPSHOTS]
-
-    def clear_prefix_snapshots(self) -> None:
-        """Drop the snapshots kept for prefix reuse (frees their memory)."""
-        self._prefixes.clear()
-
-    def _acquire(self) -> None:
-        # A session's state and token list change with every call: two requests at once would
-        # interleave their tokens, so the second one is refused rather than silently corrupted.
-        if self._busy:
-            raise LilyError("this session is busy with another generation (finish or close that stream, "
-                            "or use model.new_session())")
-        self._busy = True
-
-    def _release(self) -> None:
-        self._busy = False
-
-    def _new_ids(self, token_ids) -> np.ndarray:
-        """Validated int32 ids that fit in the remaining context."""
-        if self._busy:
-            raise LilyError("this session is busy with a generation; finish or close that stream first")
-        ids = _token_array(token_ids, self.model.config.vocab_size)
-        if self.position + ids.size > self.max_context:
-            raise LilyError(f"context overflow: {self.position} tokens in the session + {ids.size} new exceed "
-                            f"max_context {self.max_context}")
-        return ids
-
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
-        """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
-        (float32), or [T, V] for every token when ``all_logits``."""
-        ids = self._new_ids(token_ids)
-        with self.model._lock:
-            logits = self._core.prefill(ids, all_logits)
-        self._tokens.extend(ids.tolist())
-        return logits
-
-    def decode_step(self, token_id: int) -> np.ndarray:
-        """Run one token; logits [V] float32 of the next position."""
-        if isinstance(token_id, (bool, float)) or not isinstance(token_id, (int, np.integer)):
-            raise LilyError(f"token id must be an integer, got {token_id!r}")
-        self._new_ids([token_id])
-        with self.model._lock:
-            logits = self._core.decode_step(int(token_id))
-        self._tokens.append(int(token_id))
-        return logits
-
-    def trace(self, token_ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Debug: prefill ``token_ids`` [T] like ``prefill`` and also return named activations, each
-        [T, H] float32: 'embedding', 'layers.{i}.mixer' (GDN/attention output), 'layers.{i}.moe',
-        'layers.{i}.residual' (the stream after layer i), and 'logits' [T, V]."""
-        ids = self._new_ids(token_ids)
-        with self.model._lock:
-            out = dict(self._core.trace(ids))
-        self._tokens.extend(ids.tolist())
-        return out
-
-    def _check_idle(self, what: str) -> None:
-        if self._busy:
-            raise LilyError(f"{what}: this session is busy with a generation; finish or close that stream first")
-
-    def snapshot(self) -> Snapshot:
-        """A copy of the state; ``restore`` resumes from it exactly. Refused while a stream is open."""
-        self._check_idle("snapshot()")
-        return self._snapshot()
-
-    def restore(self, snapshot: "Snapshot | str | os.PathLike") -> None:
-        """Go back to ``snapshot`` (of a session of this model), or to the snapshot saved in a file
-        (``Snapshot.save``; checked as ``Model.load_snapshot`` does, and against this session's
-        max_context before anything is allocated). Refused while a stream is open."""
-        self._check_idle("restore()")
-        if isinstance(snapshot, (str, os.PathLike)):
-            from .snapshot_file import SnapshotFileError
-
-            if not Path(snapshot).expanduser().exists():
-                raise SnapshotFileError(f"{snapshot}: no such snapshot file (restore takes a lily Snapshot or the "
-                                        f"path of a file that Snapshot.save wrote)")
-            snapshot = self.model.load_snapshot(snapshot, max_context=self.max_context)
-        self._restore(snapshot)
-
-    def reset(self) -> None:
-        """Forget every token: position 0, zero recurrent and conv state (prefix snapshots stay).
-        Refused while a stream is open."""
-        self._check_idle("reset()")
-        self._reset()
-
-    # The unchecked forms, for the generation loop that holds the session.
-    def _snapshot(self) -> Snapshot:
-        with self.model._lock:
-            return Snapshot(self._core.snapshot(), tuple(self._tokens), self.model)
-
-    def _restore(self, snapshot: Snapshot) -> None:
-        if not isinstance(snapshot, Snapshot):
-            raise LilyError(f"restore expects a lily Snapshot or a snapshot file's path, got "
-                            f"{type(snapshot).__name__}")
-        with self.model._lock:
-            self._core.restore(snapshot._core)
-        self._tokens = list(snapshot.tokens)
-
-    def _reset(self) -> None:
-        with self.model._lock:
-            self._core.reset()
-        self._tokens.clear()
-
-    def generate(self, prompt, params: SamplingParams | None = None, **kwargs):
-        """``model.generate(prompt, params, session=this session, **kwargs)``."""
-        return self.model.generate(prompt, params, session=self, **kwargs)
-
-    def chat(self, messages, params: SamplingParams | None = None, **kwargs):
-        """``model.chat(messages, params, session=this session, **kwargs)``."""
-        return self.model.chat(messages, params, session=self, **kwargs)
-
-    def state(self) -> dict[str, np.ndarray]:
-        """Copies of the state tensors: per GDN layer conv_state [K-1, conv_dim] and recurrent_state
-        [Hv, Dk, Dv]; per attention layer k_cache / v_cache [position, nKV, D]."""
-        return dict(self._core.state())
-
-    def __repr__(self) -> str:
-        if isinstance(self._core, _Closed):
-            return "Session(closed)"
-        return (f"Session(position={self.position}, max_context={self.max_context}, "
-                f"prefix_snapshots={len(self._prefixes)}{', busy' if self._busy else ''})")
 
 
 class Model:
@@ -351,11 +72,16 @@ class Model:
         if quantize is not None and (isinstance(quantize, bool) or quantize not in (4, 8)):
             raise LilyError(f"quantize must be 4, 8 or None, got {quantize!r}")
         dev = resolve_device(device)
-        path = resolve_path(path_or_repo, revision)
+        if str(path_or_repo) in BUILTIN_NAMES and not Path(path_or_repo).expanduser().exists():
+            from .checkpoint.tiny import tiny_checkpoint
+
+            path = tiny_checkpoint()
+        else:
+            path = resolve_path(path_or_repo, revision)
         config, raw = load_config(path)
-        ctx = _check_context(min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        ctx = check_context(min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
                              if max_context is None else max_context, config)
-        chunk = _check_size("prefill_chunk", DEFAULT_PREFILL_CHUNK.get(dev, 256) if prefill_chunk is None
+        chunk = check_size("prefill_chunk", DEFAULT_PREFILL_CHUNK.get(dev, 256) if prefill_chunk is None
                             else prefill_chunk)
         if progress is None:
             progress = sum(f.stat().st_size for f in path.glob("*.safetensors")) > (1 << 30)
@@ -369,7 +95,7 @@ class Model:
         """A fresh, independent conversation state."""
         if self.closed:
             raise LilyError("this model is closed (Model.close() released its memory)")
-        ctx = self.max_context if max_context is None else _check_context(max_context, self.config)
+        ctx = self.max_context if max_context is None else check_context(max_context, self.config)
         try:
             session = Session(self, ctx, self.prefill_chunk, use_graph)
         except MemoryError:
@@ -388,11 +114,12 @@ class Model:
 
         if self.closed:
             raise LilyError("this model is closed (Model.close() released its memory)")
-        return snapshot_file.load(self, path, max_context)
+        core, tokens = snapshot_file.load(self, path, max_context)
+        return Snapshot(core, tokens, self)
 
     @property
     def closed(self) -> bool:
-        return isinstance(self._engine, _Closed)
+        return isinstance(self._engine, Closed)
 
     def close(self) -> None:
         """Release the weights and every session's caches (device memory is freed once no snapshot
@@ -407,7 +134,7 @@ class Model:
             for s in list(self._sessions):
                 s._close()
             self._session = None
-            self._engine = _Closed("this model")
+            self._engine = Closed("this model")
 
     def __enter__(self) -> "Model":
         return self
@@ -503,21 +230,21 @@ class Model:
         Generation. For a list of prompts: a list of Generation, or with ``stream=True`` an iterator
         that yields each prompt's Generation as soon as it is done (all prompts are checked first).
         """
-        params = _sampling_params(params, sampling)
+        params = sampling_params(params, sampling)
         session = session if session is not None else self.session
         if not isinstance(session, Session) or session.model is not self:
             raise LilyError("session must be a Session of this model (model.new_session())")
         template = dict(chat_template_kwargs or {}, tools=tools, enable_thinking=enable_thinking,
                         preserve_thinking=preserve_thinking)
-        if _is_batch(prompt):
-            prepared = [self._prepare(p, template) for p in prompt]
+        if is_batch(prompt):
+            prepared = [prepare(self, p, template) for p in prompt]
             for ids, _, _ in prepared:
                 check_prompt(ids, session)
             for ids, _, _ in prepared:
                 self._check_max_tokens(ids, params, session)
             results = self._generate_each(prepared, params, session, tools, progress)
             return results if stream else list(results)
-        ids, boundary, thinking = self._prepare(prompt, template)
+        ids, boundary, thinking = prepare(self, prompt, template)
         out = self._start(session, ids, params, boundary, thinking, tools)
         return out if stream else out.result()
 
@@ -528,8 +255,8 @@ class Model:
         next user message to continue; the session then prefills only what is new since the last
         message boundary. ``params`` defaults to the checkpoint's recommended sampling
         (``default_sampling()``, as ``lily chat`` and ``lily serve`` use); ``temperature=0`` is greedy."""
-        if not (_is_messages(messages) or (isinstance(messages, (list, tuple)) and messages
-                                           and all(_is_messages(c) for c in messages))):
+        if not (is_messages(messages) or (isinstance(messages, (list, tuple)) and messages
+                                           and all(is_messages(c) for c in messages))):
             raise LilyError("chat takes a list of messages: [{'role': 'user', 'content': '...'}, ...], or a list "
                             "of such conversations")
         if params is None:
@@ -567,22 +294,6 @@ class Model:
                             f"max_context of {room} tokens; at most {room - n} tokens can be generated "
                             f"(leave max_tokens out to generate until the context is full)")
 
-    def _prepare(self, prompt, template: dict) -> tuple[list[int], int | None, bool]:
-        """(prompt ids, message boundary or None, whether the prompt leaves a think block open)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), None, _opens_think(prompt)
-        if _is_messages(prompt):
-            tok = self.tokenizer
-            text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template)
-            ids = tok.encode(text)
-            history = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=False, **template))
-            boundary = len(history) if ids[:len(history)] == history else None
-            return ids, boundary, _opens_think(text)
-        if isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
-            return _token_array(prompt, self.config.vocab_size).tolist(), None, False
-        raise LilyError(f"prompt must be text, token ids, chat messages or a list of those, "
-                        f"got {type(prompt).__name__}")
-
     def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
                thinking: bool, tools=None) -> GenerationStream:
         check_prompt(ids, session)
@@ -603,34 +314,3 @@ class Model:
         return (f"Model('{self.path}', device={self.device}, layout={self.layout}, layers={c.num_hidden_layers}, "
                 f"hidden={c.hidden_size}, experts={c.num_experts}x top-{c.num_experts_per_tok}, "
                 f"weights={self._engine.weight_bytes / 2**20:.1f} MiB)")
-
-
-def _sampling_params(params: SamplingParams | None, overrides: dict) -> SamplingParams:
-    if params is None:
-        params = SamplingParams()
-    elif not isinstance(params, SamplingParams):
-        raise LilyError(f"params must be a lily.SamplingParams, got {type(params).__name__}")
-    if overrides:
-        names = [f.name for f in dataclasses.fields(SamplingParams)]
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise LilyError(f"unknown generation argument(s) {', '.join(unknown)}; sampling parameters are "
-                            f"{', '.join(names)}")
-        params = dataclasses.replace(params, **overrides)
-    return params
-
-
-def _is_messages(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt)
-
-
-def _is_batch(prompt) -> bool:
-    """A list of prompts (texts, id lists or conversations), as opposed to one id list or conversation."""
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(p, (str, np.ndarray)) or (isinstance(p, Sequence) and not isinstance(p, bytes))
-                    for p in prompt))
-
-
-def _opens_think(text: str) -> bool:
-    """Whether the prompt ends inside a think block (Qwen3.6's generation prompt with thinking on)."""
-    return text.rfind("<think>") > text.rfind("</think>")

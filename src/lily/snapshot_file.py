@@ -89,7 +89,7 @@ def save(snapshot, path: str | os.PathLike) -> Path:
         blobs.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes,
                       "crc32": "0" * CRC_WIDTH})
         offset = _align(offset + nbytes)
-    from . import __version__
+    from ._version import __version__
 
     header = {"format": "lily-snapshot", "version": VERSION, "lily_version": __version__, "model": ident,
               "device": core.device, "position": core.position, "data_size": offset, "blobs": blobs}
@@ -201,11 +201,11 @@ def _check_model(path: Path, header: dict, model) -> None:
 
 
 def load(model, path: str | os.PathLike, max_context: int | None = None):
-    """A lily.Snapshot on ``model``'s device from the file at ``path``, after checking that it is a
+    """The state (a core Snapshot on ``model``'s device) and token ids of the file at ``path``, for
+    ``Model.load_snapshot`` to wrap in a lily.Snapshot, after checking that it is a
     snapshot file of this format version and this model, complete, in this device's dtypes and within
     ``max_context`` tokens (default: the model's max_position_embeddings)."""
     from . import _core
-    from .model import Snapshot
 
     path = Path(path).expanduser()
     header = read_header(path)
@@ -268,4 +268,4 @@ def load(model, path: str | os.PathLike, max_context: int | None = None):
                 with model._lock:
                     core.write(i, at, piece)
             check_crc(b, crc)
-    return Snapshot(core, tuple(int(t) for t in tokens), model)
+    return core, tuple(int(t) for t in tokens)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import lily
-from lily import _core, synthetic
+from lily import _core
+from lily.checkpoint import synthetic
 
 pytestmark = pytest.mark.gpu
 

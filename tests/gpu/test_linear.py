@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lily import _core
-from lily import quant
+from lily.checkpoint import quant
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import lily
-from lily import SnapshotFileError, snapshot_file, synthetic
+from lily import SnapshotFileError, snapshot_file
+from lily.checkpoint import synthetic
 
 pytestmark = pytest.mark.gpu
 

@@ -77,7 +77,7 @@ def vocab_size_of(model_path: str | Path) -> int:
 def micro_checkpoint(path: str | Path, vocab_size: int = 4096, num_layers: int = 4, seed: int = 0) -> Path:
     """A tiny MLX 4-bit checkpoint with a small vocabulary (no tokenizer): the harness's CPU tests
     and `benchmarks/sweep_host.sh`'s dry run, fast enough for 64 decode steps on one core."""
-    from .. import synthetic
+    from ..checkpoint import synthetic
 
     text = dict(synthetic.TINY_TEXT_CONFIG, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1,
                 num_hidden_layers=num_layers, layer_types=synthetic._layer_types(num_layers))

@@ -122,7 +122,7 @@ def reduce_checkpoint(src: str | Path, dst: str | Path, layers: int, workers: in
     """Write a copy of checkpoint `src` with only its first `layers` layers into `dst`: the kept
     tensors byte for byte (lily's safetensors writer), the config cut to match, and the other
     files (tokenizer, generation config) copied."""
-    from ..safetensors_io import INDEX_FILE, SafetensorsFile, save_sharded
+    from ..checkpoint.safetensors_io import INDEX_FILE, SafetensorsFile, save_sharded
 
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
@@ -212,7 +212,7 @@ def compare_run(model: str | Path, engines: list[str], workdir: Path, timeout: f
             pairs.append({"ref": ref, "test": test, **m})
             log(f"numerics {Path(model).name}: {test} vs {ref}: ppl rel diff {m['ppl_rel_diff']:+.2e}, "
                 f"top-1 {m['top1_agreement']:.3f}, mean KL {m['mean_kl']:.2e}")
-    from ..convert import text_config_of
+    from ..checkpoint.convert import text_config_of
 
     layers = text_config_of(json.loads((Path(model) / "config.json").read_text()))["num_hidden_layers"]
     return {"checkpoint": str(model), "layers": layers, "tokens": tokens, "positions": tokens - 1,
@@ -245,7 +245,7 @@ def run_numerics(model: str | Path, out: str | Path, *, device: str = "cuda", cp
                            "formula": "((i * 2654435761) mod 2^32) mod vocab_size"},
               "pairs_meaning": "ref -> test; KL(ref || test)", "runs": {}}
     if cpu_layers and any(e.startswith("mlx") for e in reduced_engines):
-        from ..convert import text_config_of
+        from ..checkpoint.convert import text_config_of
 
         interval = text_config_of(json.loads((Path(model) / "config.json").read_text())).get(
             "full_attention_interval", 4)

@@ -4,11 +4,11 @@
     with Server(model, port=8000) as server:      # serves from a background thread
         ...                                       # OpenAI(base_url=server.url + "/v1", api_key="-")
 
-Modules: ``app`` (HTTP, SSE, disconnects), ``engine`` (the queue and the one engine thread),
+Modules: ``app`` (HTTP, SSE, disconnects), ``worker`` (the queue and the one worker thread),
 ``schema`` (request schemas, validation, OpenAPI), ``parse`` (requests -> sampling and messages),
 ``prompt`` (rendering and snapshot boundaries), ``cache`` (prefix snapshots under a byte budget),
-``reasoning`` (``<think>`` split), ``toolcalls`` (Qwen XML tool calls), ``output`` (response objects),
-``cli`` (``lily serve``).
+``output`` (response objects), ``cli`` (``lily serve``). The ``<think>`` split and the Qwen XML tool-call
+parser are lily.reasoning and lily.toolcalls (Model.generate uses them too).
 """
 from .app import Server
 from .errors import APIError

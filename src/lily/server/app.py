@@ -1,4 +1,4 @@
-"""The HTTP layer: uvicorn (h11) and Starlette in front of one ``Engine``.
+"""The HTTP layer: uvicorn (h11) and Starlette in front of one ``Worker``.
 
 ``Server`` binds its socket at once and serves from one asyncio event loop (uvicorn, with h11's
 strict HTTP/1.1 parser) in a background thread. A request's body is read within a deadline; its
@@ -41,7 +41,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import LilyError
-from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Engine, Job, QueueFull, ShuttingDown, Source
+from .worker import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Job, QueueFull, ShuttingDown, Source, Worker
 from .errors import APIError, bad_request
 from .output import ChatOutput, CompletionLogprobs, chat_logprob, usage
 from .parse import Request, parse_chat, parse_completion
@@ -190,7 +190,7 @@ class Server:
     ``Authorization: Bearer KEY``. ``model_name``: the id clients send and /v1/models lists;
     ``aliases`` are accepted too. ``max_queue``: requests that may wait while one runs.
     ``cache_mib``: the prefix-snapshot budget. ``source``: a test hook that replaces the model's
-    generation (see engine.Source).
+    generation (see worker.Source).
     """
 
     def __init__(self, model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -230,16 +230,16 @@ class Server:
             self._sock.close()
             raise
         try:
-            self.engine = Engine(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20,
+            self.worker = Worker(model, max_queue=max_queue, cache_bytes=int(cache_mib) << 20,
                                  max_context=max_context, source=source)
             if log:  # cancelled requests get a line of their own: id, tokens so far, reason
-                self.engine.log = self.write_log
+                self.worker.log = self.write_log
         except BaseException:
             self._sock.close()
             raise
         # Prompt text longer than this cannot fit the context (no token spans more characters): it is
         # refused before tokenizing. Default: MAX_CHARS_PER_TOKEN characters per token of context.
-        self.max_prompt_chars = max_prompt_chars or self.engine.max_context * MAX_CHARS_PER_TOKEN
+        self.max_prompt_chars = max_prompt_chars or self.worker.max_context * MAX_CHARS_PER_TOKEN
         protocol = type("_ServerProtocol", (_Protocol,), {"lily": self})
         self.config = uvicorn.Config(
             _App(self, _routes(self)), http=protocol, lifespan="off", interface="asgi3", log_config=None,
@@ -300,15 +300,15 @@ class Server:
         error event and [DONE]), wait up to SHUTDOWN_GRACE s for the responses, free the socket."""
         if self._thread is not None:
             self._uvicorn.should_exit = True  # stops accepting at its next tick (0.1 s)
-            self.engine.close()  # running and queued jobs end as cancelled: their responses end
+            self.worker.close()  # running and queued jobs end as cancelled: their responses end
             self._stopped.wait(SHUTDOWN_GRACE + 5)
             self._thread = None
         else:
-            self.engine.close()
+            self.worker.close()
         self._sock.close()
         # The app and the protocol class refer back to this server: a cycle. Drop the snapshots now
         # rather than at some later garbage collection (or never, at exit: nanobind reports leaks).
-        self.engine.cache.clear()
+        self.worker.cache.clear()
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -323,7 +323,7 @@ class Server:
 
     def model_object(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lily",
-                "max_model_len": self.engine.max_context}
+                "max_model_len": self.worker.max_context}
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
@@ -348,15 +348,15 @@ class Server:
         """Refuse prompt text over max_prompt_chars before any template or tokenizer runs."""
         if n > self.max_prompt_chars:
             raise bad_request(f"the prompt has {n} characters; this server takes at most {self.max_prompt_chars} "
-                              f"(a context of {self.engine.max_context} tokens)", field, "context_length_exceeded")
+                              f"(a context of {self.worker.max_context} tokens)", field, "context_length_exceeded")
 
     def too_long(self, tokens: int, field: str) -> APIError:
         return bad_request(f"the prompt has more than {tokens} tokens, but the context holds "
-                           f"{self.engine.max_context}", field, "context_length_exceeded")
+                           f"{self.worker.max_context}", field, "context_length_exceeded")
 
     def fit_context(self, prompt: Prompt, req: Request, prompt_field: str):
         """The request's SamplingParams with max_tokens fitted to the context; 400 when it cannot fit."""
-        n, room = len(prompt.ids), self.engine.max_context
+        n, room = len(prompt.ids), self.worker.max_context
         if n == 0:
             raise bad_request("the prompt is empty (no tokens)", prompt_field)
         if n >= room:
@@ -445,7 +445,7 @@ def _routes(server: Server) -> Starlette:
     s = server
 
     async def health(request):
-        return _json_response(200, {"status": "ok", "model": s.model_name, **s.engine.stats()})
+        return _json_response(200, {"status": "ok", "model": s.model_name, **s.worker.stats()})
 
     async def models(request):
         return _json_response(200, {"object": "list", "data": [s.model_object()]})
@@ -455,15 +455,15 @@ def _routes(server: Server) -> Starlette:
         return _json_response(200, s.model_object())
 
     async def openapi_doc(request):
-        from .. import __version__
+        from .._version import __version__
 
         return _json_response(200, openapi(__version__))
 
     async def metrics(request):  # Prometheus text: requests, tokens, queue, TTFT and tok/s (server/metrics.py)
-        return Response(s.engine.metrics.render(s.engine), 200, media_type="text/plain; version=0.0.4")
+        return Response(s.worker.metrics.render(s.worker), 200, media_type="text/plain; version=0.0.4")
 
     async def version(request):
-        from .. import __version__
+        from .._version import __version__
 
         return _json_response(200, {"version": __version__, "model": s.model_name})
 
@@ -561,7 +561,7 @@ def _submit(s: Server, prefix: str, prompt: Prompt, params, notify) -> Job:
     job = Job(prefix + uuid.uuid4().hex, prompt, params)
     job.notify = notify
     try:
-        s.engine.submit(job)
+        s.worker.submit(job)
     except QueueFull as e:
         raise APIError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -668,7 +668,7 @@ def _prepare_chat(s: Server, raw: bytes, notify):
                   "messages")
     s.check_control_tokens(req.messages)
     try:
-        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.engine.max_context)
+        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.worker.max_context)
     except PromptTooLong as e:
         raise s.too_long(e.tokens, "messages") from None
     except LilyError as e:
@@ -687,7 +687,7 @@ def _prepare_completion(s: Server, raw: bytes, notify):
     if isinstance(req.prompt, str):
         s.check_chars(len(req.prompt), "prompt")
     try:
-        prompt = text_prompt(s.tokenizer, req.prompt, s.model.config.vocab_size, s.engine.max_context)
+        prompt = text_prompt(s.tokenizer, req.prompt, s.model.config.vocab_size, s.worker.max_context)
     except PromptTooLong as e:
         raise s.too_long(e.tokens, "prompt") from None
     except LilyError as e:

@@ -31,7 +31,7 @@ class PrefixCache:
         self.budget_bytes, self.max_entries = int(budget_bytes), int(max_entries)
         self._entries: OrderedDict[tuple[int, ...], SnapshotLike] = OrderedDict()
         self._nbytes = 0
-        self._lock = threading.Lock()  # the engine thread writes; /health reads
+        self._lock = threading.Lock()  # the worker thread writes; /health reads
         self.hits = self.misses = self.evictions = 0
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ import signal
 import sys
 
 from ..errors import LilyError
-from .engine import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
+from .worker import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
 
 # As app.MAX_CONNECTIONS / REQUEST_TIMEOUT / KEEPALIVE_TIMEOUT (not imported: uvicorn and Starlette load slowly).
 MAX_CONNECTIONS, REQUEST_TIMEOUT, KEEPALIVE_TIMEOUT = 256, 30.0, 15.0
@@ -17,7 +17,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``lily serve`` on the sub-command parsers of ``lily.cli.build_parser``."""
-    from ..cli import add_model_arguments
+    from ..cli_common import add_model_arguments
 
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
@@ -68,8 +68,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import load_model
-    from ..model import BUILTIN_NAMES
+    from ..checkpoint.hub import BUILTIN_NAMES
+    from ..cli_common import load_model
     from .app import Server
 
     if args.model_arg is not None:
@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and api_key is None:
         print(f"lily serve: warning: listening on {args.host} without an API key", file=sys.stderr)
     if not args.quiet:
-        print(f"lily serve: '{name}' on {server.url}/v1 (context {server.engine.max_context} tokens, queue "
+        print(f"lily serve: '{name}' on {server.url}/v1 (context {server.worker.max_context} tokens, queue "
               f"{args.max_queue}, prefix cache {args.prefix_cache_mib} MiB{', API key required' if api_key else ''}); "
               f"Ctrl-C stops", file=sys.stderr, flush=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C

@@ -1,6 +1,6 @@
 """Server counters and histograms in the Prometheus text format, for a ``/metrics`` endpoint.
 
-The engine thread calls ``Metrics.observe`` once per finished request (``engine.Engine._record``);
+The worker thread calls ``Metrics.observe`` once per finished request (``worker.Worker._record``);
 ``render(engine)`` writes the exposition text: requests by outcome, prompt / cached / completion
 tokens, the queue, and histograms of the time to first token (from acceptance to the first
 generated token, queueing included) and of the decode speed. The HTTP route itself belongs to

@@ -7,9 +7,9 @@ into a delta; the non-streaming message is the sum of the deltas.
 from __future__ import annotations
 
 from ..generate import Generation, GenerationEvent, TokenLogprob
+from ..reasoning import ReasoningSplitter
 from ..tokenizer import Tokenizer
-from .reasoning import ReasoningSplitter
-from .toolcalls import ToolCallParser, ToolDelta
+from ..toolcalls import ToolCallParser, ToolDelta
 
 
 class ChatOutput:

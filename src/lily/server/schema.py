@@ -15,6 +15,7 @@ import json
 import math
 
 from ..sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P
+from ..toolcalls import json_type
 from .errors import bad_request
 
 MAX_LOGPROBS = 20
@@ -229,22 +230,6 @@ COMPONENTS = {
 
 _JSON_TYPE_NAMES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
                     "null": "null", "array": "an array", "object": "an object"}
-
-
-def json_type(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
 
 
 def _resolve(schema: dict) -> dict:

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -69,7 +69,7 @@ class TextConfig:
 
     def to_core(self):
         """The same config as the native lily._core.ModelConfig."""
-        from . import _core
+        from .. import _core
 
         c = _core.ModelConfig()
         for f in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",

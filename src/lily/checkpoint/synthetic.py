@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConfigError
 from .convert import (
     MLX_PREFIX,
     hf_tensor_shapes,
@@ -56,7 +57,6 @@ from .convert import (
     write_mlx_config,
 )
 from .dtypes import encode_float, f32_to_bf16_bits
-from .errors import ConfigError
 from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, save_sharded
 from .tensors import is_zero_centred_norm, quantization_of
 
@@ -333,7 +333,7 @@ def make_checkpoint(
     else:
         write_mlx_config(path, full_config(text_config), quantization_config(text_config))
     if with_tokenizer:
-        from .tokenizer_files import write_tokenizer_files
+        from ..tokenizer_files import write_tokenizer_files
 
         write_tokenizer_files(path, max_new_tokens=SYNTHETIC_MAX_NEW_TOKENS)
     return path
@@ -352,7 +352,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `lily make-checkpoint` with parsed `args`; returns the exit status."""
-    from .errors import LilyError
+    from ..errors import LilyError
 
     out = Path(args.path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:

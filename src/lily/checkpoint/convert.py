@@ -11,7 +11,7 @@ stored as 1 + w (not `linear_attn.norm`), A_log in fp32, the rest in bf16. Quant
 Linear / Embedding / SwitchLinear weight whose input dim divides by the group size becomes
 `weight` (uint32 codes) + `scales` + `biases`; the router `mlp.gate` and `mlp.shared_expert_gate`
 use 8 bits, group 64 (mlx-lm's `quant_predicate` for this model). Names, shapes and that rule come
-from `lily.tensors`.
+from `lily.checkpoint.tensors`.
 
 As in mlx-lm, weights are first rounded to the output float dtype and then quantized, so a bf16
 source converts byte-exactly to what MLX's CPU `quantize` would produce.
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import CheckpointError, ConfigError
 from . import quant
 from .config import parse_config
 from .dtypes import FLOAT_DTYPE_NAMES, decode_float, encode_float, round_to
-from .errors import CheckpointError, ConfigError
-from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, SafetensorsFile, save_sharded
+from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, SafetensorsFile, find_shards, save_sharded
 from .tensors import (
     ROUTER_GATE_QUANTIZATION,
     is_router_gate,
@@ -44,7 +44,6 @@ from .tensors import (
     quantization_of,
     stored_name,
 )
-from .weights import find_shards
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -384,7 +383,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `lily convert` with parsed `args`; returns the exit status."""
-    from .model import resolve_path
+    from .hub import resolve_path
 
     if args.workers is not None and args.workers < 1:
         raise CheckpointError(f"--workers must be >= 1, got {args.workers}")

@@ -20,10 +20,10 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from ..errors import CheckpointError
 from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
-from .errors import CheckpointError
-from .safetensors_io import LazyTensor, SafetensorsFile, first_non_finite, produced_in_order
+from .safetensors_io import LazyTensor, SafetensorsFile, find_shards, first_non_finite, produced_in_order
 from .tensors import is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -54,32 +54,6 @@ class Source:
                 raise CheckpointError(f"{self.where()}: holds NaN or infinity (first at index {list(index)}); "
                                       f"the checkpoint is corrupt (load with check_weights=False to skip this check)")
         return a
-
-
-def find_shards(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: from the index if there is one, else every file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            if not stat.S_ISREG(index.stat().st_mode):
-                raise CheckpointError(f"{index}: not a regular file")
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {str(e)[:200]})") from None
-        for f in files:  # plain names inside the folder (symlinked files, as in the hub cache, are fine)
-            parts = PurePosixPath(f).parts if isinstance(f, str) else ()
-            if not parts or f.startswith("/") or "\\" in f or ":" in f or any(p in ("..", ".") for p in parts):
-                raise CheckpointError(f"{index}: shard name {str(f)[:100]!r} is not a file name inside the "
-                                      f"checkpoint folder")
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
-        return [model_dir / f for f in files]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no .safetensors files (and no model.safetensors.index.json)")
-    return files
 
 
 def canonical_name(stored: str) -> tuple[str | None, str | None]:

@@ -297,8 +297,6 @@ def schema_types(schema: Any, depth: int = 0) -> list[str]:
             for member in members:
                 out += schema_types(member, depth + 1)
     if not out and isinstance(schema.get("enum"), list):
-        from .schema import json_type
-
         out = [json_type(v) for v in schema["enum"]]
     if not out and "properties" in schema:
         out = ["object"]
@@ -372,3 +370,19 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text} is out of range")
     return value
+
+
+def json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"

@@ -22,13 +22,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from ..errors import CheckpointError
 from .dtypes import SAFETENSORS_DTYPES
-from .errors import CheckpointError
 
 T = TypeVar("T")
 
@@ -37,6 +37,32 @@ DEFAULT_SHARD_SIZE = 5 << 30
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def find_shards(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: from the index if there is one, else every file."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            if not stat.S_ISREG(index.stat().st_mode):
+                raise CheckpointError(f"{index}: not a regular file")
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {str(e)[:200]})") from None
+        for f in files:  # plain names inside the folder (symlinked files, as in the hub cache, are fine)
+            parts = PurePosixPath(f).parts if isinstance(f, str) else ()
+            if not parts or f.startswith("/") or "\\" in f or ":" in f or any(p in ("..", ".") for p in parts):
+                raise CheckpointError(f"{index}: shard name {str(f)[:100]!r} is not a file name inside the "
+                                      f"checkpoint folder")
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no .safetensors files (and no model.safetensors.index.json)")
+    return files
 
 
 class TensorInfo(NamedTuple):

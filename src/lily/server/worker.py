@@ -1,11 +1,11 @@
-"""The engine thread: one request at a time on one session, taken from a bounded FIFO queue.
+"""The worker thread: one request at a time on one session, taken from a bounded FIFO queue.
 
 The HTTP layer parses and tokenizes a request (in a worker thread), then ``submit``s a ``Job``; when the queue is
-full, ``submit`` raises ``QueueFull`` (the server answers 429). The engine thread runs jobs in the
+full, ``submit`` raises ``QueueFull`` (the server answers 429). The worker thread runs jobs in the
 order they were accepted and sends each job's events to the job's own queue, which the handler
-turns into a response (``notify``, when set, is called from the engine thread after each item: the
+turns into a response (``notify``, when set, is called from the worker thread after each item: the
 HTTP layer's event loop wakes on it). A handler whose client went away calls ``job.cancel()``: a waiting job is
-skipped, a running one stops at its next token, and the engine moves on. Every accepted job gets
+skipped, a running one stops at its next token, and the worker moves on. Every accepted job gets
 exactly one final item (``done``, ``cancelled`` or ``error``).
 
 Before a request runs, the session is brought to the longest prefix of its prompt that it holds
@@ -60,7 +60,7 @@ class Job:
         self._cancel = threading.Event()
         self._cancel_lock = threading.Lock()
         self.cancel_reason: str | None = None  # why it was cancelled (the first cancel's reason)
-        self.notify: Callable[[], None] | None = None  # called after each put (from the engine thread)
+        self.notify: Callable[[], None] | None = None  # called after each put (from the worker thread)
 
     def cancel(self, reason: str = "cancelled") -> None:
         with self._cancel_lock:
@@ -97,8 +97,8 @@ class Job:
 Source = Callable[[Job], GenerationStream]
 
 
-class Engine:
-    """Owns the model's serving session, the prefix cache, the queue and the engine thread."""
+class Worker:
+    """Owns the model's serving session, the prefix cache, the queue and the worker thread."""
 
     def __init__(self, model, *, max_queue: int = DEFAULT_MAX_QUEUE, cache_bytes: int = DEFAULT_CACHE_MIB << 20,
                  max_context: int | None = None, source: Source | None = None, history: int = 4096):
@@ -122,7 +122,7 @@ class Engine:
         self.log: Callable[[str], None] | None = None
         self.totals = collections.Counter(dict.fromkeys(
             ("requests", "done", "cancelled", "error", "prompt_tokens", "cached_tokens", "completion_tokens"), 0))
-        self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="lily-worker", daemon=True)
         self._thread.start()
 
     @property
@@ -138,7 +138,7 @@ class Engine:
         with self._submit_lock:  # seq order == queue order
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
-            job.seq = next(self._seq)  # before the put: the engine may take the job at once
+            job.seq = next(self._seq)  # before the put: the worker may take the job at once
             try:
                 self._queue.put_nowait(job)
             except queue.Full:
@@ -166,7 +166,7 @@ class Engine:
             job.put("cancelled", None)
         self._thread.join(timeout)
 
-    # --- the engine thread ----------------------------------------------------------------------
+    # --- the worker thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
         while True:
@@ -176,7 +176,7 @@ class Engine:
             self.running = job
             try:
                 self._run(job)
-            except BaseException as e:  # noqa: BLE001 - reported to the one request; the engine goes on
+            except BaseException as e:  # noqa: BLE001 - reported to the one request; the worker goes on
                 if not isinstance(e, LilyError):
                     traceback.print_exc(file=sys.stderr)
                 self._recover()
