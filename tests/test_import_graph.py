@@ -116,9 +116,25 @@ def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "lily.model" in graph["lily"]                      # top-level relative import
-    assert graph["lily.cli"].get("lily.server.cli") == "function"  # a lazy one
-    assert "lily.server" in graph["lily.server.app"] or "lily.server" not in graph["lily.server.app"]
+    assert graph["lily"]["lily.model"] == "top"                     # a relative import at the top
+    assert graph["lily.cli"]["lily.server.cli"] == "function"       # a lazy one
+    assert graph["lily.cli"]["lily.server"] == "function"           # its subpackage's __init__ runs first
+    assert "lily.server" not in graph["lily.server.app"]            # ... unless the importer is inside it
+    assert graph["lily.checkpoint.config"]["lily._core"] == "function"
+
+
+def test_layers():
+    """The pairs issue 18 named stay apart, and the checkpoint files and the core library never reach up."""
+    graph = import_graph()
+    assert "lily.cli" not in graph["lily.server.cli"]
+    assert "lily.model" not in graph["lily.generate"]
+    assert "lily.checkpoint.weights" not in graph["lily.checkpoint.convert"]
+    up = ("lily.model", "lily.cli", "lily.server", "lily.bench", "lily.generate", "lily.session")
+    for name, deps in graph.items():
+        if name.startswith("lily.checkpoint."):
+            assert not [d for d in deps if d.startswith(up) or d == "lily"], name
+    for name in ("lily.generate", "lily.session", "lily.prompts", "lily.model"):
+        assert not [d for d in graph[name] if d.startswith(("lily.server", "lily.cli", "lily.bench"))], name
 
 
 def test_no_import_cycles():

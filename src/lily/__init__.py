@@ -8,7 +8,7 @@
     logits = model.prefill(token_ids)                  # step-wise: [vocab] float32 of the last token
     logits = model.decode_step(next_id)
 """
-from ._version import __version__
+from ._version import __version__  # noqa: F401 (lily.__version__)
 from .errors import CheckpointError, ConfigError, DeviceError, LilyError
 from .generate import Generation, GenerationEvent, GenerationStream, TokenLogprob, Usage
 from .model import Model, Session, Snapshot

@@ -24,7 +24,7 @@ Every tensor has its own random stream, seeded from (seed, tensor name), so resu
 on the order or thread in which tensors are generated.
 
 Two ways to make the MLX layout. Small models draw float weights as above, round them to bf16 and
-quantize them with `lily.quant` exactly as `convert_hf_to_mlx` would (so the MLX checkpoint equals the
+quantize them with `lily.checkpoint.quant` exactly as `convert_hf_to_mlx` would (so the MLX checkpoint equals the
 conversion of the HF one with the same seed). Big models (the full 35B-A3B is 19.5 GB) skip the
 floats: their packed codes are raw random bits (codes uniform on 0..2^b-1, mean m = (2^b-1)/2, std
 s_q = sqrt((4^b-1)/12), 4.61 for 4 bits) and each group draws scale = std/s_q * (1 + U(-0.1, 0.1))

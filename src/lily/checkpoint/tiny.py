@@ -1,5 +1,6 @@
-"""The tiny built-in checkpoint (hub.BUILTIN_NAMES) (random weights, the real Qwen3.6 tokenizer and chat template): made once
-with lily.checkpoint.synthetic and cached, so a fresh install runs end to end offline."""
+"""The tiny built-in checkpoint (``hub.BUILTIN_NAMES``): random weights, the real Qwen3.6 tokenizer and
+chat template; made once with lily.checkpoint.synthetic and cached, so a fresh install runs end to end
+offline."""
 from __future__ import annotations
 
 import json

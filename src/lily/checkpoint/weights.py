@@ -12,11 +12,9 @@ tensors are skipped. Every problem raises CheckpointError naming the file and te
 """
 from __future__ import annotations
 
-import json
 import os
-import stat
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 

@@ -4,7 +4,7 @@
 strict HTTP/1.1 parser) in a background thread. A request's body is read within a deadline; its
 JSON is validated and its prompt tokenized in a worker thread (never on the event loop), and the
 job is submitted to the engine's FIFO queue. The response relays the job's events: as one JSON
-object, or as ``text/event-stream`` chunks ending in ``data: [DONE]``. The engine thread wakes the
+object, or as ``text/event-stream`` chunks ending in ``data: [DONE]``. The worker thread wakes the
 event loop after each item (``Job.notify``). While a response waits, a task listens for the
 client's disconnect (uvicorn's ``http.disconnect``); when it comes, the job is cancelled, which
 frees the engine at the next token.
@@ -701,7 +701,7 @@ async def _completion_endpoint(s: Server, request: HTTPRequest, prepare) -> Resp
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
 
-    def notify() -> None:  # from the engine thread
+    def notify() -> None:  # from the worker thread
         try:
             loop.call_soon_threadsafe(wake.set)
         except RuntimeError:  # the loop is closed: nobody waits any more

@@ -1,4 +1,4 @@
-"""Engine events -> OpenAI response objects: messages and deltas, logprobs, usage, finish reasons.
+"""Generation events -> OpenAI response objects: messages and deltas, logprobs, usage, finish reasons.
 
 Streaming and non-streaming responses are built by the same code: ``ChatOutput.feed`` turns each
 token's text through the reasoning splitter and (when the request has tools) the tool-call parser

@@ -1,8 +1,8 @@
-"""The worker thread: one request at a time on one session, taken from a bounded FIFO queue.
+"""The generation worker: one thread runs one request at a time on one session, from a bounded FIFO queue.
 
-The HTTP layer parses and tokenizes a request (in a worker thread), then ``submit``s a ``Job``; when the queue is
-full, ``submit`` raises ``QueueFull`` (the server answers 429). The worker thread runs jobs in the
-order they were accepted and sends each job's events to the job's own queue, which the handler
+The HTTP layer parses and tokenizes a request (in a thread of the event loop's pool), then
+``submit``s a ``Job``; when the queue is full, ``submit`` raises ``QueueFull`` (the server answers
+429). The worker thread runs jobs in the order they were accepted and sends each job's events to the job's own queue, which the handler
 turns into a response (``notify``, when set, is called from the worker thread after each item: the
 HTTP layer's event loop wakes on it). A handler whose client went away calls ``job.cancel()``: a waiting job is
 skipped, a running one stops at its next token, and the worker moves on. Every accepted job gets
