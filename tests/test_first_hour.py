@@ -249,13 +249,13 @@ def test_a_cancelled_request_gets_a_log_line(model, capfd):
     from lily.server.prompt import Prompt
 
     lines = []
-    engine = Worker(model, max_context=128, source=_slow_source(10_000, 0.01))
-    engine.log = lines.append
+    worker = Worker(model, max_context=128, source=_slow_source(10_000, 0.01))
+    worker.log = lines.append
     running, queued = (Job(f"cmpl-{i}", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=10_000)) for i in "ab")
-    engine.submit(running)
+    worker.submit(running)
     wait_for(lambda: running.first_token is not None)
-    engine.submit(queued)
-    engine.close()
+    worker.submit(queued)
+    worker.close()
     assert lines[0] == "request cmpl-b cancelled before it started: the server is shutting down"
     assert re.fullmatch(r"request cmpl-a cancelled after \d+ completion tokens? \(prompt 3, cached 0\): "
                         r"the server is shutting down", lines[1]), lines
@@ -346,15 +346,15 @@ def test_metrics_text(model):
     from lily.server.worker import Job, Worker
     from lily.server.prompt import Prompt
 
-    engine = Worker(model, max_context=128)
+    worker = Worker(model, max_context=128)
     try:
         job = Job("cmpl-1", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=4))
-        engine.submit(job)
+        worker.submit(job)
         while (item := job.next_item(30)) is not None and item[0] == "event":
             pass
-        text = engine.metrics.render(engine)
+        text = worker.metrics.render(worker)
     finally:
-        engine.close()
+        worker.close()
     assert 'lily_requests_total{outcome="done"} 1' in text and "lily_completion_tokens_total 4" in text
     assert 'lily_time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
     assert "lily_time_to_first_token_seconds_count 1" in text and "lily_queue_waiting 0" in text

@@ -3,7 +3,7 @@
 The main server runs the real tiny synthetic checkpoint (random weights: the text is gibberish, but
 the tokens, logprobs and usage are compared with the Python API). A second server replaces the
 model's generation by scripted text, to send exact Qwen tool-call and reasoning forms through the
-whole HTTP path, and to hold the engine busy on purpose.
+whole HTTP path, and to hold the worker busy on purpose.
 """
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ def converse(srv, turns, before_each=None):
 def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
     turns = ["Hi", "Tell me more about it", "Thanks, and again?"]
     with Server(model, port=0, model_name=NAME) as warm:
-        counter = warm.engine.session._core = CountingCore(warm.engine.session._core)
+        counter = warm.worker.session._core = CountingCore(warm.worker.session._core)
         seen = []
         results = converse(warm, turns, before_each=lambda: seen.append(counter.prefilled))
         seen.append(counter.prefilled)
@@ -287,8 +287,8 @@ def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
 # --- the queue ---------------------------------------------------------------------------------------
 
 def test_sixteen_clients_four_requests_each_in_fifo_order(server, model):
-    engine = server.worker
-    before = len(engine.records)
+    worker = server.worker
+    before = len(worker.records)
     # Each request's prompt has its own length, so usage.prompt_tokens tells whose prompt was run.
     prompts = {(i, j): [1000 + i] * (4 * i + j + 1) for i in range(16) for j in range(4)}
     answers, errors = {}, []
@@ -309,7 +309,7 @@ def test_sixteen_clients_four_requests_each_in_fifo_order(server, model):
     for t in threads:
         t.join()
     assert not errors and len(answers) == 64
-    records = list(engine.records)[before:]
+    records = list(worker.records)[before:]
     assert len(records) == 64 and all(r["outcome"] == "done" for r in records)
     seqs = [r["seq"] for r in records]
     assert seqs == sorted(seqs) and len(set(seqs)) == 64  # run in the order accepted, each once
@@ -323,8 +323,8 @@ def test_sixteen_clients_four_requests_each_in_fifo_order(server, model):
 
 
 def test_disconnect_mid_stream_frees_the_engine(server, client):
-    engine = server.worker
-    before = len(engine.records)
+    worker = server.worker
+    before = len(worker.records)
     stream = client.chat.completions.create(model=NAME, messages=USER, temperature=0, stream=True)  # ~500 tokens
     chunks = iter(stream)
     for _ in range(3):
@@ -333,24 +333,24 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     t0 = time.perf_counter()
     r = client.completions.create(model=NAME, prompt="Hello", max_tokens=1)
     assert time.perf_counter() - t0 < 10 and r.choices[0].finish_reason == "length"
-    cancelled = list(engine.records)[before]
+    cancelled = list(worker.records)[before]
     assert cancelled["outcome"] == "cancelled" and cancelled["completion_tokens"] < 100
     assert cancelled["finish_reason"] == "cancelled"
     # A client that gives up on a long blocking request cancels it too.
-    before = len(engine.records)
+    before = len(worker.records)
     with pytest.raises(openai.APITimeoutError):
         make_client(server, timeout=0.5).chat.completions.create(model=NAME, messages=USER, temperature=0)
     t0 = time.perf_counter()
     client.completions.create(model=NAME, prompt="Hello", max_tokens=1)
     assert time.perf_counter() - t0 < 10
-    assert list(engine.records)[before]["outcome"] == "cancelled"
+    assert list(worker.records)[before]["outcome"] == "cancelled"
 
 
-# --- scripted generation: exact tool-call and reasoning forms over HTTP, a busy engine --------------
+# --- scripted generation: exact tool-call and reasoning forms over HTTP, a busy worker --------------
 
 class Script:
-    """What the scripted server's engine 'generates': text pieces, then a finish reason; ``gate``
-    (when set) holds the engine until it opens."""
+    """What the scripted server's worker 'generates': text pieces, then a finish reason; ``gate``
+    (when set) holds the worker until it opens."""
 
     def __init__(self):
         self.pieces: list[str] = ["Hello"]
@@ -447,9 +447,9 @@ def test_tool_calls_and_reasoning_over_http(scripted):
 
 
 def test_full_queue_answers_429_and_a_queued_disconnect_is_skipped(scripted):
-    engine, script = scripted.worker, scripted.script
+    worker, script = scripted.worker, scripted.script
     script.pieces, script.gate = ["ok"], threading.Event()
-    before = len(engine.records)
+    before = len(worker.records)
     results = {}
 
     def call(name, timeout=60):
@@ -461,12 +461,12 @@ def test_full_queue_answers_429_and_a_queued_disconnect_is_skipped(scripted):
 
     running = threading.Thread(target=call, args=("a",))
     running.start()
-    while engine.running is None:
+    while worker.running is None:
         time.sleep(0.01)
     waiting = [threading.Thread(target=call, args=("b", 0.5)), threading.Thread(target=call, args=("c",))]
     for t in waiting:
         t.start()
-        while engine.queued < waiting.index(t) + 1:
+        while worker.queued < waiting.index(t) + 1:
             time.sleep(0.01)
     with pytest.raises(openai.RateLimitError) as e:
         make_client(scripted).completions.create(model=NAME, prompt="d", max_tokens=1)
@@ -474,14 +474,14 @@ def test_full_queue_answers_429_and_a_queued_disconnect_is_skipped(scripted):
     waiting[0].join()  # "b" gave up (client timeout) while queued
     assert isinstance(results["b"], openai.APITimeoutError)
     deadline = time.time() + 10  # its handler notices the closed connection and cancels the job
-    while not engine._queue.queue[0].cancelled and time.time() < deadline:
+    while not worker._queue.queue[0].cancelled and time.time() < deadline:
         time.sleep(0.01)
     script.gate.set()
     running.join()
     waiting[1].join()
     script.gate = None
     assert results["a"] == results["c"] == "ok"
-    outcomes = [r["outcome"] for r in list(engine.records)[before:]]
+    outcomes = [r["outcome"] for r in list(worker.records)[before:]]
     assert outcomes == ["done", "cancelled", "done"]
 
 

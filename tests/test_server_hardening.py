@@ -497,5 +497,5 @@ def test_a_client_that_does_not_read_is_cut_after_the_write_timeout(model):
         while not s.worker.records and time.monotonic() < deadline:
             time.sleep(0.05)
         c.close()
-        assert s.worker.records[-1]["outcome"] == "cancelled"  # the engine was freed
+        assert s.worker.records[-1]["outcome"] == "cancelled"  # the worker was freed
         assert health_ok(s)
