@@ -33,7 +33,7 @@ host_full_checkpoint() {
     echo "full-size checkpoint: reusing $dir ($(du -sh "$dir" | cut -f1))"
     return 0
   fi
-  (cd /tmp && python3 -c "from lily import synthetic; synthetic.make_checkpoint('$dir', 'qwen3.6-35b-a3b', with_tokenizer=False)") \
+  (cd /tmp && python3 -c "from lily.checkpoint import synthetic; synthetic.make_checkpoint('$dir', 'qwen3.6-35b-a3b', with_tokenizer=False)") \
     || { echo "CHECKPOINT FAILED"; return 1; }
   echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh "$dir" | cut -f1)"
 }
