@@ -1,6 +1,6 @@
-// gdn_lab: the chunked Gated DeltaNet prefill kernels, old (fp32 SIMT, benchmarks/gdn_chunk_v1.cuh, a
-// frozen copy) against new (3xTF32 mma.sync, csrc/cuda/kernels/gdn_chunk.cuh), and the token-by-token
-// kernel, at the model's shapes: Hv = 32 value heads, Hk = 16 key heads, Dk = Dv = 128.
+// gdn_lab: the chunked Gated DeltaNet prefill kernels (3xTF32 mma.sync, csrc/cuda/kernels/gdn_chunk.cuh)
+// and the token-by-token kernel, at the model's shapes (the fp32 SIMT kernels they replaced measured
+// 594 us per call here: docs/perf-notes.md): Hv = 32 value heads, Hk = 16 key heads, Dk = Dv = 128.
 //   Run: bash benchmarks/gdn_lab.sh   (nvcc ~30 s, then ~5-10 s on an H200: most of it the host fp64 reference)
 // Inputs (benchmarks/gdn_ref.h): q, k, v ~ N(0, 1) before the L2 norm, a, b ~ N(0, 1) (beta in (0, 1),
 // g = -exp(A_log) softplus(a + dt_bias) in log space), S0 ~ 0.1 N(0, 1); every third chunk's first 40
@@ -22,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "../benchmarks/gdn_chunk_v1.cuh"
 #include "../benchmarks/gdn_ref.h"
 #include "cuda/kernels/gdn_chunk.cuh"
 
@@ -34,7 +33,6 @@ static void check_cuda(cudaError_t e, const char* what, int line) {
 #define CK(call) check_cuda((call), #call, __LINE__)
 
 using namespace lily::cuda;
-namespace v1 = lily::cuda::gdn_v1;
 
 constexpr int T_MAX = 2048, HK = 16, HV = 32, D = 128, REPS = 20;
 
@@ -42,23 +40,15 @@ struct Dev {
   float *qkv, *a, *b, *A_log, *dt_bias, *state, *o, *ws;
 };
 
-enum Kind { TOKEN, V1_PREP, V1_SCAN, V1_BOTH, NEW_PREP, NEW_SCAN, NEW_BOTH };
-static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "old prep (fp32 SIMT)",
-                                  "old scan (fp32 SIMT)", "old prep + scan",
-                                  "new prep (3xTF32 mma)", "new scan (3xTF32 mma)", "new prep + scan"};
+enum Kind { TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH };
+static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "prep (3xTF32 mma)",
+                                  "scan (3xTF32 mma)", "prep + scan"};
 
 static void launch(Kind k, const Dev& d, int T) {
   const int nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
   if (k == TOKEN) {
     const GatedDeltaParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, T, HK, HV, D, D};
     gated_delta_kernel<128><<<dim3(HV, (D + GDN_COLS - 1) / GDN_COLS), GDN_THREADS>>>(p);
-  }
-  if (k == V1_PREP || k == V1_SCAN || k == V1_BOTH) {
-    const v1::GdnChunkParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != V1_SCAN)
-      v1::gdn_chunk_prep_kernel<<<dim3(nch, HV), v1::GDNC_THREADS, sizeof(v1::GdnPrepSmem)>>>(p);
-    if (k != V1_PREP)
-      v1::gdn_chunk_scan_kernel<<<dim3(HV, D / v1::GDNC_COLS), v1::GDNC_THREADS, sizeof(v1::GdnScanSmem)>>>(p);
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
     const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
@@ -93,14 +83,12 @@ static T* upload(const std::vector<T>& v) {
 }
 
 int main() {
-  CK(cudaFuncSetAttribute(v1::gdn_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(v1::GdnPrepSmem))));
-  CK(cudaFuncSetAttribute(v1::gdn_chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(v1::GdnScanSmem))));
   CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
   CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
 
   const gdn_ref::Inputs x = gdn_ref::make_inputs(T_MAX, HK, HV, D, 42, /*decay=*/1);
   const int nch = T_MAX / gdn_chunk::C;
-  const size_t ws_floats = size_t(nch) * HV * std::max<size_t>(gdn_chunk::BLOCK, v1::GDNC_BLOCK);
+  const size_t ws_floats = size_t(nch) * HV * size_t(gdn_chunk::BLOCK);
   Dev d{upload(x.qkv), upload(x.a), upload(x.b), upload(x.A_log), upload(x.dt_bias), upload(x.state), nullptr, nullptr};
   CK(cudaMalloc(&d.o, size_t(T_MAX) * HV * D * sizeof(float)));
   CK(cudaMalloc(&d.ws, ws_floats * sizeof(float)));
@@ -130,9 +118,9 @@ int main() {
                 T_MAX, HV, HK, e32);
   emit(line);
   std::vector<float> o(size_t(T_MAX) * HV * D), st(x.state.size());
-  for (Kind k : {TOKEN, V1_PREP, V1_SCAN, V1_BOTH, NEW_PREP, NEW_SCAN, NEW_BOTH}) {
+  for (Kind k : {TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH}) {
     double eo = -1, es = -1;
-    if (k == TOKEN || k == V1_BOTH || k == NEW_BOTH) {  // one fresh call from S0, checked
+    if (k == TOKEN || k == NEW_BOTH) {  // one fresh call from S0, checked
       CK(cudaMemcpy(d.state, x.state.data(), st.size() * sizeof(float), cudaMemcpyHostToDevice));
       CK(cudaMemset(d.o, 0xff, o.size() * sizeof(float)));
       launch(k, d, T_MAX);
@@ -155,7 +143,7 @@ int main() {
     emit(line);
   }
 
-  emit("\n## Short prompts: token kernel against the new chunked pair (GDN_CHUNK_MIN_T)\n\n"
+  emit("\n## Short prompts: token kernel against the chunked pair (GDN_CHUNK_MIN_T)\n\n"
        "| T | token us | chunked us |\n|---:|---:|---:|\n");
   for (int T : {8, 16, 32, 48, 64, 128, 256}) {
     std::snprintf(line, sizeof line, "| %d | %.1f | %.1f |\n", T, time_us(TOKEN, d, T, REPS), time_us(NEW_BOTH, d, T, REPS));
