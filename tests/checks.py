@@ -34,3 +34,17 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray, rel: float) -> None:
     top2 = np.sort(ref, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > 10 * err
     assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def rel_err(a, ref) -> float:
+    """||a - ref|| / ||ref|| in fp64 (the GPU-vs-CPU comparisons' measure)."""
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_rel_close(name: str, got, ref, tol: float) -> None:
+    """Same shape and rel_err(got, ref) <= tol, with the max abs difference in the message."""
+    assert got.shape == ref.shape, name
+    err, max_abs = rel_err(got, ref), float(np.abs(got - ref).max())
+    assert err <= tol, f"{name}: rel err {err:.3g} > {tol:.3g} (max abs {max_abs:.3g})"
+

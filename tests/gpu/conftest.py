@@ -1,7 +1,6 @@
 """GPU test fixtures and the tolerance table of CUDA-vs-CPU comparisons (one key per check)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 # Relative error ||gpu - cpu|| / ||cpu|| (or max-abs where the key says so) allowed per check. The
@@ -54,11 +53,6 @@ GPU_TOL = {
     "attention_prefill": 5e-3,
     "attention_generic": 1e-5,
 }
-
-
-def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checks import rel_err
 from lily import _core
 
 pytestmark = [
@@ -21,11 +22,6 @@ REAL = (16, 2, 256)  # nH, nKV, D of the model
 # head dims with tensor-core kernels (32, 64, 128, 256) and one that takes the generic kernel (24)
 CONFIGS = [REAL, (4, 2, 32), (4, 2, 64), (8, 1, 128), (4, 2, 24)]
 MMA_DIMS = (32, 64, 128, 256)
-
-
-def rel_err(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check(got, ref, tol):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checks import assert_rel_close, rel_err
 from lily import _core
 
 pytestmark = [
@@ -12,17 +13,6 @@ pytestmark = [
     pytest.mark.skipif(not _core.backend_available("cuda"), reason="no CUDA backend on this machine"),
 ]
 ops = _core.ops
-
-
-def rel_err(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def check(name, got, ref, tol):
-    assert got.shape == ref.shape, name
-    err, max_abs = rel_err(got, ref), float(np.abs(got - ref).max())
-    assert err <= tol, f"{name}: rel err {err:.3g} > {tol:.3g} (max abs {max_abs:.3g})"
 
 
 # (T, C, K): decode, odd widths, several token blocks (16 per CUDA block), the real conv_dim
@@ -35,7 +25,7 @@ def test_conv1d_silu(T, C, K, gpu_tol):
     state = rng.standard_normal((K - 1, C)).astype(np.float32)
     y_cpu, s_cpu = ops.conv1d_silu("cpu", u, w, state)
     y_gpu, s_gpu = ops.conv1d_silu("cuda", u, w, state)
-    check("y", y_gpu, y_cpu, gpu_tol["conv1d_silu"])
+    assert_rel_close("y", y_gpu, y_cpu, gpu_tol["conv1d_silu"])
     np.testing.assert_array_equal(s_gpu, s_cpu)  # the new state is a copy of inputs
 
 
@@ -67,8 +57,8 @@ def test_gated_delta_rule(T, Hk, Hv, Dk, Dv, gpu_tol):
     x = gdn_inputs(np.random.default_rng(T * 131 + Hv * 17 + Dk + Dv), T, Hk, Hv, Dk, Dv)
     o_cpu, s_cpu = gdn("cpu", x, Hk, Dk)
     o_gpu, s_gpu = gdn("cuda", x, Hk, Dk)
-    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
-    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
 
 
 @pytest.mark.parametrize("T, Hk, Hv, Dk, Dv", [(21, 2, 4, 32, 32), (5, 2, 2, 20, 12), (18, 16, 32, 128, 128)])
@@ -94,10 +84,10 @@ def test_gated_delta_chunked_real_widths(T, gpu_tol):
     x = gdn_inputs(np.random.default_rng(1000 + T), T, 16, 32, 128, 128)
     o_cpu, s_cpu = gdn("cpu", x, 16, 128)
     o_gpu, s_gpu = gdn("cuda", x, 16, 128)
-    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
-    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
     tail = (T - 1) // 64 * 64  # the last chunk's rows on their own: a partial chunk must be right too
-    check("o (last chunk)", o_gpu[tail:], o_cpu[tail:], gpu_tol["gated_delta_rule"])
+    assert_rel_close("o (last chunk)", o_gpu[tail:], o_cpu[tail:], gpu_tol["gated_delta_rule"])
 
 
 # GQA groups other than the model's 2 (value head h reads key head h // (Hv/Hk)): 1, 4, and all
@@ -107,8 +97,8 @@ def test_gated_delta_chunked_gqa(T, Hk, Hv, gpu_tol):
     x = gdn_inputs(np.random.default_rng(2000 + T + Hk * 10 + Hv), T, Hk, Hv, 128, 128)
     o_cpu, s_cpu = gdn("cpu", x, Hk, 128)
     o_gpu, s_gpu = gdn("cuda", x, Hk, 128)
-    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
-    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
 
 
 def strong_decay(x, mixed):
@@ -131,8 +121,8 @@ def test_gated_delta_chunked_strong_decay(mixed, gpu_tol):
     o_cpu, s_cpu = gdn("cpu", x, 16, 128)
     o_gpu, s_gpu = gdn("cuda", x, 16, 128)
     assert np.isfinite(o_gpu).all() and np.isfinite(s_gpu).all()
-    check("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
-    check("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("o", o_gpu, o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
 
 
 def test_gated_delta_chunked_continues_state(gpu_tol):
@@ -147,8 +137,8 @@ def test_gated_delta_chunked_continues_state(gpu_tol):
     second = {k: (v[T1:] if k in ("qkv", "a", "b") else v) for k, v in x.items()}
     second["state"] = s1
     o2, s2 = gdn("cuda", second, 16, 128)
-    check("o", np.concatenate([o1, o2]), o_cpu, gpu_tol["gated_delta_rule"])
-    check("state", s2, s_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("o", np.concatenate([o1, o2]), o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s2, s_cpu, gpu_tol["gated_delta_rule"])
 
 
 # 300: five chunks, the last partial (44 tokens), so the scan's zero-filled q, k rows and several

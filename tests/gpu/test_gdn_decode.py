@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checks import assert_rel_close, rel_err
 from gdn_decode_cases import gdn_token_inputs, run_fused, run_three_ops
 from lily import _core
 
@@ -14,17 +15,6 @@ pytestmark = [
     pytest.mark.skipif(not _core.backend_available("cuda"), reason="no CUDA backend on this machine"),
 ]
 ops = _core.ops
-
-
-def rel_err(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def check(name, got, ref, tol):
-    assert got.shape == ref.shape, name
-    err, max_abs = rel_err(got, ref), float(np.abs(got - ref).max())
-    assert err <= tol, f"{name}: rel err {err:.3g} > {tol:.3g} (max abs {max_abs:.3g})"
 
 
 def strong(x):
@@ -55,8 +45,8 @@ def test_gdn_decode_mixer_matches_cpu(Hk, Hv, Dk, Dv, K, decay, gpu_tol):
     assert np.isfinite(y_gpu).all() and np.isfinite(s_gpu).all()
     tol = gpu_tol["gated_delta_rule"]
     for t in range(STEPS):
-        check(f"y token {t}", y_gpu[t], y_cpu[t], tol)
-    check("state", s_gpu, s_cpu, tol)
+        assert_rel_close(f"y token {t}", y_gpu[t], y_cpu[t], tol)
+    assert_rel_close("state", s_gpu, s_cpu, tol)
     np.testing.assert_array_equal(cs_gpu, cs_cpu)  # the conv state is a copy of inputs
 
 
@@ -71,7 +61,7 @@ def test_gdn_decode_mixer_equals_cuda_ops(Hk, Hv, Dk, Dv, K, gpu_tol):
     for name, got, ref in zip(("y", "conv_state", "state"), fused, three):
         exact = np.array_equal(got, ref)
         print(f"{name}: {'bit-identical' if exact else f'rel err {rel_err(got, ref):.3g}'}")
-        check(name, got, ref, tol)
+        assert_rel_close(name, got, ref, tol)
     np.testing.assert_array_equal(fused[1], three[1])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checks import rel_err
 from lily import _core
 
 pytestmark = [
@@ -14,11 +15,6 @@ ops = _core.ops
 
 # (rows, cols): odd sizes (scalar path), multiples of 4 (float4 path), the real widths
 SHAPES = [(1, 1), (3, 19), (19, 99), (7, 128), (2, 2047), (5, 2048), (99, 4096), (1024, 128), (33, 8192)]
-
-
-def rel_err(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check(got, ref, tol):
