@@ -17,6 +17,7 @@ from lily.checkpoint.tiny import tiny_checkpoint
 from lily.cli import read_prompts
 from lily.server.errors import APIError
 from lily.server.parse import parse_chat, parse_completion
+from server_fakes import Slow
 
 ROOT = Path(__file__).parent.parent
 USER = [{"role": "user", "content": "Hi!"}]
@@ -183,32 +184,6 @@ def test_stream_repr_after_close(model):
     assert "running" not in repr(stream) and "cancelled" in repr(stream)
 
 
-def _slow_source(n: int, delay: float):
-    """A scripted generation source for the server: n one-token pieces, delay seconds apart."""
-    import time
-
-    from lily import Generation, GenerationEvent, GenerationStream
-
-    def source(job):
-        result = Generation(text="")
-        result.usage.prompt_tokens = len(job.prompt.ids)
-
-        def events():
-            result.finish_reason = "cancelled"
-            for i in range(n):
-                if job.cancelled:
-                    return
-                time.sleep(delay)
-                result.token_ids.append(i)
-                result.usage.completion_tokens += 1
-                yield GenerationEvent("x", i, None, "length" if i == n - 1 else None)
-            result.finish_reason = "length"
-
-        return GenerationStream(events(), result)
-
-    return source
-
-
 def test_a_cancelled_request_gets_a_log_line(model, capfd):
     import re
     import socket
@@ -221,7 +196,7 @@ def test_a_cancelled_request_gets_a_log_line(model, capfd):
         while not cond() and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    with Server(model, port=0, model_name="tiny", source=_slow_source(200, 0.01), log=True) as s:
+    with Server(model, port=0, model_name="tiny", source=Slow(200, 0.01), log=True) as s:
         body = json.dumps({"prompt": "Hi", "max_tokens": 200, "stream": True}).encode()
         c = socket.create_connection((s.host, s.port))
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -243,13 +218,13 @@ def test_a_cancelled_request_gets_a_log_line(model, capfd):
     assert m[1] == record["id"] and m[1].encode() in data
     assert 3 <= int(m[2]) == record["completion_tokens"] < 200 and int(m[3]) == record["prompt_tokens"]
     # Not logged without --log-requests; a queued request cancelled by the shutdown is logged before it starts.
-    with Server(model, port=0, model_name="tiny", source=_slow_source(200, 0.01)) as s:
+    with Server(model, port=0, model_name="tiny", source=Slow(200, 0.01)) as s:
         assert s.worker.log is None
     from lily.server.worker import Job, Worker
     from lily.server.prompt import Prompt
 
     lines = []
-    worker = Worker(model, max_context=128, source=_slow_source(10_000, 0.01))
+    worker = Worker(model, max_context=128, source=Slow(10_000, 0.01))
     worker.log = lines.append
     running, queued = (Job(f"cmpl-{i}", Prompt([1, 2, 3]), lily.SamplingParams(max_tokens=10_000)) for i in "ab")
     worker.submit(running)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import lily
-from lily import Generation, GenerationEvent, GenerationStream
 from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
+from server_fakes import Slow
 
 CONTEXT = 512
 USER = [{"role": "user", "content": "Hi"}]
@@ -29,32 +29,6 @@ USER = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def model() -> lily.Model:
     return lily.Model.load(tiny_checkpoint(), device="cpu", max_context=CONTEXT)
-
-
-class Slow:
-    """A scripted engine: ``n`` pieces, ``delay`` seconds apart."""
-
-    def __init__(self, n=3, delay=0.0):
-        self.n, self.delay = n, delay
-
-    def __call__(self, job):
-        result = Generation(text="", thinking=job.prompt.thinking)
-        result.usage.prompt_tokens = len(job.prompt.ids)
-        n, delay = self.n, self.delay
-
-        def events():
-            result.finish_reason = "cancelled"
-            for i in range(n):
-                if job.cancelled:
-                    return
-                time.sleep(delay)
-                result.token_ids.append(i)
-                result.usage.completion_tokens += 1
-                yield GenerationEvent("x", i, None, "length" if i == n - 1 else None)
-            result.finish_reason = "length"
-            result.text = "x" * n
-
-        return GenerationStream(events(), result)
 
 
 @pytest.fixture
