@@ -1,6 +1,6 @@
 // gdn_emu: runs the chunked GDN kernels' own source (csrc/cuda/kernels/gdn_chunk.cuh) on the host, to
 // check their index logic, fragment layouts, barriers and cp.async ordering without a GPU.
-//   Build/run: g++ -O2 -std=c++20 -I csrc -o /tmp/gdn_emu benchmarks/gdn_emu.cpp && /tmp/gdn_emu
+//   Build/run: g++ -O2 -std=c++20 -I csrc -o "${TMPDIR:-/tmp}/gdn_emu" benchmarks/gdn_emu.cpp && "${TMPDIR:-/tmp}/gdn_emu"
 // How: every CUDA thread of a block is a ucontext fiber on one OS thread, switched cooperatively at
 // __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k8 tf32
 // is emulated from the PTX ISA fragment table (written out below independently of the kernel's helpers):

@@ -1,5 +1,5 @@
 // gemm_wgmma_emu: CPU emulation of linear_wgmma's index logic for one k-tile of a 256-output x BM-row CTA.
-//   Build and run (no GPU needed): nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/emu benchmarks/gemm_wgmma_emu.cu && /tmp/emu
+//   Build and run (no GPU needed): nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o "${TMPDIR:-/tmp}/gemm_emu" benchmarks/gemm_wgmma_emu.cu && "${TMPDIR:-/tmp}/gemm_emu"
 // Uses the kernel's own wg_phys_k / wg_swz and repeats its thread mappings (convert_x, dequant_w, the
 // epilogue), then emulates wgmma as the PTX ISA describes it: the A register fragment of m64nNk16 (per warp
 // w: rows 16w + g and 16w + g + 8, registers {k 2c..2c+1, same k row+8, k 2c+8.., row+8}), B read through

@@ -8,7 +8,8 @@ host_build() {
   t0=$(date +%s)
   # a carried nanobind wheel (.whl/nanobind-*.whl, e.g. PyPI's, as CI builds with) replaces the image's
   if compgen -G ".whl/nanobind-*.whl" >/dev/null; then
-    python3 -m pip install -q --no-deps --target /tmp/nbsite .whl/nanobind-*.whl && export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
+    local site=${TMPDIR:-/tmp}/nbsite
+    python3 -m pip install -q --no-deps --target "$site" .whl/nanobind-*.whl && export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
     echo "build: nanobind $(python3 -c 'import nanobind; print(nanobind.__version__)') (carried)"
   else
     echo "build: nanobind $(python3 -c 'import nanobind; print(nanobind.__version__)') (the image's)"
