@@ -84,6 +84,15 @@ struct MmaMoeDownRows {
   }
 };
 
+// Token t's expert ids into shared memory, for both kernels' row addresses: they and the activations come
+// from the kernels before (the wait), and every thread reads them after the barrier.
+__device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_t* ids) {
+  pdl_wait();
+  pdl_trigger();
+  for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+  __syncthreads();
+}
+
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(const MoeMmaParams p) {
@@ -95,12 +104,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
   const MmaMoeUpRows<BITS> rows{p, ids, t};
-  auto ids_in = [&] {  // expert ids and h come from the kernels before
-    pdl_wait();
-    pdl_trigger();
-    for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
-    __syncthreads();
-  };
+  auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
     mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
@@ -120,12 +124,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
   float* xsum = xe + Kv / VB;
   const MmaMoeDownRows<BITS> rows{p, ids, t};
-  auto ids_in = [&] {
-    pdl_wait();
-    pdl_trigger();
-    for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
-    __syncthreads();
-  };
+  auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
     mma_stage_x<BITS, VB>(
