@@ -21,8 +21,7 @@
 //               a private S-stage shared-memory ring (cp.async 16 B; scale/bias words by 4-byte cp.async)
 //   stream      pure uint4 streaming read of the same bytes (per-size bandwidth floor)
 //   mma ks=N    the integer tensor-core GEMV (kernels/gemv_mma.cuh) at each K-split ("*": the launch plan's),
-//               then two ablations of the planned one: "loads-only" (no fragments, mma or epilogue) and
-//               "const scales" (scale/bias words from one L1-resident line: isolates their requests)
+//               then an ablation of the planned one: "loads-only" (no fragments, mma or epilogue)
 // Also: "empty" (launch gap), "1 GiB stream" (bandwidth ceiling), and v1 against a host fp64 reference.
 #include <cuda_runtime.h>
 
@@ -50,18 +49,13 @@ namespace lily::cuda::lab {
 
 constexpr int R = GemvTiling<1>::R;
 
-// ---- integer tensor-core GEMV ablations (kernels/gemv_mma.cuh, one token) --------------------------------
-// Each runs linear_gemv_mma_kernel's exact body (grid, units, register stages, x staging, pass reductions)
-// with one thing removed:
-//   MMA_LOADS_ONLY   the segment step (A/B fragments, mma, epilogue, shared x reads) replaced by an xor of
-//                    the loaded weight and scale words folded into the row sums (so nothing is dead code)
-//   MMA_CONST_SCALES every row's scale/bias words read from one 64-byte line (always in L1): the weights'
-//                    own requests remain, the 8 scattered scale/bias sector requests per unit go
-enum MmaLab { MMA_LOADS_ONLY, MMA_CONST_SCALES };
-
+// ---- integer tensor-core GEMV ablation (kernels/gemv_mma.cuh, one token) ---------------------------------
+// linear_gemv_mma_kernel's exact body (grid, units, register stages, x staging, pass reductions) with the
+// segment step (A/B fragments, mma, epilogue, shared x reads) replaced by an xor of the loaded weight and
+// scale words folded into the row sums (so nothing is dead code): the bar the full kernel is held to.
 template <int BITS, int NG>
 struct LabXorSegment {
-  static __device__ __forceinline__ void run(const MmaLane<NG>&, const MmaStage& st, int i, int, const uint2*,
+  static __device__ __forceinline__ void run(const MmaLane<BITS, NG>&, const MmaStage& st, int i, int, const uint2*,
                                              const float*, const float*, float (&acc)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -72,19 +66,8 @@ struct LabXorSegment {
   }
 };
 
-template <int BITS>
-struct LabConstScaleRows : MmaLinearRows<BITS> {
-  const uint16_t* line;  // 32 BF16 pairs
-  __device__ __forceinline__ MmaRowRef row(int tile, int r, int seg) const {
-    MmaRowRef ref = MmaLinearRows<BITS>::row(tile, r, seg);
-    if (ref.w != nullptr) ref.s = ref.b = line + 2 * ((tile * 16 + r) & 15);
-    return ref;
-  }
-};
-
-template <int BITS, int NG, int MODE>
-__global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) lab_mma_kernel(const MmaLinearParams p,
-                                                                              const uint16_t* line) {
+template <int BITS, int NG>
+__global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) lab_mma_loads_kernel(const MmaLinearParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
@@ -100,15 +83,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) lab_mma_kernel(cons
     mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
     __syncthreads();
   };
-  if constexpr (MODE == MMA_LOADS_ONLY) {
-    mma_gemv_body<BITS, NG, MmaLinearRows<BITS>, decltype(none), decltype(stage), LabXorSegment<BITS, NG>>(
-        rows, tiles, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, none, stage);
-  } else {
-    LabConstScaleRows<BITS> crows;
-    static_cast<MmaLinearRows<BITS>&>(crows) = rows;
-    crows.line = line;
-    mma_gemv_body<BITS, NG>(crows, tiles, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, none, stage);
-  }
+  mma_gemv_body<BITS, NG, MmaLinearRows<BITS>, decltype(none), decltype(stage), LabXorSegment<BITS, NG>>(
+      rows, tiles, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, none, stage);
 }
 
           // rows per thread and unit (NT = 1)
@@ -605,27 +581,20 @@ void bench_linear(const char* name, int rows, int cols) {
       }, true, desc);
       if (ks == chosen.ks) mma_y = to_host(yv, rows);
     }
-    uint16_t* line = dalloc<uint16_t>(64);  // the constant scale/bias line: scale 1/64, bias 0 (BF16)
-    std::vector<uint16_t> hl(64);
-    for (int k = 0; k < 64; ++k) hl[k] = k % 2 == 0 ? 0x3C80 : 0;
-    CK(cudaMemcpy(line, hl.data(), 128, cudaMemcpyHostToDevice));
-    auto ablation = [&](auto kernel, const char* label) {
+    {  // the loads-only ablation at the chosen plan
+      const auto kernel = lab_mma_loads_kernel<BITS, NG>;
       allow_smem(kernel, MAX_SMEM);
       const MmaSplit sp(chosen.ks, int(segs));
       const int grid = int(std::min<int64_t>(cdiv(tiles, sp.rt), resident));
-      variant(label, [&](int i, float* y) {
+      variant("mma * loads-only", [&](int i, float* y) {
         cudaLaunchAttribute attr{};
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t cfg{dim3(grid), dim3(MMA_THREADS), ms, g_stream, &attr, 1};
         const MmaLinearParams mp{W.w(i % copies), W.s(i % copies), W.b(i % copies), x, y, rows, cols, 6, chosen.ks};
-        CK(cudaLaunchKernelEx(&cfg, kernel, mp, static_cast<const uint16_t*>(line)));
+        CK(cudaLaunchKernelEx(&cfg, kernel, mp));
       }, false, "the chosen plan");
-    };
-    ablation(lab_mma_kernel<BITS, NG, MMA_LOADS_ONLY>, "mma * loads-only");
-    ablation(lab_mma_kernel<BITS, NG, MMA_CONST_SCALES>, "mma * const scales");
-    CK(cudaStreamSynchronize(g_stream));
-    CK(cudaFree(line));
+    }
   }
   const auto lo = lab_gemv_kernel<BITS, LOADS_ONLY>, ns = lab_gemv_kernel<BITS, NO_STAGE>;
   allow_smem(lo, MAX_SMEM);

@@ -177,6 +177,7 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
   const int bits = w.gate_proj->bits, halves = mma_group_halves(bits, w.gate_proj->group_size);
   const int64_t vals = 512 / bits, I = w.gate_proj->rows, Is = w.shared_gate_proj->rows, H = h.dim(1);
   if (halves == 0 || H % vals != 0 || I % vals != 0 || Is % vals != 0) return false;
+  if ((top_k * I + Is) / vals >= 65536) return false;  // moe_down_mma's slot of a virtual segment (umulhi)
   for (const QMatrix* m : mats) {
     if (m->group_size != w.gate_proj->group_size) return false;
     if (halves == 2 && (reinterpret_cast<uintptr_t>(m->scales.data()) % 4 != 0 ||

@@ -1,6 +1,6 @@
 // CPU emulator of the integer tensor-core GEMV (csrc/cuda/kernels/gemv_mma.cuh): runs the kernel's own
-// host-callable pieces (block scale, octet digits, A fragments, octet of a lane's step, lane constants,
-// column epilogue) for every lane of a warp, with mma.sync m16n8k32 u8 x s8 emulated from the PTX ISA's
+// host-callable pieces (block scale, octet digits and their staged order, A and B fragments, accumulator
+// chaining and combination, lane constants, column epilogue) for every lane of a warp, with mma.sync m16n8k32 u8 x s8 emulated from the PTX ISA's
 // fragment tables, and compares one 16-row tile's y with an fp64 product of the dequantized weights.
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
 //   A 16x32: a0 row g, k 4t..4t+3 | a1 row g+8, k 4t.. | a2 row g, k 16+4t.. | a3 row g+8, k 16+4t..
@@ -87,7 +87,7 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
       for (int k = 0; k < 8; ++k) v[k] = x[8 * o + k];
       uint2 dg[3];
       mma_octet_digits<BITS>(v, inv, dg);
-      for (int d = 0; d < 3; ++d) xd[o * 3 + d] = dg[d];
+      for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd.data()), o, d, dg[d]);
       // the digits must reconstruct rint(v * inv) exactly
       for (int k = 0; k < 8; ++k) {
         const int byte = BITS == 4 ? (k % 2) * 4 + k / 2 : k;  // position of value k in (b0, b1)
@@ -119,19 +119,30 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
         bbits[lane][r] = NG == 2 ? uint32_t(bi[gi]) | uint32_t(bi[gi + 1]) << 16 : bi[gi];
       }
     }
-    int c[32][4] = {};
-    for (int s = 0; s < S::STEPS; ++s) {
+    int cs[32][2][4] = {};  // the kernel's accumulators (mma_acc_of), per lane
+    for (int m = 0; m < S::MMAS; ++m) {
       uint32_t a[32][4], b[32][2];
+      int c[32][4];
       for (int lane = 0; lane < 32; ++lane) {
-        const MmaLane<NG> L(lane);
-        mma_a_frag<BITS>(wl[lane][0], wl[lane][1], s, a[lane]);
-        const uint2 v = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
+        const MmaLane<BITS, NG> L(lane);
+        mma_a_frag<BITS>(wl[lane][0], wl[lane][1], m, a[lane]);
+        const int k = BITS == 4 ? (m & 1) : 0;
+        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd.data()), seg, L.t, k, L.b_digit)
+                               : make_uint4(0u, 0u, 0u, 0u);
+        const uint2 v = mma_b_frag<BITS>(q, m);
         b[lane][0] = v.x, b[lane][1] = v.y;
+        for (int e = 0; e < 4; ++e) c[lane][e] = cs[lane][mma_acc_of<BITS>(m)][e];
       }
       emulate_mma(a, b, c);
+      for (int lane = 0; lane < 32; ++lane)
+        for (int e = 0; e < 4; ++e) cs[lane][mma_acc_of<BITS>(m)][e] = c[lane][e];
     }
-    for (int lane = 0; lane < 32; ++lane)
-      mma_columns<NG>(MmaLane<NG>(lane), c[lane], sbits[lane], bbits[lane], seg, xe.data(), xsum.data(), acc[lane]);
+    for (int lane = 0; lane < 32; ++lane) {
+      int c[4];
+      for (int e = 0; e < 4; ++e) c[e] = mma_combine<BITS>(cs[lane], e);
+      mma_columns<BITS, NG>(MmaLane<BITS, NG>(lane), c, sbits[lane], bbits[lane], seg, xe.data(), xsum.data(),
+                            acc[lane]);
+    }
   }
   // quad sums (lane t of each g), against fp64
   double num = 0, den = 0, num32 = 0;

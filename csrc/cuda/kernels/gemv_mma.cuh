@@ -12,14 +12,20 @@
 //
 // Layout. A row segment = the 64 bytes that 4 lanes read with one 16-byte load each (VALS = 128 values at
 // 4 bits, 64 at 8 bits); a tile = 16 rows (the mma's M). Lane (g = lane / 4, t = lane % 4) loads bytes
-// [16t, 16t + 16) of the segment in rows g and g + 8, and runs STEPS mma k-steps on them:
-//   4-bit: step s takes word s of its 16 bytes = the 8 values of octet 4t + s (an octet = 8 consecutive
-//          values): a0 / a1 = the even values (w & 0x0F0F0F0F) of rows g / g+8, a2 / a3 = the odd values
-//          ((w >> 4) & 0x0F0F0F0F), each byte an unsigned q;
-//   8-bit: step s takes words 2s, 2s+1 = octet 2t + s: a0 / a1 = its values 0-3, a2 / a3 = values 4-7.
-// So mma k-slots 4t + i and 16 + 4t + i of step s hold values of octet t * STEPS + s, and B (32 x 8, column
-// n = g) must hold digit d of the same values in the same order: the staged digits are, per octet and digit,
-// one uint2 (b0, b1) = (values 0,2,4,6 | 1,3,5,7) at 4 bits or (values 0-3 | 4-7) at 8 bits.
+// [16t, 16t + 16) of the segment in rows g and g + 8 (words 0-3: at 4 bits word s = octet 4t + s, an octet
+// being 8 consecutive values; at 8 bits words 2s, 2s+1 = octet 2t + s) and runs MMAS mma k-steps on them:
+//   4-bit: mma m = 2 * kind + p takes words 2p, 2p+1 (octets 4t+2p, 4t+2p+1): a0 / a1 = rows g / g+8 of
+//          word 2p, a2 / a3 of word 2p+1, masked to the even nibbles (w & 0x0F0F0F0F: bytes = q, kind 0)
+//          or the odd nibbles in place (w & 0xF0F0F0F0: bytes = 16 q, kind 1); the kind-0 and kind-1 mmas
+//          chain into two int32 accumulators, c = 16 * c0 + c1 = 16 x the product (the 1/16 is folded into
+//          the column weights), exact: |c| < 2^22;
+//   8-bit: mma m takes octet 2t + m: a0 / a1 = its values 0-3 (word 2m) of rows g / g+8, a2 / a3 values
+//          4-7; one accumulator.
+// So B (32 x 8, column n = g) must hold digit d of the same values in the same k order: the staged digits
+// are, per octet and digit, one uint2 = (values 0,2,4,6 | 1,3,5,7) at 4 bits or (values 0-3 | 4-7) at 8
+// bits, stored in octet pairs (mma_xd_store) so that one 16-byte shared load gives a lane both octets of
+// an mma, its (b0, b1) in adjacent words (4 bits: the kind-0 or kind-1 halves of octets 4t+2p, 4t+2p+1;
+// 8 bits: one load serves both mmas).
 // Columns: n = 3h + d for half h < NG of the segment (NG = VALS / VB = 2 when a weight group is half a
 // segment, else 1) and digit d < 3; lanes t = 0,1 hold octets of half 0 and t = 2,3 of half 1, so B of
 // lane (g, t) is digit g % 3 when g / 3 is its half (NG = 2) or g < 3 (NG = 1), zero otherwise. The
@@ -30,7 +36,11 @@
 // Work. CTA = 8 warps = RT = 8 / ks tiles x ks K-parts; a pass of the CTA covers RT tiles; warp (tile tl,
 // part k) takes segments [k * spw, (k+1) * spw) in units of MMA_SPU segments, double-buffered in registers
 // (unit j+1's loads in flight while unit j computes). The Rows policy (linear, MoE up, MoE down) says
-// which weight row each of the 16 A rows reads at a segment, and what a finished tile stores.
+// which weight row each of the 16 A rows reads at a segment, and what a finished tile stores. The hot
+// loop is kept lean (it is issue- and latency-bound at 2 CTAs per SM): a lane resolves its two rows once
+// per pass (Rows::base) and a segment's addresses by adds (Rows::at); pass and unit are counters, not
+// divisions; rows past the end and segments past a warp's range are clamped to real ones (loads are never
+// predicated), their products are not stored / not computed; the column epilogue has no branches.
 #pragma once
 #include <cstring>
 
@@ -45,20 +55,32 @@ constexpr int MMA_MIN_CTAS = 2;  // CTAs per SM the registers are held to (3: pt
 template <int BITS>
 struct MmaSeg {
   static constexpr int VALS = 512 / BITS;        // values per row segment (64 bytes)
-  static constexpr int STEPS = BITS == 4 ? 4 : 2;  // mma k-steps per segment
+  static constexpr int MMAS = BITS == 4 ? 4 : 2;  // mma k-steps per segment
   static constexpr int OCTETS = VALS / 8;
 };
 
 // Bytes of one CTA's staged x for K values in blocks of VB: digits (3 uint2 per octet), e_u and xsum_u.
 __host__ __device__ constexpr size_t mma_x_bytes(int64_t K, int VB) { return size_t(K) / 8 * 24 + size_t(K) / VB * 8; }
 
-// Where row r of a tile reads a segment: the row's 64-byte segment (4 uint4), its scale and bias at the
-// segment's first group (NG consecutive BF16 when NG = 2); w == nullptr: no such row (reads as zeros).
+// Where a row reads a segment: the row's 64-byte segment (4 uint4), its scale and bias at the segment's
+// first group (NG consecutive BF16 when NG = 2). Always a real row of the matrix.
 struct MmaRowRef {
-  const uint4* w = nullptr;
-  const uint16_t* s = nullptr;
-  const uint16_t* b = nullptr;
+  const uint4* w;
+  const uint16_t* s;
+  const uint16_t* b;
 };
+
+// Row `row` of an affine matrix with `wpr` 32-bit words and `gpr` groups per row, at segment 0, and the
+// same row at segment seg (group_shift = log2 of the group size).
+__device__ __forceinline__ MmaRowRef mma_affine_row(const uint32_t* w, const uint16_t* s, const uint16_t* b,
+                                                    int64_t row, int wpr, int gpr) {
+  return {reinterpret_cast<const uint4*>(w + row * wpr), s + row * gpr, b + row * gpr};
+}
+template <int BITS>
+__device__ __forceinline__ MmaRowRef mma_affine_at(const MmaRowRef& r, int seg, int group_shift) {
+  const int g = (seg * MmaSeg<BITS>::VALS) >> group_shift;
+  return {r.w + seg * 4, r.s + g, r.b + g};
+}
 
 // One unit of a lane's loads: per segment, 16 bytes of rows g and g + 8 and their scale/bias bits
 // (NG = 2: both halves' BF16 in one word, half 0 low).
@@ -74,24 +96,58 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The A registers of step s from a lane's 16 bytes of rows g (w0) and g + 8 (w1); see the layout above.
+// The A registers of mma m from a lane's 16 bytes of rows g (w0) and g + 8 (w1); see the layout above.
 template <int BITS>
-__host__ __device__ __forceinline__ void mma_a_frag(const uint4& w0, const uint4& w1, int s, uint32_t (&a)[4]) {
+__host__ __device__ __forceinline__ void mma_a_frag(const uint4& w0, const uint4& w1, int m, uint32_t (&a)[4]) {
   auto word = [](const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; };
   if constexpr (BITS == 4) {
-    const uint32_t u = word(w0, s), v = word(w1, s);
-    a[0] = u & 0x0F0F0F0Fu, a[2] = (u >> 4) & 0x0F0F0F0Fu;
-    a[1] = v & 0x0F0F0F0Fu, a[3] = (v >> 4) & 0x0F0F0F0Fu;
+    const uint32_t mask = m < 2 ? 0x0F0F0F0Fu : 0xF0F0F0F0u;
+    const int p = m & 1;
+    a[0] = word(w0, 2 * p) & mask, a[1] = word(w1, 2 * p) & mask;
+    a[2] = word(w0, 2 * p + 1) & mask, a[3] = word(w1, 2 * p + 1) & mask;
   } else {
-    a[0] = word(w0, 2 * s), a[2] = word(w0, 2 * s + 1);
-    a[1] = word(w1, 2 * s), a[3] = word(w1, 2 * s + 1);
+    a[0] = word(w0, 2 * m), a[2] = word(w0, 2 * m + 1);
+    a[1] = word(w1, 2 * m), a[3] = word(w1, 2 * m + 1);
   }
 }
 
-// Octet (within a segment) whose values lane t's A registers hold at step s.
+// Staged digits, in octet pairs: the 16 bytes of digit d of octets 2P, 2P+1 are words [4 (3P + d), +4),
+// ordered so that each mma's (b0, b1) are adjacent words: at 4 bits (2P.x, 2P+1.x, 2P.y, 2P+1.y) = the
+// even-value words then the odd-value words; at 8 bits (2P.x, 2P.y, 2P+1.x, 2P+1.y).
 template <int BITS>
-__host__ __device__ constexpr int mma_octet(int t, int s) {
-  return t * MmaSeg<BITS>::STEPS + s;
+__host__ __device__ __forceinline__ void mma_xd_store(uint32_t* xw, int o, int d, uint2 v) {
+  uint32_t* q = xw + 4 * (3 * (o >> 1) + d);
+  if constexpr (BITS == 4) q[o & 1] = v.x, q[2 + (o & 1)] = v.y;
+  else q[2 * (o & 1)] = v.x, q[2 * (o & 1) + 1] = v.y;
+}
+
+// The 16-byte digit pair that lane t's mmas 2k, 2k+1 (4 bits) or both mmas (8 bits, k = 0) of segment seg
+// read: octets mma_pair_octet, +1 of the segment, digit d.
+template <int BITS>
+__host__ __device__ constexpr int mma_pair_octet(int t, int k) {
+  return BITS == 4 ? 4 * t + 2 * k : 2 * t;
+}
+template <int BITS>
+__host__ __device__ __forceinline__ uint4 mma_xd_pair(const uint32_t* xw, int seg, int t, int k, int d) {
+  const int pair = seg * (MmaSeg<BITS>::OCTETS / 2) + (mma_pair_octet<BITS>(t, k) >> 1);
+  return *reinterpret_cast<const uint4*>(xw + 4 * (3 * pair + d));
+}
+
+// The B registers of mma m from its digit pair q (mma_xd_pair).
+template <int BITS>
+__host__ __device__ __forceinline__ uint2 mma_b_frag(const uint4& q, int m) {
+  return BITS == 4 ? (m < 2 ? make_uint2(q.x, q.y) : make_uint2(q.z, q.w))
+                   : (m == 0 ? make_uint2(q.x, q.y) : make_uint2(q.z, q.w));
+}
+
+// The accumulator an mma chains into, and a segment's product from the accumulators (x16 at 4 bits).
+template <int BITS>
+__host__ __device__ constexpr int mma_acc_of(int m) {
+  return BITS == 4 ? m >> 1 : 0;
+}
+template <int BITS>
+__host__ __device__ __forceinline__ int mma_combine(const int (*acc)[4], int e) {
+  return BITS == 4 ? acc[0][e] * 16 + acc[1][e] : acc[0][e];
 }
 
 // The exponent of a block: e = 2^(E - 22) with max|x| < 2^E, so |x / e| <= 2^22; E is clamped to
@@ -171,103 +227,112 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
     uint2 dg[3];
     mma_octet_digits<BITS>(v, inv, dg);
 #pragma unroll
-    for (int d = 0; d < 3; ++d) xd[o * 3 + d] = dg[d];
+    for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
     if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
   }
 }
 
-// Per-lane constants of the column epilogue: which of the lane's two accumulator columns are real,
-// their half h, digit weight 2^(8d), and whether the column is digit 0 (which adds the bias term).
-template <int NG>
+// Per-lane constants of the column epilogue: the lane's B digit, and per accumulator column its half h,
+// its weight 2^(8d) (times 1/16 at 4 bits, see mma_combine) and whether it adds the bias term (digit 0).
+// Columns past 3 * NG are not digits: their h is clamped to a real half and their weights are 0, so the
+// epilogue runs the same instructions on every lane (adding exact zeros for finite weights).
+template <int BITS, int NG>
 struct MmaLane {
   int g, t;
-  bool b_ok;     // this lane's B is a digit (else zero)
-  int b_digit;   // which
-  bool col[2], d0[2];
-  int h[2];
-  float dpow[2];
+  bool b_ok;       // this lane's B is a digit (else zero)
+  int b_digit;     // which
+  int h[2];        // the column's half
+  uint32_t sel[2];  // byte_perm selector moving the half's BF16 into the high half of a word
+  float dpow[2];    // the column's digit weight, 0 for no column
+  float bmul[2];    // 1 for a digit-0 column, else 0
   __host__ __device__ MmaLane(int lane) : g(lane >> 2), t(lane & 3) {
     b_ok = NG == 2 ? g / 3 == t / 2 && g < 6 : g < 3;
     b_digit = g % 3;
+    const float unit = BITS == 4 ? 1.f / 16.f : 1.f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int n = 2 * t + j;
-      col[j] = n < 3 * NG, h[j] = n / 3, d0[j] = n % 3 == 0;
-      dpow[j] = n % 3 == 0 ? 1.f : n % 3 == 1 ? 256.f : 65536.f;
+      const bool col = n < 3 * NG;
+      h[j] = col ? n / 3 : NG - 1;
+      sel[j] = h[j] == 0 ? 0x1044u : 0x3244u;
+      dpow[j] = !col ? 0.f : n % 3 == 0 ? unit : n % 3 == 1 ? 256.f * unit : 65536.f * unit;
+      bmul[j] = col && n % 3 == 0 ? 1.f : 0.f;
     }
   }
 };
 
-__host__ __device__ __forceinline__ float bf16_word_to_f32(uint32_t w, int shift) {
-  const uint32_t bits = (w >> shift) << 16;
+// The BF16 that byte_perm selector sel (MmaLane::sel) picks from w, as a float.
+__host__ __device__ __forceinline__ float bf16_half_to_f32(uint32_t w, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  const uint32_t bits = __byte_perm(w, 0u, sel);
+#else
+  const uint32_t bits = sel == 0x1044u ? w << 16 : w & 0xFFFF0000u;
+#endif
   float f;
   memcpy(&f, &bits, 4);
   return f;
 }
 
 // The lane's share of a finished segment: its accumulator columns (c[j] row g, c[2 + j] row g + 8) times
-// 2^(8d) e_u and the row's scale, plus b * xsum_u for digit-0 columns, into acc[0] (row g), acc[1] (row g+8).
-// s_bits, b_bits: the rows' scale and bias BF16 (both halves when NG = 2, half 0 low).
-template <int NG>
-__host__ __device__ __forceinline__ void mma_columns(const MmaLane<NG>& L, const int (&c)[4], const uint32_t (&s_bits)[2],
-                                                     const uint32_t (&b_bits)[2], int seg, const float* xe,
-                                                     const float* xsum, float (&acc)[2]) {
+// their digit weight, e_u and the row's scale, plus b * xsum_u for digit-0 columns, into acc[0] (row g),
+// acc[1] (row g+8). s_bits, b_bits: the rows' scale and bias BF16 (both halves when NG = 2, half 0 low).
+template <int BITS, int NG>
+__host__ __device__ __forceinline__ void mma_columns(const MmaLane<BITS, NG>& L, const int (&c)[4],
+                                                     const uint32_t (&s_bits)[2], const uint32_t (&b_bits)[2],
+                                                     int seg, const float* xe, const float* xsum, float (&acc)[2]) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    if (!L.col[j]) continue;
-    const int u = seg * NG + L.h[j], sh = 16 * L.h[j];
-    const float coef = xe[u] * L.dpow[j];
+    const int u = seg * NG + L.h[j];
+    const float coef = xe[u] * L.dpow[j], bx = xsum[u] * L.bmul[j];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      acc[r] = fmaf(bf16_word_to_f32(s_bits[r], sh), coef * float(c[2 * r + j]), acc[r]);
-      if (L.d0[j]) acc[r] = fmaf(bf16_word_to_f32(b_bits[r], sh), xsum[u], acc[r]);
+      acc[r] = fmaf(bf16_half_to_f32(s_bits[r], L.sel[j]), coef * float(c[2 * r + j]), acc[r]);
+      acc[r] = fmaf(bf16_half_to_f32(b_bits[r], L.sel[j]), bx, acc[r]);
     }
   }
 }
 
-// One segment of one unit: STEPS mmas into fresh int32 accumulators, then mma_columns.
+// One segment of one unit: MMAS mmas chained into mma_acc_of's accumulators, then mma_columns.
 template <int BITS, int NG>
-__device__ __forceinline__ void mma_segment(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
+__device__ __forceinline__ void mma_segment(const MmaLane<BITS, NG>& L, const MmaStage& st, int i, int seg,
                                             const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
   using S = MmaSeg<BITS>;
-  int cs[S::STEPS][4];  // one accumulator per step: independent mmas, no chain through the tensor core
+  constexpr int ACCS = BITS == 4 ? 2 : 1;
+  int cs[ACCS][4] = {};
+  uint4 q[BITS == 4 ? 2 : 1];  // the lane's digit pairs (zero for lanes without a digit column)
 #pragma unroll
-  for (int s = 0; s < S::STEPS; ++s) {
+  for (int k = 0; k < (BITS == 4 ? 2 : 1); ++k)
+    q[k] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), seg, L.t, k, L.b_digit)
+                  : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int m = 0; m < S::MMAS; ++m) {
     uint32_t a[4];
-    mma_a_frag<BITS>(st.w[i][0], st.w[i][1], s, a);
-    const uint2 b = L.b_ok ? xd[(seg * S::OCTETS + mma_octet<BITS>(L.t, s)) * 3 + L.b_digit] : make_uint2(0u, 0u);
-    cs[s][0] = cs[s][1] = cs[s][2] = cs[s][3] = 0;
-    mma_s8(cs[s], a, b.x, b.y);
+    mma_a_frag<BITS>(st.w[i][0], st.w[i][1], m, a);
+    const uint2 b = mma_b_frag<BITS>(q[BITS == 4 ? (m & 1) : 0], m);
+    mma_s8(cs[mma_acc_of<BITS>(m)], a, b.x, b.y);
   }
   int c[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    c[e] = cs[0][e];
-#pragma unroll
-    for (int s = 1; s < S::STEPS; ++s) c[e] += cs[s][e];  // exact: |c| < 2^17 per segment
-  }
-  mma_columns<NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
+  for (int e = 0; e < 4; ++e) c[e] = mma_combine<BITS>(cs, e);
+  mma_columns<BITS, NG>(L, c, st.s[i], st.b[i], seg, xe, xsum, acc);
 }
 
 // The segment step of mma_gemv_body (a policy, so that benchmarks/gemv_lab.cu can swap in ablations).
 template <int BITS, int NG>
 struct MmaSegmentOp {
-  static __device__ __forceinline__ void run(const MmaLane<NG>& L, const MmaStage& st, int i, int seg,
+  static __device__ __forceinline__ void run(const MmaLane<BITS, NG>& L, const MmaStage& st, int i, int seg,
                                              const uint2* xd, const float* xe, const float* xsum, float (&acc)[2]) {
     mma_segment<BITS, NG>(L, st, i, seg, xd, xe, xsum, acc);
   }
 };
 
-// Loads segment `seg` of the lane's rows into unit slot i (zeros where ok is false or a row is absent).
+// Loads a segment of the lane's rows g (r0) and g + 8 (r1) into unit slot i.
 template <int NG>
-__device__ __forceinline__ void mma_load(MmaStage& st, int i, bool ok, const MmaRowRef (&ref)[2], int t) {
+__device__ __forceinline__ void mma_load(MmaStage& st, int i, const MmaRowRef& r0, const MmaRowRef& r1, int t) {
+  const MmaRowRef* ref[2] = {&r0, &r1};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const MmaRowRef& R = ref[r];
-    if (!ok || R.w == nullptr) {
-      st.w[i][r] = make_uint4(0u, 0u, 0u, 0u), st.s[i][r] = st.b[i][r] = 0u;
-      continue;
-    }
+    const MmaRowRef& R = *ref[r];
     st.w[i][r] = ld_stream(R.w + t);
     if constexpr (NG == 2) {
       st.s[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.s));
@@ -293,6 +358,8 @@ struct MmaSplit {
 // issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
 // between those loads and the first compute: it must stage x into xd, xe, xsum and synchronise the CTA,
 // so the staging overlaps the weights' memory latency.
+// Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
+// row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end).
 template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
@@ -300,44 +367,52 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   __shared__ float red[2][MMA_WARPS][16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
-  const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw);
+  const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
   const int passes = (tiles + sp.rt - 1) / sp.rt;
   const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
   const int units = max(my_passes, 0) * sp.upp;
-  const MmaLane<NG> L(lane);
+  const MmaLane<BITS, NG> L(lane);
   float acc[2] = {0.f, 0.f};
 
-  auto pass_of = [&](int j) { return int(blockIdx.x) + (j / sp.upp) * int(gridDim.x); };
-  auto load = [&](MmaStage& st, int j) {
-    const int tile = pass_of(j) * sp.rt + tl, first = seg0 + (j % sp.upp) * MMA_SPU;
+  // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
+  int lpass = int(blockIdx.x), lu = 0;
+  typename Rows::Ref ref0, ref1;
+  auto resolve = [&](int pass) {
+    const int tile = min(pass * sp.rt + tl, tiles - 1);
+    ref0 = rows.base(tile, L.g), ref1 = rows.base(tile, L.g + 8);
+  };
+  auto load = [&](MmaStage& st, int) {
+    const int first = seg0 + lu * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i) {
-      const int seg = first + i;
-      const bool ok = seg < seg1 && tile < tiles;
-      MmaRowRef ref[2];
-      if (ok) ref[0] = rows.row(tile, L.g, seg), ref[1] = rows.row(tile, L.g + 8, seg);
-      mma_load<NG>(st, i, ok, ref, L.t);
+      const int seg = min(first + i, seg_last);
+      mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg), L.t);
     }
+    if (++lu < sp.upp) return;
+    lu = 0, lpass += int(gridDim.x);
+    if (lpass < passes) resolve(lpass);
   };
-  auto compute = [&](const MmaStage& st, int j) {
-    const int first = seg0 + (j % sp.upp) * MMA_SPU;
+  // computes: pass cpass, unit cu; pass sums double-buffered in red by pass parity
+  int cpass = int(blockIdx.x), cu = 0, parity = 0;
+  auto compute = [&](const MmaStage& st, int) {
+    const int first = seg0 + cu * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i)
       if (first + i < seg1) Segment::run(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
-    if (j % sp.upp != sp.upp - 1) return;
+    if (++cu < sp.upp) return;
     // end of a pass: quad sum, then the tile's K-parts in ascending order
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
       acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
     }
-    float(*rd)[16] = red[(j / sp.upp) & 1];
+    float(*rd)[16] = red[parity];
     if (L.t == 0) rd[warp][L.g] = acc[0], rd[warp][L.g + 8] = acc[1];
     acc[0] = acc[1] = 0.f;
     __syncthreads();
     const int tid = int(threadIdx.x);
     if (tid < sp.rt * 16) {
-      const int t2 = tid / 16, r = tid % 16, tile = pass_of(j) * sp.rt + t2;
+      const int t2 = tid / 16, r = tid % 16, tile = cpass * sp.rt + t2;
       auto row_sum = [&](int rr) {
         float v = 0.f;
         for (int k = 0; k < sp.ks; ++k) v += rd[t2 * sp.ks + k][rr];
@@ -345,10 +420,14 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
       };
       if (tile < tiles) rows.finish(tile, r, row_sum);
     }
+    cu = 0, cpass += int(gridDim.x), parity ^= 1;
   };
   MmaStage a, b;
   before();
-  if (units > 0) load(a, 0);
+  if (units > 0) {
+    resolve(lpass);
+    load(a, 0);
+  }
   after();
   gemv_pipeline(units, a, b, load, compute);
 }
@@ -363,11 +442,12 @@ struct MmaLinearRows {
   const uint16_t* b;
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
-  __device__ __forceinline__ MmaRowRef row(int tile, int r, int seg) const {
-    const int o = tile * 16 + r;
-    if (o >= rows) return {};
-    const int64_t gi = int64_t(o) * gpr + ((seg * MmaSeg<BITS>::VALS) >> group_shift);
-    return {reinterpret_cast<const uint4*>(w + int64_t(o) * wpr) + seg * 4, s + gi, b + gi};
+  using Ref = MmaRowRef;
+  __device__ __forceinline__ Ref base(int tile, int r) const {
+    return mma_affine_row(w, s, b, min(tile * 16 + r, rows - 1), wpr, gpr);
+  }
+  __device__ __forceinline__ MmaRowRef at(const Ref& ref, int seg) const {
+    return mma_affine_at<BITS>(ref, seg, group_shift);
   }
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {

@@ -27,10 +27,10 @@ struct MoeMmaParams {
   int K, ld, group_shift, ks_up, ks_down;
 };
 
+// Row `row` of an expert stack's matrices (experts back to back) at segment 0.
 template <int BITS>
-__device__ __forceinline__ MmaRowRef mma_row_ref(const AffineStack& m, int64_t row, int seg, int group_shift) {
-  const int64_t gi = row * (m.cols >> group_shift) + ((seg * MmaSeg<BITS>::VALS) >> group_shift);
-  return {reinterpret_cast<const uint4*>(m.w + row * (m.cols * BITS / 32)) + seg * 4, m.scales + gi, m.biases + gi};
+__device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t row, int group_shift) {
+  return mma_affine_row(m.w, m.scales, m.biases, row, m.cols * BITS / 32, m.cols >> group_shift);
 }
 
 template <int BITS>
@@ -45,14 +45,17 @@ struct MmaMoeUpRows {
     s = pair < KI ? pair / p.gate.rows : p.K;
     i = pair < KI ? pair - s * p.gate.rows : pair - KI;
   }
-  __device__ __forceinline__ MmaRowRef row(int tile, int r, int seg) const {
-    const int pair = tile * 8 + (r & 7);
-    if (pair >= total()) return {};
+  using Ref = MmaRowRef;
+  __device__ __forceinline__ Ref base(int tile, int r) const {
+    const int pair = min(tile * 8 + (r & 7), total() - 1);
     int s, i;
     slot_of(pair, s, i);
     const bool sh = s == p.K;
     const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
-    return mma_row_ref<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, seg, p.group_shift);
+    return mma_stack_row<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, p.group_shift);
+  }
+  __device__ __forceinline__ MmaRowRef at(const Ref& ref, int seg) const {
+    return mma_affine_at<BITS>(ref, seg, p.group_shift);
   }
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
@@ -65,17 +68,33 @@ struct MmaMoeUpRows {
   }
 };
 
+// Slot s < K of the down product is expert ids[s]'s matrix, slot K the shared expert's: the matrices'
+// first rows, resolved once per CTA into shared memory (moe_mma_slots).
+struct MmaMoeSlots {
+  MmaRowRef m[MOE_MAX_TOP_K + 1];
+};
+
 template <int BITS>
 struct MmaMoeDownRows {
   const MoeMmaParams& p;
-  const int32_t* ids;
+  const MmaMoeSlots& slots;  // shared memory
   int t;
-  __device__ __forceinline__ MmaRowRef row(int tile, int r, int v) const {
-    const int o = tile * 16 + r, H = p.down.rows, sr = p.down.cols / MmaSeg<BITS>::VALS;
-    if (o >= H) return {};
-    const int s = v < p.K * sr ? v / sr : p.K;
-    if (s == p.K) return mma_row_ref<BITS>(p.shared_down, o, v - p.K * sr, p.group_shift);
-    return mma_row_ref<BITS>(p.down, int64_t(ids[s]) * H + o, v - s * sr, p.group_shift);
+  uint32_t sr_magic;  // ceil(2^32 / sr): floor(v / sr) = umulhi(v, sr_magic) for v < 2^16 (sr > 1)
+  struct Ref {  // an output row's offsets in an expert's and in the shared expert's matrix
+    int64_t w4e, ge, w4s, gs;  // in uint4 (16 bytes) and in groups
+  };
+  __device__ __forceinline__ Ref base(int tile, int r) const {
+    const int64_t o = min(tile * 16 + r, p.down.rows - 1);
+    return {o * (p.down.cols * BITS / 128), o * (p.down.cols >> p.group_shift),
+            o * (p.shared_down.cols * BITS / 128), o * (p.shared_down.cols >> p.group_shift)};
+  }
+  // virtual segment v: slot s = v / sr (the shared expert past K * sr), segment v - s * sr of its row
+  __device__ __forceinline__ MmaRowRef at(const Ref& ref, int v) const {
+    const int sr = p.down.cols / MmaSeg<BITS>::VALS;
+    const int s = min(sr == 1 ? v : int(__umulhi(uint32_t(v), sr_magic)), p.K);
+    const MmaRowRef& m = slots.m[s];
+    const int64_t w4 = s == p.K ? ref.w4s : ref.w4e, g = s == p.K ? ref.gs : ref.ge;
+    return mma_affine_at<BITS>(MmaRowRef{m.w + w4, m.s + g, m.b + g}, v - s * sr, p.group_shift);
   }
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
@@ -90,6 +109,17 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
   pdl_wait();
   pdl_trigger();
   for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
+  __syncthreads();
+}
+
+// The down product's slot matrices of token t (after the wait, as moe_mma_ids).
+template <int BITS>
+__device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
+  pdl_wait();
+  pdl_trigger();
+  for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
+    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows, p.group_shift)
+                         : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
   __syncthreads();
 }
 
@@ -119,12 +149,12 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
-  __shared__ int32_t ids[MOE_MAX_TOP_K];
+  __shared__ MmaMoeSlots slots;
   const int t = blockIdx.y, I = p.down.cols, KI = p.K * I, Kv = KI + p.shared_down.cols, Sg = Kv / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
   float* xsum = xe + Kv / VB;
-  const MmaMoeDownRows<BITS> rows{p, ids, t};
-  auto ids_in = [&] { moe_mma_ids(p, t, ids); };
+  const MmaMoeDownRows<BITS> rows{p, slots, t, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
+  auto ids_in = [&] { moe_mma_slots<BITS>(p, t, slots); };
   auto stage = [&] {
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
     mma_stage_x<BITS, VB>(

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Side by side on the GPU host: builds this tree and BASE (a commit of this repository) in one call, writes
+# the full-size synthetic checkpoint once, then runs bench_engine.py alternately (base, new) for ROUNDS
+# rounds at CONTEXTS, and prints the per-round rows and the medians of both builds last.
+#   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 bash benchmarks/ab_host.sh
+# Logs go to $OUT (ab.log, build.log, base_build.log).
+set -uo pipefail
+: "${BASE:?set BASE to a commit}"
+OUT=${OUT:-/tmp/lily-out}
+FULL=${FULL:-/tmp/full}
+ROUNDS=${ROUNDS:-2}
+CONTEXTS=${CONTEXTS:-4096}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+source "$(dirname "$0")/host_lib.sh"
+src=$(pwd)
+basedir=${TMPDIR:-/tmp}/ab-base basepkg=${TMPDIR:-/tmp}/ab-basepkg
+rm -rf "$basedir" "$basepkg"
+git worktree add -f "$basedir" "$BASE" >/dev/null 2>&1 || { echo "no commit $BASE"; exit 1; }
+(python3 -m pip install -q --no-build-isolation --no-deps --target "$basepkg" "$basedir" >"$OUT/base_build.log" 2>&1 \
+  || echo "BASE BUILD FAILED") &
+base_pid=$!
+host_build || exit 1
+wait "$base_pid"
+cd /tmp
+host_full_checkpoint "$FULL" || exit 1
+for ((r = 1; r <= ROUNDS; ++r)); do
+  for build in base new; do
+    path=$([[ $build == base ]] && echo "$basepkg" || echo "")
+    PYTHONPATH=$path python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts "$CONTEXTS" \
+      --json "$OUT/ab_${build}_$r.json" 2>&1 | grep -v "tensor/s" >>"$OUT/ab.log"
+  done
+done
+python3 - "$OUT" "$ROUNDS" "$BASE" <<'EOF'
+import json, statistics, sys
+out, rounds, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rows = {}
+for build in ("base", "new"):
+    for r in range(1, rounds + 1):
+        try:
+            res = json.load(open(f"{out}/ab_{build}_{r}.json"))
+        except OSError:
+            continue
+        for row in res["rows"]:
+            rows.setdefault((row["context"], build), []).append(row)
+print(f"| context | build | decode ms/tok (rounds) | median | prefill ms (rounds) | median | graph nodes |")
+print("|---:|---|---|---:|---|---:|---:|")
+for (ctx, build), rs in sorted(rows.items()):
+    d = [x["decode_ms"] for x in rs]
+    p = [x["prefill_s"] * 1e3 for x in rs]
+    name = base if build == "base" else "this tree"
+    print(f"| {ctx} | {name} | {', '.join(f'{v:.3f}' for v in d)} | {statistics.median(d):.3f} | "
+          f"{', '.join(f'{v:.1f}' for v in p)} | {statistics.median(p):.1f} | {rs[0]['graph_nodes']} |")
+EOF
