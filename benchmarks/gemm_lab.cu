@@ -27,6 +27,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <tuple>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -34,6 +36,7 @@
 #include "cuda/kernels/linear_gemm.cuh"
 #include "cuda/kernels/linear_wgmma.cuh"
 #include "cuda/kernels/linear_wgmma_tma.cuh"
+#include "cuda/tensor_map.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -291,9 +294,53 @@ static void launch_x_bf16(const Problem& p) {
   wgx_bf16_kernel<<<unsigned(p.X_rows), WGX_THREADS>>>(p.dx, p.w->K, p.w->K, p.dxb);
 }
 
-static void launch_tma(const Problem&, const LinearArgs&, int, int) {
-  std::fprintf(stderr, "gemm_lab: wgmma-tma is not built yet\n");
-  std::exit(3);
+template <int BM, bool GS32, bool GATHER>
+static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
+                              int64_t tiles_ub) {
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(linear_wgmma_tma_kernel<BM, GS32, GATHER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            tma_smem_bytes(BM)));
+    configured = true;
+  }
+  const int64_t total_ub = tiles_ub * ((a.w.rows + WG_BN - 1) / WG_BN);
+  const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(total_ub, g_sms)));
+  linear_wgmma_tma_kernel<BM, GS32, GATHER><<<grid, TMA_THREADS, tma_smem_bytes(BM)>>>(a, xb, mx, mw);
+}
+
+// Tensor maps, cached by (address, shape): Xb per problem and BM, W per weight copy.
+static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int bm) {
+  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, bm);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  CUtensorMap m;
+  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, bm) : make_w4_tensor_map(m, ptr, d0, d1, d2);
+  if (r != CUDA_SUCCESS) {
+    std::printf("FAIL: wgmma-tma: cuTensorMapEncodeTiled (%s) returned %d\n", is_x ? "Xb" : "W", int(r));
+    std::fflush(stdout);
+    std::exit(1);
+  }
+  return cache.emplace(key, m).first->second;
+}
+
+static void launch_tma(const Problem& p, const LinearArgs& a, int copy, int bm) {
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, bm);
+  const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, 0);
+  const bool gather = p.dx_rows != nullptr, gs32 = p.w->gs == 32;
+  if (bm == 128) {
+    if (gather || gs32) {
+      std::printf("FAIL: wgmma-tma: no BM 128 instance for gathered rows or group 32\n");
+      std::exit(1);
+    }
+    launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, (p.M + 127) / 128);
+  } else if (gather) {
+    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, p.max_tiles64);
+  } else {
+    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, p.max_tiles64);
+  }
 }
 
 static void launch(Kernel k, const Problem& p, int copy) {

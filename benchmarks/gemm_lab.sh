@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 BIN="${TMPDIR:-/tmp}/gemm_lab"
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=-warn-spills \
   -I csrc -o "$BIN" benchmarks/gemm_lab.cu || exit 1
-GROUPS_="${GEMM_LAB_GROUPS:-old,wgmma xb16}"
+GROUPS_="${GEMM_LAB_GROUPS:-old,wgmma xb16 tma}"
 run_all() {
   local status=0 first=1 g
   for g in $GROUPS_; do

@@ -134,21 +134,71 @@ __device__ __forceinline__ void wg_issue_tile(float (&acc)[2][BM / 2], const uin
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
 }
 
-// Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + q] is D[o, r] with
-// o = n0 + rbase + b*64 + 8*(q/2) (rbase = wg*128 + 16*w4 + g), r = 8j + 2c + q%2.
-template <int BM>
-__device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
-                                              const float (&acc)[2][BM / 2]) {
+// Half k-tiles (k16 steps 2H, 2H+1 = packed words 4H..4H+3 of each row, the 16-byte chunk H of the
+// row's 32 bytes): the TMA kernel's consumers pipeline at this grain so that only two half sets of A
+// registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
+// fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
+template <int H, bool GS32>
+__device__ __forceinline__ void wg_dequant_half(const uint8_t* ws, int rbase, int c, const WgScalesP<GS32>& s,
+                                                uint32_t (&A)[2][2][4]) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const uint4 w = *reinterpret_cast<const uint4*>(ws + (rbase + b * 64 + 8 * h) * 32 + 16 * H);
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
+      const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int64_t o = n0 + rbase + b * 64 + 8 * (q >> 1);
-        const int r = 8 * j + 2 * c + (q & 1);
-        if (r < tile.rows && o < a.w.rows) store_output(a, tile.row0 + r, o, acc[b][4 * j + q]);
-      }
+      for (int m = 0; m < 4; ++m) A[b][m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
+    }
+}
+
+template <int BM, int H>
+__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint32_t xs) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], wg_desc(xs + (2 * H + s) * 32));
+  wgmma_commit();
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+}
+
+// Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
+// o = n0 + rbase + b*64 + 8h (rbase = wg*128 + 16*w4 + g), r = 8j + 2c + e; store_output's arithmetic
+// (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
+template <int BM>
+__device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
+                                              const float (&acc)[2][BM / 2]) {
+  const int64_t o0 = n0 + rbase;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 8 * j + 2 * c + e;
+      if (r >= tile.rows) continue;
+      const int64_t row = tile.row0 + r;
+      float* y = a.y + row * a.ldy + o0;
+      const float rs = a.swiglu && a.row_scale ? a.row_scale[row] : 1.f;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int off = b * 64 + 8 * h;
+          if (o0 + off >= a.w.rows) continue;
+          const float v = acc[b][4 * j + 2 * h + e];
+          if (!a.swiglu) y[off] = v;
+          else y[off] = rs * silu(y[off]) * v;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -255,6 +305,228 @@ __global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_xb_kernel(const Li
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
   wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// mbarrier / TMA / register-budget primitives (sm_90).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Waits until the phase of parity `parity` has completed. A wait of more than ~2 s (2^32 clocks) is a
+// protocol bug: trap (the launch fails with an error) instead of hanging the lab. No printf here: an
+// extern call would make ptxas serialise the kernel's wgmma.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long t0 = clock64();
+  while (!mbar_try_wait(bar, parity))
+    if (clock64() - t0 > (1ll << 32)) asm volatile("trap;");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// linear_wgmma_tma_kernel<BM, GS32, GATHER>: Y = W . X^T over 256-output x BM-row tiles, persistent.
+// Grid: min(tiles, SMs) CTAs of 384 threads; CTA i takes tiles i, i + gridDim.x, ... of
+// row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile).
+// Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of 64-row tiles, BM = 64).
+// Shared memory: a ring of S = tma_stages(BM) stages, each [Xb tile BM x 64 bf16, 128B-swizzled as TMA
+// SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
+// Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
+//   !GATHER: one thread arms full[s] with the stage's bytes and issues two TMA loads: W box {8 words,
+//            256 rows, 1 expert} of tmap_w (3-D [E][N][K/8] U32; rows >= N read as zero) and Xb box
+//            {64, BM} of tmap_x (2-D [rows][K] bf16) at row tile.row0 (rows past the end read zero;
+//            rows of the next expert in a MoE tile are read and never stored).
+//   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA; all 128
+//            threads copy their 4 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async into the
+//            swizzled positions; a thread arrives on full[s] once its copies of that stage have landed
+//            (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts 1 + 128.
+// Warpgroups 1, 2 = consumers (setmaxnreg 232), outputs [cw*128, +128) of the tile as two m64 blocks,
+//   exactly linear_wgmma_kernel's fragment and epilogue mapping (rbase = cw*128 + 16*w4 + g). Per
+//   k-tile: wait full[s]; for each half (k16 steps 0-1, then 2-3): dequantize the half's W words from
+//   the stage into its own register set (scales/biases from global, one k-tile ahead), queue its 4
+//   wgmmas on B = the stage's Xb tile, retire the previous group (wait_group 1); retiring half 1 of
+//   kt-1 releases kt-1's stage (one arrival per consumer warp: empty counts 8).
+//   Epilogue straight from the accumulators (store_output) while the producer already fills the ring
+//   with the next tile.
+// No CTA-wide barrier after the mbarrier initialisation. Numerics as linear_wgmma_kernel (same operands,
+// same wgmma sequence per accumulator): expected bit-identical.
+template <int BM, bool GS32, bool GATHER>
+__global__ void __launch_bounds__(TMA_THREADS, 1)
+    linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
+                            const __grid_constant__ CUtensorMap tmap_w) {
+  constexpr int S = tma_stages(BM);
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = xb_stage_bytes(BM);
+  static_assert(!GATHER || BM == 64, "gathered rows come in 64-row MoE tiles");
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t ring_s = smem_u32(ring), bars = ring_s + S * STAGE;
+  auto full = [&](uint32_t s) { return bars + 8 * s; };
+  auto empty = [&](uint32_t s) { return bars + 8 * (S + s); };
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), GATHER ? 1 + 128 : 1);
+      mbar_init(empty(s), 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int64_t N = a.w.rows, K = a.w.cols;
+  const int nk = int(K / WG_BK);
+  const int64_t col_tiles = (N + WG_BN - 1) / WG_BN;
+  const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
+  const int64_t total = row_tiles * col_tiles;
+
+  if (warp < 4) {  // ---------------- producer warpgroup ----------------
+    setmaxnreg_dec<TMA_PRODUCER_REGS>();
+    uint32_t s = 0, ph = 0;
+    if constexpr (!GATHER) {
+      if (tid != 0) return;
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+        Tile tile;
+        if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
+        const int n0 = int(t / row_tiles) * WG_BN;
+        for (int kt = 0; kt < nk; ++kt) {
+          mbar_wait(empty(s), ph ^ 1);
+          const uint32_t st = ring_s + s * STAGE;
+          mbar_arrive_expect_tx(full(s), STAGE);
+          tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * 8, n0, int(tile.expert));
+          tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
+          if (++s == S) s = 0, ph ^= 1;
+        }
+      }
+    } else {
+      constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
+      const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
+      uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
+      int pending = 0;                   // stages copied by this thread and not yet arrived on
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+        Tile tile;
+        if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
+        const int n0 = int(t / row_tiles) * WG_BN;
+        const uint16_t* src[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int r = (tid >> 3) + 16 * i;
+          src[i] = r < tile.rows ? xb + int64_t(a.x_rows[tile.row0 + r]) * K + 8 * j : nullptr;
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+          mbar_wait(empty(s), ph ^ 1);
+          const uint32_t st = ring_s + s * STAGE;
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full(s), STAGE - XBYTES);
+            tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * 8, n0, int(tile.expert));
+          }
+#pragma unroll
+          for (int i = 0; i < PER; ++i)
+            cp_async16(st + wg_swz((tid >> 3) + 16 * i, j), src[i] ? src[i] + kt * WG_BK : xb, src[i] ? 16 : 0);
+          cp_async_commit();
+          if (pending == TMA_GATHER_LAG) {
+            cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
+            fence_proxy_async();              // generic-proxy writes -> read by wgmma (async proxy)
+            mbar_arrive(full(s_arrive));
+            if (++s_arrive == S) s_arrive = 0;
+          } else {
+            ++pending;
+          }
+          if (++s == S) s = 0, ph ^= 1;
+        }
+      }
+      cp_async_wait<0>();
+      fence_proxy_async();
+      for (; pending > 0; --pending) {
+        mbar_arrive(full(s_arrive));
+        if (++s_arrive == S) s_arrive = 0;
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumer warpgroups ----------------
+  setmaxnreg_inc<TMA_CONSUMER_REGS>();
+  const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
+  const int rbase = cw * 128 + w4 * 16 + g;
+  uint32_t s = 0, ph = 0, s_prev = 0;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    Tile tile;
+    if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
+    const int64_t n0 = (t / row_tiles) * WG_BN;
+    float acc[2][BM / 2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
+    uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
+    WgScalesP<GS32> cur, nxt;
+    wg_load_scales(nxt, a.w, tile.expert, n0, rbase, 0);
+    // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
+    // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
+    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+#pragma unroll 1
+    for (int kt = 0; kt < nk; ++kt) {
+      cur = nxt;
+      if (kt + 1 < nk) wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kt + 1);
+      mbar_wait(full(s), ph);
+      const uint8_t* ws = ring + s * STAGE + XBYTES;
+      const uint32_t xs = ring_s + s * STAGE;
+      wg_dequant_half<0>(ws, rbase, c, cur, H0);
+      wg_issue_half<BM, 0>(acc, H0, xs);
+      wgmma_wait<1>();  // half 1 of kt-1 retired
+      if (kt > 0 && lane == 0) mbar_arrive(empty(s_prev));
+      wg_dequant_half<1>(ws, rbase, c, cur, H1);
+      wg_issue_half<BM, 1>(acc, H1, xs);
+      wgmma_wait<1>();  // half 0 of kt retired
+      s_prev = s;
+      if (++s == S) s = 0, ph ^= 1;
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+    if (lane == 0) mbar_arrive(empty(s_prev));
+    wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+  }
 }
 
 #endif  // __CUDACC__
