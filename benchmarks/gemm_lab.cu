@@ -1,6 +1,11 @@
-// gemm_lab: the prefill GEMM over 4-bit MLX-affine weights, old (kernels/linear_gemm.cuh, mma.sync) vs new
-// (kernels/linear_wgmma.cuh, Hopper wgmma), side by side, self-checking.
-//   Run: bash benchmarks/gemm_lab.sh   (nvcc build ~1 min on 2 cores, then < 30 s on an H200)
+// gemm_lab: the prefill GEMM over 4-bit MLX-affine weights, self-checking, one table row per kernel:
+//   old         kernels/linear_gemm.cuh (mma.sync)
+//   wgmma       kernels/linear_wgmma.cuh (Hopper wgmma, X fp32 converted per k-tile): the reference
+//   wgmma-xb16  kernels/linear_wgmma_tma.cuh: X -> bf16 once (wgx_bf16_kernel) + linear_wgmma_xb_kernel
+//   wgmma-tma   kernels/linear_wgmma_tma.cuh: X -> bf16 once + linear_wgmma_tma_kernel (TMA, mbarriers,
+//               producer/consumer warpgroups, persistent)
+//   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
+//   by hand: gemm_lab [-n] [old] [wgmma] [xb16] [tma]   (-n: no table header; no kernel names: all).
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = 2048 and its MoE grouped
 // products (2048 tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row tiles built
 // like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up).
@@ -10,6 +15,10 @@
 // Check (before timing, per kernel): Y poisoned with NaN bytes, one launch on copy 0, then every output
 // must be finite and the sampled relative error ||y - ref|| / ||ref|| over 4096 random outputs (host fp64
 // reference on the same bf16 scale/bias values and fp32 x) must be <= 1e-2; otherwise FAIL and exit 1.
+// The new variants are also compared with wgmma's output on the same launch: "vs wgmma" is
+// max |y - y_wgmma| / max |y_wgmma| over all outputs ("bit-identical" when every float matches); a variant
+// must stay <= 1e-6 there (same operands, same order) or FAIL. Their time includes the X -> bf16 kernel,
+// whose time alone is the "X->bf16 us" column.
 // Also checks (not timed): partial row/col tiles, T = 9..300, group sizes 32/128, SwiGLU epilogue.
 #include <cuda_runtime.h>
 
@@ -18,12 +27,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <tuple>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "cuda/kernels/linear_gemm.cuh"
 #include "cuda/kernels/linear_wgmma.cuh"
+#include "cuda/kernels/linear_wgmma_tma.cuh"
+#include "cuda/tensor_map.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -124,6 +137,8 @@ struct Problem {
   std::vector<int32_t> hx_rows;    // [M] or empty
   std::vector<int32_t> hrow_expert;  // [M] expert of each product row (dense: 0)
   std::vector<float> hy_old, hrow_scale;  // swiglu only
+  std::vector<float> hy_wgmma;            // wgmma's output on copy 0 (the variants' reference)
+  uint16_t* dxb = nullptr;                // X as bf16 [X_rows, K] (wgx_bf16_kernel)
   float *dx = nullptr, *dy = nullptr, *dy_old = nullptr, *drs = nullptr;
   int32_t *dx_rows = nullptr, *dte = nullptr, *dtr = nullptr, *dre = nullptr, *dnt = nullptr;
   int64_t max_tiles64 = 0;  // grid of 64-row tiles
@@ -156,6 +171,7 @@ static void fill_x(Problem& p) {
   CK(cudaMalloc(&p.dx, p.hx.size() * 4));
   CK(cudaMemcpy(p.dx, p.hx.data(), p.hx.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&p.dy, p.M * p.w->N * 4));
+  CK(cudaMalloc(&p.dxb, p.hx.size() * 2));
   if (p.swiglu) {
     p.hy_old.resize(p.M * p.w->N);
     for (auto& v : p.hy_old) v = 4.f * rndu() - 2.f;
@@ -235,13 +251,16 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
 
 static void free_problem(Problem& p) {
   for (void* q : {(void*)p.dx, (void*)p.dy, (void*)p.dy_old, (void*)p.drs, (void*)p.dx_rows, (void*)p.dte,
-                  (void*)p.dtr, (void*)p.dre, (void*)p.dnt})
+                  (void*)p.dtr, (void*)p.dre, (void*)p.dnt, (void*)p.dxb})
     if (q) cudaFree(q);
 }
 
-enum Kernel { OLD, NEW };
+enum Kernel { OLD, NEW, XB, TMA, NUM_KERNELS };
+static const char* kNames[NUM_KERNELS] = {"old", "wgmma", "wgmma-xb16", "wgmma-tma"};
+static const char* kArgs[NUM_KERNELS] = {"old", "wgmma", "xb16", "tma"};
+static bool g_run[NUM_KERNELS] = {};
 
-// The new kernel's BM exactly as linear.cu's run_wgmma picks it.
+// The new kernel's BM exactly as linear.cu's run_wgmma picks it (the variants use the same rule).
 static int new_bm(const Problem& p) {
   const int64_t col_tiles = (p.w->N + WG_BN - 1) / WG_BN;
   return (!p.grouped && p.w->gs != 32 && (p.M + 127) / 128 * col_tiles >= g_sms) ? 128 : 64;
@@ -259,8 +278,75 @@ static void launch_new(const LinearArgs& a, int64_t tiles) {
   linear_wgmma_kernel<BM, GS32><<<grid, WG_THREADS, wg_smem_bytes(BM)>>>(a);
 }
 
+template <int BM, bool GS32>
+static void launch_xb(const LinearArgs& a, const uint16_t* xb, int64_t tiles) {
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(linear_wgmma_xb_kernel<BM, GS32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            xb_smem_bytes(BM)));
+    configured = true;
+  }
+  const dim3 grid(unsigned(tiles), unsigned((a.w.rows + WG_BN - 1) / WG_BN));
+  linear_wgmma_xb_kernel<BM, GS32><<<grid, WG_THREADS, xb_smem_bytes(BM)>>>(a, xb);
+}
+
+static void launch_x_bf16(const Problem& p) {
+  wgx_bf16_kernel<<<unsigned(p.X_rows), WGX_THREADS>>>(p.dx, p.w->K, p.w->K, p.dxb);
+}
+
+template <int BM, bool GS32, bool GATHER>
+static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
+                              int64_t tiles_ub) {
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(linear_wgmma_tma_kernel<BM, GS32, GATHER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            tma_smem_bytes(BM)));
+    configured = true;
+  }
+  const int64_t total_ub = tiles_ub * ((a.w.rows + WG_BN - 1) / WG_BN);
+  const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(total_ub, g_sms)));
+  linear_wgmma_tma_kernel<BM, GS32, GATHER><<<grid, TMA_THREADS, tma_smem_bytes(BM)>>>(a, xb, mx, mw);
+}
+
+// Tensor maps, cached by (address, shape): Xb per problem and BM, W per weight copy.
+static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int bm) {
+  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, bm);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  CUtensorMap m;
+  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, bm) : make_w4_tensor_map(m, ptr, d0, d1, d2);
+  if (r != CUDA_SUCCESS) {
+    std::printf("FAIL: wgmma-tma: cuTensorMapEncodeTiled (%s) returned %d\n", is_x ? "Xb" : "W", int(r));
+    std::fflush(stdout);
+    std::exit(1);
+  }
+  return cache.emplace(key, m).first->second;
+}
+
+static void launch_tma(const Problem& p, const LinearArgs& a, int copy, int bm) {
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, bm);
+  const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, 0);
+  const bool gather = p.dx_rows != nullptr, gs32 = p.w->gs == 32;
+  if (bm == 128) {
+    if (gather || gs32) {
+      std::printf("FAIL: wgmma-tma: no BM 128 instance for gathered rows or group 32\n");
+      std::exit(1);
+    }
+    launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, (p.M + 127) / 128);
+  } else if (gather) {
+    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, p.max_tiles64);
+  } else {
+    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, p.max_tiles64);
+  }
+}
+
 static void launch(Kernel k, const Problem& p, int copy) {
   const LinearArgs a = p.args(copy);
+  const int bm = new_bm(p);
+  const int64_t tiles = bm == 128 ? (p.M + 127) / 128 : p.max_tiles64;
   if (k == OLD) {
     static bool configured = false;
     if (!configured) {
@@ -269,24 +355,36 @@ static void launch(Kernel k, const Problem& p, int copy) {
     }
     const dim3 grid(unsigned(p.max_tiles64), unsigned((p.w->N + GEMM_BN - 1) / GEMM_BN));
     linear_gemm_kernel<4><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
+  } else if (k == NEW) {
+    if (bm == 128) launch_new<128, false>(a, tiles);
+    else if (p.w->gs == 32) launch_new<64, true>(a, tiles);
+    else launch_new<64, false>(a, tiles);
+  } else if (k == XB) {
+    launch_x_bf16(p);
+    if (bm == 128) launch_xb<128, false>(a, p.dxb, tiles);
+    else if (p.w->gs == 32) launch_xb<64, true>(a, p.dxb, tiles);
+    else launch_xb<64, false>(a, p.dxb, tiles);
   } else {
-    const int bm = new_bm(p);
-    if (bm == 128) launch_new<128, false>(a, (p.M + 127) / 128);
-    else if (p.w->gs == 32) launch_new<64, true>(a, p.max_tiles64);
-    else launch_new<64, false>(a, p.max_tiles64);
+    launch_x_bf16(p);
+    launch_tma(p, a, copy, bm);
   }
   CK(cudaGetLastError());
 }
 
-// Poisoned output, one launch on copy 0, all outputs finite, sampled error vs fp64.
-static double check(Kernel k, const Problem& p, bool& ok) {
+// Poisoned output, one launch on copy 0, all outputs finite, sampled error vs fp64; for the variants
+// also the max difference to wgmma's output (vs_wgmma < 0: bit-identical).
+static double check(Kernel k, Problem& p, bool& ok, double& vs_wgmma) {
   const int64_t MN = p.M * p.w->N;
-  if (p.swiglu) CK(cudaMemcpy(p.dy, p.dy_old, MN * 4, cudaMemcpyDeviceToDevice));
-  else CK(cudaMemset(p.dy, 0xFF, MN * 4));
-  launch(k, p, 0);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> y(MN);
-  CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  auto run_once = [&](Kernel kk, std::vector<float>& y) {
+    if (p.swiglu) CK(cudaMemcpy(p.dy, p.dy_old, MN * 4, cudaMemcpyDeviceToDevice));
+    else CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    launch(kk, p, 0);
+    CK(cudaDeviceSynchronize());
+    y.resize(MN);
+    CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  };
+  std::vector<float> y;
+  run_once(k, y);
   int64_t bad = 0;
   for (float v : y) bad += !std::isfinite(v);
   double num = 0, den = 0;
@@ -307,26 +405,40 @@ static double check(Kernel k, const Problem& p, bool& ok) {
   }
   const double err = std::sqrt(num / std::max(den, 1e-300));
   ok = bad == 0 && err <= 1e-2 && std::isfinite(err);
+  vs_wgmma = 0;
+  if (k == NEW) p.hy_wgmma = y;
+  if (k == XB || k == TMA) {
+    if (p.hy_wgmma.empty()) run_once(NEW, p.hy_wgmma);
+    double dmax = 0, rmax = 0;
+    bool same = true;
+    for (int64_t i = 0; i < MN; ++i) {
+      same &= std::memcmp(&y[i], &p.hy_wgmma[i], 4) == 0;
+      dmax = std::max(dmax, std::fabs(double(y[i]) - double(p.hy_wgmma[i])));
+      rmax = std::max(rmax, std::fabs(double(p.hy_wgmma[i])));
+    }
+    vs_wgmma = same ? -1.0 : dmax / std::max(rmax, 1e-300);
+    if (!(same || vs_wgmma <= 1e-6)) ok = false;  // NaN lands here too
+  }
   if (!ok) {
-    std::printf("FAIL: %s %s: %lld non-finite outputs of %lld, sampled rel err %.3e\n", p.name,
-                k == OLD ? "old" : "new", (long long)bad, (long long)MN, err);
+    std::printf("FAIL: %s %s: %lld non-finite outputs of %lld, sampled rel err %.3e, vs wgmma %.3e\n", p.name,
+                kNames[k], (long long)bad, (long long)MN, err, vs_wgmma);
     ++g_failures;
   }
   return err;
 }
 
-static double time_us(Kernel k, const Problem& p) {
-  const int copies = p.w->copies;
+template <class F>
+static double time_launches(int copies, F&& launch_copy) {
   const int R = std::max(10, copies);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) launch(k, p, i % copies);
+  for (int i = 0; i < 3; ++i) launch_copy(i % copies);
   std::vector<float> ms;
   int c = 0;
   for (int b = 0; b < 15; ++b) {
     CK(cudaEventRecord(e0));
-    for (int i = 0; i < R; ++i) launch(k, p, c++ % copies);
+    for (int i = 0; i < R; ++i) launch_copy(c++ % copies);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float t;
@@ -339,31 +451,73 @@ static double time_us(Kernel k, const Problem& p) {
   return ms[ms.size() / 2] * 1e3 / R;
 }
 
-static void row(const Problem& p, bool timed) {
-  bool ok_old, ok_new;
-  const double err_old = check(OLD, p, ok_old), err_new = check(NEW, p, ok_new);
-  const double flop = 2.0 * p.M * p.w->N * p.w->K;
-  if (timed) {
-    const double t_old = time_us(OLD, p), t_new = time_us(NEW, p);
-    std::printf("| %s | %lld x %lld x %lld | %d | %.1f | %.1f | %.1f | %.1f | %.2fx | %.1e %s | %.1e %s |\n", p.name,
-                (long long)p.M, (long long)p.w->N, (long long)p.w->K, new_bm(p), t_old, flop / t_old * 1e-6, t_new,
-                flop / t_new * 1e-6, t_old / t_new, err_old, ok_old ? "ok" : "FAIL", err_new, ok_new ? "ok" : "FAIL");
-  } else {
-    std::printf("| %s | %lld x %lld x %lld | %d | | | | | | %.1e %s | %.1e %s |\n", p.name, (long long)p.M,
-                (long long)p.w->N, (long long)p.w->K, new_bm(p), err_old, ok_old ? "ok" : "FAIL", err_new,
-                ok_new ? "ok" : "FAIL");
-  }
-  std::fflush(stdout);
+static double time_us(Kernel k, const Problem& p) {
+  return time_launches(p.w->copies, [&](int c) { launch(k, p, c); });
 }
 
-int main() {
+// One row per requested kernel. Timed rows also time wgmma (not printed unless requested) for "vs wgmma".
+static void row(Problem& p, bool timed) {
+  const double flop = 2.0 * p.M * p.w->N * p.w->K;
+  double t_ref = 0, t_conv = 0;
+  if (timed && (g_run[XB] || g_run[TMA] || g_run[OLD])) t_ref = time_us(NEW, p);
+  if (timed && (g_run[XB] || g_run[TMA])) {
+    t_conv = time_launches(1, [&](int) { launch_x_bf16(p); });
+    CK(cudaGetLastError());
+  }
+  for (int k = 0; k < NUM_KERNELS; ++k) {
+    if (!g_run[k]) continue;
+    bool ok;
+    double vs;
+    const double err = check(Kernel(k), p, ok, vs);
+    char vsbuf[32] = "";
+    if (k == XB || k == TMA) {
+      if (vs < 0) std::snprintf(vsbuf, sizeof vsbuf, "bit-identical");
+      else std::snprintf(vsbuf, sizeof vsbuf, "%.1e", vs);
+    }
+    const int bm = k == OLD ? GEMM_BM : new_bm(p);
+    if (timed) {
+      const double t = k == NEW && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
+      if (k == NEW) t_ref = t;
+      char conv[32] = "";
+      if (k == XB || k == TMA) std::snprintf(conv, sizeof conv, "%.1f", t_conv);
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %s | %.1e %s | %s |\n", p.name,
+                  (long long)p.M, (long long)p.w->N, (long long)p.w->K, kNames[k], bm, t, flop / t * 1e-6, t_ref / t,
+                  conv, err, ok ? "ok" : "FAIL", vsbuf);
+    } else {
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | %.1e %s | %s |\n", p.name, (long long)p.M,
+                  (long long)p.w->N, (long long)p.w->K, kNames[k], bm, err, ok ? "ok" : "FAIL", vsbuf);
+    }
+    std::fflush(stdout);
+  }
+}
+
+int main(int argc, char** argv) {
+  bool header = true, any = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-n") == 0) {
+      header = false;
+      continue;
+    }
+    bool known = false;
+    for (int k = 0; k < NUM_KERNELS; ++k)
+      if (std::strcmp(argv[i], kArgs[k]) == 0) g_run[k] = known = any = true;
+    if (!known) {
+      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma xb16 tma; -n: no header)\n", argv[i]);
+      return 2;
+    }
+  }
+  if (!any)
+    for (bool& r : g_run) r = true;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
-  std::printf("gemm_lab on %s (%d SMs); new kernel: linear_wgmma_kernel, smem %d B (BM 128) / %d B (BM 64)\n\n",
-              prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64));
-  std::printf("| product | M x N x K | new BM | old us | old TFLOP/s | new us | new TFLOP/s | speed-up | old err | new err |\n");
-  std::printf("|---|---|---:|---:|---:|---:|---:|---:|---|---|\n");
+  if (header) {
+    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, xb16 %d / %d B, tma %d / %d B (BM 128 / 64)\n\n",
+                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), xb_smem_bytes(128), xb_smem_bytes(64),
+                tma_smem_bytes(128), tma_smem_bytes(64));
+    std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
+    std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
+  }
   const int64_t T = 2048;
   auto copies_for = [](int64_t N, int64_t K) { return int(std::max<int64_t>(2, (160ll << 20) / (N * K * 9 / 16))); };
   {
@@ -449,9 +603,9 @@ int main() {
   }
   CK(cudaDeviceSynchronize());
   if (g_failures) {
-    std::printf("\ngemm_lab: %d FAIL\n", g_failures);
+    std::printf("\ngemm_lab (%s%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
+                g_run[XB] ? " xb16" : "", g_run[TMA] ? " tma" : "", g_failures);
     return 1;
   }
-  std::printf("\ngemm_lab: all checks passed\n");
   return 0;
 }

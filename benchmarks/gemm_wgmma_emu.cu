@@ -1,4 +1,5 @@
 // gemm_wgmma_emu: CPU emulation of linear_wgmma's index logic for one k-tile of a 256-output x BM-row CTA.
+//   Also checks linear_wgmma_tma.cuh: the Xb tile (wgx_bf16_kernel + copy to wg_swz) and the half-tile A fragments.
 //   Build and run (no GPU needed): nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o "${TMPDIR:-/tmp}/gemm_emu" benchmarks/gemm_wgmma_emu.cu && "${TMPDIR:-/tmp}/gemm_emu"
 // Uses the kernel's own wg_phys_k / wg_swz and repeats its thread mappings (convert_x, dequant_w, the
 // epilogue), then emulates wgmma as the PTX ISA describes it: the A register fragment of m64nNk16 (per warp
@@ -12,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/kernels/linear_wgmma.cuh"
+#include "cuda/kernels/linear_wgmma_tma.cuh"
 
 using namespace lily::cuda;
 
@@ -62,6 +63,32 @@ static int run(int BM) {
         }
       }
   }
+  // linear_wgmma_tma.cuh: (1) Xb = wgx_bf16_kernel's permuted bf16 row, chunk j copied (cp.async or
+  // TMA SWIZZLE_128B) to wg_swz(r, j) must give the same B tile as convert_x; (2) the TMA consumers'
+  // half-tile dequantization (wg_dequant_half: chunk H of the row's 32 bytes, words m = 0..3 -> step
+  // 2H + m/2, register (m%2)*2 + h; consumer warpgroup cw plays wg) must give the same A fragments.
+  int xb_bad = 0, half_bad = 0;
+  for (int r = 0; r < BM; ++r)
+    for (int j = 0; j < 8; ++j) {
+      float xb[8];  // wgx_bf16_kernel: v.x = (lo.x, hi.x), v.y = (lo.y, hi.y), ...
+      for (int t = 0; t < 4; ++t) xb[2 * t] = bf16_round(X[r * BK + 8 * j + t]), xb[2 * t + 1] = bf16_round(X[r * BK + 8 * j + 4 + t]);
+      for (int t = 0; t < 8; ++t) xb_bad += !(xs[(wg_swz(r, j) + 2 * t) / 2] == xb[t]);
+    }
+  for (int ct = 0; ct < 256; ++ct) {
+    const int lane = ct & 31, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
+    const int rbase = cw * 128 + w4 * 16 + g;
+    for (int H = 0; H < 2; ++H)
+      for (int b = 0; b < 2; ++b)
+        for (int h = 0; h < 2; ++h) {
+          const int n = rbase + b * 64 + 8 * h;
+          for (int m = 0; m < 4; ++m) {
+            const uint32_t bits = (W[n * 8 + 4 * H + m] >> (4 * c)) & 0x000F000Fu;
+            const float v0 = bf16_round(S[n] * (bits & 15) + B[n]), v1 = bf16_round(S[n] * ((bits >> 16) & 15) + B[n]);
+            const int step = 2 * H + (m >> 1), reg = (m & 1) * 2 + h;
+            half_bad += !(Aat(ct, b, step, reg, 0) == v0) + !(Aat(ct, b, step, reg, 1) == v1);
+          }
+        }
+  }
   // wgmma emulation per warpgroup and m64 block, then the epilogue mapping
   double max_err = 0;
   int unwritten = 0;
@@ -105,9 +132,9 @@ static int run(int BM) {
   for (int lk = 0; lk < 64; ++lk) ++seen[wg_phys_k(lk)];
   int bij = 1;
   for (int k = 0; k < 64; ++k) bij &= seen[k] == 1;
-  const bool ok = max_err < 1e-9 && unwritten == 0 && bij;
-  std::printf("BM %3d: max rel err %.2e, NaN %d, permutation %s -> %s\n", BM, max_err, unwritten, bij ? "ok" : "BAD",
-              ok ? "ok" : "FAIL");
+  const bool ok = max_err < 1e-9 && unwritten == 0 && bij && xb_bad == 0 && half_bad == 0;
+  std::printf("BM %3d: max rel err %.2e, NaN %d, permutation %s, Xb tile mismatches %d, half-tile A mismatches %d -> %s\n",
+              BM, max_err, unwritten, bij ? "ok" : "BAD", xb_bad, half_bad, ok ? "ok" : "FAIL");
   return ok ? 0 : 1;
 }
 
