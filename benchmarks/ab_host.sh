@@ -2,8 +2,9 @@
 # Side by side on the GPU host: builds this tree and BASE (a commit of this repository) in one call, writes
 # the full-size synthetic checkpoint once, then runs bench_engine.py alternately (base, new) for ROUNDS
 # rounds at CONTEXTS, and prints the per-round rows and the medians of both builds last.
-#   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 bash benchmarks/ab_host.sh
-# Logs go to $OUT (ab.log, build.log, base_build.log).
+#   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
+# LABS run after the builds and before the benchmark. Logs go to $OUT (ab.log, build.log, base_build.log,
+# <lab>_lab.txt).
 set -uo pipefail
 : "${BASE:?set BASE to a commit}"
 OUT=${OUT:-/tmp/lily-out}
@@ -22,8 +23,14 @@ git worktree add -f "$basedir" "$BASE" >/dev/null 2>&1 || { echo "no commit $BAS
 base_pid=$!
 host_build || exit 1
 wait "$base_pid"
+labs_pid=
+if [[ -n ${LABS:-} ]]; then  # the labs (LABS="gemv gemm ...") run before the benchmark, never beside it
+  (for lab in $LABS; do bash "benchmarks/${lab}_lab.sh" >"$OUT/${lab}_lab.txt" 2>&1 || echo "LAB $lab FAILED" >>"$OUT/${lab}_lab.txt"; done) &
+  labs_pid=$!
+fi
 cd /tmp
 host_full_checkpoint "$FULL" || exit 1
+[[ -n $labs_pid ]] && wait "$labs_pid"
 for ((r = 1; r <= ROUNDS; ++r)); do
   for build in base new; do
     path=$([[ $build == base ]] && echo "$basepkg" || echo "")
