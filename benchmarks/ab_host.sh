@@ -1,5 +1,6 @@
 #!/bin/bash
-# Side by side on the GPU host: builds this tree and BASE (a commit of this repository) in one call, writes
+# Side by side on the GPU host: builds this tree and BASE (a commit of this repository, or a folder holding
+# another tree, e.g. `git archive C | tar -x -C .ab-base` carried to the host: its .git may lag) in one call, writes
 # the full-size synthetic checkpoint once, then runs bench_engine.py alternately (base, new) for ROUNDS
 # rounds at CONTEXTS, and prints the per-round rows and the medians of both builds last.
 #   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
@@ -17,7 +18,12 @@ source "$(dirname "$0")/host_lib.sh"
 src=$(pwd)
 basedir=${TMPDIR:-/tmp}/ab-base basepkg=${TMPDIR:-/tmp}/ab-basepkg
 rm -rf "$basedir" "$basepkg"
-git worktree add -f "$basedir" "$BASE" >/dev/null 2>&1 || { echo "no commit $BASE"; exit 1; }
+if [[ -d $BASE ]]; then
+  cp -r "$BASE" "$basedir"
+else
+  git worktree prune
+  git worktree add -f "$basedir" "$BASE" >"$OUT/worktree.log" 2>&1 || { cat "$OUT/worktree.log"; echo "no commit $BASE"; exit 1; }
+fi
 (python3 -m pip install -q --no-build-isolation --no-deps --target "$basepkg" "$basedir" >"$OUT/base_build.log" 2>&1 \
   || echo "BASE BUILD FAILED") &
 base_pid=$!
