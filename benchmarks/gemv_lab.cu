@@ -663,19 +663,7 @@ void bench_moe(int E, int K, int H, int I, int Is) {
   std::shuffle(perm.begin(), perm.end(), rng);
   for (int k = 0; k < sets; ++k) std::sort(perm.begin() + k * K, perm.begin() + (k + 1) * K);
   std::vector<float> tw(sets * K), hh(H), ha((K + 1) * ld), sw{0.5f};
-  // router logits of each set (for moe_up_mma, which routes itself): its K experts at 2 + u/4, the rest at
-  // u/4 (u in [-1, 1)); v1's weights are their softmax over the set, renormalised (fp32, as the kernel)
-  std::vector<float> logits(size_t(sets) * E), shared_logit(sets, 0.f);  // sigmoid(0) = 0.5 = sw
-  for (int k = 0; k < sets; ++k) {
-    float* l = &logits[size_t(k) * E];
-    for (int e = 0; e < E; ++e) l[e] = 0.25f * uni(rng);
-    for (int j = 0; j < K; ++j) l[perm[k * K + j]] += 2.f;
-    float mx = -INFINITY, sum = 0.f, top = 0.f;
-    for (int e = 0; e < E; ++e) mx = std::max(mx, l[e]);
-    for (int e = 0; e < E; ++e) sum += std::exp(l[e] - mx);
-    for (int j = 0; j < K; ++j) top += std::exp(l[perm[k * K + j]] - mx) / sum;
-    for (int j = 0; j < K; ++j) tw[k * K + j] = std::exp(l[perm[k * K + j]] - mx) / sum / top;
-  }
+  for (float& v : tw) v = 0.15f + 0.1f * uni(rng);
   for (float& v : hh) v = uni(rng);
   for (float& v : ha) v = 0.1f * uni(rng);
   int32_t* ids = dalloc<int32_t>(sets * K);
@@ -746,15 +734,10 @@ void bench_moe(int E, int K, int H, int I, int Is) {
         mma_plan_for(cdiv(H, 16), (int64_t(K) * I + Is) / MmaSeg<BITS>::VALS, int64_t(g_sms) * pd);
     float* act_mma = dalloc<float>((K + 1) * ld);
     float* out_mma = dalloc<float>(H);
-    float *dlogits = dalloc<float>(logits.size()), *dshared = dalloc<float>(sets);
-    int32_t* ids_mma = dalloc<int32_t>(sets * K);  // written by moe_up_mma, read by moe_down_mma
-    CK(cudaMemcpy(dlogits, logits.data(), logits.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dshared, shared_logit.data(), sets * 4, cudaMemcpyHostToDevice));
     auto mp = [&](int i, float* a, float* o) {
       const int k = i % sets;
       return MoeMmaParams{gate.stack(0), up.stack(0), sgate.stack(k), sup.stack(k), down.stack(0), sdown.stack(k),
-                          h, dlogits + size_t(k) * E, dshared + k, ids_mma + k * K, a, o, E, K, ld, 6, plan_u.ks,
-                          plan_d.ks};
+                          h, ids + k * K, topk_w + k * K, shared_w, a, o, K, ld, 6, plan_u.ks, plan_d.ks};
     };
     char desc[128];
     std::snprintf(desc, sizeof desc, "grid %d, ks %d, smem %zu, %d CTA/SM", plan_u.grid, plan_u.ks, us, pu);
@@ -788,9 +771,6 @@ void bench_moe(int E, int K, int H, int I, int Is) {
               fmt("%.1e", rel_err(to_host(out_mma, H), as_double(to_host(out, H)))), "out of set 0"});
     CK(cudaFree(act_mma));
     CK(cudaFree(out_mma));
-    CK(cudaFree(dlogits));
-    CK(cudaFree(dshared));
-    CK(cudaFree(ids_mma));
   }
   CK(cudaStreamSynchronize(g_stream));
   for (void* p : {(void*)gate.base, (void*)up.base, (void*)down.base, (void*)sgate.base, (void*)sup.base,

@@ -1,11 +1,10 @@
 // Launcher of the sparse MoE block, all on the device with no host synchronisation.
-// Decode (use_moe_decode: T <= 4, fast affine experts):
-//   router logits and shared expert gate logit (one stacked GEMV)
+// Decode (use_moe_decode: T <= 4, fast affine experts), four launches:
+//   router logits and shared expert gate logit (one stacked GEMV) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out);
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
-//   64-byte segments, E <= 256): three launches, moe_up_mma runs the top-k itself; else moe_topk
-//   before the fp32 GEMV kernels of kernels/moe_decode.cuh (four launches).
+//   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
@@ -172,7 +171,7 @@ static void launch_moe_decode(const MoeWeights& w, const Tensor& h, const Tensor
 // gemv_mma takes (whole segments in H, I and Is; BF16 pairs 4-byte aligned when a group is half a segment),
 // and both staged activations within a CTA's shared memory.
 static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k) {
-  if (!use_moe_decode(w, h, s, top_k) || w.router->rows > MOE_MMA_MAX_EXPERTS) return false;
+  if (!use_moe_decode(w, h, s, top_k)) return false;
   const QMatrix* mats[] = {w.gate_proj, w.up_proj, w.down_proj, w.shared_gate_proj, w.shared_up_proj,
                            w.shared_down_proj};
   const int bits = w.gate_proj->bits, halves = mma_group_halves(bits, w.gate_proj->group_size);
@@ -191,7 +190,7 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
 
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
-                           const Tensor& logits, const float* shared_logit, float* act, int64_t ld, int top_k) {
+                           const float* shared_w, float* act, int64_t ld, int top_k) {
   const auto up = moe_up_mma_kernel<BITS, NG>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
@@ -204,8 +203,8 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   const int64_t T = h.dim(0), H = h.dim(1), I = w.gate_proj->rows, Is = w.shared_gate_proj->rows;
   MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
-                 h.ptr<float>(), logits.ptr<float>(), shared_logit, r.topk_id, act, out.ptr<float>(),
-                 int(w.router->rows), top_k, int(ld), log2_of(w.gate_proj->group_size), 1, 1};
+                 h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
+                 log2_of(w.gate_proj->group_size), 1, 1};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T);
@@ -238,18 +237,6 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
     linear(*w.shared_expert_gate, 0, h, sg);
   }
 
-  if (use_moe_mma(w, h, s, top_k)) {  // the top-k runs inside moe_up_mma
-    const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;
-    float* act = s.gate.ptr<float>();
-    const int64_t ld = s.gate.dim(1);
-    const float* sl = sg.ptr<float>();
-    if (w.gate_proj->bits == 4)
-      return half ? launch_moe_mma<4, 2>(w, h, out, r, logits, sl, act, ld, top_k)
-                  : launch_moe_mma<4, 1>(w, h, out, r, logits, sl, act, ld, top_k);
-    return half ? launch_moe_mma<8, 2>(w, h, out, r, logits, sl, act, ld, top_k)
-                : launch_moe_mma<8, 1>(w, h, out, r, logits, sl, act, ld, top_k);
-  }
-
   MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
   const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
   if (E <= 64) launch(moe_topk_kernel<2>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
@@ -258,6 +245,16 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::Moe
   else fail("moe: ", E, " experts exceed the CUDA top-k kernel's 1024");
   LILY_CUDA_LAUNCHED();
 
+  if (use_moe_mma(w, h, s, top_k)) {
+    const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;
+    float* act = s.gate.ptr<float>();
+    const int64_t ld = s.gate.dim(1);
+    if (w.gate_proj->bits == 4)
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k)
+                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k);
+  }
   if (use_moe_decode(w, h, s, top_k)) {
     switch (w.gate_proj->bits) {
       case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);

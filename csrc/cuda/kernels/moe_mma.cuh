@@ -2,9 +2,7 @@
 // grid row (blockIdx.y = t, T <= MOE_DECODE_MAX_TOKENS). Same results as moe_decode.cuh's fp32 kernels up to
 // the ~1e-7 of x's 23-bit blocks; these run where every expert matrix has the same BITS and group size
 // and the widths are whole segments (moe.cu: use_moe_mma).
-//   moe_up_mma:   the routing first: every CTA runs moe_topk_warp on token t's router logits (bitwise the
-//                 moe_topk kernel's result; CTA 0 stores topk_id for moe_down), then
-//                 act[t, s, i] = w(t, s) * silu(G_s[i, :] . h[t]) * (U_s[i, :] . h[t]): a tile is 8 (gate,
+//   moe_up_mma:   act[t, s, i] = w(t, s) * silu(G_s[i, :] . h[t]) * (U_s[i, :] . h[t]): a tile is 8 (gate,
 //                 up) row pairs, A rows 0-7 the gate rows and 8-15 the up rows of the same i, so one
 //                 finished tile holds both products of each pair. Slot s < K is expert topk_id[t, s],
 //                 s == K the shared expert (w = sigmoid gate); pair p = s * I + i, shared pairs last.
@@ -21,15 +19,13 @@ struct MoeMmaParams {
   AffineStack gate, up, shared_gate, shared_up;  // [E, I, H], [1, Is, H]
   AffineStack down, shared_down;                 // [E, H, I], [1, H, Is]
   const float* h;                                // [T, H] F32, 16-byte aligned
-  const float* logits;                           // [T, E] router logits, E <= MOE_MMA_MAX_EXPERTS
-  const float* shared_logit;                     // [T] the shared expert gate's logit
-  int32_t* topk_id;                              // [T, K] written by moe_up_mma, read by moe_down_mma
+  const int32_t* topk_id;                        // [T, K]
+  const float* topk_w;                           // [T, K]
+  const float* shared_w;                         // [T] sigmoid of the shared expert gate
   float* act;                                    // [T, K+1, ld] F32, 16-byte aligned rows
   float* out;                                    // [T, H]
-  int E, K, ld, group_shift, ks_up, ks_down;
+  int K, ld, group_shift, ks_up, ks_down;
 };
-
-constexpr int MOE_MMA_MAX_EXPERTS = 256;  // moe_up_mma's routing warp holds 8 logits per lane
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
 template <int BITS>
@@ -37,17 +33,10 @@ __device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t
   return mma_affine_row(m.w, m.scales, m.biases, row, m.cols * BITS / 32, m.cols >> group_shift);
 }
 
-// Token t's routing in shared memory: the chosen experts (ascending id), their weights, and at [K] the
-// shared expert's sigmoid gate.
-struct MmaMoeRoute {
-  int32_t id[MOE_MAX_TOP_K];
-  float w[MOE_MAX_TOP_K + 1];
-};
-
 template <int BITS>
 struct MmaMoeUpRows {
   const MoeMmaParams& p;
-  const MmaMoeRoute& route;  // shared memory
+  const int32_t* ids;  // [K] of this token, in shared memory
   int t;
   __device__ __forceinline__ int total() const { return p.K * p.gate.rows + p.shared_gate.rows; }
   // pair -> slot s and row i of that slot's matrices
@@ -63,7 +52,7 @@ struct MmaMoeUpRows {
     slot_of(pair, s, i);
     const bool sh = s == p.K;
     const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
-    return mma_stack_row<BITS>(m, sh ? int64_t(i) : int64_t(route.id[s]) * p.gate.rows + i, p.group_shift);
+    return mma_stack_row<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, p.group_shift);
   }
   __device__ __forceinline__ MmaRowRef at(const Ref& ref, int seg) const {
     return mma_affine_at<BITS>(ref, seg, p.group_shift);
@@ -74,7 +63,8 @@ struct MmaMoeUpRows {
     if (r >= 8 || pair >= total()) return;
     int s, i;
     slot_of(pair, s, i);
-    p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = route.w[s] * silu(row_sum(r)) * row_sum(r + 8);
+    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = w * silu(row_sum(r)) * row_sum(r + 8);
   }
 };
 
@@ -113,20 +103,16 @@ struct MmaMoeDownRows {
   }
 };
 
-// Token t's routing (after the wait: the logits come from the kernel before), for the row addresses
-// and the finished rows; CTA 0 publishes the ids for moe_down_mma.
-__device__ __forceinline__ void moe_mma_route(const MoeMmaParams& p, int t, MmaMoeRoute& route) {
+// Token t's expert ids into shared memory, for both kernels' row addresses: they and the activations come
+// from the kernels before (the wait), and every thread reads them after the barrier.
+__device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_t* ids) {
   pdl_wait();
   pdl_trigger();
-  if (threadIdx.x < 32) {
-    moe_topk_warp<MOE_MMA_MAX_EXPERTS / 32>(p.logits + int64_t(t) * p.E, p.E, p.K, route.id, route.w);
-    if (threadIdx.x == 0) route.w[p.K] = moe_sigmoid(p.shared_logit[t]);
-  }
+  for (int k = threadIdx.x; k < p.K; k += blockDim.x) ids[k] = p.topk_id[t * p.K + k];
   __syncthreads();
-  if (blockIdx.x == 0 && int(threadIdx.x) < p.K) p.topk_id[t * p.K + threadIdx.x] = route.id[threadIdx.x];
 }
 
-// The down product's slot matrices of token t (after the wait: the ids come from moe_up_mma).
+// The down product's slot matrices of token t (after the wait, as moe_mma_ids).
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
   pdl_wait();
@@ -143,12 +129,12 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
-  __shared__ MmaMoeRoute route;
+  __shared__ int32_t ids[MOE_MAX_TOP_K];
   const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
-  const MmaMoeUpRows<BITS> rows{p, route, t};
-  auto ids_in = [&] { moe_mma_route(p, t, route); };
+  const MmaMoeUpRows<BITS> rows{p, ids, t};
+  auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
     mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);

@@ -18,34 +18,40 @@ struct MoeTopkParams {
   int T, E, K;
 };
 
-// p = softmax(l) in fp32 over E <= 32 * PL router logits; the K largest p (ties: lower id), w_k = p_k /
-// sum of the K p (summed in choice order like cpu::moe); stored in ascending expert id (id[K], w[K]) so that
-// every later sum over a token's experts runs in cpu::moe's order. One warp (all 32 lanes call it); lane l
-// holds experts l, l+32, ... (PL of them) in registers; K rounds of a warp argmax over (p, id) with u32
-// reductions (p >= 0, so its float bits order like p). id and w may be global or shared memory.
+// p = softmax(logits[t]) in fp32; the K largest p (ties: lower id), w_k = p_k / sum of the K p
+// (summed in choice order like cpu::moe); stored in ascending expert id so that every later sum
+// over a token's experts runs in cpu::moe's order. One warp per token; lane l holds experts
+// l, l+32, ... (PL of them, E <= 32*PL) in registers; K rounds of a warp argmax over (p, id) with
+// u32 reductions (p >= 0, so its float bits order like p). Also turns the shared expert gate logit
+// into its sigmoid.
 template <int PL>
-__device__ __forceinline__ void moe_topk_warp(const float* l, int E, int K, int32_t* id, float* w) {
-  const int lane = threadIdx.x & 31;
+__global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const MoeTopkParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * MOE_TOPK_WARPS + warp;
+  if (t >= p.T) return;  // no block-wide barrier below
+  const float* l = p.logits + int64_t(t) * p.E;
   float v[PL];  // logits, then probabilities; -1 for experts past E and for chosen ones
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < E ? l[e] : -INFINITY;
+    v[i] = e < p.E ? l[e] : -INFINITY;
     mx = fmaxf(mx, v[i]);
   }
   mx = warp_max(mx);
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < PL; ++i)
-    if (lane + 32 * i < E) sum += (v[i] = expf(v[i] - mx));
+    if (lane + 32 * i < p.E) sum += (v[i] = expf(v[i] - mx));
   sum = warp_sum(sum);
 #pragma unroll
-  for (int i = 0; i < PL; ++i) v[i] = lane + 32 * i < E ? v[i] / sum : -1.f;
+  for (int i = 0; i < PL; ++i) v[i] = lane + 32 * i < p.E ? v[i] / sum : -1.f;
 
   int my_id = 0;
   float my_p = 0.f, top = 0.f;
-  for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < p.K; ++k) {
     float best = -1.f;  // ascending e within the lane: the first maximum is the lowest id
     int best_id = INT32_MAX;
 #pragma unroll
@@ -62,22 +68,12 @@ __device__ __forceinline__ void moe_topk_warp(const float* l, int E, int K, int3
       if (lane + 32 * i == best_id) v[i] = -1.f;
   }
   int rank = 0;  // position of this lane's expert in ascending id order
-  for (int j = 0; j < K; ++j) rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
-  if (lane < K) id[rank] = my_id, w[rank] = my_p / top;
-}
-
-__device__ __forceinline__ float moe_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-// moe_topk_warp for token t = one warp of the grid; also turns the shared expert gate logit into its sigmoid.
-template <int PL>
-__global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const MoeTopkParams p) {
-  pdl_wait();
-  pdl_trigger();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * MOE_TOPK_WARPS + warp;
-  if (t >= p.T) return;  // no block-wide barrier below
-  moe_topk_warp<PL>(p.logits + int64_t(t) * p.E, p.E, p.K, p.topk_id + int64_t(t) * p.K, p.topk_w + int64_t(t) * p.K);
-  if (lane == 0) p.shared_gate[t] = moe_sigmoid(p.shared_gate[t]);
+  for (int j = 0; j < p.K; ++j) rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
+  if (lane < p.K) {
+    p.topk_id[int64_t(t) * p.K + rank] = my_id;
+    p.topk_w[int64_t(t) * p.K + rank] = my_p / top;
+  }
+  if (lane == 0) p.shared_gate[t] = 1.f / (1.f + expf(-p.shared_gate[t]));
 }
 
 struct MoeCountParams {
