@@ -729,9 +729,10 @@ void bench_moe(int E, int K, int H, int I, int Is) {
     int pu = 0, pd = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pu, mu, MMA_THREADS, us));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pd, md, MMA_THREADS, ds));
-    const MmaPlan plan_u = mma_plan_for(cdiv(int64_t(K) * I + Is, 8), H / MmaSeg<BITS>::VALS, int64_t(g_sms) * pu);
+    const MmaPlan plan_u =
+        mma_plan_for(cdiv(int64_t(K) * I + Is, 8), H / MmaSeg<BITS>::VALS, int64_t(g_sms) * pu, true);
     const MmaPlan plan_d =
-        mma_plan_for(cdiv(H, 16), (int64_t(K) * I + Is) / MmaSeg<BITS>::VALS, int64_t(g_sms) * pd);
+        mma_plan_for(cdiv(H, 16), (int64_t(K) * I + Is) / MmaSeg<BITS>::VALS, int64_t(g_sms) * pd, true);
     float* act_mma = dalloc<float>((K + 1) * ld);
     float* out_mma = dalloc<float>(H);
     auto mp = [&](int i, float* a, float* o) {
@@ -746,6 +747,26 @@ void bench_moe(int E, int K, int H, int I, int Is) {
     std::snprintf(desc, sizeof desc, "grid %d, ks %d, smem %zu, %d CTA/SM", plan_d.grid, plan_d.ks, ds, pd);
     add_row("moe_down", "mma", [&](int i) { md<<<plan_d.grid, MMA_THREADS, ds, g_stream>>>(mp(i, act_in, out_mma)); },
             n, down_mb, "-", desc);
+    // every K-split of both, CTAs as mma_plan_for sizes them (all slots, or the passes when fewer)
+    for (int ks = 1; ks <= MMA_WARPS; ks *= 2) {
+      const int64_t su = H / MmaSeg<BITS>::VALS, sd = (int64_t(K) * I + Is) / MmaSeg<BITS>::VALS;
+      const int64_t pu_passes = cdiv(cdiv(int64_t(K) * I + Is, 8), MmaSplit(ks, int(su)).rt);
+      const int64_t pd_passes = cdiv(cdiv(H, 16), MmaSplit(ks, int(sd)).rt);
+      const int gu = int(std::min<int64_t>(pu_passes, int64_t(g_sms) * pu));
+      const int gd = int(std::min<int64_t>(pd_passes, int64_t(g_sms) * pd));
+      auto mks = [&](int i, float* a, float* o) {
+        MoeMmaParams q = mp(i, a, o);
+        q.ks_up = q.ks_down = ks;
+        return q;
+      };
+      const std::string lu = "mma ks=" + std::to_string(ks), ld2 = lu;
+      std::snprintf(desc, sizeof desc, "grid %d, %d units/pass", gu, MmaSplit(ks, int(su)).upp);
+      add_row("moe_up", lu.c_str(), [&](int i) { mu<<<gu, MMA_THREADS, us, g_stream>>>(mks(i, act_mma, out_mma)); },
+              n, up_mb, "-", desc);
+      std::snprintf(desc, sizeof desc, "grid %d, %d units/pass", gd, MmaSplit(ks, int(sd)).upp);
+      add_row("moe_down", ld2.c_str(), [&](int i) { md<<<gd, MMA_THREADS, ds, g_stream>>>(mks(i, act_in, out_mma)); },
+              n, down_mb, "-", desc);
+    }
     // errors, expert set 0: v1 and mma on the same inputs
     const int up_ctas0 = up_ctas;
     CK(cudaMemsetAsync(act, 0xff, (K + 1) * ld * 4, g_stream));

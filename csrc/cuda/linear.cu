@@ -143,11 +143,12 @@ int log2_of(int64_t v) {
   return n;
 }
 
-MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows) {
+MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows,
+                 bool dependent) {
   int per_sm = 0;
   LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
   const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1) / std::max<int64_t>(grid_rows, 1);
-  return mma_plan_for(tiles, segments, std::max<int64_t>(resident, 1));
+  return mma_plan_for(tiles, segments, std::max<int64_t>(resident, 1), dependent);
 }
 
 // Below this many rows the fp32 GEMV is faster: too few 16-row tiles to spread over the SMs (the 257-row

@@ -30,10 +30,11 @@ int gemv_grid(const void* kernel, size_t smem, int64_t passes);
 // The integer tensor-core GEMV (kernels/gemv_mma.cuh): weight-group halves per 64-byte row segment
 // (1 or 2; 0: the group size does not fit it), log2 of a power of two, and the launch plan
 // (mma_plan_for) of `kernel` over `tiles` 16-row tiles of `segments` segments each, when grid_rows grid
-// rows share the device.
+// rows share the device (dependent: the weights' addresses come from the kernel before).
 int mma_group_halves(int bits, int64_t group_size);
 int log2_of(int64_t v);
-MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows);
+MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows,
+                 bool dependent = false);
 
 // Largest dynamic shared memory of one GEMV CTA (staged activations).
 constexpr size_t GEMV_MAX_SMEM = 96 * 1024;

@@ -207,9 +207,9 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
                  log2_of(w.gate_proj->group_size), 1, 1};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
-                              H / VALS, T);
+                              H / VALS, T, true);
   const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(down), down_smem, ceil_div<int64_t>(H, 16),
-                              (top_k * I + Is) / VALS, T);
+                              (top_k * I + Is) / VALS, T, true);
   p.ks_up = pu.ks, p.ks_down = pd.ks;
   launch(up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
   LILY_CUDA_LAUNCHED();
