@@ -54,12 +54,12 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
                 Hv = c.linear_num_value_heads, Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const ProfileLabel label("gdn");
   // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
-  const auto [qkv, z, b, a] = project(view(x.h, T, H), w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a},
-                                      x.stacked, {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv),
-                                                  view(x.a, T, Hv)});
-  const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                   // [K-1, C]
-  const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});     // [Hv, Dk, Dv]
-  const Tensor normed = view(x.normed, T, Vd);                                                // [T, Vd]
+  const auto [qkv, z, b, a] =
+      project(view(x.h, T, H), w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
+              {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)});
+  const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                // [K-1, C]
+  const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});  // [Hv, Dk, Dv]
+  const Tensor normed = view(x.normed, T, Vd);                                             // [T, Vd]
   if (T == 1 && ops::gdn_decode_mixer_supported(device(), Hk, Hv, Dk, Dv, c.linear_conv_kernel_dim)) {
     // decode: the three ops below in one (one kernel on CUDA; literally the three on the CPU)
     ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state, a, b, w.A_log->view(), w.dt_bias->view(), S, z,
