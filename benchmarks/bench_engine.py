@@ -44,7 +44,7 @@ def measure(model: lily.Model, ctx: int, steps: int) -> dict:
 
 
 def profile(model: lily.Model, ctx: int, steps: int) -> dict:
-    """Per-group times of one eager prefill of ctx tokens and `steps` eager decode steps."""
+    """Per-op times of one eager prefill of ctx tokens and `steps` eager decode steps."""
     s = model.new_session(max_context=ctx + 2 * steps + 8)
     ids = prompt_ids(ctx, model.config.vocab_size)
     s._core.set_sampler()
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--json", help="write the results here too")
-    ap.add_argument("--profile", action="store_true", help="also time named groups of ops (eager passes)")
+    ap.add_argument("--profile", action="store_true", help="also time each op, by layer kind (eager passes)")
     a = ap.parse_args()
     base = device_used_bytes()
     t0 = time.perf_counter()

@@ -168,11 +168,14 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     assert prof._core.decode_sample(-1) == plain._core.decode_sample(-1)
     n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
     n_gdn = cfg.num_hidden_layers - n_attn
-    dec = out["decode"]
-    assert dec["embedding"][1] == dec["lm_head"][1] == dec["sample"][1] == 3
+    dec = out["decode"]  # one span per op entry, "<layer label>.<op>"
+    assert dec["embedding"][1] == dec["lm_head.linear"][1] == dec["sample"][1] == 3
     assert dec["moe"][1] == 3 * cfg.num_hidden_layers
-    assert dec["gdn.decode_mixer"][1] == 3 * n_gdn and dec["attn.attention"][1] == 3 * n_attn
-    assert out["prefill"]["lm_head"][1] == 1 and out["prefill"]["moe"][1] == cfg.num_hidden_layers
+    assert dec["gdn.gdn_decode_mixer"][1] == 3 * n_gdn and dec["attn.gated_attention"][1] == 3 * n_attn
+    assert dec["gdn.linear"][1] == 3 * n_gdn * 2 and dec["attn.linear"][1] == 3 * n_attn * 2  # stacked in, out
+    pre = out["prefill"]
+    assert pre["lm_head.linear"][1] == 1 and pre["moe"][1] == cfg.num_hidden_layers
+    assert pre["attn.attention"][1] == n_attn and "attn.gated_attention" not in pre
     assert all(ms >= 0 for ms, _ in dec.values()) and sum(ms for ms, _ in dec.values()) > 0
 
 

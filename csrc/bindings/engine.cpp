@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "../core/engine.h"
+#include "../core/tensors.h"
 #include "../ops/backend.h"
 #include "arrays.h"
 
@@ -87,6 +88,15 @@ void init_engine(nb::module_& m) {
       .def_rw("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
       .def_rw("rms_norm_eps", &ModelConfig::rms_norm_eps)
       .def("validate", &ModelConfig::validate);
+
+  m.def("model_tensors", [](const ModelConfig& c) {
+    ModelWeights views;  // what the entries point at: unused, only the table is wanted
+    nb::list out;
+    for (const TensorSpec& t : model_tensors(c, views))
+      out.append(nb::make_tuple(t.name, nb::tuple(nb::cast(t.shape)), t.matrix != nullptr));
+    return out;
+  }, nb::arg("config"), "Every tensor of the model: [(canonical name, shape, is_matrix)] in checkpoint order "
+     "(core/tensors.cpp, the one description of the tensors).");
 
   nb::class_<StoreHandle>(m, "WeightStore", "Weights being handed to the device, by canonical name.")
       .def("__init__", [](StoreHandle* h, const std::string& device) {
@@ -232,7 +242,7 @@ void init_engine(nb::module_& m) {
         out["decode"] = to_dict(decode);
         return out;
       }, nb::arg("ids"), nb::arg("decode_steps") = 0,
-         "Prefills ids then runs decode_steps sampled steps eagerly, timing named groups of ops: "
+         "Prefills ids then runs decode_steps sampled steps eagerly, timing each op as '<layer label>.<op>': "
          "{'prefill'|'decode': {name: (total ms, calls)}} (device events on GPUs).")
       .def_rw("use_graph", &Session::use_graph)
       .def_prop_ro("decode_graph_nodes", &Session::decode_graph_nodes)

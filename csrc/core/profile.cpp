@@ -6,12 +6,22 @@
 
 namespace lily {
 
+static thread_local Profiler* active_profiler = nullptr;
+static thread_local const char* active_label = nullptr;
+static thread_local int op_depth = 0;  // op entries open on this thread (gated_attention calls others)
+
 static double host_ms() {
   using namespace std::chrono;
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
+Profiler::Profiler(Device device) : device_(device) {
+  LILY_CHECK(!active_profiler, "profiler: another profiler is active on this thread");
+  active_profiler = this;
+}
+
 Profiler::~Profiler() {
+  if (active_profiler == this) active_profiler = nullptr;
   for (Span& s : spans_) {
     if (s.start) free_events_.push_back(s.start);
     if (s.stop) free_events_.push_back(s.stop);
@@ -26,9 +36,9 @@ void* Profiler::event() {
   return e;
 }
 
-void Profiler::begin(const char* name) {
+void Profiler::begin(std::string name) {
   Span s;
-  s.name = name;
+  s.name = std::move(name);
   if (device_ == Device::CPU) {
     s.t0 = host_ms();
   } else {
@@ -64,5 +74,18 @@ void Profiler::collect() {
   }
   spans_.clear();
 }
+
+OpSpan::OpSpan(const char* op) : p_(op_depth++ == 0 ? active_profiler : nullptr) {
+  if (p_) p_->begin(active_label ? std::string(active_label) + "." + op : std::string(op));
+}
+
+OpSpan::~OpSpan() {
+  --op_depth;
+  if (p_) p_->end();
+}
+
+ProfileLabel::ProfileLabel(const char* label) : outer_(active_label) { active_label = label; }
+
+ProfileLabel::~ProfileLabel() { active_label = outer_; }
 
 }  // namespace lily

@@ -108,16 +108,16 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.h = f32(C, H);
   s_.mix = f32(C, H);
   s_.proj = f32(C, wide);
-  s_.conv_out = f32(C, wide);
-  s_.z = f32(C, wide);
-  s_.o = f32(C, wide);
+  s_.core_in = f32(C, wide);
+  s_.out_gate = f32(C, wide);
+  s_.core_out = f32(C, wide);
   s_.normed = f32(C, wide);
   s_.stacked = f32(1, std::max(c.conv_dim() + c.value_dim() + 2 * int64_t(c.linear_num_value_heads),
                                 int64_t(c.q_proj_dim()) + 2 * c.kv_dim()));
   s_.a = f32(C, c.linear_num_value_heads);
   s_.b = f32(C, c.linear_num_value_heads);
-  s_.kbuf = f32(C, c.kv_dim());
-  s_.vbuf = f32(C, c.kv_dim());
+  s_.k = f32(C, c.kv_dim());
+  s_.v = f32(C, c.kv_dim());
   const int64_t R = ops::moe_work_rows(d, C, c.num_experts_per_tok);
   s_.router_logits = f32(C, c.num_experts);
   s_.gathered = f32(R, H);
@@ -189,7 +189,6 @@ void Session::set_sampler(const ops::SamplerParams& params, const int32_t* promp
 
 int32_t Session::sample_last() {
   const int64_t V = engine_->config().vocab_size;
-  ProfileScope p(profiler.get(), "sample");
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;

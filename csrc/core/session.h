@@ -52,10 +52,15 @@ struct Snapshot {
 struct Scratch {
   Buffer ids;                        // [C] I32
   Buffer x, h, mix;                  // [C, H] residual stream, normed input, mixer/MoE output
-  Buffer proj, conv_out, z, o, normed;  // [C, widest projection]
-  Buffer a, b;                       // [C, Hv]
+  // The mixers' activations, [C, widest] each, by role (GDN | attention):
+  Buffer proj;                       // the input projection: q|k|v before the conv | per head query|gate
+  Buffer core_in;                    // what the core reads: the conv1d output | the queries
+  Buffer out_gate;                   // the output gate: z | gate
+  Buffer core_out;                   // the core's output: the delta rule's o | attention's o
+  Buffer normed;                     // GDN: the gated norm's output, out_proj's input
+  Buffer a, b;                       // GDN: [C, Hv] decay and write-strength inputs
+  Buffer k, v;                       // attention: [C, nKV*D] new keys and values
   Buffer stacked;                    // [1, widest stacked projection]: a decode step's one-GEMV outputs
-  Buffer kbuf, vbuf;                 // [C, nKV*D]
   Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer gdn_work;                   // gated_delta_rule's workspace for C tokens (empty on the CPU)
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass

@@ -69,21 +69,26 @@ struct LayerWeights {
   MoeWeights moe{};
 };
 
-// Named tensors handed over by the Python loader, then resolved into per-layer views.
-class WeightStore {
+// The model's tensors as per-layer views (core/tensors.h says which name fills which view).
+struct ModelWeights {
+  const QMatrix* embed_tokens = nullptr;  // [V, H]
+  const Vector* final_norm = nullptr;     // [H]
+  const QMatrix* lm_head = nullptr;       // [V, H]
+  std::vector<LayerWeights> layers;
+};
+
+// Named tensors handed over by the Python loader, then resolved into the views of ModelWeights.
+class WeightStore : public ModelWeights {
  public:
   explicit WeightStore(Device device) : device_(device) {}
   void set_matrix(const std::string& name, QMatrix m) { matrices_[name] = std::move(m); }
   void set_vector(const std::string& name, Vector v) { vectors_[name] = std::move(v); }
   Device device() const { return device_; }
 
-  // Checks every tensor the config needs is present with the right shape; throws naming it.
+  // Checks every tensor of the config's model_tensors() is present with its shape (throws naming
+  // it), fills the views, and stacks the same-input projections.
   void resolve(const ModelConfig& cfg);
 
-  const QMatrix* embed_tokens = nullptr;  // [V, H]
-  const QMatrix* lm_head = nullptr;       // [V, H]
-  const Vector* final_norm = nullptr;     // [H]
-  std::vector<LayerWeights> layers;
   size_t nbytes() const;  // owned bytes (stacked matrices once)
   // One line per tensor: name, storage form and shape, and the hex of a few bytes read at its start,
   // middle and end (weight, scales, biases): the model identity that snapshot files record, cheap to
@@ -91,11 +96,11 @@ class WeightStore {
   std::string signature() const;
 
  private:
-  const QMatrix* matrix(const std::string& name, int64_t stack, int64_t rows, int64_t cols) const;
-  // Moves the single-entry matrices `parts` (already shape-checked) into one matrix `name` stacked by
-  // rows and leaves views of it in their place; null (nothing moved) when their formats differ.
-  const QMatrix* stack_rows(const std::string& name, const std::vector<std::string>& parts);
-  const Vector* vector(const std::string& name, std::vector<int64_t> shape) const;
+  const QMatrix* matrix(const std::string& name, const std::vector<int64_t>& shape) const;
+  const Vector* vector(const std::string& name, const std::vector<int64_t>& shape) const;
+  // Moves the single-entry matrices `parts` (resolved views of this store) into one matrix `name`
+  // stacked by rows and leaves views of it in their place; null (nothing moved) when their formats differ.
+  const QMatrix* stack_rows(const std::string& name, const std::vector<const QMatrix*>& parts);
   Device device_;
   std::map<std::string, QMatrix> matrices_;
   std::map<std::string, Vector> vectors_;

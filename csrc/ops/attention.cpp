@@ -5,6 +5,7 @@ namespace lily::ops {
 
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int nH) {
   const char* op = "split_q_gate";
+  const OpSpan span(op);
   check_tensor(op, "p", p, DType::F32, 2);
   check_tensor(op, "q", q, DType::F32, 2);
   check_tensor(op, "gate", gate, DType::F32, 2);
@@ -30,6 +31,7 @@ static void check_position(const char* op, const Position& pos, Device d, int64_
 
 void rope(const Tensor& x, int nH, int rotary_dim, double theta, const Position& pos) {
   const char* op = "rope";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   LILY_CHECK(nH > 0 && x.dim(1) % nH == 0, op, ": width ", x.dim(1), " is not heads * head_dim");
   LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(1) / nH, op, ": bad rotary_dim ", rotary_dim);
@@ -41,6 +43,7 @@ void rope(const Tensor& x, int nH, int rotary_dim, double theta, const Position&
 
 void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos) {
   const char* op = "kv_cache_write";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "cache", cache, cache_dtype(x.device), 2);
   check_shape(op, "cache", cache, 1, x.dim(1));
@@ -54,6 +57,7 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos) {
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int nH,
                int nKV, const Position& pos) {
   const char* op = "attention";
+  const OpSpan span(op);
   check_tensor(op, "q", q, DType::F32, 2);
   check_tensor(op, "o", o, DType::F32, 2);
   check_tensor(op, "k_cache", k_cache, cache_dtype(q.device), 2);
@@ -76,6 +80,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
                      const Tensor& q, const Tensor& gate, const Tensor& o, int nH, int nKV, const Position& pos) {
   const char* op = "gated_attention";
+  const OpSpan span(op);
   check_tensor(op, "p", p, DType::F32, 2);
   for (const Tensor* t : {&k, &v}) check_tensor(op, "k/v", *t, DType::F32, 2);
   check_tensor(op, "q_norm", q_norm, DType::F32, 1);

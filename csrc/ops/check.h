@@ -1,5 +1,6 @@
 // Validation helpers shared by the checked op entries.
 #pragma once
+#include "../core/profile.h"
 #include "../core/tensor.h"
 #ifdef LILY_WITH_CUDA
 #include "../cuda/cuda_ops.h"

@@ -12,6 +12,7 @@ static void check_pair(const char* op, const Tensor& x, const Tensor& y) {
 }
 
 void sigmoid_mul(const Tensor& x, const Tensor& gate) {
+  const OpSpan span("sigmoid_mul");
   check_pair("sigmoid_mul", x, gate);
   if (x.device == Device::CPU) return cpu::sigmoid_mul(x, gate);
   LILY_CUDA_CASE(x.device, sigmoid_mul(x, gate));
@@ -19,6 +20,7 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate) {
 }
 
 void add(const Tensor& x, const Tensor& y) {
+  const OpSpan span("add");
   check_pair("add", x, y);
   if (x.device == Device::CPU) return cpu::add(x, y);
   LILY_CUDA_CASE(x.device, add(x, y));

@@ -5,6 +5,7 @@ namespace lily::ops {
 
 void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y) {
   const char* op = "conv1d_silu";
+  const OpSpan span(op);
   check_tensor(op, "u", u, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 2);
@@ -34,6 +35,7 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
                       const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
                       int Hk, int Dk) {
   const char* op = "gated_delta_rule";
+  const OpSpan span(op);
   check_tensor(op, "qkv", qkv, DType::F32, 2);
   check_tensor(op, "a", a, DType::F32, 2);
   check_tensor(op, "b", b, DType::F32, 2);
@@ -79,6 +81,7 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
                       const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
                       const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
   const char* op = "gdn_decode_mixer";
+  const OpSpan span(op);
   check_tensor(op, "qkv", qkv, DType::F32, 2);
   check_tensor(op, "conv_weight", conv_weight, DType::F32, 2);
   check_tensor(op, "conv_state", conv_state, DType::F32, 2);

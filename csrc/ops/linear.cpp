@@ -5,6 +5,7 @@ namespace lily::ops {
 
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
   const char* op = "linear";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_shape(op, "x", x, 1, w.cols);
@@ -25,6 +26,7 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
 
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
   const char* op = "embedding";
+  const OpSpan span(op);
   check_tensor(op, "ids", ids, DType::I32, 1);
   check_tensor(op, "y", y, DType::F32, 2);
   check_shape(op, "y", y, 0, ids.dim(0));

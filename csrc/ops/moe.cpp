@@ -15,6 +15,7 @@ int64_t moe_routing_words(Device d, int64_t C, int64_t E, int top_k) {
 
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
   const char* op = "moe";
+  const OpSpan span(op);
   check_tensor(op, "h", h, DType::F32, 2);
   check_tensor(op, "out", out, DType::F32, 2);
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows;

@@ -5,6 +5,7 @@ namespace lily::ops {
 
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "rms_norm";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 1);
@@ -19,6 +20,7 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
 
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "add_rms_norm";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "res", res, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
@@ -37,6 +39,7 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
 
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "gated_rms_norm";
+  const OpSpan span(op);
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "z", z, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);

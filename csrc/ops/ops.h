@@ -22,6 +22,8 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 
 // y[t, o] = sum_i W_e[o, i] * x[t, i] for stack entry e.  x [T, in], y [T, out].
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
+// The same for a single matrix (a stack of one).
+inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y) { linear(w, 0, x, y); }
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.

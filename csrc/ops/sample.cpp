@@ -36,6 +36,7 @@ static void check_state(const char* op, const SamplerState& s, int64_t V, Device
 
 void sample(const Tensor& logits, const SamplerParams& params, uint64_t step, const SamplerState& state) {
   const char* op = "sample";
+  const OpSpan span(op);
   check_tensor(op, "logits", logits, DType::F32, 1);
   check_params(params);
   check_state(op, state, logits.dim(0), logits.device);
@@ -46,6 +47,7 @@ void sample(const Tensor& logits, const SamplerParams& params, uint64_t step, co
 
 void sampler_mark_seen(const Tensor& ids, const SamplerState& state) {
   const char* op = "sampler_mark_seen";
+  const OpSpan span(op);
   check_tensor(op, "ids", ids, DType::I32, 1);
   check_state(op, state, state.seen.dim(0), ids.device);
   if (ids.device == Device::CPU) return cpu::sampler_mark_seen(ids, state);
@@ -54,6 +56,7 @@ void sampler_mark_seen(const Tensor& ids, const SamplerState& state) {
 }
 
 void advance_position(int32_t* pos_device, Device d, int64_t T) {
+  const OpSpan span("advance_position");
   if (d == Device::CPU) return;
   LILY_CUDA_CASE(d, advance_position(pos_device, T));
   no_backend("advance_position", d);
