@@ -140,8 +140,9 @@ def tool_call(tools: Sequence[Mapping], name: str | None = None, what: str = "to
     """One or more calls of ``tools`` (OpenAI function definitions) in Qwen3.6's XML format, and
     nothing else (``name``: exactly one call of that function). Each call lists the function's
     parameters in schema order, the required ones always; string values are free text (up to
-    ``\\n</parameter>``), enums one of their values, other types JSON valid under the parameter's
-    schema, so the parsed ``tool_calls`` arguments are typed by the tool's schema."""
+    ``\\n</parameter>``, within minLength / maxLength), enums one of their values, other types
+    JSON valid under the parameter's schema, so the parsed ``tool_calls`` arguments are typed by
+    the tool's schema."""
     fns = _functions(tools, what)
     if name is not None:
         fns = [f for f in fns if f["name"] == name]
@@ -197,9 +198,19 @@ def _value_rule(rule: str, schema: Any, rules: list[str], what: str) -> str:
             raise LilyError(f"{what}: {_clean(messages[0]) if messages else 'invalid schema'}")
         rules.append(f"{rule}: {rule}_json {end}")
         rules.append(f"{rule}_json: %json {sub}")
-    else:  # free text up to the first "\n</parameter>\n" (a lazy lexeme)
-        rules.append(f"{rule}[lazy]: /(.|\\n)*\\n<\\/parameter>\\n/")
+    else:  # free text up to the first "\n</parameter>\n" (a lazy lexeme), within min/maxLength
+        lo, hi = _length_bounds(schema)
+        rules.append(f"{rule}[lazy]: /(.|\\n){{{lo},{hi}}}\\n<\\/parameter>\\n/")
     return rule
+
+
+def _length_bounds(schema: Any) -> tuple[int, str]:
+    """(minLength, maxLength or "") of a string schema, for a regex repetition."""
+    lo = schema.get("minLength", 0) if isinstance(schema, Mapping) else 0
+    hi = schema.get("maxLength") if isinstance(schema, Mapping) else None
+    lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0 else 0
+    hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and hi >= lo else None
+    return lo, "" if hi is None else str(hi)
 
 
 def _lark_string(text: str) -> str:
