@@ -217,3 +217,41 @@ def test_bad_tool_definitions_are_errors(model):
         "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}]
     with pytest.raises(LilyError, match=r"function 'f', parameter 'n': unsupported JSON schema keywords"):
         constraints.tool_call(bad)
+
+
+# --- the core's masked sampling ----------------------------------------------------------------------
+
+def test_split_step_equals_decode_sample(model):
+    """decode_launch + sample_next (the host computes the next mask between them) = decode_sample."""
+    ids = np.asarray(model.tokenizer.encode("Hello there"), np.int32)
+    out = []
+    for split in (False, True):
+        core = model.new_session()._core
+        core.set_sampler(temperature=1.0, top_k=20, top_p=0.95, seed=3, prompt_ids=ids)
+        toks = [core.prefill_sample(ids)]
+        for _ in range(6):
+            if split:
+                core.decode_launch(-1)
+                toks.append(core.sample_next(None))
+            else:
+                toks.append(core.decode_sample(-1))
+        out.append(toks)
+    assert out[0] == out[1]
+    with pytest.raises(LilyError, match="sample_next needs a decode_launch first"):
+        core.sample_next(None)
+
+
+def test_masked_decode_samples_only_allowed_ids(model):
+    V = model.config.vocab_size
+    allowed = np.zeros(V, bool)
+    allowed[[17, 4242, 100000, V - 1]] = True
+    bits = np.zeros((V + 31) // 32 * 32, np.uint8)
+    bits[:V] = allowed
+    mask = np.packbits(bits, bitorder="little").view(np.int32)
+    core = model.new_session()._core
+    ids = np.asarray(model.tokenizer.encode("Hi"), np.int32)
+    core.set_sampler(temperature=1.5, seed=1, prompt_ids=ids)
+    toks = [core.prefill_sample(ids, mask)] + [core.decode_sample(-1, mask) for _ in range(8)]
+    assert all(allowed[t] for t in toks) and len(set(toks)) > 1
+    with pytest.raises(LilyError, match=f"token mask: expected {(V + 31) // 32} int32 words"):
+        core.decode_sample(-1, mask[:-1])

@@ -288,7 +288,7 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
                              frequency_penalty=float(params.frequency_penalty),
                              repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
                              num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
-            token = core.prefill_sample(rest, guide.mask() if guide is not None else None)
+            token = core.prefill_sample(rest) if guide is None else core.prefill_sample(rest, guide.mask())
         tokens.extend(ids[start:])
         usage = result.usage
         usage.prompt_tokens, usage.cached_tokens = len(ids), cached
