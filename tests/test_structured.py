@@ -193,6 +193,7 @@ def test_the_guide_waits_for_think_end_then_allows_newlines(model):
     (dict(json_schema={"$ref": "#/$defs/nope"}), "does not exist"),
     (dict(json_schema="{not json"), "json_schema: not valid JSON"),
     (dict(json_schema=[1, 2]), "expected a JSON schema object"),
+    (dict(json_schema=False), "the schema false accepts no value"),
     (dict(regex="[0-"), "unclosed character class"),
     (dict(regex=""), "non-empty regular expression"),
     (dict(grammar="start: missing_rule"), "missing_rule"),

@@ -83,8 +83,10 @@ def json_schema(schema: Any, what: str = "json_schema") -> Constraint:
             schema = json.loads(schema)
         except ValueError as e:
             raise LilyError(f"{what}: not valid JSON ({e})") from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if schema is True:
+        schema = {}
+    elif schema is False:
+        raise LilyError(f"{what}: the schema false accepts no value")
     if not isinstance(schema, Mapping):
         raise LilyError(f"{what}: expected a JSON schema object (a dict, JSON text or a pydantic model class), "
                         f"got {type(schema).__name__}")
