@@ -279,7 +279,15 @@ USER = [{"role": "user", "content": "Hi"}]
     ({"messages": USER, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "between 0 and 20"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "not": {"required": ["a"]}}}}}, "response_format.json_schema.schema",
+     'unsupported JSON schema keywords: ["not"]'),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/$defs/missing"}}}}, "response_format.json_schema.schema", "does not exist"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema", "is required"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ({"messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "give one of them"),
     ({"messages": USER, "temprature": 0.5}, "temprature", "unrecognized request argument"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function", "is required"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),

@@ -29,6 +29,17 @@ struct StoreHandle {
   }
 };
 
+// A token mask from Python: int32 words, bit v of word v/32 set = id v allowed (llguidance's layout).
+using MaskIn = nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+const int32_t* mask_words(const Session& s, const std::optional<MaskIn>& mask) {
+  if (!mask) return nullptr;
+  const int64_t V = s.engine().config().vocab_size, words = (V + 31) / 32;
+  LILY_CHECK(int64_t(mask->shape(0)) == words, "token mask: expected ", words, " int32 words for a vocabulary of ",
+             V, ", got ", mask->shape(0));
+  return mask->data();
+}
+
 }  // namespace
 
 namespace lily::bind {
@@ -198,15 +209,32 @@ void init_engine(nb::module_& m) {
          nb::arg("presence_penalty") = 0.f, nb::arg("frequency_penalty") = 0.f, nb::arg("repetition_penalty") = 1.f,
          nb::arg("seed") = 0, nb::arg("num_logprobs") = -1, nb::arg("prompt_ids") = nb::none(),
          "Starts a request: sampling parameters (see docs/sampling.md), counts cleared, prompt ids marked seen.")
-      .def("prefill_sample", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids) {
+      .def("prefill_sample", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
+                                std::optional<MaskIn> mask) {
+        const int32_t* m = mask_words(s, mask);
         nb::gil_scoped_release release;
-        return s.prefill_sample(ids.data(), int64_t(ids.shape(0)));
-      }, nb::arg("ids"), "Prefills ids, then samples the next token on the device and returns it.")
-      .def("decode_sample", [](Session& s, int64_t id) {
+        return s.prefill_sample(ids.data(), int64_t(ids.shape(0)), m);
+      }, nb::arg("ids"), nb::arg("mask") = nb::none(),
+         "Prefills ids, then samples the next token on the device and returns it. mask: None, or int32 "
+         "[ceil(V/32)] words, bit v set = id v allowed (the others get a -inf logit before the draw).")
+      .def("decode_sample", [](Session& s, int64_t id, std::optional<MaskIn> mask) {
+        LILY_CHECK(id >= -1 && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
+        const int32_t* m = mask_words(s, mask);
+        nb::gil_scoped_release release;
+        return s.decode_sample(int32_t(id), m);
+      }, nb::arg("token") = -1, nb::arg("mask") = nb::none(),
+         "Feeds token (-1: the last sampled one, already on the device) and samples the next (mask: as prefill_sample).")
+      .def("decode_launch", [](Session& s, int64_t id) {
         LILY_CHECK(id >= -1 && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
         nb::gil_scoped_release release;
-        return s.decode_sample(int32_t(id));
-      }, nb::arg("token") = -1, "Feeds token (-1: the last sampled one, already on the device) and samples the next.")
+        s.decode_launch(int32_t(id));
+      }, nb::arg("token") = -1,
+         "decode_sample's first half: feeds token and queues the step (on GPUs it returns before the step ends).")
+      .def("sample_next", [](Session& s, std::optional<MaskIn> mask) {
+        const int32_t* m = mask_words(s, mask);
+        nb::gil_scoped_release release;
+        return s.sample_next(m);
+      }, nb::arg("mask") = nb::none(), "decode_sample's second half: masks (optional) and samples the launched step.")
       .def("last_logprobs", [](const Session& s) {
         IntArray ids = new_array<int32_t>({size_t(1 + ops::MAX_LOGPROBS)});
         FloatArray vals = new_floats({size_t(1 + ops::MAX_LOGPROBS)});

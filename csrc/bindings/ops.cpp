@@ -248,4 +248,11 @@ void init_ops(nb::module_& parent) {
      nb::arg("temperature") = 0.f, nb::arg("top_k") = 0, nb::arg("top_p") = 1.f, nb::arg("min_p") = 0.f,
      nb::arg("presence_penalty") = 0.f, nb::arg("frequency_penalty") = 0.f, nb::arg("repetition_penalty") = 1.f,
      nb::arg("seed") = 0, nb::arg("num_logprobs") = -1);
+  m.def("apply_token_mask", [](const std::string& device, const F32In& logits, const I32In& mask) {
+    const Device d = parse_device(device);
+    Dev l = f32(d, logits), mk = i32(d, mask);
+    ops::apply_token_mask(l.t, mk.t);
+    return out_f32(l);
+  }, nb::arg("device"), nb::arg("logits"), nb::arg("mask"),
+     "logits with -inf where bit v of mask (int32 words, llguidance's layout) is 0.");
 }

@@ -139,6 +139,7 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   sampler_.token = Buffer(d, 4);
   sampler_.logprob_ids = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
   sampler_.logprob_values = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  sampler_.mask = Buffer(d, size_t((V + 31) / 32) * 4);
   set_sampler(ops::SamplerParams{}, nullptr, 0);
   reset();
 }
@@ -161,6 +162,7 @@ void Session::reset() {
     st.recurrent.zero();
   }
   sampler_.has_token = false;
+  launched_ = false;
   set_position(0);
 }
 
@@ -187,8 +189,14 @@ void Session::set_sampler(const ops::SamplerParams& params, const int32_t* promp
   }
 }
 
-int32_t Session::sample_last() {
+int32_t Session::sample_last(const int32_t* mask) {
   const int64_t V = engine_->config().vocab_size;
+  if (mask) {
+    const int64_t words = (V + 31) / 32;
+    sampler_.mask.upload(mask, size_t(words) * 4);
+    ops::apply_token_mask(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}),
+                          i32_view(sampler_.mask, words));
+  }
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;
@@ -201,10 +209,10 @@ int32_t Session::sample_last() {
   return id;
 }
 
-int32_t Session::prefill_sample(const int32_t* ids, int64_t T) {
+int32_t Session::prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask) {
   prefill(ids, T, nullptr, false);
   engine_->logits_rows(*this, (T - 1) % chunk_, 1);  // the last chunk's last row
-  return sample_last();
+  return sample_last(mask);
 }
 
 void Session::decode_from_device() {
@@ -230,11 +238,17 @@ void Session::decode_step(int32_t id, float* logits) {
   const int64_t V = engine_->config().vocab_size;
   LILY_CHECK(id >= 0 && id < V, "token id ", id, " at index 0 is outside the vocabulary [0, ", V, ")");
   sampler_.token.upload(&id, 4);
+  launched_ = false;
   decode_from_device();
   if (logits) s_.logits.download(logits, size_t(V) * 4);
 }
 
-int32_t Session::decode_sample(int32_t id) {
+int32_t Session::decode_sample(int32_t id, const int32_t* mask) {
+  decode_launch(id);
+  return sample_next(mask);
+}
+
+void Session::decode_launch(int32_t id) {
   if (id >= 0) {
     const int64_t V = engine_->config().vocab_size;
     LILY_CHECK(id < V, "token id ", id, " at index 0 is outside the vocabulary [0, ", V, ")");
@@ -242,8 +256,16 @@ int32_t Session::decode_sample(int32_t id) {
   } else {
     LILY_CHECK(sampler_.has_token, "decode_sample(-1) needs a sampled token: call prefill_sample first");
   }
+  launched_ = false;
   decode_from_device();
-  return sample_last();
+  sampler_.has_token = false;  // the fed token is consumed; sample_next samples the next one
+  launched_ = true;
+}
+
+int32_t Session::sample_next(const int32_t* mask) {
+  LILY_CHECK(launched_, "sample_next needs a decode_launch first (each launched step is sampled once)");
+  launched_ = false;
+  return sample_last(mask);
 }
 
 void Session::last_logprobs(int32_t* ids, float* values) const {
@@ -261,6 +283,7 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
   sampler_.has_token = false;
+  launched_ = false;
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
     const int64_t n = std::min(chunk_, T - t0);
     s_.ids.upload(ids + t0, size_t(n) * 4);
@@ -311,6 +334,7 @@ void Session::restore(const Snapshot& snap) {
     }
   }
   sampler_.has_token = false;
+  launched_ = false;
   set_position(snap.position);
 }
 

@@ -73,6 +73,7 @@ struct SamplerBuffers {
   Buffer counts, seen;              // [V] I32
   Buffer token;                     // [1] I32 the last sampled id: the next decode step's input
   Buffer logprob_ids, logprob_values;  // [1 + MAX_LOGPROBS]
+  Buffer mask;                      // [ceil(V/32)] I32 the token mask of constrained decoding
   ops::SamplerParams params;
   uint64_t step = 0;
   bool has_token = false;
@@ -91,8 +92,15 @@ class Session {
   // marked seen); prefill_sample / decode_sample return the sampled id, which stays on the device as
   // the next step's input (decode_sample(-1) feeds it without a host round trip).
   void set_sampler(const ops::SamplerParams& params, const int32_t* prompt_ids, int64_t n);
-  int32_t prefill_sample(const int32_t* ids, int64_t T);
-  int32_t decode_sample(int32_t id);
+  // mask: null, or [ceil(V/32)] I32 host words (bit v of word v/32 set = id v allowed): ids it
+  // forbids get a -inf logit on the device before the draw (ops::apply_token_mask).
+  int32_t prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask = nullptr);
+  int32_t decode_sample(int32_t id, const int32_t* mask = nullptr);
+  // decode_sample in two halves, so the host can compute the next mask while the device runs the
+  // step: decode_launch feeds id (-1: the last sampled one) and queues the forward (on GPUs it
+  // returns before the step finishes); sample_next then masks and samples its logits.
+  void decode_launch(int32_t id);
+  int32_t sample_next(const int32_t* mask);
   // The last sample's logprobs: ids, values [1 + MAX_LOGPROBS] (entry 0 = the chosen token).
   void last_logprobs(int32_t* ids, float* values) const;
   bool use_graph = true;
@@ -124,7 +132,8 @@ class Session {
   int64_t max_context_, chunk_, position_ = 0;
   ops::Position position_arg() const;
   void set_position(int64_t p);
-  int32_t sample_last();
+  int32_t sample_last(const int32_t* mask);
+  bool launched_ = false;  // decode_launch ran and sample_next has not
   // Feeds the id in sampler_.token (device) and leaves the logits of it in s_.logits row 0.
   void decode_from_device();
   std::vector<LayerState> layers_;

@@ -27,6 +27,7 @@ void add(const Tensor& x, const Tensor& y);
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);
+void apply_token_mask(const Tensor& logits, const Tensor& mask);
 
 // Row r of stack entry e of w, dequantized to float32: out [cols].
 void dequantize_row(const QMatrix& w, int64_t e, int64_t r, float* out);

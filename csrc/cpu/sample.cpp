@@ -103,7 +103,7 @@ static int64_t draw(const std::vector<float>& z, const SamplerParams& p, float u
     if (!keep[v]) continue;
     cum += e[v];
     if (cum > target) return v;
-    last = v;
+    if (e[v] > 0.f) last = v;  // never an id of zero mass (a -inf logit, e.g. masked out)
   }
   return last;
 }
@@ -132,6 +132,14 @@ void sample(const Tensor& logits, const SamplerParams& p, uint64_t step, const S
   s.token.ptr<int32_t>()[0] = int32_t(chosen);  // 9
   counts[chosen] += 1;
   seen[chosen] = 1;
+}
+
+void apply_token_mask(const Tensor& logits, const Tensor& mask) {
+  const int64_t V = logits.dim(0);
+  float* l = logits.ptr<float>();                                             // [V]
+  const uint32_t* m = reinterpret_cast<const uint32_t*>(mask.ptr<int32_t>());  // [ceil(V/32)]
+  for (int64_t v = 0; v < V; ++v)
+    if (!((m[v >> 5] >> (v & 31)) & 1u)) l[v] = -std::numeric_limits<float>::infinity();
 }
 
 void sampler_mark_seen(const Tensor& ids, const SamplerState& s) {

@@ -50,6 +50,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
 // sample.cu
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);
+void apply_token_mask(const Tensor& logits, const Tensor& mask);
 void advance_position(int32_t* pos, int64_t T);
 
 }  // namespace lily::cuda

@@ -1,7 +1,9 @@
-// Launchers of the sampler kernels (kernels/sample.cuh): the draw, prompt marking and the device
-// position counter. All stay on the device: the next decode step reads state.token from there.
+// Launchers of the sampler kernels (kernels/sample.cuh, token_mask.cuh): the draw, the token mask of
+// constrained decoding, prompt marking and the device position counter. All stay on the device: the
+// next decode step reads state.token from there.
 #include "cuda_ops.h"
 #include "kernels/sample.cuh"
+#include "kernels/token_mask.cuh"
 #include "runtime.h"
 
 namespace lily::cuda {
@@ -37,6 +39,16 @@ void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t ste
   p.step = step;
   // One cluster; its size is fixed by the kernel's __cluster_dims__.
   sample_kernel<<<SAMPLE_CTAS, SAMPLE_THREADS, 0, stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+void apply_token_mask(const Tensor& logits, const Tensor& mask) {
+  const int64_t V = logits.dim(0);
+  LILY_CHECK(V > 0 && V <= (int64_t(1) << 30), "apply_token_mask: vocabulary size ", V, " out of range");
+  constexpr int THREADS = 256;
+  const int64_t words = (V + 31) / 32;
+  apply_token_mask_kernel<<<unsigned(ceil_div<int64_t>(words, THREADS)), THREADS, 0, stream()>>>(
+      logits.ptr<float>(), reinterpret_cast<const uint32_t*>(mask.ptr<int32_t>()), int(V));
   LILY_CUDA_LAUNCHED();
 }
 

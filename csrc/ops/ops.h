@@ -150,6 +150,10 @@ constexpr int MAX_LOGPROBS = 20;
 // writes state.token, updates counts/seen, and fills state.logprobs when asked.
 void sample(const Tensor& logits, const SamplerParams& params, uint64_t step, const SamplerState& state);
 
+// Constrained decoding: logits[v] = -inf where bit v of mask is 0 (word v / 32, bit v % 32, the
+// layout of llguidance's bitmasks). logits [V] F32, mask [W] I32 with W >= ceil(V / 32); in place.
+void apply_token_mask(const Tensor& logits, const Tensor& mask);
+
 // Marks ids [n] I32 as seen (prompt tokens for the repetition penalty).
 void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
 

@@ -45,6 +45,19 @@ void sample(const Tensor& logits, const SamplerParams& params, uint64_t step, co
   no_backend(op, logits.device);
 }
 
+void apply_token_mask(const Tensor& logits, const Tensor& mask) {
+  const char* op = "apply_token_mask";
+  const OpSpan span(op);
+  check_tensor(op, "logits", logits, DType::F32, 1);
+  check_tensor(op, "mask", mask, DType::I32, 1);
+  const int64_t V = logits.dim(0), words = (V + 31) / 32;
+  LILY_CHECK(mask.dim(0) >= words, op, ": mask has ", mask.dim(0), " words; ", V, " logits need at least ", words);
+  LILY_CHECK(mask.device == logits.device, op, ": logits and mask live on different devices");
+  if (logits.device == Device::CPU) return cpu::apply_token_mask(logits, mask);
+  LILY_CUDA_CASE(logits.device, apply_token_mask(logits, mask));
+  no_backend(op, logits.device);
+}
+
 void sampler_mark_seen(const Tensor& ids, const SamplerState& state) {
   const char* op = "sampler_mark_seen";
   const OpSpan span(op);

@@ -8,7 +8,9 @@
     logits = model.prefill(token_ids)                  # step-wise: [vocab] float32 of the last token
     logits = model.decode_step(next_id)
 """
+from . import constraints  # noqa: F401 (lily.constraints: json_schema, regex, grammar, choice, tool_call)
 from ._version import __version__  # noqa: F401 (lily.__version__)
+from .constraints import Constraint
 from .errors import CheckpointError, ConfigError, DeviceError, LilyError
 from .generate import Generation, GenerationEvent, GenerationStream, TokenLogprob, Usage
 from .model import Model, Session, Snapshot
@@ -16,7 +18,7 @@ from .sampling import SamplingParams
 from .snapshot_file import SnapshotFileError
 from .tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "ConfigError", "DeviceError", "Generation", "GenerationEvent", "GenerationStream",
+__all__ = ["CheckpointError", "ConfigError", "Constraint", "DeviceError", "Generation", "GenerationEvent", "GenerationStream",
            "LilyError", "Model", "SamplingParams", "Session", "Snapshot", "SnapshotFileError", "TokenLogprob",
            "Tokenizer", "Usage",
            "load", "make_checkpoint"]

@@ -9,6 +9,7 @@ returned token but the last.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -20,6 +21,7 @@ from .errors import LilyError
 from .sampling import SamplingParams, StopMatcher
 
 if TYPE_CHECKING:
+    from .constraints import Guide
     from .session import Session
     from .tokenizer import Tokenizer
 
@@ -257,10 +259,12 @@ def resume(session: "Session", ids: list[int]) -> int:
 
 
 def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "Tokenizer | None",
-        stop_ids: frozenset[int], result: Generation, boundary: int | None = None) -> Iterator[GenerationEvent]:
+        stop_ids: frozenset[int], result: Generation, boundary: int | None = None,
+        guide: "Guide | None" = None) -> Iterator[GenerationEvent]:
     """Generate on ``session`` after prompt ``ids`` [T] and yield one event per token; fills
     ``result`` as it goes. ``boundary``: a prompt length (e.g. the end of the last complete message)
-    at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it."""
+    at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it.
+    ``guide``: a constraint's matcher (lily.constraints); its mask is applied before every sample."""
     model = session.model
     core, lock = session._core, model._lock
     session._acquire()
@@ -284,20 +288,20 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
                              frequency_penalty=float(params.frequency_penalty),
                              repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
                              num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
-            token = core.prefill_sample(rest)
+            token = core.prefill_sample(rest) if guide is None else core.prefill_sample(rest, guide.mask())
         tokens.extend(ids[start:])
         usage = result.usage
         usage.prompt_tokens, usage.cached_tokens = len(ids), cached
         t1 = time.perf_counter()
         usage.prefill_seconds = t1 - t0
-        yield from _decode(session, token, params, tokenizer, stop_ids, result)
+        yield from _decode(session, token, params, tokenizer, stop_ids, result, guide)
         usage.decode_seconds = time.perf_counter() - t1
     finally:
         session._release()
 
 
 def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "Tokenizer | None",
-            stop_ids: frozenset[int], result: Generation) -> Iterator[GenerationEvent]:
+            stop_ids: frozenset[int], result: Generation, guide: "Guide | None") -> Iterator[GenerationEvent]:
     # The per-token path: keep it to a few dict/list operations besides the core call.
     core, lock, tokens = session._core, session.model._lock, session._tokens
     detok = StreamingDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
@@ -318,6 +322,8 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
                 return
             out_ids.append(token)
             usage.completion_tokens += 1
+            if guide is not None:
+                guide.advance(token)
             lp = None
             if logprobs is not None:
                 lp = _last_logprob(core, num_logprobs, tokenizer)
@@ -330,18 +336,25 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
                     result.finish_reason, result.stop_reason = "stop", hit
                     yield GenerationEvent(text, token, lp, "stop")
                     return
-            # The sampled token can be fed only while the context has room for it.
-            if len(out_ids) >= max_tokens or len(tokens) >= room:
+            # The sampled token can be fed only while the context has room for it. A complete
+            # constraint ends generation as a stop token would ('stop'), also at max_tokens.
+            done = guide is not None and guide.done
+            if done or len(out_ids) >= max_tokens or len(tokens) >= room:
                 tail, hit = _finish(detok, stops)
                 text += tail
                 parts.append(text)
-                result.finish_reason, result.stop_reason = ("stop", hit) if hit is not None else ("length", None)
+                stopped = hit is not None or done
+                result.finish_reason, result.stop_reason = ("stop", hit) if stopped else ("length", None)
                 yield GenerationEvent(text, token, lp, result.finish_reason)
                 return
             parts.append(text)
             yield GenerationEvent(text, token, lp, None)
             with lock:
-                nxt = core.decode_sample(-1)
+                if guide is None:
+                    nxt = core.decode_sample(-1)
+                else:  # the step runs on the device while the host computes the next mask
+                    core.decode_launch(-1)
+                    nxt = core.sample_next(guide.mask())
             tokens.append(token)
             token = nxt
     finally:
@@ -360,7 +373,8 @@ def _finish(detok: StreamingDetokenizer | None, stops: StopMatcher | None) -> tu
 def _last_logprob(core, n: int, tokenizer: "Tokenizer | None" = None) -> TokenLogprob:
     ids, values = core.last_logprobs()
     ids, values = ids[:n + 1].tolist(), values[:n + 1].tolist()
-    lp = TokenLogprob(ids[0], values[0], list(zip(ids[1:], values[1:])))
+    # Under a constraint the masked-out ids have log p = -inf: they are no alternatives.
+    lp = TokenLogprob(ids[0], values[0], [(i, v) for i, v in zip(ids[1:], values[1:]) if v != -math.inf])
     if tokenizer is not None:
         text = tokenizer.token_bytes
         lp.token = text(ids[0]).decode("utf-8", errors="replace")

@@ -20,10 +20,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import _core
+from . import _core, constraints
 from .checkpoint.config import TextConfig, load_config
 from .checkpoint.hub import BUILTIN_NAMES, resolve_path
 from .checkpoint.weights import load_weights
+from .constraints import Constraint
 from .device import resolve_device
 from .errors import CheckpointError, LilyError
 from .generate import Generation, GenerationStream, check_prompt, common_prefix_length, run
@@ -209,7 +210,9 @@ class Model:
     def generate(self, prompt, params: SamplingParams | None = None, *, stream: bool = False,
                  session: Session | None = None, tools: Sequence[Mapping] | None = None,
                  enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
-                 chat_template_kwargs: Mapping | None = None, progress: bool | None = None, **sampling):
+                 chat_template_kwargs: Mapping | None = None, progress: bool | None = None,
+                 json_schema=None, regex: str | None = None, grammar: str | None = None,
+                 choice: Sequence[str] | None = None, constraint: Constraint | None = None, **sampling):
         """Generate from one prompt or a list of prompts.
 
         ``prompt``: text (encoded without BOS), token ids (a list or 1-D integer array), chat
@@ -225,12 +228,20 @@ class Model:
         session's context (LilyError otherwise, as the server answers 400). ``progress``: a
         progress bar on stderr for a list of prompts (default: when stderr is a terminal).
 
+        Structured output (at most one): ``json_schema`` (a dict, JSON text or pydantic model
+        class), ``regex``, ``grammar`` (llguidance's Lark syntax), ``choice`` (a list of strings), or
+        a prebuilt ``constraint`` (lily.constraints). The text then matches it; when the prompt
+        opens a think block, the reasoning is free and the constraint applies after ``</think>``.
+        Generation ends ('stop') as soon as the constraint is complete; a cut by max_tokens says
+        'length'. A schema or grammar llguidance cannot use is a LilyError naming the problem.
+
         Returns a Generation; with ``stream=True`` a GenerationStream, an iterator of
         GenerationEvent (text delta, token id, logprobs, finish reason) whose ``result()`` is the
         Generation. For a list of prompts: a list of Generation, or with ``stream=True`` an iterator
         that yields each prompt's Generation as soon as it is done (all prompts are checked first).
         """
         params = sampling_params(params, sampling)
+        wanted = constraints.from_arguments(json_schema, regex, grammar, choice, constraint)
         session = session if session is not None else self.session
         if not isinstance(session, Session) or session.model is not self:
             raise LilyError("session must be a Session of this model (model.new_session())")
@@ -242,10 +253,10 @@ class Model:
                 check_prompt(ids, session)
             for ids, _, _ in prepared:
                 self._check_max_tokens(ids, params, session)
-            results = self._generate_each(prepared, params, session, tools, progress)
+            results = self._generate_each(prepared, params, session, tools, progress, wanted)
             return results if stream else list(results)
         ids, boundary, thinking = prepare(self, prompt, template)
-        out = self._start(session, ids, params, boundary, thinking, tools)
+        out = self._start(session, ids, params, boundary, thinking, tools, wanted)
         return out if stream else out.result()
 
     def chat(self, messages: Sequence[Mapping], params: SamplingParams | None = None, **kwargs):
@@ -269,7 +280,7 @@ class Model:
         return self.generate(prompt, params, stream=True, **kwargs)
 
     def _generate_each(self, prepared: list, params: SamplingParams, session: Session, tools,
-                       progress: bool | None) -> Iterator[Generation]:
+                       progress: bool | None, constraint: Constraint | None = None) -> Iterator[Generation]:
         import sys
 
         from tqdm.auto import tqdm
@@ -282,7 +293,7 @@ class Model:
                     # Snapshot where the next prompt diverges, so that it prefills only its own part
                     # (at most one token before this prompt's end: one is needed to sample from).
                     boundary = min(common_prefix_length(ids, prepared[i + 1][0]), len(ids) - 1) or boundary
-                result = self._start(session, ids, params, boundary, thinking, tools).result()
+                result = self._start(session, ids, params, boundary, thinking, tools, constraint).result()
                 bar.update(1)
                 yield result
 
@@ -295,7 +306,7 @@ class Model:
                             f"(leave max_tokens out to generate until the context is full)")
 
     def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
-               thinking: bool, tools=None) -> GenerationStream:
+               thinking: bool, tools=None, constraint: Constraint | None = None) -> GenerationStream:
         check_prompt(ids, session)
         self._check_max_tokens(ids, params, session)
         if params.max_tokens is None:
@@ -304,8 +315,13 @@ class Model:
         if params.stop and tokenizer is None:
             raise LilyError("stop strings need the checkpoint's tokenizer (tokenizer.json); use stop_token_ids")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids())
+        guide = None
+        if constraint is not None:
+            if tokenizer is None:
+                raise LilyError("structured output needs the checkpoint's tokenizer (tokenizer.json)")
+            guide = constraints.Guide(self, constraint, thinking)
         result = Generation(text="", thinking=thinking, tools=list(tools) if tools else None)
-        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary), result)
+        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary, guide), result)
 
     def __repr__(self) -> str:
         c = self.config

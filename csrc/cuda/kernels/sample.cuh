@@ -123,7 +123,10 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float zt = scaled(p, q.z[k]), e = weight_e(zt, keep.m);
-      if (v0 + k < hi && zt >= keep.z_min && e >= keep.e_min) mine += e, last = v0 + k;
+      if (v0 + k < hi && zt >= keep.z_min && e >= keep.e_min) {
+        mine += e;
+        if (e > 0.f) last = v0 + k;  // the fallback never picks an id of zero mass (a masked -inf logit)
+      }
     }
     float tile_total;
     block_exclusive_scan(mine, tile_total, c.sh);

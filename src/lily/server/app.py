@@ -557,8 +557,8 @@ def _json(raw: bytes) -> dict:
 
 # --- completions ---------------------------------------------------------------------------------------
 
-def _submit(s: Server, prefix: str, prompt: Prompt, params, notify) -> Job:
-    job = Job(prefix + uuid.uuid4().hex, prompt, params)
+def _submit(s: Server, prefix: str, prompt: Prompt, params, notify, constraint=None) -> Job:
+    job = Job(prefix + uuid.uuid4().hex, prompt, params, constraint)
     job.notify = notify
     try:
         s.worker.submit(job)
@@ -677,7 +677,7 @@ def _prepare_chat(s: Server, raw: bytes, notify):
         raise bad_request(f"the chat template could not render the messages: {type(e).__name__}: {e}",
                           "messages") from None
     params = s.fit_context(prompt, req, "messages")
-    job = _submit(s, "chatcmpl-", prompt, params, notify)
+    job = _submit(s, "chatcmpl-", prompt, params, notify, req.constraint)
     return job, _ChatRenderer(s, req, prompt, params, job)
 
 
@@ -693,7 +693,7 @@ def _prepare_completion(s: Server, raw: bytes, notify):
     except LilyError as e:
         raise bad_request(str(e), "prompt") from None
     params = s.fit_context(prompt, req, "prompt")
-    job = _submit(s, "cmpl-", prompt, params, notify)
+    job = _submit(s, "cmpl-", prompt, params, notify, req.constraint)
     return job, _CompletionRenderer(s, req, params, job)
 
 

@@ -3,7 +3,10 @@
 The JSON schemas (``schema.py``) check types and ranges; this module checks what they cannot say
 and maps OpenAI fields onto lily's: ``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` +
 ``top_logprobs``, ``stop``, ``seed`` (negative seeds modulo 2**64), ``top_k = -1`` (off),
-``tool_choice`` (which tools are rendered and whether calls are parsed), ``chat_template_kwargs``.
+``tool_choice`` (which tools are rendered and whether calls are parsed), ``chat_template_kwargs``, and
+the structured-output constraint of ``response_format`` (json_object / json_schema) or of a forcing
+``tool_choice`` ("required" or a named function: a call in Qwen's XML format), compiled here so that
+a schema llguidance cannot use is a 400 naming the problem before the request is queued.
 Fields a request leaves out take the checkpoint's recommended sampling (generation_config.json).
 """
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import constraints
+from ..constraints import Constraint
 from ..errors import LilyError
 from ..sampling import SamplingParams
 from .errors import bad_request
@@ -47,6 +52,7 @@ class Request:
     tool_defs: list[dict] = field(default_factory=list)  # what types the parsed arguments
     template_kwargs: dict = field(default_factory=dict)
     prompt: Any = None  # completion: text or token ids
+    constraint: Constraint | None = None  # what the answer must match (structured output)
 
 
 def drop_unknown_fields(body: Any, schema: dict, log=None) -> Any:
@@ -91,11 +97,6 @@ def _several_prompts(prompt: Any) -> None:
 def parse_chat(body: Any, defaults: SamplingParams) -> Request:
     body = drop_unknown_fields(body, CHAT_REQUEST)
     validate(body, CHAT_REQUEST)
-    response_format = body.get("response_format")
-    if response_format and response_format.get("type") != "text":
-        raise bad_request(f"'response_format.type': {response_format.get('type')!r} is not supported (structured "
-                          f"output is not implemented yet); use {{'type': 'text'}} or leave it out",
-                          "response_format.type", "unsupported_value")
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if top and not logprobs:
         raise bad_request("'top_logprobs': needs logprobs: true", "top_logprobs")
@@ -107,6 +108,12 @@ def parse_chat(body: Any, defaults: SamplingParams) -> Request:
     req = Request("chat", body.get("model"), params, bool(body.get("stream")), _include_usage(body), max_field,
                   messages=[_message(m, i) for i, m in enumerate(body["messages"])], tools=tools,
                   parse_tools=parse_tools, tool_defs=tool_defs, template_kwargs=_template_kwargs(body))
+    req.constraint = _response_format(body)
+    forced = _forced_call(body, tool_defs)
+    if forced is not None and req.constraint is not None:
+        raise bad_request("'tool_choice' forces a tool call and 'response_format' a JSON answer; give one of them",
+                          "response_format", "unsupported_value")
+    req.constraint = req.constraint or forced
     return req
 
 
@@ -123,7 +130,44 @@ def parse_completion(body: Any, defaults: SamplingParams) -> Request:
     params = _sampling(body, defaults, max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS,
                        (logprobs or True) if logprobs is not None else None)
     return Request("completion", body.get("model"), params, bool(body.get("stream")), _include_usage(body),
-                   "max_tokens" if max_tokens is not None else None, prompt=prompt)
+                   "max_tokens" if max_tokens is not None else None, prompt=prompt,
+                   constraint=_response_format(body))
+
+
+def _response_format(body: dict) -> Constraint | None:
+    """The constraint of ``response_format``: None for text, any JSON object for json_object, the
+    schema of json_schema (OpenAI's ``{"name", "schema", "strict"}``; enforced whatever ``strict``)."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if fmt else "text"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return constraints.json_object()
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("'response_format.json_schema' is required for type json_schema: {\"name\": ..., "
+                          "\"schema\": {...}, \"strict\": true}", "response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
+                          "response_format.json_schema.schema")
+    try:
+        return constraints.json_schema(schema, "'response_format.json_schema.schema'")
+    except LilyError as e:
+        raise bad_request(str(e), "response_format.json_schema.schema", "unsupported_value") from None
+
+
+def _forced_call(body: dict, tool_defs: list[dict]) -> Constraint | None:
+    """``tool_choice`` "required" (one or more calls of the tools) or a named function (one call of
+    it): a constraint in Qwen's XML tool-call format. "auto", "none" and no choice constrain nothing."""
+    choice = body.get("tool_choice")
+    if choice != "required" and not isinstance(choice, dict):
+        return None
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    try:
+        return constraints.tool_call(tool_defs, name, "'tool_choice'")
+    except LilyError as e:
+        raise bad_request(str(e), "tools", "unsupported_value") from None
 
 
 def _include_usage(body: dict) -> bool:

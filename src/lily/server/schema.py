@@ -147,8 +147,21 @@ _TOOL_CHOICE = {
                               "function": {"type": "object", "required": ["name"], "additionalProperties": False,
                                            "properties": {"name": {"type": "string", "minLength": 1}}}}},
               {"type": "null"}],
-    "description": "none: tools are neither rendered nor parsed; auto / required: all tools rendered; a named "
-                   "function: only that tool rendered. Decoding is not constrained.",
+    "description": "none: tools are neither rendered nor parsed (no call can be returned); auto: all tools "
+                   "rendered, calls parsed; required: the answer is one or more calls (decoding constrained to "
+                   "Qwen's XML call format, arguments typed by each tool's schema); a named function: only that "
+                   "tool rendered and the answer is one call of it.",
+}
+
+_RESPONSE_FORMAT = {
+    "type": ["object", "null"], "required": ["type"], "additionalProperties": True,
+    "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                   "json_schema": {"type": "object", "required": ["schema"], "additionalProperties": True,
+                                   "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                  "strict": {"type": ["boolean", "null"]}}}},
+    "description": "text (default); json_object: the answer is a JSON object; json_schema: {'name', 'schema', "
+                   "'strict'}: the answer is JSON valid under 'schema' (enforced by constrained decoding, "
+                   "strict or not; unsupported schema keywords are a 400 naming them).",
 }
 
 CHAT_REQUEST = {
@@ -163,9 +176,7 @@ CHAT_REQUEST = {
         "tools": {"type": ["array", "null"], "items": _ref("Tool"), "maxItems": 128},
         "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": _typed("boolean", "Accepted and ignored (every parsed call is returned)."),
-        "response_format": {"type": ["object", "null"], "required": ["type"], "additionalProperties": True,
-                            "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}},
-                            "description": "Only {'type': 'text'}: structured output is not supported yet."},
+        "response_format": _RESPONSE_FORMAT,
         "chat_template_kwargs": {"type": ["object", "null"],
                                  "description": "Passed to the chat template, e.g. {'enable_thinking': false} or "
                                                 "{'preserve_thinking': true}."},
@@ -192,6 +203,7 @@ COMPLETION_REQUEST = {
         "echo": {"type": ["boolean", "null"], "enum": [False, None], "description": "Only false."},
         "best_of": _int(1, 1, doc="Only 1."),
         "suffix": {"type": "null", "description": "Not supported."},
+        "response_format": _RESPONSE_FORMAT,
     },
 }
 

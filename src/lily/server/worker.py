@@ -25,6 +25,7 @@ import time
 import traceback
 from typing import Callable
 
+from ..constraints import Constraint
 from ..errors import LilyError
 from ..generate import Generation, GenerationStream
 from ..sampling import SamplingParams
@@ -51,8 +52,9 @@ class Job:
     """One accepted request. The handler reads ``next_item()``: ("event", GenerationEvent) per token,
     then one of ("done", Generation), ("cancelled", Generation | None), ("error", exception)."""
 
-    def __init__(self, request_id: str, prompt: Prompt, params: SamplingParams):
+    def __init__(self, request_id: str, prompt: Prompt, params: SamplingParams, constraint: Constraint | None = None):
         self.id, self.prompt, self.params = request_id, prompt, params
+        self.constraint = constraint  # structured output; it applies after </think> when the prompt opens one
         self.seq: int | None = None
         self.accepted = time.perf_counter()  # for the time to first token (metrics)
         self.first_token: float | None = None
@@ -223,7 +225,8 @@ class Worker:
                 pos = b
                 if self.cache.budget_bytes and ids[:b] not in self.cache:
                     self._keep_snapshot()
-        stream = self.model.generate(ids, job.params, stream=True, session=session)
+        constraint = job.constraint.with_think(job.prompt.thinking) if job.constraint is not None else None
+        stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint)
         return stream, cached, time.perf_counter() - t0
 
     def _keep_snapshot(self) -> None:
