@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) lab_mma_loads_kerne
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS, tiles = (p.rows + 15) / 16;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
-                                 p.cols >> p.group_shift, p.group_shift};
+                                 p.cols >> p.group_shift, p.group_shift, false};
   auto none = [] {};
   auto stage = [&] {
     pdl_wait();

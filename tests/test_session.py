@@ -170,9 +170,13 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     n_gdn = cfg.num_hidden_layers - n_attn
     dec = out["decode"]  # one span per op entry, "<layer label>.<op>"
     assert dec["embedding"][1] == dec["lm_head.linear"][1] == dec["sample"][1] == 3
-    assert dec["moe"][1] == 3 * cfg.num_hidden_layers
+    # one token: each residual add and the norm after it run inside the op before them (the last layer's
+    # MoE has no norm after it)
+    assert dec["moe"][1] == 3 and dec["moe_add_rms_norm"][1] == 3 * (cfg.num_hidden_layers - 1)
+    assert "add_rms_norm" not in dec
     assert dec["gdn.gdn_decode_mixer"][1] == 3 * n_gdn and dec["attn.gated_attention"][1] == 3 * n_attn
-    assert dec["gdn.linear"][1] == 3 * n_gdn * 2 and dec["attn.linear"][1] == 3 * n_attn * 2  # stacked in, out
+    assert dec["gdn.linear"][1] == 3 * n_gdn and dec["attn.linear"][1] == 3 * n_attn  # the stacked input projection
+    assert dec["gdn.linear_add_rms_norm"][1] == 3 * n_gdn and dec["attn.linear_add_rms_norm"][1] == 3 * n_attn
     pre = out["prefill"]
     assert pre["lm_head.linear"][1] == 1 and pre["moe"][1] == cfg.num_hidden_layers
     assert pre["attn.attention"][1] == n_attn and "attn.gated_attention" not in pre

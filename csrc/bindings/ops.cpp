@@ -117,6 +117,20 @@ void init_ops(nb::module_& parent) {
     ops::linear(w, e, xi.t, y.t);
     return out_f32(y);
   });
+  m.def("linear_add_rms_norm", [](const QMatrix& w, const F32In& x, const F32In& res, const F32In& nw, float eps,
+                                  int repeat) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, nw), y(d, DType::F32, {T, w.rows}), tmp(d, DType::F32, {T, w.rows});
+    Dev sync(d, DType::I32, {1});
+    const int32_t zero = 0;
+    sync.buf.upload(&zero, 4);
+    for (int i = 0; i < repeat; ++i) ops::linear_add_rms_norm(w, xi.t, ri.t, wi.t, eps, y.t, tmp.t, sync.t);
+    int32_t left = -1;
+    sync.buf.download(&left, 4);
+    return nb::make_tuple(out_f32(ri), out_f32(y), left);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"), nb::arg("repeat") = 1,
+     "(res + x W^T, rms_norm of it, the sync counter after): the op `repeat` times on the same buffers.");
   m.def("rms_norm", [](const std::string& device, const F32In& x, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), y(d, DType::F32, shape_of(x));
@@ -234,6 +248,27 @@ void init_ops(nb::module_& parent) {
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
   });
+  m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
+                               const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
+                               const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,
+                               float eps, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev hi = f32(d, h), ri = f32(d, res), wi = f32(d, nw), tmp(d, DType::F32, {T, H});
+    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev sync(d, DType::I32, {1});
+    const int32_t zero = 0;
+    sync.buf.upload(&zero, 4);
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t};
+    ops::moe_add_rms_norm(w, hi.t, ri.t, wi.t, eps, tmp.t, s, top_k, sync.t);
+    int32_t left = -1;
+    sync.buf.download(&left, 4);
+    return nb::make_tuple(out_f32(ri), out_f32(hi), left);
+  }, "(res + moe(h), rms_norm of it, the sync counter after).");
   m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
                      uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
                      float frequency, float repetition, uint64_t seed, int num_logprobs) {

@@ -45,8 +45,8 @@ static std::array<Tensor, N> project(const Tensor& x, const QMatrix* stacked, co
   return outs;
 }
 
-// Gated DeltaNet mixer (docs/model.md section 2.2): mix = out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
-void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+// Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
+Engine::Projection Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
   const Scratch& x = s.s_;
@@ -71,11 +71,11 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
     ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, int(Hk), int(Dk));
     ops::gated_rms_norm(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, heads(normed, Dv));
   }
-  ops::linear(*w.out_proj, normed, view(x.mix, T, H));
+  return {w.out_proj, normed};
 }
 
-// Gated full attention (docs/model.md section 2.3): mix = o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
-void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+// Gated full attention (docs/model.md section 2.3): o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
+Engine::Projection Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
   const Scratch& x = s.s_;
@@ -103,7 +103,7 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
     ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
     ops::sigmoid_mul(o, gate);
   }
-  ops::linear(*w.o_proj, o, view(x.mix, T, H));
+  return {w.o_proj, o};
 }
 
 void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
@@ -148,20 +148,38 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
                      view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
                      Tensor::of(x.routing.data(), DType::I32, device(), {words})};
-  ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), c.rms_norm_eps, h);
+  const float eps = c.rms_norm_eps;
+  const int K = c.num_experts_per_tok;
+  const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
+  // One token (and no trace of the blocks' outputs): each residual add and the norm after it run inside
+  // the product before them (ops::linear_add_rms_norm, ops::moe_add_rms_norm); mix is then work space.
+  const bool fold = T == 1 && !s.tracing;
+  ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
-    if (L.is_full_attention) attention_layer(s, L, s.layers_[l], T);
-    else gdn_layer(s, L, s.layers_[l], T);
     const std::string p = "layers." + std::to_string(l) + ".";
-    record(s, p + "mixer", x.mix, T, H);
-    ops::add_rms_norm(xs, mix, L.post_attention_layernorm->view(), c.rms_norm_eps, h);  // x += mix; h = norm(x)
-    ops::moe(L.moe, h, mix, ms, c.num_experts_per_tok);
-    record(s, p + "moe", x.mix, T, H);
-    if (l + 1 < c.num_hidden_layers)  // x += moe; h = the next layer's input_layernorm(x)
-      ops::add_rms_norm(xs, mix, weights_->layers[l + 1].input_layernorm->view(), c.rms_norm_eps, h);
-    else
-      ops::add(xs, mix);
+    const Tensor post_norm = L.post_attention_layernorm->view();
+    {  // x += mixer(h); h = post_attention_layernorm(x)
+      const Projection out = L.is_full_attention ? attention_layer(s, L, s.layers_[l], T) : gdn_layer(s, L, s.layers_[l], T);
+      const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
+      if (fold) {
+        ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, sync);
+      } else {
+        ops::linear(*out.w, out.x, mix);
+        record(s, p + "mixer", x.mix, T, H);
+        ops::add_rms_norm(xs, mix, post_norm, eps, h);
+      }
+    }
+    // x += moe(h); h = the next layer's input_layernorm(x) (the last layer: x += moe(h))
+    const bool last = l + 1 == c.num_hidden_layers;
+    if (fold && !last) {
+      ops::moe_add_rms_norm(L.moe, h, xs, weights_->layers[l + 1].input_layernorm->view(), eps, mix, ms, K, sync);
+    } else {
+      ops::moe(L.moe, h, mix, ms, K);
+      record(s, p + "moe", x.mix, T, H);
+      if (last) ops::add(xs, mix);
+      else ops::add_rms_norm(xs, mix, weights_->layers[l + 1].input_layernorm->view(), eps, h);
+    }
     record(s, p + "residual", x.x, T, H);
   }
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);

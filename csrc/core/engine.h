@@ -24,8 +24,13 @@ class Engine {
   void write_logits(Session& s, int64_t row0, int64_t n, float* out) const;
 
  private:
-  void gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
-  void attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
+  // A mixer's output projection, not yet applied: the caller adds w x into the residual stream.
+  struct Projection {
+    const QMatrix* w;
+    Tensor x;
+  };
+  Projection gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
+  Projection attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;
 };

@@ -133,6 +133,9 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.final_h = f32(s_.logit_rows, H);
   s_.logits = f32(s_.logit_rows, c.vocab_size);
   if (d != Device::CPU) s_.position = Buffer(d, 4);
+  s_.sync = Buffer(d, 4);
+  const int32_t zero = 0;
+  s_.sync.upload(&zero, 4);
   const int64_t V = c.vocab_size;
   sampler_.counts = Buffer(d, size_t(V) * 4);
   sampler_.seen = Buffer(d, size_t(V) * 4);

@@ -66,6 +66,7 @@ struct Scratch {
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
   Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)
+  Buffer sync;                       // [1] I32, zero: the fused residual norms' completion counter
 };
 
 // Per-request sampling state on the session's device (ops::SamplerState's buffers).

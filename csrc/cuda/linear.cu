@@ -1,6 +1,7 @@
 // Launchers of linear and embedding. Five kernels, chosen by named predicates:
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
-//                    -> kernels/gemv_mma.cuh (integer tensor cores)
+//                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
+//                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a multiple of 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma.cuh (Hopper wgmma)
@@ -185,8 +186,9 @@ static void launch_gemv_mma(const MmaLinearParams& p0) {
   LILY_CUDA_LAUNCHED();
 }
 
-static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
-  MmaLinearParams p;
+static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const NormTail& tail = {}) {
+  MmaLinearParams p{};
+  p.tail = tail;
   p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
   p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
   p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
@@ -255,6 +257,13 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
   const dim3 grid(unsigned(max_tiles), unsigned(ceil_div<int64_t>(a.w.rows, GENERIC_WARPS)));
   launch(linear_generic_kernel, grid, GENERIC_WARPS * 32, 0, a);
   LILY_CUDA_LAUNCHED();
+}
+
+void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                         const Tensor& y, const Tensor& tmp, const Tensor& sync) {
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, norm_tail(res, weight, eps, y, sync));
+  linear(w, 0, x, tmp);
+  add_rms_norm(res, tmp, weight, eps, y);
 }
 
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {

@@ -22,6 +22,11 @@ constexpr int LINEAR_TILE_ROWS = 64;
 bool is_fast_affine(const WeightView& w);
 bool is_aligned16(const void* p);
 
+// The tail of a kernel that ends in ops::add_rms_norm (kernels/norms.cuh, grid_tail_rms_norm): x [1, D] the
+// residual row the kernel adds into, y = rms_norm(x) * weight, sync the I32 [1] completion counter; the
+// thread mapping add_rms_norm would use for D (norms.cu).
+NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync);
+
 // GEMV sizing (kernels/linear_gemv.cuh): threads per row slot for rows of `chunks` 16-byte chunks,
 // and the CTA count for `passes` independent passes of `kernel` (256 threads, `smem` dynamic bytes).
 int gemv_tpr(int64_t chunks);

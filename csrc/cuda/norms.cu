@@ -1,6 +1,7 @@
 // Launchers of the RMSNorm kernels (kernels/norms.cuh): one block per row.
 #include "cuda_ops.h"
 #include "kernels/norms.cuh"
+#include "linear.h"
 #include "runtime.h"
 
 namespace lily::cuda {
@@ -22,6 +23,12 @@ static int norm_threads(int64_t D) {
   if (want <= 64) return 64;
   if (want <= 128) return 128;
   return 256;
+}
+
+NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync) {
+  const int64_t D = x.dim(1);
+  return NormTail{x.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), reinterpret_cast<unsigned*>(sync.data),
+                  int(D), norm_threads(D), eps, can_use_vec4(D, {x.data, weight.data, y.data})};
 }
 
 template <bool GATED>

@@ -28,6 +28,9 @@ inline void check_same_device(const char* op, std::initializer_list<Tensor> ts) 
   for (const Tensor& t : ts) LILY_CHECK(t.device == d, op, ": tensors live on different devices");
 }
 
+// add_rms_norm's argument checks, for the ops that end in it (ops/norms.cpp).
+void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y);
+
 [[noreturn]] inline void no_backend(const char* op, Device d) {
   fail(op, ": no ", device_name(d), " implementation in this build");
 }

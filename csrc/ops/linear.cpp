@@ -3,9 +3,7 @@
 
 namespace lily::ops {
 
-void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
-  const char* op = "linear";
-  const OpSpan span(op);
+static void check_linear(const char* op, const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_shape(op, "x", x, 1, w.cols);
@@ -19,8 +17,34 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
     LILY_CHECK(w.group_size == 32 || w.group_size == 64 || w.group_size == 128, op,
                ": unsupported group size ", w.group_size);
   }
+}
+
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  const char* op = "linear";
+  const OpSpan span(op);
+  check_linear(op, w, e, x, y);
   if (x.device == Device::CPU) return cpu::linear(w, e, x, y);
   LILY_CUDA_CASE(x.device, linear(w, e, x, y));
+  no_backend(op, x.device);
+}
+
+void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                         const Tensor& y, const Tensor& tmp, const Tensor& sync) {
+  const char* op = "linear_add_rms_norm";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, tmp);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, x.dim(0));
+  check_shape(op, "res", res, 1, w.rows);
+  check_add_rms_norm(op, res, tmp, weight, y);
+  check_tensor(op, "sync", sync, DType::I32, 1);
+  LILY_CHECK(res.data != tmp.data, op, ": tmp must not alias res");
+  check_same_device(op, {x, sync});
+  if (x.device == Device::CPU) {  // the two ops, literally
+    cpu::linear(w, 0, x, tmp);
+    return cpu::add_rms_norm(res, tmp, weight, eps, y);
+  }
+  LILY_CUDA_CASE(x.device, linear_add_rms_norm(w, x, res, weight, eps, y, tmp, sync));
   no_backend(op, x.device);
 }
 

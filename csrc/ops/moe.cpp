@@ -13,9 +13,8 @@ int64_t moe_routing_words(Device d, int64_t C, int64_t E, int top_k) {
   no_backend("moe", d);
 }
 
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
-  const char* op = "moe";
-  const OpSpan span(op);
+static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s,
+                      int top_k) {
   check_tensor(op, "h", h, DType::F32, 2);
   check_tensor(op, "out", out, DType::F32, 2);
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows;
@@ -29,8 +28,34 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScrat
                  s.gate.dim(0) >= R && s.down.dim(0) >= R && s.routing.numel() >= moe_routing_words(h.device, T, E, top_k),
              op, ": scratch is too small for ", T, " tokens");
   check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
+}
+
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
+  const char* op = "moe";
+  const OpSpan span(op);
+  check_moe(op, w, h, out, s, top_k);
   if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
   LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k));
+  no_backend(op, h.device);
+}
+
+void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
+                      const Tensor& tmp, const MoeScratch& s, int top_k, const Tensor& sync) {
+  const char* op = "moe_add_rms_norm";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_add_rms_norm(op, res, tmp, weight, h);
+  check_tensor(op, "sync", sync, DType::I32, 1);
+  LILY_CHECK(res.data != tmp.data, op, ": tmp must not alias res");
+  check_same_device(op, {h, sync});
+  if (h.device == Device::CPU) {  // the two ops, literally
+    cpu::moe(w, h, tmp, s, top_k);
+    return cpu::add_rms_norm(res, tmp, weight, eps, h);
+  }
+  LILY_CUDA_CASE(h.device, moe_add_rms_norm(w, h, res, weight, eps, tmp, s, top_k, sync));
   no_backend(op, h.device);
 }
 

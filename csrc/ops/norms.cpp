@@ -18,9 +18,7 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   no_backend(op, x.device);
 }
 
-void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
-  const char* op = "add_rms_norm";
-  const OpSpan span(op);
+void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y) {
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "res", res, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
@@ -32,6 +30,12 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   }
   LILY_CHECK(y.data != x.data && y.data != res.data, op, ": y must not alias x or res");
   check_same_device(op, {x, res, y, weight});
+}
+
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+  const char* op = "add_rms_norm";
+  const OpSpan span(op);
+  check_add_rms_norm(op, x, res, weight, y);
   if (x.device == Device::CPU) return cpu::add_rms_norm(x, res, weight, eps, y);
   LILY_CUDA_CASE(x.device, add_rms_norm(x, res, weight, eps, y));
   no_backend(op, x.device);

@@ -24,6 +24,13 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
 // The same for a single matrix (a stack of one).
 inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y) { linear(w, 0, x, y); }
+// res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
+// residual stream, and the next RMSNorm. Equal to linear(w, x, tmp) then add_rms_norm(res, tmp, weight,
+// eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and the
+// norm by its last CTA). x [T, in]; res, y, tmp [T, out] (tmp: work space, contents unspecified after;
+// no two of res, y, tmp alias); weight [out]; sync: I32 [1] device scratch, zero before and after.
+void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                         const Tensor& y, const Tensor& tmp, const Tensor& sync);
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
@@ -122,6 +129,12 @@ int64_t moe_routing_words(Device device, int64_t C, int64_t E, int top_k);
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
 // h, out [T, H].
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
+// res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
+// next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
+// for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's
+// kernel). h, res, tmp [T, H] (tmp: work space; no two alias); sync as linear_add_rms_norm.
+void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
+                      const Tensor& tmp, const MoeScratch& scratch, int top_k, const Tensor& sync);
 
 // Sampling parameters; the canonical algorithm is in docs/sampling.md and cpu/sample.cpp.
 struct SamplerParams {

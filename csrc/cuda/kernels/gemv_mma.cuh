@@ -45,6 +45,7 @@
 #include <cstring>
 
 #include "linear_gemv.cuh"
+#include "norms.cuh"
 
 namespace lily::cuda {
 
@@ -442,6 +443,7 @@ struct MmaLinearRows {
   const uint16_t* b;
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
+  bool accumulate;    // y[o] += the row's sum (else y[o] = it)
   using Ref = MmaRowRef;
   __device__ __forceinline__ Ref base(int tile, int r) const {
     return mma_affine_row(w, s, b, min(tile * 16 + r, rows - 1), wpr, gpr);
@@ -452,7 +454,7 @@ struct MmaLinearRows {
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
-    if (o < rows) y[o] = row_sum(r);
+    if (o < rows) y[o] = accumulate ? y[o] + row_sum(r) : row_sum(r);
   }
 };
 
@@ -463,9 +465,11 @@ struct MmaLinearParams {
   const float* x;  // [cols] F32, 16-byte aligned
   float* y;        // [rows]
   int rows, cols, group_shift, ks;
+  NormTail tail;   // tail.done != nullptr: y += W x (y is the residual row), then tail.y = rms_norm(y) * tail.w
 };
 
-// y = W x for one token (T = 1). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
+// y = W x for one token (T = 1), or with a tail y += W x and then the next RMSNorm of y by the grid's last
+// CTA (ops::linear_add_rms_norm). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
 // requested before the wait on the previous kernel and before x is staged.
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
@@ -475,8 +479,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
   float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS;
+  const bool tail = p.tail.done != nullptr;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
-                                 p.cols >> p.group_shift, p.group_shift};
+                                 p.cols >> p.group_shift, p.group_shift, tail};
   auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
     pdl_wait();
     pdl_trigger();
@@ -484,6 +489,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
     __syncthreads();
   };
   mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
+  if (tail) grid_tail_rms_norm(p.tail);
 }
 
 }  // namespace lily::cuda

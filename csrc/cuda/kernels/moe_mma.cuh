@@ -8,7 +8,8 @@
 //                 s == K the shared expert (w = sigmoid gate); pair p = s * I + i, shared pairs last.
 //   moe_down_mma: out[t, o] = sum_s D_s[o, :] . act[t, s, :] as one GEMV over a virtual row of
 //                 K*I + Is values (the K+1 act rows back to back; segment v of row o reads expert
-//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values).
+//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); with a tail
+//                 (ops::moe_add_rms_norm) out[t, o] += it and the last CTA writes the next RMSNorm.
 #pragma once
 #include "gemv_mma.cuh"
 #include "moe_decode.cuh"
@@ -25,6 +26,8 @@ struct MoeMmaParams {
   float* act;                                    // [T, K+1, ld] F32, 16-byte aligned rows
   float* out;                                    // [T, H]
   int K, ld, group_shift, ks_up, ks_down;
+  NormTail tail;  // tail.done != nullptr (T = 1): out += the product (out is the residual row), then
+                  // tail.y = rms_norm(out) * tail.w by moe_down_mma's last CTA
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -99,7 +102,9 @@ struct MmaMoeDownRows {
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
-    if (o < p.down.rows) p.out[int64_t(t) * p.down.rows + o] = row_sum(r);
+    if (o >= p.down.rows) return;
+    float* y = p.out + int64_t(t) * p.down.rows + o;
+    *y = p.tail.done != nullptr ? *y + row_sum(r) : row_sum(r);
   }
 };
 
@@ -167,6 +172,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   };
   mma_gemv_body<BITS, NG>(rows, (p.down.rows + 15) / 16, Sg, MmaSplit(p.ks_down, Sg), xd, xe, xsum, ids_in,
                           stage);
+  if (p.tail.done != nullptr) grid_tail_rms_norm(p.tail);
 }
 
 }  // namespace lily::cuda

@@ -117,4 +117,58 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
   }
 }
 
+// The second half of add_rms_norm run by the last CTA of a grid that has just written x [D] (the residual
+// stream after the add), so that the kernel before ops::add_rms_norm's add can fold the whole op into its
+// epilogue: y = x * s * w with add_rms_norm_kernel's thread mapping for D (nt = norm_threads(D) threads
+// striding over float4s or floats, the same block reduction; threads >= nt add zeros), so the result is
+// bit-identical to add_rms_norm. Every thread of every CTA calls it once, after its last store to x;
+// done [1] is zero before the grid and after it (the last CTA resets it). x is read through L2 (other
+// CTAs wrote it).
+struct NormTail {
+  float* x;              // [D] the residual row, complete when the last CTA gets here
+  const float* w;        // [D]
+  float* y;              // [D]
+  unsigned* done;        // [1] completion counter
+  int D, nt;
+  float eps;
+  bool vec4;
+};
+
+__device__ __forceinline__ void grid_tail_rms_norm(const NormTail& n) {
+  __shared__ float red[32];
+  __shared__ bool last;
+  __threadfence();  // this thread's stores to x, before the CTA's arrival
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(n.done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int tid = int(threadIdx.x);
+  const bool on = tid < n.nt;
+  float ss = 0.f;
+  if (n.vec4) {
+    const float4* x4 = reinterpret_cast<const float4*>(n.x);
+    for (int i = tid; on && i < n.D / 4; i += n.nt) ss += sq4(__ldcg(x4 + i));
+  } else {
+    for (int i = tid; on && i < n.D; i += n.nt) {
+      const float v = __ldcg(n.x + i);
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss, red);
+  const float s = 1.f / sqrtf(ss / float(n.D) + n.eps);
+  if (n.vec4) {
+    const float4* x4 = reinterpret_cast<const float4*>(n.x);
+    const float4* w4 = reinterpret_cast<const float4*>(n.w);
+    float4* y4 = reinterpret_cast<float4*>(n.y);
+    for (int i = tid; on && i < n.D / 4; i += n.nt) {
+      const float4 x = __ldcg(x4 + i), w = w4[i];
+      y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+    }
+  } else {
+    for (int i = tid; on && i < n.D; i += n.nt) n.y[i] = __ldcg(n.x + i) * s * n.w[i];
+  }
+  if (tid == 0) *n.done = 0u;
+}
+
 }  // namespace lily::cuda

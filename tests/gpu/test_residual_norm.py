@@ -1,0 +1,59 @@
+"""CUDA linear_add_rms_norm and moe_add_rms_norm against the CUDA ops they fold (linear or moe, then
+add_rms_norm): bit for bit, on the one-kernel path (one token, integer tensor-core GEMV; the add in the
+epilogue, the norm by the grid's last CTA) and on the fallback; the completion counter back at zero."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import _core
+from test_linear import both, random_matrix
+from test_moe import moe_weights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _core.backend_available("cuda"), reason="no CUDA backend on this machine"),
+]
+ops = _core.ops
+
+
+# (T, rows, cols, bits, group): the fused kernel (T = 1, >= 1024 rows, 4/8-bit, BF16 scales) at the real
+# out_proj / o_proj shapes and small-D norm mappings; the fallback (T = 2, group 32 at 4 bits, few rows)
+CASES = [(1, 2048, 4096, 4, 64), (1, 2048, 2048, 8, 64), (1, 1024, 512, 4, 128), (1, 1040, 256, 4, 64),
+         (1, 1026, 256, 4, 64),
+         (2, 2048, 1024, 4, 64), (1, 2048, 512, 4, 32), (1, 96, 64, 4, 64)]
+
+
+@pytest.mark.parametrize("T, rows, cols, bits, group", CASES)
+def test_linear_add_rms_norm_equals_the_two_ops(T, rows, cols, bits, group):
+    rng = np.random.default_rng(rows + cols + T)
+    _, w = both(random_matrix(rng, 1, rows, cols, bits, group, "BF16"))
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    res = rng.standard_normal((T, rows)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, rows).astype(np.float32)
+    got_res, got_y, left = ops.linear_add_rms_norm(w, x, res, nw, 1e-6, repeat=3)
+    want_res = res
+    for _ in range(3):  # three calls on the same buffers: the counter must be reset by each
+        want_res, want_y = ops.add_rms_norm("cuda", want_res, ops.linear(w, 0, x), nw, 1e-6)
+    assert left == 0
+    assert np.array_equal(got_res, want_res)
+    assert np.array_equal(got_y, want_y)
+
+
+@pytest.mark.parametrize("T, E, top_k, H, I, Is, bits, group", [
+    (1, 256, 8, 2048, 512, 512, 4, 64),   # the real MoE block: moe_down_mma with the tail
+    (1, 9, 4, 256, 128, 256, 4, 64),      # wider shared expert
+    (1, 7, 3, 192, 64, 128, 8, 32),       # 8 bits, two groups a segment
+    (2, 9, 4, 256, 128, 256, 4, 64),      # two tokens: moe, then add_rms_norm
+])
+def test_moe_add_rms_norm_equals_the_two_ops(T, E, top_k, H, I, Is, bits, group):
+    rng = np.random.default_rng(E + H + T)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    got_res, got_h, left = ops.moe_add_rms_norm("cuda", *gpu, h, res, nw, 1e-6, top_k)
+    want_res, want_h = ops.add_rms_norm("cuda", res, ops.moe("cuda", *gpu, h, top_k), nw, 1e-6)
+    assert left == 0
+    assert np.array_equal(got_res, want_res)
+    assert np.array_equal(got_h, want_h)
