@@ -11,10 +11,16 @@ Engine::Engine(ModelConfig config, std::unique_ptr<WeightStore> weights)
 
 static Tensor view(const Buffer& b, int64_t rows, int64_t cols) { return f32_view(b, rows, cols); }
 
+// The BF16 workspace of ops::linear and MoeScratch::xb (empty on the CPU).
+static Tensor xb_work(const Scratch& x, Device d) {
+  return Tensor::of(x.xb.data(), DType::BF16, d, {int64_t(x.xb.nbytes() / 2)});
+}
+
 void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
   const Scratch& x = s.s_;
+  const Tensor ws = xb_work(x, device());  // linear's BF16 workspace
   const int64_t H = c.hidden_size, C = c.conv_dim(), Hv = c.linear_num_value_heads, Vd = c.value_dim();
   Tensor h = view(x.h, T, H);                 // [T, H]
   Tensor y = view(x.conv_out, T, C);          // [T, conv_dim] after conv + SiLU
@@ -29,13 +35,13 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
       z = Tensor::of(row + C, DType::F32, device(), {1, Vd});
       b = Tensor::of(row + C + Vd, DType::F32, device(), {1, Hv});
       a = Tensor::of(row + C + Vd + Hv, DType::F32, device(), {1, Hv});
-      ops::linear(*w.in_proj, 0, h, view(x.stacked, 1, C + Vd + 2 * Hv));
+      ops::linear(*w.in_proj, 0, h, view(x.stacked, 1, C + Vd + 2 * Hv), ws);
     } else {
       qkv = view(x.proj, T, C), z = view(x.z, T, Vd), a = view(x.a, T, Hv), b = view(x.b, T, Hv);
-      ops::linear(*w.in_proj_qkv, 0, h, qkv);
-      ops::linear(*w.in_proj_z, 0, h, z);
-      ops::linear(*w.in_proj_b, 0, h, b);
-      ops::linear(*w.in_proj_a, 0, h, a);
+      ops::linear(*w.in_proj_qkv, 0, h, qkv, ws);
+      ops::linear(*w.in_proj_z, 0, h, z, ws);
+      ops::linear(*w.in_proj_b, 0, h, b, ws);
+      ops::linear(*w.in_proj_a, 0, h, a, ws);
     }
   }
   const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);  // [K-1, C]
@@ -65,13 +71,14 @@ void Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_
                         c.rms_norm_eps, view(x.normed, T * Hv, c.linear_value_head_dim));
   }
   ProfileScope p(prof, "gdn.out_proj");
-  ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H));
+  ops::linear(*w.out_proj, 0, view(x.normed, T, Vd), view(x.mix, T, H), ws);
 }
 
 void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
   const Scratch& x = s.s_;
+  const Tensor ws = xb_work(x, device());  // linear's BF16 workspace
   const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   Tensor h = view(x.h, T, H);                      // [T, H]
   Tensor q = view(x.conv_out, T, nH * D);          // [T, nH*D]
@@ -87,12 +94,12 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
       p = Tensor::of(row, DType::F32, device(), {1, P});
       k = Tensor::of(row + P, DType::F32, device(), {1, KV});
       v = Tensor::of(row + P + KV, DType::F32, device(), {1, KV});
-      ops::linear(*w.qkv_proj, 0, h, view(x.stacked, 1, P + 2 * KV));
+      ops::linear(*w.qkv_proj, 0, h, view(x.stacked, 1, P + 2 * KV), ws);
     } else {
       p = view(x.proj, T, c.q_proj_dim()), k = view(x.kbuf, T, nKV * D), v = view(x.vbuf, T, nKV * D);
-      ops::linear(*w.q_proj, 0, h, p);
-      ops::linear(*w.k_proj, 0, h, k);
-      ops::linear(*w.v_proj, 0, h, v);
+      ops::linear(*w.q_proj, 0, h, p, ws);
+      ops::linear(*w.k_proj, 0, h, k, ws);
+      ops::linear(*w.v_proj, 0, h, v, ws);
     }
     if (T > 1) ops::split_q_gate(p, q, gate, int(nH));  // decode splits inside gated_attention
   }
@@ -107,7 +114,7 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
                            kc, vc, q, gate, o, int(nH), int(nKV), pos);
     }
     ProfileScope ps(prof, "attn.gate_o_proj");
-    ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
+    ops::linear(*w.o_proj, 0, o, view(x.mix, T, H), ws);
     return;
   }
   {
@@ -129,17 +136,18 @@ void Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, 
   }
   ProfileScope ps(prof, "attn.gate_o_proj");
   ops::sigmoid_mul(o, gate);
-  ops::linear(*w.o_proj, 0, o, view(x.mix, T, H));
+  ops::linear(*w.o_proj, 0, o, view(x.mix, T, H), ws);
 }
 
 void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
   const int64_t H = config_.hidden_size, V = config_.vocab_size;
   const Scratch& x = s.s_;
+  const Tensor ws = xb_work(x, device());  // linear's BF16 workspace
   LILY_CHECK(n <= x.logit_rows, "logits_rows: ", n, " rows exceed the ", x.logit_rows, " rows of scratch");
   Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + row0 * H, DType::F32, device(), {n, H});  // [n, H]
   ProfileScope p(s.profiler.get(), "lm_head");
   ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, view(x.final_h, n, H));
-  ops::linear(*weights_->lm_head, 0, view(x.final_h, n, H), view(x.logits, n, V));
+  ops::linear(*weights_->lm_head, 0, view(x.final_h, n, H), view(x.logits, n, V), ws);
 }
 
 void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
@@ -177,7 +185,7 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   const int64_t words = ops::moe_routing_words(device(), s.chunk_, c.num_experts, c.num_experts_per_tok);
   ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
                      view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
-                     Tensor::of(x.routing.data(), DType::I32, device(), {words})};
+                     Tensor::of(x.routing.data(), DType::I32, device(), {words}), xb_work(x, device())};
   {
     ProfileScope p(prof, "norm");
     ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), c.rms_norm_eps, view(x.h, T, H));

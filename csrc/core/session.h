@@ -58,6 +58,7 @@ struct Scratch {
   Buffer kbuf, vbuf;                 // [C, nKV*D]
   Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer gdn_work;                   // gated_delta_rule's workspace for C tokens (empty on the CPU)
+  Buffer xb;                         // BF16 linear workspace and MoeScratch::xb for C tokens (empty on the CPU)
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
   Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)

@@ -3,7 +3,15 @@
 
 namespace lily::ops {
 
-void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+int64_t linear_workspace_elems(Device d, int64_t T, int64_t in) {
+  if (d == Device::CPU) return 0;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::linear_workspace_elems(T, in);
+#endif
+  no_backend("linear", d);
+}
+
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
   const char* op = "linear";
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
@@ -19,7 +27,14 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
                ": unsupported group size ", w.group_size);
   }
   if (x.device == Device::CPU) return cpu::linear(w, e, x, y);
-  LILY_CUDA_CASE(x.device, linear(w, e, x, y));
+  const int64_t need = linear_workspace_elems(x.device, x.dim(0), w.cols);
+  if (need > 0) {
+    check_tensor(op, "workspace", workspace, DType::BF16, 1);
+    LILY_CHECK(workspace.numel() >= need, op, ": workspace ", workspace.shape_str(), " is too small for ", x.dim(0),
+               " x ", w.cols, " (", need, " elements)");
+    check_same_device(op, {x, workspace});
+  }
+  LILY_CUDA_CASE(x.device, linear(w, e, x, y, workspace));
   no_backend(op, x.device);
 }
 
