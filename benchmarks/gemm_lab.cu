@@ -1,11 +1,12 @@
 // gemm_lab: the prefill GEMM over 4-bit MLX-affine weights, self-checking, one table row per kernel:
-//   old         kernels/linear_gemm.cuh (mma.sync)
-//   wgmma       kernels/linear_wgmma.cuh (Hopper wgmma, X fp32 converted per k-tile): the reference
-//   wgmma-xb16  kernels/linear_wgmma_tma.cuh: X -> bf16 once (wgx_bf16_kernel) + linear_wgmma_xb_kernel
-//   wgmma-tma   kernels/linear_wgmma_tma.cuh: X -> bf16 once + linear_wgmma_tma_kernel (TMA, mbarriers,
-//               producer/consumer warpgroups, persistent)
+//   old         kernels/linear_gemm.cuh (mma.sync; the library's 8-bit prefill GEMM)
+//   wgmma       benchmarks/gemm_lab_wgmma.cuh (the retired one-kernel wgmma GEMM, X fp32 converted per
+//               k-tile): the reference
+//   wgmma-tma   the library's prefill GEMM, kernels/linear_wgmma_tma.cuh: X -> bf16 once
+//               (wgx_bf16_kernel) + linear_wgmma_tma_kernel (TMA, mbarriers, producer/consumer
+//               warpgroups, persistent), launched as linear.cu's run_wgmma does
 //   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
-//   by hand: gemm_lab [-n] [old] [wgmma] [xb16] [tma]   (-n: no table header; no kernel names: all).
+//   by hand: gemm_lab [-n] [old] [wgmma] [tma]   (-n: no table header; no kernel names: all).
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = 2048 and its MoE grouped
 // products (2048 tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row tiles built
 // like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up).
@@ -15,9 +16,9 @@
 // Check (before timing, per kernel): Y poisoned with NaN bytes, one launch on copy 0, then every output
 // must be finite and the sampled relative error ||y - ref|| / ||ref|| over 4096 random outputs (host fp64
 // reference on the same bf16 scale/bias values and fp32 x) must be <= 1e-2; otherwise FAIL and exit 1.
-// The new variants are also compared with wgmma's output on the same launch: "vs wgmma" is
+// wgmma-tma is also compared with wgmma's output on the same launch: "vs wgmma" is
 // max |y - y_wgmma| / max |y_wgmma| over all outputs ("bit-identical" when every float matches); a variant
-// must stay <= 1e-6 there (same operands, same order) or FAIL. Their time includes the X -> bf16 kernel,
+// must stay <= 1e-6 there (same operands, same order) or FAIL. Its time includes the X -> bf16 kernel,
 // whose time alone is the "X->bf16 us" column.
 // Also checks (not timed): partial row/col tiles, T = 9..300, group sizes 32/128, SwiGLU epilogue.
 #include <cuda_runtime.h>
@@ -34,9 +35,9 @@
 #include <vector>
 
 #include "cuda/kernels/linear_gemm.cuh"
-#include "cuda/kernels/linear_wgmma.cuh"
 #include "cuda/kernels/linear_wgmma_tma.cuh"
 #include "cuda/tensor_map.h"
+#include "gemm_lab_wgmma.cuh"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -118,6 +119,7 @@ struct Stack {
     v.w = dw[c];
     v.scales = ds[c];
     v.biases = db[c];
+    v.num_stack = E;
     v.rows = N;
     v.cols = K;
     v.bits = 4;
@@ -255,12 +257,12 @@ static void free_problem(Problem& p) {
     if (q) cudaFree(q);
 }
 
-enum Kernel { OLD, NEW, XB, TMA, NUM_KERNELS };
-static const char* kNames[NUM_KERNELS] = {"old", "wgmma", "wgmma-xb16", "wgmma-tma"};
-static const char* kArgs[NUM_KERNELS] = {"old", "wgmma", "xb16", "tma"};
+enum Kernel { OLD, NEW, TMA, NUM_KERNELS };
+static const char* kNames[NUM_KERNELS] = {"old", "wgmma", "wgmma-tma"};
+static const char* kArgs[NUM_KERNELS] = {"old", "wgmma", "tma"};
 static bool g_run[NUM_KERNELS] = {};
 
-// The new kernel's BM exactly as linear.cu's run_wgmma picks it (the variants use the same rule).
+// BM exactly as linear.cu's run_wgmma picks it (the reference uses the same rule).
 static int new_bm(const Problem& p) {
   const int64_t col_tiles = (p.w->N + WG_BN - 1) / WG_BN;
   return (!p.grouped && p.w->gs != 32 && (p.M + 127) / 128 * col_tiles >= g_sms) ? 128 : 64;
@@ -276,18 +278,6 @@ static void launch_new(const LinearArgs& a, int64_t tiles) {
   }
   const dim3 grid(unsigned(tiles), unsigned((a.w.rows + WG_BN - 1) / WG_BN));
   linear_wgmma_kernel<BM, GS32><<<grid, WG_THREADS, wg_smem_bytes(BM)>>>(a);
-}
-
-template <int BM, bool GS32>
-static void launch_xb(const LinearArgs& a, const uint16_t* xb, int64_t tiles) {
-  static bool configured = false;
-  if (!configured) {
-    CK(cudaFuncSetAttribute(linear_wgmma_xb_kernel<BM, GS32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            xb_smem_bytes(BM)));
-    configured = true;
-  }
-  const dim3 grid(unsigned(tiles), unsigned((a.w.rows + WG_BN - 1) / WG_BN));
-  linear_wgmma_xb_kernel<BM, GS32><<<grid, WG_THREADS, xb_smem_bytes(BM)>>>(a, xb);
 }
 
 static void launch_x_bf16(const Problem& p) {
@@ -359,11 +349,6 @@ static void launch(Kernel k, const Problem& p, int copy) {
     if (bm == 128) launch_new<128, false>(a, tiles);
     else if (p.w->gs == 32) launch_new<64, true>(a, tiles);
     else launch_new<64, false>(a, tiles);
-  } else if (k == XB) {
-    launch_x_bf16(p);
-    if (bm == 128) launch_xb<128, false>(a, p.dxb, tiles);
-    else if (p.w->gs == 32) launch_xb<64, true>(a, p.dxb, tiles);
-    else launch_xb<64, false>(a, p.dxb, tiles);
   } else {
     launch_x_bf16(p);
     launch_tma(p, a, copy, bm);
@@ -407,7 +392,7 @@ static double check(Kernel k, Problem& p, bool& ok, double& vs_wgmma) {
   ok = bad == 0 && err <= 1e-2 && std::isfinite(err);
   vs_wgmma = 0;
   if (k == NEW) p.hy_wgmma = y;
-  if (k == XB || k == TMA) {
+  if (k == TMA) {
     if (p.hy_wgmma.empty()) run_once(NEW, p.hy_wgmma);
     double dmax = 0, rmax = 0;
     bool same = true;
@@ -459,8 +444,8 @@ static double time_us(Kernel k, const Problem& p) {
 static void row(Problem& p, bool timed) {
   const double flop = 2.0 * p.M * p.w->N * p.w->K;
   double t_ref = 0, t_conv = 0;
-  if (timed && (g_run[XB] || g_run[TMA] || g_run[OLD])) t_ref = time_us(NEW, p);
-  if (timed && (g_run[XB] || g_run[TMA])) {
+  if (timed && (g_run[TMA] || g_run[OLD])) t_ref = time_us(NEW, p);
+  if (timed && g_run[TMA]) {
     t_conv = time_launches(1, [&](int) { launch_x_bf16(p); });
     CK(cudaGetLastError());
   }
@@ -470,7 +455,7 @@ static void row(Problem& p, bool timed) {
     double vs;
     const double err = check(Kernel(k), p, ok, vs);
     char vsbuf[32] = "";
-    if (k == XB || k == TMA) {
+    if (k == TMA) {
       if (vs < 0) std::snprintf(vsbuf, sizeof vsbuf, "bit-identical");
       else std::snprintf(vsbuf, sizeof vsbuf, "%.1e", vs);
     }
@@ -479,7 +464,7 @@ static void row(Problem& p, bool timed) {
       const double t = k == NEW && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
       if (k == NEW) t_ref = t;
       char conv[32] = "";
-      if (k == XB || k == TMA) std::snprintf(conv, sizeof conv, "%.1f", t_conv);
+      if (k == TMA) std::snprintf(conv, sizeof conv, "%.1f", t_conv);
       std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %s | %.1e %s | %s |\n", p.name,
                   (long long)p.M, (long long)p.w->N, (long long)p.w->K, kNames[k], bm, t, flop / t * 1e-6, t_ref / t,
                   conv, err, ok ? "ok" : "FAIL", vsbuf);
@@ -502,7 +487,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < NUM_KERNELS; ++k)
       if (std::strcmp(argv[i], kArgs[k]) == 0) g_run[k] = known = any = true;
     if (!known) {
-      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma xb16 tma; -n: no header)\n", argv[i]);
+      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma; -n: no header)\n", argv[i]);
       return 2;
     }
   }
@@ -512,9 +497,8 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   if (header) {
-    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, xb16 %d / %d B, tma %d / %d B (BM 128 / 64)\n\n",
-                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), xb_smem_bytes(128), xb_smem_bytes(64),
-                tma_smem_bytes(128), tma_smem_bytes(64));
+    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B (BM 128 / 64)\n\n", prop.name,
+                g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128), tma_smem_bytes(64));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }
@@ -603,8 +587,8 @@ int main(int argc, char** argv) {
   }
   CK(cudaDeviceSynchronize());
   if (g_failures) {
-    std::printf("\ngemm_lab (%s%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
-                g_run[XB] ? " xb16" : "", g_run[TMA] ? " tma" : "", g_failures);
+    std::printf("\ngemm_lab (%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
+                g_run[TMA] ? " tma" : "", g_failures);
     return 1;
   }
   return 0;

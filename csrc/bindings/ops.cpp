@@ -113,8 +113,10 @@ void init_ops(nb::module_& parent) {
   });
   m.def("linear", [](const QMatrix& w, int64_t e, const F32In& x) {
     const Device d = w.weight.device();
-    Dev xi = f32(d, x), y(d, DType::F32, {int64_t(x.shape(0)), w.rows});
-    ops::linear(w, e, xi.t, y.t);
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::linear(w, e, xi.t, y.t, ws.t);
     return out_f32(y);
   });
   m.def("linear_add_rms_norm", [](const QMatrix& w, const F32In& x, const F32In& res, const F32In& nw, float eps,
@@ -122,10 +124,11 @@ void init_ops(nb::module_& parent) {
     const Device d = w.weight.device();
     const int64_t T = int64_t(x.shape(0));
     Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, nw), y(d, DType::F32, {T, w.rows}), tmp(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
     Dev sync(d, DType::I32, {1});
     const int32_t zero = 0;
     sync.buf.upload(&zero, 4);
-    for (int i = 0; i < repeat; ++i) ops::linear_add_rms_norm(w, xi.t, ri.t, wi.t, eps, y.t, tmp.t, sync.t);
+    for (int i = 0; i < repeat; ++i) ops::linear_add_rms_norm(w, xi.t, ri.t, wi.t, eps, y.t, tmp.t, ws.t, sync.t);
     int32_t left = -1;
     sync.buf.download(&left, 4);
     return nb::make_tuple(out_f32(ri), out_f32(y), left);
@@ -244,7 +247,8 @@ void init_ops(nb::module_& parent) {
     Dev hi = f32(d, h), out(d, DType::F32, {T, H}), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t};
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
   });
@@ -260,10 +264,11 @@ void init_ops(nb::module_& parent) {
     Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
     Dev sync(d, DType::I32, {1});
     const int32_t zero = 0;
     sync.buf.upload(&zero, 4);
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
     ops::moe_add_rms_norm(w, hi.t, ri.t, wi.t, eps, tmp.t, s, top_k, sync.t);
     int32_t left = -1;
     sync.buf.download(&left, 4);

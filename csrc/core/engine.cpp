@@ -13,6 +13,11 @@ Engine::Engine(ModelConfig config, std::unique_ptr<WeightStore> weights)
 
 static Tensor view(const Buffer& b, int64_t rows, int64_t cols) { return f32_view(b, rows, cols); }
 
+// The BF16 workspace of ops::linear and MoeScratch::xb (empty on the CPU).
+static Tensor xb_work(const Scratch& x, Device d) {
+  return Tensor::of(x.xb.data(), DType::BF16, d, {int64_t(x.xb.nbytes() / 2)});
+}
+
 // x [T, n*D] seen as [T*n, D]: one row per head.
 static Tensor heads(const Tensor& x, int64_t D) { return Tensor::of(x.data, x.dtype, x.device, {x.numel() / D, D}); }
 
@@ -30,18 +35,18 @@ static std::array<Tensor, N> split(const Tensor& row, const int64_t (&widths)[N]
 
 // The projections y_i = x W_i^T of one input x [T, in] by the matrices `parts`: for one token,
 // where they are also stacked by rows (`stacked`), one GEMV into the scratch row `row`, split back
-// into the parts' outputs; otherwise one linear per part into `outs`.
+// into the parts' outputs; otherwise one linear per part into `outs` (ws: linear's workspace).
 template <size_t N>
 static std::array<Tensor, N> project(const Tensor& x, const QMatrix* stacked, const QMatrix* const (&parts)[N],
-                                     const Buffer& row, const std::array<Tensor, N>& outs) {
+                                     const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
   if (x.dim(0) == 1 && stacked) {
     int64_t widths[N];
     for (size_t i = 0; i < N; ++i) widths[i] = parts[i]->rows;
     const Tensor y = view(row, 1, stacked->rows);
-    ops::linear(*stacked, x, y);
+    ops::linear(*stacked, x, y, ws);
     return split(y, widths);
   }
-  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], x, outs[i]);
+  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], x, outs[i], ws);
   return outs;
 }
 
@@ -56,7 +61,7 @@ Engine::Projection Engine::gdn_layer(Session& s, const LayerWeights& L, LayerSta
   // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
   const auto [qkv, z, b, a] =
       project(view(x.h, T, H), w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
-              {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)});
+              {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
   const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                // [K-1, C]
   const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});  // [Hv, Dk, Dv]
   const Tensor normed = view(x.normed, T, Vd);                                             // [T, Vd]
@@ -83,7 +88,8 @@ Engine::Projection Engine::attention_layer(Session& s, const LayerWeights& L, La
   const ProfileLabel label("attn");
   // p [T, nH*2D] (per head: query | gate), k, v [T, nKV*D]
   const auto [p, k, v] = project(view(x.h, T, H), w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
-                                 {view(x.proj, T, c.q_proj_dim()), view(x.k, T, nKV * D), view(x.v, T, nKV * D)});
+                                 {view(x.proj, T, c.q_proj_dim()), view(x.k, T, nKV * D), view(x.v, T, nKV * D)},
+                                 xb_work(x, device()));
   const Tensor q = view(x.core_in, T, nH * D), gate = view(x.out_gate, T, nH * D), o = view(x.core_out, T, nH * D);
   const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
   const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
@@ -113,7 +119,7 @@ void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
   Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + row0 * H, DType::F32, device(), {n, H});  // [n, H]
   const ProfileLabel label("lm_head");
   ops::rms_norm(xr, weights_->final_norm->view(), config_.rms_norm_eps, view(x.final_h, n, H));
-  ops::linear(*weights_->lm_head, view(x.final_h, n, H), view(x.logits, n, V));
+  ops::linear(*weights_->lm_head, view(x.final_h, n, H), view(x.logits, n, V), xb_work(x, device()));
 }
 
 void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
@@ -147,7 +153,7 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
   const int64_t words = ops::moe_routing_words(device(), s.chunk_, c.num_experts, c.num_experts_per_tok);
   ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
                      view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
-                     Tensor::of(x.routing.data(), DType::I32, device(), {words})};
+                     Tensor::of(x.routing.data(), DType::I32, device(), {words}), xb_work(x, device())};
   const float eps = c.rms_norm_eps;
   const int K = c.num_experts_per_tok;
   const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
@@ -163,9 +169,9 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
       const Projection out = L.is_full_attention ? attention_layer(s, L, s.layers_[l], T) : gdn_layer(s, L, s.layers_[l], T);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (fold) {
-        ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, sync);
+        ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
-        ops::linear(*out.w, out.x, mix);
+        ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(s, p + "mixer", x.mix, T, H);
         ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }

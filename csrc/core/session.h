@@ -63,6 +63,7 @@ struct Scratch {
   Buffer stacked;                    // [1, widest stacked projection]: a decode step's one-GEMV outputs
   Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer gdn_work;                   // gated_delta_rule's workspace for C tokens (empty on the CPU)
+  Buffer xb;                         // BF16 linear workspace and MoeScratch::xb for C tokens (empty on the CPU)
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
   Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)

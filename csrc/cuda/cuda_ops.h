@@ -11,14 +11,16 @@ namespace lily::cuda {
 
 // linear.cu / kernels/linear_*.cuh
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
-void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
+void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y, const Tensor& workspace);
+int64_t linear_workspace_elems(int64_t T, int64_t in);
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
-                         const Tensor& y, const Tensor& tmp, const Tensor& sync);
+                         const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 // moe.cu / kernels/moe_*.cuh
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
+int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
 // norms.cu, elementwise.cu, gated_delta.cu
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);

@@ -4,7 +4,8 @@
 //                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a multiple of 64,
-//                    16-byte aligned operands -> kernels/linear_wgmma.cuh (Hopper wgmma)
+//                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
+//                    X converted to bf16 into the op's workspace first)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <cstdint>
@@ -13,10 +14,11 @@
 #include "kernels/gemv_mma.cuh"
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
-#include "kernels/linear_wgmma.cuh"
 #include "kernels/linear_generic.cuh"
+#include "kernels/linear_wgmma_tma.cuh"
 #include "linear.h"
 #include "runtime.h"
+#include "tensor_map.h"
 
 namespace lily::cuda {
 
@@ -32,6 +34,7 @@ WeightView weight_view(const QMatrix& w) {
   v.w = w.weight.data();
   v.scales = w.scales.data();
   v.biases = w.biases.data();
+  v.num_stack = w.num_stack;
   v.rows = w.rows;
   v.cols = w.cols;
   v.bits = w.bits;
@@ -58,7 +61,8 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
 }
 
 // The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
-// inside K, one or two scale groups per k-tile, 16-byte aligned X rows for cp.async.
+// inside K, one or two scale groups per k-tile, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads)
+// and W (its TMA map: rows of K/2 bytes, a multiple of 32).
 static bool use_wgmma_gemm(const LinearArgs& a) {
   const int gs = a.w.group_size;
   return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
@@ -216,37 +220,62 @@ static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   LILY_CUDA_LAUNCHED();
 }
 
-template <int BM, bool GS32>
-static void launch_wgmma(const LinearArgs& a, int64_t tiles) {
-  static const bool configured = [] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(linear_wgmma_kernel<BM, GS32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         wg_smem_bytes(BM)));
+// X rows [x_count, K] of a product as BF16 (wgx_bf16_kernel) in xb, unless it holds them already.
+static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb) {
+  const int64_t K = a.w.cols;
+  if (xb.x == a.x && xb.ldx == a.ldx && xb.rows == x_count && xb.K == K) return xb.data;
+  LILY_CHECK(x_count <= INT32_MAX && x_count * K <= xb.capacity, "linear: a bf16 workspace of ", xb.capacity,
+             " elements is too small for ", x_count, " x ", K);
+  launch(wgx_bf16_kernel, unsigned(x_count), WGX_THREADS, 0, a.x, a.ldx, K, xb.data);
+  LILY_CUDA_LAUNCHED();
+  xb.x = a.x, xb.ldx = a.ldx, xb.rows = x_count, xb.K = K;
+  return xb.data;
+}
+
+static void check_tensor_map(CUresult r, const char* what) {
+  LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
+}
+
+// The persistent GEMM over row_tiles x ceil(N / 256) tiles: min(tiles, SMs) CTAs. Tensor maps are
+// encoded per launch (host only, cheap) and passed as __grid_constant__ parameters.
+template <int BM, bool GS32, bool GATHER>
+static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER>;
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem_bytes(BM)));
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned(tiles), unsigned(ceil_div<int64_t>(a.w.rows, WG_BN)));
-  launch(linear_wgmma_kernel<BM, GS32>, grid, WG_THREADS, size_t(wg_smem_bytes(BM)), a);
+  CUtensorMap mx, mw;
+  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
+  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols), "W");
+  const int64_t tiles = row_tiles * ceil_div<int64_t>(a.w.rows, WG_BN);
+  launch(kernel, unsigned(std::min<int64_t>(tiles, num_sms())), TMA_THREADS, size_t(tma_smem_bytes(BM)), a, xb, mx,
+         mw);
   LILY_CUDA_LAUNCHED();
 }
 
-// Grouped (MoE) tile maps have LINEAR_TILE_ROWS = 64 rows per tile: BM = 64. Dense products take
-// 128-row tiles when that still gives at least one CTA per SM, 64-row tiles otherwise (and always
-// with 32-wide groups, whose 128-row variant spills).
-static void run_wgmma(const LinearArgs& a, int64_t max_tiles) {
-  const bool gs32 = a.w.group_size == 32;
+// Grouped (MoE) tile maps have LINEAR_TILE_ROWS = 64 rows per tile: BM = 64; gathered rows (x_rows)
+// take the cp.async producer. Dense products take 128-row tiles when that still gives at least one
+// tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
+static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
+  const uint16_t* xb = xb_rows(a, x_count, xb_copy);
+  const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr;
   const int64_t col_tiles = ceil_div<int64_t>(a.w.rows, WG_BN);
-  if (a.tiles.tile_expert == nullptr && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
-    return launch_wgmma<128, false>(a, ceil_div<int64_t>(a.tiles.M, 128));
+  if (a.tiles.tile_expert == nullptr && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
+    return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   static_assert(LINEAR_TILE_ROWS == 64, "the wgmma kernel's grouped tiles are 64 rows");
-  if (gs32) return launch_wgmma<64, true>(a, max_tiles);
-  return launch_wgmma<64, false>(a, max_tiles);
+  if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
+                          : launch_wgmma<64, false, true>(a, xb, x_count, max_tiles);
+  return gs32 ? launch_wgmma<64, true, false>(a, xb, x_count, max_tiles)
+              : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
-void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
+void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
-  if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles);
+  if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles, x_count, xb);
   if (use_tensor_gemm(a)) {
     switch (a.w.bits) {
       case 4: return launch_gemm<4>(a, max_tiles);
@@ -259,14 +288,16 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles) {
   LILY_CUDA_LAUNCHED();
 }
 
+int64_t linear_workspace_elems(int64_t T, int64_t in) { return T * in; }
+
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
-                         const Tensor& y, const Tensor& tmp, const Tensor& sync) {
+                         const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, norm_tail(res, weight, eps, y, sync));
-  linear(w, 0, x, tmp);
+  linear(w, 0, x, tmp, workspace);
   add_rms_norm(res, tmp, weight, eps, y);
 }
 
-void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
@@ -281,7 +312,8 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
   a.ldy = w.rows;
   a.tiles.M = T;
   a.tiles.expert = e;
-  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS));
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
+  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {

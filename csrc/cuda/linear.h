@@ -10,9 +10,23 @@ namespace lily::cuda {
 
 WeightView weight_view(const QMatrix& w);
 
+// X of the products as the wgmma GEMM reads it: BF16 [rows, K] in `data` (`capacity` elements, the op's
+// workspace). linear_tiles converts a product's X rows into it when that product takes the wgmma GEMM,
+// unless it holds them already (same x, ldx, rows and K: later products over the same X reuse the
+// copy). One copy at a time: converting another X overwrites it. Valid within one op, while X is not
+// written.
+struct XbCopy {
+  uint16_t* data = nullptr;
+  int64_t capacity = 0;
+  const float* x = nullptr;  // the X it holds (null: none)
+  int64_t ldx = 0, rows = 0, K = 0;
+};
+
 // Runs a.tiles over `max_tiles` row tiles of GENERIC_TILE_ROWS (= GEMM_BM) rows: the tensor-core
-// GEMM where the weight variant and alignment allow it, the generic kernel otherwise.
-void linear_tiles(const LinearArgs& a, int64_t max_tiles);
+// GEMM where the weight variant and alignment allow it, the generic kernel otherwise. x_count: the
+// rows of a.x the product reads (dense: M; gathered: the rows x_rows names; grouped: the bound on
+// product rows).
+void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb);
 
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;

@@ -13,7 +13,11 @@
 //   -> the shared expert's gate, up (SwiGLU, sigmoid gate in the epilogue) over all T tokens
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
+// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the four
+// products over it, then the routed rows of the activation, then the shared ones.
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
+#include <algorithm>
+
 #include "cuda_ops.h"
 #include "kernels/moe_decode.cuh"
 #include "kernels/moe_mma.cuh"
@@ -69,6 +73,10 @@ static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top
 
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k) {
   return routing_tables(nullptr, C, E, top_k).words;
+}
+
+int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+  return C * std::max({H, top_k * I, Is});
 }
 
 static Tensor rows_of(const Tensor& t, int64_t row0, int64_t n) {
@@ -233,10 +241,10 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
   if (stacked) {
-    linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}));
+    linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
   } else {
-    linear(*w.router, 0, h, logits);
-    linear(*w.shared_expert_gate, 0, h, sg);
+    linear(*w.router, 0, h, logits, s.xb);
+    linear(*w.shared_expert_gate, 0, h, sg, s.xb);
   }
 
   MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
@@ -282,17 +290,18 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   float* down = s.down.ptr<float>();  // [T*K + T, H]
   const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
 
+  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   LinearArgs gate = grouped(product(*w.gate_proj, h.ptr<float>(), H, act, ld), r);
   gate.x_rows = r.row_token;
-  linear_tiles(gate, r.max_tiles);
+  linear_tiles(gate, r.max_tiles, T, xb);
   LinearArgs up = swiglu(grouped(product(*w.up_proj, h.ptr<float>(), H, act, ld), r), r.row_weight);
   up.x_rows = r.row_token;
-  linear_tiles(up, r.max_tiles);
-  linear_tiles(dense(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), T), shared_tiles);
+  linear_tiles(up, r.max_tiles, T, xb);
+  linear_tiles(dense(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), T), shared_tiles, T, xb);
   linear_tiles(swiglu(dense(product(*w.shared_up_proj, h.ptr<float>(), H, shared_act, ld), T), sg.ptr<float>()),
-               shared_tiles);
-  linear_tiles(grouped(product(*w.down_proj, act, ld, down, H), r), r.max_tiles);
-  linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles);
+               shared_tiles, T, xb);
+  linear_tiles(grouped(product(*w.down_proj, act, ld, down, H), r), r.max_tiles, TK, xb);
+  linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
   launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);

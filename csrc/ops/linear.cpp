@@ -3,7 +3,16 @@
 
 namespace lily::ops {
 
-static void check_linear(const char* op, const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+int64_t linear_workspace_elems(Device d, int64_t T, int64_t in) {
+  if (d == Device::CPU) return 0;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::linear_workspace_elems(T, in);
+#endif
+  no_backend("linear", d);
+}
+
+static void check_linear(const char* op, const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y,
+                         const Tensor& workspace) {
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_shape(op, "x", x, 1, w.cols);
@@ -17,22 +26,29 @@ static void check_linear(const char* op, const QMatrix& w, int64_t e, const Tens
     LILY_CHECK(w.group_size == 32 || w.group_size == 64 || w.group_size == 128, op,
                ": unsupported group size ", w.group_size);
   }
+  const int64_t need = linear_workspace_elems(x.device, x.dim(0), w.cols);
+  if (need > 0) {
+    check_tensor(op, "workspace", workspace, DType::BF16, 1);
+    LILY_CHECK(workspace.numel() >= need, op, ": workspace ", workspace.shape_str(), " is too small for ", x.dim(0),
+               " x ", w.cols, " (", need, " elements)");
+    check_same_device(op, {x, workspace});
+  }
 }
 
-void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
   const char* op = "linear";
   const OpSpan span(op);
-  check_linear(op, w, e, x, y);
+  check_linear(op, w, e, x, y, workspace);
   if (x.device == Device::CPU) return cpu::linear(w, e, x, y);
-  LILY_CUDA_CASE(x.device, linear(w, e, x, y));
+  LILY_CUDA_CASE(x.device, linear(w, e, x, y, workspace));
   no_backend(op, x.device);
 }
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
-                         const Tensor& y, const Tensor& tmp, const Tensor& sync) {
+                         const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   const char* op = "linear_add_rms_norm";
   const OpSpan span(op);
-  check_linear(op, w, 0, x, tmp);
+  check_linear(op, w, 0, x, tmp, workspace);
   check_tensor(op, "res", res, DType::F32, 2);
   check_shape(op, "res", res, 0, x.dim(0));
   check_shape(op, "res", res, 1, w.rows);
@@ -44,7 +60,7 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
     cpu::linear(w, 0, x, tmp);
     return cpu::add_rms_norm(res, tmp, weight, eps, y);
   }
-  LILY_CUDA_CASE(x.device, linear_add_rms_norm(w, x, res, weight, eps, y, tmp, sync));
+  LILY_CUDA_CASE(x.device, linear_add_rms_norm(w, x, res, weight, eps, y, tmp, workspace, sync));
   no_backend(op, x.device);
 }
 

@@ -13,6 +13,14 @@ int64_t moe_routing_words(Device d, int64_t C, int64_t E, int top_k) {
   no_backend("moe", d);
 }
 
+int64_t moe_xb_elems(Device d, int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+  if (d == Device::CPU) return 0;
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return cuda::moe_xb_elems(C, H, I, Is, top_k);
+#endif
+  no_backend("moe", d);
+}
+
 static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s,
                       int top_k) {
   check_tensor(op, "h", h, DType::F32, 2);
@@ -28,6 +36,13 @@ static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, cons
                  s.gate.dim(0) >= R && s.down.dim(0) >= R && s.routing.numel() >= moe_routing_words(h.device, T, E, top_k),
              op, ": scratch is too small for ", T, " tokens");
   check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
+  const int64_t need = moe_xb_elems(h.device, T, H, w.down_proj->cols, w.shared_down_proj->cols, top_k);
+  if (need > 0) {
+    check_tensor(op, "xb", s.xb, DType::BF16, 1);
+    LILY_CHECK(s.xb.numel() >= need, op, ": xb ", s.xb.shape_str(), " is too small for ", T, " tokens (", need,
+               " elements)");
+    check_same_device(op, {h, s.xb});
+  }
 }
 
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {

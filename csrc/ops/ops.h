@@ -21,16 +21,24 @@ struct Position {
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 
 // y[t, o] = sum_i W_e[o, i] * x[t, i] for stack entry e.  x [T, in], y [T, out].
-void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y);
+// workspace [>= linear_workspace_elems(device, T, in)] BF16: on CUDA the prefill GEMM's bf16 copy of x
+// (docs/cuda.md); when that size is 0 (CPU, or one token) it is not read and may be an empty tensor.
+void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y, const Tensor& workspace);
 // The same for a single matrix (a stack of one).
-inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y) { linear(w, 0, x, y); }
+inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y, const Tensor& workspace) {
+  linear(w, 0, x, y, workspace);
+}
+// BF16 elements of linear's workspace for x [T, in]; 0 where the backend needs none. Non-decreasing in
+// T and in, so a buffer sized for the largest chunk and input serves every call.
+int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
-// residual stream, and the next RMSNorm. Equal to linear(w, x, tmp) then add_rms_norm(res, tmp, weight,
-// eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and the
-// norm by its last CTA). x [T, in]; res, y, tmp [T, out] (tmp: work space, contents unspecified after;
-// no two of res, y, tmp alias); weight [out]; sync: I32 [1] device scratch, zero before and after.
+// residual stream, and the next RMSNorm. Equal to linear(w, x, tmp, workspace) then add_rms_norm(res, tmp,
+// weight, eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and
+// the norm by its last CTA). x [T, in]; res, y, tmp [T, out] (tmp: work space, contents unspecified
+// after; no two of res, y, tmp alias); weight [out]; workspace as linear's; sync: I32 [1] device
+// scratch, zero before and after.
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
-                         const Tensor& y, const Tensor& tmp, const Tensor& sync);
+                         const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
@@ -119,11 +127,14 @@ struct MoeScratch {
   Tensor down;           // [R, H] F32
   Tensor shared_gate;    // [C, 1] F32
   Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
+  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only)
 };
 
-// Rows of expert work space and I32 words of routing tables a backend needs for C tokens.
+// Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for
+// C tokens (I, Is: the routed and shared experts' intermediate sizes).
 int64_t moe_work_rows(Device device, int64_t C, int top_k);
 int64_t moe_routing_words(Device device, int64_t C, int64_t E, int top_k);
+int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
 
 // out[t] = sum_{e in top-k(softmax(router h[t]))} w_e * down_e(silu(gate_e h) * up_e h)
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.

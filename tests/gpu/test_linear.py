@@ -120,6 +120,8 @@ def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
     (4096, 2048, 128, 2048),  # 128-row tiles, full; one group over two k-tiles
     (4000, 1024, 32, 1100),  # group 32: two groups per k-tile (64-row tiles)
     (300, 128, 64, 9), (300, 128, 64, 65), (300, 128, 64, 300),  # 64-row tiles, two k-tiles, partial tiles
+    (40, 256, 32, 77),  # fewer outputs than the 256-row weight box of the TMA loads, group 32
+    (1, 128, 64, 20),  # one output (the shared-expert gate's shape), fewer rows than one tile
 ])
 def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
     rng = np.random.default_rng(rows + cols + group + T)

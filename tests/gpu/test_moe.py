@@ -85,6 +85,21 @@ def test_moe_real_dims(T, gpu_tol):
     check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
 
 
+@pytest.mark.parametrize("T", [19, 300])
+def test_moe_prefill_router_on_wgmma(T, gpu_tol):
+    # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which
+    # converts h into the bf16 workspace before the expert GEMMs convert it again; a shared expert
+    # wider than the routed ones: the down products convert two activations of different widths
+    rng = np.random.default_rng(700 + T)
+    cpu, gpu = moe_weights(rng, 8, 256, 128, 192, 4, 64, "BF16", 4)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, 2)
+    out = ops.moe("cuda", *gpu, h, 2)
+    ok = stable_rows(cpu[0], h, 2, 0.05)
+    assert ok.any(), "no token has a clear top-k margin: pick another seed"
+    check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_decode_shared_wider(T, gpu_tol):
     # shared expert wider than the routed ones (the down kernel's act rows differ in length), 8-bit

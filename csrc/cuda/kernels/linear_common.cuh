@@ -19,7 +19,7 @@ struct WeightView {
   const void* w = nullptr;
   const void* scales = nullptr;
   const void* biases = nullptr;
-  int64_t rows = 0, cols = 0;
+  int64_t num_stack = 1, rows = 0, cols = 0;
   int bits = 0, group_size = 0;
   DType dtype = DType::F32, scale_dtype = DType::F32;
 };

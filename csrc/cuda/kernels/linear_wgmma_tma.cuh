@@ -1,42 +1,73 @@
-// Prefill linear on wgmma with X converted to bf16 once per product (the lab variants after
-// linear_wgmma.cuh). Same product, fragments and precision as linear_wgmma_kernel:
-//   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output;
-//   W 4-bit MLX affine [E, N, K/8] U32 with BF16 scale/bias per group (32 or a multiple of 64),
-//   K % 64 == 0; the product is computed transposed (weights = wgmma A from registers, rows = N).
-// Three kernels:
-//   wgx_bf16_kernel         X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMMs want it.
-//   linear_wgmma_xb_kernel  linear_wgmma_kernel with Xb tiles copied by cp.async straight into the
-//                           swizzled wgmma B tile (no per-tile conversion), one CTA barrier per k-tile.
-//   linear_wgmma_tma_kernel warp-specialised, persistent: a producer warpgroup fills an S-stage smem
-//                           ring by TMA (W tile, Xb tile) or, for gathered MoE rows, TMA (W) plus
-//                           cp.async (Xb rows); two consumer warpgroups dequantize and issue wgmma;
-//                           full/empty mbarriers, no CTA-wide barrier in the main loop.
-// Each kernel has its own comment below. Xb is exactly the bf16 rounding (round to nearest even) that
-// linear_wgmma_kernel applies per tile, in the same permuted positions, and the wgmma sequence per
-// accumulator is the same (k-tiles in order, 4 k16 steps each), so outputs are expected bit-identical.
+// Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4-bit MLX-affine weights:
+//   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
+//   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE).
+// Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] with gs == 32 or
+// gs % 64 == 0; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per product); rows come
+// in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps: BM = LINEAR_TILE_ROWS = 64).
+// Two kernels:
+//   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
+//   linear_wgmma_tma_kernel  the GEMM: warp-specialised and persistent; a producer warpgroup fills an
+//                            S-stage shared-memory ring by TMA (W tile, Xb tile) or, for gathered MoE
+//                            rows, TMA (W) plus cp.async (Xb rows); two consumer warpgroups dequantize
+//                            W and issue wgmma; full/empty mbarriers, no CTA-wide barrier in the loop.
+//
+// The product is computed transposed, D[o, r] = W[o, :] . X[r, :], so that the weights are the wgmma A
+// operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64 or
+// 128): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
+// Tile: BN = 256 outputs x BM rows, k-tiles of 64. Consumer warpgroup cw owns outputs [cw*128, +128) of
+// the tile as two m64 blocks; each thread holds 2 x BM/2 fp32 accumulators.
+//   A (weights) from registers: each thread dequantizes its own fragment straight from the packed words
+//     (w = scale*q + bias rounded once to bf16: q is exact as bf16 0x4300|q minus 128, then one bf16x2
+//     fma with the bf16 scale and bias; wg_dequant_pair). No dequantized weight goes to memory.
+//   B (activations) from shared memory: Xb rows in a 128B-swizzled K-major tile [BM][64] (wgmma
+//     descriptor: SBO = 1024 B, layout SWIZZLE_128B, k16 steps advance the start by 32 B), written by
+//     TMA with SWIZZLE_128B (the same layout: address bits 4-6 XOR bits 7-9 of a 1024-aligned stage,
+//     wg_swz) or by cp.async at wg_swz.
+// k permutation: inside every aligned block of 8 k values, logical position 2c+e holds physical value
+//   c+4e (c = 0..3, e = 0..1; wg_phys_k). A and B use the same permutation, so the sum is unchanged; it
+//   makes the A fragment of thread (lane%4 == c) nibbles c and c+4 of each packed word (one shift and
+//   one mask per bf16 pair: (w >> 4c) & 0x000F000F | 0x43004300), and Xb's 16-byte chunk j of a row the
+//   pairs (x_{8j+c}, x_{8j+c+4}).
+//   wgmma's A fragment (per warp, rows 16w..16w+15 of the m64 block, g = lane/4):
+//   a0a1 (row g, k 2c..2c+1), a2a3 (row g+8, same k), a4a5 (row g, k 2c+8..), a6a7 (row g+8, k 2c+8..);
+//   k16 step s of a k-tile covers packed words 2s (k 0..7 of the step) and 2s+1 (k 8..15).
+// Precision: bf16 operands (w rounded once, x rounded once, round to nearest even), fp32 accumulation in
+//   a fixed order (k-tiles ascending, 4 k16 steps each): ~1e-3 relative to the fp32 product,
+//   deterministic, bit-identical to the retired one-kernel wgmma GEMM (benchmarks/gemm_lab_wgmma.cuh,
+//   same operands and wgmma sequence; checked on the H200 by benchmarks/gemm_lab.sh).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
-#include "linear_wgmma.cuh"
+#include <cstdint>
+
+#include "linear_common.cuh"
+#include "wgmma.cuh"
 
 namespace lily::cuda {
 
+constexpr int WG_BN = 256, WG_BK = 64;
+
+// Physical k (0..63 inside a k-tile) at logical position lk of the operands; host and device.
+__host__ __device__ constexpr int wg_phys_k(int lk) { return (lk & ~7) | ((lk >> 1) & 3) | ((lk & 1) << 2); }
+// Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
+__host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
+
 // Xb[r, 8j + 2c + e] = bf16_rn(X[r, 8j + c + 4e]) for c = 0..3, e = 0..1 (wg_phys_k's permutation), so a
-// 16-byte chunk j of a k-tile of Xb is the swizzled B chunk of linear_wgmma's convert_x, bit for bit.
+// 16-byte chunk j of a k-tile of Xb is a swizzled B chunk as the GEMM reads it.
 // Grid: one CTA per row (x = rows), threads stride over the row's K/8 blocks; one 16-byte store each.
+// X rows 16-byte aligned (ldx % 4 == 0), K % 8 == 0.
 constexpr int WGX_THREADS = 256;
 
-// xb16 GEMM: stage = Xb tile [BM][128 B] (SWIZZLE_128B, 1024-aligned) + W words [256][32 B].
-constexpr int XB_STAGES = 7;
-__host__ __device__ constexpr int xb_stage_bytes(int bm) { return bm * WG_BK * 2 + wg_raw_w_bytes(); }
-__host__ __device__ constexpr int xb_smem_bytes(int bm) { return 1024 + XB_STAGES * xb_stage_bytes(bm) + bm * 8; }
-
-// TMA GEMM: 1 producer + 2 consumer warpgroups; ring of TMA_STAGES(BM) stages as above, then mbarriers.
+// The GEMM's CTA: 1 producer + 2 consumer warpgroups. Shared memory: 1024 B alignment slack, a ring of
+// tma_stages(BM) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x 32 B], then the
+// full[S] and empty[S] mbarriers.
 constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
+constexpr int TMA_W_BYTES = WG_BN * WG_BK / 2;
 __host__ __device__ constexpr int tma_stages(int bm) { return bm == 128 ? 6 : 8; }
+__host__ __device__ constexpr int tma_stage_bytes(int bm) { return bm * WG_BK * 2 + TMA_W_BYTES; }
 __host__ __device__ constexpr int tma_smem_bytes(int bm) {
-  return 1024 + tma_stages(bm) * xb_stage_bytes(bm) + 2 * tma_stages(bm) * 8;
+  return 1024 + tma_stages(bm) * tma_stage_bytes(bm) + 2 * tma_stages(bm) * 8;
 }
 
 #ifdef __CUDACC__
@@ -88,54 +119,8 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const WeightV
     }
 }
 
-// W words of one k-tile in smem ([256][32 B], row n at n*32) -> this thread's A fragments
-// [m64 block][k16 step][4 regs]; thread rows n(b, h) = rbase + b*64 + 8h, lane%4 == c. As
-// linear_wgmma_kernel's dequant_w.
-template <bool GS32>
-__device__ __forceinline__ void wg_dequant_tile(const uint8_t* ws, int rbase, int c, const WgScalesP<GS32>& s,
-                                                uint32_t (&A)[2][4][4]) {
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = rbase + b * 64 + 8 * h;
-      const uint4 w0 = *reinterpret_cast<const uint4*>(ws + n * 32);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(ws + n * 32 + 16);
-      const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const uint32_t sb = s.sb[b][h][GS32 ? (m >> 2) : 0];
-        const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
-        A[b][m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
-      }
-    }
-}
-
-// The 8 wgmmas of one k-tile (2 m64 blocks x 4 k16 steps) on B = the swizzled [BM][64] bf16 tile at
-// smem address xs, as one commit group; the accumulators are pinned around it (no compiler moves).
-// ptxas keeps a wgmma's register inputs (A fragments) reserved until the wait_group that retires it
-// only when it can match waits to groups on every path; otherwise it serialises every wgmma of the
-// kernel (C7513). The callers keep that provable: see "step pairs" in the kernels.
-template <int BM>
-__device__ __forceinline__ void wg_issue_tile(float (&acc)[2][BM / 2], const uint32_t (&A)[2][4][4], uint32_t xs) {
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
-  wgmma_fence();
-#pragma unroll
-  for (int s = 0; s < 4; ++s)
-#pragma unroll
-    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], wg_desc(xs + s * 32));
-  wgmma_commit();
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
-}
-
 // Half k-tiles (k16 steps 2H, 2H+1 = packed words 4H..4H+3 of each row, the 16-byte chunk H of the
-// row's 32 bytes): the TMA kernel's consumers pipeline at this grain so that only two half sets of A
+// row's 32 bytes): the consumers pipeline at this grain so that only two half sets of A
 // registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
 // fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
 template <int H, bool GS32>
@@ -173,7 +158,7 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uin
 }
 
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
-// o = n0 + rbase + b*64 + 8h (rbase = wg*128 + 16*w4 + g), r = 8j + 2c + e; store_output's arithmetic
+// o = n0 + rbase + b*64 + 8h (rbase = cw*128 + 16*w4 + g), r = 8j + 2c + e; store_output's arithmetic
 // (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
 template <int BM>
 __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
@@ -202,166 +187,6 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_xb_kernel<BM, GS32>: as linear_wgmma_kernel (grid: row tiles x 256-output column tiles,
-// 256 threads = 2 warpgroups, warpgroup wg owns outputs [wg*128, +128) as two m64 blocks), but X comes
-// as Xb (wgx_bf16_kernel; xb rows of length K, x_row(r) picks the row as for X) and goes by cp.async
-// 16 B straight into the swizzled B layout of a ring stage, which wgmma then reads in place.
-// Pipeline: XB_STAGES-stage cp.async ring, up to XB_STAGES-2 k-tiles loading ahead. Per k-tile kt
-// (wgmma(kt-1) in flight): wait for the copies of tile kt (own thread), proxy fence, one CTA barrier
-// (everyone's copies landed, every warpgroup retired wgmma(kt-2)), refill the stage of kt-2 with tile
-// kt+XB_STAGES-2, dequantize tile kt into register set kt&1, queue wgmma(kt), retire wgmma(kt-1).
-// Precision and numerics: identical to linear_wgmma_kernel (same operands, same wgmma sequence).
-template <int BM, bool GS32>
-__global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_xb_kernel(const LinearArgs a, const uint16_t* xb) {
-  constexpr int S = XB_STAGES;
-  pdl_wait();
-  pdl_trigger();
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint16_t** xrow = reinterpret_cast<const uint16_t**>(ring + S * xb_stage_bytes(BM));  // [BM]
-
-  Tile tile;
-  if (!find_tile(a.tiles, blockIdx.x, BM, tile)) return;
-  const int64_t N = a.w.rows, K = a.w.cols, n0 = int64_t(blockIdx.y) * WG_BN;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, w4 = warp & 3;
-  const int g = lane >> 2, c = lane & 3, rbase = wg * 128 + w4 * 16 + g;
-  const int nk = int(K / WG_BK);
-  const int64_t wpr = K / 8;
-  const uint32_t* wbase = static_cast<const uint32_t*>(a.w.w) + (tile.expert * N + n0) * wpr;
-
-  for (int r = tid; r < BM; r += WG_THREADS)
-    xrow[r] = r < tile.rows ? xb + (a.x_rows ? int64_t(a.x_rows[tile.row0 + r]) : tile.row0 + r) * K : nullptr;
-  __syncthreads();
-
-  auto stage = [&](int kt) { return ring + (kt % S) * xb_stage_bytes(BM); };
-  auto load_tile = [&](int kt) {
-    if (kt < nk) {
-      uint8_t* st = stage(kt);
-      const int64_t k0 = int64_t(kt) * WG_BK;
-#pragma unroll
-      for (int i = 0; i < BM * 8 / WG_THREADS; ++i) {  // Xb: BM rows x 8 chunks of 8 bf16
-        const int idx = tid + i * WG_THREADS, r = idx >> 3, j = idx & 7;
-        const uint16_t* src = xrow[r];
-        cp_async16(smem_u32(st + wg_swz(r, j)), src ? src + k0 + 8 * j : xb, src ? 16 : 0);
-      }
-      uint8_t* ws = st + BM * WG_BK * 2;
-#pragma unroll
-      for (int i = 0; i < WG_BN * 2 / WG_THREADS; ++i) {  // W: 256 rows x 2 chunks of 4 words
-        const int idx = tid + i * WG_THREADS, n = idx >> 1, ch = idx & 1;
-        const bool ok = n0 + n < N;
-        cp_async16(smem_u32(ws + n * 32 + ch * 16), ok ? wbase + n * wpr + kt * 8 + ch * 4 : a.w.w, ok ? 16 : 0);
-      }
-    }
-    cp_async_commit();  // always: keeps the group count uniform
-  };
-
-  float acc[2][BM / 2];
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
-
-  uint32_t A0[2][4][4], A1[2][4][4];
-  WgScalesP<GS32> S0, S1;
-
-  // prologue: tiles 0..S-3 loading, scales of k-tiles 0 and 1
-#pragma unroll
-  for (int i = 0; i < S - 2; ++i) load_tile(i);
-  wg_load_scales(S0, a.w, tile.expert, n0, rbase, 0);
-  if (nk > 1) wg_load_scales(S1, a.w, tile.expert, n0, rbase, 1);
-
-  // step kt (parity P = kt & 1): wgmma(kt-1) may be in flight. Tile kt lands, the stage of kt-2 (free:
-  // every warpgroup retired wgmma(kt-2) before this barrier) is refilled with tile kt+S-2, tile kt is
-  // dequantized into register set P while wgmma(kt-1) runs, queued, then wgmma(kt-1) is retired.
-  // The first wgmma is issued inside the loop, not peeled before it: a peeled first group lets ptxas
-  // sink the accumulator zeroing into it (zero inputs become "scale-d = false"), so block 1's
-  // accumulators may share registers with block 0's in-flight A fragment (C7513 as well).
-  auto step = [&](auto parity, int kt) {
-    constexpr int P = decltype(parity)::value;
-    uint32_t(&Ak)[2][4][4] = P == 0 ? A0 : A1;
-    WgScalesP<GS32>& Sk = P == 0 ? S0 : S1;
-    cp_async_wait<S - 3>();  // tile kt landed (this thread's copies; tiles up to kt+S-3 were issued)
-    fence_proxy_async();     // cp.async writes (generic proxy) -> read by wgmma (async proxy)
-    __syncthreads();         // everyone's copies of tile kt landed; wgmma(kt-2) retired everywhere
-    load_tile(kt + S - 2);   // into the stage of kt-2
-    wg_dequant_tile(stage(kt) + BM * WG_BK * 2, rbase, c, Sk, Ak);
-    if (kt + 2 < nk) wg_load_scales(Sk, a.w, tile.expert, n0, rbase, kt + 2);
-    wg_issue_tile<BM>(acc, Ak, smem_u32(stage(kt)));
-    wgmma_wait<1>();  // wgmma(kt-1) retired: its register set and (after the next barrier) stage are free
-  };
-  // Pairs of steps with no condition between them, then an odd last step: on every path through this
-  // code a step of parity P follows one of parity 1-P, which is what lets ptxas prove that set P is
-  // retired before it is rewritten. (With "if (kt + 1 < nk) step 1" inside the loop, ptxas also sees
-  // the infeasible path step 0 -> step 0 and serialises every wgmma: C7513.)
-#pragma unroll 1
-  for (int kt = 0; kt + 1 < nk; kt += 2) {
-    step(std::integral_constant<int, 0>(), kt);
-    step(std::integral_constant<int, 1>(), kt + 1);
-  }
-  if (nk & 1) step(std::integral_constant<int, 0>(), nk - 1);
-  wgmma_wait<0>();
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
-  wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// mbarrier / TMA / register-budget primitives (sm_90).
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits until the phase of parity `parity` has completed. A wait of more than ~2 s (2^32 clocks) is a
-// protocol bug: trap (the launch fails with an error) instead of hanging the lab. No printf here: an
-// extern call would make ptxas serialise the kernel's wgmma.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const long long t0 = clock64();
-  while (!mbar_try_wait(bar, parity))
-    if (clock64() - t0 > (1ll << 32)) asm volatile("trap;");
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                            int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-template <int R>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
-}
-template <int R>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
-}
-
-// ---------------------------------------------------------------------------------------------------
 // linear_wgmma_tma_kernel<BM, GS32, GATHER>: Y = W . X^T over 256-output x BM-row tiles, persistent.
 // Grid: min(tiles, SMs) CTAs of 384 threads; CTA i takes tiles i, i + gridDim.x, ... of
 // row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile).
@@ -377,22 +202,23 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 //            threads copy their 4 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async into the
 //            swizzled positions; a thread arrives on full[s] once its copies of that stage have landed
 //            (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts 1 + 128.
+//            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg 232), outputs [cw*128, +128) of the tile as two m64 blocks,
-//   exactly linear_wgmma_kernel's fragment and epilogue mapping (rbase = cw*128 + 16*w4 + g). Per
-//   k-tile: wait full[s]; for each half (k16 steps 0-1, then 2-3): dequantize the half's W words from
-//   the stage into its own register set (scales/biases from global, one k-tile ahead), queue its 4
-//   wgmmas on B = the stage's Xb tile, retire the previous group (wait_group 1); retiring half 1 of
-//   kt-1 releases kt-1's stage (one arrival per consumer warp: empty counts 8).
-//   Epilogue straight from the accumulators (store_output) while the producer already fills the ring
-//   with the next tile.
-// No CTA-wide barrier after the mbarrier initialisation. Numerics as linear_wgmma_kernel (same operands,
-// same wgmma sequence per accumulator): expected bit-identical.
+//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h), lane%4 = c. Per k-tile: wait full[s]; for
+//   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage into its own
+//   register set (scales/biases from global, one k-tile ahead), queue its 4 wgmmas on B = the stage's
+//   Xb tile, retire the previous group (wait_group 1); retiring half 1 of kt-1 releases kt-1's stage
+//   (one arrival per consumer warp: empty counts 8).
+//   Epilogue straight from the accumulators (store_output's arithmetic) while the producer already
+//   fills the ring with the next tile.
+// No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
+// consumers 232, producer 40; no spills (ptxas -v).
 template <int BM, bool GS32, bool GATHER>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
                             const __grid_constant__ CUtensorMap tmap_w) {
   constexpr int S = tma_stages(BM);
-  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = xb_stage_bytes(BM);
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM);
   static_assert(!GATHER || BM == 64, "gathered rows come in 64-row MoE tiles");
   pdl_wait();
   pdl_trigger();
