@@ -1,0 +1,38 @@
+"""benchmarks/server_ttft.py end to end on the tiny model (CPU, small sizes, one round): it starts
+`lily serve`, the follow-up turn reuses the history's snapshot, and the table comes last."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "server_ttft.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # the server inherits it: no OpenMP spinning on shared cores
+
+
+def test_server_ttft_small(tmp_path):
+    out = tmp_path / "ttft.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--rounds", "1", "--warmup", "1",
+                        "--history-tokens", "200", "--new-tokens", "40", "--max-context", "1024",
+                        "--max-seconds", "120", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-5].startswith("| case | prompt tokens | cached tokens | TTFT median ms")
+    assert [line.split("|")[1].strip() for line in lines[-3:]] == ["short", "follow-up", "cold-long"]
+    cases = json.loads(out.read_text())["cases"]
+    assert cases["short"]["prompt_tokens"] == 11 and cases["short"]["cached_tokens"] == 0
+    assert cases["follow-up"]["prompt_tokens"] == 240 and cases["follow-up"]["cached_tokens"] == 200
+    assert cases["cold-long"]["prompt_tokens"] == 240 and cases["cold-long"]["cached_tokens"] == 0
+    for s in cases.values():
+        assert s["rounds"] == 1 and s["failed"] == 0 and s["ttft_ms_min"] > 0
+
+
+def test_server_ttft_start_failure(tmp_path):
+    """A server that cannot start: a clear error with its stderr, no hang."""
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path / "missing"), "--device", "cpu",
+                        "--max-seconds", "60"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 1
+    assert "lily serve exited with status" in r.stderr and "server stderr" in r.stderr
