@@ -45,7 +45,7 @@ from .worker import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Job, QueueFull, Shutti
 from .errors import APIError, bad_request
 from .output import ChatOutput, CompletionLogprobs, chat_logprob, usage
 from .parse import Request, parse_chat, parse_completion
-from .prompt import Prompt, PromptTooLong, chat_prompt, text_prompt
+from .prompt import DEFAULT_SEGMENT_CACHE_MIB, Prompt, PromptTooLong, SegmentEncoder, chat_prompt, text_prompt
 from .schema import openapi
 
 MAX_BODY_BYTES = 32 << 20
@@ -189,7 +189,8 @@ class Server:
     ``port=0`` picks a free port (see ``url``). ``api_key``: when set, /v1/* needs
     ``Authorization: Bearer KEY``. ``model_name``: the id clients send and /v1/models lists;
     ``aliases`` are accepted too. ``max_queue``: requests that may wait while one runs.
-    ``cache_mib``: the prefix-snapshot budget. ``source``: a test hook that replaces the model's
+    ``cache_mib``: the prefix-snapshot budget. ``token_cache_mib``: the budget for the token ids of
+    rendered message pieces (prompt.SegmentEncoder; 0 keeps none). ``source``: a test hook that replaces the model's
     generation (see worker.Source).
     """
 
@@ -199,9 +200,12 @@ class Server:
                  log: bool = False, max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
                  request_timeout: float = REQUEST_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                  write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None,
-                 allow_control_tokens: bool = False):
+                 allow_control_tokens: bool = False, token_cache_mib: int = DEFAULT_SEGMENT_CACHE_MIB):
         self.model = model
         self.tokenizer = model.tokenizer  # loaded once here, shared by the worker threads
+        if token_cache_mib < 0:
+            raise LilyError(f"token_cache_mib must be >= 0, got {token_cache_mib}")
+        self.encoder = SegmentEncoder(self.tokenizer, int(token_cache_mib) << 20)
         self.defaults = model.default_sampling()
         self.model_name = model_name or Path(model.path).name
         self.names = {self.model_name, *aliases}
@@ -445,7 +449,8 @@ def _routes(server: Server) -> Starlette:
     s = server
 
     async def health(request):
-        return _json_response(200, {"status": "ok", "model": s.model_name, **s.worker.stats()})
+        return _json_response(200, {"status": "ok", "model": s.model_name, **s.worker.stats(),
+                                    "token_cache": s.encoder.stats()})
 
     async def models(request):
         return _json_response(200, {"object": "list", "data": [s.model_object()]})
@@ -668,7 +673,8 @@ def _prepare_chat(s: Server, raw: bytes, notify):
                   "messages")
     s.check_control_tokens(req.messages)
     try:
-        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.worker.max_context)
+        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.worker.max_context,
+                             s.encoder)
     except PromptTooLong as e:
         raise s.too_long(e.tokens, "messages") from None
     except LilyError as e:

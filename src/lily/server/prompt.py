@@ -13,9 +13,16 @@ snapshot there can be resumed from:
   part up to the query survives a new user message.
 
 Each candidate is kept only where its rendering is a token prefix of the prompt.
+
+Renderings are encoded by a ``SegmentEncoder``: in pieces cut at the template's special tokens, with
+the ids of pieces seen before cached, so a follow-up turn encodes only its new messages.
 """
 from __future__ import annotations
 
+import re
+import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -50,6 +57,122 @@ def encode_bounded(tokenizer: Tokenizer, text: str, limit: int | None) -> list[i
     return tokenizer.encode(text)
 
 
+DEFAULT_SEGMENT_CACHE_MIB = 64
+ENTRY_OVERHEAD = 200  # bytes counted per cached piece besides its text and ids (dict and tuple headers)
+ID_BYTES = 36  # per cached id: a tuple slot and an int object
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether a proper suffix of ``a`` is a proper prefix of ``b`` (an occurrence of one could start
+    inside the other)."""
+    return any(a.endswith(b[:k]) for k in range(1, min(len(a), len(b))))
+
+
+def separators(tokenizer: Tokenizer) -> dict[str, int]:
+    """The special added tokens at which a text can be cut and encoded piece by piece with the
+    one-shot result: the tokenizer splits its input at added tokens before it normalizes or merges
+    anything, so no token crosses one. Kept are special tokens that match as written (not
+    normalized) and that no added token contains or overlaps, so that every occurrence in a text
+    is one the tokenizer splits at; none when an added token strips whitespace or matches single
+    words (the cut would then move)."""
+    added = tokenizer.backend.get_added_tokens_decoder()
+    if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
+        return {}
+    contents = {t.content for t in added.values()}
+    out = {}
+    for i, t in added.items():
+        s = t.content
+        if not t.special or t.normalized or not s:
+            continue
+        if _overlap(s, s) or any(o != s and (s in o or _overlap(o, s) or _overlap(s, o)) for o in contents):
+            continue
+        out[s] = i
+    return out
+
+
+class SegmentEncoder:
+    """``tokenizer.encode(text)`` for chat renderings, piece by piece, with the pieces' ids cached.
+
+    The text is cut at the special tokens ``separators`` finds (Qwen's ``<|im_start|>`` and
+    ``<|im_end|>`` around every message); each piece encodes on its own exactly as inside the whole
+    text. Pieces are looked up by their exact text in an LRU bounded by ``budget_bytes`` (text, ids
+    and a fixed overhead per entry; 0 keeps nothing); the missing ones are encoded in one batch
+    (without holding the GIL). Thread-safe. Without separators it is the one-shot encoding."""
+
+    def __init__(self, tokenizer: Tokenizer, budget_bytes: int = DEFAULT_SEGMENT_CACHE_MIB << 20):
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self.tokenizer, self.budget_bytes = tokenizer, int(budget_bytes)
+        self._ids = separators(tokenizer)
+        names = sorted(self._ids, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.nbytes = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self.tokenizer.encode(text)
+        parts = self._split(text)  # [piece, separator, piece, ..., piece]
+        found = self._lookup(parts[::2])
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self._ids[part])
+            elif part:
+                ids.extend(found[part])
+        return ids
+
+    def _lookup(self, pieces: list[str]) -> dict[str, tuple[int, ...]]:
+        found, missing = {}, []
+        with self._lock:
+            for piece in pieces:
+                if piece and piece not in found:
+                    ids = self._entries.get(piece)
+                    if ids is None:
+                        missing.append(piece)
+                        found[piece] = ()
+                    else:
+                        self._entries.move_to_end(piece)
+                        found[piece] = ids
+            self.hits += len(found) - len(missing)
+            self.misses += len(missing)
+        if missing:
+            encoded = self.tokenizer.backend.encode_batch(missing, add_special_tokens=False)
+            for piece, e in zip(missing, encoded):
+                found[piece] = tuple(e.ids)
+            self._store(missing, found)
+        return found
+
+    def _store(self, pieces: list[str], found: dict[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            for piece in pieces:
+                ids = found[piece]
+                size = sys.getsizeof(piece) + ID_BYTES * len(ids) + ENTRY_OVERHEAD
+                if size > self.budget_bytes or piece in self._entries:
+                    continue
+                self._entries[piece], self._sizes[piece] = ids, size
+                self.nbytes += size
+                while self.nbytes > self.budget_bytes:
+                    old, _ = self._entries.popitem(last=False)
+                    self.nbytes -= self._sizes.pop(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._sizes.clear()
+            self.nbytes = 0
+
+    def stats(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self.nbytes, "budget_bytes": self.budget_bytes,
+                "hits": self.hits, "misses": self.misses}
+
+
 @dataclass
 class Prompt:
     """Token ids to run, the boundaries (prompt lengths) to keep snapshots at, and whether the prompt
@@ -77,12 +200,18 @@ def last_query_index(messages: Sequence[Mapping]) -> int | None:
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None,
-                template_kwargs: Mapping, limit: int | None = None) -> Prompt:
+                template_kwargs: Mapping, limit: int | None = None, encoder: SegmentEncoder | None = None) -> Prompt:
     """Render ``messages`` (template-ready dicts) with a generation prompt; LilyError when the
-    template refuses them, PromptTooLong when the prompt surely has more than ``limit`` tokens."""
+    template refuses them, PromptTooLong when the prompt surely has more than ``limit`` tokens.
+    ``encoder``: encodes the renderings (reusing the ids of pieces it has seen); None: one shot."""
     kw = dict(template_kwargs)
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kw)
-    ids = encode_bounded(tokenizer, text, limit)
+    if encoder is None or (limit is not None and len(text) > PROBE_CHARS_PER_TOKEN * limit):
+        encode = tokenizer.encode
+        ids = encode_bounded(tokenizer, text, limit)  # a long text is probed first
+    else:
+        encode = encoder.encode
+        ids = encode(text)
     if limit is not None and len(ids) > limit:
         return Prompt(ids, (), opens_think(text))  # fit_context refuses it: no boundaries needed
     cuts = [len(messages)]
@@ -97,7 +226,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | 
             continue
         if not head or not text.startswith(head):
             continue
-        head_ids = tokenizer.encode(head)
+        head_ids = encode(head)
         if 0 < len(head_ids) < len(ids) and ids[:len(head_ids)] == head_ids:
             boundaries.add(len(head_ids))
     return Prompt(ids, tuple(sorted(boundaries)), opens_think(text))
