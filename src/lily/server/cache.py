@@ -5,12 +5,37 @@ diverges from what the session holds can only resume from a saved copy of the st
 prefix of its prompt. The server keeps such copies (``lily.Snapshot``, keyed by the token ids they
 hold) at message boundaries; a request restores the longest one that is a prefix of its prompt.
 Where the boundaries are is decided in ``prompt.py``.
+
+A lookup costs one pass over the prompt plus one step per entry, not a comparison of the prompt
+with every entry: each entry keeps a hash of its tokens, and the prompt's prefix hashes (all of
+them, one numpy pass) pick the candidates; only the longest matching one is compared in full.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from typing import Protocol, Sequence
+
+import numpy as np
+
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: every power is a distinct odd number mod 2^64
+_powers = np.ones(1, dtype=np.uint64)
+
+
+def prefix_hashes(ids: Sequence[int]) -> np.ndarray:
+    """[len(ids) + 1] uint64: element n is a polynomial hash of ``ids[:n]`` (sum of (id + 1) * M^j,
+    mod 2^64), so equal prefixes have equal hashes (unequal ones rarely do)."""
+    global _powers
+    n, powers = len(ids), _powers
+    if len(powers) < n:  # M^0 .. M^(n-1), grown by doubling and kept
+        p = np.full(max(n, 2 * len(powers)), _MULTIPLIER, dtype=np.uint64)
+        p[0] = 1
+        _powers = powers = np.cumprod(p, out=p)  # wraps mod 2^64, as meant
+    out = np.zeros(n + 1, dtype=np.uint64)
+    if n:
+        terms = np.asarray(ids, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+        np.cumsum(terms * powers[:n], out=out[1:])
+    return out
 
 
 class SnapshotLike(Protocol):
@@ -30,6 +55,7 @@ class PrefixCache:
             raise ValueError("budget_bytes and max_entries must be >= 0")
         self.budget_bytes, self.max_entries = int(budget_bytes), int(max_entries)
         self._entries: OrderedDict[tuple[int, ...], SnapshotLike] = OrderedDict()
+        self._hashes: dict[tuple[int, ...], int] = {}  # prefix_hashes(key)[-1] of each entry
         self._nbytes = 0
         self._lock = threading.Lock()  # the worker thread writes; /health reads
         self.hits = self.misses = self.evictions = 0
@@ -50,10 +76,13 @@ class PrefixCache:
         ids = tuple(ids)
         best: tuple[int, ...] | None = None
         with self._lock:
-            for key in self._entries:
-                n = len(key)
-                if longer_than < n < len(ids) and (best is None or n > len(best)) and ids[:n] == key:
-                    best = key
+            fits = [(len(k), h, k) for k, h in self._hashes.items() if longer_than < len(k) < len(ids)]
+            if fits:
+                hashes = prefix_hashes(ids)
+                for n, h, key in sorted(fits, key=lambda f: f[0], reverse=True):
+                    if int(hashes[n]) == h and ids[:n] == key:  # the hash picks, the comparison decides
+                        best = key
+                        break
             if best is None:
                 self.misses += 1
                 return None
@@ -69,12 +98,15 @@ class PrefixCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._nbytes -= int(old.nbytes)
+                del self._hashes[key]
             if size > self.budget_bytes or self.max_entries == 0:
                 return False
             self._entries[key] = snapshot
+            self._hashes[key] = int(prefix_hashes(key)[-1])
             self._nbytes += size
             while self._nbytes > self.budget_bytes or len(self._entries) > self.max_entries:
-                _, dropped = self._entries.popitem(last=False)
+                dropped_key, dropped = self._entries.popitem(last=False)
+                del self._hashes[dropped_key]
                 self._nbytes -= int(dropped.nbytes)
                 self.evictions += 1
             return True
@@ -82,6 +114,7 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._hashes.clear()
             self._nbytes = 0
 
     def stats(self) -> dict:
