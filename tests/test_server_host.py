@@ -3,6 +3,8 @@ cut at special tokens with the pieces' ids cached must equal the one-shot encodi
 the prefix cache's hashed lookup must find what a comparison with every entry finds."""
 from __future__ import annotations
 
+import http.client
+import json
 import time
 
 import numpy as np
@@ -13,12 +15,15 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
+import lily
 from lily import Tokenizer
 from lily.checkpoint.tiny import tiny_checkpoint
 from lily.errors import LilyError
 import lily.server.cache as cache_module
 from lily.server.cache import PrefixCache, prefix_hashes
+from lily.server import Server
 from lily.server.prompt import PromptTooLong, SegmentEncoder, chat_prompt, separators
+from server_fakes import Slow
 
 TOK = Tokenizer.from_dir(tiny_checkpoint())
 SHARED = SegmentEncoder(TOK)  # one cache across examples: later examples hit pieces of earlier ones
@@ -218,3 +223,31 @@ def test_prefix_lookup_scales_with_the_prompt_not_with_the_entries():
         assert cache.longest_prefix(ids).tokens == tuple(hist)
         best = min(best, time.perf_counter() - t0)
     assert best < 0.003  # comparing the prompt with each entry took 5 ms here (0.35 ms hashed)
+
+
+# --- through the server ------------------------------------------------------------------------------------
+
+def post(server, path, body):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST" if body is not None else "GET", path, body=json.dumps(body).encode() if body else None,
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, json.loads(r.read())
+    conn.close()
+    return status, data
+
+
+def test_the_server_reuses_the_token_ids_of_earlier_messages():
+    model = lily.Model.load(tiny_checkpoint(), device="cpu", max_context=4096)
+    with pytest.raises(LilyError, match="token_cache_mib"):
+        Server(model, port=0, token_cache_mib=-1)
+    with Server(model, port=0, model_name="tiny", source=Slow()) as s:
+        history = [{"role": "user", "content": "Read this. " + "lorem ipsum " * 300}]
+        assert post(s, "/v1/chat/completions", {"messages": history})[0] == 200
+        before = post(s, "/health", None)[1]["token_cache"]
+        follow = history + [{"role": "assistant", "content": "Understood."}, {"role": "user", "content": "And?"}]
+        assert post(s, "/v1/chat/completions", {"messages": follow})[0] == 200
+        after = post(s, "/health", None)[1]["token_cache"]
+        assert after["misses"] - before["misses"] == 2  # the reply and the question; the history was a hit
+        assert after["hits"] > before["hits"] and 0 < after["bytes"] <= after["budget_bytes"] == 64 << 20
+        assert s.worker.records[-1]["prompt_tokens"] == len(chat_prompt(TOK, follow, None, {}).ids)
