@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 
 import numpy as np
 import pytest
@@ -210,19 +209,21 @@ def test_prefix_hashes_and_a_collision(monkeypatch):
     assert cache.longest_prefix([1, 2, 4, 4]) is None
 
 
-def test_prefix_lookup_scales_with_the_prompt_not_with_the_entries():
+def test_prefix_lookup_hashes_the_prompt_once_whatever_the_entries(monkeypatch):
+    """One pass over the prompt per lookup (its prefix hashes), not a comparison per entry; the timing is
+    benchmarks/bench_chat_prompt.py's job (5.2 -> 0.35 ms at 256 entries, docs/perf-notes.md)."""
     rng = np.random.default_rng(0)
     hist = rng.integers(1000, 200_000, 7000).tolist()
     ids = hist + rng.integers(1000, 200_000, 150).tolist()
     cache = PrefixCache(10**9)
     for i in range(256):  # other conversations, and this one's shorter prefixes
         cache.add(Snap(rng.integers(1000, 200_000, 7000).tolist() if i % 2 else hist[:7000 - i]))
-    best = float("inf")
-    for _ in range(20):
-        t0 = time.perf_counter()
+    calls = []
+    real = cache_module.prefix_hashes
+    monkeypatch.setattr(cache_module, "prefix_hashes", lambda t: calls.append(len(t)) or real(t))
+    for _ in range(3):
         assert cache.longest_prefix(ids).tokens == tuple(hist)
-        best = min(best, time.perf_counter() - t0)
-    assert best < 0.003  # comparing the prompt with each entry took 5 ms here (0.35 ms hashed)
+    assert calls == [len(ids)] * 3
 
 
 # --- through the server ------------------------------------------------------------------------------------
