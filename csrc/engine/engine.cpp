@@ -2,7 +2,7 @@
 
 #include <array>
 
-#include "profile.h"
+#include "../runtime/profile.h"
 
 namespace lily {
 

@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "../ops/backend.h"
 #include "../ops/ops.h"
-#include "profile.h"
-#include "tensor.h"
+#include "../runtime/backend.h"
+#include "../runtime/profile.h"
+#include "../runtime/tensor.h"
 
 namespace lily {
 
@@ -125,7 +125,7 @@ class Session {
   struct Trace { int64_t width = 0; std::vector<float> data; };
   bool tracing = false;
   std::map<std::string, Trace> trace;
-  // Profiling: when set, forward passes run eagerly and record named spans (core/profile.h).
+  // Profiling: when set, forward passes run eagerly and record named spans (runtime/profile.h).
   std::unique_ptr<Profiler> profiler;
 
  private:
