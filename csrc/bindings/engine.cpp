@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "../engine/engine.h"
+#include "../engine/session.h"
 #include "../engine/tensors.h"
 #include "../runtime/backend.h"
 #include "arrays.h"

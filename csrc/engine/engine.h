@@ -3,7 +3,7 @@
 #include <memory>
 
 #include "config.h"
-#include "session.h"
+#include "forward.h"
 #include "weights.h"
 
 namespace lily {
@@ -15,13 +15,14 @@ class Engine {
   const WeightStore& weights() const { return *weights_; }
   Device device() const { return weights_->device(); }
 
-  // Runs T <= session.chunk() tokens whose ids are in device memory at the session's position,
-  // leaving the final residual stream in the session's scratch; advances the position.
-  void forward_chunk(Session& s, const Tensor& ids, int64_t T) const;
-  // Logits of residual rows [row0, row0 + n) into the session's logits scratch, n <= logit_rows.
-  void logits_rows(Session& s, int64_t row0, int64_t n) const;
+  // A session hands itself over as a ForwardContext (forward.h): its state, scratch and position.
+  // Runs T <= f.chunk tokens whose ids are in device memory at f.position, leaving the final residual
+  // stream in f.scratch; advances the device position (the session advances its own count).
+  void forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T) const;
+  // Logits of residual rows [row0, row0 + n) into the scratch's logits, n <= logit_rows.
+  void logits_rows(const ForwardContext& f, int64_t row0, int64_t n) const;
   // Logits of rows [row0, row0 + n) downloaded to out [n, V].
-  void write_logits(Session& s, int64_t row0, int64_t n, float* out) const;
+  void write_logits(const ForwardContext& f, int64_t row0, int64_t n, float* out) const;
 
  private:
   // A mixer's output projection, not yet applied: the caller adds w x into the residual stream.
@@ -29,8 +30,8 @@ class Engine {
     const QMatrix* w;
     Tensor x;
   };
-  Projection gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
-  Projection attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
+  Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const;
+  Projection attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const;
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;
 };
