@@ -12,7 +12,7 @@ The layers, lowest first (docs/architecture.md, "C++ file layout"):
 A file may include files of its own layer or a lower one, never a higher one. Inside the ops layer the
 contract (ops/ops.h, ops/weights.h) includes only the runtime, and the two backends do not include
 each other; inside the engine the engine does not include the session (a session hands the engine a
-ForwardContext). No file includes itself through others.
+ForwardContext). No file includes itself through others (Tarjan, shared with test_import_graph.py).
 
 Run as a script (``python tests/test_include_graph.py``) it prints every violation.
 """
@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+
+from test_import_graph import cycles  # the strongly connected components of a graph
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 LAYERS = {"runtime": 0, "ops": 1, "cpu": 1, "cuda": 1, "engine": 2, "bindings": 3}
@@ -68,37 +70,6 @@ def violations(graph: dict[str, list[str]]) -> list[str]:
             if f in ("engine/engine.h", "engine/engine.cpp") and d == "engine/session.h":
                 out.append(f"{f} includes {d}: the engine sees a session only as a ForwardContext")
     return out + [f"include cycle: {' -> '.join(c)}" for c in cycles(graph)]
-
-
-def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one file (Tarjan)."""
-    index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph.get(v, []):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1 or v in graph.get(v, []):
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def test_the_graph_sees_includes():
