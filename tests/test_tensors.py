@@ -1,4 +1,4 @@
-"""The model's tensors are described once, by the core (csrc/core/tensors.cpp): the engine resolves
+"""The model's tensors are described once, by the core (csrc/engine/tensors.cpp): the engine resolves
 its weights against the same table the loader, the converter and the synthetic checkpoints read
 (lily.checkpoint.tensors.model_tensors), so a name or shape cannot differ between them."""
 from __future__ import annotations

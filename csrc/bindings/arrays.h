@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "../core/weights.h"
+#include "../engine/weights.h"
 
 namespace lily::bind {
 namespace nb = nanobind;

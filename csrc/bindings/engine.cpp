@@ -8,9 +8,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "../core/engine.h"
-#include "../core/tensors.h"
-#include "../ops/backend.h"
+#include "../engine/engine.h"
+#include "../engine/session.h"
+#include "../engine/tensors.h"
+#include "../runtime/backend.h"
 #include "arrays.h"
 
 namespace nb = nanobind;
@@ -107,7 +108,7 @@ void init_engine(nb::module_& m) {
       out.append(nb::make_tuple(t.name, nb::tuple(nb::cast(t.shape)), t.matrix != nullptr));
     return out;
   }, nb::arg("config"), "Every tensor of the model: [(canonical name, shape, is_matrix)] in checkpoint order "
-     "(core/tensors.cpp, the one description of the tensors).");
+     "(engine/tensors.cpp, the one description of the tensors).");
 
   nb::class_<StoreHandle>(m, "WeightStore", "Weights being handed to the device, by canonical name.")
       .def("__init__", [](StoreHandle* h, const std::string& device) {

@@ -2,8 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "../core/common.h"
-#include "../ops/backend.h"
+#include "../runtime/backend.h"
+#include "../runtime/common.h"
 
 namespace nb = nanobind;
 

@@ -16,7 +16,7 @@
 #include "kernels/attention_generic.cuh"
 #include "kernels/attention_prefill.cuh"
 #include "kernels/attention_rope.cuh"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 namespace {

@@ -1,6 +1,6 @@
 // The CUDA backend's op entries (sm_90a). Host-only declarations: ops/*.cpp include this without
 // CUDA headers. Arguments were validated by ops/; launchers check only what the kernels assume
-// (alignment, supported variants) and launch on the backend's stream (runtime.h) with no host
+// (alignment, supported variants) and launch on the backend's stream (runtime/cuda_device.h) with no host
 // synchronisation and no allocation, so every op can be captured in a CUDA graph.
 // Activations are F32 in device memory; matrix operands are rounded to BF16 where tensor cores
 // multiply them; accumulation is F32. Positions are read from device memory (I32 [1]).

@@ -3,7 +3,7 @@
 
 #include "cuda_ops.h"
 #include "kernels/elementwise.cuh"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 

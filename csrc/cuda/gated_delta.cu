@@ -5,7 +5,7 @@
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
 #include "kernels/gdn_decode.cuh"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 

@@ -17,7 +17,7 @@
 #include "kernels/linear_generic.cuh"
 #include "kernels/linear_wgmma_tma.cuh"
 #include "linear.h"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 #include "tensor_map.h"
 
 namespace lily::cuda {

@@ -2,7 +2,7 @@
 // product over (possibly grouped) rows and the GEMV sizing. Host code (a .h, included by .cu files
 // only: it needs the kernel headers' parameter types); the kernels are in kernels/linear_*.cuh.
 #pragma once
-#include "../core/weights.h"
+#include "../ops/weights.h"
 #include "gemv_plan.h"
 #include "kernels/linear_common.cuh"
 

@@ -23,7 +23,7 @@
 #include "kernels/moe_mma.cuh"
 #include "kernels/moe_routing.cuh"
 #include "linear.h"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 

@@ -2,7 +2,7 @@
 #include "cuda_ops.h"
 #include "kernels/norms.cuh"
 #include "linear.h"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 

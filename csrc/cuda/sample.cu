@@ -4,7 +4,7 @@
 #include "cuda_ops.h"
 #include "kernels/sample.cuh"
 #include "kernels/token_mask.cuh"
-#include "runtime.h"
+#include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
 

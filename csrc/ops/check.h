@@ -1,7 +1,7 @@
 // Validation helpers shared by the checked op entries.
 #pragma once
-#include "../core/profile.h"
-#include "../core/tensor.h"
+#include "../runtime/profile.h"
+#include "../runtime/tensor.h"
 #ifdef LILY_WITH_CUDA
 #include "../cuda/cuda_ops.h"
 // Dispatch to the CUDA backend when the tensors live there (only in builds with LILY_CUDA).

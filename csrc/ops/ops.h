@@ -3,9 +3,8 @@
 // (cpu/<op>.cpp; cuda/<op>.cu when built). Kernels never validate; these entries always do.
 // Activations are float32 [rows, cols] row-major unless stated.
 #pragma once
-#include "../core/config.h"
-#include "../core/tensor.h"
-#include "../core/weights.h"
+#include "../runtime/tensor.h"
+#include "weights.h"
 
 namespace lily::ops {
 

@@ -7,7 +7,7 @@
 
 namespace lily::cuda {
 
-// Programmatic dependent launch (runtime.h's launch): a kernel may start while its predecessor on
+// Programmatic dependent launch (runtime/cuda_device.h's launch): a kernel may start while its predecessor on
 // the stream finishes. pdl_wait() blocks until the preceding kernel has completed and its writes are
 // visible; earlier kernels are covered only because every launch()-ed kernel calls pdl_wait() in every
 // block before it can finish (a kernel that skipped it would break that chain). So: call it first,

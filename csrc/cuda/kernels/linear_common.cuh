@@ -7,7 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "../../core/common.h"
+#include "../../runtime/common.h"
 #include "common.cuh"
 
 namespace lily::cuda {

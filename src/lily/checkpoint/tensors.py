@@ -1,6 +1,6 @@
 """The model's tensors: names, shapes, matrix or vector, quantization rule.
 
-The list itself is the core's (``csrc/core/tensors.cpp``, read through ``lily._core.model_tensors``):
+The list itself is the core's (``csrc/engine/tensors.cpp``, read through ``lily._core.model_tensors``):
 the engine resolves its weights against the same table that the loader (weights.py), the converter
 (convert.py) and the synthetic generator (synthetic.py) read here, so they cannot disagree. A
 checkpoint layout is a spelling of it (docs/model.md section 4). A canonical name has no model prefix

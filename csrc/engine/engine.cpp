@@ -2,7 +2,7 @@
 
 #include <array>
 
-#include "profile.h"
+#include "../runtime/profile.h"
 
 namespace lily {
 
@@ -51,10 +51,10 @@ static std::array<Tensor, N> project(const Tensor& x, const QMatrix* stacked, co
 }
 
 // Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
-Engine::Projection Engine::gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
-  const Scratch& x = s.s_;
+  const Scratch& x = f.scratch;
   const int64_t H = c.hidden_size, C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
                 Hv = c.linear_num_value_heads, Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const ProfileLabel label("gdn");
@@ -80,10 +80,11 @@ Engine::Projection Engine::gdn_layer(Session& s, const LayerWeights& L, LayerSta
 }
 
 // Gated full attention (docs/model.md section 2.3): o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
-Engine::Projection Engine::attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const {
+Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
+                                           int64_t T) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
-  const Scratch& x = s.s_;
+  const Scratch& x = f.scratch;
   const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   const ProfileLabel label("attn");
   // p [T, nH*2D] (per head: query | gate), k, v [T, nKV*D]
@@ -92,9 +93,9 @@ Engine::Projection Engine::attention_layer(Session& s, const LayerWeights& L, La
                                  xb_work(x, device()));
   const Tensor q = view(x.core_in, T, nH * D), gate = view(x.out_gate, T, nH * D), o = view(x.core_out, T, nH * D);
   const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
-  const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
-  const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {s.max_context_, nKV * D});  // [maxT, nKV*D]
-  const ops::Position pos = s.position_arg();
+  const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
+  const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
+  const ops::Position pos = f.position;
   if (T == 1) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
     ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
                          kc, vc, q, gate, o, int(nH), int(nKV), pos);
@@ -112,9 +113,9 @@ Engine::Projection Engine::attention_layer(Session& s, const LayerWeights& L, La
   return {w.o_proj, o};
 }
 
-void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
+void Engine::logits_rows(const ForwardContext& f, int64_t row0, int64_t n) const {
   const int64_t H = config_.hidden_size, V = config_.vocab_size;
-  const Scratch& x = s.s_;
+  const Scratch& x = f.scratch;
   LILY_CHECK(n <= x.logit_rows, "logits_rows: ", n, " rows exceed the ", x.logit_rows, " rows of scratch");
   Tensor xr = Tensor::of(static_cast<float*>(x.x.data()) + row0 * H, DType::F32, device(), {n, H});  // [n, H]
   const ProfileLabel label("lm_head");
@@ -122,57 +123,57 @@ void Engine::logits_rows(Session& s, int64_t row0, int64_t n) const {
   ops::linear(*weights_->lm_head, view(x.final_h, n, H), view(x.logits, n, V), xb_work(x, device()));
 }
 
-void Engine::write_logits(Session& s, int64_t row0, int64_t n, float* out) const {
-  const int64_t V = config_.vocab_size, R = s.s_.logit_rows;
+void Engine::write_logits(const ForwardContext& f, int64_t row0, int64_t n, float* out) const {
+  const int64_t V = config_.vocab_size, R = f.scratch.logit_rows;
   for (int64_t r = row0; r < row0 + n; r += R) {
     const int64_t m = std::min(R, row0 + n - r);
-    logits_rows(s, r, m);
-    s.s_.logits.download(out + (r - row0) * V, size_t(m * V) * 4);
+    logits_rows(f, r, m);
+    f.scratch.logits.download(out + (r - row0) * V, size_t(m * V) * 4);
   }
 }
 
 // Appends the first T rows of a [T, width] activation to the session's trace.
-static void record(Session& s, const std::string& name, const Buffer& b, int64_t T, int64_t width) {
-  if (!s.tracing) return;
-  Session::Trace& t = s.trace[name];
+static void record(const ForwardContext& f, const std::string& name, const Buffer& b, int64_t T, int64_t width) {
+  if (!f.trace) return;
+  Trace& t = (*f.trace)[name];
   t.width = width;
   const size_t old = t.data.size();
   t.data.resize(old + size_t(T * width));
   b.download(t.data.data() + old, size_t(T * width) * 4);
 }
 
-void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
+void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T) const {
   const ModelConfig& c = config_;
-  Scratch& x = s.s_;
+  Scratch& x = f.scratch;
   const int64_t H = c.hidden_size, I = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
-  LILY_CHECK(T > 0 && T <= s.chunk_, "forward_chunk: ", T, " tokens exceed the chunk of ", s.chunk_);
+  LILY_CHECK(T > 0 && T <= f.chunk, "forward_chunk: ", T, " tokens exceed the chunk of ", f.chunk);
   const Tensor xs = view(x.x, T, H), h = view(x.h, T, H), mix = view(x.mix, T, H);  // [T, H] residual, normed, mixer
   ops::embedding(*weights_->embed_tokens, ids, xs);
-  record(s, "embedding", x.x, T, H);
-  const int64_t R = ops::moe_work_rows(device(), s.chunk_, c.num_experts_per_tok);
-  const int64_t words = ops::moe_routing_words(device(), s.chunk_, c.num_experts, c.num_experts_per_tok);
-  ops::MoeScratch ms{view(x.router_logits, s.chunk_, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
-                     view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, s.chunk_, 1),
+  record(f, "embedding", x.x, T, H);
+  const int64_t R = ops::moe_work_rows(device(), f.chunk, c.num_experts_per_tok);
+  const int64_t words = ops::moe_routing_words(device(), f.chunk, c.num_experts, c.num_experts_per_tok);
+  ops::MoeScratch ms{view(x.router_logits, f.chunk, c.num_experts), view(x.gathered, R, H), view(x.gate, R, I),
+                     view(x.up, R, I), view(x.down, R, H), view(x.shared_gate, f.chunk, 1),
                      Tensor::of(x.routing.data(), DType::I32, device(), {words}), xb_work(x, device())};
   const float eps = c.rms_norm_eps;
   const int K = c.num_experts_per_tok;
   const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
   // One token (and no trace of the blocks' outputs): each residual add and the norm after it run inside
   // the product before them (ops::linear_add_rms_norm, ops::moe_add_rms_norm); mix is then work space.
-  const bool fold = T == 1 && !s.tracing;
+  const bool fold = T == 1 && !f.trace;
   ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
     const Tensor post_norm = L.post_attention_layernorm->view();
     {  // x += mixer(h); h = post_attention_layernorm(x)
-      const Projection out = L.is_full_attention ? attention_layer(s, L, s.layers_[l], T) : gdn_layer(s, L, s.layers_[l], T);
+      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], T) : gdn_layer(f, L, f.layers[l], T);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (fold) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
         ops::linear(*out.w, out.x, mix, xb_work(x, device()));
-        record(s, p + "mixer", x.mix, T, H);
+        record(f, p + "mixer", x.mix, T, H);
         ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }
     }
@@ -182,11 +183,11 @@ void Engine::forward_chunk(Session& s, const Tensor& ids, int64_t T) const {
       ops::moe_add_rms_norm(L.moe, h, xs, weights_->layers[l + 1].input_layernorm->view(), eps, mix, ms, K, sync);
     } else {
       ops::moe(L.moe, h, mix, ms, K);
-      record(s, p + "moe", x.mix, T, H);
+      record(f, p + "moe", x.mix, T, H);
       if (last) ops::add(xs, mix);
       else ops::add_rms_norm(xs, mix, weights_->layers[l + 1].input_layernorm->view(), eps, h);
     }
-    record(s, p + "residual", x.x, T, H);
+    record(f, p + "residual", x.x, T, H);
   }
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }

@@ -5,20 +5,15 @@
 #include <string>
 #include <vector>
 
-#include "../ops/backend.h"
 #include "../ops/ops.h"
-#include "profile.h"
-#include "tensor.h"
+#include "../runtime/backend.h"
+#include "../runtime/profile.h"
+#include "../runtime/tensor.h"
+#include "forward.h"
 
 namespace lily {
 
 class Engine;
-
-struct LayerState {
-  Buffer conv;       // GDN: [K-1, conv_dim] f32, raw pre-conv inputs, oldest first
-  Buffer recurrent;  // GDN: [Hv, Dk, Dv] f32 delta-rule state S (k-major, as transformers)
-  Buffer k, v;       // attention: [max_context, nKV*D] f32 (CPU) or bf16 (GPU), K after q/k norm and RoPE
-};
 
 // A copy of a session's state at one position; restoring it resumes exactly.
 struct Snapshot {
@@ -46,28 +41,6 @@ struct Snapshot {
   // Uninitialised buffers shaped for `position` tokens of `engine`'s model on its device, to be
   // filled part by part (loading a snapshot file).
   static std::shared_ptr<Snapshot> blank(const Engine& engine, int64_t position);
-};
-
-// Scratch activations for up to `chunk` tokens ([chunk, width] f32 each).
-struct Scratch {
-  Buffer ids;                        // [C] I32
-  Buffer x, h, mix;                  // [C, H] residual stream, normed input, mixer/MoE output
-  // The mixers' activations, [C, widest] each, by role (GDN | attention):
-  Buffer proj;                       // the input projection: q|k|v before the conv | per head query|gate
-  Buffer core_in;                    // what the core reads: the conv1d output | the queries
-  Buffer out_gate;                   // the output gate: z | gate
-  Buffer core_out;                   // the core's output: the delta rule's o | attention's o
-  Buffer normed;                     // GDN: the gated norm's output, out_proj's input
-  Buffer a, b;                       // GDN: [C, Hv] decay and write-strength inputs
-  Buffer k, v;                       // attention: [C, nKV*D] new keys and values
-  Buffer stacked;                    // [1, widest stacked projection]: a decode step's one-GEMV outputs
-  Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
-  Buffer gdn_work;                   // gated_delta_rule's workspace for C tokens (empty on the CPU)
-  Buffer xb;                         // BF16 linear workspace and MoeScratch::xb for C tokens (empty on the CPU)
-  Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
-  int64_t logit_rows = 0;
-  Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)
-  Buffer sync;                       // [1] I32, zero: the fused residual norms' completion counter
 };
 
 // Per-request sampling state on the session's device (ops::SamplerState's buffers).
@@ -122,17 +95,16 @@ class Session {
 
   // Debug trace: when on, each forward records named per-layer activations ([rows, width] f32,
   // rows appended chunk after chunk) so a mismatch can be bisected to one op.
-  struct Trace { int64_t width = 0; std::vector<float> data; };
   bool tracing = false;
   std::map<std::string, Trace> trace;
-  // Profiling: when set, forward passes run eagerly and record named spans (core/profile.h).
+  // Profiling: when set, forward passes run eagerly and record named spans (runtime/profile.h).
   std::unique_ptr<Profiler> profiler;
 
  private:
-  friend class Engine;
   std::shared_ptr<const Engine> engine_;
   int64_t max_context_, chunk_, position_ = 0;
-  ops::Position position_arg() const;
+  // What the engine's next forward call reads and writes of this session.
+  ForwardContext forward_context();
   void set_position(int64_t p);
   int32_t sample_last(const int32_t* mask);
   bool launched_ = false;  // decode_launch ran and sample_next has not

@@ -3,7 +3,7 @@
 // (or does nothing, where releasing nothing is correct). The CUDA stub is compiled when the build has
 // no CUDA toolkit (LILY_CUDA=OFF or no nvcc); the Metal one always, since no Metal backend exists yet
 // (csrc/metal/README.md).
-#include "../core/common.h"
+#include "common.h"
 #include "device_api.h"
 
 // Defines every service of device_api.h in namespace lily::NS; `name` and `why` go into the error.

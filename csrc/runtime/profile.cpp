@@ -2,7 +2,7 @@
 
 #include <chrono>
 
-#include "../ops/backend.h"
+#include "backend.h"
 
 namespace lily {
 

@@ -1,11 +1,11 @@
 // The backend seam: memory services of the GPU backends. The CPU backend needs none of these;
-// cuda/ implements them when LILY_CUDA is on; otherwise, and for Metal, ops/no_backend.cpp raises a
+// cuda_device.cu implements them when LILY_CUDA is on; otherwise, and for Metal, no_backend.cpp raises a
 // clear "not built" error.
 #pragma once
 #include <cstddef>
 #include <functional>
 
-#include "../core/common.h"
+#include "common.h"
 
 namespace lily {
 

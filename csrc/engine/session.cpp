@@ -152,8 +152,9 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   reset();
 }
 
-ops::Position Session::position_arg() const {
-  return {position_, static_cast<const int32_t*>(s_.position.data())};
+ForwardContext Session::forward_context() {
+  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data())};
+  return {s_, layers_, max_context_, chunk_, position, tracing ? &trace : nullptr};
 }
 
 void Session::set_position(int64_t p) {
@@ -219,7 +220,7 @@ int32_t Session::sample_last(const int32_t* mask) {
 
 int32_t Session::prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask) {
   prefill(ids, T, nullptr, false);
-  engine_->logits_rows(*this, (T - 1) % chunk_, 1);  // the last chunk's last row
+  engine_->logits_rows(forward_context(), (T - 1) % chunk_, 1);  // the last chunk's last row
   return sample_last(mask);
 }
 
@@ -227,8 +228,8 @@ void Session::decode_from_device() {
   LILY_CHECK(position_ + 1 <= max_context_, "context overflow: ", position_, " tokens in the session + 1 new exceed max_context ",
              max_context_);
   auto step = [this] {
-    engine_->forward_chunk(*this, i32_view(sampler_.token, 1), 1);
-    engine_->logits_rows(*this, 0, 1);
+    engine_->forward_chunk(forward_context(), i32_view(sampler_.token, 1), 1);
+    engine_->logits_rows(forward_context(), 0, 1);
   };
   // The first step runs eagerly so one-time kernel setup (attributes, lazy module loading) happens
   // outside the capture; later steps replay the captured graph.
@@ -295,10 +296,10 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
     const int64_t n = std::min(chunk_, T - t0);
     s_.ids.upload(ids + t0, size_t(n) * 4);
-    engine_->forward_chunk(*this, i32_view(s_.ids, n), n);
+    engine_->forward_chunk(forward_context(), i32_view(s_.ids, n), n);
     position_ += n;
-    if (all_logits) engine_->write_logits(*this, 0, n, logits + t0 * V);
-    else if (logits && t0 + n == T) engine_->write_logits(*this, n - 1, 1, logits);
+    if (all_logits) engine_->write_logits(forward_context(), 0, n, logits + t0 * V);
+    else if (logits && t0 + n == T) engine_->write_logits(forward_context(), n - 1, 1, logits);
   }
 }
 

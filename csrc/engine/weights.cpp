@@ -3,18 +3,10 @@
 #include <algorithm>
 #include <sstream>
 
-#include "../ops/backend.h"
+#include "../runtime/backend.h"
 #include "tensors.h"
 
 namespace lily {
-
-std::string QMatrix::describe() const {
-  std::ostringstream s;
-  s << "[" << num_stack << ", " << rows << ", " << cols << "] ";
-  if (quantized()) s << "affine " << bits << "-bit g" << group_size;
-  else s << dtype_name(dtype);
-  return s.str();
-}
 
 int64_t Vector::numel() const {
   int64_t n = 1;

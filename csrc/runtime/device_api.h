@@ -1,5 +1,6 @@
-// What each GPU backend provides for memory. Implemented by cuda/ (or, in a build without CUDA, by
-// ops/no_backend.cpp) and by ops/no_backend.cpp for Metal until a Metal backend exists.
+// What each GPU backend provides for memory. Implemented by runtime/cuda_device.cu (or, in a build
+// without CUDA, by runtime/no_backend.cpp) and by runtime/no_backend.cpp for Metal until a Metal
+// backend exists.
 #pragma once
 #include <cstddef>
 #include <functional>

@@ -1,6 +1,6 @@
 #include "config.h"
 
-#include "common.h"
+#include "../runtime/common.h"
 
 namespace lily {
 

@@ -6,7 +6,7 @@
 
 #include <utility>
 
-#include "../core/common.h"
+#include "common.h"
 
 namespace lily::cuda {
 

@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "../ops/backend.h"
+#include "backend.h"
 
 namespace lily {
 

@@ -1,10 +1,10 @@
-// Device memory services (ops/device_api.h) and the backend stream. Copies that the host waits for
+// Device memory services (device_api.h) and the backend stream. Copies that the host waits for
 // (upload, download) synchronise the stream; device-to-device copies and memsets stay asynchronous
 // and ordered with the kernels on the same stream.
 #include <cstdio>
 
-#include "../ops/device_api.h"
-#include "runtime.h"
+#include "cuda_device.h"
+#include "device_api.h"
 
 namespace lily::cuda {
 

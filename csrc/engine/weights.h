@@ -1,31 +1,16 @@
-// Weights on the device, in the checkpoint's own storage form (dense float or MLX affine packed).
+// The model's weights on the device: the per-layer views of ModelWeights, and the WeightStore that
+// holds the named tensors the Python loader hands over. The matrices are ops::-level QMatrix stacks
+// (ops/weights.h), in the checkpoint's own storage form (dense float or MLX affine packed).
 #pragma once
 #include <map>
 #include <string>
 #include <vector>
 
+#include "../ops/weights.h"
+#include "../runtime/tensor.h"
 #include "config.h"
-#include "tensor.h"
 
 namespace lily {
-
-// A stack of num_stack matrices, each [rows, cols] = [out, in] (nn.Linear convention).
-// Dense: weight holds float values (F32/F16/BF16) [num_stack, rows, cols].
-// Affine (MLX): weight U32 [num_stack, rows, cols*bits/32], little-endian bit stream per row;
-// scales, biases [num_stack, rows, cols/group_size] in scale_dtype; w = scale*q + bias.
-struct QMatrix {
-  int64_t num_stack = 1, rows = 0, cols = 0;
-  DType dtype = DType::F32;  // storage of weight: U32 when quantized
-  int bits = 0;              // 0 = dense
-  int group_size = 0;
-  DType scale_dtype = DType::F32;
-  Buffer weight, scales, biases;
-
-  bool quantized() const { return bits > 0; }
-  int64_t words_per_row() const { return cols * bits / 32; }
-  int64_t groups_per_row() const { return cols / group_size; }
-  std::string describe() const;
-};
 
 // A float32 vector parameter (norm weights, conv taps, A_log, dt_bias).
 struct Vector {
@@ -51,16 +36,6 @@ struct AttentionWeights {
   const Vector *q_norm, *k_norm;  // [D], stored as the 1+w multiplier
 };
 
-struct MoeWeights {
-  const QMatrix* router;                      // [E, H]
-  const QMatrix *gate_proj, *up_proj;         // stacks [E, I, H]
-  const QMatrix* down_proj;                   // stack [E, H, I]
-  const QMatrix *shared_gate_proj, *shared_up_proj;  // [Is, H]
-  const QMatrix* shared_down_proj;            // [H, Is]
-  const QMatrix* shared_expert_gate;          // [1, H]
-  const QMatrix* router_gates = nullptr;      // [router; shared_expert_gate] stacked, as GdnWeights::in_proj
-};
-
 struct LayerWeights {
   bool is_full_attention;
   const Vector *input_layernorm, *post_attention_layernorm;  // [H], 1+w multipliers
@@ -69,7 +44,7 @@ struct LayerWeights {
   MoeWeights moe{};
 };
 
-// The model's tensors as per-layer views (core/tensors.h says which name fills which view).
+// The model's tensors as per-layer views (engine/tensors.h says which name fills which view).
 struct ModelWeights {
   const QMatrix* embed_tokens = nullptr;  // [V, H]
   const Vector* final_norm = nullptr;     // [H]
