@@ -77,6 +77,20 @@ QMatrix make_qmatrix(Device d, const std::string& name, const HostArray& weight,
 }  // namespace lily::bind
 
 void init_engine(nb::module_& m) {
+  nb::class_<VisionConfig>(m, "VisionConfig", "Vision-tower hyper-parameters, Hugging Face names (depth 0: none).")
+      .def(nb::init<>())
+      .def_rw("depth", &VisionConfig::depth)
+      .def_rw("hidden_size", &VisionConfig::hidden_size)
+      .def_rw("intermediate_size", &VisionConfig::intermediate_size)
+      .def_rw("num_heads", &VisionConfig::num_heads)
+      .def_rw("in_channels", &VisionConfig::in_channels)
+      .def_rw("patch_size", &VisionConfig::patch_size)
+      .def_rw("temporal_patch_size", &VisionConfig::temporal_patch_size)
+      .def_rw("spatial_merge_size", &VisionConfig::spatial_merge_size)
+      .def_rw("out_hidden_size", &VisionConfig::out_hidden_size)
+      .def_rw("num_position_embeddings", &VisionConfig::num_position_embeddings)
+      .def_rw("rope_theta", &VisionConfig::rope_theta);
+
   nb::class_<ModelConfig>(m, "ModelConfig", "Text-model hyper-parameters, Hugging Face names.")
       .def(nb::init<>())
       .def_rw("hidden_size", &ModelConfig::hidden_size)
@@ -98,6 +112,7 @@ void init_engine(nb::module_& m) {
       .def_rw("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
       .def_rw("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
       .def_rw("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def_rw("vision", &ModelConfig::vision)
       .def("validate", &ModelConfig::validate);
 
   m.def("model_tensors", [](const ModelConfig& c) {
@@ -147,6 +162,25 @@ void init_engine(nb::module_& m) {
         nb::gil_scoped_release release;
         return e.weights().signature();
       }, "Every tensor's name, storage form, shape and a few sampled bytes, one per line (model identity).")
+      .def("encode_images", [](const Engine& e, nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig> pixels,
+                               nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig> grids) {
+        LILY_CHECK(grids.shape(1) == 3, "encode_images: grids must be [n, 3] (t, h, w)");
+        const VisionConfig& v = e.config().vision;
+        LILY_CHECK(!v.present() || int64_t(pixels.shape(1)) == v.patch_dim(), "encode_images: pixels have ",
+                   pixels.shape(1), " columns but a patch has ", v.patch_dim(), " values");
+        std::vector<std::array<int, 3>> g(grids.shape(0));
+        for (size_t i = 0; i < g.size(); ++i)
+          for (int j = 0; j < 3; ++j) g[i][j] = grids.data()[3 * i + j];
+        const int64_t N = int64_t(pixels.shape(0)), mm = std::max(1, v.spatial_merge_size * v.spatial_merge_size);
+        FloatArray out = new_floats({size_t(N / mm), size_t(e.config().hidden_size)});
+        {
+          nb::gil_scoped_release release;
+          e.encode_images(pixels.data(), N, g, out.data());
+        }
+        return out;
+      }, nb::arg("pixels"), nb::arg("grids"),
+         "The vision tower on preprocessed patches [N, patch_dim] of images with grids [n, 3] (t, h, w): "
+         "the merged tokens [N / m^2, hidden_size] that replace the images' <|image_pad|> embeddings.")
       .def_prop_ro("stacked_projections",
                    [](const Engine& e) {
                      int n = 0;

@@ -1,6 +1,8 @@
 // The engine: config and weights on one device, and the layer loop that runs a chunk of tokens.
 #pragma once
+#include <array>
 #include <memory>
+#include <vector>
 
 #include "config.h"
 #include "session.h"
@@ -22,6 +24,12 @@ class Engine {
   void logits_rows(Session& s, int64_t row0, int64_t n) const;
   // Logits of rows [row0, row0 + n) downloaded to out [n, V].
   void write_logits(Session& s, int64_t row0, int64_t n, float* out) const;
+
+  // The vision tower (docs/model.md section 8, core/vision.cpp) on n images: pixels [N, patch_dim] host
+  // floats, the patches of every image in merge-block order, image after image; grids[i] = (t, h, w),
+  // image i's grid in patches (t = 1). Writes the merged tokens [N / m^2, hidden_size] to out (host).
+  // Runs on the CPU only for now (raises on CUDA) and raises without a vision tower.
+  void encode_images(const float* pixels, int64_t N, const std::vector<std::array<int, 3>>& grids, float* out) const;
 
  private:
   // A mixer's output projection, not yet applied: the caller adds w x into the residual stream.

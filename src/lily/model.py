@@ -87,7 +87,7 @@ class Model:
         if progress is None:
             progress = sum(f.stat().st_size for f in path.glob("*.safetensors")) > (1 << 30)
         store = _core.WeightStore(dev)
-        layout = load_weights(path, config, raw, store, progress=progress, quantize=quantize,
+        layout, config = load_weights(path, config, raw, store, progress=progress, quantize=quantize,
                               check_weights=check_weights)
         engine = _core.Engine.create(config.to_core(), store)
         return cls(path, config, raw, engine, dev, layout, ctx, chunk)
