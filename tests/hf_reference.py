@@ -82,6 +82,9 @@ def vision_config(**overrides) -> dict:
     return cfg
 
 
+MM_TOKEN_IDS = dict(image_token_id=300, vision_start_token_id=301, vision_end_token_id=302, video_token_id=303)
+
+
 def build_multimodal_model(seed: int = 0, vision: dict | None = None, **text_overrides):
     """Qwen3_5MoeForConditionalGeneration (fp32, eager) around text_config(...) and vision_config(...),
     weights drawn as build_model's, the vision tower's LayerNorms and biases away from neutral."""
@@ -90,7 +93,8 @@ def build_multimodal_model(seed: int = 0, vision: dict | None = None, **text_ove
     torch.manual_seed(seed)
     text = text_config(**text_overrides)
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision_config(**(vision or {})))
+    # the special ids inside the tiny vocabulary (text_config's 313 rows)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision_config(**(vision or {})), **MM_TOKEN_IDS)
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
@@ -128,3 +132,19 @@ def save_multimodal(model, path: Path, processor: dict | None = None) -> Path:
            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **(processor or {})}
     (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
     return path
+
+
+def multimodal_reference_logits(model, prompt: list[int], pixels: np.ndarray, grids: list, decode: list[int]) -> np.ndarray:
+    """Logits [1 + len(decode), V]: the prompt's last row after one prefill with the images, then cached
+    decode steps (positions offset by the model's rope_deltas)."""
+    ids = torch.tensor([prompt])
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        out = model(input_ids=ids, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(grids),
+                    mm_token_type_ids=(ids == model.config.image_token_id).int(), use_cache=True)
+        rows, past = [out.logits[0, -1:]], out.cache
+        for tok in decode:
+            out = model(input_ids=torch.tensor([[tok]]), cache=past, use_cache=True)
+            rows.append(out.logits[0])
+            past = out.cache
+    return torch.cat(rows).float().numpy()

@@ -1,6 +1,7 @@
 // Bindings of ModelConfig, WeightStore, Engine, Session and Snapshot.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -76,6 +77,22 @@ QMatrix make_qmatrix(Device d, const std::string& name, const HostArray& weight,
 
 }  // namespace lily::bind
 
+// PromptImages from Python: (embeds [n, H] f32, rows [n] i32, positions [T, 3] i32, rope_delta), checked
+// against the prompt of T tokens; the arrays must outlive the call.
+using F32Rows = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using I32Vec = nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+using I32Rows = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using ImagesIn = std::tuple<F32Rows, I32Vec, I32Rows, int64_t>;
+
+static PromptImages prompt_images(const Session& s, const ImagesIn& in, int64_t T) {
+  const auto& [embeds, rows, positions, delta] = in;
+  const int64_t H = s.engine().config().hidden_size;
+  LILY_CHECK(int64_t(embeds.shape(1)) == H && embeds.shape(0) == rows.shape(0), "images: embeds must be [",
+             rows.shape(0), ", ", H, "], got [", embeds.shape(0), ", ", embeds.shape(1), "]");
+  LILY_CHECK(int64_t(positions.shape(0)) == T && positions.shape(1) == 3, "images: positions must be [", T, ", 3]");
+  return {embeds.data(), rows.data(), int64_t(rows.shape(0)), positions.data(), delta};
+}
+
 void init_engine(nb::module_& m) {
   nb::class_<VisionConfig>(m, "VisionConfig", "Vision-tower hyper-parameters, Hugging Face names (depth 0: none).")
       .def(nb::init<>())
@@ -112,6 +129,7 @@ void init_engine(nb::module_& m) {
       .def_rw("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
       .def_rw("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
       .def_rw("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def_rw("mrope_section", &ModelConfig::mrope_section)
       .def_rw("vision", &ModelConfig::vision)
       .def("validate", &ModelConfig::validate);
 
@@ -204,6 +222,7 @@ void init_engine(nb::module_& m) {
   using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
   nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
       .def_ro("position", &Snapshot::position)
+      .def_rw("rope_delta", &Snapshot::rope_delta, "The session's rope_delta at the snapshot.")
       .def_prop_ro("nbytes", &Snapshot::nbytes)
       .def_prop_ro("device", [](const Snapshot& s) { return std::string(device_name(s.engine->device())); })
       .def("parts", [parts_list](const Snapshot& s) { return parts_list(s.parts()); },
@@ -244,11 +263,13 @@ void init_engine(nb::module_& m) {
          nb::arg("seed") = 0, nb::arg("num_logprobs") = -1, nb::arg("prompt_ids") = nb::none(),
          "Starts a request: sampling parameters (see docs/sampling.md), counts cleared, prompt ids marked seen.")
       .def("prefill_sample", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
-                                std::optional<MaskIn> mask) {
+                                std::optional<MaskIn> mask, std::optional<ImagesIn> images) {
         const int32_t* m = mask_words(s, mask);
+        const int64_t T = int64_t(ids.shape(0));
+        const std::optional<PromptImages> im = images ? std::optional(prompt_images(s, *images, T)) : std::nullopt;
         nb::gil_scoped_release release;
-        return s.prefill_sample(ids.data(), int64_t(ids.shape(0)), m);
-      }, nb::arg("ids"), nb::arg("mask") = nb::none(),
+        return s.prefill_sample(ids.data(), T, m, im ? &*im : nullptr);
+      }, nb::arg("ids"), nb::arg("mask") = nb::none(), nb::arg("images") = nb::none(),
          "Prefills ids, then samples the next token on the device and returns it. mask: None, or int32 "
          "[ceil(V/32)] words, bit v set = id v allowed (the others get a -inf logit before the draw).")
       .def("decode_sample", [](Session& s, int64_t id, std::optional<MaskIn> mask) {
@@ -309,15 +330,18 @@ void init_engine(nb::module_& m) {
       .def_rw("use_graph", &Session::use_graph)
       .def_prop_ro("decode_graph_nodes", &Session::decode_graph_nodes)
       .def("prefill", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
-                         bool all_logits) {
+                         bool all_logits, std::optional<ImagesIn> images) {
         const int64_t T = int64_t(ids.shape(0)), V = s.engine().config().vocab_size;
         FloatArray out = all_logits ? new_floats({size_t(T), size_t(V)}) : new_floats({size_t(V)});
+        const std::optional<PromptImages> im = images ? std::optional(prompt_images(s, *images, T)) : std::nullopt;
         {
           nb::gil_scoped_release release;
-          s.prefill(ids.data(), T, out.data(), all_logits);
+          s.prefill(ids.data(), T, out.data(), all_logits, im ? &*im : nullptr);
         }
         return out;
-      }, nb::arg("ids"), nb::arg("all_logits") = false)
+      }, nb::arg("ids"), nb::arg("all_logits") = false, nb::arg("images") = nb::none(),
+         "Runs ids; images: None, or (embeds [n, H] f32, rows [n] i32, positions [T, 3] i32, rope_delta), the "
+         "image tokens' embeddings, where they go, every token's (t, h, w) rope position and the offset after.")
       .def("decode_step", [](Session& s, int64_t id) {
         LILY_CHECK(id >= INT32_MIN && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
         FloatArray out = new_floats({size_t(s.engine().config().vocab_size)});
@@ -351,6 +375,7 @@ void init_engine(nb::module_& m) {
         return out;
       }, "Prefill that also returns named per-layer activations [T, H] (debug bisection).")
       .def_prop_ro("position", &Session::position)
+      .def_prop_ro("rope_delta", &Session::rope_delta)
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("chunk", &Session::chunk)
       .def("snapshot", &Session::snapshot)

@@ -1,6 +1,7 @@
 // lily._core.ops: each op of the forward pass on numpy arrays, on a chosen device, so tests can
 // compare backends op by op. Every call uploads its inputs, runs the op, and downloads the outputs;
 // it is a test and debugging surface, not a fast path.
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -327,6 +328,14 @@ void init_ops(nb::module_& parent) {
     ops::vision_rope(xi.t, pi.t, num_heads, theta);
     return out_f32(xi);
   }, nb::arg("device"), nb::arg("qkv"), nb::arg("pos"), nb::arg("num_heads"), nb::arg("theta"));
+  m.def("mrope", [](const std::string& device, const F32In& x, int num_heads, int rotary_dim, double theta,
+                    std::array<int, 3> sections, const I32In& pos) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), pi = i32(d, pos);
+    ops::mrope(xi.t, num_heads, rotary_dim, theta, sections, pi.t);
+    return out_f32(xi);
+  }, nb::arg("device"), nb::arg("x"), nb::arg("num_heads"), nb::arg("rotary_dim"), nb::arg("theta"),
+     nb::arg("sections"), nb::arg("pos"));
   m.def("vision_attention", [](const std::string& device, const F32In& qkv, const I32In& starts, int num_heads) {
     const Device d = parse_device(device);
     const int64_t N = int64_t(qkv.shape(0)), W = int64_t(qkv.shape(1)) / 3;

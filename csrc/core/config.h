@@ -1,6 +1,7 @@
 // The text-model hyper-parameters, with Hugging Face's names (see docs/glossary.md for the short
 // math names used inside ops: H, Hk, Hv, Dk, Dv, E, K, ...).
 #pragma once
+#include <array>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,10 @@ struct ModelConfig {
   int moe_intermediate_size = 0;
   int shared_expert_intermediate_size = 0;
   float rms_norm_eps = 1e-6f;
+  // Multimodal RoPE (docs/model.md section 8.5): rotary frequency j reads the h position when
+  // j % 3 == 1 and j < 3 * mrope_section[1], the w position when j % 3 == 2 and j < 3 * mrope_section[2],
+  // else the t position.
+  std::array<int, 3> mrope_section{11, 11, 10};
   VisionConfig vision;  // depth 0 when there is no vision tower
 
   // Throws lily::Error naming the first inconsistent field.

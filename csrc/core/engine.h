@@ -18,8 +18,10 @@ class Engine {
   Device device() const { return weights_->device(); }
 
   // Runs T <= session.chunk() tokens whose ids are in device memory at the session's position,
-  // leaving the final residual stream in the session's scratch; advances the position.
-  void forward_chunk(Session& s, const Tensor& ids, int64_t T) const;
+  // leaving the final residual stream in the session's scratch; advances the position. images: the
+  // prompt's images when the chunk is part of one with images (its rows [t0, t0 + T)), else null.
+  void forward_chunk(Session& s, const Tensor& ids, int64_t T, const PromptImages* images = nullptr,
+                     int64_t t0 = 0) const;
   // Logits of residual rows [row0, row0 + n) into the session's logits scratch, n <= logit_rows.
   void logits_rows(Session& s, int64_t row0, int64_t n) const;
   // Logits of rows [row0, row0 + n) downloaded to out [n, V].
@@ -38,7 +40,9 @@ class Engine {
     Tensor x;
   };
   Projection gdn_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
-  Projection attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T) const;
+  // rope_pos: the chunk's (t, h, w) positions [T, 3] when its prompt has images (multimodal RoPE), else null.
+  Projection attention_layer(Session& s, const LayerWeights& L, LayerState& st, int64_t T,
+                             const Tensor* rope_pos) const;
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;
 };

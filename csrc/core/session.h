@@ -27,6 +27,7 @@ struct Snapshot {
   Snapshot& operator=(const Snapshot&) = delete;
   const Engine* engine = nullptr;
   int64_t position = 0;
+  int64_t rope_delta = 0;  // Session::rope_delta() at the snapshot
   std::vector<LayerState> layers;  // attention buffers hold only rows [0, position)
   size_t nbytes() const;
 
@@ -67,6 +68,7 @@ struct Scratch {
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
   Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)
+  Buffer rope_pos;                   // [C, 3] I32: a chunk's (t, h, w) rope positions when the prompt has images
   Buffer sync;                       // [1] I32, zero: the fused residual norms' completion counter
 };
 
@@ -81,12 +83,23 @@ struct SamplerBuffers {
   bool has_token = false;
 };
 
+// The images of a prompt (docs/model.md section 8.5): the vision tower's merged tokens, which replace the
+// embeddings of the prompt's image tokens, and every token's (t, h, w) rope position.
+struct PromptImages {
+  const float* embeds = nullptr;       // [n, H] host, in prompt order
+  const int32_t* rows = nullptr;       // [n] increasing indices into the prompt: where each goes
+  int64_t n = 0;
+  const int32_t* positions = nullptr;  // [T, 3] host: each prompt token's (t, h, w) rope position
+  int64_t rope_delta = 0;              // after the prompt: a token at index p has rope position p + rope_delta
+};
+
 class Session {
  public:
   Session(std::shared_ptr<const Engine> engine, int64_t max_context, int64_t chunk);
 
   // Runs T tokens; writes the logits of the last token [V], or of every token [T, V] if all_logits.
-  void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits);
+  // images: the prompt's images (CPU only for now), or null.
+  void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits, const PromptImages* images = nullptr);
   // One token; on GPUs a replay of the captured decode graph when use_graph is set.
   void decode_step(int32_t id, float* logits);
 
@@ -96,7 +109,8 @@ class Session {
   void set_sampler(const ops::SamplerParams& params, const int32_t* prompt_ids, int64_t n);
   // mask: null, or [ceil(V/32)] I32 host words (bit v of word v/32 set = id v allowed): ids it
   // forbids get a -inf logit on the device before the draw (ops::apply_token_mask).
-  int32_t prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask = nullptr);
+  int32_t prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask = nullptr,
+                         const PromptImages* images = nullptr);
   int32_t decode_sample(int32_t id, const int32_t* mask = nullptr);
   // decode_sample in two halves, so the host can compute the next mask while the device runs the
   // step: decode_launch feeds id (-1: the last sampled one) and queues the forward (on GPUs it
@@ -110,6 +124,9 @@ class Session {
   size_t decode_graph_nodes() const { return decode_graph_.num_nodes(); }
 
   int64_t position() const { return position_; }
+  // Rope position minus cache index of the tokens after the last prompt with images (0 without images):
+  // text after an image continues from the image's largest position + 1 (docs/model.md section 8.5).
+  int64_t rope_delta() const { return rope_delta_; }
   int64_t max_context() const { return max_context_; }
   int64_t chunk() const { return chunk_; }
   const Engine& engine() const { return *engine_; }
@@ -131,7 +148,7 @@ class Session {
  private:
   friend class Engine;
   std::shared_ptr<const Engine> engine_;
-  int64_t max_context_, chunk_, position_ = 0;
+  int64_t max_context_, chunk_, position_ = 0, rope_delta_ = 0;
   ops::Position position_arg() const;
   void set_position(int64_t p);
   int32_t sample_last(const int32_t* mask);

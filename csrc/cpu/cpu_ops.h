@@ -35,6 +35,8 @@ void gelu(const Tensor& x, bool tanh_approx);
 void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_h, int grid_w, const Tensor& y);
 void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double theta);
 void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads);
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos);
 
 // Row r of stack entry e of w, dequantized to float32: out [cols].
 void dequantize_row(const QMatrix& w, int64_t e, int64_t r, float* out);

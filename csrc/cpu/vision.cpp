@@ -87,6 +87,28 @@ void vision_rope(const Tensor& qkv, const Tensor& pos, int nH, double theta) {
   }
 }
 
+void mrope(const Tensor& x, int nH, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos) {
+  const int64_t T = x.dim(0), D = x.dim(1) / nH, half = rotary_dim / 2;
+  std::vector<float> inv_freq(half);  // as cpu::rope computes them
+  std::vector<int> axis(half);        // 0: t, 1: h, 2: w
+  for (int64_t j = 0; j < half; ++j) {
+    inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+    axis[j] = j % 3 == 1 && j < 3 * sections[1] ? 1 : j % 3 == 2 && j < 3 * sections[2] ? 2 : 0;
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < half; ++j) {
+      const float ang = float(pos.ptr<int32_t>()[3 * t + axis[j]]) * inv_freq[j], c = std::cos(ang),
+                  s = std::sin(ang);
+      for (int64_t h = 0; h < nH; ++h) {
+        float* v = x.ptr<float>() + (t * nH + h) * D;
+        const float x0 = v[j], x1 = v[j + half];
+        v[j] = x0 * c - x1 * s;
+        v[j + half] = x1 * c + x0 * s;
+      }
+    }
+}
+
 void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int nH) {
   const int64_t W = qkv.dim(1) / 3, D = W / nH, images = starts.dim(0) - 1;
   const float scale = 1.f / std::sqrt(float(D));

@@ -212,6 +212,13 @@ void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_
 // x'_(d+D/2) = x_(d+D/2) cos + x_d sin.  pos [N, 2] I32.
 void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double theta);
 
+// Multimodal RoPE (docs/model.md section 8.5): rope() with each token's own (t, h, w) positions, rotary
+// frequency j (of rotary_dim/2) turning by the h position when j % 3 == 1 and j < 3 sections[1], by the w
+// position when j % 3 == 2 and j < 3 sections[2], else by the t position. Equal to rope() when a token's
+// three positions are equal.  x [T, n*D] in place; pos [T, 3] I32.
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos);
+
 // Non-causal attention of each image's patches among themselves: rows [starts[i], starts[i+1]) form
 // image i. Per head h: o_t = sum_s softmax_s(q_t . k_s / sqrt(D)) v_s over the rows s of t's image.
 // qkv [N, 3*nH*D] (q | k | v); o [N, nH*D]; starts [n+1] I32, 0 = starts[0] < ... < starts[n] = N.

@@ -87,6 +87,22 @@ void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double the
   cpu_only(op, qkv.device);
 }
 
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos) {
+  const char* op = "mrope";
+  const OpSpan span(op);
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "pos", pos, DType::I32, 2);
+  LILY_CHECK(num_heads > 0 && x.dim(1) % num_heads == 0, op, ": x ", x.shape_str(), " does not split into ",
+             num_heads, " heads");
+  LILY_CHECK(rotary_dim >= 0 && rotary_dim % 2 == 0 && rotary_dim <= x.dim(1) / num_heads, op, ": rotary_dim ",
+             rotary_dim, " must be even and at most the head size");
+  check_rows(op, "pos", pos, x.dim(0), 3);
+  check_same_device(op, {x, pos});
+  if (x.device == Device::CPU) return cpu::mrope(x, num_heads, rotary_dim, theta, sections, pos);
+  cpu_only(op, x.device);
+}
+
 void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads) {
   const char* op = "vision_attention";
   const OpSpan span(op);

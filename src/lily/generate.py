@@ -241,9 +241,11 @@ def resume(session: "Session", ids: list[int]) -> int:
     """Bring ``session`` to the longest prefix of ``ids`` it can reach without recomputation, and
     return its length (always < len(ids), so at least one token is left to prefill): the session's
     own tokens when they are a prefix of ids, else the longest saved prefix snapshot that is, else
-    an empty session."""
+    an empty session. A held prefix with image tokens is never reused: ids alone do not say which
+    images they stood for (docs/model.md section 8.5)."""
     held = session.tokens
-    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held):
+    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held) and \
+            session.model.config.image_token_id not in held:
         return len(held)
     best = None
     for snap in session.prefix_snapshots:

@@ -197,3 +197,43 @@ def prepare_image(image, cfg: ImageProcessorConfig) -> PreparedImage:
     grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     digest = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + pixels.tobytes()).hexdigest()
     return PreparedImage(pixels, grid, cfg.merge_size, digest)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Where a prompt's images go and every token's multimodal RoPE position (docs/model.md section 8.5)."""
+    rows: np.ndarray       # [n] int32: the prompt indices of the image tokens, in order
+    positions: np.ndarray  # [T, 3] int32: each token's (t, h, w) rope position
+    rope_delta: int        # after the prompt: the token at index p has rope position p + rope_delta
+
+
+def prompt_layout(ids: np.ndarray, images: list[PreparedImage], image_token_id: int, start: int,
+                  rope_start: int) -> PromptLayout:
+    """The image rows and (t, h, w) positions of prompt ``ids`` [T] that continues a session at index
+    ``start`` whose next rope position is ``rope_start``. Each maximal run of ``image_token_id`` is the
+    next image, with exactly its num_tokens tokens. Text tokens count on by one (t = h = w); image i's
+    tokens, its merged grid (gh', gw') = (gh/m, gw/m) row-major, get (c, c + row, c + col) with c the
+    position where the image starts, and the text after it continues from c + max(gh', gw')."""
+    ids = np.asarray(ids)
+    is_image = ids == image_token_id
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_image.astype(np.int8), [0]])))
+    runs = list(zip(edges[::2], edges[1::2]))
+    if len(runs) != len(images):
+        raise ImageError(f"the prompt has {len(runs)} runs of image tokens but {len(images)} images were given")
+    positions = np.empty((ids.size, 3), np.int64)
+    at, pos = 0, rope_start
+    for (a, b), image in zip(runs, images):
+        if b - a != image.num_tokens:
+            raise ImageError(f"an image of {image.grid[1]}x{image.grid[2]} patches needs {image.num_tokens} image "
+                             f"tokens, the prompt has a run of {b - a}")
+        positions[at:a] = (pos + np.arange(a - at))[:, None]
+        pos += a - at
+        gh, gw = image.grid[1] // image.merge_size, image.grid[2] // image.merge_size
+        rows, cols = np.divmod(np.arange(gh * gw), gw)
+        positions[a:b] = np.stack([np.full(gh * gw, pos), pos + rows, pos + cols], axis=1)
+        pos += max(gh, gw)
+        at = b
+    positions[at:] = (pos + np.arange(ids.size - at))[:, None]
+    pos += ids.size - at
+    return PromptLayout(np.flatnonzero(is_image).astype(np.int32), positions.astype(np.int32),
+                        pos - (start + ids.size))

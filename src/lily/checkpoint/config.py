@@ -87,6 +87,7 @@ class TextConfig:
     # The vision tower: None when config.json has no vision_config, or (set by the loader) when the
     # checkpoint's files hold no vision tensors, as in mlx-lm conversions.
     vision: VisionConfig | None = None
+    mrope_section: tuple[int, int, int] = (11, 11, 10)  # multimodal RoPE's (t, h, w) frequency split
     image_token_id: int = 248056  # <|image_pad|>: the tokens whose embeddings the vision tower replaces
 
     @property
@@ -117,6 +118,7 @@ class TextConfig:
             setattr(c, f, getattr(self, f))
         c.rotary_dim = self.rotary_dim
         c.is_full_attention = [int(self.is_full_attention(i)) for i in range(self.num_hidden_layers)]
+        c.mrope_section = list(self.mrope_section)
         if self.vision is not None:
             c.vision = self.vision.to_core()
         c.validate()
@@ -211,10 +213,19 @@ def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
         max_position_embeddings=max_pos,
         eos_token_id=eos,
         vision=parse_vision_config(raw, where),
+        mrope_section=_mrope_section(rope, w),
         image_token_id=_int({"image_token_id": raw.get("image_token_id", 248056)}, "image_token_id", where),
     )
     _check_consistent(cfg, w)
     return cfg
+
+
+def _mrope_section(rope: dict, w: str) -> tuple[int, int, int]:
+    section = rope.get("mrope_section", [11, 11, 10])
+    if not isinstance(section, list) or len(section) != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 16 for v in section):
+        raise ConfigError(f"{w}: 'rope_parameters.mrope_section' must be 3 non-negative integers, got {_short(section)}")
+    return tuple(section)
 
 
 def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig | None:
