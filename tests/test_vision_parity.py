@@ -98,3 +98,8 @@ def test_generate_never_reuses_a_prefix_that_held_images(mm):
     s.prefill(ids, images=mm["images"][:1])
     out = mm["lily"].generate(ids + [60], session=s, max_tokens=2, temperature=0)
     assert out.usage.cached_tokens == 0
+    s = mm["lily"].new_session()  # nor from a prefix snapshot that holds images
+    s.prefill(ids, images=mm["images"][:1])
+    s.remember_prefix(s.snapshot())
+    s.prefill([5])
+    assert mm["lily"].generate(ids + [61], session=s, max_tokens=2, temperature=0).usage.cached_tokens == 0

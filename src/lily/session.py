@@ -180,9 +180,9 @@ class Session:
         (``<|image_pad|>``) in ``token_ids``, in order: paths, bytes, PIL images, numpy arrays or
         ``lily.images.PreparedImage`` (CPU only for now; docs/model.md section 8)."""
         ids = self._new_ids(token_ids)
-        core_images = self._core_images(ids, images) if len(images) else None
+        extra = (self._core_images(ids, images),) if len(images) else ()
         with self.model._lock:
-            logits = self._core.prefill(ids, all_logits, core_images)
+            logits = self._core.prefill(ids, all_logits, *extra)
         self._tokens.extend(ids.tolist())
         return logits
 
