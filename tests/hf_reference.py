@@ -71,3 +71,80 @@ def reference_logits(model: Qwen3_5MoeForCausalLM, prompt: list[int], decode: li
             rows.append(out.logits[0])
             past = out.cache
     return torch.cat(rows).float().numpy()
+
+
+def vision_config(**overrides) -> dict:
+    """A tiny vision tower with odd sizes: 3 heads of 16 dims, a 7 x 7 position grid, 8-pixel patches."""
+    cfg = dict(depth=2, hidden_size=48, intermediate_size=72, num_heads=3, in_channels=3, patch_size=8,
+               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=49,
+               hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
+    cfg.update(overrides)
+    return cfg
+
+
+MM_TOKEN_IDS = dict(image_token_id=300, vision_start_token_id=301, vision_end_token_id=302, video_token_id=303)
+
+
+def build_multimodal_model(seed: int = 0, vision: dict | None = None, **text_overrides):
+    """Qwen3_5MoeForConditionalGeneration (fp32, eager) around text_config(...) and vision_config(...),
+    weights drawn as build_model's, the vision tower's LayerNorms and biases away from neutral."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = text_config(**text_overrides)
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    # the special ids inside the tiny vocabulary (text_config's 313 rows)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision_config(**(vision or {})), **MM_TOKEN_IDS)
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    model = Qwen3_5MoeForConditionalGeneration(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16, generator=g)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif ".visual." in f".{name}" and (name.endswith(".bias") or "norm" in name):
+                base = 1.0 if "norm" in name and name.endswith(".weight") else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("pos_embed.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            else:
+                fan_in = p[0].numel() if p.dim() == 5 else p.shape[-1]  # the Conv3d patch embedding: C tp p p
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(fan_in))
+    return model
+
+
+def save_multimodal(model, path: Path, processor: dict | None = None) -> Path:
+    """save_pretrained (model.language_model.*, model.visual.*, lm_head) and a preprocessor_config.json."""
+    model.save_pretrained(path, safe_serialization=True)
+    v = model.config.vision_config
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": v.patch_size,
+           "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,
+           "size": {"shortest_edge": 16 * 16, "longest_edge": 96 * 96},
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **(processor or {})}
+    (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return path
+
+
+def multimodal_reference_logits(model, prompt: list[int], pixels: np.ndarray, grids: list, decode: list[int]) -> np.ndarray:
+    """Logits [1 + len(decode), V]: the prompt's last row after one prefill with the images, then cached
+    decode steps (positions offset by the model's rope_deltas)."""
+    ids = torch.tensor([prompt])
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        out = model(input_ids=ids, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(grids),
+                    mm_token_type_ids=(ids == model.config.image_token_id).int(), use_cache=True)
+        rows, past = [out.logits[0, -1:]], out.cache
+        for tok in decode:
+            out = model(input_ids=torch.tensor([[tok]]), cache=past, use_cache=True)
+            rows.append(out.logits[0])
+            past = out.cache
+    return torch.cat(rows).float().numpy()

@@ -240,3 +240,40 @@ def test_tokenizer_files_are_written(tmp_path):
     path = synthetic.make_checkpoint(tmp_path, SMALL_VOCAB, num_layers=1, layout="hf")
     assert (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
     assert (path / "generation_config.json").is_file()
+
+
+def test_vision_tower_hf(tmp_path):
+    """--vision: the HF layout carries the tiny tower (bf16, the Conv3d patch embedding), lily loads it and
+    its merged tokens come out at about unit RMS, like the text embeddings."""
+    import lily
+
+    path = synthetic.make_checkpoint(tmp_path, "tiny", layout="hf", with_tokenizer=False, vision=True)
+    config = json.loads((path / "config.json").read_text())
+    assert config["vision_config"]["out_hidden_size"] == 128
+    tensors = read_dir(path)
+    assert tensors["model.visual.patch_embed.proj.weight"][1].shape == (64, 3, 2, 16, 16)
+    assert {d for n, (d, _) in tensors.items() if n.startswith("model.visual.")} == {"BF16"}
+    m = lily.Model.load(path, device="cpu")
+    pixels = np.random.default_rng(0).uniform(-1, 1, (24, 1536)).astype(np.float32)
+    out = m._engine.encode_images(pixels, np.array([[1, 4, 6]], np.int32))
+    assert out.shape == (6, 128) and 0.3 < np.sqrt((out ** 2).mean()) < 3
+
+
+def test_vision_tower_mlx_keeps_only_the_config(tmp_path):
+    import lily
+
+    path = synthetic.make_checkpoint(tmp_path, "tiny", with_tokenizer=False, vision=True)
+    assert "vision_config" in json.loads((path / "config.json").read_text())
+    assert not any(n.startswith("model.visual.") for n in read_dir(path))
+    assert lily.Model.load(path, device="cpu").config.vision is None
+
+
+def test_full_size_vision_tower_shapes():
+    tensors = synthetic.vision_tensors(synthetic.QWEN36_35B_A3B_TEXT_CONFIG, synthetic.VISION_CONFIGS["qwen3.6-35b-a3b"])
+    assert tensors["model.visual.patch_embed.proj.weight"].shape == (1152, 3, 2, 16, 16)
+    assert tensors["model.visual.pos_embed.weight"].shape == (2304, 1152)
+    assert tensors["model.visual.blocks.26.attn.qkv.weight"].shape == (3456, 1152)
+    assert tensors["model.visual.blocks.26.mlp.linear_fc1.weight"].shape == (4304, 1152)
+    assert tensors["model.visual.merger.linear_fc1.weight"].shape == (4608, 4608)
+    assert tensors["model.visual.merger.linear_fc2.weight"].shape == (2048, 4608)
+    assert sum(math.prod(t.shape) for t in tensors.values()) == pytest.approx(4.3e8, rel=0.05)

@@ -13,9 +13,12 @@ from lily.checkpoint.tensors import MATRIX_LEAVES, model_tensors
 from lily.errors import LilyError
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return parse_config(dict(synthetic.TINY_TEXT_CONFIG, vocab_size=256))
+@pytest.fixture(scope="module", params=["text", "vision"])
+def cfg(request):
+    text = dict(synthetic.TINY_TEXT_CONFIG, vocab_size=256)
+    if request.param == "text":
+        return parse_config(text)
+    return parse_config(synthetic.full_config(text, synthetic.VISION_CONFIGS["tiny"]))
 
 
 def store_of(cfg, shapes: dict[str, tuple[int, ...]]):
@@ -57,12 +60,21 @@ def test_the_table_matches_the_model_description(cfg):
     assert table[f"layers.{attn}.self_attn.q_proj"] == (2 * cfg.num_attention_heads * cfg.head_dim, H)
     assert table[f"layers.{attn}.mlp.experts.down_proj"] == (E, H, I)
     per_layer = {"linear_attention": 2 + 9 + 8, "full_attention": 2 + 6 + 8}
-    assert len(table) == 3 + sum(per_layer[t] for t in cfg.layer_types)
+    vision = 0
+    if cfg.vision is not None:  # section 8: patch embedding (2), positions, 12 per block, merger (6)
+        v = cfg.vision
+        vision = 2 + 1 + 12 * v.depth + 6
+        assert list(table)[-vision:][:3] == ["visual.patch_embed.proj", "visual.patch_embed.proj.bias", "visual.pos_embed"]
+        assert table["visual.patch_embed.proj"] == (v.hidden_size, v.patch_dim)
+        assert table["visual.blocks.0.attn.qkv"] == (3 * v.hidden_size, v.hidden_size)
+        assert table["visual.merger.linear_fc1"] == (4 * v.hidden_size, 4 * v.hidden_size)
+        assert table["visual.merger.linear_fc2"] == (H, 4 * v.hidden_size)
+    assert len(table) == 3 + sum(per_layer[t] for t in cfg.layer_types) + vision
 
 
 def test_matrix_leaves_name_the_tables_matrices(cfg):
     """quantization_of decides by leaf name (stored names include switch_mlp and per-expert ones):
     its set of matrix leaves is exactly the table's matrices."""
-    specs = model_tensors(cfg)
+    specs = [s for s in model_tensors(cfg) if not s.name.startswith("visual.")]  # never quantized
     assert {s.name.rpartition(".")[2] for s in specs if s.is_matrix} == MATRIX_LEAVES
     assert not {s.name.rpartition(".")[2] for s in specs if not s.is_matrix} & MATRIX_LEAVES

@@ -1,6 +1,7 @@
 // Bindings of ModelConfig, WeightStore, Engine, Session and Snapshot.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -77,7 +78,37 @@ QMatrix make_qmatrix(Device d, const std::string& name, const HostArray& weight,
 
 }  // namespace lily::bind
 
+// PromptImages from Python: (embeds [n, H] f32, rows [n] i32, positions [T, 3] i32, rope_delta), checked
+// against the prompt of T tokens; the arrays must outlive the call.
+using F32Rows = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using I32Vec = nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+using I32Rows = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using ImagesIn = std::tuple<F32Rows, I32Vec, I32Rows, int64_t>;
+
+static PromptImages prompt_images(const Session& s, const ImagesIn& in, int64_t T) {
+  const auto& [embeds, rows, positions, delta] = in;
+  const int64_t H = s.engine().config().hidden_size;
+  LILY_CHECK(int64_t(embeds.shape(1)) == H && embeds.shape(0) == rows.shape(0), "images: embeds must be [",
+             rows.shape(0), ", ", H, "], got [", embeds.shape(0), ", ", embeds.shape(1), "]");
+  LILY_CHECK(int64_t(positions.shape(0)) == T && positions.shape(1) == 3, "images: positions must be [", T, ", 3]");
+  return {embeds.data(), rows.data(), int64_t(rows.shape(0)), positions.data(), delta};
+}
+
 void init_engine(nb::module_& m) {
+  nb::class_<VisionConfig>(m, "VisionConfig", "Vision-tower hyper-parameters, Hugging Face names (depth 0: none).")
+      .def(nb::init<>())
+      .def_rw("depth", &VisionConfig::depth)
+      .def_rw("hidden_size", &VisionConfig::hidden_size)
+      .def_rw("intermediate_size", &VisionConfig::intermediate_size)
+      .def_rw("num_heads", &VisionConfig::num_heads)
+      .def_rw("in_channels", &VisionConfig::in_channels)
+      .def_rw("patch_size", &VisionConfig::patch_size)
+      .def_rw("temporal_patch_size", &VisionConfig::temporal_patch_size)
+      .def_rw("spatial_merge_size", &VisionConfig::spatial_merge_size)
+      .def_rw("out_hidden_size", &VisionConfig::out_hidden_size)
+      .def_rw("num_position_embeddings", &VisionConfig::num_position_embeddings)
+      .def_rw("rope_theta", &VisionConfig::rope_theta);
+
   nb::class_<ModelConfig>(m, "ModelConfig", "Text-model hyper-parameters, Hugging Face names.")
       .def(nb::init<>())
       .def_rw("hidden_size", &ModelConfig::hidden_size)
@@ -99,6 +130,8 @@ void init_engine(nb::module_& m) {
       .def_rw("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
       .def_rw("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
       .def_rw("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def_rw("mrope_section", &ModelConfig::mrope_section)
+      .def_rw("vision", &ModelConfig::vision)
       .def("validate", &ModelConfig::validate);
 
   m.def("model_tensors", [](const ModelConfig& c) {
@@ -148,6 +181,25 @@ void init_engine(nb::module_& m) {
         nb::gil_scoped_release release;
         return e.weights().signature();
       }, "Every tensor's name, storage form, shape and a few sampled bytes, one per line (model identity).")
+      .def("encode_images", [](const Engine& e, nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig> pixels,
+                               nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig> grids) {
+        LILY_CHECK(grids.shape(1) == 3, "encode_images: grids must be [n, 3] (t, h, w)");
+        const VisionConfig& v = e.config().vision;
+        LILY_CHECK(!v.present() || int64_t(pixels.shape(1)) == v.patch_dim(), "encode_images: pixels have ",
+                   pixels.shape(1), " columns but a patch has ", v.patch_dim(), " values");
+        std::vector<std::array<int, 3>> g(grids.shape(0));
+        for (size_t i = 0; i < g.size(); ++i)
+          for (int j = 0; j < 3; ++j) g[i][j] = grids.data()[3 * i + j];
+        const int64_t N = int64_t(pixels.shape(0)), mm = std::max(1, v.spatial_merge_size * v.spatial_merge_size);
+        FloatArray out = new_floats({size_t(N / mm), size_t(e.config().hidden_size)});
+        {
+          nb::gil_scoped_release release;
+          e.encode_images(pixels.data(), N, g, out.data());
+        }
+        return out;
+      }, nb::arg("pixels"), nb::arg("grids"),
+         "The vision tower on preprocessed patches [N, patch_dim] of images with grids [n, 3] (t, h, w): "
+         "the merged tokens [N / m^2, hidden_size] that replace the images' <|image_pad|> embeddings.")
       .def_prop_ro("stacked_projections",
                    [](const Engine& e) {
                      int n = 0;
@@ -171,6 +223,7 @@ void init_engine(nb::module_& m) {
   using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
   nb::class_<Snapshot>(m, "Snapshot", "A copy of a session's state at one position.")
       .def_ro("position", &Snapshot::position)
+      .def_rw("rope_delta", &Snapshot::rope_delta, "The session's rope_delta at the snapshot.")
       .def_prop_ro("nbytes", &Snapshot::nbytes)
       .def_prop_ro("device", [](const Snapshot& s) { return std::string(device_name(s.engine->device())); })
       .def("parts", [parts_list](const Snapshot& s) { return parts_list(s.parts()); },
@@ -211,11 +264,13 @@ void init_engine(nb::module_& m) {
          nb::arg("seed") = 0, nb::arg("num_logprobs") = -1, nb::arg("prompt_ids") = nb::none(),
          "Starts a request: sampling parameters (see docs/sampling.md), counts cleared, prompt ids marked seen.")
       .def("prefill_sample", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
-                                std::optional<MaskIn> mask) {
+                                std::optional<MaskIn> mask, std::optional<ImagesIn> images) {
         const int32_t* m = mask_words(s, mask);
+        const int64_t T = int64_t(ids.shape(0));
+        const std::optional<PromptImages> im = images ? std::optional(prompt_images(s, *images, T)) : std::nullopt;
         nb::gil_scoped_release release;
-        return s.prefill_sample(ids.data(), int64_t(ids.shape(0)), m);
-      }, nb::arg("ids"), nb::arg("mask") = nb::none(),
+        return s.prefill_sample(ids.data(), T, m, im ? &*im : nullptr);
+      }, nb::arg("ids"), nb::arg("mask") = nb::none(), nb::arg("images") = nb::none(),
          "Prefills ids, then samples the next token on the device and returns it. mask: None, or int32 "
          "[ceil(V/32)] words, bit v set = id v allowed (the others get a -inf logit before the draw).")
       .def("decode_sample", [](Session& s, int64_t id, std::optional<MaskIn> mask) {
@@ -276,15 +331,18 @@ void init_engine(nb::module_& m) {
       .def_rw("use_graph", &Session::use_graph)
       .def_prop_ro("decode_graph_nodes", &Session::decode_graph_nodes)
       .def("prefill", [](Session& s, nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> ids,
-                         bool all_logits) {
+                         bool all_logits, std::optional<ImagesIn> images) {
         const int64_t T = int64_t(ids.shape(0)), V = s.engine().config().vocab_size;
         FloatArray out = all_logits ? new_floats({size_t(T), size_t(V)}) : new_floats({size_t(V)});
+        const std::optional<PromptImages> im = images ? std::optional(prompt_images(s, *images, T)) : std::nullopt;
         {
           nb::gil_scoped_release release;
-          s.prefill(ids.data(), T, out.data(), all_logits);
+          s.prefill(ids.data(), T, out.data(), all_logits, im ? &*im : nullptr);
         }
         return out;
-      }, nb::arg("ids"), nb::arg("all_logits") = false)
+      }, nb::arg("ids"), nb::arg("all_logits") = false, nb::arg("images") = nb::none(),
+         "Runs ids; images: None, or (embeds [n, H] f32, rows [n] i32, positions [T, 3] i32, rope_delta), the "
+         "image tokens' embeddings, where they go, every token's (t, h, w) rope position and the offset after.")
       .def("decode_step", [](Session& s, int64_t id) {
         LILY_CHECK(id >= INT32_MIN && id <= INT32_MAX, "token id ", id, " is outside the vocabulary");
         FloatArray out = new_floats({size_t(s.engine().config().vocab_size)});
@@ -318,6 +376,7 @@ void init_engine(nb::module_& m) {
         return out;
       }, "Prefill that also returns named per-layer activations [T, H] (debug bisection).")
       .def_prop_ro("position", &Session::position)
+      .def_prop_ro("rope_delta", &Session::rope_delta)
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("chunk", &Session::chunk)
       .def("snapshot", &Session::snapshot)

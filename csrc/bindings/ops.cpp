@@ -1,6 +1,7 @@
 // lily._core.ops: each op of the forward pass on numpy arrays, on a chosen device, so tests can
 // compare backends op by op. Every call uploads its inputs, runs the op, and downloads the outputs;
 // it is a test and debugging surface, not a fast path.
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -295,4 +296,51 @@ void init_ops(nb::module_& parent) {
     return out_f32(l);
   }, nb::arg("device"), nb::arg("logits"), nb::arg("mask"),
      "logits with -inf where bit v of mask (int32 words, llguidance's layout) is 0.");
+  // The vision tower's ops (CPU only for now; other devices raise, ops.h).
+  m.def("layer_norm", [](const std::string& device, const F32In& x, const F32In& w, const F32In& b, float eps) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), wi = f32(d, w), bi = f32(d, b), y(d, DType::F32, shape_of(x));
+    ops::layer_norm(xi.t, wi.t, bi.t, eps, y.t);
+    return out_f32(y);
+  });
+  m.def("add_bias", [](const std::string& device, const F32In& x, const F32In& b) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), bi = f32(d, b);
+    ops::add_bias(xi.t, bi.t);
+    return out_f32(xi);
+  });
+  m.def("gelu", [](const std::string& device, const F32In& x, bool tanh_approx) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x);
+    ops::gelu(xi.t, tanh_approx);
+    return out_f32(xi);
+  }, nb::arg("device"), nb::arg("x"), nb::arg("tanh_approx"));
+  m.def("vision_position_embedding", [](const std::string& device, const F32In& table, const I32In& pos, int grid_h,
+                                        int grid_w, const F32In& y) {
+    const Device d = parse_device(device);
+    Dev ti = f32(d, table), pi = i32(d, pos), yi = f32(d, y);
+    ops::vision_position_embedding(ti.t, pi.t, grid_h, grid_w, yi.t);
+    return out_f32(yi);
+  }, nb::arg("device"), nb::arg("table"), nb::arg("pos"), nb::arg("grid_h"), nb::arg("grid_w"), nb::arg("y"));
+  m.def("vision_rope", [](const std::string& device, const F32In& qkv, const I32In& pos, int num_heads, double theta) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, qkv), pi = i32(d, pos);
+    ops::vision_rope(xi.t, pi.t, num_heads, theta);
+    return out_f32(xi);
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("pos"), nb::arg("num_heads"), nb::arg("theta"));
+  m.def("mrope", [](const std::string& device, const F32In& x, int num_heads, int rotary_dim, double theta,
+                    std::array<int, 3> sections, const I32In& pos) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), pi = i32(d, pos);
+    ops::mrope(xi.t, num_heads, rotary_dim, theta, sections, pi.t);
+    return out_f32(xi);
+  }, nb::arg("device"), nb::arg("x"), nb::arg("num_heads"), nb::arg("rotary_dim"), nb::arg("theta"),
+     nb::arg("sections"), nb::arg("pos"));
+  m.def("vision_attention", [](const std::string& device, const F32In& qkv, const I32In& starts, int num_heads) {
+    const Device d = parse_device(device);
+    const int64_t N = int64_t(qkv.shape(0)), W = int64_t(qkv.shape(1)) / 3;
+    Dev xi = f32(d, qkv), si = i32(d, starts), o(d, DType::F32, {N, W});
+    ops::vision_attention(xi.t, o.t, si.t, num_heads);
+    return out_f32(o);
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("starts"), nb::arg("num_heads"));
 }

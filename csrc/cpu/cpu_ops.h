@@ -29,6 +29,15 @@ void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t ste
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);
 void apply_token_mask(const Tensor& logits, const Tensor& mask);
 
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
+void add_bias(const Tensor& x, const Tensor& bias);
+void gelu(const Tensor& x, bool tanh_approx);
+void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_h, int grid_w, const Tensor& y);
+void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double theta);
+void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads);
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos);
+
 // Row r of stack entry e of w, dequantized to float32: out [cols].
 void dequantize_row(const QMatrix& w, int64_t e, int64_t r, float* out);
 

@@ -36,6 +36,34 @@ void ModelConfig::validate() const {
              ") must be even and at most head_dim ", head_dim);
   LILY_CHECK(rope_theta > 0, "config: rope_theta must be positive");
   LILY_CHECK(rms_norm_eps > 0, "config: rms_norm_eps must be positive");
+  if (vision.present()) vision.validate(hidden_size);
+}
+
+int VisionConfig::grid_side() const {
+  int s = 0;
+  while ((s + 1) * (s + 1) <= num_position_embeddings) ++s;
+  return s;
+}
+
+void VisionConfig::validate(int text_hidden) const {
+  auto positive = [](int v, const char* name) {
+    LILY_CHECK(v > 0, "config: vision_config.", name, " must be positive, got ", v);
+  };
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  positive(num_heads, "num_heads");
+  positive(in_channels, "in_channels");
+  positive(patch_size, "patch_size");
+  positive(temporal_patch_size, "temporal_patch_size");
+  positive(spatial_merge_size, "spatial_merge_size");
+  positive(num_position_embeddings, "num_position_embeddings");
+  LILY_CHECK(hidden_size % num_heads == 0 && head_dim() % 4 == 0, "config: vision_config.hidden_size (",
+             hidden_size, ") must split into num_heads (", num_heads, ") heads of a multiple of 4 dims");
+  LILY_CHECK(grid_side() * grid_side() == num_position_embeddings,
+             "config: vision_config.num_position_embeddings (", num_position_embeddings, ") must be a square");
+  LILY_CHECK(out_hidden_size == text_hidden, "config: vision_config.out_hidden_size (", out_hidden_size,
+             ") must equal the text model's hidden_size (", text_hidden, ")");
+  LILY_CHECK(rope_theta > 0, "config: vision_config.rope_theta must be positive");
 }
 
 }  // namespace lily

@@ -81,7 +81,7 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
 
 // Gated full attention (docs/model.md section 2.3): o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
 Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
-                                           int64_t T) const {
+                                           int64_t T, const Tensor* rope_pos) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
   const Scratch& x = f.scratch;
@@ -96,15 +96,23 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
   const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
   const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
   const ops::Position pos = f.position;
-  if (T == 1) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
+  // After a prompt with images, text tokens turn by their index + rope_delta (docs/model.md section 8.5).
+  LILY_CHECK(f.rope_delta == 0 || device() == Device::CPU, "attention: a rope offset (images) on ", device_name(device()));
+  const ops::Position rope_at{pos.host + f.rope_delta, pos.device};
+  if (T == 1 && !rope_pos && f.rope_delta == 0) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
     ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
                          kc, vc, q, gate, o, int(nH), int(nKV), pos);
   } else {
     ops::split_q_gate(p, q, gate, int(nH));
     ops::rms_norm(heads(q, D), w.q_norm->view(), c.rms_norm_eps, heads(q, D));
     ops::rms_norm(heads(k, D), w.k_norm->view(), c.rms_norm_eps, heads(k, D));
-    ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
-    ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
+    if (rope_pos) {
+      ops::mrope(q, int(nH), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
+      ops::mrope(k, int(nKV), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
+    } else {
+      ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, rope_at);
+      ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, rope_at);
+    }
     ops::kv_cache_write(k, kc, pos);
     ops::kv_cache_write(v, vc, pos);
     ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
@@ -142,13 +150,22 @@ static void record(const ForwardContext& f, const std::string& name, const Buffe
   b.download(t.data.data() + old, size_t(T * width) * 4);
 }
 
-void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T) const {
+void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T, const PromptImages* images,
+                           int64_t t0) const {
   const ModelConfig& c = config_;
   Scratch& x = f.scratch;
   const int64_t H = c.hidden_size, I = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);
   LILY_CHECK(T > 0 && T <= f.chunk, "forward_chunk: ", T, " tokens exceed the chunk of ", f.chunk);
   const Tensor xs = view(x.x, T, H), h = view(x.h, T, H), mix = view(x.mix, T, H);  // [T, H] residual, normed, mixer
   ops::embedding(*weights_->embed_tokens, ids, xs);
+  Tensor rope_pos;  // [T, 3] the chunk's multimodal positions, when its prompt has images
+  if (images) {     // the image tokens' embeddings are the vision tower's merged tokens
+    for (int64_t i = 0; i < images->n; ++i)
+      if (images->rows[i] >= t0 && images->rows[i] < t0 + T)
+        x.x.upload(images->embeds + i * H, size_t(H) * 4, size_t((images->rows[i] - t0) * H) * 4);
+    x.rope_pos.upload(images->positions + 3 * t0, size_t(T) * 12);
+    rope_pos = Tensor::of(x.rope_pos.data(), DType::I32, device(), {T, 3});
+  }
   record(f, "embedding", x.x, T, H);
   const int64_t R = ops::moe_work_rows(device(), f.chunk, c.num_experts_per_tok);
   const int64_t words = ops::moe_routing_words(device(), f.chunk, c.num_experts, c.num_experts_per_tok);
@@ -167,7 +184,8 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const std::string p = "layers." + std::to_string(l) + ".";
     const Tensor post_norm = L.post_attention_layernorm->view();
     {  // x += mixer(h); h = post_attention_layernorm(x)
-      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], T) : gdn_layer(f, L, f.layers[l], T);
+      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], T, images ? &rope_pos : nullptr)
+                                                 : gdn_layer(f, L, f.layers[l], T);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (fold) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);

@@ -36,6 +36,7 @@ struct Scratch {
   Buffer final_h, logits;            // [R, H], [R, V] for R = logit rows per pass
   int64_t logit_rows = 0;
   Buffer position;                   // [1] I32 on GPUs: the next token's position (ops::Position)
+  Buffer rope_pos;                   // [C, 3] I32: a chunk's (t, h, w) rope positions when the prompt has images
   Buffer sync;                       // [1] I32, zero: the fused residual norms' completion counter
 };
 
@@ -43,6 +44,16 @@ struct Scratch {
 struct Trace {
   int64_t width = 0;
   std::vector<float> data;
+};
+
+// The images of a prompt (docs/model.md section 8.5): the vision tower's merged tokens, which replace the
+// embeddings of the prompt's image tokens, and every token's (t, h, w) rope position.
+struct PromptImages {
+  const float* embeds = nullptr;       // [n, H] host, in prompt order
+  const int32_t* rows = nullptr;       // [n] increasing indices into the prompt: where each goes
+  int64_t n = 0;
+  const int32_t* positions = nullptr;  // [T, 3] host: each prompt token's (t, h, w) rope position
+  int64_t rope_delta = 0;              // after the prompt: a token at index p has rope position p + rope_delta
 };
 
 // A session as the engine sees it during one call (Session::forward_context): the work space and
@@ -54,6 +65,7 @@ struct ForwardContext {
   int64_t max_context;              // rows of each KV cache
   int64_t chunk;                    // tokens the scratch holds
   ops::Position position;           // the chunk's first token
+  int64_t rope_delta;               // after a prompt with images: text rotates by index + rope_delta
   std::map<std::string, Trace>* trace;
 };
 

@@ -138,6 +138,7 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.final_h = f32(s_.logit_rows, H);
   s_.logits = f32(s_.logit_rows, c.vocab_size);
   if (d != Device::CPU) s_.position = Buffer(d, 4);
+  s_.rope_pos = Buffer(d, size_t(C) * 12);
   s_.sync = Buffer(d, 4);
   const int32_t zero = 0;
   s_.sync.upload(&zero, 4);
@@ -154,7 +155,7 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
 
 ForwardContext Session::forward_context() {
   const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data())};
-  return {s_, layers_, max_context_, chunk_, position, tracing ? &trace : nullptr};
+  return {s_, layers_, max_context_, chunk_, position, rope_delta_, tracing ? &trace : nullptr};
 }
 
 void Session::set_position(int64_t p) {
@@ -172,6 +173,7 @@ void Session::reset() {
   }
   sampler_.has_token = false;
   launched_ = false;
+  rope_delta_ = 0;
   set_position(0);
 }
 
@@ -218,8 +220,8 @@ int32_t Session::sample_last(const int32_t* mask) {
   return id;
 }
 
-int32_t Session::prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask) {
-  prefill(ids, T, nullptr, false);
+int32_t Session::prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask, const PromptImages* images) {
+  prefill(ids, T, nullptr, false, images);
   engine_->logits_rows(forward_context(), (T - 1) % chunk_, 1);  // the last chunk's last row
   return sample_last(mask);
 }
@@ -282,7 +284,7 @@ void Session::last_logprobs(int32_t* ids, float* values) const {
   sampler_.logprob_values.download(values, size_t(1 + ops::MAX_LOGPROBS) * 4);
 }
 
-void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits) {
+void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits, const PromptImages* images) {
   const int64_t V = engine_->config().vocab_size;
   LILY_CHECK(T > 0, "prefill needs at least one token");
   LILY_CHECK(position_ + T <= max_context_, "context overflow: ", position_, " tokens in the session + ", T,
@@ -291,22 +293,33 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
   for (int64_t t = 0; t < T; ++t)
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
+  if (images) {
+    LILY_CHECK(engine_->device() == Device::CPU, "prefill: images are not implemented on CUDA yet; use "
+               "device='cpu' for images");
+    for (int64_t i = 0; i < images->n; ++i)
+      LILY_CHECK(images->rows[i] >= (i ? images->rows[i - 1] + 1 : 0) && images->rows[i] < T, "prefill: image row ",
+                 i, " (", images->rows[i], ") is not increasing within the prompt of ", T, " tokens");
+    for (int64_t i = 0; i < 3 * T; ++i)
+      LILY_CHECK(images->positions[i] >= 0, "prefill: rope positions must be non-negative");
+  }
   sampler_.has_token = false;
   launched_ = false;
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
     const int64_t n = std::min(chunk_, T - t0);
     s_.ids.upload(ids + t0, size_t(n) * 4);
-    engine_->forward_chunk(forward_context(), i32_view(s_.ids, n), n);
+    engine_->forward_chunk(forward_context(), i32_view(s_.ids, n), n, images, t0);
     position_ += n;
     if (all_logits) engine_->write_logits(forward_context(), 0, n, logits + t0 * V);
     else if (logits && t0 + n == T) engine_->write_logits(forward_context(), n - 1, 1, logits);
   }
+  if (images) rope_delta_ = images->rope_delta;
 }
 
 std::shared_ptr<Snapshot> Session::snapshot() const {
   auto snap = std::make_shared<Snapshot>();
   snap->engine = engine_.get();
   snap->position = position_;
+  snap->rope_delta = rope_delta_;
   const int64_t kv_row = int64_t(engine_->config().kv_dim()) * (engine_->device() == Device::CPU ? 4 : 2);
   for (const LayerState& st : layers_) {
     LayerState c;
@@ -344,6 +357,7 @@ void Session::restore(const Snapshot& snap) {
   }
   sampler_.has_token = false;
   launched_ = false;
+  rope_delta_ = snap.rope_delta;
   set_position(snap.position);
 }
 

@@ -22,6 +22,7 @@ struct Snapshot {
   Snapshot& operator=(const Snapshot&) = delete;
   const Engine* engine = nullptr;
   int64_t position = 0;
+  int64_t rope_delta = 0;  // Session::rope_delta() at the snapshot
   std::vector<LayerState> layers;  // attention buffers hold only rows [0, position)
   size_t nbytes() const;
 
@@ -59,7 +60,8 @@ class Session {
   Session(std::shared_ptr<const Engine> engine, int64_t max_context, int64_t chunk);
 
   // Runs T tokens; writes the logits of the last token [V], or of every token [T, V] if all_logits.
-  void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits);
+  // images: the prompt's images (CPU only for now), or null.
+  void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits, const PromptImages* images = nullptr);
   // One token; on GPUs a replay of the captured decode graph when use_graph is set.
   void decode_step(int32_t id, float* logits);
 
@@ -69,7 +71,8 @@ class Session {
   void set_sampler(const ops::SamplerParams& params, const int32_t* prompt_ids, int64_t n);
   // mask: null, or [ceil(V/32)] I32 host words (bit v of word v/32 set = id v allowed): ids it
   // forbids get a -inf logit on the device before the draw (ops::apply_token_mask).
-  int32_t prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask = nullptr);
+  int32_t prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask = nullptr,
+                         const PromptImages* images = nullptr);
   int32_t decode_sample(int32_t id, const int32_t* mask = nullptr);
   // decode_sample in two halves, so the host can compute the next mask while the device runs the
   // step: decode_launch feeds id (-1: the last sampled one) and queues the forward (on GPUs it
@@ -83,6 +86,9 @@ class Session {
   size_t decode_graph_nodes() const { return decode_graph_.num_nodes(); }
 
   int64_t position() const { return position_; }
+  // Rope position minus cache index of the tokens after the last prompt with images (0 without images):
+  // text after an image continues from the image's largest position + 1 (docs/model.md section 8.5).
+  int64_t rope_delta() const { return rope_delta_; }
   int64_t max_context() const { return max_context_; }
   int64_t chunk() const { return chunk_; }
   const Engine& engine() const { return *engine_; }
@@ -102,7 +108,7 @@ class Session {
 
  private:
   std::shared_ptr<const Engine> engine_;
-  int64_t max_context_, chunk_, position_ = 0;
+  int64_t max_context_, chunk_, position_ = 0, rope_delta_ = 0;
   // What the engine's next forward call reads and writes of this session.
   ForwardContext forward_context();
   void set_position(int64_t p);

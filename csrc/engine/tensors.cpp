@@ -53,6 +53,34 @@ std::vector<TensorSpec> model_tensors(const ModelConfig& c, ModelWeights& w) {
     matrix(m + "shared_expert.down_proj", {H, Is}, L.moe.shared_down_proj);
     matrix(m + "shared_expert_gate", {1, H}, L.moe.shared_expert_gate);
   }
+  if (!c.vision.present()) return t;
+  const VisionConfig& v = c.vision;
+  const int64_t W = v.hidden_size, Iv = v.intermediate_size, M = v.merged_dim();
+  VisionWeights& vw = w.vision;
+  auto linear = [&](const std::string& name, int64_t out, int64_t in, BiasedLinear& view) {
+    matrix(name, {out, in}, view.w);
+    vector(name + ".bias", {out}, view.b);
+  };
+  auto layer_norm = [&](const std::string& name, int64_t width, LayerNormWeights& view) {
+    vector(name, {width}, view.weight);
+    vector(name + ".bias", {width}, view.bias);
+  };
+  linear("visual.patch_embed.proj", W, v.patch_dim(), vw.patch_embed);  // Conv3d [W, C, tp, p, p] flattened
+  vector("visual.pos_embed", {v.num_position_embeddings, W}, vw.pos_embed);
+  vw.blocks.assign(v.depth, VisionBlockWeights{});
+  for (int i = 0; i < v.depth; ++i) {
+    const std::string p = "visual.blocks." + std::to_string(i) + ".";
+    VisionBlockWeights& B = vw.blocks[i];
+    layer_norm(p + "norm1", W, B.norm1);
+    linear(p + "attn.qkv", 3 * W, W, B.qkv);
+    linear(p + "attn.proj", W, W, B.proj);
+    layer_norm(p + "norm2", W, B.norm2);
+    linear(p + "mlp.linear_fc1", Iv, W, B.fc1);
+    linear(p + "mlp.linear_fc2", W, Iv, B.fc2);
+  }
+  layer_norm("visual.merger.norm", W, vw.merger_norm);
+  linear("visual.merger.linear_fc1", M, M, vw.merger_fc1);
+  linear("visual.merger.linear_fc2", H, M, vw.merger_fc2);
   return t;
 }
 

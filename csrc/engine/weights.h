@@ -44,12 +44,41 @@ struct LayerWeights {
   MoeWeights moe{};
 };
 
+// A linear layer with a bias: y = x W^T + b (the vision tower's layers all have one).
+struct BiasedLinear {
+  const QMatrix* w = nullptr;  // [out, in], dense
+  const Vector* b = nullptr;   // [out]
+};
+
+struct LayerNormWeights {
+  const Vector *weight = nullptr, *bias = nullptr;  // [W] each
+};
+
+struct VisionBlockWeights {
+  LayerNormWeights norm1, norm2;
+  BiasedLinear qkv;   // [3W, W]: q | k | v, each head-major
+  BiasedLinear proj;  // [W, W]
+  BiasedLinear fc1;   // [I, W]
+  BiasedLinear fc2;   // [W, I]
+};
+
+// The vision tower (docs/model.md section 8); empty (no blocks) without one.
+struct VisionWeights {
+  BiasedLinear patch_embed;           // [W, C*tp*p*p]: the Conv3d as a matrix over flattened patches
+  const Vector* pos_embed = nullptr;  // [side*side, W] learned positions
+  std::vector<VisionBlockWeights> blocks;
+  LayerNormWeights merger_norm;       // [W]
+  BiasedLinear merger_fc1;            // [4W, 4W]
+  BiasedLinear merger_fc2;            // [H, 4W]
+};
+
 // The model's tensors as per-layer views (engine/tensors.h says which name fills which view).
 struct ModelWeights {
   const QMatrix* embed_tokens = nullptr;  // [V, H]
   const Vector* final_norm = nullptr;     // [H]
   const QMatrix* lm_head = nullptr;       // [V, H]
   std::vector<LayerWeights> layers;
+  VisionWeights vision;
 };
 
 // Named tensors handed over by the Python loader, then resolved into the views of ModelWeights.

@@ -182,4 +182,44 @@ void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
 
 // pos += T on the device (GPU backends; the CPU backend has no device position).
 void advance_position(int32_t* pos_device, Device device, int64_t T);
+
+// ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp. They have CPU implementations
+// only for now: on another device each raises "<op>: not implemented on CUDA yet; use device='cpu' for
+// images". Patches are listed in merge-block order: blocks of m x m patches row-major, the blocks of an
+// image row-major; pos [N, 2] I32 holds each patch's (row, column) in its image's grid of patches.
+
+// y[r, :] = (x[r, :] - mean(x[r, :])) / sqrt(var(x[r, :]) + eps) * weight + bias, var the biased
+// (population) variance.  x, y [R, D] (y may alias x); weight, bias [D].
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
+
+// x[r, :] += bias.  x [R, D]; bias [D].
+void add_bias(const Tensor& x, const Tensor& bias);
+
+// x = gelu(x) in place, elementwise: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) when tanh_approx,
+// else the exact 0.5 x (1 + erf(x / sqrt(2))).  x [R, C].
+void gelu(const Tensor& x, bool tanh_approx);
+
+// y[i, :] += the learned position table [side*side, W] resampled bilinearly (align-corners) to one image's
+// grid of grid_h x grid_w patches, read at patch i's (row, column) = pos[i]: with sr = row (side-1)/(grid_h-1)
+// and sc = col (side-1)/(grid_w-1) (0 for a grid of 1), the 4 table rows around (sr, sc) weighted by
+// (1 - |sr - r|)(1 - |sc - c|).  y [n, W], pos [n, 2] I32.
+void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_h, int grid_w, const Tensor& y);
+
+// The 2D rotary embedding of the query and key heads of qkv [N, 3*nH*D] (q | k | v, head-major) in place.
+// Per head, with F = D/4 frequencies f_j = theta^(-4j/D): dim d < D/2 turns by angle row*f_d (d < F) or
+// col*f_(d-F) (d >= F), rotate-half pairs (d, d + D/2): x'_d = x_d cos - x_(d+D/2) sin,
+// x'_(d+D/2) = x_(d+D/2) cos + x_d sin.  pos [N, 2] I32.
+void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double theta);
+
+// Multimodal RoPE (docs/model.md section 8.5): rope() with each token's own (t, h, w) positions, rotary
+// frequency j (of rotary_dim/2) turning by the h position when j % 3 == 1 and j < 3 sections[1], by the w
+// position when j % 3 == 2 and j < 3 sections[2], else by the t position. Equal to rope() when a token's
+// three positions are equal.  x [T, n*D] in place; pos [T, 3] I32.
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos);
+
+// Non-causal attention of each image's patches among themselves: rows [starts[i], starts[i+1]) form
+// image i. Per head h: o_t = sum_s softmax_s(q_t . k_s / sqrt(D)) v_s over the rows s of t's image.
+// qkv [N, 3*nH*D] (q | k | v); o [N, nH*D]; starts [n+1] I32, 0 = starts[0] < ... < starts[n] = N.
+void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads);
 }  // namespace lily::ops

@@ -241,14 +241,16 @@ def resume(session: "Session", ids: list[int]) -> int:
     """Bring ``session`` to the longest prefix of ``ids`` it can reach without recomputation, and
     return its length (always < len(ids), so at least one token is left to prefill): the session's
     own tokens when they are a prefix of ids, else the longest saved prefix snapshot that is, else
-    an empty session."""
-    held = session.tokens
-    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held):
+    an empty session. A held prefix with image tokens is never reused: ids alone do not say which
+    images they stood for (docs/model.md section 8.5)."""
+    held, image = session.tokens, session.model.config.image_token_id
+    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held) and image not in held:
         return len(held)
     best = None
     for snap in session.prefix_snapshots:
         n = len(snap.tokens)
-        if n < len(ids) and (best is None or n > len(best.tokens)) and snap.tokens == tuple(ids[:n]):
+        if n < len(ids) and (best is None or n > len(best.tokens)) and snap.tokens == tuple(ids[:n]) \
+                and image not in snap.tokens:
             best = snap
     if best is None:
         session._reset()

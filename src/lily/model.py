@@ -50,6 +50,7 @@ class Model:
         self._engine, self.device, self.layout = engine, device, layout
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self._tokenizer: Tokenizer | None = None
+        self._image_processor = None
         self._session: Session | None = None
         self._stop_ids: frozenset[int] | None = None
         # One core call at a time: sessions share the engine's weights and scratch buffers.
@@ -87,10 +88,38 @@ class Model:
         if progress is None:
             progress = sum(f.stat().st_size for f in path.glob("*.safetensors")) > (1 << 30)
         store = _core.WeightStore(dev)
-        layout = load_weights(path, config, raw, store, progress=progress, quantize=quantize,
+        layout, config = load_weights(path, config, raw, store, progress=progress, quantize=quantize,
                               check_weights=check_weights)
         engine = _core.Engine.create(config.to_core(), store)
         return cls(path, config, raw, engine, dev, layout, ctx, chunk)
+
+    @property
+    def image_processor(self):
+        """The checkpoint's preprocessor_config.json (lily.images.ImageProcessorConfig)."""
+        if self._image_processor is None:
+            from .images import load_processor_config
+
+            self._image_processor = load_processor_config(self.path)
+        return self._image_processor
+
+    def prepare_images(self, images, *, min_pixels: int | None = None, max_pixels: int | None = None) -> list:
+        """Images (paths, bytes, PIL images, numpy arrays, or lily.images.PreparedImage passed through)
+        as the vision tower reads them; ``min_pixels`` / ``max_pixels`` override the checkpoint's bounds."""
+        from .images import PreparedImage, prepare_image
+
+        cfg = self.image_processor.with_pixels(min_pixels, max_pixels)
+        return [im if isinstance(im, PreparedImage) else prepare_image(im, cfg) for im in images]
+
+    def encode_images(self, prepared) -> np.ndarray:
+        """The vision tower's merged tokens [sum of num_tokens, hidden_size] float32 of prepared images, in
+        order (docs/model.md section 8); raises when the checkpoint has no vision tower or on CUDA."""
+        if self.config.vision is None:
+            raise LilyError(f"{self.path.name}: this checkpoint has no vision tower (no vision_config in "
+                            f"config.json, or no model.visual.* tensors in its files), so it cannot read images")
+        pixels = np.concatenate([p.pixels for p in prepared])
+        grids = np.array([p.grid for p in prepared], np.int32)
+        with self._lock:
+            return self._engine.encode_images(pixels, grids)
 
     def new_session(self, max_context: int | None = None, *, use_graph: bool = True) -> Session:
         """A fresh, independent conversation state."""

@@ -173,14 +173,29 @@ class Session:
                             f"max_context {self.max_context}")
         return ids
 
-    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, *, all_logits: bool = False,
+                images: Sequence = ()) -> np.ndarray:
         """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
-        (float32), or [T, V] for every token when ``all_logits``."""
+        (float32), or [T, V] for every token when ``all_logits``. ``images``: one per run of image tokens
+        (``<|image_pad|>``) in ``token_ids``, in order: paths, bytes, PIL images, numpy arrays or
+        ``lily.images.PreparedImage`` (CPU only for now; docs/model.md section 8)."""
         ids = self._new_ids(token_ids)
+        extra = (self._core_images(ids, images),) if len(images) else ()
         with self.model._lock:
-            logits = self._core.prefill(ids, all_logits)
+            logits = self._core.prefill(ids, all_logits, *extra)
         self._tokens.extend(ids.tolist())
         return logits
+
+    def _core_images(self, ids: np.ndarray, images: Sequence) -> tuple:
+        """The core's PromptImages for prompt ``ids`` continuing this session: the vision tower's merged
+        tokens, where they go, the (t, h, w) rope positions and the rope offset after."""
+        from .images import prompt_layout
+
+        prepared = self.model.prepare_images(images)
+        layout = prompt_layout(ids, prepared, self.model.config.image_token_id, self.position,
+                               self.position + self._core.rope_delta)
+        embeds = self.model.encode_images(prepared)
+        return embeds, layout.rows, layout.positions, layout.rope_delta
 
     def decode_step(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V] float32 of the next position."""

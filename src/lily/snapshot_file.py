@@ -92,7 +92,8 @@ def save(snapshot, path: str | os.PathLike) -> Path:
     from ._version import __version__
 
     header = {"format": "lily-snapshot", "version": VERSION, "lily_version": __version__, "model": ident,
-              "device": core.device, "position": core.position, "data_size": offset, "blobs": blobs}
+              "device": core.device, "position": core.position, "rope_delta": core.rope_delta, "data_size": offset,
+              "blobs": blobs}
     head = _header_bytes(header)
     tmp = None
     try:
@@ -238,6 +239,10 @@ def load(model, path: str | os.PathLike, max_context: int | None = None):
                                     f"{b['shape']} {b['dtype']})")
     with model._lock:
         core = _core.Snapshot.blank(model._engine, position)
+    rope_delta = header.get("rope_delta", 0)  # absent from files written before images
+    if isinstance(rope_delta, bool) or not isinstance(rope_delta, int) or abs(rope_delta) > 1 << 31:
+        raise SnapshotFileError(f"{path}: corrupt snapshot (rope_delta {rope_delta!r})")
+    core.rope_delta = rope_delta
     data_start = header["data_start"]
     with open(path, "rb") as f:
         def read(b, at, n, out=None):

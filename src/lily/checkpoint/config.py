@@ -1,7 +1,8 @@
 """config.json of a qwen3_5_moe checkpoint -> a validated TextConfig (Hugging Face field names).
 
-The multimodal config nests every text hyper-parameter under ``text_config``; mlx-lm also accepts a
-flat layout. Both are read here; anything missing or inconsistent raises ConfigError naming the key.
+The multimodal config nests every text hyper-parameter under ``text_config`` and the vision tower's
+under ``vision_config`` (VisionConfig, docs/model.md section 8); mlx-lm also accepts a flat layout
+(text only). Both are read here; anything missing or inconsistent raises ConfigError naming the key.
 """
 from __future__ import annotations
 
@@ -24,8 +25,40 @@ INT_LIMITS = {"num_hidden_layers": 1024, "vocab_size": 1 << 22, "hidden_size": 1
               "linear_num_value_heads": 1024, "linear_key_head_dim": 1024, "linear_value_head_dim": 1024,
               "linear_conv_kernel_dim": 64, "num_experts": 4096, "num_experts_per_tok": 4096,
               "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18,
-              "full_attention_interval": 1024, "max_position_embeddings": 1 << 24}
+              "full_attention_interval": 1024, "max_position_embeddings": 1 << 24,
+              # vision_config
+              "depth": 1024, "intermediate_size": 1 << 18, "num_heads": 1024, "in_channels": 16, "patch_size": 1024,
+              "temporal_patch_size": 16, "spatial_merge_size": 16, "out_hidden_size": 1 << 16,
+              "num_position_embeddings": 1 << 20}
 MAX_CONFIG_BYTES = 16 << 20  # config.json larger than this is refused unread
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's hyper-parameters (``vision_config``; docs/model.md section 8)."""
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def to_core(self):
+        from .. import _core
+
+        v = _core.VisionConfig()
+        for f in dataclasses.fields(self):
+            setattr(v, f.name, getattr(self, f.name))
+        return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +84,11 @@ class TextConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     eos_token_id: tuple[int, ...]
+    # The vision tower: None when config.json has no vision_config, or (set by the loader) when the
+    # checkpoint's files hold no vision tensors, as in mlx-lm conversions.
+    vision: VisionConfig | None = None
+    mrope_section: tuple[int, int, int] = (11, 11, 10)  # multimodal RoPE's (t, h, w) frequency split
+    image_token_id: int = 248056  # <|image_pad|>: the tokens whose embeddings the vision tower replaces
 
     @property
     def rotary_dim(self) -> int:
@@ -80,6 +118,9 @@ class TextConfig:
             setattr(c, f, getattr(self, f))
         c.rotary_dim = self.rotary_dim
         c.is_full_attention = [int(self.is_full_attention(i)) for i in range(self.num_hidden_layers)]
+        c.mrope_section = list(self.mrope_section)
+        if self.vision is not None:
+            c.vision = self.vision.to_core()
         c.validate()
         return c
 
@@ -171,8 +212,48 @@ def parse_config(raw: dict, where: str = "config.json") -> TextConfig:
         rms_norm_eps=_float(text, "rms_norm_eps", w, 1e-6, hi=1.0),
         max_position_embeddings=max_pos,
         eos_token_id=eos,
+        vision=parse_vision_config(raw, where),
+        mrope_section=_mrope_section(rope, w),
+        image_token_id=_int({"image_token_id": raw.get("image_token_id", 248056)}, "image_token_id", where),
     )
     _check_consistent(cfg, w)
+    return cfg
+
+
+def _mrope_section(rope: dict, w: str) -> tuple[int, int, int]:
+    section = rope.get("mrope_section", [11, 11, 10])
+    if not isinstance(section, list) or len(section) != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 16 for v in section):
+        raise ConfigError(f"{w}: 'rope_parameters.mrope_section' must be 3 non-negative integers, got {_short(section)}")
+    return tuple(section)
+
+
+def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig | None:
+    """The ``vision_config`` block of a nested config, validated; None without one."""
+    v = raw.get("vision_config")
+    if v is None or "text_config" not in raw:
+        return None
+    w = f"{where} (vision_config)"
+    if not isinstance(v, dict):
+        raise ConfigError(f"{w}: must be an object")
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{w}: hidden_act {_short(act)} is not supported (lily runs 'gelu_pytorch_tanh')")
+    if v.get("deepstack_visual_indexes"):
+        raise ConfigError(f"{w}: deepstack_visual_indexes is not supported (Qwen3.5/3.6 has none)")
+    rope = v.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", v.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
+    ints = {k: _int({k: v.get(k, default)} if default is not None else v, k, w) for k, default in (
+        ("depth", None), ("hidden_size", None), ("intermediate_size", None), ("num_heads", None), ("in_channels", 3),
+        ("patch_size", None), ("temporal_patch_size", 2), ("spatial_merge_size", 2), ("out_hidden_size", None),
+        ("num_position_embeddings", None))}
+    cfg = VisionConfig(**ints, rope_theta=_float({"rope_theta": theta}, "rope_theta", w, hi=1e12))
+    head = cfg.hidden_size // cfg.num_heads
+    if cfg.hidden_size % cfg.num_heads or head % 4:
+        raise ConfigError(f"{w}: hidden_size {cfg.hidden_size} does not split into num_heads {cfg.num_heads} heads "
+                          f"of a multiple of 4 dims")
+    if math.isqrt(cfg.num_position_embeddings) ** 2 != cfg.num_position_embeddings:
+        raise ConfigError(f"{w}: num_position_embeddings {cfg.num_position_embeddings} is not a square")
     return cfg
 
 
@@ -186,6 +267,9 @@ def _check_consistent(c: TextConfig, w: str) -> None:
     if c.num_experts_per_tok > c.num_experts:
         raise ConfigError(f"{w}: num_experts_per_tok ({c.num_experts_per_tok}) exceeds num_experts "
                           f"({c.num_experts})")
+    if c.vision is not None and c.vision.out_hidden_size != c.hidden_size:
+        raise ConfigError(f"{w}: vision_config.out_hidden_size ({c.vision.out_hidden_size}) differs from "
+                          f"hidden_size ({c.hidden_size})")
     if c.partial_rotary_factor > 1 or c.rotary_dim % 2:
         raise ConfigError(f"{w}: partial_rotary_factor {c.partial_rotary_factor} gives "
                           f"{c.rotary_dim} rotary dims of head_dim {c.head_dim}; need an even count <= head_dim")

@@ -23,6 +23,13 @@ are informative, also at the real dims and depth (40 layers):
 Every tensor has its own random stream, seeded from (seed, tensor name), so results do not depend
 on the order or thread in which tensors are generated.
 
+The vision tower (``vision=True``, Hugging Face layout only; docs/model.md section 8) is drawn the same
+way: matrices reading a LayerNorm'd input (qkv, fc1, the merger's two) and the patch embedding ~ N(0, 1/in);
+the blocks' attn.proj and fc2, writing into the ViT residual stream, ~ N(0, 1/(in * 2 depth)); the
+position table ~ N(0, 0.5^2); LayerNorm weights 1 + 0.1 N, their biases and every linear bias 0.1 N, so the
+merged tokens reach the text model at about unit RMS, like its embeddings. MLX-layout checkpoints carry
+no vision tower (as mlx-lm's conversions), only the vision_config.
+
 Two ways to make the MLX layout. Small models draw float weights as above, round them to bf16 and
 quantize them with `lily.checkpoint.quant` exactly as `convert_hf_to_mlx` would (so the MLX checkpoint equals the
 conversion of the HF one with the same seed). Big models (the full 35B-A3B is 19.5 GB) skip the
@@ -145,6 +152,24 @@ QWEN36_35B_A3B_TEXT_CONFIG = _text_config(
 
 CONFIGS = {"tiny": TINY_TEXT_CONFIG, "qwen3.6-35b-a3b": QWEN36_35B_A3B_TEXT_CONFIG}
 
+
+def _vision_config(**dims: object) -> dict:
+    return {"model_type": "qwen3_5_moe", "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "patch_size": 16,
+            "temporal_patch_size": 2, "spatial_merge_size": 2, "deepstack_visual_indexes": [],
+            "initializer_range": 0.02, **dims}
+
+
+# The vision tower of each preset: the real one (Qwen3.6-35B-A3B's vision_config), and a tiny one with the
+# real patch geometry (16-pixel patches, 2x2 merge) so real images run through it.
+VISION_CONFIGS = {
+    "tiny": _vision_config(depth=2, hidden_size=64, intermediate_size=96, num_heads=4,
+                           num_position_embeddings=64, out_hidden_size=TINY_TEXT_CONFIG["hidden_size"]),
+    "qwen3.6-35b-a3b": _vision_config(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                      num_position_embeddings=2304, out_hidden_size=2048),
+}
+POS_EMBED_STD = 0.5
+VISION_BIAS_STD = 0.1
+
 # Models with more weights than this get their MLX codes drawn directly (see the module docstring).
 DIRECT_CODES_MIN_PARAMS = 1_000_000_000
 
@@ -155,9 +180,10 @@ SCALE_JITTER = 0.1
 BIAS_JITTER = 0.25
 
 
-def full_config(text_config: Mapping) -> dict:
-    """The nested config.json of a Qwen3.6 MoE checkpoint around `text_config` (no vision_config:
-    synthetic checkpoints carry no vision tower)."""
+def full_config(text_config: Mapping, vision_config: Mapping | None = None) -> dict:
+    """The nested config.json of a Qwen3.6 MoE checkpoint around `text_config`, with `vision_config`
+    when given."""
+    vision = {"vision_config": dict(vision_config)} if vision_config is not None else {}
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
@@ -168,7 +194,44 @@ def full_config(text_config: Mapping) -> dict:
         "vision_end_token_id": 248054,
         "tie_word_embeddings": bool(text_config.get("tie_word_embeddings", False)),
         "text_config": dict(text_config),
+        **vision,
     }
+
+
+def vision_tensors(text_config: Mapping, vision_config: Mapping, seed: int = 0) -> dict[str, LazyTensor]:
+    """The vision tower's tensors in the Hugging Face layout (``model.visual.*``, bf16), lazily drawn
+    (see the module docstring); names and shapes from the core's table."""
+    from .config import parse_config
+    from .tensors import is_vision, model_tensors, stored_name
+
+    cfg = parse_config(full_config({**text_config, "model_type": "qwen3_5_moe_text"}, vision_config), "vision config")
+    v = cfg.vision
+    tensors = {}
+    for spec in model_tensors(cfg):
+        if not is_vision(spec.name):
+            continue
+        shape = spec.shape
+        if spec.name == "visual.patch_embed.proj":  # stored as the Conv3d [W, C, tp, p, p]
+            shape = (shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        name = "model." + stored_name(spec.name)
+        tensors[name] = LazyTensor("BF16", shape, partial(_vision_value, name, shape, spec.shape, v.depth, seed))
+    return tensors
+
+
+def _vision_value(name: str, shape: tuple[int, ...], canonical: tuple[int, ...], depth: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(_seed_sequence(seed, name))
+    normal = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("pos_embed.weight"):
+        values = POS_EMBED_STD * normal
+    elif name.endswith(".bias"):
+        values = VISION_BIAS_STD * normal
+    elif ".norm" in name:  # LayerNorm weights: norm1, norm2, merger.norm
+        values = 1 + NORM_STD * normal
+    elif name.endswith(("attn.proj.weight", "mlp.linear_fc2.weight")):
+        values = normal / np.float32(math.sqrt(canonical[-1] * 2 * depth))
+    else:
+        values = normal / np.float32(math.sqrt(canonical[-1]))
+    return f32_to_bf16_bits(values)
 
 
 def resolve_text_config(config: str | os.PathLike | Mapping, num_layers: int | None = None) -> dict:
@@ -300,6 +363,7 @@ def make_checkpoint(
     shard_size: int = DEFAULT_SHARD_SIZE,
     direct_codes: bool | None = None,
     workers: int | None = None,
+    vision: bool = False,
 ) -> Path:
     """Write a random checkpoint into directory `path` and return it.
 
@@ -307,15 +371,24 @@ def make_checkpoint(
     depth. layout: "mlx" (4-bit g64, 8-bit gates) or "hf" (bf16). direct_codes: draw MLX codes
     directly instead of quantizing floats; default when the model has more than 1e9 weights.
     Shards of at most `shard_size` bytes, with model.safetensors.index.json when there are several.
+    vision: add the preset's vision tower (`VISION_CONFIGS`; "tiny" for a config file or dict) to
+    config.json and, in the HF layout, its weights (an MLX checkpoint keeps only the config, as mlx-lm's
+    conversions do).
     """
     if layout not in ("mlx", "hf"):
         raise ValueError(f"layout {layout!r} is not 'mlx' or 'hf'")
     if direct_codes and layout == "hf":
         raise ValueError("direct_codes applies to the quantized MLX layout only")
     text_config = resolve_text_config(config, num_layers)
+    vision_config = None
+    if vision:
+        preset = str(config) if isinstance(config, (str, os.PathLike)) and str(config) in VISION_CONFIGS else "tiny"
+        vision_config = {**VISION_CONFIGS[preset], "out_hidden_size": text_config["hidden_size"]}
     path = Path(path)
     if layout == "hf":
         tensors = hf_tensors(text_config, seed)
+        if vision_config is not None:
+            tensors.update(vision_tensors(text_config, vision_config, seed))
     else:
         if direct_codes is None:
             num_params = sum(math.prod(s) for s in hf_tensor_shapes(text_config).values())
@@ -329,9 +402,9 @@ def make_checkpoint(
     workers = workers or os.cpu_count() or 1
     save_sharded(path, tensors, shard_size=shard_size, metadata=metadata, workers=workers)
     if layout == "hf":
-        (path / "config.json").write_text(json.dumps(full_config(text_config), indent=2) + "\n")
+        (path / "config.json").write_text(json.dumps(full_config(text_config, vision_config), indent=2) + "\n")
     else:
-        write_mlx_config(path, full_config(text_config), quantization_config(text_config))
+        write_mlx_config(path, full_config(text_config, vision_config), quantization_config(text_config))
     if with_tokenizer:
         from ..tokenizer_files import write_tokenizer_files
 
@@ -347,6 +420,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
+    parser.add_argument("--vision", action="store_true",
+                        help="add the preset's vision tower (weights in the hf layout; config only in mlx)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder (default: refuse)")
 
 
@@ -359,7 +434,8 @@ def run_cli(args: argparse.Namespace) -> int:
         raise LilyError(f"{out} exists and is not an empty folder; use --overwrite to write into it anyway "
                         f"(as 'lily convert' does)")
     path = make_checkpoint(
-        args.path, args.config, args.layout, args.seed, not args.no_tokenizer, num_layers=args.layers
+        args.path, args.config, args.layout, args.seed, not args.no_tokenizer, num_layers=args.layers,
+        vision=args.vision,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 1e9:.2f} GB of weights)")

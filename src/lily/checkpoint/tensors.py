@@ -41,7 +41,8 @@ class TensorSpec:
 
 
 def model_tensors(c: TextConfig) -> list[TensorSpec]:
-    """Every tensor of the text model (mtp and vision excluded), in Hugging Face checkpoint order."""
+    """Every tensor of the model in Hugging Face checkpoint order: the text model's (mtp excluded), then
+    the vision tower's (``visual.*``) when ``c.vision`` is set."""
     from .. import _core
 
     return [TensorSpec(name, tuple(shape), is_matrix) for name, shape, is_matrix in _core.model_tensors(c.to_core())]
@@ -49,8 +50,15 @@ def model_tensors(c: TextConfig) -> list[TensorSpec]:
 
 def stored_name(name: str) -> str:
     """The stored name of canonical `name` under the model prefix: module weights end in '.weight',
-    the bare parameters A_log and dt_bias do not."""
-    return name if name.endswith(("A_log", "dt_bias")) else name + ".weight"
+    the bare parameters A_log and dt_bias and the vision tower's biases (canonical names ending in
+    '.bias') do not."""
+    return name if name.endswith(("A_log", "dt_bias", ".bias")) else name + ".weight"
+
+
+def is_vision(name: str) -> bool:
+    """True for the vision tower's tensors (canonical ``visual.*``): kept in their stored float
+    precision, never quantized (docs/model.md section 8)."""
+    return name.startswith("visual.")
 
 
 def is_zero_centred_norm(name: str) -> bool:

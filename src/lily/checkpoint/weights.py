@@ -7,11 +7,17 @@ This is the one sanitize step. Two layouts are accepted (docs/model.md section 4
   ``experts.down_proj``) or per expert (``experts.{e}.{gate,up,down}_proj.weight``), conv [C, 1, K],
   norms stored as w (applied as 1+w).
 Canonical form handed to the core: matrices in their stored precision ([stack, out, in]), norm
-weights as the full multiplier (1+w), conv taps [C, K], every vector float32. ``mtp.*`` and vision
-tensors are skipped. Every problem raises CheckpointError naming the file and tensor.
+weights as the full multiplier (1+w), conv taps [C, K], every vector float32. ``mtp.*`` is skipped.
+The vision tower's tensors (Hugging Face ``model.visual.*``, canonical ``visual.*``) are indexed apart
+from the text model's: they load in their stored float precision (never quantized, also with
+quantize=4), the patch embedding's Conv3d [W, C, tp, p, p] as a matrix [W, C*tp*p*p]; a checkpoint
+without them (an mlx-lm conversion; mlx-vlm's ``vision_tower.*`` is not read) loads text-only. Every
+problem raises CheckpointError naming the file and tensor.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +28,11 @@ from ..errors import CheckpointError
 from .config import TextConfig
 from .dtypes import bf16_bits_to_f32
 from .safetensors_io import LazyTensor, SafetensorsFile, find_shards, first_non_finite, produced_in_order
-from .tensors import is_zero_centred_norm, model_tensors, stored_name
+from .tensors import is_vision, is_zero_centred_norm, model_tensors, stored_name
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "visual.", "vision_tower.", "model.vision_tower.")
+VISION_PREFIX = "model.visual."  # Hugging Face's vision tower; canonical names drop "model."
 
 
 @dataclass
@@ -55,7 +62,10 @@ class Source:
 
 
 def canonical_name(stored: str) -> tuple[str | None, str | None]:
-    """(layout, name without the model prefix) of a stored tensor name; (None, None) if skipped."""
+    """(layout, name without the model prefix) of a stored tensor name; (None, None) if skipped.
+    The vision tower's tensors have the layout 'vision'."""
+    if stored.startswith(VISION_PREFIX):
+        return "vision", stored[len("model."):]
     if stored.startswith(SKIPPED_PREFIXES):
         return None, None
     if stored.startswith("language_model.model."):
@@ -98,6 +108,7 @@ class CheckpointTensors:
         ``check_finite``: reading a float tensor that holds NaN or infinity raises CheckpointError."""
         self.dir = model_dir
         self.sources: dict[str, Source | MemorySource] = {}
+        self.visual: dict[str, Source | MemorySource] = {}  # the vision tower's, by canonical name
         layouts = set()
         if computed is None:
             named = ((name, Source(name, f, path, check_finite)) for path in find_shards(model_dir)
@@ -108,10 +119,12 @@ class CheckpointTensors:
             layout, canon = canonical_name(name)
             if canon is None:
                 continue
-            layouts.add(layout)
-            if canon in self.sources:
-                raise CheckpointError(f"{src.where()} appears twice (also {self.sources[canon].where()})")
-            self.sources[canon] = src
+            index = self.visual if layout == "vision" else self.sources
+            if layout != "vision":
+                layouts.add(layout)
+            if canon in index:
+                raise CheckpointError(f"{src.where()} appears twice (also {index[canon].where()})")
+            index[canon] = src
         if not self.sources:
             raise CheckpointError(f"{model_dir}: no text-model tensors found (expected names starting "
                                   f"'language_model.model.' (MLX) or 'model.language_model.' (Hugging Face))")
@@ -120,6 +133,11 @@ class CheckpointTensors:
         self.layout = layouts.pop()
 
     def get(self, canon: str) -> Source:
+        if canon.startswith("visual."):
+            src = self.visual.get(canon)
+            if src is None:
+                raise CheckpointError(f"{self.dir}: missing tensor 'model.{canon}' (the vision tower is incomplete)")
+            return src
         src = self.sources.get(canon)
         if src is None:
             prefix = "language_model.model." if self.layout == "mlx" else "model.language_model."
@@ -129,7 +147,7 @@ class CheckpointTensors:
         return src
 
     def has(self, canon: str) -> bool:
-        return canon in self.sources
+        return canon in self.sources or canon in self.visual
 
 
 def _as_f32(src: Source) -> np.ndarray:
@@ -247,6 +265,25 @@ def _vector(t: CheckpointTensors, canon: str, shape: tuple) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _vision_args(t: CheckpointTensors, spec) -> dict | np.ndarray:
+    """The vision tower's tensor ``spec``: set_matrix arguments of a dense matrix in its stored float
+    dtype (the patch embedding's Conv3d flattened to [W, C*tp*p*p]), or a float32 vector."""
+    src = t.get(stored_name(spec.name))
+    if src.info.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{src.where()}: dtype {src.info.dtype}, expected one of {', '.join(FLOAT_DTYPES)} "
+                              f"(the vision tower is never quantized)")
+    if not spec.is_matrix:
+        _check_shape(src, spec.shape)
+        return _as_f32(src)
+    rows, cols = spec.shape
+    shape = tuple(src.info.shape)
+    if shape != (rows, cols) and not (spec.name.endswith("patch_embed.proj") and shape[0] == rows
+                                      and math.prod(shape[1:]) == cols):
+        raise CheckpointError(f"{src.where()}: shape {list(shape)}, expected {[rows, cols]}")
+    weight = np.ascontiguousarray(src.read().reshape(rows, cols))
+    return dict(weight=weight, dtype=src.info.dtype, num_stack=1, rows=rows, cols=cols)
+
+
 def quantized_at_load(tensors: CheckpointTensors, raw_config: dict, bits: int) -> tuple[CheckpointTensors, dict]:
     """A float (Hugging Face layout) checkpoint's tensors as the MLX affine checkpoint `lily convert`
     would write (bits, group 64, router gates 8-bit), computed lazily, and the config that says so."""
@@ -261,16 +298,22 @@ def quantized_at_load(tensors: CheckpointTensors, raw_config: dict, bits: int) -
     except CheckpointError as e:
         raise CheckpointError(f"{tensors.dir}: {e}") from e
     config = dict(raw_config, quantization=quantization_config(text_config_of(raw_config), bits, 64))
-    return CheckpointTensors(tensors.dir, mlx, f"{bits}-bit, quantized at load"), config
+    quantized = CheckpointTensors(tensors.dir, mlx, f"{bits}-bit, quantized at load")
+    quantized.visual = tensors.visual  # the vision tower stays in its stored floats
+    return quantized, config
 
 
 def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, progress: bool = False,
-                 quantize: int | None = None, check_weights: bool = True) -> str:
-    """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf').
-    ``quantize`` (4 or 8): quantize a float checkpoint's matrices as it loads (``lily convert``'s result).
-    ``check_weights``: refuse float tensors (weights, scales, biases, norms) holding NaN or infinity."""
+                 quantize: int | None = None, check_weights: bool = True) -> tuple[str, TextConfig]:
+    """Fill ``store`` (a lily._core.WeightStore) from the checkpoint; returns the layout ('mlx' | 'hf')
+    and the config of what was loaded: ``cfg``, with ``vision`` None when the files hold no vision
+    tower. ``quantize`` (4 or 8): quantize a float checkpoint's text matrices as it loads (``lily
+    convert``'s result). ``check_weights``: refuse float tensors (weights, scales, biases, norms)
+    holding NaN or infinity."""
     tensors = CheckpointTensors(Path(model_dir), check_finite=check_weights)
     layout = tensors.layout
+    if cfg.vision is not None and not tensors.visual:
+        cfg = dataclasses.replace(cfg, vision=None)
     if quantize is not None:
         tensors, raw_config = quantized_at_load(tensors, raw_config, quantize)
     quant = QuantSpec(raw_config)
@@ -283,6 +326,8 @@ def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, prog
 
         bar = tqdm(total=len(matrices) + 1, desc=f"loading {Path(model_dir).name}", unit="tensor")
     def prepare(spec) -> dict:
+        if is_vision(spec.name):
+            return _vision_args(tensors, spec)
         rows, cols = spec.shape[-2:]
         if ".experts." in spec.name:
             return _expert_args(tensors, quant, spec.name, spec.num_stack, rows, cols)
@@ -299,10 +344,11 @@ def load_weights(model_dir: Path, cfg: TextConfig, raw_config: dict, store, prog
                 bar.update(1)
         for spec in specs:
             if not spec.is_matrix:
-                store.set_vector(spec.name, _vector(tensors, spec.name, spec.shape))
+                vector = _vision_args(tensors, spec) if is_vision(spec.name) else _vector(tensors, spec.name, spec.shape)
+                store.set_vector(spec.name, vector)
         if bar:
             bar.update(1)
     finally:
         if bar:
             bar.close()
-    return layout
+    return layout, cfg
