@@ -237,20 +237,23 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def resume(session: "Session", ids: list[int]) -> int:
+def resume(session: "Session", ids: list[int], spans: Sequence = ()) -> int:
     """Bring ``session`` to the longest prefix of ``ids`` it can reach without recomputation, and
     return its length (always < len(ids), so at least one token is left to prefill): the session's
     own tokens when they are a prefix of ids, else the longest saved prefix snapshot that is, else
-    an empty session. A held prefix with image tokens is never reused: ids alone do not say which
-    images they stood for (docs/model.md section 8.5)."""
-    held, image = session.tokens, session.model.config.image_token_id
-    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held) and image not in held:
+    an empty session. ``spans``: the prompt's images (lily.multimodal); a prefix is reused only when
+    it holds the same images at the same places (ids alone do not say which images they stood for)."""
+    from .multimodal import same_images
+
+    held = session.tokens
+    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held) \
+            and same_images(session.image_spans, spans, len(held)):
         return len(held)
     best = None
     for snap in session.prefix_snapshots:
         n = len(snap.tokens)
         if n < len(ids) and (best is None or n > len(best.tokens)) and snap.tokens == tuple(ids[:n]) \
-                and image not in snap.tokens:
+                and same_images(snap.images, spans, n):
             best = snap
     if best is None:
         session._reset()
@@ -262,27 +265,35 @@ def resume(session: "Session", ids: list[int]) -> int:
 
 def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "Tokenizer | None",
         stop_ids: frozenset[int], result: Generation, boundary: int | None = None,
-        guide: "Guide | None" = None) -> Iterator[GenerationEvent]:
+        guide: "Guide | None" = None, images: Sequence = ()) -> Iterator[GenerationEvent]:
     """Generate on ``session`` after prompt ``ids`` [T] and yield one event per token; fills
     ``result`` as it goes. ``boundary``: a prompt length (e.g. the end of the last complete message)
     at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it.
-    ``guide``: a constraint's matcher (lily.constraints); its mask is applied before every sample."""
+    ``guide``: a constraint's matcher (lily.constraints); its mask is applied before every sample.
+    ``images``: lily.images.PreparedImage, one per run of image tokens in ``ids``, in order."""
+    from .multimodal import image_spans, safe_cut, split_at
+
     model = session.model
     core, lock = session._core, model._lock
+    spans = image_spans(ids, images, model.config.image_token_id) if images else ()
     session._acquire()
     try:
         t0 = time.perf_counter()
-        tokens = session._tokens
-        cached = start = resume(session, ids)
+        cached = start = resume(session, ids, spans)
+        if boundary is not None:
+            boundary = safe_cut(spans, boundary)
         if boundary is not None and cached < boundary < len(ids):
+            part = np.asarray(ids[cached:boundary], dtype=np.int32)
+            extra, new = session._core_images(part, split_at(spans, images, cached, boundary))
             with lock:
-                core.prefill(np.asarray(ids[cached:boundary], dtype=np.int32), False)
-            tokens.extend(ids[cached:boundary])
+                core.prefill(part, False, *extra)
+            session._advance(part, new)
             session.remember_prefix(session._snapshot())
             start = boundary
         params = params.with_seed()
         num_logprobs = params.num_logprobs
         rest = np.asarray(ids[start:], dtype=np.int32)
+        extra, new = session._core_images(rest, split_at(spans, images, start, len(ids)))
         with lock:
             core.set_sampler(temperature=float(params.temperature), top_k=int(params.top_k),
                              top_p=float(params.top_p), min_p=float(params.min_p),
@@ -290,8 +301,8 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
                              frequency_penalty=float(params.frequency_penalty),
                              repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
                              num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
-            token = core.prefill_sample(rest) if guide is None else core.prefill_sample(rest, guide.mask())
-        tokens.extend(ids[start:])
+            token = core.prefill_sample(rest, None if guide is None else guide.mask(), *extra)
+        session._advance(rest, new)
         usage = result.usage
         usage.prompt_tokens, usage.cached_tokens = len(ids), cached
         t1 = time.perf_counter()

@@ -110,12 +110,20 @@ class Model:
         cfg = self.image_processor.with_pixels(min_pixels, max_pixels)
         return [im if isinstance(im, PreparedImage) else prepare_image(im, cfg) for im in images]
 
-    def encode_images(self, prepared) -> np.ndarray:
-        """The vision tower's merged tokens [sum of num_tokens, hidden_size] float32 of prepared images, in
-        order (docs/model.md section 8); raises when the checkpoint has no vision tower or on CUDA."""
+    def check_images(self) -> None:
+        """Raise LilyError unless this model can read images: the checkpoint has a vision tower and the
+        device is the CPU (the CUDA backend does not run images yet; docs/vision.md)."""
         if self.config.vision is None:
             raise LilyError(f"{self.path.name}: this checkpoint has no vision tower (no vision_config in "
                             f"config.json, or no model.visual.* tensors in its files), so it cannot read images")
+        if self.device != "cpu":
+            raise LilyError(f"images need device='cpu' for now: the vision tower and multimodal RoPE are not "
+                            f"implemented on {self.device} yet (load the model with device='cpu')")
+
+    def encode_images(self, prepared) -> np.ndarray:
+        """The vision tower's merged tokens [sum of num_tokens, hidden_size] float32 of prepared images, in
+        order (docs/model.md section 8); raises when the checkpoint has no vision tower or on CUDA."""
+        self.check_images()
         pixels = np.concatenate([p.pixels for p in prepared])
         grids = np.array([p.grid for p in prepared], np.int32)
         with self._lock:
@@ -144,8 +152,8 @@ class Model:
 
         if self.closed:
             raise LilyError("this model is closed (Model.close() released its memory)")
-        core, tokens = snapshot_file.load(self, path, max_context)
-        return Snapshot(core, tokens, self)
+        core, tokens, images = snapshot_file.load(self, path, max_context)
+        return Snapshot(core, tokens, self, images)
 
     @property
     def closed(self) -> bool:
@@ -241,7 +249,8 @@ class Model:
                  enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
                  chat_template_kwargs: Mapping | None = None, progress: bool | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | None = None,
-                 choice: Sequence[str] | None = None, constraint: Constraint | None = None, **sampling):
+                 choice: Sequence[str] | None = None, constraint: Constraint | None = None,
+                 images: Sequence | None = None, **sampling):
         """Generate from one prompt or a list of prompts.
 
         ``prompt``: text (encoded without BOS), token ids (a list or 1-D integer array), chat
@@ -252,7 +261,10 @@ class Model:
         ``session``: the Session to run on (default: the model's default session); it resumes from
         the longest prefix of the prompt it already holds. ``tools``, ``enable_thinking``,
         ``preserve_thinking``, ``chat_template_kwargs``: passed to the chat template for messages;
-        ``tools`` also types the parsed ``Generation.tool_calls``. ``max_tokens`` left out (None):
+        ``tools`` also types the parsed ``Generation.tool_calls``. Images (CPU only for now;
+        docs/vision.md): chat messages carry them as content parts, ``{'type': 'image', 'image': path |
+        bytes | PIL image | numpy array}`` or ``{'type': 'image_url', 'image_url': {'url': 'data:...'}}``;
+        a text or token-id prompt takes ``images``, one per ``<|image_pad|>`` run. ``max_tokens`` left out (None):
         ``model.default_max_tokens``, capped by the context; given, prompt + max_tokens must fit the
         session's context (LilyError otherwise, as the server answers 400). ``progress``: a
         progress bar on stderr for a list of prompts (default: when stderr is a terminal).
@@ -277,15 +289,17 @@ class Model:
         template = dict(chat_template_kwargs or {}, tools=tools, enable_thinking=enable_thinking,
                         preserve_thinking=preserve_thinking)
         if is_batch(prompt):
+            if images is not None:
+                raise LilyError("images= is for one prompt; in a list of conversations put images in the messages")
             prepared = [prepare(self, p, template) for p in prompt]
-            for ids, _, _ in prepared:
+            for ids, *_ in prepared:
                 check_prompt(ids, session)
-            for ids, _, _ in prepared:
+            for ids, *_ in prepared:
                 self._check_max_tokens(ids, params, session)
             results = self._generate_each(prepared, params, session, tools, progress, wanted)
             return results if stream else list(results)
-        ids, boundary, thinking = prepare(self, prompt, template)
-        out = self._start(session, ids, params, boundary, thinking, tools, wanted)
+        ids, boundary, thinking, pictures = prepare(self, prompt, template, images)
+        out = self._start(session, ids, params, boundary, thinking, tools, wanted, pictures)
         return out if stream else out.result()
 
     def chat(self, messages: Sequence[Mapping], params: SamplingParams | None = None, **kwargs):
@@ -317,12 +331,12 @@ class Model:
         if progress is None:
             progress = len(prepared) > 1 and sys.stderr.isatty()
         with tqdm(total=len(prepared), desc="generate", unit="prompt", disable=not progress, file=sys.stderr) as bar:
-            for i, (ids, boundary, thinking) in enumerate(prepared):
+            for i, (ids, boundary, thinking, images) in enumerate(prepared):
                 if i + 1 < len(prepared):
                     # Snapshot where the next prompt diverges, so that it prefills only its own part
                     # (at most one token before this prompt's end: one is needed to sample from).
                     boundary = min(common_prefix_length(ids, prepared[i + 1][0]), len(ids) - 1) or boundary
-                result = self._start(session, ids, params, boundary, thinking, tools, constraint).result()
+                result = self._start(session, ids, params, boundary, thinking, tools, constraint, images).result()
                 bar.update(1)
                 yield result
 
@@ -335,7 +349,7 @@ class Model:
                             f"(leave max_tokens out to generate until the context is full)")
 
     def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
-               thinking: bool, tools=None, constraint: Constraint | None = None) -> GenerationStream:
+               thinking: bool, tools=None, constraint: Constraint | None = None, images=()) -> GenerationStream:
         check_prompt(ids, session)
         self._check_max_tokens(ids, params, session)
         if params.max_tokens is None:
@@ -350,7 +364,7 @@ class Model:
                 raise LilyError("structured output needs the checkpoint's tokenizer (tokenizer.json)")
             guide = constraints.Guide(self, constraint, thinking)
         result = Generation(text="", thinking=thinking, tools=list(tools) if tools else None)
-        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary, guide), result)
+        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary, guide, images), result)
 
     def __repr__(self) -> str:
         c = self.config

@@ -16,22 +16,42 @@ if TYPE_CHECKING:
     from .model import Model
 
 
-def prepare(model: "Model", prompt, template: dict) -> tuple[list[int], int | None, bool]:
+def prepare(model: "Model", prompt, template: dict, images=None) -> tuple[list[int], int | None, bool, list]:
     """A prompt (text, chat messages or token ids) as (prompt ids, message boundary or None, whether
-    the prompt leaves a think block open); ``template``: the chat template's keyword arguments."""
-    if isinstance(prompt, str):
-        return model.tokenizer.encode(prompt), None, opens_think(prompt)
+    the prompt leaves a think block open, its images as lily.images.PreparedImage); ``template``: the
+    chat template's keyword arguments. Chat messages carry their images as content parts; text and
+    token ids take ``images``, one per run of ``<|image_pad|>`` (a single pad is grown to the image's
+    tokens). Either way each image's pad is expanded to its ``num_tokens``."""
+    from .multimodal import expand_image_pads, extract_images, has_image_parts
+
     if is_messages(prompt):
+        if images is not None:
+            raise LilyError("images of chat messages go in their content: {'type': 'image', 'image': ...} parts")
         tok = model.tokenizer
+        if has_image_parts(prompt):
+            model.check_images()
+        prompt, sources = extract_images(prompt)
         text = tok.apply_chat_template(prompt, add_generation_prompt=True, **template)
         ids = tok.encode(text)
         history = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=False, **template))
         boundary = len(history) if ids[:len(history)] == history else None
-        return ids, boundary, opens_think(text)
-    if isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
-        return token_array(prompt, model.config.vocab_size).tolist(), None, False
-    raise LilyError(f"prompt must be text, token ids, chat messages or a list of those, "
-                    f"got {type(prompt).__name__}")
+        thinking = opens_think(text)
+    elif isinstance(prompt, str):
+        ids, boundary, thinking, sources = model.tokenizer.encode(prompt), None, opens_think(prompt), [] if images is None else images
+    elif isinstance(prompt, np.ndarray) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
+        ids = token_array(prompt, model.config.vocab_size).tolist()
+        boundary, thinking, sources = None, False, [] if images is None else images
+    else:
+        raise LilyError(f"prompt must be text, token ids, chat messages or a list of those, "
+                        f"got {type(prompt).__name__}")
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
+        raise LilyError(f"images must be a list (one per image in the prompt), got {type(sources).__name__}")
+    if not len(sources):
+        return ids, boundary, thinking, []
+    model.check_images()
+    prepared = model.prepare_images(sources)
+    ids, cuts = expand_image_pads(ids, prepared, model.config.image_token_id, [] if boundary is None else [boundary])
+    return ids, (cuts[0] if cuts else None), thinking, prepared
 
 
 def sampling_params(params: SamplingParams | None, overrides: dict) -> SamplingParams:

@@ -45,9 +45,12 @@ class Snapshot:
     """A saved session state and the token ids it holds; ``Session.restore`` resumes from it exactly.
     ``save(path)`` writes it to a file that ``Model.load_snapshot`` / ``Session.restore(path)`` read."""
 
-    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...], model: "Model | None" = None):
+    def __init__(self, core: _core.Snapshot, tokens: tuple[int, ...], model: "Model | None" = None,
+                 images: tuple | None = ()):
         self._core = core
         self.tokens = tokens
+        # (start, end, digest) of each image in tokens (lily.multimodal); None: unknown images.
+        self.images = images
         # A weak reference: snapshots live in their sessions, which their model holds.
         self._model = weakref.ref(model) if model is not None else (lambda: None)
 
@@ -112,6 +115,7 @@ class Session:
         self.model = model
         # use_graph: on GPUs, replay one captured CUDA graph per decode step (False: launch eagerly).
         self._tokens: list[int] = []
+        self._images: list[tuple[int, int, str]] | None = []  # image spans in _tokens (lily.multimodal)
         self._prefixes: list[Snapshot] = []
         self._busy = False
         self._core = _core.Session(model._engine, int(max_context), int(prefill_chunk), bool(use_graph))
@@ -121,6 +125,7 @@ class Session:
         self._core = Closed("this session's model")
         self._prefixes.clear()
         self._tokens.clear()
+        self._images = []
 
     @property
     def position(self) -> int:
@@ -137,6 +142,12 @@ class Session:
         return tuple(self._tokens)
 
     @property
+    def image_spans(self) -> tuple[tuple[int, int, str], ...] | None:
+        """(start, end, digest) of each image among ``tokens`` (None: image tokens prefilled in a way
+        lily cannot identify, so no prefix of them is reused)."""
+        return None if self._images is None else tuple(self._images)
+
+    @property
     def prefix_snapshots(self) -> tuple[Snapshot, ...]:
         """Snapshots kept for prefix reuse, least recently used first."""
         return tuple(self._prefixes)
@@ -144,7 +155,8 @@ class Session:
     def remember_prefix(self, snapshot: Snapshot) -> None:
         """Keep ``snapshot`` for prefix reuse by generate/chat (the least recently used one beyond
         MAX_PREFIX_SNAPSHOTS is dropped)."""
-        self._prefixes = [s for s in self._prefixes if s is not snapshot and s.tokens != snapshot.tokens]
+        self._prefixes = [s for s in self._prefixes if s is not snapshot
+                          and (s.tokens, s.images) != (snapshot.tokens, snapshot.images)]
         self._prefixes.append(snapshot)
         del self._prefixes[:-MAX_PREFIX_SNAPSHOTS]
 
@@ -180,22 +192,37 @@ class Session:
         (``<|image_pad|>``) in ``token_ids``, in order: paths, bytes, PIL images, numpy arrays or
         ``lily.images.PreparedImage`` (CPU only for now; docs/model.md section 8)."""
         ids = self._new_ids(token_ids)
-        extra = (self._core_images(ids, images),) if len(images) else ()
+        extra, spans = self._core_images(ids, images)
         with self.model._lock:
             logits = self._core.prefill(ids, all_logits, *extra)
-        self._tokens.extend(ids.tolist())
+        self._advance(ids, spans)
         return logits
 
-    def _core_images(self, ids: np.ndarray, images: Sequence) -> tuple:
-        """The core's PromptImages for prompt ``ids`` continuing this session: the vision tower's merged
-        tokens, where they go, the (t, h, w) rope positions and the rope offset after."""
+    def _core_images(self, ids: np.ndarray, images: Sequence) -> tuple[tuple, list]:
+        """For prompt ``ids`` continuing this session: the core's extra prefill argument (none without
+        images; else PromptImages: the vision tower's merged tokens, where they go, the (t, h, w) rope
+        positions and the rope offset after), and the images' spans in the session's tokens."""
+        if not len(images):
+            return (), []
         from .images import prompt_layout
+        from .multimodal import image_spans
 
         prepared = self.model.prepare_images(images)
-        layout = prompt_layout(ids, prepared, self.model.config.image_token_id, self.position,
-                               self.position + self._core.rope_delta)
+        image_id = self.model.config.image_token_id
+        layout = prompt_layout(ids, prepared, image_id, self.position, self.position + self._core.rope_delta)
         embeds = self.model.encode_images(prepared)
-        return embeds, layout.rows, layout.positions, layout.rope_delta
+        spans = [(self.position + a, self.position + b, d) for a, b, d in image_spans(ids, prepared, image_id)]
+        return ((embeds, layout.rows, layout.positions, layout.rope_delta),), spans
+
+    def _advance(self, ids, spans: list) -> None:
+        """Record prefilled ``ids`` and their image spans. Image tokens prefilled without images are
+        text to the model; they stay identifiable as long as no image run continues across calls."""
+        held = self._tokens
+        if self._images is not None and held and len(ids) and held[-1] == ids[0] == self.model.config.image_token_id:
+            self._images = None  # an image run split across calls: which images it holds is unclear
+        held.extend(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+        if self._images is not None:
+            self._images.extend(spans)
 
     def decode_step(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V] float32 of the next position."""
@@ -204,7 +231,7 @@ class Session:
         self._new_ids([token_id])
         with self.model._lock:
             logits = self._core.decode_step(int(token_id))
-        self._tokens.append(int(token_id))
+        self._advance([int(token_id)], [])
         return logits
 
     def trace(self, token_ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
@@ -214,7 +241,7 @@ class Session:
         ids = self._new_ids(token_ids)
         with self.model._lock:
             out = dict(self._core.trace(ids))
-        self._tokens.extend(ids.tolist())
+        self._advance(ids, [])
         return out
 
     def _check_idle(self, what: str) -> None:
@@ -249,7 +276,7 @@ class Session:
     # The unchecked forms, for the generation loop that holds the session.
     def _snapshot(self) -> Snapshot:
         with self.model._lock:
-            return Snapshot(self._core.snapshot(), tuple(self._tokens), self.model)
+            return Snapshot(self._core.snapshot(), tuple(self._tokens), self.model, self.image_spans)
 
     def _restore(self, snapshot: Snapshot) -> None:
         if not isinstance(snapshot, Snapshot):
@@ -258,11 +285,13 @@ class Session:
         with self.model._lock:
             self._core.restore(snapshot._core)
         self._tokens = list(snapshot.tokens)
+        self._images = None if snapshot.images is None else list(snapshot.images)
 
     def _reset(self) -> None:
         with self.model._lock:
             self._core.reset()
         self._tokens.clear()
+        self._images = []
 
     def generate(self, prompt, params: SamplingParams | None = None, **kwargs):
         """``model.generate(prompt, params, session=this session, **kwargs)``."""

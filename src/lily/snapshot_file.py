@@ -92,7 +92,8 @@ def save(snapshot, path: str | os.PathLike) -> Path:
     from ._version import __version__
 
     header = {"format": "lily-snapshot", "version": VERSION, "lily_version": __version__, "model": ident,
-              "device": core.device, "position": core.position, "rope_delta": core.rope_delta, "data_size": offset,
+              "device": core.device, "position": core.position, "rope_delta": core.rope_delta,
+              "images": None if snapshot.images is None else [list(s) for s in snapshot.images], "data_size": offset,
               "blobs": blobs}
     head = _header_bytes(header)
     tmp = None
@@ -273,4 +274,17 @@ def load(model, path: str | os.PathLike, max_context: int | None = None):
                 with model._lock:
                     core.write(i, at, piece)
             check_crc(b, crc)
-    return core, tuple(int(t) for t in tokens)
+    return core, tuple(int(t) for t in tokens), _image_spans(header, tokens, model, path)
+
+
+def _image_spans(header: dict, tokens: np.ndarray, model, path) -> tuple | None:
+    """The snapshot's image spans (start, end, digest); None (never reused as a prefix) when the file
+    does not say and its tokens hold image tokens."""
+    spans = header.get("images", [] if model.config.image_token_id not in tokens else None)
+    if spans is None:
+        return None
+    if not isinstance(spans, list) or not all(
+            isinstance(s, list) and len(s) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in s[:2])
+            and 0 <= s[0] < s[1] <= tokens.size and isinstance(s[2], str) for s in spans):
+        raise SnapshotFileError(f"{path}: corrupt snapshot (image spans)")
+    return tuple((s[0], s[1], s[2]) for s in spans)

@@ -160,9 +160,13 @@ TEXT_ONLY_ROLES = ("system", "user", "tool")  # roles whose messages need conten
 
 
 def _check_content(m: Mapping, i: int):
-    """A message's content, checked as the server checks it: a string, a list of text parts (joined),
-    or (assistant messages only) None / missing. Image, audio and video parts are refused: the model
-    reads text only. One rule for the Python API and the server."""
+    """A message's content, checked as the server checks it: a string, a list of text and image parts
+    (text-only lists are joined; with images, the list of ``{"type": "text", "text"}`` and
+    ``{"type": "image"}`` parts the template renders, one ``<|image_pad|>`` per image), or (assistant
+    messages only) None / missing. Video and audio parts are refused. One rule for the Python API and
+    the server; the images themselves are taken out by lily.multimodal.extract_images."""
+    from .multimodal import is_image_part, is_video_part
+
     content = m.get("content")
     if content is None:
         if m["role"] in TEXT_ONLY_ROLES:
@@ -171,18 +175,28 @@ def _check_content(m: Mapping, i: int):
     if isinstance(content, str):
         return content
     if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
-        raise LilyError(f"'messages[{i}].content': expected a string or a list of text parts, "
+        raise LilyError(f"'messages[{i}].content': expected a string or a list of text and image parts, "
                         f"got {type(content).__name__}")
-    texts = []
+    parts = []
     for j, part in enumerate(content):
+        if is_video_part(part):
+            raise LilyError(f"'messages[{i}].content[{j}]': video and audio input are not supported (images only)")
+        if is_image_part(part):
+            parts.append({"type": "image"})
+            continue
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind != "text":
-            raise LilyError(f"'messages[{i}].content[{j}]': only text parts are supported (this model reads text "
-                            f"only), got {kind if kind is not None else type(part).__name__!r}")
+            raise LilyError(f"'messages[{i}].content[{j}]': expected a text or image part, "
+                            f"got {kind if kind is not None else type(part).__name__!r}")
         if not isinstance(part.get("text"), str):
             raise LilyError(f"'messages[{i}].content[{j}].text' is required (a string) for a text part")
-        texts.append(part["text"])
-    return "".join(texts)
+        if parts and "text" in parts[-1]:
+            parts[-1] = {"type": "text", "text": parts[-1]["text"] + part["text"]}
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if all("text" in p for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _normalise_tool_call(call, i: int, j: int) -> dict:
