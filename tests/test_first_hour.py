@@ -135,12 +135,16 @@ def test_api_and_server_agree(model):
     # top_k = -1 is "off" in both.
     assert lily.SamplingParams(top_k=-1).top_k == 0
     assert parse_chat({"messages": USER, "top_k": -1}, model.default_sampling()).params.top_k == 0
-    # Image parts: refused by both.
+    # Image parts on a checkpoint without a vision tower: refused, naming it (the server: 400, test_vision_api).
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
-    with pytest.raises(LilyError, match="only text parts"):
+    with pytest.raises(LilyError, match="has no vision tower"):
         model.chat(image, max_tokens=1)
-    with pytest.raises(APIError):
-        parse_chat({"messages": image}, model.default_sampling())
+    # Video parts: refused by both.
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:,"}}]}]
+    with pytest.raises(LilyError, match="video and audio input are not supported"):
+        model.chat(video, max_tokens=1)
+    with pytest.raises(APIError, match="video"):
+        parse_chat({"messages": video}, model.default_sampling())
     # A user message without content: refused by both.
     with pytest.raises(LilyError, match="is required for user messages"):
         model.chat([{"role": "user"}], max_tokens=1)

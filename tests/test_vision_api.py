@@ -176,3 +176,28 @@ def test_text_only_checkpoint_refuses_images():
     m = lily.Model.load(tiny_checkpoint(), device="cpu", max_context=256)
     with pytest.raises(LilyError, match="has no vision tower"):
         m.chat(user(A), max_tokens=1)
+
+
+def lily_cli(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lily.cli", *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+def test_cli_generate_and_chat_with_images(model, ckpt, tmp_path):
+    a, c = tmp_path / "a.png", tmp_path / "c.png"
+    a.write_bytes(png(A))
+    c.write_bytes(png(C))
+    r = lily_cli("generate", "-m", str(ckpt), "--device", "cpu", "-q", "--chat", "--greedy", "-n", "4",
+                 "--ignore-eos", "--image", str(a), "--image", str(c), "Describe.")
+    assert r.returncode == 0, r.stderr
+    want = model.new_session().chat(user(A, C), temperature=0, max_tokens=4, ignore_eos=True)
+    assert r.stdout == want.text + "\n"
+    r = lily_cli("generate", "-m", str(ckpt), "--image", str(a), "Describe.")
+    assert r.returncode != 0 and "--image applies to a --chat prompt" in r.stderr
+    r = lily_cli("chat", "-m", str(ckpt), "--device", "cpu", "-v", "-n", "2", "-t", "0",
+                 stdin=f"/image {tmp_path / 'missing.png'}\n/image {a}\nDescribe.\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "no such file" in r.stderr and "a.png attached" in r.stderr and "prompt tokens" in r.stderr

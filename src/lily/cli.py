@@ -83,6 +83,9 @@ def check_generate_flags(args: argparse.Namespace) -> None:
                                 f"message through the chat template)")
     if args.greedy and not args.chat:
         raise LilyError("--greedy applies to --chat (plain generate is already greedy)")
+    if args.image and (args.input or not args.chat):
+        raise LilyError("--image applies to a --chat prompt (the images go before the text in the user message); "
+                        "with --input, put image parts in each line's messages")
 
 
 def generate_params(args: argparse.Namespace, model=None):
@@ -101,7 +104,10 @@ def chat_prompt(args: argparse.Namespace, prompt):
     first unless it has a system message of its own."""
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     if isinstance(prompt, str):
-        return system + [{"role": "user", "content": prompt}] if args.chat else prompt
+        images = getattr(args, "image", None)
+        content = [*({"type": "image", "image": path} for path in images), {"type": "text", "text": prompt}] \
+            if images else prompt
+        return system + [{"role": "user", "content": content}] if args.chat else prompt
     if system and not (prompt and isinstance(prompt[0], dict) and prompt[0].get("role") in ("system", "developer")):
         return system + list(prompt)
     return prompt
@@ -252,8 +258,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     session = model.new_session()
+    images: list[str] = []  # /image PATH: attached to the next message
     if not args.quiet:
-        print("lily chat: /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+        print("lily chat: /image PATH attaches an image to the next message, /reset starts over, /exit (or Ctrl-D) "
+              "quits.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -265,10 +273,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
-            messages = list(system)
+            messages, images = list(system), []
             continue
-        messages.append({"role": "user", "content": line})
-        stream = model.chat(messages, params, stream=True, session=session, **kwargs)
+        if line.startswith("/image "):
+            path = Path(line[len("/image "):].strip()).expanduser()
+            if path.is_file():
+                images.append(str(path))
+                print(f"[{path.name} attached to the next message]", file=sys.stderr)
+            else:
+                print(f"[no such file: {path}]", file=sys.stderr)
+            continue
+        content = [*({"type": "image", "image": p} for p in images), {"type": "text", "text": line}] if images else line
+        messages.append({"role": "user", "content": content})
+        try:
+            stream = model.chat(messages, params, stream=True, session=session, **kwargs)
+        except LilyError as e:  # e.g. an unreadable image, or a checkpoint without a vision tower
+            messages.pop()
+            print(f"[error: {e}]", file=sys.stderr)
+            continue
+        images = []
         printer = ThinkPrinter(sys.stdout, stream.thinking, not args.hide_thinking)
         try:
             for event in stream:
@@ -347,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sampled as generation_config.json recommends (Qwen3.6: temperature 1.0, top_k 20, "
                         "top_p 0.95); with --input, text prompts become user messages")
     g.add_argument("--greedy", action="store_true", help="with --chat: greedy decoding (temperature 0)")
+    g.add_argument("--image", action="append", metavar="PATH", default=[],
+                   help="with --chat: an image for the user message, before the text (repeatable; CPU only for "
+                        "now, docs/vision.md)")
     g.add_argument("--input", "-i", metavar="PROMPTS.jsonl", help="generate for every prompt of a JSONL file")
     g.add_argument("--output", "-o", metavar="RESULTS.jsonl", help="where --input writes results (appended; resumable)")
     add_sampling_arguments(g, "greedy; with --chat the checkpoint's generation_config.json")
