@@ -41,10 +41,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import LilyError
+from ..multimodal import URLPolicy, expand_image_pads, extract_images, has_image_parts
 from .worker import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE, Job, QueueFull, ShuttingDown, Source, Worker
 from .errors import APIError, bad_request
 from .output import ChatOutput, CompletionLogprobs, chat_logprob, usage
-from .parse import Request, parse_chat, parse_completion
+from .parse import Request, content_text, parse_chat, parse_completion
 from .prompt import DEFAULT_SEGMENT_CACHE_MIB, Prompt, PromptTooLong, SegmentEncoder, chat_prompt, text_prompt
 from .schema import openapi
 
@@ -200,8 +201,11 @@ class Server:
                  log: bool = False, max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
                  request_timeout: float = REQUEST_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                  write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None,
-                 allow_control_tokens: bool = False, token_cache_mib: int = DEFAULT_SEGMENT_CACHE_MIB):
+                 allow_control_tokens: bool = False, token_cache_mib: int = DEFAULT_SEGMENT_CACHE_MIB,
+                 image_policy: URLPolicy | None = None):
         self.model = model
+        # Which image URLs requests may use: data: only, unless the operator allows more.
+        self.image_policy = image_policy or URLPolicy()
         self.tokenizer = model.tokenizer  # loaded once here, shared by the worker threads
         if token_cache_mib < 0:
             raise LilyError(f"token_cache_mib must be >= 0, got {token_cache_mib}")
@@ -340,7 +344,7 @@ class Server:
             return
         for i, m in enumerate(messages):
             for field in ("content", "reasoning_content"):
-                found = self.control_tokens.search(m.get(field) or "")
+                found = self.control_tokens.search(content_text(m.get(field)))
                 if found:
                     name = "content" if field == "content" else "reasoning_content"
                     raise bad_request(f"'messages[{i}].{name}' contains the control token {found.group()!r}; "
@@ -669,12 +673,16 @@ def _prepare_chat(s: Server, raw: bytes, notify):
     """Validate, render and tokenize a chat request and submit its job (runs in a worker thread)."""
     req = parse_chat(_json(raw), s.defaults)
     s.check_model(req.model)
-    s.check_chars(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in req.messages),
-                  "messages")
+    s.check_chars(sum(len(content_text(m.get("content"))) + len(m.get("reasoning_content") or "")
+                      for m in req.messages), "messages")
     s.check_control_tokens(req.messages)
+    messages, images = _read_images(s, req.messages)
     try:
-        prompt = chat_prompt(s.tokenizer, req.messages, req.tools, req.template_kwargs, s.worker.max_context,
+        prompt = chat_prompt(s.tokenizer, messages, req.tools, req.template_kwargs, s.worker.max_context,
                              s.encoder)
+        if images:
+            ids, cuts = expand_image_pads(prompt.ids, images, s.model.config.image_token_id, prompt.boundaries)
+            prompt = Prompt(ids, tuple(cuts), prompt.thinking, tuple(images))
     except PromptTooLong as e:
         raise s.too_long(e.tokens, "messages") from None
     except LilyError as e:
@@ -685,6 +693,26 @@ def _prepare_chat(s: Server, raw: bytes, notify):
     params = s.fit_context(prompt, req, "messages")
     job = _submit(s, "chatcmpl-", prompt, params, notify, req.constraint)
     return job, _ChatRenderer(s, req, prompt, params, job)
+
+
+def _read_images(s: Server, messages: list[dict]) -> tuple[list[dict], list]:
+    """The messages with their image parts as template placeholders, and the images prepared for the
+    vision tower; a 400 when the model cannot read images or an image is refused or unreadable."""
+    if not has_image_parts(messages):
+        return messages, []
+    if s.model.config.vision is None:
+        raise bad_request(f"the model '{s.model_name}' has no vision tower, so it cannot read images (send text "
+                          f"only, or serve a checkpoint with a vision_config and model.visual.* weights)", "messages",
+                          "images_unsupported")
+    if s.model.device != "cpu":
+        raise bad_request(f"images need device cpu for now: this server runs the model on {s.model.device}, where "
+                          f"images are not implemented yet (serve with --device cpu to read images)", "messages",
+                          "images_unsupported")
+    try:
+        messages, sources = extract_images(messages, s.image_policy)
+        return messages, s.model.prepare_images(sources)
+    except LilyError as e:
+        raise bad_request(str(e), "messages", "invalid_image") from None
 
 
 def _prepare_completion(s: Server, raw: bytes, notify):

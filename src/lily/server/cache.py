@@ -70,9 +70,15 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def longest_prefix(self, ids: Sequence[int], longer_than: int = 0) -> SnapshotLike | None:
+    def get(self, tokens: Sequence[int]) -> SnapshotLike | None:
+        """The entry of exactly these tokens (not marked as used), or None."""
+        with self._lock:
+            return self._entries.get(tuple(tokens))
+
+    def longest_prefix(self, ids: Sequence[int], longer_than: int = 0, accept=None) -> SnapshotLike | None:
         """The snapshot of the longest proper prefix of ``ids`` (at least one id is left to run) with
-        more than ``longer_than`` tokens, marked as recently used; None when there is none."""
+        more than ``longer_than`` tokens and, when given, ``accept(snapshot)`` true (e.g. the same
+        images behind its image tokens), marked as recently used; None when there is none."""
         ids = tuple(ids)
         best: tuple[int, ...] | None = None
         with self._lock:
@@ -80,7 +86,8 @@ class PrefixCache:
             if fits:
                 hashes = prefix_hashes(ids)
                 for n, h, key in sorted(fits, key=lambda f: f[0], reverse=True):
-                    if int(hashes[n]) == h and ids[:n] == key:  # the hash picks, the comparison decides
+                    # the hash picks, the comparison decides
+                    if int(hashes[n]) == h and ids[:n] == key and (accept is None or accept(self._entries[key])):
                         best = key
                         break
             if best is None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from ..errors import LilyError
+from ..multimodal import DEFAULT_FETCH_SECONDS, DEFAULT_MAX_IMAGE_BYTES, URLPolicy
 from .worker import DEFAULT_CACHE_MIB, DEFAULT_MAX_QUEUE
 
 # As app.MAX_CONNECTIONS / REQUEST_TIMEOUT / KEEPALIVE_TIMEOUT (not imported: uvicorn and Starlette load slowly).
@@ -62,6 +64,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"0 turns the cache off)")
     p.add_argument("--allow-control-tokens", action="store_true",
                    help="accept special-token text such as <|im_start|> in chat messages (default: 400)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="let image_url parts name http(s) URLs, which the server then fetches (off: data: URLs "
+                        "only); each image at most --image-max-mib, fetched within --image-fetch-timeout")
+    p.add_argument("--allow-image-dir", metavar="DIR", type=Path, default=None,
+                   help="let image_url parts name file:// URLs of files under DIR (off: local files are refused)")
+    p.add_argument("--image-max-mib", type=float, default=DEFAULT_MAX_IMAGE_BYTES / 2**20, metavar="MIB",
+                   help=f"the largest encoded image a request may send or name (default {DEFAULT_MAX_IMAGE_BYTES >> 20})")
+    p.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_FETCH_SECONDS, metavar="S",
+                   help=f"with --allow-image-urls: the seconds one image may take to download "
+                        f"(default {DEFAULT_FETCH_SECONDS:g})")
     p.add_argument("--log-requests", action="store_true", help="print one line per HTTP request to stderr")
     p.set_defaults(func=cmd_serve)
     return p
@@ -86,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LilyError(f"--max-context must be >= 2, got {args.max_context}")
     if args.max_connections < 1:
         raise LilyError(f"--max-connections must be >= 1, got {args.max_connections}")
+    policy = image_policy(args)
     if not args.request_timeout > 0:
         raise LilyError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if not args.keepalive_timeout > 0:
@@ -104,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
                         max_connections=args.max_connections, request_timeout=args.request_timeout,
                         keepalive_timeout=args.keepalive_timeout,
-                        allow_control_tokens=args.allow_control_tokens)
+                        allow_control_tokens=args.allow_control_tokens, image_policy=policy)
     except OSError as e:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in LOOPBACK and api_key is None:
@@ -125,6 +138,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("lily serve: stopped", file=sys.stderr)
     return 0
+
+
+def image_policy(args: argparse.Namespace) -> URLPolicy:
+    """The image URLs requests may use, from the --allow-image-* flags (checked)."""
+    if args.image_max_mib <= 0 or args.image_fetch_timeout <= 0:
+        raise LilyError("--image-max-mib and --image-fetch-timeout must be positive")
+    folder = args.allow_image_dir
+    if folder is not None and not folder.expanduser().is_dir():
+        raise LilyError(f"--allow-image-dir {folder}: not a directory")
+    return URLPolicy(allow_http=args.allow_image_urls, allowed_dir=folder.expanduser() if folder else None,
+                     max_bytes=int(args.image_max_mib * 2**20), timeout=args.image_fetch_timeout)
 
 
 def read_api_key(given: str | None, path: str | None) -> str | None:

@@ -96,6 +96,7 @@ def _several_prompts(prompt: Any) -> None:
 
 def parse_chat(body: Any, defaults: SamplingParams) -> Request:
     body = drop_unknown_fields(body, CHAT_REQUEST)
+    _refuse_video(body)
     validate(body, CHAT_REQUEST)
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if top and not logprobs:
@@ -250,15 +251,48 @@ def _message(m: dict, i: int) -> dict:
     return out
 
 
-def _content(content, path: str) -> str:
+def _content(content, path: str) -> str | list[dict]:
+    """A message's content: its text, or with image parts the list of text and image parts (the images
+    are read in app._prepare_chat, under the server's image URL policy)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    parts = []
     for j, part in enumerate(content):
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"'{path}[{j}].text' is required (a string) for a text part", f"{path}[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"'{path}[{j}].text' is required (a string) for a text part", f"{path}[{j}].text")
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            url = part.get("image_url", part.get("image"))
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise bad_request(f"'{path}[{j}].image_url.url' is required (a data: URL) for an image part",
+                                  f"{path}[{j}].image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def content_text(content) -> str:
+    """The text of a parsed message content (its text parts joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content)
+    return content or ""
+
+
+def _refuse_video(body: Any) -> None:
+    """Video and audio parts: a 400 that says so (the schema would only list the part types it knows)."""
+    from ..multimodal import is_video_part
+
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if is_video_part(part):
+                raise bad_request(f"'messages[{i}].content[{j}]': video and audio input are not supported "
+                                  f"(images only: image_url parts with data: URLs)", f"messages[{i}].content[{j}]",
+                                  "unsupported_value")
 
 
 def _tool_call(call: dict, path: str) -> dict:

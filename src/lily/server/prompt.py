@@ -180,6 +180,7 @@ class Prompt:
     ids: list[int]
     boundaries: tuple[int, ...] = ()
     thinking: bool = False
+    images: tuple = ()  # lily.images.PreparedImage, one per run of image tokens in ids
 
 
 def opens_think(text: str) -> bool:

@@ -91,9 +91,18 @@ _SAMPLING = {
 
 _TEXT_PART = {
     "type": "object", "required": ["type"], "additionalProperties": True,
-    "properties": {"type": {"type": "string", "enum": ["text"],
-                            "description": "Only text parts: the model reads text only."},
-                   "text": {"type": "string"}},
+    "properties": {"type": {"type": "string", "enum": ["text", "image_url", "image"],
+                            "description": "Text and image parts (images: a checkpoint with a vision tower, "
+                                           "device cpu; docs/vision.md). Video and audio parts are refused."},
+                   "text": {"type": "string"},
+                   "image_url": {"anyOf": [{"type": "string"},
+                                           {"type": "object", "required": ["url"], "additionalProperties": True,
+                                            "properties": {"url": {"type": "string", "minLength": 1},
+                                                           "detail": {"type": "string",
+                                                                      "description": "Accepted and ignored."}}}],
+                                 "description": "A data: URL (base64); http(s):// and file:// only where the "
+                                                "operator allows them (--allow-image-urls, --allow-image-dir)."},
+                   "image": {"type": "string", "description": "Alias: the URL of an 'image' part."}},
 }
 
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _ref("ContentPart")}, {"type": "null"}]}

@@ -30,6 +30,7 @@ from ..errors import LilyError
 from ..generate import Generation, GenerationStream
 from ..sampling import SamplingParams
 from .cache import PrefixCache
+from ..multimodal import image_spans, safe_cut, same_images, split_at
 from .metrics import Metrics
 from .prompt import Prompt
 
@@ -217,16 +218,21 @@ class Worker:
         """Resume the session for the job's prompt, prefill and snapshot its boundaries; the stream
         of the rest, the number of prompt tokens reused, and the seconds spent here."""
         t0 = time.perf_counter()
-        session, ids = self.session, job.prompt.ids
-        cached = pos = self._resume(ids)
+        session, ids, images = self.session, job.prompt.ids, list(job.prompt.images)
+        spans = image_spans(ids, images, self.model.config.image_token_id) if images else ()
+        cached = pos = self._resume(ids, spans)
         for b in job.prompt.boundaries:
+            b = safe_cut(spans, b)
             if pos < b < len(ids):
-                session.prefill(ids[pos:b])
+                session.prefill(ids[pos:b], images=split_at(spans, images, pos, b))
                 pos = b
-                if self.cache.budget_bytes and ids[:b] not in self.cache:
-                    self._keep_snapshot()
+                if self.cache.budget_bytes:
+                    kept = self.cache.get(ids[:b])  # one per token prefix: the latest images behind it
+                    if kept is None or getattr(kept, "images", ()) != session.image_spans:
+                        self._keep_snapshot()
         constraint = job.constraint.with_think(job.prompt.thinking) if job.constraint is not None else None
-        stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint)
+        stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint,
+                                     images=images or None)
         return stream, cached, time.perf_counter() - t0
 
     def _keep_snapshot(self) -> None:
@@ -238,12 +244,15 @@ class Worker:
             self.cache.clear()
             print(f"lily serve: prefix snapshot failed ({type(e).__name__}: {e}); cache cleared", file=sys.stderr)
 
-    def _resume(self, ids: list[int]) -> int:
-        """Bring the session to the longest reusable prefix of ``ids`` and return its length."""
+    def _resume(self, ids: list[int], spans=()) -> int:
+        """Bring the session to the longest reusable prefix of ``ids`` (whose images are ``spans``:
+        a prefix is reused only with the same images behind its image tokens) and return its length."""
         session = self.session
         held = session.tokens
-        own = len(held) if len(held) < len(ids) and tuple(ids[:len(held)]) == held else -1
-        snap = self.cache.longest_prefix(ids, longer_than=max(own, 0))
+        own = len(held) if len(held) < len(ids) and tuple(ids[:len(held)]) == held \
+            and same_images(session.image_spans, spans, len(held)) else -1
+        snap = self.cache.longest_prefix(ids, longer_than=max(own, 0),
+                                         accept=lambda s: same_images(getattr(s, "images", ()), spans, len(s.tokens)))
         if snap is not None:
             session.restore(snap)
             return len(snap.tokens)
