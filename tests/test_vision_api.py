@@ -201,3 +201,145 @@ def test_cli_generate_and_chat_with_images(model, ckpt, tmp_path):
                  stdin=f"/image {tmp_path / 'missing.png'}\n/image {a}\nDescribe.\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "no such file" in r.stderr and "a.png attached" in r.stderr and "prompt tokens" in r.stderr
+
+
+# --- the server --------------------------------------------------------------------------------------
+
+def image_part(url):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def ask(*parts, text="Describe."):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    import openai
+
+    from lily.multimodal import URLPolicy
+    from lily.server import Server
+
+    folder = tmp_path_factory.mktemp("allowed")
+    with Server(model, port=0, model_name="vision", image_policy=URLPolicy(allowed_dir=folder)) as s:
+        yield s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60), folder
+
+
+def test_server_data_url_equals_the_api(model, served):
+    _, client, _ = served
+    kw = dict(model="vision", temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(messages=ask(image_part(data_url(A)), image_part(data_url(C))), **kw)
+    want = model.new_session().chat(user(A, C), temperature=0, max_tokens=5, ignore_eos=True)
+    msg = r.choices[0].message
+    assert (msg.content or "", getattr(msg, "reasoning_content", None) or "") == (want.content, want.reasoning)
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    chunks = client.chat.completions.create(messages=ask(image_part(data_url(A)), image_part(data_url(C))),
+                                            stream=True, **kw)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == want.content
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == want.reasoning
+
+
+def test_server_prefix_reuse_is_keyed_by_image_content(model, served):
+    _, client, _ = served
+    kw = dict(model="vision", temperature=0, max_tokens=3)
+    first = client.chat.completions.create(messages=ask(image_part(data_url(A)), text="One"), **kw)
+    turn = ask(image_part(data_url(A)), text="One") + [{"role": "assistant", "content": "x"},
+                                                       {"role": "user", "content": "Two"}]
+    again = client.chat.completions.create(messages=turn, **kw)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 6
+    # The same ids with another image: nothing past the image is reused, and the answer is B's.
+    turn_b = ask(image_part(data_url(B)), text="One") + turn[1:]
+    other = client.chat.completions.create(messages=turn_b, **kw)
+    assert other.usage.prompt_tokens == again.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens < 8
+    b_msgs = user(B, text="One") + turn[1:]
+    want = model.new_session().chat(b_msgs, temperature=0, max_tokens=3)
+    assert (other.choices[0].message.content or "") == want.content
+
+
+def test_server_refusals_are_400s_and_it_keeps_serving(served, tmp_path):
+    import openai
+
+    s, client, folder = served
+    (folder / "a.png").write_bytes(png(A))
+    outside = tmp_path / "b.png"
+    outside.write_bytes(png(B))
+    bad = [
+        ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], "video and audio input"),
+        ([image_part("https://example.com/cat.png")], "--allow-image-urls"),
+        ([image_part(outside.as_uri())], "outside the allowed image directory"),
+        ([image_part("data:image/png;base64,%%%")], "not valid base64"),
+        ([image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())], "cannot decode the image"),
+        ([image_part("gopher://x")], "unsupported image URL scheme"),
+    ]
+    for parts, words in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="vision", messages=ask(*parts), max_tokens=1)
+        assert words in str(e.value), (words, str(e.value))
+    ok = client.chat.completions.create(model="vision", messages=ask(image_part((folder / "a.png").as_uri())),
+                                        max_tokens=1)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    assert s.worker.stats()["totals"]["error"] == 0
+
+
+def test_server_without_a_vision_tower_or_on_cuda():
+    from types import SimpleNamespace
+
+    from lily.multimodal import URLPolicy
+    from lily.server.app import _read_images
+    from lily.server.errors import APIError
+
+    msgs = ask(image_part(data_url(A)))
+    for vision, device, words in ((None, "cpu", "the model 'm' has no vision tower"),
+                                  (object(), "cuda", "images need device cpu for now")):
+        s = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vision=vision), device=device),
+                            model_name="m", image_policy=URLPolicy())
+        with pytest.raises(APIError, match=words) as e:
+            _read_images(s, msgs)
+        assert e.value.status == 400
+    assert _read_images(s, [{"role": "user", "content": "text"}]) == ([{"role": "user", "content": "text"}], [])
+
+
+def test_text_only_server_answers_images_with_400():
+    import openai
+
+    from lily.checkpoint.tiny import tiny_checkpoint
+    from lily.server import Server
+
+    m = lily.Model.load(tiny_checkpoint(), device="cpu", max_context=256)
+    with Server(m, port=0, model_name="text") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="the model 'text' has no vision tower"):
+            client.chat.completions.create(model="text", messages=ask(image_part(data_url(A))), max_tokens=1)
+        assert client.chat.completions.create(model="text", messages=USER_TEXT, max_tokens=1).choices
+
+
+USER_TEXT = [{"role": "user", "content": "Hi"}]
+
+
+def test_http_fetch_when_allowed_with_limits(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from lily.multimodal import URLPolicy, read_url
+
+    (tmp_path / "a.png").write_bytes(png(A))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}/a.png"
+    try:
+        with pytest.raises(ImageError, match="--allow-image-urls"):
+            read_url(url, URLPolicy())
+        assert read_url(url, URLPolicy(allow_http=True)) == png(A)
+        with pytest.raises(ImageError, match="more than 100 bytes"):
+            read_url(url, URLPolicy(allow_http=True, max_bytes=100))
+        with pytest.raises(ImageError, match="cannot fetch"):
+            read_url(url + ".missing", URLPolicy(allow_http=True))
+        with pytest.raises(ImageError, match="more than 100 bytes"):
+            read_url(data_url(A), URLPolicy(max_bytes=100))
+    finally:
+        httpd.shutdown()
