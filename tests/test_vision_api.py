@@ -100,14 +100,15 @@ def test_stream_equals_non_stream(model):
 
 
 def test_image_url_parts_and_sources_agree(model, tmp_path):
-    """path, bytes, PIL image, numpy array, data: URL and file:// URL: the same image, the same answer."""
+    """path, bytes, PIL image, numpy array, data: URL, file:// URL, PreparedImage: the same image and answer."""
     from PIL import Image
 
     f = tmp_path / "a.png"
     f.write_bytes(png(A))
     parts = [{"type": "image", "image": A}, {"type": "image", "image": str(f)}, {"type": "image", "image": png(A)},
              {"type": "image", "image": Image.fromarray(A)}, {"type": "image_url", "image_url": {"url": data_url(A)}},
-             {"type": "image_url", "image_url": {"url": f.as_uri()}}]
+             {"type": "image_url", "image_url": {"url": f.as_uri()}},
+             {"type": "image", "image": model.prepare_images([A])[0]}]
     answers = {tuple(model.new_session().chat([{"role": "user", "content": [p, {"type": "text", "text": "Hi"}]}],
                                               temperature=0, max_tokens=3, ignore_eos=True).token_ids) for p in parts}
     assert len(answers) == 1
