@@ -232,13 +232,13 @@ class CountingCore:
     def __init__(self, core):
         self._core, self.prefilled = core, 0
 
-    def prefill(self, ids, all_logits):
+    def prefill(self, ids, *args):
         self.prefilled += len(ids)
-        return self._core.prefill(ids, all_logits)
+        return self._core.prefill(ids, *args)
 
-    def prefill_sample(self, ids):
+    def prefill_sample(self, ids, *args):
         self.prefilled += len(ids)
-        return self._core.prefill_sample(ids)
+        return self._core.prefill_sample(ids, *args)
 
     def __getattr__(self, name):
         return getattr(self._core, name)

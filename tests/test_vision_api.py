@@ -278,6 +278,10 @@ def test_server_refusals_are_400s_and_it_keeps_serving(served, tmp_path):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="vision", messages=ask(*parts), max_tokens=1)
         assert words in str(e.value), (words, str(e.value))
+    big = data_url(np.full((256, 256, 3), 200, np.uint8))  # 64 tokens each: 9 exceed the context of 512
+    with pytest.raises(openai.BadRequestError, match="context") as e:
+        client.chat.completions.create(model="vision", messages=ask(*[image_part(big)] * 9), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
     ok = client.chat.completions.create(model="vision", messages=ask(image_part((folder / "a.png").as_uri())),
                                         max_tokens=1)
     assert ok.choices[0].finish_reason in ("length", "stop")

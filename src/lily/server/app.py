@@ -710,7 +710,13 @@ def _read_images(s: Server, messages: list[dict]) -> tuple[list[dict], list]:
                           "images_unsupported")
     try:
         messages, sources = extract_images(messages, s.image_policy)
-        return messages, s.model.prepare_images(sources)
+        images, tokens = [], 0
+        for source in sources:  # one at a time: a request of more image tokens than the context stops early
+            images += s.model.prepare_images([source])
+            tokens += images[-1].num_tokens
+            if tokens >= s.worker.max_context:
+                raise s.too_long(tokens, "messages")
+        return messages, images
     except LilyError as e:
         raise bad_request(str(e), "messages", "invalid_image") from None
 
