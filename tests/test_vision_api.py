@@ -348,3 +348,21 @@ def test_http_fetch_when_allowed_with_limits(tmp_path):
             read_url(data_url(A), URLPolicy(max_bytes=100))
     finally:
         httpd.shutdown()
+
+
+def test_serve_image_flags(tmp_path):
+    import argparse
+
+    from lily.server.cli import image_policy
+
+    def flags(**kw):
+        return argparse.Namespace(**{"allow_image_urls": False, "allow_image_dir": None, "image_max_mib": 20.0,
+                                     "image_fetch_timeout": 10.0, **kw})
+
+    assert image_policy(flags()).allow_http is False and image_policy(flags()).allowed_dir is None
+    p = image_policy(flags(allow_image_urls=True, allow_image_dir=tmp_path, image_max_mib=0.5, image_fetch_timeout=2))
+    assert (p.allow_http, p.allowed_dir, p.max_bytes, p.timeout) == (True, tmp_path, 1 << 19, 2)
+    with pytest.raises(LilyError, match="not a directory"):
+        image_policy(flags(allow_image_dir=tmp_path / "missing"))
+    with pytest.raises(LilyError, match="must be positive"):
+        image_policy(flags(image_max_mib=0))
