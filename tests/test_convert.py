@@ -214,7 +214,6 @@ def test_dropped_tensors_and_tokenizer_files(hf_dir, mlx_dir, tmp_path):
     sio.save_file(source / "extras.safetensors", {
         "mtp.fc.weight": ("BF16", np.zeros((128, 256), np.uint16)),
         "mtp.layers.0.mlp.experts.gate_up_proj": ("BF16", np.zeros((8, 128, 128), np.uint16)),
-        "model.visual.blocks.0.attn.qkv.weight": ("BF16", np.zeros((3, 3), np.uint16)),
     })
     (source / "tokenizer.json").write_text('{"tok": 1}')
     (source / "chat_template.jinja").write_text("{{ x }}")
@@ -321,3 +320,100 @@ def test_quantize_at_load_refuses_a_quantized_checkpoint(mlx_dir):
 
     with pytest.raises(lily.LilyError, match="quantize=4 applies to float"):
         lily.Model.load(mlx_dir, device="cpu", quantize=4)
+
+
+# The vision tower (issue 17): copied as stored, under the names the loader reads in both layouts.
+
+@pytest.fixture(scope="module")
+def vision_dirs(tmp_path_factory):
+    hf = synthetic.make_checkpoint(tmp_path_factory.mktemp("hfv"), "tiny", layout="hf", vision=True)
+    # Small images stay small: 32 x 32 pixels at least (one merge block); the converter copies this file.
+    (hf / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 1024, "max_pixels": 16384}))
+    return hf, convert.convert_hf_to_mlx(hf, tmp_path_factory.mktemp("mlxv"))
+
+
+def test_vision_tower_is_copied_as_stored(vision_dirs):
+    hf, mlx = vision_dirs
+    source, out = read_dir(hf), read_dir(mlx)
+    visual = {n for n in source if n.startswith("model.visual.")}
+    assert visual == set(convert.vision_tensor_shapes(json.loads((hf / "config.json").read_text())))
+    assert visual == {n for n in out if n.startswith("model.visual.")}
+    for name in visual:
+        assert out[name][0] == source[name][0] == "BF16"
+        np.testing.assert_array_equal(out[name][1], source[name][1], err_msg=name)
+    assert set(out) - visual == set(convert.mlx_tensor_specs(synthetic.TINY_TEXT_CONFIG))
+    assert (mlx / "preprocessor_config.json").read_text() == (hf / "preprocessor_config.json").read_text()
+    config = json.loads((mlx / "config.json").read_text())
+    assert config["vision_config"] == json.loads((hf / "config.json").read_text())["vision_config"]
+    assert not any(k.startswith("model.visual") for k in config["quantization"])
+
+
+def test_converted_tower_encodes_images_exactly_as_the_original(vision_dirs):
+    import lily
+
+    hf, mlx = vision_dirs
+    original, converted = lily.Model.load(hf, device="cpu"), lily.Model.load(mlx, device="cpu")
+    assert converted.config.vision == original.config.vision is not None
+    signature = converted._engine.weight_signature().splitlines()
+    assert any(line.startswith("visual.") for line in signature)
+    assert not [line for line in signature if line.startswith("visual.") and "affine" in line]
+    pixels = np.random.default_rng(1).uniform(-1, 1, (24 + 8, 1536)).astype(np.float32)
+    grids = np.array([[1, 4, 6], [1, 2, 4]], np.int32)
+    np.testing.assert_array_equal(converted._engine.encode_images(pixels, grids),
+                                  original._engine.encode_images(pixels, grids))
+
+
+def test_converted_checkpoint_answers_an_image_prompt_as_the_original(vision_dirs):
+    """The converted (4-bit) checkpoint against the original quantized at load, which equals it."""
+    import lily
+
+    hf, mlx = vision_dirs
+    image = np.random.default_rng(2).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is this?"}]}]
+    answers = []
+    for model in (lily.Model.load(hf, device="cpu", quantize=4), lily.Model.load(mlx, device="cpu")):
+        r = model.chat(messages, temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+        answers.append((r.token_ids, [lp.logprob for lp in r.logprobs], r.usage.prompt_tokens))
+    assert answers[0] == answers[1]
+
+
+def test_incomplete_or_unexpected_vision_tensors_are_refused(vision_dirs, tmp_path):
+    hf, _ = vision_dirs
+    tensors = read_dir(hf)
+    broken = tmp_path / "incomplete"
+    broken.mkdir()
+    shutil.copy(hf / "config.json", broken)
+    sio.save_file(broken / "model.safetensors",
+                  {n: t for n, t in tensors.items() if n != "model.visual.blocks.1.attn.qkv.bias"})
+    with pytest.raises(errors.CheckpointError,
+                       match=r"missing tensor 'model\.visual\.blocks\.1\.attn\.qkv\.bias' \(the vision tower is incomplete\)"):
+        convert.convert_hf_to_mlx(broken, tmp_path / "out1")
+
+    config = json.loads((hf / "config.json").read_text())
+    del config["vision_config"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.CheckpointError, match="holds vision tensors .* but config.json has no vision_config"):
+        convert.convert_hf_to_mlx(broken, tmp_path / "out2")
+
+    shutil.copy(hf / "config.json", broken)
+    wrong = dict(tensors, **{"model.visual.pos_embed.weight": ("BF16", np.zeros((3, 64), np.uint16))})
+    sio.save_file(broken / "model.safetensors", wrong)
+    with pytest.raises(errors.CheckpointError, match=r"model\.visual\.pos_embed\.weight is BF16 \(3, 64\), expected"):
+        convert.convert_hf_to_mlx(broken, tmp_path / "out3")
+
+    integer = dict(tensors, **{"model.visual.pos_embed.weight": ("I32", np.zeros((64, 64), np.int32))})
+    sio.save_file(broken / "model.safetensors", integer)
+    with pytest.raises(errors.CheckpointError, match=r"'model\.visual\.pos_embed\.weight': dtype I32"):
+        convert.convert_hf_to_mlx(broken, tmp_path / "out4")
+
+
+def test_mlx_checkpoint_with_an_incomplete_tower_is_refused_at_load(vision_dirs, tmp_path):
+    import lily
+
+    _, mlx = vision_dirs
+    shutil.copy(mlx / "config.json", tmp_path)
+    sio.save_file(tmp_path / "model.safetensors",
+                  {n: t for n, t in read_dir(mlx).items() if n != "model.visual.merger.linear_fc1.weight"})
+    with pytest.raises(errors.CheckpointError, match="missing tensor 'model.visual.merger.linear_fc1.weight'"):
+        lily.Model.load(tmp_path, device="cpu")

@@ -259,13 +259,35 @@ def test_vision_tower_hf(tmp_path):
     assert out.shape == (6, 128) and 0.3 < np.sqrt((out ** 2).mean()) < 3
 
 
-def test_vision_tower_mlx_keeps_only_the_config(tmp_path):
+def test_vision_tower_mlx(tmp_path):
+    """--vision in the MLX layout: the same bf16 tower as the HF layout (as `lily convert` copies it), loaded
+    with the checkpoint; its merged tokens equal the HF checkpoint's."""
     import lily
 
-    path = synthetic.make_checkpoint(tmp_path, "tiny", with_tokenizer=False, vision=True)
-    assert "vision_config" in json.loads((path / "config.json").read_text())
-    assert not any(n.startswith("model.visual.") for n in read_dir(path))
-    assert lily.Model.load(path, device="cpu").config.vision is None
+    hf = synthetic.make_checkpoint(tmp_path / "hf", "tiny", layout="hf", with_tokenizer=False, vision=True)
+    mlx = synthetic.make_checkpoint(tmp_path / "mlx", "tiny", with_tokenizer=False, vision=True)
+    assert "vision_config" in json.loads((mlx / "config.json").read_text())
+    hf_tensors, mlx_tensors = read_dir(hf), read_dir(mlx)
+    visual = {n for n in hf_tensors if n.startswith("model.visual.")}
+    assert visual == {n for n in mlx_tensors if n.startswith("model.visual.")}
+    for name in visual:
+        assert mlx_tensors[name][0] == "BF16"
+        np.testing.assert_array_equal(mlx_tensors[name][1], hf_tensors[name][1])
+    m = lily.Model.load(mlx, device="cpu")
+    assert m.config.vision is not None
+    pixels = np.random.default_rng(0).uniform(-1, 1, (24, 1536)).astype(np.float32)
+    grids = np.array([[1, 4, 6]], np.int32)
+    want = lily.Model.load(hf, device="cpu")._engine.encode_images(pixels, grids)
+    np.testing.assert_array_equal(m._engine.encode_images(pixels, grids), want)
+
+
+def test_mlx_layout_with_vision_equals_the_conversion(tmp_path):
+    from lily.checkpoint import convert
+
+    hf = synthetic.make_checkpoint(tmp_path / "hf", "tiny", layout="hf", with_tokenizer=False, vision=True)
+    mlx = synthetic.make_checkpoint(tmp_path / "mlx", "tiny", with_tokenizer=False, vision=True)
+    converted = convert.convert_hf_to_mlx(hf, tmp_path / "converted")
+    assert (mlx / "model.safetensors").read_bytes() == (converted / "model.safetensors").read_bytes()
 
 
 def test_full_size_vision_tower_shapes():

@@ -4,7 +4,9 @@ Accepted sources (docs/model.md section 4.2, and what transformers 5.24 `save_pr
   - prefix `model.language_model.` (multimodal class) or `model.` (Qwen3_5MoeForCausalLM), `lm_head.`;
   - experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or
     per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what transformers 5.24 saves);
-  - `mtp.*` and `model.visual.*` are dropped.
+  - `mtp.*` is dropped; the vision tower (`model.visual.*`) is copied as stored: same names (the
+    loader reads the tower under them in either layout), float dtype and shapes, never quantized, and
+    `preprocessor_config.json` with it. A source without the tower converts text-only.
 The MLX layout (docs/model.md sections 4.2 and 5): names `language_model.model.*` / `language_model.lm_head.*`,
 experts as `mlp.switch_mlp.{gate,up,down}_proj` stacks, conv1d weight [C, K, 1], zero-centred norms
 stored as 1 + w (not `linear_attn.norm`), A_log in fp32, the rest in bf16. Quantized, every
@@ -34,15 +36,18 @@ import numpy as np
 from ..errors import CheckpointError, ConfigError
 from . import quant
 from .config import parse_config
-from .dtypes import FLOAT_DTYPE_NAMES, decode_float, encode_float, round_to
+from .dtypes import FLOAT_DTYPE_NAMES, LOADABLE_FLOAT_DTYPES, decode_float, encode_float, round_to
 from .safetensors_io import DEFAULT_SHARD_SIZE, LazyTensor, SafetensorsFile, find_shards, save_sharded
 from .tensors import (
     ROUTER_GATE_QUANTIZATION,
+    VISION_PREFIX,
     is_router_gate,
+    is_vision,
     is_zero_centred_norm,
     model_tensors,
     quantization_of,
     stored_name,
+    vision_stored_name,
 )
 
 TOKENIZER_FILES = (
@@ -56,11 +61,12 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+COPIED_FILES = (*TOKENIZER_FILES, "preprocessor_config.json")
 HF_PREFIX = "model.language_model."
 MLX_PREFIX = "language_model.model."
 MLX_LM_HEAD = "language_model.lm_head.weight"
 
-_DROPPED_PREFIXES = ("mtp.", "model.visual.")
+_DROPPED_PREFIXES = ("mtp.",)
 _SOURCE_PREFIXES = (HF_PREFIX, "model.")
 _PER_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FLOAT_SOURCES = ("BF16", "F16", "F32", "F64")
@@ -110,6 +116,19 @@ def hf_tensor_shapes(text_config: Mapping) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def vision_tensor_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """The vision tower's stored tensors (`model.visual.*`, the same in both layouts) -> shapes for
+    config.json's `vision_config` (empty without one); the patch embedding is the Conv3d [W, C, tp, p, p]."""
+    cfg = parse_config(dict(config), "config.json")
+    v = cfg.vision
+    shapes = {}
+    for spec in model_tensors(cfg) if v is not None else ():
+        if is_vision(spec.name):
+            conv3d = (spec.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+            shapes[vision_stored_name(spec.name)] = conv3d if spec.name == "visual.patch_embed.proj" else spec.shape
+    return shapes
+
+
 def _mlx_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return MLX_LM_HEAD
@@ -146,11 +165,15 @@ def _stacked(name: str, experts: dict[int, LazyTensor]) -> LazyTensor:
 
 def mlx_float_tensors(hf: Mapping[str, LazyTensor]) -> dict[str, LazyTensor]:
     """Rename Hugging Face tensors to MLX names and layouts, still unquantized and in source dtype:
-    experts split or stacked into `switch_mlp` stacks, conv1d [C, 1, K] -> [C, K, 1]; mtp/vision dropped."""
+    experts split or stacked into `switch_mlp` stacks, conv1d [C, 1, K] -> [C, K, 1]; mtp dropped, the
+    vision tower's tensors passed through under their own names."""
     out: dict[str, LazyTensor] = {}
     per_expert: dict[str, dict[int, LazyTensor]] = {}
     for hf_name, t in hf.items():
         if hf_name.startswith(_DROPPED_PREFIXES):
+            continue
+        if hf_name.startswith(VISION_PREFIX):
+            out[hf_name] = t
             continue
         name = _mlx_name(hf_name)
         if m := _PER_EXPERT.fullmatch(name):
@@ -269,6 +292,12 @@ def hf_to_mlx_tensors(
     float_dtype = FLOAT_DTYPE_NAMES[dtype]
     out: dict[str, LazyTensor] = {}
     for name, t in mlx_float_tensors(hf).items():
+        if name.startswith(VISION_PREFIX):  # copied as stored: never quantized, never recast
+            if t.dtype not in LOADABLE_FLOAT_DTYPES:
+                raise CheckpointError(f"tensor {name!r}: dtype {t.dtype}; the vision tower is copied as stored and "
+                                      f"must be one of {', '.join(LOADABLE_FLOAT_DTYPES)}")
+            out[name] = t
+            continue
         if t.dtype not in _FLOAT_SOURCES:
             raise CheckpointError(f"tensor {name!r}: dtype {t.dtype} is not a float type lily can convert")
         q = quantize and quantization_of(name, t.shape[-1], bits, group_size)
@@ -302,6 +331,22 @@ def _check_against(tensors: Mapping[str, LazyTensor], specs: Mapping[str, tuple]
         raise CheckpointError(f"{where}: tensors do not match config.json: " + "; ".join(problems[:8]))
 
 
+def _vision_specs(config: Mapping, tensors: Mapping[str, LazyTensor], where: Path) -> dict[str, tuple]:
+    """(dtype, shape) of each vision tensor the output must hold: none when the source has no tower,
+    else every one of `vision_config`'s, in its stored dtype."""
+    present = {name: t for name, t in tensors.items() if name.startswith(VISION_PREFIX)}
+    if not present:
+        return {}
+    shapes = vision_tensor_shapes(config)
+    if not shapes:
+        raise CheckpointError(f"{where}: holds vision tensors ({sorted(present)[0]!r}, ...) but config.json "
+                              f"has no vision_config")
+    if missing := [name for name in shapes if name not in present]:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {missing[0]!r}{more} (the vision tower is incomplete)")
+    return {name: (present[name].dtype, shape) for name, shape in shapes.items()}
+
+
 def convert_hf_to_mlx(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -317,8 +362,9 @@ def convert_hf_to_mlx(
     """Convert the Hugging Face checkpoint in `hf_dir` into an MLX-layout checkpoint in `out_dir`.
 
     Unquantized float tensors are written as `dtype` ("bfloat16", "float16" or "float32"); A_log stays
-    fp32. config.json gains "quantization" == "quantization_config" when `quantize`. Tokenizer and
-    generation files are copied. `progress` shows a bar of bytes written. Returns `out_dir`.
+    fp32; the vision tower, when the source has one, is copied as stored. config.json gains
+    "quantization" == "quantization_config" when `quantize`. Tokenizer, generation and
+    preprocessor files are copied. `progress` shows a bar of bytes written. Returns `out_dir`.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.resolve() == hf_dir.resolve():
@@ -338,6 +384,7 @@ def convert_hf_to_mlx(
     except CheckpointError as e:
         raise CheckpointError(f"{hf_dir}: {e}") from e
     specs = mlx_tensor_specs(text_config, bits=bits, group_size=group_size, quantize=quantize, dtype=dtype)
+    specs.update(_vision_specs(config, tensors, hf_dir))
     _check_against(tensors, specs, hf_dir)
 
     workers = workers or os.cpu_count() or 1
@@ -349,7 +396,7 @@ def convert_hf_to_mlx(
                      on_write=bar.update)
     quantization = quantization_config(text_config, bits, group_size) if quantize else None
     write_mlx_config(out_dir, config, quantization)
-    for name in TOKENIZER_FILES:
+    for name in COPIED_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
     return out_dir

@@ -43,6 +43,8 @@ SAFETENSORS_DTYPES: dict[str, StorageDType] = {
 }
 
 # User-facing float dtype names (as in config.json "dtype") -> safetensors dtype strings.
+# The float storage dtypes lily loads as they are (the vision tower, float matrices, vectors).
+LOADABLE_FLOAT_DTYPES = ("F32", "F16", "BF16")
 FLOAT_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 

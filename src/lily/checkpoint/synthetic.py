@@ -23,12 +23,12 @@ are informative, also at the real dims and depth (40 layers):
 Every tensor has its own random stream, seeded from (seed, tensor name), so results do not depend
 on the order or thread in which tensors are generated.
 
-The vision tower (``vision=True``, Hugging Face layout only; docs/model.md section 8) is drawn the same
+The vision tower (``vision=True``; docs/model.md section 8) is drawn the same
 way: matrices reading a LayerNorm'd input (qkv, fc1, the merger's two) and the patch embedding ~ N(0, 1/in);
 the blocks' attn.proj and fc2, writing into the ViT residual stream, ~ N(0, 1/(in * 2 depth)); the
 position table ~ N(0, 0.5^2); LayerNorm weights 1 + 0.1 N, their biases and every linear bias 0.1 N, so the
-merged tokens reach the text model at about unit RMS, like its embeddings. MLX-layout checkpoints carry
-no vision tower (as mlx-lm's conversions), only the vision_config.
+merged tokens reach the text model at about unit RMS, like its embeddings. Both layouts store it the same
+way, bf16 under ``model.visual.*`` (the MLX one as `lily convert` writes it: copied, never quantized).
 
 Two ways to make the MLX layout. Small models draw float weights as above, round them to bf16 and
 quantize them with `lily.checkpoint.quant` exactly as `convert_hf_to_mlx` would (so the MLX checkpoint equals the
@@ -61,6 +61,7 @@ from .convert import (
     quantization_config,
     read_config,
     text_config_of,
+    vision_tensor_shapes,
     write_mlx_config,
 )
 from .dtypes import encode_float, f32_to_bf16_bits
@@ -201,24 +202,13 @@ def full_config(text_config: Mapping, vision_config: Mapping | None = None) -> d
 def vision_tensors(text_config: Mapping, vision_config: Mapping, seed: int = 0) -> dict[str, LazyTensor]:
     """The vision tower's tensors in the Hugging Face layout (``model.visual.*``, bf16), lazily drawn
     (see the module docstring); names and shapes from the core's table."""
-    from .config import parse_config
-    from .tensors import is_vision, model_tensors, stored_name
-
-    cfg = parse_config(full_config({**text_config, "model_type": "qwen3_5_moe_text"}, vision_config), "vision config")
-    v = cfg.vision
-    tensors = {}
-    for spec in model_tensors(cfg):
-        if not is_vision(spec.name):
-            continue
-        shape = spec.shape
-        if spec.name == "visual.patch_embed.proj":  # stored as the Conv3d [W, C, tp, p, p]
-            shape = (shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-        name = "model." + stored_name(spec.name)
-        tensors[name] = LazyTensor("BF16", shape, partial(_vision_value, name, shape, spec.shape, v.depth, seed))
-    return tensors
+    config = full_config({**text_config, "model_type": "qwen3_5_moe_text"}, vision_config)
+    depth = vision_config["depth"]
+    return {name: LazyTensor("BF16", shape, partial(_vision_value, name, shape, depth, seed))
+            for name, shape in vision_tensor_shapes(config).items()}
 
 
-def _vision_value(name: str, shape: tuple[int, ...], canonical: tuple[int, ...], depth: int, seed: int) -> np.ndarray:
+def _vision_value(name: str, shape: tuple[int, ...], depth: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(_seed_sequence(seed, name))
     normal = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("pos_embed.weight"):
@@ -228,9 +218,9 @@ def _vision_value(name: str, shape: tuple[int, ...], canonical: tuple[int, ...],
     elif ".norm" in name:  # LayerNorm weights: norm1, norm2, merger.norm
         values = 1 + NORM_STD * normal
     elif name.endswith(("attn.proj.weight", "mlp.linear_fc2.weight")):
-        values = normal / np.float32(math.sqrt(canonical[-1] * 2 * depth))
-    else:
-        values = normal / np.float32(math.sqrt(canonical[-1]))
+        values = normal / np.float32(math.sqrt(math.prod(shape[1:]) * 2 * depth))
+    else:  # in = the product of the trailing dims (C*tp*p*p for the Conv3d patch embedding)
+        values = normal / np.float32(math.sqrt(math.prod(shape[1:])))
     return f32_to_bf16_bits(values)
 
 
@@ -372,8 +362,7 @@ def make_checkpoint(
     directly instead of quantizing floats; default when the model has more than 1e9 weights.
     Shards of at most `shard_size` bytes, with model.safetensors.index.json when there are several.
     vision: add the preset's vision tower (`VISION_CONFIGS`; "tiny" for a config file or dict) to
-    config.json and, in the HF layout, its weights (an MLX checkpoint keeps only the config, as mlx-lm's
-    conversions do).
+    config.json and its weights (bf16, `model.visual.*`, also in the MLX layout, as `lily convert` writes).
     """
     if layout not in ("mlx", "hf"):
         raise ValueError(f"layout {layout!r} is not 'mlx' or 'hf'")
@@ -385,18 +374,17 @@ def make_checkpoint(
         preset = str(config) if isinstance(config, (str, os.PathLike)) and str(config) in VISION_CONFIGS else "tiny"
         vision_config = {**VISION_CONFIGS[preset], "out_hidden_size": text_config["hidden_size"]}
     path = Path(path)
+    vision = vision_tensors(text_config, vision_config, seed) if vision_config is not None else {}
     if layout == "hf":
-        tensors = hf_tensors(text_config, seed)
-        if vision_config is not None:
-            tensors.update(vision_tensors(text_config, vision_config, seed))
+        tensors = {**hf_tensors(text_config, seed), **vision}
     else:
         if direct_codes is None:
             num_params = sum(math.prod(s) for s in hf_tensor_shapes(text_config).values())
             direct_codes = num_params > DIRECT_CODES_MIN_PARAMS
         if direct_codes:
-            tensors = direct_mlx_tensors(text_config, seed)
+            tensors = {**direct_mlx_tensors(text_config, seed), **vision}
         else:
-            tensors = hf_to_mlx_tensors(hf_tensors(text_config, seed))
+            tensors = hf_to_mlx_tensors({**hf_tensors(text_config, seed), **vision})
 
     metadata = {"format": "mlx" if layout == "mlx" else "pt"}
     workers = workers or os.cpu_count() or 1
@@ -421,7 +409,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
     parser.add_argument("--vision", action="store_true",
-                        help="add the preset's vision tower (weights in the hf layout; config only in mlx)")
+                        help="add the preset's vision tower (bf16 weights, never quantized, in either layout)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty folder (default: refuse)")
 
 

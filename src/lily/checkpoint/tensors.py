@@ -24,6 +24,9 @@ MATRIX_LEAVES = frozenset(
 )
 # Norms stored as w by Hugging Face and as 1 + w by MLX, besides the final `norm` (never linear_attn.norm).
 ZERO_CENTRED_NORM_LEAVES = frozenset(("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"))
+# The vision tower's stored names, the same in both layouts: "model." + stored_name(canonical ``visual.*``)
+# (Hugging Face's names; the loader, the converter and the synthetic generator read them here).
+VISION_PREFIX = "model.visual."
 # The router and the shared-expert gate: mlx-lm's quant_predicate for this model keeps them at 8 bits.
 ROUTER_GATE_QUANTIZATION = {"group_size": 64, "bits": 8}
 
@@ -59,6 +62,11 @@ def is_vision(name: str) -> bool:
     """True for the vision tower's tensors (canonical ``visual.*``): kept in their stored float
     precision, never quantized (docs/model.md section 8)."""
     return name.startswith("visual.")
+
+
+def vision_stored_name(name: str) -> str:
+    """The stored name of the vision tower's canonical `name` (``visual.*``), in either layout."""
+    return "model." + stored_name(name)
 
 
 def is_zero_centred_norm(name: str) -> bool:

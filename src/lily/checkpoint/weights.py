@@ -8,7 +8,7 @@ This is the one sanitize step. Two layouts are accepted (docs/model.md section 4
   norms stored as w (applied as 1+w).
 Canonical form handed to the core: matrices in their stored precision ([stack, out, in]), norm
 weights as the full multiplier (1+w), conv taps [C, K], every vector float32. ``mtp.*`` is skipped.
-The vision tower's tensors (Hugging Face ``model.visual.*``, canonical ``visual.*``) are indexed apart
+The vision tower's tensors (``model.visual.*`` in both layouts, canonical ``visual.*``) are indexed apart
 from the text model's: they load in their stored float precision (never quantized, also with
 quantize=4), the patch embedding's Conv3d [W, C, tp, p, p] as a matrix [W, C*tp*p*p]; a checkpoint
 without them (an mlx-lm conversion; mlx-vlm's ``vision_tower.*`` is not read) loads text-only. Every
@@ -26,13 +26,12 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .config import TextConfig
-from .dtypes import bf16_bits_to_f32
+from .dtypes import LOADABLE_FLOAT_DTYPES, bf16_bits_to_f32
 from .safetensors_io import LazyTensor, SafetensorsFile, find_shards, first_non_finite, produced_in_order
-from .tensors import is_vision, is_zero_centred_norm, model_tensors, stored_name
+from .tensors import VISION_PREFIX, is_vision, is_zero_centred_norm, model_tensors, stored_name
 
-FLOAT_DTYPES = ("F32", "F16", "BF16")
+FLOAT_DTYPES = LOADABLE_FLOAT_DTYPES
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.", "visual.", "vision_tower.", "model.vision_tower.")
-VISION_PREFIX = "model.visual."  # Hugging Face's vision tower; canonical names drop "model."
 
 
 @dataclass
