@@ -8,8 +8,8 @@
 # <lab>_lab.txt).
 set -uo pipefail
 : "${BASE:?set BASE to a commit}"
-OUT=${OUT:-/tmp/lily-out}
-FULL=${FULL:-/tmp/full}
+OUT=${OUT:-${TMPDIR:-/tmp}/lily-out}
+FULL=${FULL:-${TMPDIR:-/tmp}/full}
 ROUNDS=${ROUNDS:-2}
 CONTEXTS=${CONTEXTS:-4096}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ if [[ -n ${LABS:-} ]]; then  # the labs (LABS="gemv gemm ...") run before the be
   (for lab in $LABS; do bash "benchmarks/${lab}_lab.sh" >"$OUT/${lab}_lab.txt" 2>&1 || echo "LAB $lab FAILED" >>"$OUT/${lab}_lab.txt"; done) &
   labs_pid=$!
 fi
-cd /tmp
+cd "${TMPDIR:-/tmp}"  # import the installed package, not the source tree
 host_full_checkpoint "$FULL" || exit 1
 [[ -n $labs_pid ]] && wait "$labs_pid"
 for ((r = 1; r <= ROUNDS; ++r)); do
