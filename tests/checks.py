@@ -48,3 +48,11 @@ def assert_rel_close(name: str, got, ref, tol: float) -> None:
     err, max_abs = rel_err(got, ref), float(np.abs(got - ref).max())
     assert err <= tol, f"{name}: rel err {err:.3g} > {tol:.3g} (max abs {max_abs:.3g})"
 
+
+def token_mask(vocab_size: int, allowed_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed [V] bool, the sampler's mask: int32 words, bit v of the little-endian bit string = id v)."""
+    allowed = np.zeros(vocab_size, bool)
+    allowed[list(allowed_ids)] = True
+    bits = np.zeros((vocab_size + 31) // 32 * 32, np.uint8)
+    bits[:vocab_size] = allowed
+    return allowed, np.packbits(bits, bitorder="little").view(np.int32)

@@ -28,11 +28,9 @@ def text_config(**overrides) -> dict:
     return cfg
 
 
-def build_model(seed: int = 0, **overrides) -> Qwen3_5MoeForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen3_5MoeTextConfig(**text_config(**overrides))
-    config._attn_implementation = "eager"
-    model = Qwen3_5MoeForCausalLM(config).float().eval()
+def init_params(model, seed: int):
+    """Random weights in the ranges a trained model has (decays, gates, norms around their identity), drawn
+    in parameter order from one generator; the vision tower's biases, norms and positions included."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -40,15 +38,28 @@ def build_model(seed: int = 0, **overrides) -> Qwen3_5MoeForCausalLM:
                 p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16, generator=g)))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif ".visual." in f".{name}" and (name.endswith(".bias") or "norm" in name):
+                base = 1.0 if "norm" in name and name.endswith(".weight") else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("pos_embed.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif "norm" in name:  # zero-centred norms store w (applied 1+w); linear_attn.norm is plain
                 base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
                 p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             else:
-                fan_in = p.shape[-1]
+                fan_in = p[0].numel() if p.dim() == 5 else p.shape[-1]  # the Conv3d patch embedding: C tp p p
                 p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(fan_in))
     return model
+
+
+def build_model(seed: int = 0, **overrides) -> Qwen3_5MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3_5MoeTextConfig(**text_config(**overrides))
+    config._attn_implementation = "eager"
+    model = Qwen3_5MoeForCausalLM(config).float().eval()
+    return init_params(model, seed)
 
 
 def save_hf(model: Qwen3_5MoeForCausalLM, path: Path) -> Path:
@@ -99,27 +110,7 @@ def build_multimodal_model(seed: int = 0, vision: dict | None = None, **text_ove
     config.text_config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
     model = Qwen3_5MoeForConditionalGeneration(config).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16, generator=g)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif ".visual." in f".{name}" and (name.endswith(".bias") or "norm" in name):
-                base = 1.0 if "norm" in name and name.endswith(".weight") else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("pos_embed.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif "norm" in name:
-                base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            else:
-                fan_in = p[0].numel() if p.dim() == 5 else p.shape[-1]  # the Conv3d patch embedding: C tp p p
-                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(fan_in))
-    return model
+    return init_params(model, seed)
 
 
 def save_multimodal(model, path: Path, processor: dict | None = None) -> Path:

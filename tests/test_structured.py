@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import lily
 from lily import LilyError, constraints
 from lily.checkpoint.tiny import tiny_checkpoint
+from checks import token_mask
 
 SETTINGS = dict(max_examples=6, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -244,11 +245,7 @@ def test_split_step_equals_decode_sample(model):
 
 def test_masked_decode_samples_only_allowed_ids(model):
     V = model.config.vocab_size
-    allowed = np.zeros(V, bool)
-    allowed[[17, 4242, 100000, V - 1]] = True
-    bits = np.zeros((V + 31) // 32 * 32, np.uint8)
-    bits[:V] = allowed
-    mask = np.packbits(bits, bitorder="little").view(np.int32)
+    allowed, mask = token_mask(V, [17, 4242, 100000, V - 1])
     core = model.new_session()._core
     ids = np.asarray(model.tokenizer.encode("Hi"), np.int32)
     core.set_sampler(temperature=1.5, seed=1, prompt_ids=ids)

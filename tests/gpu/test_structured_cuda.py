@@ -12,6 +12,7 @@ import pytest
 
 import lily
 from lily import _core, constraints
+from checks import token_mask
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,11 +52,7 @@ def test_split_step_equals_decode_sample(model):
 
 def test_masked_decode_samples_only_allowed_ids(model):
     V = model.config.vocab_size
-    allowed = np.zeros(V, bool)
-    allowed[[17, 4242, 100000, V - 1]] = True
-    bits = np.zeros((V + 31) // 32 * 32, np.uint8)
-    bits[:V] = allowed
-    mask = np.packbits(bits, bitorder="little").view(np.int32)
+    allowed, mask = token_mask(V, [17, 4242, 100000, V - 1])
     core = model.new_session()._core
     ids = np.asarray(model.tokenizer.encode("Hi"), np.int32)
     core.set_sampler(temperature=1.5, seed=1, prompt_ids=ids)
