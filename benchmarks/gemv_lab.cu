@@ -466,6 +466,16 @@ void add_row(const char* shape, const char* variant, F&& launch, int n, double m
   push_row({shape, variant, time_us(launch, n), mb, err, desc});
 }
 
+// A launch as the engine's decode graph makes it: programmatic dependent launch on g_stream.
+template <class K, class... Args>
+void launch_pdl(K* kernel, int grid, int threads, size_t smem, Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{dim3(grid), dim3(threads), smem, g_stream, &attr, 1};
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 // linear.cu's gemv_tpr: the power of two covering a row's chunks, at most a CTA.
 int gemv_tpr(int64_t chunks) {
   int tpr = 1;
@@ -548,11 +558,7 @@ void bench_linear(const char* name, int rows, int cols) {
   const std::string v1_desc = launch_desc(grid, smem, p0.tpr, reinterpret_cast<const void*>(v1));
   variant("v1", [&](int i, float* y) { v1<<<grid, GEMV_THREADS, smem, g_stream>>>(params(i, y)); }, true, v1_desc);
   variant("v1 +pdl", [&](int i, float* y) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg{dim3(grid), dim3(GEMV_THREADS), smem, g_stream, &attr, 1};
-    CK(cudaLaunchKernelEx(&cfg, v1, params(i, y)));
+    launch_pdl(v1, grid, GEMV_THREADS, smem, params(i, y));
   }, true, v1_desc);
   // the integer tensor-core GEMV (kernels/gemv_mma.cuh) at every K-split, launched with PDL like the engine;
   // "*" marks the launcher's choice (mma_plan_for)
@@ -572,12 +578,8 @@ void bench_linear(const char* name, int rows, int cols) {
       char desc[128];
       std::snprintf(desc, sizeof desc, "grid %d, smem %zu, %d CTA/SM, %d units/pass", grid, ms, mper, sp.upp);
       variant(label.c_str(), [&](int i, float* y) {
-        cudaLaunchAttribute attr{};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg{dim3(grid), dim3(MMA_THREADS), ms, g_stream, &attr, 1};
         const MmaLinearParams mp{W.w(i % copies), W.s(i % copies), W.b(i % copies), x, y, rows, cols, 6, ks};
-        CK(cudaLaunchKernelEx(&cfg, mk, mp));
+        launch_pdl(mk, grid, MMA_THREADS, ms, mp);
       }, true, desc);
       if (ks == chosen.ks) mma_y = to_host(yv, rows);
     }
@@ -587,12 +589,8 @@ void bench_linear(const char* name, int rows, int cols) {
       const MmaSplit sp(chosen.ks, int(segs));
       const int grid = int(std::min<int64_t>(cdiv(tiles, sp.rt), resident));
       variant("mma * loads-only", [&](int i, float* y) {
-        cudaLaunchAttribute attr{};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg{dim3(grid), dim3(MMA_THREADS), ms, g_stream, &attr, 1};
         const MmaLinearParams mp{W.w(i % copies), W.s(i % copies), W.b(i % copies), x, y, rows, cols, 6, chosen.ks};
-        CK(cudaLaunchKernelEx(&cfg, kernel, mp));
+        launch_pdl(kernel, grid, MMA_THREADS, ms, mp);
       }, false, "the chosen plan");
     }
   }
