@@ -72,10 +72,11 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--profile", action="store_true", help="also time each op, by layer kind (eager passes)")
+    ap.add_argument("--prefill-chunk", type=int, help="the model's prefill chunk (default: the device's)")
     a = ap.parse_args()
     base = device_used_bytes()
     t0 = time.perf_counter()
-    model = lily.Model.load(a.model, device=a.device, max_context=8)
+    model = lily.Model.load(a.model, device=a.device, max_context=8, prefill_chunk=a.prefill_chunk)
     load_s = time.perf_counter() - t0
     rows = [measure(model, int(c), a.decode) for c in a.contexts.split(",")]
     profiles = {int(c): profile(model, int(c), 16) for c in a.contexts.split(",")} if a.profile else {}
@@ -85,7 +86,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"load {load_s:.1f} s; weights {model._engine.weight_bytes / 2**30:.2f} GiB; "
+    print(f"prefill chunk {model.prefill_chunk}; load {load_s:.1f} s; weights {model._engine.weight_bytes / 2**30:.2f} GiB; "
           f"device memory peak {peak / 2**30:.2f} GiB (before load {(base or 0) / 2**30:.2f} GiB)")
     print("| context | prefill tok/s | prefill ms | decode tok/s | decode ms/tok | graph nodes |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -502,7 +502,8 @@ int main(int argc, char** argv) {
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }
-  const int64_t T = 2048;
+  const char* t_env = std::getenv("GEMM_LAB_T");  // prefill rows per product (the engine's chunk); default 2048
+  const int64_t T = t_env ? std::atoll(t_env) : 2048;
   auto copies_for = [](int64_t N, int64_t K) { return int(std::max<int64_t>(2, (160ll << 20) / (N * K * 9 / 16))); };
   {
     Stack w(1, 8192, 2048, 64, copies_for(8192, 2048));

@@ -30,8 +30,14 @@ if [[ $stage == bench || $stage == all ]]; then
 fi
 if [[ $stage == tests || $stage == all ]]; then
   t0=$(date +%s)
-  python3 -m pytest -q -p no:cacheprovider "$src/tests/gpu" ${kexpr:+-k "$kexpr"} --tb=short -rfE -s 2>&1 \
-    | grep -v "tensor/s" | tee "$OUT/tests.log" | tail -60
+  # one process per file: a crash in one file (the host kills the process on some C++ exceptions) is
+  # reported as that file's result and the others still run
+  for f in "$src"/tests/gpu/test_*.py; do
+    python3 -m pytest -q -p no:cacheprovider "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
+      | grep -v "tensor/s" >"$OUT/tests_$(basename "$f" .py).log"
+    echo "$(basename "$f"): rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_$(basename "$f" .py).log")"
+  done | tee "$OUT/tests.log"
+  grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | head -40
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $stage == bench || $stage == all ]]; then
@@ -39,7 +45,7 @@ if [[ $stage == bench || $stage == all ]]; then
   python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts ${CONTEXTS:-1024,4096,16384} \
     $([[ $profile == 1 ]] && echo --profile) --json "$OUT/bench.json" 2>&1 | grep -v "tensor/s" | tee "$OUT/bench.log" | tail -70
   if [[ $profile == 1 ]]; then  # per-kernel device times of eager decode steps and one prefill (torch.profiler)
-    python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 2>&1 \
+    python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 --short 11 2>&1 \
       | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
   fi
 fi

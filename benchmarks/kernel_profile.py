@@ -1,11 +1,15 @@
 """Per-kernel device times of lily's eager decode steps and one prefill, through torch.profiler
 (CUPTI sees every kernel of the process, including lily's own). Needs torch with CUDA.
 
-    python benchmarks/kernel_profile.py --model PATH [--context 4096] [--steps 16] [--rows 40]
+    python benchmarks/kernel_profile.py --model PATH [--context 4096] [--steps 16] [--rows 40] [--short 11]
+
+--short N also profiles an N-token prefill (the first token of a short chat: time to first token) and
+prints its wall time (median of 5, synchronised) next to the sum of its kernel times.
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 import torch
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--short", type=int, default=0, help="also profile a prefill of this many tokens")
     a = ap.parse_args()
     torch.cuda.init()
     model = lily.Model.load(a.model, device="cuda", max_context=8)
@@ -57,6 +62,27 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"\n## prefill of {a.context} tokens")
     table(prof, 1, a.rows)
+    if a.short:
+        short_prefill(model, ids[:a.short], a.rows)
+
+
+def short_prefill(model, ids: np.ndarray, rows: int) -> None:
+    s = model.new_session(max_context=len(ids) + 8, use_graph=False)
+    s._core.set_sampler()
+    walls = []
+    for _ in range(6):  # the first is a warm-up
+        s.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        s._core.prefill_sample(ids)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    s.reset()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        s._core.prefill_sample(ids)
+        torch.cuda.synchronize()
+    print(f"\n## prefill of {len(ids)} tokens: wall {np.median(walls[1:]) * 1e3:.2f} ms (median of 5)")
+    table(prof, 1, rows)
 
 
 if __name__ == "__main__":
