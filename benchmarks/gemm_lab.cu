@@ -7,9 +7,10 @@
 //               warpgroups, persistent), launched as linear.cu's run_wgmma does
 //   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
 //   by hand: gemm_lab [-n] [old] [wgmma] [tma]   (-n: no table header; no kernel names: all).
-// Shapes (N outputs x K, T rows): the engine's dense prefill products at T = 2048 and its MoE grouped
-// products (2048 tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row tiles built
-// like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up).
+// Shapes (N outputs x K, T rows): the engine's dense prefill products at T = GEMM_LAB_T (default 2048) and
+// its MoE grouped products (T tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row
+// tiles built like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up;
+// the "128-row tiles" rows give the tma kernel a map of 128-row tiles, the references keep 64).
 // Timing: per kernel, 15 batches of R launches between CUDA events after a warm-up; us = median batch / R.
 // Launch i reads weight copy i % copies (dense: copies >= 160 MB together, L2 is 50-60 MB; MoE: one
 // 128 MB+ stack), so the first touch of a weight comes from HBM. TFLOP/s = 2*M*N*K / time, M = product rows.
@@ -143,9 +144,11 @@ struct Problem {
   uint16_t* dxb = nullptr;                // X as bf16 [X_rows, K] (wgx_bf16_kernel)
   float *dx = nullptr, *dy = nullptr, *dy_old = nullptr, *drs = nullptr;
   int32_t *dx_rows = nullptr, *dte = nullptr, *dtr = nullptr, *dre = nullptr, *dnt = nullptr;
+  int32_t *dte128 = nullptr, *dtr128 = nullptr, *dnt128 = nullptr;  // grouped, tma_rows 128: the tma kernel's map
   int64_t max_tiles64 = 0;  // grid of 64-row tiles
+  int tma_rows = 64;        // grouped: rows per tile of the tma kernel's map (the references take 64)
   bool grouped = false, swiglu = false;
-  LinearArgs args(int copy) const {
+  LinearArgs args(int copy, bool tma = false) const {
     LinearArgs a;
     a.w = w->view(copy);
     a.x = dx;
@@ -156,10 +159,12 @@ struct Problem {
     a.swiglu = swiglu;
     a.row_scale = drs;
     if (grouped) {
-      a.tiles.tile_expert = dte;
-      a.tiles.tile_row0 = dtr;
+      const bool wide = tma && tma_rows == 128;
+      a.tiles.tile_expert = wide ? dte128 : dte;
+      a.tiles.tile_row0 = wide ? dtr128 : dtr;
       a.tiles.row_end = dre;
-      a.tiles.num_tiles = dnt;
+      a.tiles.num_tiles = wide ? dnt128 : dnt;
+      a.tiles.tile_rows = wide ? 128 : 64;
     } else {
       a.tiles.M = M;
     }
@@ -201,8 +206,9 @@ static Problem dense(const char* name, Stack* w, int64_t T, bool swiglu = false)
 // Routed rows of T tokens x top_k distinct uniform experts, grouped by expert as moe_scatter does.
 // gather: gate/up (x = tokens, x_rows gather); else down (x = the routed rows themselves).
 static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather, int empty_experts = 0,
-                   bool swiglu = false) {
+                   bool swiglu = false, int tma_rows = 64) {
   Problem p;
+  p.tma_rows = tma_rows;
   p.name = name;
   p.w = w;
   p.grouped = true;
@@ -218,13 +224,14 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
       tokens[pick[lo]].push_back(int32_t(t));
     }
   }
-  std::vector<int32_t> row_end(E), te, tr;
+  std::vector<int32_t> row_end(E), te, tr, te128, tr128;
   int64_t row = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t start = row;
     for (int32_t t : tokens[e]) p.hx_rows.push_back(t), p.hrow_expert.push_back(int32_t(e)), ++row;
     row_end[e] = int32_t(row);
     for (int64_t r0 = start; r0 < row; r0 += 64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
+    for (int64_t r0 = start; r0 < row; r0 += 128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
   }
   p.M = row;
   p.max_tiles64 = (p.M + 63) / 64 + std::min<int64_t>(E, p.M);
@@ -239,6 +246,15 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
   CK(cudaMemcpy(p.dtr, tr.data(), tr.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(p.dre, row_end.data(), E * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(p.dnt, &nt, 4, cudaMemcpyHostToDevice));
+  if (tma_rows == 128) {
+    const int32_t nt128 = int32_t(te128.size());
+    CK(cudaMalloc(&p.dte128, std::max<size_t>(1, te128.size()) * 4));
+    CK(cudaMalloc(&p.dtr128, std::max<size_t>(1, tr128.size()) * 4));
+    CK(cudaMalloc(&p.dnt128, 4));
+    CK(cudaMemcpy(p.dte128, te128.data(), te128.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(p.dtr128, tr128.data(), tr128.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(p.dnt128, &nt128, 4, cudaMemcpyHostToDevice));
+  }
   if (gather) {
     p.X_rows = T;
     CK(cudaMalloc(&p.dx_rows, p.M * 4));
@@ -253,7 +269,8 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
 
 static void free_problem(Problem& p) {
   for (void* q : {(void*)p.dx, (void*)p.dy, (void*)p.dy_old, (void*)p.drs, (void*)p.dx_rows, (void*)p.dte,
-                  (void*)p.dtr, (void*)p.dre, (void*)p.dnt, (void*)p.dxb})
+                  (void*)p.dtr, (void*)p.dre, (void*)p.dnt, (void*)p.dxb, (void*)p.dte128, (void*)p.dtr128,
+                  (void*)p.dnt128})
     if (q) cudaFree(q);
 }
 
@@ -267,6 +284,8 @@ static int new_bm(const Problem& p) {
   const int64_t col_tiles = (p.w->N + WG_BN - 1) / WG_BN;
   return (!p.grouped && p.w->gs != 32 && (p.M + 127) / 128 * col_tiles >= g_sms) ? 128 : 64;
 }
+// BM of the tma kernel: new_bm, or the grouped map's rows (moe.cu picks 128 by rows per expert).
+static int tma_bm(const Problem& p) { return p.grouped ? p.tma_rows : new_bm(p); }
 
 template <int BM, bool GS32>
 static void launch_new(const LinearArgs& a, int64_t tiles) {
@@ -319,11 +338,13 @@ static void launch_tma(const Problem& p, const LinearArgs& a, int copy, int bm) 
   const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, 0);
   const bool gather = p.dx_rows != nullptr, gs32 = p.w->gs == 32;
   if (bm == 128) {
-    if (gather || gs32) {
-      std::printf("FAIL: wgmma-tma: no BM 128 instance for gathered rows or group 32\n");
+    if (gs32) {
+      std::printf("FAIL: wgmma-tma: no BM 128 instance for group 32\n");
       std::exit(1);
     }
-    launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, (p.M + 127) / 128);
+    const int64_t tiles = p.grouped ? p.max_tiles64 : (p.M + 127) / 128;
+    if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, tiles);
+    else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, tiles);
   } else if (gather) {
     if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, p.max_tiles64);
     else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, p.max_tiles64);
@@ -351,7 +372,7 @@ static void launch(Kernel k, const Problem& p, int copy) {
     else launch_new<64, false>(a, tiles);
   } else {
     launch_x_bf16(p);
-    launch_tma(p, a, copy, bm);
+    launch_tma(p, p.args(copy, true), copy, tma_bm(p));
   }
   CK(cudaGetLastError());
 }
@@ -459,7 +480,7 @@ static void row(Problem& p, bool timed) {
       if (vs < 0) std::snprintf(vsbuf, sizeof vsbuf, "bit-identical");
       else std::snprintf(vsbuf, sizeof vsbuf, "%.1e", vs);
     }
-    const int bm = k == OLD ? GEMM_BM : new_bm(p);
+    const int bm = k == OLD ? GEMM_BM : k == TMA ? tma_bm(p) : new_bm(p);
     if (timed) {
       const double t = k == NEW && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
       if (k == NEW) t_ref = t;
@@ -547,6 +568,18 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
+  {
+    Stack w(256, 512, 2048, 64, 1);
+    Problem p = moe("moe gate/up [256,512,2048], 128-row tiles", &w, T, 8, true, 0, false, 128);
+    row(p, true);
+    free_problem(p);
+  }
+  {
+    Stack w(256, 2048, 512, 64, 1);
+    Problem p = moe("moe down [256,2048,512], 128-row tiles", &w, T, 8, false, 0, false, 128);
+    row(p, true);
+    free_problem(p);
+  }
   // correctness only: partial tiles, small T, other group sizes, SwiGLU, empty experts
   {
     Stack w(1, 1000, 512, 64, 1);
@@ -583,6 +616,18 @@ int main(int argc, char** argv) {
   {
     Stack w(16, 512, 2048, 64, 1);
     Problem p = moe("check moe SwiGLU, 6 empty experts", &w, 77, 4, true, 6, true);
+    row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack w(16, 512, 2048, 64, 1);
+    Problem p = moe("check moe SwiGLU 128-row tiles, 6 empty experts", &w, 700, 4, true, 6, true, 128);
+    row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack w(16, 2048, 512, 64, 1);
+    Problem p = moe("check moe down 128-row tiles", &w, 300, 4, false, 0, false, 128);
     row(p, false);
     free_problem(p);
   }

@@ -255,27 +255,40 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
-// Grouped (MoE) tile maps have LINEAR_TILE_ROWS = 64 rows per tile: BM = 64; gathered rows (x_rows)
-// take the cp.async producer. Dense products take 128-row tiles when that still gives at least one
-// tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
+// Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
+// (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
+// one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
   const uint16_t* xb = xb_rows(a, x_count, xb_copy);
-  const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr;
+  const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
   const int64_t col_tiles = ceil_div<int64_t>(a.w.rows, WG_BN);
-  if (a.tiles.tile_expert == nullptr && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
+  // the gather producer addresses a row's 16-byte chunks with 32-bit indices
+  LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
+             a.w.cols, " exceed the 32-bit chunk index");
+  if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
+    LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");
+    return gather ? launch_wgmma<128, false, true>(a, xb, x_count, max_tiles)
+                  : launch_wgmma<128, false, false>(a, xb, x_count, max_tiles);
+  }
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS, "linear: unsupported tile map rows ",
+             a.tiles.tile_rows);
+  if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
     return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
-  static_assert(LINEAR_TILE_ROWS == 64, "the wgmma kernel's grouped tiles are 64 rows");
   if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<64, false, true>(a, xb, x_count, max_tiles);
   return gs32 ? launch_wgmma<64, true, false>(a, xb, x_count, max_tiles)
               : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
+bool linear_wide_tiles(const LinearArgs& a) { return use_wgmma_gemm(a) && a.w.group_size != 32; }
+
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
   if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles, x_count, xb);
+  LILY_CHECK(a.tiles.tile_expert == nullptr || a.tiles.tile_rows == LINEAR_TILE_ROWS,
+             "linear: only the wgmma kernel takes a tile map of ", a.tiles.tile_rows, " rows");
   if (use_tensor_gemm(a)) {
     switch (a.w.bits) {
       case 4: return launch_gemm<4>(a, max_tiles);

@@ -30,6 +30,10 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCop
 
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;
+// A grouped tile map may have LINEAR_WIDE_TILE_ROWS rows per tile (RowTiles::tile_rows) when every
+// product run over it satisfies linear_wide_tiles (the wgmma kernel has a 128-row instance for it).
+constexpr int LINEAR_WIDE_TILE_ROWS = 128;
+bool linear_wide_tiles(const LinearArgs& a);
 
 // 4/8-bit affine with BF16 scales, cols % 32 == 0 and 16-byte aligned words: every row (and every
 // stack entry) starts on a 16-byte chunk, the form the GEMV kernels read.

@@ -42,6 +42,10 @@ struct RoutingTables {
   int64_t max_tiles, words;
 };
 
+// Average routed rows per expert from which the grouped products take 128-row tiles (gemm_lab: ...).
+constexpr int64_t MOE_WIDE_TILE_MIN_ROWS = 96;
+
+// An upper bound of the tile count for tiles of LINEAR_TILE_ROWS or more rows.
 static int64_t max_routed_tiles(int64_t T, int64_t E, int top_k) {
   const int64_t rows = T * top_k;
   return ceil_div<int64_t>(rows, LINEAR_TILE_ROWS) + std::min(E, rows);
@@ -94,11 +98,12 @@ static LinearArgs product(const QMatrix& w, const float* x, int64_t ldx, float* 
   return a;
 }
 
-static LinearArgs grouped(LinearArgs a, const RoutingTables& r) {
+static LinearArgs grouped(LinearArgs a, const RoutingTables& r, int tile_rows) {
   a.tiles.tile_expert = r.tile_expert;
   a.tiles.tile_row0 = r.tile_row0;
   a.tiles.row_end = r.row_end;
   a.tiles.num_tiles = r.num_tiles;
+  a.tiles.tile_rows = tile_rows;
   return a;
 }
 
@@ -279,28 +284,33 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   MoeCountParams cp{r.topk_id, r.count, int(T), int(E), top_k};
   launch(moe_count_kernel, expert_ctas, warps * 32, 0, cp);
   LILY_CUDA_LAUNCHED();
-  MoeScatterParams sp{r.topk_id, r.topk_w, r.count, r.topk_row, r.row_end, r.row_token, r.row_weight,
-                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, LINEAR_TILE_ROWS};
-  launch(moe_scatter_kernel, expert_ctas, warps * 32, 0, sp);
-  LILY_CUDA_LAUNCHED();
-
   const int64_t ld = s.gate.dim(1);
   float* act = s.gate.ptr<float>();  // [T*K + T, ld]: gate products, then silu(gate)*up*weight in place
   float* shared_act = act + TK * ld;
   float* down = s.down.ptr<float>();  // [T*K + T, H]
-  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
-
-  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  LinearArgs gate = grouped(product(*w.gate_proj, h.ptr<float>(), H, act, ld), r);
+  LinearArgs gate = product(*w.gate_proj, h.ptr<float>(), H, act, ld);
   gate.x_rows = r.row_token;
-  linear_tiles(gate, r.max_tiles, T, xb);
-  LinearArgs up = swiglu(grouped(product(*w.up_proj, h.ptr<float>(), H, act, ld), r), r.row_weight);
+  LinearArgs up = swiglu(product(*w.up_proj, h.ptr<float>(), H, act, ld), r.row_weight);
   up.x_rows = r.row_token;
-  linear_tiles(up, r.max_tiles, T, xb);
+  LinearArgs dn = product(*w.down_proj, act, ld, down, H);
+  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all three grouped
+  // products have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
+  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate) && linear_wide_tiles(up) &&
+                    linear_wide_tiles(dn);
+  const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
+  MoeScatterParams sp{r.topk_id, r.topk_w, r.count, r.topk_row, r.row_end, r.row_token, r.row_weight,
+                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
+  launch(moe_scatter_kernel, expert_ctas, warps * 32, 0, sp);
+  LILY_CUDA_LAUNCHED();
+
+  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
+  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
+  linear_tiles(grouped(gate, r, tile_rows), r.max_tiles, T, xb);
+  linear_tiles(grouped(up, r, tile_rows), r.max_tiles, T, xb);
   linear_tiles(dense(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), T), shared_tiles, T, xb);
   linear_tiles(swiglu(dense(product(*w.shared_up_proj, h.ptr<float>(), H, shared_act, ld), T), sg.ptr<float>()),
                shared_tiles, T, xb);
-  linear_tiles(grouped(product(*w.down_proj, act, ld, down, H), r), r.max_tiles, TK, xb);
+  linear_tiles(grouped(dn, r, tile_rows), r.max_tiles, TK, xb);
   linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};

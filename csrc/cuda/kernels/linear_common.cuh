@@ -62,6 +62,7 @@ struct RowTiles {
   const int32_t* num_tiles = nullptr;    // [1]
   int64_t M = 0;                         // dense: product rows
   int64_t expert = 0;                    // dense: stack entry
+  int tile_rows = 64;                    // grouped: rows per tile of the map (a kernel's BM must equal it)
 };
 
 struct Tile {

@@ -3,7 +3,7 @@
 //   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE).
 // Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] with gs == 32 or
 // gs % 64 == 0; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per product); rows come
-// in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps: BM = LINEAR_TILE_ROWS = 64).
+// in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps: BM = the map's tile_rows, 64 or 128).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
 //   linear_wgmma_tma_kernel  the GEMM: warp-specialised and persistent; a producer warpgroup fills an
@@ -190,7 +190,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 // linear_wgmma_tma_kernel<BM, GS32, GATHER>: Y = W . X^T over 256-output x BM-row tiles, persistent.
 // Grid: min(tiles, SMs) CTAs of 384 threads; CTA i takes tiles i, i + gridDim.x, ... of
 // row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile).
-// Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of 64-row tiles, BM = 64).
+// Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
 // Shared memory: a ring of S = tma_stages(BM) stages, each [Xb tile BM x 64 bf16, 128B-swizzled as TMA
 // SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
@@ -199,7 +199,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 //            {64, BM} of tmap_x (2-D [rows][K] bf16) at row tile.row0 (rows past the end read zero;
 //            rows of the next expert in a MoE tile are read and never stored).
 //   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA; all 128
-//            threads copy their 4 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async into the
+//            threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async into the
 //            swizzled positions; a thread arrives on full[s] once its copies of that stage have landed
 //            (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts 1 + 128.
 //            Deadlock-free because the lag (3) is below the stage count.
@@ -219,7 +219,6 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
                             const __grid_constant__ CUtensorMap tmap_w) {
   constexpr int S = tma_stages(BM);
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM);
-  static_assert(!GATHER || BM == 64, "gathered rows come in 64-row MoE tiles");
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -263,6 +262,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       }
     } else {
       constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
+      constexpr uint32_t NONE = ~0u;     // no row (past the tile's end): the chunk is zero-filled
       const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
       uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
       int pending = 0;                   // stages copied by this thread and not yet arrived on
@@ -270,11 +270,13 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
         const int n0 = int(t / row_tiles) * WG_BN;
-        const uint16_t* src[PER];
+        // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
+        // 64-bit pointers would not fit the producer's 40 registers at BM = 128)
+        uint32_t src[PER];
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
           const int r = (tid >> 3) + 16 * i;
-          src[i] = r < tile.rows ? xb + int64_t(a.x_rows[tile.row0 + r]) * K + 8 * j : nullptr;
+          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : NONE;
         }
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
@@ -284,8 +286,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
             tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * 8, n0, int(tile.expert));
           }
 #pragma unroll
-          for (int i = 0; i < PER; ++i)
-            cp_async16(st + wg_swz((tid >> 3) + 16 * i, j), src[i] ? src[i] + kt * WG_BK : xb, src[i] ? 16 : 0);
+          for (int i = 0; i < PER; ++i) {
+            const bool real = src[i] != NONE;
+            cp_async16(st + wg_swz((tid >> 3) + 16 * i, j), real ? xb + 8 * (int64_t(src[i]) + kt * (WG_BK / 8)) : xb,
+                       real ? 16 : 0);
+          }
           cp_async_commit();
           if (pending == TMA_GATHER_LAG) {
             cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
