@@ -100,6 +100,21 @@ def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
 
 
+@pytest.mark.parametrize("group", [64, 32])
+def test_moe_prefill_wide_tiles(group, gpu_tol):
+    # 400 tokens x top-4 over 8 experts: ~200 rows per expert, so moe.cu builds 128-row expert tiles
+    # (full and partial ones) for the wgmma kernel; group 32 has no 128-row kernel and keeps 64-row tiles
+    rng = np.random.default_rng(31 + group)
+    cpu, gpu = moe_weights(rng, 8, 256, 192, 128, 4, group, "BF16", 8)
+    h = rng.standard_normal((400, 256)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, 4)
+    out = ops.moe("cuda", *gpu, h, 4)
+    ok = stable_rows(cpu[0], h, 4, 0.05)
+    assert ok.any(), "no token has a clear top-k margin: pick another seed"
+    check(out[ok], ref[ok], "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_decode_shared_wider(T, gpu_tol):
     # shared expert wider than the routed ones (the down kernel's act rows differ in length), 8-bit
