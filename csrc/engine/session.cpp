@@ -70,7 +70,7 @@ std::shared_ptr<Snapshot> Snapshot::blank(const Engine& engine, int64_t position
 }
 
 Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int64_t chunk)
-    : engine_(std::move(engine)), max_context_(max_context), chunk_(chunk) {
+    : engine_(std::move(engine)), max_context_(max_context), chunk_(std::min(chunk, max_context)) {
   const ModelConfig& c = engine_->config();
   const Device d = engine_->device();
   LILY_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
@@ -99,7 +99,7 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
     }
     layers_.push_back(std::move(st));
   }
-  const int64_t C = chunk, H = c.hidden_size;
+  const int64_t C = chunk_, H = c.hidden_size;  // no chunk is longer than the context: scratch for that many
   const int64_t wide = std::max({int64_t(c.conv_dim()), int64_t(c.q_proj_dim()), int64_t(c.value_dim()),
                                  int64_t(c.attn_dim())});
   const int64_t inter = std::max(c.moe_intermediate_size, c.shared_expert_intermediate_size);

@@ -38,7 +38,7 @@ DEFAULT_MAX_CONTEXT = 16384
 # recommended output length for Qwen3.6 (thinking included), so a real model's reasoning is not cut
 # short; the session's context usually ends generation first (finish_reason "length" either way).
 DEFAULT_MAX_TOKENS = 32768
-DEFAULT_PREFILL_CHUNK = {"cpu": 128, "cuda": 2048}
+DEFAULT_PREFILL_CHUNK = {"cpu": 128, "cuda": 8192}
 
 
 class Model:
