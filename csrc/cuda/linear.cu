@@ -8,6 +8,7 @@
 //                    X converted to bf16 into the op's workspace first)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda_ops.h"
@@ -232,6 +233,38 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
   return xb.data;
 }
 
+// Split-K counters of linear_wgmma_tma_kernel (one per tile; zero between launches: the last unit of a
+// tile resets its own). A process-wide scratch like the decode attention's partials: products run one
+// at a time on the device's stream.
+constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 64;
+constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 threads x BM 64
+__device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
+
+// Split-K for dense products of short prompts (T <= 64: one 64-row tile per column tile) with fewer
+// tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
+// and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
+// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1).
+static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
+  const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
+  if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS || tiles * 2 > sms ||
+      nk < 8)
+    return a;
+  const int64_t used = (xb.rows * xb.K + 127) / 128 * 128 * 2, avail = xb.capacity * 2 - used;
+  for (int64_t sp = std::min<int64_t>({8, nk / 4, sms / tiles, WG_SPLIT_MAX_UNITS / tiles}); sp > 1; --sp) {
+    if (tiles * sp * 256 * 64 * 4 > avail) continue;
+    static uint32_t* done = [] {
+      void* p = nullptr;
+      LILY_CUDA_CHECK(cudaGetSymbolAddress(&p, g_wg_split_done));
+      return static_cast<uint32_t*>(p);
+    }();
+    a.k_splits = int(sp);
+    a.partial = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xb.data) + used);
+    a.split_done = done;
+    return a;
+  }
+  return a;
+}
+
 static void check_tensor_map(CUresult r, const char* what) {
   LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
@@ -249,8 +282,8 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   CUtensorMap mx, mw;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
   check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols), "W");
-  const int64_t tiles = row_tiles * ceil_div<int64_t>(a.w.rows, WG_BN);
-  launch(kernel, unsigned(std::min<int64_t>(tiles, num_sms())), TMA_THREADS, size_t(tma_smem_bytes(BM)), a, xb, mx,
+  const int64_t units = row_tiles * ceil_div<int64_t>(a.w.rows, WG_BN) * a.k_splits;
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(tma_smem_bytes(BM)), a, xb, mx,
          mw);
   LILY_CUDA_LAUNCHED();
 }
@@ -276,8 +309,9 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
     return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<64, false, true>(a, xb, x_count, max_tiles);
-  return gs32 ? launch_wgmma<64, true, false>(a, xb, x_count, max_tiles)
-              : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
+  const LinearArgs as = with_split_k(a, max_tiles * col_tiles, xb_copy);
+  return gs32 ? launch_wgmma<64, true, false>(as, xb, x_count, max_tiles)
+              : launch_wgmma<64, false, false>(as, xb, x_count, max_tiles);
 }
 
 bool linear_wide_tiles(const LinearArgs& a) { return use_wgmma_gemm(a) && a.w.group_size != 32; }
@@ -301,7 +335,10 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCop
   LILY_CUDA_LAUNCHED();
 }
 
-int64_t linear_workspace_elems(int64_t T, int64_t in) { return T * in; }
+// X as bf16, then (short prompts) room for the split-K partials after it.
+int64_t linear_workspace_elems(int64_t T, int64_t in) {
+  return (T * in + 127) / 128 * 128 + (T <= WG_SPLIT_MAX_ROWS ? WG_SPLIT_PARTIAL_BYTES / 2 : 0);
+}
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {

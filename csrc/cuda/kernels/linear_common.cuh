@@ -97,6 +97,12 @@ struct LinearArgs {
   const float* row_scale = nullptr;  // [M] swiglu multiplier; null: 1
   bool swiglu = false;
   RowTiles tiles;
+  // Split-K (linear_wgmma_tma_kernel, dense tiles only): each tile's k-tiles run as k_splits work
+  // units whose fp32 partials [tile][split][256 consumer threads][BM] go to `partial`; the unit that
+  // arrives last on split_done[tile] (zero before, reset by it) sums them in split order and stores.
+  int k_splits = 1;
+  float* partial = nullptr;
+  uint32_t* split_done = nullptr;
 };
 
 __device__ __forceinline__ const float* x_row(const LinearArgs& a, int64_t r) {

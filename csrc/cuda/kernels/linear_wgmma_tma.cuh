@@ -186,10 +186,54 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
     }
 }
 
+// Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
+// partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][ct][BM], fence, count the
+// unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
+// splits in split order (0 + p0 + p1 + ..., a fixed order whichever CTA is last: deterministic) into
+// acc, resets the counter and returns true: its caller stores the tile. L2 reads (ld.cg): the partials
+// come from other SMs.
+template <int BM>
+__device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile& tile, int64_t t, int sp, int ct,
+                                                int c, float (&acc)[2][BM / 2], uint32_t& split_last) {
+  const int splits = a.k_splits;
+  auto slot = [&](int k) { return a.partial + ((t * splits + k) * 256 + ct) * int64_t(BM); };
+  float* mine = slot(sp);
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i)
+      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[b * (BM / 2) + i] = acc[b][i];
+  __threadfence();
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  if (ct == 0) split_last = atomicAdd(a.split_done + t, 1u) == uint32_t(splits - 1);
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  const bool last = split_last;
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer has read split_last before the next unit writes it
+  if (!last) return false;
+  __threadfence();
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
+  for (int k = 0; k < splits; ++k) {
+    const float* p = slot(k);
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i)
+        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + b * (BM / 2) + i);
+  }
+  if (ct == 0) a.split_done[t] = 0;
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // linear_wgmma_tma_kernel<BM, GS32, GATHER>: Y = W . X^T over 256-output x BM-row tiles, persistent.
-// Grid: min(tiles, SMs) CTAs of 384 threads; CTA i takes tiles i, i + gridDim.x, ... of
-// row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile).
+// Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
+// tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
+// or, with split-K (a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
+// k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
+// last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
 // Shared memory: a ring of S = tma_stages(BM) stages, each [Xb tile BM x 64 bf16, 128B-swizzled as TMA
 // SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
@@ -222,6 +266,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
+  __shared__ uint32_t split_last;  // split-K: this CTA's unit was the tile's last
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t ring_s = smem_u32(ring), bars = ring_s + S * STAGE;
   auto full = [&](uint32_t s) { return bars + 8 * s; };
@@ -241,17 +286,23 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int64_t col_tiles = (N + WG_BN - 1) / WG_BN;
   const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
   const int64_t total = row_tiles * col_tiles;
+  // work units: tile t = u / splits, k-tiles [split_begin(u % splits), split_begin(u % splits + 1))
+  const int splits = GATHER ? 1 : a.k_splits;  // the host never splits gathered products
+  const int64_t units = total * splits;
+  auto split_begin = [&](int sp) { return int(int64_t(sp) * nk / splits); };
 
   if (warp < 4) {  // ---------------- producer warpgroup ----------------
     setmaxnreg_dec<TMA_PRODUCER_REGS>();
     uint32_t s = 0, ph = 0;
     if constexpr (!GATHER) {
       if (tid != 0) return;
-      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+        const int64_t t = u / splits;
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
         const int n0 = int(t / row_tiles) * WG_BN;
-        for (int kt = 0; kt < nk; ++kt) {
+        const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
+        for (int kt = kb; kt < ke; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
           mbar_arrive_expect_tx(full(s), STAGE);
@@ -266,7 +317,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
       uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
       int pending = 0;                   // stages copied by this thread and not yet arrived on
-      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {  // GATHER: splits == 1
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
         const int n0 = int(t / row_tiles) * WG_BN;
@@ -318,10 +369,12 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
   const int rbase = cw * 128 + w4 * 16 + g;
   uint32_t s = 0, ph = 0, s_prev = 0;
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int64_t t = u / splits;
     Tile tile;
     if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
     const int64_t n0 = (t / row_tiles) * WG_BN;
+    const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
     float acc[2][BM / 2];
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -329,21 +382,21 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     WgScalesP<GS32> cur, nxt;
-    wg_load_scales(nxt, a.w, tile.expert, n0, rbase, 0);
+    wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kb);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
 #pragma unroll 1
-    for (int kt = 0; kt < nk; ++kt) {
+    for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < nk) wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kt + 1);
+      if (kt + 1 < ke) wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kt + 1);
       mbar_wait(full(s), ph);
       const uint8_t* ws = ring + s * STAGE + XBYTES;
       const uint32_t xs = ring_s + s * STAGE;
       wg_dequant_half<0>(ws, rbase, c, cur, H0);
       wg_issue_half<BM, 0>(acc, H0, xs);
       wgmma_wait<1>();  // half 1 of kt-1 retired
-      if (kt > 0 && lane == 0) mbar_arrive(empty(s_prev));
+      if (kt > kb && lane == 0) mbar_arrive(empty(s_prev));
       wg_dequant_half<1>(ws, rbase, c, cur, H1);
       wg_issue_half<BM, 1>(acc, H1, xs);
       wgmma_wait<1>();  // half 0 of kt retired
@@ -356,7 +409,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(empty(s_prev));
-    wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+    if (splits == 1) {
+      wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+    } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {
+      wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+    }
   }
 }
 
