@@ -50,7 +50,7 @@ def test_gdn_decode_mixer_matches_cpu(Hk, Hv, Dk, Dv, K, decay, gpu_tol):
     np.testing.assert_array_equal(cs_gpu, cs_cpu)  # the conv state is a copy of inputs
 
 
-@pytest.mark.parametrize("Hk, Hv, Dk, Dv, K", [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4], SHAPES[5]])
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, K", SHAPES)
 def test_gdn_decode_mixer_equals_cuda_ops(Hk, Hv, Dk, Dv, K, gpu_tol):
     """Fused kernel vs conv1d_silu + gated_delta_kernel + gated_rms_norm on the GPU: the same operations in
     the same order (norm sums included), so expected bit-identical; the tolerance leaves room for the
