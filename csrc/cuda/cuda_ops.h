@@ -12,7 +12,8 @@ namespace lily::cuda {
 // linear.cu / kernels/linear_*.cuh
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y, const Tensor& workspace);
-int64_t linear_workspace_elems(int64_t T, int64_t in);
+int64_t linear_workspace_elems(int64_t T, int64_t in);  // to allocate: X as bf16 + split-K room (short prompts)
+int64_t linear_x_elems(int64_t T, int64_t in);          // the least a workspace may hold: X as bf16
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 // moe.cu / kernels/moe_*.cuh

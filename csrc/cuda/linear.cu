@@ -335,7 +335,9 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCop
   LILY_CUDA_LAUNCHED();
 }
 
-// X as bf16, then (short prompts) room for the split-K partials after it.
+int64_t linear_x_elems(int64_t T, int64_t in) { return T * in; }
+
+// X as bf16, then (short prompts) room for the split-K partials after it (used when there).
 int64_t linear_workspace_elems(int64_t T, int64_t in) {
   return (T * in + 127) / 128 * 128 + (T <= WG_SPLIT_MAX_ROWS ? WG_SPLIT_PARTIAL_BYTES / 2 : 0);
 }

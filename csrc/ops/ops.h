@@ -20,8 +20,9 @@ struct Position {
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 
 // y[t, o] = sum_i W_e[o, i] * x[t, i] for stack entry e.  x [T, in], y [T, out].
-// workspace [>= linear_workspace_elems(device, T, in)] BF16: on CUDA the prefill GEMM's bf16 copy of x
-// (docs/cuda.md); when that size is 0 (CPU, or one token) it is not read and may be an empty tensor.
+// workspace [linear_workspace_elems(device, T, in)] BF16: on CUDA the prefill GEMM's bf16 copy of x, then
+// room for split-K partials of short prompts (docs/cuda.md; optional: at least T x in is accepted); on the
+// CPU that size is 0: it is not read and may be an empty tensor.
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y, const Tensor& workspace);
 // The same for a single matrix (a stack of one).
 inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y, const Tensor& workspace) {
