@@ -1,11 +1,12 @@
 // Launchers of the gated-attention ops (kernels/attention_*.cuh). attention() picks a variant:
 //   head_dim in {32, 64, 128, 256} (tensor cores):
-//     T <= 4 and T * group <= 32 -> split-KV decode (one wave of CTAs per device) + LSE merge
+//     T <= 4 and T * group <= 32 -> split-KV decode (one wave of CTAs per device) with the LSE merge
+//                                   by its last CTAs (one launch)
 //     otherwise                  -> 64-query-row flash attention (prefill)
 //   any other head_dim           -> the generic fp32 kernel.
 // gated_attention (T = 1, tensor-core head dims): the split-KV decode kernel with the q/k prep and
-// cache-row write fused in (kPrep), then the merge with sigmoid(gate): two launches for what the
-// per-op sequence does in ten (split_q_gate, 2 rms_norm, 2 rope, 2 kv_cache_write, split + merge,
+// cache-row write fused in (kPrep) and sigmoid(gate) in the merge: one launch for what the per-op
+// sequence does in nine (split_q_gate, 2 rms_norm, 2 rope, 2 kv_cache_write, attention,
 // sigmoid_mul).
 // No grid depends on the position: the decode step is captured once and replayed at every pos.
 #include <algorithm>
@@ -44,7 +45,7 @@ bool is_mma_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128 || D == 
 bool use_split_kv_decode(int64_t T, int64_t group) { return T <= kMaxDecodeTokens && T * group <= kMaxDecodeRows; }
 
 // Decode CTAs per KV head: one wave over the device (a CTA fills a multiprocessor's shared
-// memory), within the merge's thread count and the partial scratch.
+// memory), within the merge's statistics (two partials per thread) and the partial scratch.
 int64_t decode_ctas_per_head(int64_t T, int64_t nH, int64_t nKV, int64_t D) {
   const int64_t fit = kDecodeScratchFloats / (T * nH * D);
   LILY_CHECK(fit >= 1, "attention: ", T, " tokens x ", nH, " heads x ", D, " dims exceed the decode scratch of ",
@@ -69,11 +70,9 @@ template <int kD, bool kPrep = false>
 void launch_decode(const DecodeParams& p, int64_t M, const DecodePrepParams& pp) {
   const dim3 grid(unsigned(p.num_ctas), unsigned(p.nKV));
   if (M <= 16)
-    launch_big_smem<attention_decode_split_kernel<kD, 1, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(),
-                                                                 p, pp);
+    launch_big_smem<attention_decode_kernel<kD, 1, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(), p, pp);
   else
-    launch_big_smem<attention_decode_split_kernel<kD, 2, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(),
-                                                                 p, pp);
+    launch_big_smem<attention_decode_kernel<kD, 2, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(), p, pp);
 }
 
 template <int kD>
@@ -162,11 +161,9 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
 
   if (use_split_kv_decode(T, group)) {
     const int P = int(decode_ctas_per_head(T, num_heads, num_kv_heads, D));
-    const DecodeParams dp{q.ptr<float>(), k, v, pos, int(T), num_heads, num_kv_heads, int(group), P, scale_log2};
+    const DecodeParams dp{q.ptr<float>(), k, v, pos, o.ptr<float>(), int(T), num_heads, num_kv_heads, int(group),
+                          P, scale_log2};
     launch_decode_for_dim(dp, dp.T * dp.group, D);
-    const DecodeMergeParams mp{o.ptr<float>(), nullptr, pos, num_heads, int(D), int(T), P};
-    launch(attention_decode_merge_kernel, unsigned(T * num_heads), kMergeThreads, 0, mp);
-    LILY_CUDA_LAUNCHED();
     return;
   }
   const PrefillParams pp{q.ptr<float>(), k, v, o.ptr<float>(), pos, int(T), num_heads, num_kv_heads, int(group),
@@ -195,14 +192,12 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
   auto* kc = k_cache.ptr<__nv_bfloat16>();
   auto* vc = v_cache.ptr<__nv_bfloat16>();
   const int P = int(decode_ctas_per_head(1, num_heads, num_kv_heads, D));
-  const DecodeParams dp{q.ptr<float>(), kc, vc, pos, 1, num_heads, num_kv_heads, int(group), P, scale_log2};
+  const DecodeParams dp{q.ptr<float>(), kc, vc, pos, o.ptr<float>(), 1, num_heads, num_kv_heads, int(group), P,
+                        scale_log2};
   DecodePrepParams pp{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(),
                       kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), {}};
   for (int64_t j = 0; j < half; ++j) pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
   launch_decode_for_dim<true>(dp, group, D, pp);
-  const DecodeMergeParams mp{o.ptr<float>(), gate.ptr<float>(), pos, num_heads, int(D), 1, P};
-  launch(attention_decode_merge_kernel, unsigned(num_heads), kMergeThreads, 0, mp);
-  LILY_CUDA_LAUNCHED();
 }
 
 }  // namespace lily::cuda

@@ -115,6 +115,30 @@ def test_attention_long_context(T, max_t, gpu_tol):
     check(got, ref, gpu_tol[attention_tol_key(T, nH, nKV, D)])
 
 
+@pytest.mark.parametrize("pos0", [63, 64, 4095, 4096])
+@pytest.mark.parametrize("T", [1, 4])
+def test_attention_decode_tile_edges(T, pos0, gpu_tol):
+    """Split-KV decode where the visible rows end at or just past a 64-row tile edge."""
+    nH, nKV, D = REAL
+    got, ref = run_attention(T, nH, nKV, D, pos0 + T, pos0, seed=pos0 * 7 + T)
+    check(got, ref, gpu_tol["attention_decode"])
+
+
+def test_attention_decode_grids_share_the_merge_counter(gpu_tol):
+    """Decode launches of different grids and merger counts use one arrival counter, which each
+    must leave at rest: a later launch gives the same bits as before them (and does not hang)."""
+    nH, nKV, D = REAL
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, nH * D)).astype(np.float32)
+    k = bf16_round(rng.standard_normal((2048, nKV * D)).astype(np.float32))
+    v = bf16_round(rng.standard_normal((2048, nKV * D)).astype(np.float32))
+    a = ops.attention("cuda", q, k, v, nH, nKV, 1500)
+    for T, (h, kv, d), pos0 in [(1, (4, 2, 32), 0), (3, (8, 1, 128), 700), (4, REAL, 5), (2, (4, 2, 64), 64)]:
+        got, ref = run_attention(T, h, kv, d, pos0 + T, pos0, seed=T + pos0)
+        check(got, ref, gpu_tol[attention_tol_key(T, h, kv, d)])
+    np.testing.assert_array_equal(ops.attention("cuda", q, k, v, nH, nKV, 1500), a)
+
+
 @pytest.mark.parametrize("T", [1, 300])
 def test_attention_deterministic(T):
     nH, nKV, D = REAL
@@ -170,7 +194,7 @@ def gated_sequence(dev, nH, nKV, D, rd, theta, eps, pos0, p, k, v, q_norm, k_nor
 
 
 @pytest.mark.parametrize("nH, nKV, D, rd, theta", GATED_CONFIGS)
-@pytest.mark.parametrize("pos0", [0, 1, 37, 5000])
+@pytest.mark.parametrize("pos0", [0, 1, 37, 63, 64, 5000])
 def test_gated_attention_decode(nH, nKV, D, rd, theta, pos0, gpu_tol):
     eps, max_t = 1e-6, pos0 + 70
     args = gated_inputs(nH, nKV, D, max_t, pos0, seed=nH * 1000 + D + pos0)
