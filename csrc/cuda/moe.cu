@@ -1,6 +1,8 @@
 // Launcher of the sparse MoE block, all on the device with no host synchronisation.
-// Decode (use_moe_decode: T <= 4, fast affine experts), four launches:
-//   router logits and shared expert gate logit (one stacked GEMV) -> moe_topk
+// Decode (use_moe_decode: T <= 4, fast affine experts), three or four launches:
+//   one token with an 8-bit router over H = 2048 (use_moe_router): router logits, shared expert gate
+//   logit, softmax and top-k in one kernel (kernels/moe_router.cuh); otherwise router logits and shared
+//   expert gate logit (one stacked GEMV when T = 1) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out);
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
@@ -17,10 +19,12 @@
 // products over it, then the routed rows of the activation, then the shared ones.
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
+#include <array>
 
 #include "cuda_ops.h"
 #include "kernels/moe_decode.cuh"
 #include "kernels/moe_mma.cuh"
+#include "kernels/moe_router.cuh"
 #include "kernels/moe_routing.cuh"
 #include "linear.h"
 #include "../runtime/cuda_device.h"
@@ -232,6 +236,61 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   LILY_CUDA_LAUNCHED();
 }
 
+// CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
+static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
+
+// Whether a cluster of n moe_router_kernel CTAs can be resident at all (n > 8 needs the non-portable
+// cluster size, granted per device; a CTA's 544 threads at 96 registers take more than half an SM's
+// registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once;
+// a refusal leaves that n on the GEMV + moe_topk path.
+static bool router_cluster_fits(int n) {
+  static const std::array<bool, ROUTER_MAX_CTAS + 1> fits = [] {
+    std::array<bool, ROUTER_MAX_CTAS + 1> f{};
+    f[1] = true;
+    const bool wide = cudaFuncSetAttribute(moe_router_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                      cudaSuccess;
+    for (int c = 2; c <= ROUTER_MAX_CTAS && (c <= 8 || wide); ++c) {
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = unsigned(c);
+      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(unsigned(c));
+      cfg.blockDim = dim3(ROUTER_THREADS);
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      f[c] = cudaOccupancyMaxActiveClusters(&clusters, moe_router_kernel, &cfg) == cudaSuccess && clusters > 0;
+    }
+    (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
+    return f;
+  }();
+  return fits[n];
+}
+
+// The fused decode router: one token; router and shared expert gate both 8-bit affine with BF16 scales,
+// whole 16-value chunks in a group, over H = ROUTER_COLS; E <= 256 and its cluster resident; h 16-byte
+// aligned (its float4 loads).
+static bool use_moe_router(const MoeWeights& w, const Tensor& h) {
+  const QMatrix* mats[] = {w.router, w.shared_expert_gate};
+  for (const QMatrix* m : mats)
+    if (!is_fast_affine(weight_view(*m)) || m->bits != 8 || m->num_stack != 1 || m->cols != ROUTER_COLS ||
+        m->group_size <= 0 || m->group_size % 16 != 0 || ROUTER_COLS % m->group_size != 0)
+      return false;
+  const int64_t E = w.router->rows;
+  return h.dim(0) == 1 && h.dim(1) == ROUTER_COLS && w.shared_expert_gate->rows == 1 && E >= 1 &&
+         E <= ROUTER_MAX_EXPERTS && is_aligned16(h.data) && router_cluster_fits(router_ctas(E));
+}
+
+static void launch_moe_router(const MoeWeights& w, const Tensor& h, const RoutingTables& r, float* shared_gate,
+                              int top_k) {
+  const MoeRouterParams p{affine_stack(*w.router), affine_stack(*w.shared_expert_gate), h.ptr<float>(), r.topk_id,
+                          r.topk_w, shared_gate, top_k};
+  const unsigned n = unsigned(router_ctas(w.router->rows));
+  launch_clustered(moe_router_kernel, dim3(n), dim3(ROUTER_THREADS), dim3(n), 0, p);
+  LILY_CUDA_LAUNCHED();
+}
+
 // moe(), or with a tail (T = 1, use_moe_mma): out += the MoE output, then the tail's RMSNorm.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
                     const NormTail& tail) {
@@ -241,26 +300,31 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CHECK(s.down.dim(1) == H && s.gate.dim(1) >= std::max(w.gate_proj->rows, w.shared_gate_proj->rows),
              "moe: scratch rows are too narrow");
   const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, E, top_k);
-  // A decode step runs the router and the shared-expert gate as one GEMV over their stacked rows:
-  // E logits, then the gate logit, back to back in router_logits (which has a spare row then).
-  const bool stacked = T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
+  // One token: the fused router kernel where it applies; else a decode step runs the router and the
+  // shared-expert gate as one GEMV over their stacked rows: E logits, then the gate logit, back to back
+  // in router_logits (which has a spare row then).
+  const bool fused = use_moe_router(w, h);
+  const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
-  if (stacked) {
-    linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
+  if (fused) {
+    launch_moe_router(w, h, r, sg.ptr<float>(), top_k);
   } else {
-    linear(*w.router, 0, h, logits, s.xb);
-    linear(*w.shared_expert_gate, 0, h, sg, s.xb);
+    if (stacked) {
+      linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
+    } else {
+      linear(*w.router, 0, h, logits, s.xb);
+      linear(*w.shared_expert_gate, 0, h, sg, s.xb);
+    }
+    MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
+    const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
+    if (E <= 64) launch(moe_topk_kernel<2>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+    else if (E <= 256) launch(moe_topk_kernel<8>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+    else if (E <= 1024) launch(moe_topk_kernel<32>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
+    else fail("moe: ", E, " experts exceed the CUDA top-k kernel's 1024");
+    LILY_CUDA_LAUNCHED();
   }
-
-  MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
-  const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
-  if (E <= 64) launch(moe_topk_kernel<2>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
-  else if (E <= 256) launch(moe_topk_kernel<8>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
-  else if (E <= 1024) launch(moe_topk_kernel<32>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
-  else fail("moe: ", E, " experts exceed the CUDA top-k kernel's 1024");
-  LILY_CUDA_LAUNCHED();
 
   if (use_moe_mma(w, h, s, top_k)) {
     const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;

@@ -85,6 +85,27 @@ def test_moe_real_dims(T, gpu_tol):
     check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
 
 
+@pytest.mark.parametrize("E,top_k,group", [(16, 8, 64), (40, 4, 32), (129, 8, 128), (256, 8, 64), (256, 1, 64)])
+def test_moe_decode_router(E, top_k, group, gpu_tol):
+    # One token, 8-bit router over H = 2048: the fused router kernel (kernels/moe_router.cuh), a cluster of
+    # ceil(E/16) CTAs (1, 3, 9, 16). Its logits equal the router GEMV's bit for bit and its top-k is moe_topk's,
+    # so the token alone and the same token twice (T = 2: GEMV + moe_topk) route identically even at near-ties;
+    # only the expert products' summation order may differ (a changed expert or weight shows at 1e-2 or more).
+    rng = np.random.default_rng(1000 + E + top_k)
+    cpu, gpu = moe_weights(rng, E, 2048, 128, 128, 4, group, "BF16", 8)
+    h = rng.standard_normal((4, 2048)).astype(np.float32)
+    ref = ops.moe("cpu", *cpu, h, top_k)
+    ok = stable_rows(cpu[0], h, top_k, 0.05)
+    assert ok.any(), "no token has a clear top-k margin: pick another seed"
+    for t in range(len(h)):
+        one = ops.moe("cuda", *gpu, h[t:t + 1], top_k)
+        two = ops.moe("cuda", *gpu, np.repeat(h[t:t + 1], 2, axis=0), top_k)
+        check(one, two[:1], "moe_decode", gpu_tol)
+        assert np.array_equal(one, ops.moe("cuda", *gpu, h[t:t + 1], top_k))
+        if ok[t]:
+            check(one, ref[t:t + 1], "moe_decode", gpu_tol)
+
+
 @pytest.mark.parametrize("T", [19, 300])
 def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which

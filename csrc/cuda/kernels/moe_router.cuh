@@ -1,0 +1,176 @@
+// The MoE router of one decode token as one kernel: the router logits, the shared expert gate logit,
+// then moe_topk's softmax, top-k, renormalisation and sigmoid:
+//   l[e] = sum_j Wr[e, j] h[j] (e < E),  g = sum_j Wg[j] h[j],  W = scale[group] * q + bias[group]
+//   (topk_id, topk_w) = moe_topk_warp(l),  shared_gate = sigmoid(g).
+// Wr [E, 2048], Wg [1, 2048]: MLX affine 8-bit, BF16 scales, group size a multiple of 16; h [2048] F32,
+// 16-byte aligned; E <= 256; topk_id [K], topk_w [K] (ascending id), shared_gate [1].
+// Grid: one thread-block cluster of n = ceil(E/16) CTAs (n > 8 is a non-portable cluster size) of 17
+// warps. Warps 0-15 own router rows 16b..16b+15 of CTA b in linear_gemv_kernel<8,1>'s mapping: 4 slots
+// of 128 threads, thread q of slot s holds 16-byte chunk q (16 weights) of rows 16b+4s+r, r < 4, and
+// loads them before pdl_wait. After it, warp 16 (no weights) loads h at once and stages it as
+// gemv_stage_x does (swizzled chunks and their sums) while warps 0-15 decode their weights to floats
+// (64 registers), so the math after the barrier is 64 fmas a thread. The gate row's 128 chunks are 16
+// pieces {32g + m + 4k : k < 8} (g, m < 4); piece 4g+m belongs to CTA (4g+m) % n, one chunk per thread
+// on 8 consecutive lanes of warps 0-3. The row sums and the pieces go to rank 0's shared memory
+// (DSMEM); after a cluster barrier rank 0's warp 0 runs moe_topk_warp and its warp 1 the gate's sigmoid.
+// Precision: each logit is bit-identical to linear_gemv_kernel<8,1>'s, so the choices and weights equal
+// the GEMV + moe_topk path's: chunk partial p_c = fma(scale, dot_c, fma(bias, xsum_c, 0)), dot_c the 16
+// fmas in value order, xsum_c the staged sum; per group of 32 chunks the xor butterfly (pairs at
+// distance 16, 8, 4, 2, 1), then the four group sums added to 0 in order (slot_sum). The gate pieces
+// run the first three butterfly levels on their 8 lanes and rank 0 the last two, which is the same
+// tree: after levels 16, 8, 4 the value of chunk j depends on j % 4 only.
+#pragma once
+#include <cooperative_groups.h>
+
+#include "moe_decode.cuh"
+
+namespace lily::cuda {
+
+constexpr int ROUTER_COLS = 2048;                // hidden size (= the model's)
+constexpr int ROUTER_CHUNKS = ROUTER_COLS / 16;  // 16-byte chunks per row: threads per slot
+constexpr int ROUTER_R = 4;                      // rows per slot (GemvTiling<1>::R)
+constexpr int ROUTER_SLOTS = 4;
+constexpr int ROUTER_ROWS = ROUTER_SLOTS * ROUTER_R;  // 16 router rows per CTA
+constexpr int ROUTER_WARPS = ROUTER_SLOTS * ROUTER_CHUNKS / 32;  // 16 compute warps, then the staging warp
+constexpr int ROUTER_THREADS = (ROUTER_WARPS + 1) * 32;  // 544: one CTA per SM at <= 120 registers
+constexpr int ROUTER_MAX_CTAS = 16;                      // the largest cluster (non-portable)
+constexpr int ROUTER_MAX_EXPERTS = ROUTER_ROWS * ROUTER_MAX_CTAS;  // 256
+constexpr int ROUTER_GATE_PIECES = 16;                             // of 8 chunks: 4 groups x 4 residues
+static_assert(ROUTER_R == GemvTiling<1>::R && ROUTER_CHUNKS == 128, "the logits follow linear_gemv_kernel<8,1>");
+
+struct MoeRouterParams {
+  AffineStack router;  // [E, 2048] 8-bit (rows = E)
+  AffineStack gate;    // [1, 2048] 8-bit, the shared expert gate
+  const float* h;      // [2048] F32
+  int32_t* topk_id;    // [K]
+  float* topk_w;       // [K]
+  float* shared_gate;  // [1] sigmoid of the gate logit
+  int K;
+};
+
+__global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_router_kernel(const MoeRouterParams p) {
+  namespace cg = cooperative_groups;
+  using S = GemvShape<8>;
+  __shared__ float4 xs[ROUTER_CHUNKS * S::F];  // h in GemvShape's swizzled chunks
+  __shared__ float xsum[ROUTER_CHUNKS];
+  __shared__ float red[ROUTER_WARPS][ROUTER_R];    // warp sums of the slots
+  __shared__ float logits[ROUTER_MAX_EXPERTS];    // rank 0's: the cluster's router logits
+  __shared__ float gate_part[ROUTER_GATE_PIECES]; // rank 0's: the gate pieces' partial sums
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int b = int(cluster.block_rank()), n = int(cluster.num_blocks());
+  const bool stager = warp == ROUTER_WARPS;  // stages h; holds no weights
+  const int slot = tid / ROUTER_CHUNKS, q = tid % ROUTER_CHUNKS, E = p.router.rows;
+  const int row0 = b * ROUTER_ROWS + slot * ROUTER_R;
+  __cluster_barrier_arrive_relaxed();  // paired with the wait before the first store to rank 0
+
+  GemvStage<ROUTER_R> st;  // constant weights: loaded before the wait
+#pragma unroll
+  for (int r = 0; r < ROUTER_R; ++r)
+    gemv_load<8>(st, r, !stager && row0 + r < E, p.router.w, p.router.scales, p.router.biases, row0 + r, q,
+                 ROUTER_COLS / 4, ROUTER_COLS / p.router.group_size, p.router.group_size);
+  // gate pieces b, b + n, ...: threads 8j..8j+7 hold piece b + j*n, lane k of them chunk 32g + m + 4k
+  const int pieces = (ROUTER_GATE_PIECES - b + n - 1) / n, piece = b + (tid >> 3) * n;
+  const bool gate_warp = warp * 32 < 8 * pieces, gate_lane = tid < 8 * pieces;  // gate_warp: warp-uniform
+  const int gc = gate_lane ? 32 * (piece >> 2) + (piece & 3) + 4 * (tid & 7) : 0;
+  GemvStage<1> gs;
+  gemv_load<8>(gs, 0, gate_lane, p.gate.w, p.gate.scales, p.gate.biases, 0, gc, ROUTER_COLS / 4,
+               ROUTER_COLS / p.gate.group_size, p.gate.group_size);
+
+  pdl_wait();
+  pdl_trigger();
+  float wq[ROUTER_R][S::VALS], ws[ROUTER_R], wb[ROUTER_R];  // the compute warps' weights as floats
+  if (stager) {  // gemv_stage_x's layout and sums, chunks lane + 32j; its loads issue at once
+    float4 v[4][S::F];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int f = 0; f < S::F; ++f) v[j][f] = reinterpret_cast<const float4*>(p.h)[(lane + 32 * j) * S::F + f];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float s = 0.f;
+#pragma unroll
+      for (int f = 0; f < S::F; ++f) {
+        xs[S::slot(lane + 32 * j, f)] = v[j][f];
+        s += v[j][f].x + v[j][f].y + v[j][f].z + v[j][f].w;
+      }
+      xsum[lane + 32 * j] = s;
+    }
+  } else {  // decoded while h arrives
+#pragma unroll
+    for (int r = 0; r < ROUTER_R; ++r) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float v[S::VPW];
+        decode_word<8>(word_of(st.w[r], i), v);
+#pragma unroll
+        for (int k = 0; k < S::VPW; ++k) wq[r][S::VPW * i + k] = v[k];
+      }
+      ws[r] = bf16_bits_to_f32(st.s[r]);
+      wb[r] = bf16_bits_to_f32(st.b[r]);
+    }
+  }
+  __syncthreads();
+
+  float acc[ROUTER_R];  // gemv_chunk<8, 4, 1>'s arithmetic on the decoded weights, then slot_sum's
+  if (!stager) {
+    float dot[ROUTER_R] = {};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = xs[S::slot(q, i)];
+      const float xv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int r = 0; r < ROUTER_R; ++r)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) dot[r] = fmaf(wq[r][4 * i + k], xv[k], dot[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < ROUTER_R; ++r) acc[r] = fmaf(ws[r], dot[r], fmaf(wb[r], xsum[q], 0.f));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int r = 0; r < ROUTER_R; ++r) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    if (lane == 0)
+#pragma unroll
+      for (int r = 0; r < ROUTER_R; ++r) red[warp][r] = acc[r];
+  }
+  float gp[1][1] = {};
+  if (gate_warp) {
+    gemv_chunk<8, 1, 1>(gs, xs, xsum, ROUTER_CHUNKS, gc, gp);
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) gp[0][0] += __shfl_xor_sync(0xffffffffu, gp[0][0], o);  // chunks +-16, 8, 4
+  }
+  __syncthreads();
+  const bool first = !stager && q == 0;  // the slot's 4 logits: its warps' sums from 0 in order
+  if (first)
+#pragma unroll
+    for (int r = 0; r < ROUTER_R; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < ROUTER_CHUNKS / 32; ++k) s += red[warp + k][r];
+      acc[r] = s;
+    }
+
+  __cluster_barrier_wait();  // every CTA of the cluster runs: rank 0's shared memory may be written
+  if (first) {
+    float* dst = b == 0 ? logits : cluster.map_shared_rank(logits, 0);
+#pragma unroll
+    for (int r = 0; r < ROUTER_R; ++r)
+      if (row0 + r < E) dst[row0 + r] = acc[r];
+  }
+  if (gate_lane && (tid & 7) == 0) (b == 0 ? gate_part : cluster.map_shared_rank(gate_part, 0))[piece] = gp[0][0];
+  __cluster_barrier_arrive();  // release: the stores above
+  __cluster_barrier_wait();    // acquire: rank 0 sees every CTA's; no CTA touches another's memory after this
+  if (b != 0) return;
+  if (warp == 0) {
+    moe_topk_warp<ROUTER_MAX_EXPERTS / 32>(logits, E, p.K, p.topk_id, p.topk_w);
+  } else if (warp == 1 && lane == 0) {
+    float g = 0.f;  // levels 2 and 1 of each group's butterfly, then the groups in order (slot_sum)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      g += (gate_part[4 * j] + gate_part[4 * j + 2]) + (gate_part[4 * j + 1] + gate_part[4 * j + 3]);
+    *p.shared_gate = moe_sigmoid(g);
+  }
+}
+
+}  // namespace lily::cuda
