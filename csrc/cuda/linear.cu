@@ -271,9 +271,9 @@ static void check_tensor_map(CUresult r, const char* what) {
 
 // The persistent GEMM over row_tiles x ceil(N / 256) tiles: min(tiles, SMs) CTAs. Tensor maps are
 // encoded per launch (host only, cheap) and passed as __grid_constant__ parameters.
-template <int BM, bool GS32, bool GATHER>
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false>
 static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER>;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT>;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem_bytes(BM)));
     return true;
@@ -310,8 +310,11 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
   if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<64, false, true>(a, xb, x_count, max_tiles);
   const LinearArgs as = with_split_k(a, max_tiles * col_tiles, xb_copy);
-  return gs32 ? launch_wgmma<64, true, false>(as, xb, x_count, max_tiles)
-              : launch_wgmma<64, false, false>(as, xb, x_count, max_tiles);
+  if (as.k_splits > 1)  // split-K in its own instances: the unsplit kernel's loop stays as it was
+    return gs32 ? launch_wgmma<64, true, false, true>(as, xb, x_count, max_tiles)
+                : launch_wgmma<64, false, false, true>(as, xb, x_count, max_tiles);
+  return gs32 ? launch_wgmma<64, true, false>(a, xb, x_count, max_tiles)
+              : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
 bool linear_wide_tiles(const LinearArgs& a) { return use_wgmma_gemm(a) && a.w.group_size != 32; }

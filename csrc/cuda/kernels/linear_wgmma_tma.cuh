@@ -228,10 +228,10 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_tma_kernel<BM, GS32, GATHER>: Y = W . X^T over 256-output x BM-row tiles, persistent.
+// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT>: Y = W . X^T over 256-output x BM-row tiles, persistent.
 // Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
-// or, with split-K (a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
+// or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
 // last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
@@ -257,7 +257,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
 // consumers 232, producer 40; no spills (ptxas -v).
-template <int BM, bool GS32, bool GATHER>
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
                             const __grid_constant__ CUtensorMap tmap_w) {
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
   const int64_t total = row_tiles * col_tiles;
   // work units: tile t = u / splits, k-tiles [split_begin(u % splits), split_begin(u % splits + 1))
-  const int splits = GATHER ? 1 : a.k_splits;  // the host never splits gathered products
+  const int splits = SPLIT ? a.k_splits : 1;  // SPLIT instances only for dense products (host)
   const int64_t units = total * splits;
   auto split_begin = [&](int sp) { return int(int64_t(sp) * nk / splits); };
 
