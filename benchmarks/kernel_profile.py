@@ -1,5 +1,5 @@
-"""Per-kernel device times of lily's eager decode steps and one prefill, through torch.profiler
-(CUPTI sees every kernel of the process, including lily's own). Needs torch with CUDA.
+"""Per-kernel device times of lily's decode steps (eager, then graph-replayed) and one prefill, through
+torch.profiler (CUPTI sees every kernel of the process, including lily's own). Needs torch with CUDA.
 
     python benchmarks/kernel_profile.py --model PATH [--context 4096] [--steps 16] [--rows 40] [--short 11]
 
@@ -56,6 +56,7 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"\n## eager decode at context {a.context}")
     table(prof, a.steps, a.rows)
+    graph_decode(model, ids, a.steps, a.rows)
     s.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         s._core.prefill_sample(ids)
@@ -64,6 +65,36 @@ def main() -> None:
     table(prof, 1, a.rows)
     if a.short:
         short_prefill(model, ids[:a.short], a.rows)
+
+
+def graph_decode(model, ids: np.ndarray, steps: int, rows: int) -> None:
+    """The same decode steps as CUDA-graph replays (programmatic launches: a kernel may start before
+    its predecessor ends): per-kernel device times as CUPTI records graph nodes, and per step the
+    time the device is busy (union of kernel intervals) against the sum of kernel times (overlap)."""
+    s = model.new_session(max_context=len(ids) + 4 * steps + 8, use_graph=True)
+    s._core.set_sampler()
+    s._core.prefill_sample(ids)
+    for _ in range(4):
+        s._core.decode_sample(-1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            s._core.decode_sample(-1)
+        torch.cuda.synchronize()
+    print(f"\n## graph-replayed decode at context {len(ids)}")
+    table(prof, steps, rows)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return
+    busy, total, end = 0.0, sum(b - a for a, b in spans), -1.0
+    for a, b in spans:  # union of the intervals
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    wall = spans[-1][1] - spans[0][0]
+    print(f"per step: kernels {total / steps:.1f} us summed, device busy {busy / steps:.1f} us (union), "
+          f"first start to last end {wall / steps:.1f} us; overlap {(total - busy) / steps:.1f} us, "
+          f"idle {(wall - busy) / steps:.1f} us")
 
 
 def short_prefill(model, ids: np.ndarray, rows: int) -> None:
