@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -198,6 +199,13 @@ def test_cli_generate_and_chat_with_images(model, ckpt, tmp_path):
     assert r.stdout == want.text + "\n"
     r = lily_cli("generate", "-m", str(ckpt), "--image", str(a), "Describe.")
     assert r.returncode != 0 and "--image applies to a --chat prompt" in r.stderr
+    r = lily_cli("generate", "-m", str(ckpt), "--device", "cpu", "-q", "--chat", "--greedy", "-n", "4", "--ignore-eos",
+                 "--image", str(a), "--image-max-pixels", "1024", "Describe.")
+    assert r.returncode == 0, r.stderr
+    small = model.prepare_images([A], max_pixels=1024)
+    assert r.stdout == model.new_session().chat(user(*small), temperature=0, max_tokens=4, ignore_eos=True).text + "\n"
+    r = lily_cli("generate", "-m", str(ckpt), "--chat", "--image-max-pixels", "1024", "Describe.")
+    assert r.returncode != 0 and "apply to --image" in r.stderr
     r = lily_cli("chat", "-m", str(ckpt), "--device", "cpu", "-v", "-n", "2", "-t", "0",
                  stdin=f"/image {tmp_path / 'missing.png'}\n/image {a}\nDescribe.\n/exit\n")
     assert r.returncode == 0, r.stderr
@@ -288,6 +296,27 @@ def test_server_refusals_are_400s_and_it_keeps_serving(served, tmp_path):
     assert s.worker.stats()["totals"]["error"] == 0
 
 
+def test_server_image_pixel_bounds_per_request(model, served):
+    import openai
+
+    _, client, _ = served
+    big = data_url(np.full((256, 256, 3), 90, np.uint8))  # 64 tokens at the checkpoint's max_pixels 65536
+    kw = dict(model="vision", messages=ask(image_part(big)), max_tokens=1)
+    full = client.chat.completions.create(**kw)
+    small = client.chat.completions.create(**kw, extra_body={"mm_processor_kwargs": {"max_pixels": 64 * 64}})
+    # 256 x 256 -> 64 x 64 pixels: 4 merged tokens instead of 64
+    assert full.usage.prompt_tokens - small.usage.prompt_tokens == 60
+    want = model.new_session().chat(user(model.prepare_images([np.full((256, 256, 3), 90, np.uint8)],
+                                                              max_pixels=64 * 64)[0]), max_tokens=1)
+    assert small.usage.prompt_tokens == want.usage.prompt_tokens
+    for body, words in (({"min_pixels": 8192, "max_pixels": 4096}, "min_pixels (8192) exceeds max_pixels (4096)"),
+                        ({"max_pixels": 0}, "mm_processor_kwargs.max_pixels"),
+                        ({"max_pixel": 4096}, "max_pixel")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)) as e:
+            client.chat.completions.create(**kw, extra_body={"mm_processor_kwargs": body})
+        assert e.value.status_code == 400
+
+
 def test_server_without_a_vision_tower_or_on_cuda():
     from types import SimpleNamespace
 
@@ -301,9 +330,10 @@ def test_server_without_a_vision_tower_or_on_cuda():
         s = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vision=vision), device=device),
                             model_name="m", image_policy=URLPolicy())
         with pytest.raises(APIError, match=words) as e:
-            _read_images(s, msgs)
+            _read_images(s, msgs, (None, None))
         assert e.value.status == 400
-    assert _read_images(s, [{"role": "user", "content": "text"}]) == ([{"role": "user", "content": "text"}], [])
+    assert _read_images(s, [{"role": "user", "content": "text"}], (None, None)) == (
+        [{"role": "user", "content": "text"}], [])
 
 
 def test_text_only_server_answers_images_with_400():
@@ -366,3 +396,22 @@ def test_serve_image_flags(tmp_path):
         image_policy(flags(allow_image_dir=tmp_path / "missing"))
     with pytest.raises(LilyError, match="must be positive"):
         image_policy(flags(image_max_mib=0))
+
+
+def test_serve_image_pixel_flags(model):
+    import argparse
+
+    from lily.checkpoint.tiny import tiny_checkpoint
+    from lily.server.cli import image_pixels
+
+    def flags(lo=None, hi=None):
+        return argparse.Namespace(image_min_pixels=lo, image_max_pixels=hi)
+
+    assert image_pixels(flags(), model) == (None, None)
+    assert image_pixels(flags(hi=4096), model) == (None, 4096)
+    with pytest.raises(LilyError, match="exceeds max_pixels"):
+        image_pixels(flags(lo=8192, hi=4096), model)
+    with pytest.raises(LilyError, match="must be a positive integer"):
+        image_pixels(flags(hi=-1), model)
+    with pytest.raises(LilyError, match="has no vision tower"):
+        image_pixels(flags(hi=4096), lily.Model.load(tiny_checkpoint(), device="cpu", max_context=64))

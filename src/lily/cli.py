@@ -86,6 +86,23 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     if args.image and (args.input or not args.chat):
         raise LilyError("--image applies to a --chat prompt (the images go before the text in the user message); "
                         "with --input, put image parts in each line's messages")
+    if not args.image and (args.image_min_pixels is not None or args.image_max_pixels is not None):
+        raise LilyError("--image-min-pixels / --image-max-pixels apply to --image")
+
+
+def add_image_pixel_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image-min-pixels", type=int, metavar="N",
+                   help="images are resized to at least N pixels (default: the checkpoint's preprocessor_config.json)")
+    p.add_argument("--image-max-pixels", type=int, metavar="N",
+                   help="images are resized to at most N pixels, which bounds their prompt tokens (one per 32 x 32 "
+                        "pixels; default: the checkpoint's)")
+
+
+def image_sources(model, args: argparse.Namespace, paths: list[str]) -> list:
+    """Image paths as message parts take them: unchanged, or prepared with --image-min/max-pixels."""
+    if args.image_min_pixels is None and args.image_max_pixels is None:
+        return paths
+    return model.prepare_images(paths, min_pixels=args.image_min_pixels, max_pixels=args.image_max_pixels)
 
 
 def generate_params(args: argparse.Namespace, model=None):
@@ -121,6 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     model = load_model(args)
     params = generate_params(args, model)
+    args.image = image_sources(model, args, args.image)
     prompt = chat_prompt(args, text)
     stream = model.generate(prompt, params, stream=True, **template_kwargs(args))
     printer = ThinkPrinter(sys.stdout, stream.thinking, True)
@@ -258,7 +276,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     session = model.new_session()
-    images: list[str] = []  # /image PATH: attached to the next message
+    images: list = []  # /image PATH (a path, or prepared with --image-*-pixels): for the next message
     if not args.quiet:
         print("lily chat: /image PATH attaches an image to the next message, /reset starts over, /exit (or Ctrl-D) "
               "quits.", file=sys.stderr)
@@ -277,11 +295,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line.startswith("/image "):
             path = Path(line[len("/image "):].strip()).expanduser()
-            if path.is_file():
-                images.append(str(path))
-                print(f"[{path.name} attached to the next message]", file=sys.stderr)
-            else:
+            if not path.is_file():
                 print(f"[no such file: {path}]", file=sys.stderr)
+                continue
+            try:
+                images += image_sources(model, args, [str(path)])
+            except LilyError as e:  # unreadable, or bounds the checkpoint's settings refuse
+                print(f"[{path.name} not attached: {e}]", file=sys.stderr)
+                continue
+            print(f"[{path.name} attached to the next message]", file=sys.stderr)
             continue
         content = [*({"type": "image", "image": p} for p in images), {"type": "text", "text": line}] if images else line
         messages.append({"role": "user", "content": content})
@@ -373,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", metavar="PATH", default=[],
                    help="with --chat: an image for the user message, before the text (repeatable; CPU only for "
                         "now, docs/vision.md)")
+    add_image_pixel_arguments(g)
     g.add_argument("--input", "-i", metavar="PROMPTS.jsonl", help="generate for every prompt of a JSONL file")
     g.add_argument("--output", "-o", metavar="RESULTS.jsonl", help="where --input writes results (appended; resumable)")
     add_sampling_arguments(g, "greedy; with --chat the checkpoint's generation_config.json")
@@ -389,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(c, "the checkpoint's generation_config.json (Qwen3.6: temperature 1.0, top_k 20, "
                               "top_p 0.95)")
     add_chat_arguments(c)
+    add_image_pixel_arguments(c)
     c.set_defaults(func=cmd_chat)
 
     v = sub.add_parser("convert", help="convert a Hugging Face bf16 checkpoint to the MLX 4/8-bit layout",

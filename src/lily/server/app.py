@@ -202,10 +202,12 @@ class Server:
                  request_timeout: float = REQUEST_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                  write_timeout: float = WRITE_TIMEOUT, max_prompt_chars: int | None = None,
                  allow_control_tokens: bool = False, token_cache_mib: int = DEFAULT_SEGMENT_CACHE_MIB,
-                 image_policy: URLPolicy | None = None):
+                 image_policy: URLPolicy | None = None, image_pixels: tuple[int | None, int | None] = (None, None)):
         self.model = model
         # Which image URLs requests may use: data: only, unless the operator allows more.
         self.image_policy = image_policy or URLPolicy()
+        # The operator's image resize bounds (None: the checkpoint's); a request's mm_processor_kwargs win.
+        self.image_pixels = image_pixels
         self.tokenizer = model.tokenizer  # loaded once here, shared by the worker threads
         if token_cache_mib < 0:
             raise LilyError(f"token_cache_mib must be >= 0, got {token_cache_mib}")
@@ -676,7 +678,7 @@ def _prepare_chat(s: Server, raw: bytes, notify):
     s.check_chars(sum(len(content_text(m.get("content"))) + len(m.get("reasoning_content") or "")
                       for m in req.messages), "messages")
     s.check_control_tokens(req.messages)
-    messages, images = _read_images(s, req.messages)
+    messages, images = _read_images(s, req.messages, req.image_pixels)
     try:
         prompt = chat_prompt(s.tokenizer, messages, req.tools, req.template_kwargs, s.worker.max_context,
                              s.encoder)
@@ -695,9 +697,11 @@ def _prepare_chat(s: Server, raw: bytes, notify):
     return job, _ChatRenderer(s, req, prompt, params, job)
 
 
-def _read_images(s: Server, messages: list[dict]) -> tuple[list[dict], list]:
+def _read_images(s: Server, messages: list[dict], pixels: tuple[int | None, int | None]) -> tuple[list[dict], list]:
     """The messages with their image parts as template placeholders, and the images prepared for the
-    vision tower; a 400 when the model cannot read images or an image is refused or unreadable."""
+    vision tower (resize bounds: the request's ``pixels`` (min, max) where given, else the server's, else
+    the checkpoint's); a 400 when the model cannot read images, an image is refused or unreadable, or the
+    bounds are inconsistent."""
     if not has_image_parts(messages):
         return messages, []
     if s.model.config.vision is None:
@@ -709,10 +713,15 @@ def _read_images(s: Server, messages: list[dict]) -> tuple[list[dict], list]:
                           f"images are not implemented yet (serve with --device cpu to read images)", "messages",
                           "images_unsupported")
     try:
+        lo, hi = (p if p is not None else d for p, d in zip(pixels, s.image_pixels))
+        try:
+            s.model.image_processor.with_pixels(lo, hi)
+        except LilyError as e:
+            raise bad_request(f"'mm_processor_kwargs': {e}", "mm_processor_kwargs") from None
         messages, sources = extract_images(messages, s.image_policy)
         images, tokens = [], 0
         for source in sources:  # one at a time: a request of more image tokens than the context stops early
-            images += s.model.prepare_images([source])
+            images += s.model.prepare_images([source], min_pixels=lo, max_pixels=hi)
             tokens += images[-1].num_tokens
             if tokens >= s.worker.max_context:
                 raise s.too_long(tokens, "messages")

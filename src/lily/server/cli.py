@@ -74,6 +74,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_FETCH_SECONDS, metavar="S",
                    help=f"with --allow-image-urls: the seconds one image may take to download "
                         f"(default {DEFAULT_FETCH_SECONDS:g})")
+    p.add_argument("--image-min-pixels", type=int, default=None, metavar="N",
+                   help="the fewest pixels an image is resized to (default: the checkpoint's preprocessor_config.json; "
+                        "a request's mm_processor_kwargs.min_pixels wins)")
+    p.add_argument("--image-max-pixels", type=int, default=None, metavar="N",
+                   help="the most pixels an image is resized to, which bounds its prompt tokens (one per 32 x 32 "
+                        "pixels; default: the checkpoint's; a request's mm_processor_kwargs.max_pixels wins)")
     p.add_argument("--log-requests", action="store_true", help="print one line per HTTP request to stderr")
     p.set_defaults(func=cmd_serve)
     return p
@@ -105,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LilyError(f"--keepalive-timeout must be > 0, got {args.keepalive_timeout}")
     api_key = read_api_key(args.api_key, args.api_key_file)
     model = load_model(args)
+    pixels = image_pixels(args, model)
     name = args.served_model_name or args.model or TINY_NAME
     # Besides the served name, requests may name the model as --model gave it, by its folder, or
     # (the built-in model) by the names Model.load takes for it.
@@ -117,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         max_queue=args.max_queue, cache_mib=args.prefix_cache_mib, log=args.log_requests,
                         max_connections=args.max_connections, request_timeout=args.request_timeout,
                         keepalive_timeout=args.keepalive_timeout,
-                        allow_control_tokens=args.allow_control_tokens, image_policy=policy)
+                        allow_control_tokens=args.allow_control_tokens, image_policy=policy, image_pixels=pixels)
     except OSError as e:
         raise LilyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in LOOPBACK and api_key is None:
@@ -138,6 +145,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("lily serve: stopped", file=sys.stderr)
     return 0
+
+
+def image_pixels(args: argparse.Namespace, model) -> tuple[int | None, int | None]:
+    """The --image-min-pixels / --image-max-pixels bounds, checked against the model's image settings."""
+    pixels = (args.image_min_pixels, args.image_max_pixels)
+    if pixels == (None, None):
+        return pixels
+    if model.config.vision is None:
+        raise LilyError(f"--image-min-pixels / --image-max-pixels: {model.path.name} has no vision tower")
+    try:
+        model.image_processor.with_pixels(*pixels)
+    except LilyError as e:
+        raise LilyError(f"--image-min-pixels / --image-max-pixels: {e}") from None
+    return pixels
 
 
 def image_policy(args: argparse.Namespace) -> URLPolicy:

@@ -53,6 +53,7 @@ class Request:
     template_kwargs: dict = field(default_factory=dict)
     prompt: Any = None  # completion: text or token ids
     constraint: Constraint | None = None  # what the answer must match (structured output)
+    image_pixels: tuple[int | None, int | None] = (None, None)  # chat: mm_processor_kwargs' (min, max) pixels
 
 
 def drop_unknown_fields(body: Any, schema: dict, log=None) -> Any:
@@ -109,6 +110,8 @@ def parse_chat(body: Any, defaults: SamplingParams) -> Request:
     req = Request("chat", body.get("model"), params, bool(body.get("stream")), _include_usage(body), max_field,
                   messages=[_message(m, i) for i, m in enumerate(body["messages"])], tools=tools,
                   parse_tools=parse_tools, tool_defs=tool_defs, template_kwargs=_template_kwargs(body))
+    pixels = body.get("mm_processor_kwargs") or {}
+    req.image_pixels = (pixels.get("min_pixels"), pixels.get("max_pixels"))
     req.constraint = _response_format(body)
     forced = _forced_call(body, tool_defs)
     if forced is not None and req.constraint is not None:

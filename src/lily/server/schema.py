@@ -189,6 +189,13 @@ CHAT_REQUEST = {
         "chat_template_kwargs": {"type": ["object", "null"],
                                  "description": "Passed to the chat template, e.g. {'enable_thinking': false} or "
                                                 "{'preserve_thinking': true}."},
+        "mm_processor_kwargs": {"type": ["object", "null"], "additionalProperties": False,
+                                "properties": {"min_pixels": _int(1, doc="The fewest pixels an image is resized to."),
+                                               "max_pixels": _int(1, doc="The most pixels an image is resized to.")},
+                                "description": "The image resize bounds of this request's images (vLLM's field; "
+                                               "default: the server's --image-min-pixels / --image-max-pixels, else "
+                                               "the checkpoint's preprocessor_config.json). An image of more pixels "
+                                               "costs more prompt tokens (one per 32 x 32 pixels)."},
         "metadata": {"type": ["object", "null"], "description": "Accepted and ignored."},
         "store": _typed("boolean", "Accepted and ignored."),
         "service_tier": _typed("string", "Accepted and ignored."),
