@@ -45,18 +45,13 @@ def main() -> None:
     torch.cuda.init()
     model = lily.Model.load(a.model, device="cuda", max_context=8)
     ids = prompt_ids(a.context, model.config.vocab_size)
-    s = model.new_session(max_context=a.context + 4 * a.steps + 8, use_graph=False)
-    s._core.set_sampler()
-    s._core.prefill_sample(ids)
-    for _ in range(4):
-        s._core.decode_sample(-1)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.steps):
-            s._core.decode_sample(-1)
-        torch.cuda.synchronize()
+    s, prof = decode_steps(model, ids, a.steps, use_graph=False)
     print(f"\n## eager decode at context {a.context}")
     table(prof, a.steps, a.rows)
-    graph_decode(model, ids, a.steps, a.rows)
+    _, prof = decode_steps(model, ids, a.steps, use_graph=True)
+    print(f"\n## graph-replayed decode at context {a.context}")
+    table(prof, a.steps, a.rows)
+    overlap(prof, a.steps)
     s.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         s._core.prefill_sample(ids)
@@ -67,11 +62,10 @@ def main() -> None:
         short_prefill(model, ids[:a.short], a.rows)
 
 
-def graph_decode(model, ids: np.ndarray, steps: int, rows: int) -> None:
-    """The same decode steps as CUDA-graph replays (programmatic launches: a kernel may start before
-    its predecessor ends): per-kernel device times as CUPTI records graph nodes, and per step the
-    time the device is busy (union of kernel intervals) against the sum of kernel times (overlap)."""
-    s = model.new_session(max_context=len(ids) + 4 * steps + 8, use_graph=True)
+def decode_steps(model, ids: np.ndarray, steps: int, use_graph: bool):
+    """A session prefilled with ids, 4 warm-up steps, then `steps` profiled decode steps: (session,
+    profile). Graph replays use programmatic launches (a kernel may start before its predecessor ends)."""
+    s = model.new_session(max_context=len(ids) + 4 * steps + 8, use_graph=use_graph)
     s._core.set_sampler()
     s._core.prefill_sample(ids)
     for _ in range(4):
@@ -81,8 +75,11 @@ def graph_decode(model, ids: np.ndarray, steps: int, rows: int) -> None:
         for _ in range(steps):
             s._core.decode_sample(-1)
         torch.cuda.synchronize()
-    print(f"\n## graph-replayed decode at context {len(ids)}")
-    table(prof, steps, rows)
+    return s, prof
+
+
+def overlap(prof, steps: int) -> None:
+    """Per step: the device's busy time (union of kernel intervals) against the summed kernel times."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:

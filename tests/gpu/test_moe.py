@@ -39,6 +39,16 @@ def stable_rows(router_cpu, h, top_k, margin):
     return logits[:, top_k - 1] - logits[:, top_k] > margin
 
 
+def moe_vs_cpu(cpu, gpu, h, top_k, margin, key, tol):
+    """The CUDA MoE output for h, checked against the CPU's on the tokens with a clear top-k margin."""
+    ref = ops.moe("cpu", *cpu, h, top_k)
+    out = ops.moe("cuda", *gpu, h, top_k)
+    ok = stable_rows(cpu[0], h, top_k, margin)
+    assert ok.any(), "no token has a clear top-k margin: pick another seed"
+    check(out[ok], ref[ok], key, tol)
+    return out
+
+
 CASES = [
     # E, top_k, H, I, Is, bits, group, scale dtype, router bits
     (5, 1, 64, 32, 32, 4, 32, "BF16", 8),
@@ -66,11 +76,7 @@ def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
     rng = np.random.default_rng(E * 100 + T)
     cpu, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
     h = rng.standard_normal((T, H)).astype(np.float32)
-    ref = ops.moe("cpu", *cpu, h, top_k)
-    out = ops.moe("cuda", *gpu, h, top_k)
-    ok = stable_rows(cpu[0], h, top_k, 0.05)
-    assert ok.any(), "no token has a clear top-k margin: pick another seed"
-    check(out[ok], ref[ok], path_of(T, bits, sdt), gpu_tol)
+    moe_vs_cpu(cpu, gpu, h, top_k, 0.05, path_of(T, bits, sdt), gpu_tol)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 300])
@@ -78,11 +84,7 @@ def test_moe_real_dims(T, gpu_tol):
     rng = np.random.default_rng(256 + T)
     cpu, gpu = moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
     h = rng.standard_normal((T, 2048)).astype(np.float32)
-    ref = ops.moe("cpu", *cpu, h, 8)
-    out = ops.moe("cuda", *gpu, h, 8)
-    ok = stable_rows(cpu[0], h, 8, 0.25)
-    assert ok.any(), "no token has a clear top-k margin: pick another seed"
-    check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
+    moe_vs_cpu(cpu, gpu, h, 8, 0.25, path_of(T, 4, "BF16"), gpu_tol)
 
 
 @pytest.mark.parametrize("E,top_k,group", [(16, 8, 64), (40, 4, 32), (129, 8, 128), (256, 8, 64), (256, 1, 64)])
@@ -114,11 +116,7 @@ def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     rng = np.random.default_rng(700 + T)
     cpu, gpu = moe_weights(rng, 8, 256, 128, 192, 4, 64, "BF16", 4)
     h = rng.standard_normal((T, 256)).astype(np.float32)
-    ref = ops.moe("cpu", *cpu, h, 2)
-    out = ops.moe("cuda", *gpu, h, 2)
-    ok = stable_rows(cpu[0], h, 2, 0.05)
-    assert ok.any(), "no token has a clear top-k margin: pick another seed"
-    check(out[ok], ref[ok], path_of(T, 4, "BF16"), gpu_tol)
+    moe_vs_cpu(cpu, gpu, h, 2, 0.05, path_of(T, 4, "BF16"), gpu_tol)
 
 
 @pytest.mark.parametrize("group", [64, 32])
@@ -128,11 +126,7 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     rng = np.random.default_rng(31 + group)
     cpu, gpu = moe_weights(rng, 8, 256, 192, 128, 4, group, "BF16", 8)
     h = rng.standard_normal((400, 256)).astype(np.float32)
-    ref = ops.moe("cpu", *cpu, h, 4)
-    out = ops.moe("cuda", *gpu, h, 4)
-    ok = stable_rows(cpu[0], h, 4, 0.05)
-    assert ok.any(), "no token has a clear top-k margin: pick another seed"
-    check(out[ok], ref[ok], "moe", gpu_tol)
+    out = moe_vs_cpu(cpu, gpu, h, 4, 0.05, "moe", gpu_tol)
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
@@ -142,11 +136,7 @@ def test_moe_decode_shared_wider(T, gpu_tol):
     rng = np.random.default_rng(900 + T)
     cpu, gpu = moe_weights(rng, 9, 256, 64, 160, 8, 32, "BF16", 8)
     h = rng.standard_normal((T, 256)).astype(np.float32)
-    ref = ops.moe("cpu", *cpu, h, 4)
-    out = ops.moe("cuda", *gpu, h, 4)
-    ok = stable_rows(cpu[0], h, 4, 0.05)
-    assert ok.any(), "no token has a clear top-k margin: pick another seed"
-    check(out[ok], ref[ok], "moe_decode", gpu_tol)
+    moe_vs_cpu(cpu, gpu, h, 4, 0.05, "moe_decode", gpu_tol)
 
 
 @pytest.mark.parametrize("I", [64, 128])  # fp32 decode GEMVs, then gemv_mma
