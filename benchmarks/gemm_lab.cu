@@ -580,6 +580,12 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
+  {  // the MoE up product as the engine runs it: y holds the gate product, the epilogue applies SwiGLU
+    Stack w(256, 512, 2048, 64, 1);
+    Problem p = moe("moe up [256,512,2048], 128-row tiles, SwiGLU", &w, T, 8, true, 0, true, 128);
+    row(p, true);
+    free_problem(p);
+  }
   // correctness only: partial tiles, small T, other group sizes, SwiGLU, empty experts
   {
     Stack w(1, 1000, 512, 64, 1);

@@ -160,30 +160,65 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uin
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
 // o = n0 + rbase + b*64 + 8h (rbase = cw*128 + 16*w4 + g), r = 8j + 2c + e; store_output's arithmetic
 // (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
+// SwiGLU reads y first: a row group j's 8 gate values and 2 row scales are loaded before group j-1 is
+// computed and stored (one memory latency per group, not one per element: the stores of a row could
+// alias the next row's loads, so the compiler would not reorder them itself).
 template <int BM>
 __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
                                               const float (&acc)[2][BM / 2]) {
   const int64_t o0 = n0 + rbase;
+  bool col[2][2];  // output o0 + b*64 + 8h is a real row of W
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j)
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) col[b][h] = o0 + b * 64 + 8 * h < a.w.rows;
+  auto y_of = [&](int r) { return a.y + (tile.row0 + r) * a.ldy + o0; };
+  if (!a.swiglu) {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * j + 2 * c + e;
+        if (r >= tile.rows) continue;
+        float* y = y_of(r);
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (col[b][h]) y[b * 64 + 8 * h] = acc[b][4 * j + 2 * h + e];
+      }
+    return;
+  }
+  float gate[2][2][2][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
+  auto load = [&](int j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 8 * j + 2 * c + e;
+      const bool ok = r < tile.rows;
+      const float* y = y_of(ok ? r : 0);
+      rs[j & 1][e] = ok && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) gate[j & 1][e][b][h] = ok && col[b][h] ? y[b * 64 + 8 * h] : 0.f;
+    }
+  };
+  load(0);
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    if (j + 1 < BM / 8) load(j + 1);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 8 * j + 2 * c + e;
       if (r >= tile.rows) continue;
-      const int64_t row = tile.row0 + r;
-      float* y = a.y + row * a.ldy + o0;
-      const float rs = a.swiglu && a.row_scale ? a.row_scale[row] : 1.f;
+      float* y = y_of(r);
 #pragma unroll
       for (int b = 0; b < 2; ++b)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int off = b * 64 + 8 * h;
-          if (o0 + off >= a.w.rows) continue;
-          const float v = acc[b][4 * j + 2 * h + e];
-          if (!a.swiglu) y[off] = v;
-          else y[off] = rs * silu(y[off]) * v;
-        }
+        for (int h = 0; h < 2; ++h)
+          if (col[b][h]) y[b * 64 + 8 * h] = rs[j & 1][e] * silu(gate[j & 1][e][b][h]) * acc[b][4 * j + 2 * h + e];
     }
+  }
 }
 
 // Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
