@@ -117,11 +117,12 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
   __syncthreads();
 }
 
-// The down product's slot matrices of token t (after the wait, as moe_mma_ids).
+// The down product's slot matrices of token t, read BEFORE the wait: the expert ids come from the
+// router (or moe_topk) two launches earlier (moe_up runs in between), and every kernel waits before it
+// triggers, so they are complete when moe_down starts (docs/cuda.md, the PDL rule's exception). The
+// chosen experts' first down weights are then requested while moe_up finishes.
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
-  pdl_wait();
-  pdl_trigger();
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
     slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows, p.group_shift)
                          : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
@@ -160,7 +161,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   float* xsum = xe + Kv / VB;
   const MmaMoeDownRows<BITS> rows{p, slots, t, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
   auto ids_in = [&] { moe_mma_slots<BITS>(p, t, slots); };
-  auto stage = [&] {
+  auto stage = [&] {  // act comes from moe_up, the kernel before
+    pdl_wait();
+    pdl_trigger();
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
     mma_stage_x<BITS, VB>(
         [&](int o) {
