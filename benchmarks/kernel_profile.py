@@ -48,6 +48,7 @@ def main() -> None:
     s, prof = decode_steps(model, ids, a.steps, use_graph=False)
     print(f"\n## eager decode at context {a.context}")
     table(prof, a.steps, a.rows)
+    by_neighbours(prof, a.steps, a.rows)
     _, prof = decode_steps(model, ids, a.steps, use_graph=True)
     print(f"\n## graph-replayed decode at context {a.context}")
     table(prof, a.steps, a.rows)
@@ -76,6 +77,33 @@ def decode_steps(model, ids: np.ndarray, steps: int, use_graph: bool):
             s._core.decode_sample(-1)
         torch.cuda.synchronize()
     return s, prof
+
+
+def short_name(name: str) -> str:
+    """A kernel's function name without namespace, template arguments or parameters."""
+    base = name.split("(")[0]
+    base = base.split("<")[0]
+    return base.split("::")[-1].replace("void ", "")
+
+
+def by_neighbours(prof, per: int, rows: int) -> None:
+    """Per-kernel times split by the kernels launched just before and after (in device start order),
+    which tells apart the calls of one kernel for different ops (e.g. the GEMV of in_proj, out_proj,
+    the attention projections and lm_head)."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                 and e.time_range.end > e.time_range.start and not e.name.startswith("Memcpy")),
+                key=lambda e: e.time_range.start)
+    groups: dict[str, list[float]] = {}
+    for i, e in enumerate(ev):
+        prev = short_name(ev[i - 1].name) if i > 0 else "-"
+        nxt = short_name(ev[i + 1].name) if i + 1 < len(ev) else "-"
+        key = f"{short_name(e.name)} [{prev} > . > {nxt}]"
+        groups.setdefault(key, []).append(e.time_range.end - e.time_range.start)
+    total = sum(sum(v) for v in groups.values())
+    print("| kernel [before > . > after] | us/pass | % | calls/pass | us/call (median) |")
+    print("|---|---:|---:|---:|---:|")
+    for key, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"| {key} | {sum(v) / per:.1f} | {100 * sum(v) / total:.1f} | {len(v) / per:.1f} | {np.median(v):.2f} |")
 
 
 def overlap(prof, steps: int) -> None:
