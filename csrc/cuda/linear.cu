@@ -3,7 +3,7 @@
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
 //                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
-//   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a multiple of 64,
+//   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
 //                    X converted to bf16 into the op's workspace first)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
@@ -62,13 +62,15 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
 }
 
 // The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
-// inside K, one or two scale groups per k-tile, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads)
-// and W (its TMA map: rows of K/2 bytes, a multiple of 32).
+// inside K, one or two scale groups per k-tile (a power-of-two group: the kernel shifts, it does not
+// divide), scale indices in 32 bits, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its
+// TMA map: rows of K/2 bytes, a multiple of 32).
 static bool use_wgmma_gemm(const LinearArgs& a) {
   const int gs = a.w.group_size;
   return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
-         (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 && is_aligned16(a.w.w) && a.ldx % 4 == 0 &&
-         is_aligned16(a.x);
+         (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
+         a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
+         a.ldx % 4 == 0 && is_aligned16(a.x);
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {

@@ -1,9 +1,10 @@
 // Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4-bit MLX-affine weights:
 //   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
 //   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE).
-// Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] with gs == 32 or
-// gs % 64 == 0; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per product); rows come
-// in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps: BM = the map's tile_rows, 64 or 128).
+// Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
+// gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
+// product); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
+// BM = the map's tile_rows, 64 or 128).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
 //   linear_wgmma_tma_kernel  the GEMM: warp-specialised and persistent; a producer warpgroup fills an
@@ -26,7 +27,7 @@
 // k permutation: inside every aligned block of 8 k values, logical position 2c+e holds physical value
 //   c+4e (c = 0..3, e = 0..1; wg_phys_k). A and B use the same permutation, so the sum is unchanged; it
 //   makes the A fragment of thread (lane%4 == c) nibbles c and c+4 of each packed word (one shift and
-//   one mask per bf16 pair: (w >> 4c) & 0x000F000F | 0x43004300), and Xb's 16-byte chunk j of a row the
+//   one lop3 per bf16 pair: (w >> 4c) & 0x000F000F | 0x43004300), and Xb's 16-byte chunk j of a row the
 //   pairs (x_{8j+c}, x_{8j+c+4}).
 //   wgmma's A fragment (per warp, rows 16w..16w+15 of the m64 block, g = lane/4):
 //   a0a1 (row g, k 2c..2c+1), a2a3 (row g+8, same k), a4a5 (row g, k 2c+8..), a6a7 (row g+8, k 2c+8..);
@@ -98,39 +99,55 @@ struct WgScalesP {
   uint32_t sb[2][2][GS32 ? 2 : 1];
 };
 
-// Loads the packed scales/biases of weight rows o(b, h) = n0 + rbase + b*64 + 8h for k-tile kt.
-template <bool GS32>
-__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const WeightView& w, int64_t expert, int64_t n0,
-                                               int rbase, int kt) {
+// Scale/bias index of one thread's weight rows o(b, h) = n0 + rbase + b*64 + 8h at group 0 of the tile's
+// expert, set once per tile (rows past N read row N - 1: computed, never stored). 32 bits: the host
+// keeps the scale tensor below 2^32 elements, so a k-tile's index is one 32-bit add and its address one
+// IMAD.WIDE from the kernel's scales/biases pointers.
+__device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const WeightView& w, int64_t expert, int64_t n0,
+                                              int rbase) {
   const int64_t N = w.rows, gpr = w.cols / w.group_size;
-  const uint16_t* sc = static_cast<const uint16_t*>(w.scales);
-  const uint16_t* bi = static_cast<const uint16_t*>(w.biases);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t o = n0 + rbase + b * 64 + 8 * h;
-      const int64_t base = (expert * N + (o < N ? o : N - 1)) * gpr;
+      row[b][h] = uint32_t((expert * N + (o < N ? o : N - 1)) * gpr);
+    }
+}
+
+// Loads the packed scales/biases of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a
+// shift (gshift = log2 group_size: the host takes only power-of-two groups to this kernel).
+template <bool GS32>
+__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const WeightView& w, const uint32_t (&row)[2][2],
+                                               int gshift, int kt) {
+  const uint16_t* sc = static_cast<const uint16_t*>(w.scales);
+  const uint16_t* bi = static_cast<const uint16_t*>(w.biases);
 #pragma unroll
-      for (int half = 0; half < (GS32 ? 2 : 1); ++half) {
-        const int64_t gi = base + (int64_t(kt) * WG_BK + half * 32) / w.group_size;
+  for (int half = 0; half < (GS32 ? 2 : 1); ++half) {
+    const uint32_t g = uint32_t(kt * WG_BK + half * 32) >> gshift;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t gi = row[b][h] + g;
         s.sb[b][h][half] = uint32_t(__ldg(sc + gi)) | (uint32_t(__ldg(bi + gi)) << 16);
       }
-    }
+  }
 }
 
 // Half k-tiles (k16 steps 2H, 2H+1 = packed words 4H..4H+3 of each row, the 16-byte chunk H of the
 // row's 32 bytes): the consumers pipeline at this grain so that only two half sets of A
 // registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
 // fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
+// ws: shared address of this thread's W row rbase in the stage (rows of 32 B: row rbase + b*64 + 8h at
+// ws + (b*64 + 8h)*32); words read by ld.shared on 32-bit addresses.
 template <int H, bool GS32>
-__device__ __forceinline__ void wg_dequant_half(const uint8_t* ws, int rbase, int c, const WgScalesP<GS32>& s,
-                                                uint32_t (&A)[2][2][4]) {
+__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 w = *reinterpret_cast<const uint4*>(ws + (rbase + b * 64 + 8 * h) * 32 + 16 * H);
+      const uint4 w = ld_shared_v4(ws + (b * 64 + 8 * h) * 32 + 16 * H);
       const uint32_t words[4] = {w.x, w.y, w.z, w.w};
       const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
       const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
@@ -139,8 +156,11 @@ __device__ __forceinline__ void wg_dequant_half(const uint8_t* ws, int rbase, in
     }
 }
 
+// xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
+// wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
+// low 6 bits zero, so adding 2j <= 6 carries nowhere.
 template <int BM, int H>
-__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint32_t xs) {
+__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -149,7 +169,7 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uin
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], wg_desc(xs + (2 * H + s) * 32));
+    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -284,10 +304,14 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg 232), outputs [cw*128, +128) of the tile as two m64 blocks,
 //   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h), lane%4 = c. Per k-tile: wait full[s]; for
-//   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage into its own
-//   register set (scales/biases from global, one k-tile ahead), queue its 4 wgmmas on B = the stage's
-//   Xb tile, retire the previous group (wait_group 1); retiring half 1 of kt-1 releases kt-1's stage
-//   (one arrival per consumer warp: empty counts 8).
+//   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
+//   into its own register set (scales/biases from global, one k-tile ahead: per-tile 32-bit row
+//   indices plus the k-tile's group, a shift), queue its 4 wgmmas on B = the stage's Xb tile, retire
+//   the previous group (wait_group 1); retiring half 1 of kt-1 releases kt-1's stage (one arrival per
+//   consumer warp: empty counts 8). The stage's addresses (Xb tile, the thread's W row, full[s]) are
+//   carried from k-tile to k-tile, all 32-bit shared addresses. SASS at BM = 128: ~233 instructions
+//   per k-tile per thread, 128 of them the dequantization (4 per bf16 pair); two consumer warps per
+//   scheduler: ~470 issue slots against ~1,024 cycles of wgmma (docs/perf-notes.md, 2026-12-01).
 //   Epilogue straight from the accumulators (store_output's arithmetic) while the producer already
 //   fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
@@ -302,8 +326,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint32_t split_last;  // split-K: this CTA's unit was the tile's last
-  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t ring_s = smem_u32(ring), bars = ring_s + S * STAGE;
+  // the ring as a 32-bit shared address, rounded up to 1024 B (SWIZZLE_128B stages) in the shared space
+  const uint32_t ring_s = (smem_u32(smem_raw) + 1023) & ~1023u, bars = ring_s + S * STAGE;
   auto full = [&](uint32_t s) { return bars + 8 * s; };
   auto empty = [&](uint32_t s) { return bars + 8 * (S + s); };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -403,7 +427,12 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
   const int rbase = cw * 128 + w4 * 16 + g;
-  uint32_t s = 0, ph = 0, s_prev = 0;
+  const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
+  // The ring position, carried from k-tile to k-tile: stage s and its parity, the stage's Xb tile (xs),
+  // this thread's W row in it (ws), full[s] (fb) and the previous k-tile's empty[] (eb_prev). Computed
+  // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
+  // SR_CgaCtaId) and the W row (from tid) every time.
+  uint32_t s = 0, ph = 0, xs = ring_s, ws = ring_s + XBYTES + rbase * 32, fb = full(0), eb_prev = 0;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t t = u / splits;
     Tile tile;
@@ -416,34 +445,37 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
+    uint32_t rows[2][2];
+    wg_scale_rows(rows, a.w, tile.expert, n0, rbase);
     WgScalesP<GS32> cur, nxt;
-    wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kb);
+    wg_load_scales(nxt, a.w, rows, gshift, kb);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales(nxt, a.w, tile.expert, n0, rbase, kt + 1);
-      mbar_wait(full(s), ph);
-      const uint8_t* ws = ring + s * STAGE + XBYTES;
-      const uint32_t xs = ring_s + s * STAGE;
-      wg_dequant_half<0>(ws, rbase, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xs);
+      if (kt + 1 < ke) wg_load_scales(nxt, a.w, rows, gshift, kt + 1);
+      mbar_wait(fb, ph);
+      const uint64_t xd = wg_desc(xs);
+      wg_dequant_half<0>(ws, c, cur, H0);
+      wg_issue_half<BM, 0>(acc, H0, xd);
       wgmma_wait<1>();  // half 1 of kt-1 retired
-      if (kt > kb && lane == 0) mbar_arrive(empty(s_prev));
-      wg_dequant_half<1>(ws, rbase, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xs);
+      if (kt > kb && lane == 0) mbar_arrive(eb_prev);
+      wg_dequant_half<1>(ws, c, cur, H1);
+      wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
-      s_prev = s;
-      if (++s == S) s = 0, ph ^= 1;
+      eb_prev = fb + 8 * S;  // empty[s]
+      const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
+      s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
+      if (s == 0) ph ^= 1;
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
-    if (lane == 0) mbar_arrive(empty(s_prev));
+    if (lane == 0) mbar_arrive(eb_prev);
     if (splits == 1) {
       wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
     } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {

@@ -14,6 +14,16 @@ namespace lily::cuda {
 #ifdef __CUDACC__
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+// 16 bytes at shared address saddr (ld.shared: a 32-bit address, not a generic load). Volatile with a
+// memory clobber: it stays after the mbarrier wait that makes the bytes visible.
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(saddr)
+               : "memory");
+  return v;
+}
 
 // 16-byte cp.async (L2 only); src_bytes 0 fills the chunk with zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
@@ -81,8 +91,12 @@ __device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t 
 }
 
 // bf16x2 (scale*q0 + bias, scale*q1 + bias) from q pair bits at 0..3 and 16..19: exact q, one rounding.
+// v = (qbits & 0x000F000F) | 0x43004300 as one lop3: immLut 0xEA = (0xF0 & 0xCC) | 0xAA is f(a, b, c) =
+// (a & b) | c (checked against the C expression over all 2^32 inputs). Written in C it becomes two LOP3s
+// (a SASS LOP3 takes one immediate); this is one, the second constant in a register.
 __device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
-  const uint32_t v = (qbits & 0x000F000Fu) | 0x43004300u;  // bf16 (128 + q0, 128 + q1), exact
+  uint32_t v;  // bf16 (128 + q0, 128 + q1), exact
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(v) : "r"(qbits));
   const uint32_t q = fma_bf16x2(v, 0x3F803F80u, 0xC300C300u);  // (128 + q) * 1 - 128: exact q
   return fma_bf16x2(q, s2, b2);  // s*q + b, rounded once
 }
