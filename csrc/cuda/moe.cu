@@ -38,7 +38,7 @@ struct RoutingTables {
   int32_t* topk_row;     // [T, K]
   int32_t* row_token;    // [T*K]
   float* row_weight;     // [T*K]
-  int32_t* count;        // [E]
+  int32_t* chunk_count;  // [ceil(T / MOE_ROUTE_TOKENS), E]
   int32_t* row_end;      // [E]
   int32_t* tile_expert;  // [max_tiles]
   int32_t* tile_row0;    // [max_tiles]
@@ -72,7 +72,7 @@ static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top
   r.topk_row = take(TK);
   r.row_token = take(TK);
   r.row_weight = reinterpret_cast<float*>(take(TK));
-  r.count = take(E);
+  r.chunk_count = take(ceil_div<int64_t>(T, MOE_ROUTE_TOKENS) * E);
   r.row_end = take(E);
   r.tile_expert = take(r.max_tiles);
   r.tile_row0 = take(r.max_tiles);
@@ -345,10 +345,10 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     }
   }
 
-  constexpr int warps = 8;  // one expert per warp
-  const unsigned expert_ctas = unsigned(ceil_div<int64_t>(E, warps));
-  MoeCountParams cp{r.topk_id, r.count, int(T), int(E), top_k};
-  launch(moe_count_kernel, expert_ctas, warps * 32, 0, cp);
+  // routing tables: a CTA per chunk of MOE_ROUTE_TOKENS tokens; E <= 1024 (moe_topk's limit above)
+  const unsigned chunks = unsigned(ceil_div<int64_t>(T, MOE_ROUTE_TOKENS));
+  MoeCountParams cp{r.topk_id, r.chunk_count, int(T), int(E), top_k};
+  launch(moe_count_kernel, chunks, MOE_ROUTE_TOKENS, E * sizeof(int32_t), cp);
   LILY_CUDA_LAUNCHED();
   const int64_t ld = s.gate.dim(1);
   float* act = s.gate.ptr<float>();  // [T*K + T, ld]: gate products, then silu(gate)*up*weight in place
@@ -364,9 +364,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate) && linear_wide_tiles(up) &&
                     linear_wide_tiles(dn);
   const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
-  MoeScatterParams sp{r.topk_id, r.topk_w, r.count, r.topk_row, r.row_end, r.row_token, r.row_weight,
+  MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
-  launch(moe_scatter_kernel, expert_ctas, warps * 32, 0, sp);
+  launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
   const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);

@@ -1,4 +1,5 @@
-// Launchers of the RMSNorm kernels (kernels/norms.cuh): one block per row.
+// Launchers of the RMSNorm kernels (kernels/norms.cuh): one block per row, or for rms_norm and
+// gated_rms_norm over rows of <= 256 floats one warp per row, NORM_WARP_ROWS rows a block.
 #include "cuda_ops.h"
 #include "kernels/norms.cuh"
 #include "linear.h"
@@ -31,22 +32,30 @@ NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tenso
                   int(D), norm_threads(D), eps, can_use_vec4(D, {x.data, weight.data, y.data})};
 }
 
+// The row count as RmsNormParams holds it (int: R <= 2^31 - 1, as a grid of one block per row needs).
+static int norm_rows(int64_t R, const char* op) {
+  LILY_CHECK(R <= 0x7fffffff, op, ": too many rows for the CUDA grid (", R, ")");
+  return int(R);
+}
+
 template <bool GATED>
-static void launch_rms_norm(const RmsNormParams& p, int64_t R, bool vec4) {
-  if (R == 0) return;
-  LILY_CHECK(R <= 0x7fffffff, "rms_norm: too many rows for the CUDA grid (", R, ")");
-  const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(p.D))};
-  if (vec4)
-    launch(rms_norm_kernel<GATED, true>, grid, block, 0, p);
+static void launch_rms_norm(const RmsNormParams& p, bool vec4) {
+  if (p.R == 0) return;
+  constexpr int W = NORM_WARP_ROWS;
+  const unsigned warp_grid = unsigned(ceil_div<int64_t>(p.R, W));
+  if (norm_threads(p.D) == 32)  // a warp per row where a row's block would be one warp: the same bits
+    launch(vec4 ? rms_norm_kernel<GATED, true, W> : rms_norm_kernel<GATED, false, W>, warp_grid, 32 * W, 0, p);
   else
-    launch(rms_norm_kernel<GATED, false>, grid, block, 0, p);
+    launch(vec4 ? rms_norm_kernel<GATED, true, 1> : rms_norm_kernel<GATED, false, 1>, unsigned(p.R),
+           unsigned(norm_threads(p.D)), 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y) {
-  const int64_t R = x.dim(0), D = x.dim(1);
-  const RmsNormParams p{x.ptr<float>(), nullptr, weight.ptr<float>(), y.ptr<float>(), int(D), eps};
-  launch_rms_norm<false>(p, R, can_use_vec4(D, {p.x, p.w, p.y}));
+  const int64_t D = x.dim(1);
+  const RmsNormParams p{x.ptr<float>(), nullptr, weight.ptr<float>(), y.ptr<float>(), norm_rows(x.dim(0), "rms_norm"),
+                        int(D), eps};
+  launch_rms_norm<false>(p, can_use_vec4(D, {p.x, p.w, p.y}));
 }
 
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
@@ -64,9 +73,10 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
 }
 
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
-  const int64_t R = x.dim(0), D = x.dim(1);
-  const RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps};
-  launch_rms_norm<true>(p, R, can_use_vec4(D, {p.x, p.z, p.w, p.y}));
+  const int64_t D = x.dim(1);
+  const RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), y.ptr<float>(),
+                        norm_rows(x.dim(0), "gated_rms_norm"), int(D), eps};
+  launch_rms_norm<true>(p, can_use_vec4(D, {p.x, p.z, p.w, p.y}));
 }
 
 }  // namespace lily::cuda

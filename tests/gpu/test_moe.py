@@ -130,6 +130,17 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
+@pytest.mark.parametrize("E, top_k", [(3, 2), (2, 2)])
+def test_moe_prefill_many_chunks(E, top_k, gpu_tol):
+    # 1100 tokens: five chunks of the routing tables (256 tokens a CTA), more chunks than experts, the last
+    # one partial; top_k = E: every expert takes every token
+    rng = np.random.default_rng(40 + E)
+    cpu, gpu = moe_weights(rng, E, 64, 32, 32, 4, 32, "BF16", 8)
+    h = rng.standard_normal((1100, 64)).astype(np.float32)
+    out = moe_vs_cpu(cpu, gpu, h, top_k, 0.05, "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k))
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_decode_shared_wider(T, gpu_tol):
     # shared expert wider than the routed ones (the down kernel's act rows differ in length), 8-bit

@@ -13,8 +13,10 @@ pytestmark = [
 ]
 ops = _core.ops
 
-# (rows, cols): odd sizes (scalar path), multiples of 4 (float4 path), the real widths
-SHAPES = [(1, 1), (3, 19), (19, 99), (7, 128), (2, 2047), (5, 2048), (99, 4096), (1024, 128), (33, 8192)]
+# (rows, cols): odd sizes (scalar path), multiples of 4 (float4 path), the real widths; rows of <= 256
+# floats take a warp each, 8 rows a block (row counts not a multiple of 8 too), wider ones a block each
+SHAPES = [(1, 1), (3, 19), (19, 99), (7, 128), (13, 256), (9, 260), (2, 2047), (5, 2048), (99, 4096), (1024, 128),
+          (33, 8192)]
 
 
 def check(got, ref, tol):
@@ -38,6 +40,18 @@ def test_gated_rms_norm(R, D, gpu_tol):
     z = rng.standard_normal((R, D)).astype(np.float32) * 2
     w = rng.uniform(0.5, 1.5, D).astype(np.float32)
     check(ops.gated_rms_norm("cuda", x, z, w, 1e-6), ops.gated_rms_norm("cpu", x, z, w, 1e-6), gpu_tol["rms_norm"])
+
+
+@pytest.mark.parametrize("D", [99, 128, 256, 260])
+def test_norm_rows_alone(D):
+    # a row's result does not depend on where it sits in the grid (a warp of a block of 8 rows, or a block)
+    rng = np.random.default_rng(D)
+    x, z = rng.standard_normal((2, 21, D)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    gated, plain = ops.gated_rms_norm("cuda", x, z, w, 1e-6), ops.rms_norm("cuda", x, w, 1e-6)
+    for r in (0, 7, 8, 20):
+        np.testing.assert_array_equal(gated[r:r + 1], ops.gated_rms_norm("cuda", x[r:r + 1], z[r:r + 1], w, 1e-6))
+        np.testing.assert_array_equal(plain[r:r + 1], ops.rms_norm("cuda", x[r:r + 1], w, 1e-6))
 
 
 @pytest.mark.parametrize("R, D", SHAPES)

@@ -32,7 +32,7 @@
 // Norm: each CTA stores its o_j into shared memory of every CTA of head h over DSMEM (after the phase-0
 // wait of the cluster barrier, whose arrive opens the kernel: all CTAs have started), then one cluster
 // barrier phase (arrive.release / wait.acquire). Every warp then has the head's Dv outputs locally and
-// sums their squares in gated_rms_norm_kernel's order (its block is 32 threads for Dv <= 256: lane l:
+// sums their squares in gated_rms_norm_kernel's order (a warp per row for Dv <= 256: lane l:
 // float4 / element l, l+32, ...; one butterfly), so every slice gets the same scale, bit for bit, and the
 // same as the unfused kernels. No CTA reads another's shared memory, so none waits for the others to exit.
 // Stores: S between that phase's arrive and wait (so the release does not wait for them); after the

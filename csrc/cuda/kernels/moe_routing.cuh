@@ -116,79 +116,115 @@ __global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const Moe
   if (lane == 0) p.shared_gate[t] = moe_sigmoid(p.shared_gate[t]);
 }
 
+// The routing tables run over chunks of MOE_ROUTE_TOKENS consecutive tokens, one CTA of as many threads
+// per chunk (C = ceil(T / MOE_ROUTE_TOKENS) CTAs): chunk c holds tokens [c * MOE_ROUTE_TOKENS, ...).
+constexpr int MOE_ROUTE_WARPS = 8;
+constexpr int MOE_ROUTE_TOKENS = 32 * MOE_ROUTE_WARPS;
+
 struct MoeCountParams {
   const int32_t* topk_id;  // [T, K]
-  int32_t* count;          // [E] tokens routed to each expert
+  int32_t* chunk_count;    // [C, E] tokens of chunk c routed to expert e
   int T, E, K;
 };
 
-// count[e] = #{(t, k): topk_id[t, k] == e}. One warp per expert, lanes over tokens.
-__global__ void moe_count_kernel(const MoeCountParams p) {
+// chunk_count[c, e] = #{(t, k): topk_id[t, k] == e, t in chunk c}. The CTA's threads stride over the
+// chunk's (t, k) pairs into a histogram of E ints in shared memory (dynamic, 4E bytes) by shared atomics
+// (integer counts: any order gives the same), then store it, one word per expert.
+__global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_count_kernel(const MoeCountParams p) {
+  extern __shared__ int32_t hist[];  // [E]
   pdl_wait();
   pdl_trigger();
-  const int lane = threadIdx.x & 31;
-  const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (e >= p.E) return;
-  int n = 0;
-  for (int64_t i = lane; i < int64_t(p.T) * p.K; i += 32) n += p.topk_id[i] == e;
-  n = __reduce_add_sync(0xffffffffu, n);
-  if (lane == 0) p.count[e] = n;
+  for (int e = threadIdx.x; e < p.E; e += MOE_ROUTE_TOKENS) hist[e] = 0;
+  __syncthreads();
+  const int64_t i0 = int64_t(blockIdx.x) * MOE_ROUTE_TOKENS * p.K;
+  const int n = int(min(int64_t(p.T) * p.K - i0, int64_t(MOE_ROUTE_TOKENS) * p.K));
+  for (int i = threadIdx.x; i < n; i += MOE_ROUTE_TOKENS) atomicAdd(&hist[p.topk_id[i0 + i]], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.E; e += MOE_ROUTE_TOKENS) p.chunk_count[int64_t(blockIdx.x) * p.E + e] = hist[e];
 }
 
 struct MoeScatterParams {
-  const int32_t* topk_id;  // [T, K]
-  const float* topk_w;     // [T, K]
-  const int32_t* count;    // [E]
-  int32_t* topk_row;       // [T, K] grouped row of (t, k)
-  int32_t* row_end;        // [E] one past expert e's last grouped row
-  int32_t* row_token;      // [T*K] token of each grouped row
-  float* row_weight;       // [T*K] routing weight of each grouped row
-  int32_t* tile_expert;    // [max_tiles]
-  int32_t* tile_row0;      // [max_tiles]
-  int32_t* num_tiles;      // [1]
+  const int32_t* topk_id;      // [T, K]
+  const float* topk_w;         // [T, K]
+  const int32_t* chunk_count;  // [C, E] (moe_count_kernel)
+  int32_t* topk_row;           // [T, K] grouped row of (t, k)
+  int32_t* row_end;            // [E] one past expert e's last grouped row
+  int32_t* row_token;          // [T*K] token of each grouped row
+  float* row_weight;           // [T*K] routing weight of each grouped row
+  int32_t* tile_expert;        // [max_tiles]
+  int32_t* tile_row0;          // [max_tiles]
+  int32_t* num_tiles;          // [1]
   int T, E, K, tile_rows;
 };
 
-// Grouped rows: expert e owns rows [start_e, start_e + count[e]) with start_e = sum_{e' < e} count,
-// its tokens in ascending order; its tiles of tile_rows rows follow those of lower experts.
-// One warp per expert: prefix sums over lower experts, then 32 tokens at a time, a ballot ranks the
-// tokens that chose e. The last expert's warp writes the tile count.
-__global__ void moe_scatter_kernel(const MoeScatterParams p) {
+// Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
+// start_e = sum_{e' < e} n_e', its tokens in ascending order; its ceil(n_e / tile_rows) tiles follow
+// those of lower experts. A token's K experts are distinct (moe_topk's choice).
+// Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
+// Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
+// mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
+// scans n_e and the tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
+// so expert e's rows of this chunk start at start_e + b_e. The row of (t, k) with e = topk_id[t, k] is
+// that plus the chunk's earlier tokens that chose e: popc(mask[w'][e]) for w' < w and popc(mask[w][e])
+// over lanes below l, so ascending token order with no ordering between threads. CTA c also writes
+// row_end and the tiles of the experts e with e % C == c, CTA 0 the tile count.
+// Dynamic shared memory: (2 + MOE_ROUTE_WARPS) * E words (40 KB at moe_topk's E <= 1024).
+__global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const MoeScatterParams p) {
+  extern __shared__ int32_t smem[];
+  int32_t* n_of = smem;                                       // [E] n_e
+  int32_t* base = smem + p.E;                                 // [E] b_e, then start_e + b_e
+  uint32_t* mask = reinterpret_cast<uint32_t*>(smem + 2 * p.E);  // [MOE_ROUTE_WARPS][E]
   pdl_wait();
   pdl_trigger();
-  const int lane = threadIdx.x & 31;
-  const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (e >= p.E) return;
-  int start = 0, tiles = 0;
-  for (int j = lane; j < e; j += 32) {
-    start += p.count[j];
-    tiles += (p.count[j] + p.tile_rows - 1) / p.tile_rows;
-  }
-  start = __reduce_add_sync(0xffffffffu, start);
-  tiles = __reduce_add_sync(0xffffffffu, tiles);
-  int next = start;
-  for (int t0 = 0; t0 < p.T; t0 += 32) {
-    const int t = t0 + lane;
-    int slot = -1;
-    if (t < p.T)
-      for (int k = 0; k < p.K; ++k)
-        if (p.topk_id[int64_t(t) * p.K + k] == e) slot = k;
-    const unsigned hits = __ballot_sync(0xffffffffu, slot >= 0);
-    if (slot >= 0) {
-      const int row = next + __popc(hits & ((1u << lane) - 1u));
-      p.row_token[row] = t;
-      p.row_weight[row] = p.topk_w[int64_t(t) * p.K + slot];
-      p.topk_row[int64_t(t) * p.K + slot] = row;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = blockIdx.x;
+  const int t = c * MOE_ROUTE_TOKENS + threadIdx.x;
+  const int32_t* ids = p.topk_id + int64_t(t) * p.K;
+  for (int i = threadIdx.x; i < MOE_ROUTE_WARPS * p.E; i += MOE_ROUTE_TOKENS) mask[i] = 0u;
+  __syncthreads();
+  if (t < p.T)
+    for (int k = 0; k < p.K; ++k) atomicOr(&mask[warp * p.E + ids[k]], 1u << lane);
+  for (int e = threadIdx.x; e < p.E; e += MOE_ROUTE_TOKENS) {
+    int n = 0, b = 0;
+    for (int j = 0; j < int(gridDim.x); ++j) {
+      const int m = p.chunk_count[int64_t(j) * p.E + e];
+      n += m;
+      b += j < c ? m : 0;
     }
-    next += __popc(hits);
+    n_of[e] = n;
+    base[e] = b;
   }
-  const int n = p.count[e], n_tiles = (n + p.tile_rows - 1) / p.tile_rows;
-  if (lane == 0) p.row_end[e] = start + n;
-  for (int i = lane; i < n_tiles; i += 32) {
-    p.tile_expert[tiles + i] = e;
-    p.tile_row0[tiles + i] = start + i * p.tile_rows;
+  __syncthreads();
+  if (warp == 0) {
+    const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
+    int rows = 0, tiles = 0;  // this lane's run, then the inclusive scans over lanes
+    for (int e = e0; e < e1; ++e) rows += n_of[e], tiles += (n_of[e] + p.tile_rows - 1) / p.tile_rows;
+    int start = -rows, tile = -tiles;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o);
+      if (lane >= o) rows += r, tiles += u;
+    }
+    start += rows, tile += tiles;  // exclusive: the rows and tiles of experts below e0
+    for (int e = e0; e < e1; ++e) {
+      const int n = n_of[e], nt = (n + p.tile_rows - 1) / p.tile_rows;
+      base[e] += start;
+      if (e % int(gridDim.x) == c) {
+        p.row_end[e] = start + n;
+        for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
+      }
+      start += n, tile += nt;
+    }
+    if (c == 0 && lane == 31) *p.num_tiles = tile;
   }
-  if (e == p.E - 1 && lane == 0) *p.num_tiles = tiles + n_tiles;
+  __syncthreads();
+  if (t >= p.T) return;
+  for (int k = 0; k < p.K; ++k) {
+    const int e = ids[k];
+    int row = base[e] + __popc(mask[warp * p.E + e] & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) row += __popc(mask[w * p.E + e]);
+    p.row_token[row] = t;
+    p.row_weight[row] = p.topk_w[int64_t(t) * p.K + k];
+    p.topk_row[int64_t(t) * p.K + k] = row;
+  }
 }
 
 struct MoeCombineParams {

@@ -3,9 +3,7 @@
 //   gated_rms_norm:  y[r, i] = w[i] * (x[r, i] * s_r) * silu(z[r, i])
 //   with s_r = 1 / sqrt(mean_i x[r, i]^2 + eps).
 // x, z, y [R, D] f32 row-major (y may alias x); w [D] f32.
-// Grid: one block per row; THREADS threads stride over the row, four floats per access when VEC4
-// (D % 4 == 0 and 16-byte aligned rows). The sum of squares is a fixed-order block reduction, so
-// results are reproducible. fp32 throughout; matches cpu/norms.cpp up to summation order.
+// fp32 throughout; matches cpu/norms.cpp up to summation order.
 #pragma once
 #include "common.cuh"
 
@@ -16,23 +14,27 @@ struct RmsNormParams {
   const float* z;  // [R, D] gate (gated variant only)
   const float* w;  // [D]
   float* y;        // [R, D]
-  int D;
+  int R, D;
   float eps;
 };
 
+constexpr int NORM_WARP_ROWS = 8;  // rows of a block when a warp takes a row
+
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
-// 1 / rms of row x[0, D): every thread gets it.
-template <bool VEC4>
-__device__ __forceinline__ float row_inv_rms(const float* x, int D, float eps, float* red) {
+// 1 / rms of row x[0, D) from its nt threads (tid = 0..nt-1): each sums the squares of float4s (VEC4) or
+// floats tid, tid + nt, ... in that order; then warp_sum (WARP: the row's threads are one warp) or
+// block_sum. Every one of the row's threads gets it.
+template <bool VEC4, bool WARP>
+__device__ __forceinline__ float row_inv_rms(const float* x, int D, float eps, int tid, int nt, float* red) {
   float ss = 0.f;
   if constexpr (VEC4) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) ss += sq4(x4[i]);
+    for (int i = tid; i < D / 4; i += nt) ss += sq4(x4[i]);
   } else {
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[i] * x[i];
+    for (int i = tid; i < D; i += nt) ss += x[i] * x[i];
   }
-  ss = block_sum(ss, red);
+  ss = WARP ? warp_sum(ss) : block_sum(ss, red);
   return 1.f / sqrtf(ss / float(D) + eps);
 }
 
@@ -42,25 +44,37 @@ __device__ __forceinline__ float norm_out(float x, float s, float w, float z) {
   return x * s * w;
 }
 
-template <bool GATED, bool VEC4>
-__global__ void rms_norm_kernel(RmsNormParams p) {
+// rms_norm / gated_rms_norm (VEC4: four floats per access; D % 4 == 0 and 16-byte aligned rows).
+// ROWS = 1: one block per row, blockDim = norm_threads(D) threads striding over it.
+// ROWS = NORM_WARP_ROWS, for D <= 256 (where norm_threads(D) = 32): a warp per row, ROWS rows a block
+// (grid ceil(R / ROWS), 32 * ROWS threads), lane l taking what thread l of the 32-thread block did.
+// Both mappings give the same bits: each of the row's 32 threads sums the same terms in the same order,
+// then the same xor tree (warp_sum); a one-warp block_sum only adds zeros after that (its second warp_sum
+// over red[0] and 31 zeros: ss + 0 = ss, as ss >= +0 or NaN), so warp_sum alone is its value. That is
+// also the order gdn_decode_mixer and the decode attention kernel reproduce.
+template <bool GATED, bool VEC4, int ROWS>
+__global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(RmsNormParams p) {
   pdl_wait();
   pdl_trigger();
+  constexpr bool WARP = ROWS > 1;
   __shared__ float red[32];
-  const int64_t off = int64_t(blockIdx.x) * p.D;
-  const float s = row_inv_rms<VEC4>(p.x + off, p.D, p.eps, red);
+  const int64_t row = WARP ? int64_t(blockIdx.x) * ROWS + (threadIdx.x >> 5) : int64_t(blockIdx.x);
+  if (row >= p.R) return;  // only a warp row's block has rows past R; no barrier below then
+  const int tid = WARP ? int(threadIdx.x & 31) : int(threadIdx.x), nt = WARP ? 32 : int(blockDim.x);
+  const int64_t off = row * p.D;
+  const float s = row_inv_rms<VEC4, WARP>(p.x + off, p.D, p.eps, tid, nt, red);
   if constexpr (VEC4) {
     const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
     const float4* w4 = reinterpret_cast<const float4*>(p.w);
     const float4* z4 = reinterpret_cast<const float4*>(GATED ? p.z + off : p.x + off);
     float4* y4 = reinterpret_cast<float4*>(p.y + off);
-    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+    for (int i = tid; i < p.D / 4; i += nt) {
       const float4 x = x4[i], w = w4[i], z = z4[i];
       y4[i] = make_float4(norm_out<GATED>(x.x, s, w.x, z.x), norm_out<GATED>(x.y, s, w.y, z.y),
                           norm_out<GATED>(x.z, s, w.z, z.z), norm_out<GATED>(x.w, s, w.w, z.w));
     }
   } else {
-    for (int i = threadIdx.x; i < p.D; i += blockDim.x)
+    for (int i = tid; i < p.D; i += nt)
       p.y[off + i] = norm_out<GATED>(p.x[off + i], s, p.w[i], GATED ? p.z[off + i] : 0.f);
   }
 }
