@@ -193,18 +193,9 @@ static void launch_gemv_mma(const MmaLinearParams& p0) {
   LILY_CUDA_LAUNCHED();
 }
 
-L2Prefetch l2_prefetch_of(const std::vector<const QMatrix*>& ms) {
-  L2Prefetch pf{};
-  for (const QMatrix* m : ms)
-    for (const Buffer* b : {&m->weight, &m->scales, &m->biases})
-      if (b->nbytes() > 0 && pf.n < L2_PREFETCH_RANGES) pf.p[pf.n] = b->data(), pf.bytes[pf.n++] = uint32_t(b->nbytes());
-  return pf;
-}
-
 static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const NormTail& tail = {}) {
   MmaLinearParams p{};
   p.tail = tail;
-  p.next = l2_prefetch_of(w.l2_next);
   p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
   p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
   p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();

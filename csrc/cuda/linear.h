@@ -45,10 +45,6 @@ bool is_aligned16(const void* p);
 // thread mapping add_rms_norm would use for D (norms.cu).
 NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync);
 
-// The weight, scale and bias bytes of matrices, as an L2 prefetch hint (kernels/common.cuh; ranges
-// past L2_PREFETCH_RANGES are left out).
-L2Prefetch l2_prefetch_of(const std::vector<const QMatrix*>& ms);
-
 // GEMV sizing (kernels/linear_gemv.cuh): threads per row slot for rows of `chunks` 16-byte chunks,
 // and the CTA count for `passes` independent passes of `kernel` (256 threads, `smem` dynamic bytes).
 int gemv_tpr(int64_t chunks);

@@ -223,7 +223,7 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
-                 log2_of(w.gate_proj->group_size), 1, 1, tail, l2_prefetch_of(w.l2_next)};
+                 log2_of(w.gate_proj->group_size), 1, 1, tail};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T, true);

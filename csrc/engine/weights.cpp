@@ -110,23 +110,6 @@ void WeightStore::resolve(const ModelConfig& c) {
                                  {L.gdn.in_proj_qkv, L.gdn.in_proj_z, L.gdn.in_proj_b, L.gdn.in_proj_a});
     L.moe.router_gates = stack_rows(p + "mlp.router_gates", {L.moe.router, L.moe.shared_expert_gate});
   }
-  // L2 prefetch hints of the decode step (docs/cuda.md): the mixer's stacked input GEMV requests what
-  // the layer reads up to the routed experts (output projection, router, shared expert), the MoE down
-  // product the next layer's stacked input matrix. (moe_up requests the chosen experts' down rows.)
-  for (int i = 0; i < c.num_hidden_layers; ++i) {
-    LayerWeights& L = layers[i];
-    QMatrix* in = const_cast<QMatrix*>(L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj);
-    if (in) {
-      for (const QMatrix* m : {L.is_full_attention ? L.attn.o_proj : L.gdn.out_proj, L.moe.router_gates,
-                               L.moe.shared_gate_proj, L.moe.shared_up_proj, L.moe.shared_down_proj})
-        if (m) in->l2_next.push_back(m);
-    }
-    if (i + 1 < c.num_hidden_layers) {
-      const LayerWeights& N = layers[i + 1];
-      const QMatrix* next = N.is_full_attention ? N.attn.qkv_proj : N.gdn.in_proj;
-      if (next) L.moe.l2_next = {next};
-    }
-  }
 }
 
 static void sample_bytes(std::ostringstream& s, const Buffer& b) {

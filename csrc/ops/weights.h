@@ -3,7 +3,6 @@
 // and the matrices of one MoE block (ops::moe). engine/weights.h builds the model's views from them.
 #pragma once
 #include <string>
-#include <vector>
 
 #include "../runtime/tensor.h"
 
@@ -20,10 +19,6 @@ struct QMatrix {
   int group_size = 0;
   DType scale_dtype = DType::F32;
   Buffer weight, scales, biases;
-  // The matrices the one-token decode step reads after this one, before the next matrix that can
-  // stream them itself (set by engine/weights.cpp): the CUDA decode GEMV of this matrix requests them
-  // into L2 while it runs (docs/cuda.md, "L2 prefetch"). A hint; empty: none.
-  std::vector<const QMatrix*> l2_next;
 
   bool quantized() const { return bits > 0; }
   int64_t words_per_row() const { return cols * bits / 32; }
@@ -41,8 +36,6 @@ struct MoeWeights {
   // [router; shared_expert_gate] stacked by rows when they share one storage format, else null
   // (as GdnWeights::in_proj in engine/weights.h): the decode step's one GEMV over the shared input.
   const QMatrix* router_gates = nullptr;
-  // What the decode MoE's down product requests into L2 (QMatrix::l2_next): the next layer's first matrix.
-  std::vector<const QMatrix*> l2_next;
 };
 
 }  // namespace lily

@@ -24,42 +24,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// L2 prefetch hints of the decode step: byte ranges of constant weights that the next kernels read,
-// requested into L2 (cp.async.bulk.prefetch) by the kernel before them, so that HBM streams them
-// while that kernel runs instead of after it. A hint: nothing waits for it and results do not depend
-// on it. Ranges are widened to 16-byte bounds (inside their allocations, which are 256-byte aligned
-// and padded) and cut into chunks of L2_PREFETCH_CHUNK bytes numbered across the ranges; chunk c goes
-// to the CTA part c % parts, whose warp 0 issues it (one lane per chunk).
-constexpr int L2_PREFETCH_RANGES = 16;
-constexpr uint32_t L2_PREFETCH_CHUNK = 8192;
-struct L2Prefetch {
-  const void* p[L2_PREFETCH_RANGES];
-  uint32_t bytes[L2_PREFETCH_RANGES];
-  int n;  // ranges in use
-};
-
-// This CTA's chunks of [p, p + bytes) when its chunks are numbered from `first`; returns the number
-// after its last chunk. Call from warp 0 only.
-__device__ __forceinline__ uint32_t l2_prefetch_range(const void* p, uint32_t bytes, uint32_t first, uint32_t part,
-                                                      uint32_t parts) {
-  const size_t g = __cvta_generic_to_global(p);
-  const size_t a0 = g & ~size_t(15), a1 = (g + bytes + 15) & ~size_t(15);
-  const uint32_t n = uint32_t((a1 - a0 + L2_PREFETCH_CHUNK - 1) / L2_PREFETCH_CHUNK);
-  for (uint32_t c = (part + parts - first % parts) % parts + (threadIdx.x & 31) * parts; c < n; c += 32 * parts) {
-    const size_t a = a0 + size_t(c) * L2_PREFETCH_CHUNK;
-    const uint32_t size = uint32_t(a1 - a < L2_PREFETCH_CHUNK ? a1 - a : L2_PREFETCH_CHUNK);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size));
-  }
-  return first + n;
-}
-
-// This CTA's share of every range of pf (every thread may call it; warp 0 issues).
-__device__ __forceinline__ void l2_prefetch(const L2Prefetch& pf, uint32_t part, uint32_t parts) {
-  if (threadIdx.x >= 32) return;
-  uint32_t first = 0;
-  for (int r = 0; r < pf.n; ++r) first = l2_prefetch_range(pf.p[r], pf.bytes[r], first, part, parts);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

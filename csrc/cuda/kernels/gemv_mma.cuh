@@ -466,13 +466,11 @@ struct MmaLinearParams {
   float* y;        // [rows]
   int rows, cols, group_shift, ks;
   NormTail tail;   // tail.done != nullptr: y += W x (y is the residual row), then tail.y = rms_norm(y) * tail.w
-  L2Prefetch next;  // weights of the kernels after this one, requested into L2 (kernels/common.cuh)
 };
 
 // y = W x for one token (T = 1), or with a tail y += W x and then the next RMSNorm of y by the grid's last
 // CTA (ops::linear_add_rms_norm). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
-// requested before the wait on the previous kernel and before x is staged, then the CTA's share of the
-// L2 prefetch hint p.next (constant weights, so also before the wait).
+// requested before the wait on the previous kernel and before x is staged.
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
   using S = MmaSeg<BITS>;
@@ -485,7 +483,6 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
                                  p.cols >> p.group_shift, p.group_shift, tail};
   auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
-    l2_prefetch(p.next, blockIdx.x, gridDim.x);
     pdl_wait();
     pdl_trigger();
     mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);

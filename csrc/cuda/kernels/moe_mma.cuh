@@ -10,8 +10,6 @@
 //                 K*I + Is values (the K+1 act rows back to back; segment v of row o reads expert
 //                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); with a tail
 //                 (ops::moe_add_rms_norm) out[t, o] += it and the last CTA writes the next RMSNorm.
-// L2 prefetch (hints, kernels/common.cuh): moe_up requests the chosen experts' and the shared expert's
-// down matrices once it knows the ids, moe_down the next layer's first matrix (p.next).
 #pragma once
 #include "gemv_mma.cuh"
 #include "moe_decode.cuh"
@@ -30,7 +28,6 @@ struct MoeMmaParams {
   int K, ld, group_shift, ks_up, ks_down;
   NormTail tail;  // tail.done != nullptr (T = 1): out += the product (out is the residual row), then
                   // tail.y = rms_norm(out) * tail.w by moe_down_mma's last CTA
-  L2Prefetch next;  // what moe_down_mma requests into L2 for the kernels after it (kernels/common.cuh)
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -132,27 +129,6 @@ __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaM
   __syncthreads();
 }
 
-// The down matrices of token t's chosen experts and of the shared expert into L2 (a hint, kernels/common.cuh):
-// moe_down_mma reads them next. Each CTA of the token's grid row takes its share.
-template <int BITS>
-__device__ __forceinline__ void moe_mma_prefetch_down(const MoeMmaParams& p, const int32_t* ids) {
-  if (threadIdx.x >= 32) return;
-  const AffineStack& d = p.down;
-  const int64_t wpe = int64_t(d.rows) * (d.cols * BITS / 32), gpe = int64_t(d.rows) * (d.cols >> p.group_shift);
-  const uint32_t wb = uint32_t(wpe * 4), gb = uint32_t(gpe * 2), part = blockIdx.x, parts = gridDim.x;
-  uint32_t first = 0;
-  for (int s = 0; s < p.K; ++s) {
-    first = l2_prefetch_range(d.w + ids[s] * wpe, wb, first, part, parts);
-    first = l2_prefetch_range(d.scales + ids[s] * gpe, gb, first, part, parts);
-    first = l2_prefetch_range(d.biases + ids[s] * gpe, gb, first, part, parts);
-  }
-  const AffineStack& sd = p.shared_down;
-  const int64_t sw = int64_t(sd.rows) * (sd.cols * BITS / 32), sg = int64_t(sd.rows) * (sd.cols >> p.group_shift);
-  first = l2_prefetch_range(sd.w, uint32_t(sw * 4), first, part, parts);
-  first = l2_prefetch_range(sd.scales, uint32_t(sg * 2), first, part, parts);
-  l2_prefetch_range(sd.biases, uint32_t(sg * 2), first, part, parts);
-}
-
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(const MoeMmaParams p) {
@@ -166,7 +142,6 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   const MmaMoeUpRows<BITS> rows{p, ids, t};
   auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
-    moe_mma_prefetch_down<BITS>(p, ids);
     const float* h = p.h + int64_t(t) * H;
     mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
     __syncthreads();
@@ -187,7 +162,6 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   const MmaMoeDownRows<BITS> rows{p, slots, t, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
   auto ids_in = [&] { moe_mma_slots<BITS>(p, t, slots); };
   auto stage = [&] {  // act comes from moe_up, the kernel before
-    l2_prefetch(p.next, blockIdx.x + blockIdx.y * gridDim.x, gridDim.x * gridDim.y);
     pdl_wait();
     pdl_trigger();
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
