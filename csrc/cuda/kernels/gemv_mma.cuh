@@ -198,38 +198,51 @@ __host__ __device__ __forceinline__ void mma_octet_digits(const float (&v)[8], f
 // Stages x into a CTA's shared memory: xd [K/8][3] digits, xe [K/VB] block scales e_u, xsum [K/VB].
 // x_at(o) is the address of octet o (8 consecutive floats, 16-byte aligned). Each thread takes one octet
 // per round; a block's VB/8 octets are consecutive lanes of one warp (VB/8 in {4, 8, 16}), so its max and
-// sum are xor-shuffle trees (every lane gets the same, fixed-order sum). Every thread must call it; the
-// caller synchronises afterwards.
+// sum are xor-shuffle trees (every lane gets the same, fixed-order sum). The loads of MMA_STAGE_ROUNDS
+// rounds are issued together (one memory latency for K <= MMA_STAGE_ROUNDS * 8 * blockDim.x: the
+// model's 2,048 to 4,608 values), then the rounds are converted in order. Every thread must call it;
+// the caller synchronises afterwards.
+constexpr int MMA_STAGE_ROUNDS = 3;
 template <int BITS, int VB, class XAt>
 __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, float* xe, float* xsum) {
-  constexpr int OPB = VB / 8;
+  constexpr int OPB = VB / 8, NR = MMA_STAGE_ROUNDS;
   static_assert(OPB == 4 || OPB == 8 || OPB == 16, "a block spans 4, 8 or 16 octets");
   const int octets = K / 8;
-  for (int base = 0; base < octets; base += blockDim.x) {  // uniform over the CTA: full warps shuffle
-    const int o = base + int(threadIdx.x);
-    float v[8] = {};
-    if (o < octets) {
-      const float4* p = reinterpret_cast<const float4*>(x_at(o));
-      const float4 a = p[0], b = p[1];
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  for (int base = 0; base < octets; base += NR * blockDim.x) {  // uniform over the CTA: full warps shuffle
+    float4 raw[NR][2];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const int o = base + r * int(blockDim.x) + int(threadIdx.x);
+      raw[r][0] = raw[r][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (o < octets) {
+        const float4* p = reinterpret_cast<const float4*>(x_at(o));
+        raw[r][0] = p[0], raw[r][1] = p[1];
+      }
     }
-    float m = 0.f, s = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
-    s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    for (int r = 0; r < NR; ++r) {
+      if (base + r * int(blockDim.x) >= octets) break;  // uniform
+      const int o = base + r * int(blockDim.x) + int(threadIdx.x);
+      const float4 a = raw[r][0], b = raw[r][1];
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      float m = 0.f, s = 0.f;
 #pragma unroll
-    for (int off = 1; off < OPB; off <<= 1) {
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      s += __shfl_xor_sync(0xffffffffu, s, off);
+      for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+      s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+#pragma unroll
+      for (int off = 1; off < OPB; off <<= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+      }
+      if (o >= octets) continue;
+      float e;
+      const float inv = mma_block_scale(m, e);
+      uint2 dg[3];
+      mma_octet_digits<BITS>(v, inv, dg);
+#pragma unroll
+      for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
+      if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
     }
-    if (o >= octets) continue;
-    float e;
-    const float inv = mma_block_scale(m, e);
-    uint2 dg[3];
-    mma_octet_digits<BITS>(v, inv, dg);
-#pragma unroll
-    for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
-    if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
   }
 }
 

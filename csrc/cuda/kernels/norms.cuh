@@ -137,7 +137,9 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
 // striding over float4s or floats, the same block reduction; threads >= nt add zeros), so the result is
 // bit-identical to add_rms_norm. Every thread of every CTA calls it once, after its last store to x;
 // done [1] is zero before the grid and after it (the last CTA resets it). x is read through L2 (other
-// CTAs wrote it).
+// CTAs wrote it). With float4s and D <= 4 * TAIL_CACHE * nt (the model's D = 2048: two a thread) the
+// last CTA loads x and w once, before the reduction, and scales from registers: one L2 round trip
+// instead of two, the same sums and products.
 struct NormTail {
   float* x;              // [D] the residual row, complete when the last CTA gets here
   const float* w;        // [D]
@@ -147,6 +149,8 @@ struct NormTail {
   float eps;
   bool vec4;
 };
+
+constexpr int TAIL_CACHE = 4;
 
 __device__ __forceinline__ void grid_tail_rms_norm(const NormTail& n) {
   __shared__ float red[32];
@@ -160,6 +164,31 @@ __device__ __forceinline__ void grid_tail_rms_norm(const NormTail& n) {
   const int tid = int(threadIdx.x);
   const bool on = tid < n.nt;
   float ss = 0.f;
+  if (n.vec4 && n.D / 4 <= TAIL_CACHE * n.nt) {  // x and w in registers: i = tid + j * nt, j ascending
+    const float4* x4 = reinterpret_cast<const float4*>(n.x);
+    const float4* w4 = reinterpret_cast<const float4*>(n.w);
+    float4 xv[TAIL_CACHE], wv[TAIL_CACHE];
+#pragma unroll
+    for (int j = 0; j < TAIL_CACHE; ++j) {
+      const int i = tid + j * n.nt;
+      xv[j] = wv[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (on && i < n.D / 4) xv[j] = __ldcg(x4 + i), wv[j] = w4[i];
+    }
+#pragma unroll
+    for (int j = 0; j < TAIL_CACHE; ++j)
+      if (on && tid + j * n.nt < n.D / 4) ss += sq4(xv[j]);
+    ss = block_sum(ss, red);
+    const float s = 1.f / sqrtf(ss / float(n.D) + n.eps);
+    float4* y4 = reinterpret_cast<float4*>(n.y);
+#pragma unroll
+    for (int j = 0; j < TAIL_CACHE; ++j) {
+      const int i = tid + j * n.nt;
+      const float4 x = xv[j], w = wv[j];
+      if (on && i < n.D / 4) y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+    }
+    if (tid == 0) *n.done = 0u;
+    return;
+  }
   if (n.vec4) {
     const float4* x4 = reinterpret_cast<const float4*>(n.x);
     for (int i = tid; on && i < n.D / 4; i += n.nt) ss += sq4(__ldcg(x4 + i));
