@@ -2,7 +2,8 @@
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
 //                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
-//   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh
+//   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
+//                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
 //                    X converted to bf16 into the op's workspace first)
@@ -27,6 +28,10 @@ static_assert(LINEAR_TILE_ROWS == GEMM_BM && LINEAR_TILE_ROWS == GENERIC_TILE_RO
               "MoE tile maps assume one tile height for every linear kernel");
 
 constexpr int GEMV_MAX_TOKENS = 8;
+// Short prompts whose product has no wgmma kernel (the 8-bit router and shared-expert gate) run the
+// GEMV over blocks of GEMV_MAX_TOKENS rows up to this many rows: the mma.sync GEMM costs ~42 us a call
+// at any T on those 0.5 MB matrices, a GEMV block a few us (docs/perf-notes.md, "Short prompts").
+constexpr int GEMV_BLOCKED_MAX_TOKENS = 32;
 
 bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -354,13 +359,18 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
   add_rms_norm(res, tmp, weight, eps, y);
 }
 
+// Rows [r0, r0 + n) of a contiguous F32 matrix.
+static Tensor row_block(const Tensor& t, int64_t r0, int64_t n) {
+  return Tensor::of(t.ptr<float>() + r0 * t.dim(1), DType::F32, t.device, {n, t.dim(1)});
+}
+
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
   const WeightView v = weight_view(w);
-  if (use_gemv(v, x) && is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()))
-    return run_gemv(w, e, x, y);
+  const bool w_aligned = is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row());
+  if (use_gemv(v, x) && w_aligned) return run_gemv(w, e, x, y);
   LinearArgs a;
   a.w = v;
   a.x = x.ptr<float>();
@@ -369,6 +379,13 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   a.ldy = w.rows;
   a.tiles.M = T;
   a.tiles.expert = e;
+  if (T <= GEMV_BLOCKED_MAX_TOKENS && !use_wgmma_gemm(a) && w_aligned && use_gemv(v, row_block(x, 0, GEMV_MAX_TOKENS))) {
+    for (int64_t t0 = 0; t0 < T; t0 += GEMV_MAX_TOKENS) {  // x rows stay 16-byte aligned: t0 % 8 == 0
+      const int64_t n = std::min<int64_t>(GEMV_MAX_TOKENS, T - t0);
+      run_gemv(w, e, row_block(x, t0, n), row_block(y, t0, n));
+    }
+    return;
+  }
   XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }

@@ -63,6 +63,8 @@ def path_of(m: dict, T: int) -> str:
         return "linear_gemv"
     group = m["group_size"]
     wgmma = m["bits"] == 4 and m["cols"] % 64 == 0 and (group == 32 or group % 64 == 0)
+    if not wgmma and T <= 32 and staged <= 96 * 1024:  # the GEMV in blocks of 8 rows
+        return "linear_gemv"
     return "linear_wgmma" if wgmma else "linear_gemm"
 
 
