@@ -368,10 +368,11 @@ struct MmaSplit {
 };
 
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before unit 0's loads are
-// issued (what the row addresses need, e.g. the router's expert ids, made visible to the CTA), after()
-// between those loads and the first compute: it must stage x into xd, xe, xsum and synchronise the CTA,
-// so the staging overlaps the weights' memory latency.
+// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
+// and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
+// CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
+// synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
+// memory latency.
 // Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
 // row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end).
 template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>>
@@ -436,14 +437,23 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     }
     cu = 0, cpass += int(gridDim.x), parity ^= 1;
   };
+  // Units 0 and 1 are both requested before after() (which waits on the previous kernel and stages
+  // x), then unit j + 2 as soon as unit j is computed: two units in flight throughout.
   MmaStage a, b;
   before();
   if (units > 0) {
     resolve(lpass);
     load(a, 0);
   }
+  if (units > 1) load(b, 1);
   after();
-  gemv_pipeline(units, a, b, load, compute);
+  for (int j = 0; j < units; j += 2) {
+    compute(a, j);
+    if (j + 2 < units) load(a, j + 2);
+    if (j + 1 >= units) break;
+    compute(b, j + 1);
+    if (j + 3 < units) load(b, j + 3);
+  }
 }
 
 // ---- linear ------------------------------------------------------------------------------------------
