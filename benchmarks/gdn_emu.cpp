@@ -10,7 +10,9 @@
 // or a buffer reused while a copy is in flight, shows); zero-fill honoured; copy sources bounds-checked.
 // Shared memory and the workspace start as NaN, so any read of something never written poisons o.
 // Compares o and the final state with the fp64 sequential recurrence (benchmarks/gdn_ref.h) and prints
-// the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic).
+// the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic), and
+// an FNV-1a hash of the bits of the workspace, o and the final state: a change of the kernels meant to
+// keep every value (index math, load instructions) must leave the hashes as they were.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -272,6 +274,16 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
 }
 }  // namespace emu
 
+static uint64_t fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (float f : v) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
+  }
+  return h;
+}
+
 struct Case {
   int T, Hk, Hv, decay;
   float state_scale;
@@ -314,6 +326,8 @@ int main(int argc, char** argv) {
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",
                   mode ? "late" : "eager", T, Hk, Hv, cs.decay, cs.state_scale, eo, es, eo32, es32, bad ? "FAIL" : "ok");
+      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)fnv1a(ws),
+                  (unsigned long long)fnv1a(o), (unsigned long long)fnv1a(state));
       std::fflush(stdout);
     }
   std::printf("fiber switches: %lld\n", emu::switches);
