@@ -171,13 +171,17 @@ inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 // The device primitives the kernels call (gdn_chunk.cuh leaves them out under LILY_GDN_HOST_EMU).
 namespace lily::cuda::gdn_chunk {
 inline unsigned char* smem() { return emu::smem.data(); }
-inline void cp16(float* dst, const float* src) {
+inline uint32_t saddr(const void* p) { return uint32_t(static_cast<const unsigned char*>(p) - emu::smem.data()); }
+inline float* sptr(uint32_t a) { return reinterpret_cast<float*>(emu::smem.data() + a); }
+inline void cp16(uint32_t a, const float* src) {
+  float* dst = sptr(a);
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, true};
   if (emu::mode == 0) emu::do_copy(c);
   else emu::fibers[emu::cur].open.push_back(c);
 }
-inline void cp16z(float* dst, const float* src, bool valid) {
+inline void cp16z(uint32_t a, const float* src, bool valid) {
+  float* dst = sptr(a);
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, valid};
   if (emu::mode == 0) emu::do_copy(c);

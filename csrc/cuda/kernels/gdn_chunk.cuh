@@ -93,16 +93,15 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void cp16(float* dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
+// the shared-space address (32 bits) of a pointer into shared memory
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+// 16 bytes from src to the shared address dst
+__device__ __forceinline__ void cp16(uint32_t dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 // 16 bytes from src if valid, else 16 zero bytes (src is not read then, but must be a valid address).
-__device__ __forceinline__ void cp16z(float* dst, const float* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
+__device__ __forceinline__ void cp16z(uint32_t dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
@@ -360,42 +359,17 @@ struct ScanSmem {
   float fq[C], fk[C];
 };
 
-// [64, 128] tile of rows `stride` floats apart -> shared rows of LD floats: 2048 float4, 8 per thread;
-// rows >= n zero-filled.
+// cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
+// dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
+// source; rows >= n (i.e. 8 i >= n - warp) zero-filled, their source then `safe` (a valid address).
 template <int LD>
-__device__ __forceinline__ void copy_rows(float (*dst)[LD], const float* src, int64_t stride, int n) {
+__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n_minus_warp,
+                                          const float* safe) {
 #pragma unroll
-  for (int i = 0; i < C * D / 4 / THREADS; ++i) {
-    const int idx = threadIdx.x + THREADS * i, r = idx / (D / 4), c4 = idx % (D / 4);
-    const bool ok = r < n;
-    cp16z(&dst[r][4 * c4], src + (ok ? r : 0) * stride + 4 * c4, ok);
+  for (int i = 0; i < 8; ++i, src += step) {
+    const bool ok = 8 * i < n_minus_warp;
+    cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
   }
-}
-
-__device__ __forceinline__ void issue_wu(ScanSmem& sm, const float* blk, int j0) {
-  copy_rows<LD>(sm.W, blk + WS_W, D, C);
-#pragma unroll
-  for (int i = 0; i < C * COLS / 4 / THREADS; ++i) {  // U columns [j0, j0 + 32)
-    const int idx = threadIdx.x + THREADS * i, r = idx / (COLS / 4), c4 = idx % (COLS / 4);
-    cp16(&sm.U[r][4 * c4], blk + WS_U + r * D + j0 + 4 * c4);
-  }
-}
-
-// q rows of the chunk (from qkv), P, fq
-__device__ __forceinline__ void issue_qp(ScanSmem& sm, const float* blk, const float* q, int64_t Wd, int n) {
-  copy_rows<LD>(sm.Q, q, Wd, n);
-#pragma unroll
-  for (int i = 0; i < C * C / 4 / THREADS; ++i) {
-    const int idx = threadIdx.x + THREADS * i, r = idx / (C / 4), c4 = idx % (C / 4);
-    cp16(&sm.P[r][4 * c4], blk + WS_P + r * C + 4 * c4);
-  }
-  if (threadIdx.x < C / 4) cp16(&sm.fq[4 * threadIdx.x], blk + WS_FQ + 4 * threadIdx.x);
-}
-
-// k rows of the chunk (from qkv), fk
-__device__ __forceinline__ void issue_k(ScanSmem& sm, const float* blk, const float* k, int64_t Wd, int n) {
-  copy_rows<KLD>(sm.K, k, Wd, n);
-  if (threadIdx.x < C / 4) cp16(&sm.fk[4 * threadIdx.x], blk + WS_FK + 4 * threadIdx.x);
 }
 
 __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
@@ -406,6 +380,7 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int kh = h / (p.Hv / p.Hk);
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D, o_row = int64_t(p.Hv) * D;
+  const int64_t o_row8 = 8 * o_row, chunk_rows_o = C * o_row;
   const float* qg = p.qkv + int64_t(kh) * D;                       // q of token 0
   const float* kg = p.qkv + int64_t(p.Hk) * D + int64_t(kh) * D;   // k of token 0
   const int mt = warp >> 1, nb = 16 * (warp & 1);                  // (a), (b): rows 16 mt.., columns nb..
@@ -421,20 +396,48 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
     st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
   }
-  auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * BLOCK; };
-  auto rows_in = [&](int ci) { return min(C, p.T - ci * C); };
-  issue_wu(sm, block_of(0), j0);
+  // cp.async plan: every chunk copies the same tile positions, so this thread's shared destinations
+  // (32-bit addresses) and offsets in a workspace block are set once here; per chunk only the block
+  // and the q, k row pointers move. W, Q, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 +
+  // 32 i (i < 2), float4 tid % 8; P: rows tid / 16 + 16 i (i < 4), float4 tid % 16; fq, fk: tid < 16.
+  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sQ = saddr(&sm.Q[warp][4 * lane]),
+                 sK = saddr(&sm.K[warp][4 * lane]), sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]),
+                 sP = saddr(&sm.P[tid / 16][4 * (tid % 16)]), sfq = saddr(sm.fq) + 16 * tid,
+                 sfk = saddr(sm.fk) + 16 * tid;
+  const int oW = WS_W + warp * D + 4 * lane, oU = WS_U + (tid / 8) * D + j0 + 4 * (tid % 8),
+            oP = WS_P + (tid / 16) * C + 4 * (tid % 16);
+  const int64_t step8 = 8 * Wd, chunk_rows = C * Wd, blk_step = int64_t(p.Hv) * BLOCK;
+  auto issue_wu = [&](const float* wsb) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cp16(sW + 8 * LD * 4 * i, wsb + oW + 8 * D * i);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cp16(sU + 32 * NLD * 4 * i, wsb + oU + 32 * D * i);
+  };
+  // wsb: the chunk's workspace block, rows: this thread's first q (k) row of it, n: the chunk's tokens
+  auto issue_qp = [&](const float* wsb, const float* rows, int n) {
+    copy_rows<LD>(sQ, rows, step8, n - warp, qg);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
+    if (tid < C / 4) cp16(sfq, wsb + WS_FQ + 4 * tid);
+  };
+  auto issue_k = [&](const float* wsb, const float* rows, int n) {
+    copy_rows<KLD>(sK, rows, step8, n - warp, kg);
+    if (tid < C / 4) cp16(sfk, wsb + WS_FK + 4 * tid);
+  };
+  const float* blk = p.ws + int64_t(h) * BLOCK;  // chunk 0's workspace block
+  const float* qrow = qg + warp * Wd + 4 * lane;  // this thread's q, k rows of chunk 0
+  const float* krow = kg + warp * Wd + 4 * lane;
+  float* orow = p.o + (16 * mt + g) * o_row + int64_t(h) * D + j0 + nb + 2 * c;  // (b)'s o of chunk 0
+  issue_wu(blk);
   commit();
-  issue_qp(sm, block_of(0), qg, Wd, rows_in(0));
+  issue_qp(blk, qrow, min(C, p.T));
   commit();
-  issue_k(sm, block_of(0), kg, Wd, rows_in(0));
+  issue_k(blk, krow, min(C, p.T));
   commit();
-  for (int ci = 0; ci < p.num_chunks; ++ci) {
-    const float* blk = block_of(ci);
+  for (int ci = 0; ci < p.num_chunks; ++ci, blk += blk_step, qrow += chunk_rows, krow += chunk_rows, orow += chunk_rows_o) {
     const bool more = ci + 1 < p.num_chunks;
-    const int64_t tn = int64_t(ci + 1) * C;  // first token of the next chunk
+    const int n = min(C, p.T - ci * C), n_next = min(C, p.T - (ci + 1) * C);
     const float gC = blk[WS_GC];
-    const int n = rows_in(ci);
     wait2();
     __syncthreads();  // W, U of chunk ci landed; S of the previous chunk in shared memory
 
@@ -464,7 +467,7 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       }
     }
     __syncthreads();  // Delta complete; W, U free
-    if (more) issue_wu(sm, block_of(ci + 1), j0);
+    if (more) issue_wu(blk + blk_step);
     commit();
     wait2();
     __syncthreads();  // Q, P, fq of chunk ci landed
@@ -497,17 +500,15 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
-      float* out = p.o + int64_t(ci) * C * o_row + int64_t(h) * D + j0;  // row 0 of the chunk
       const int r = 16 * mt + g;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int col = nb + 8 * j + 2 * c;
-        if (r < n) st2(out + r * o_row + col, acc[j][0], acc[j][1]);
-        if (r + 8 < n) st2(out + (r + 8) * o_row + col, acc[j][2], acc[j][3]);
+        if (r < n) st2(orow + 8 * j, acc[j][0], acc[j][1]);
+        if (r + 8 < n) st2(orow + o_row8 + 8 * j, acc[j][2], acc[j][3]);
       }
     }
     __syncthreads();  // Q, P, fq and S in shared memory free
-    if (more) issue_qp(sm, block_of(ci + 1), qg + tn * Wd, Wd, rows_in(ci + 1));
+    if (more) issue_qp(blk + blk_step, qrow + chunk_rows, n_next);
     commit();
     wait2();
     __syncthreads();  // K, fk of chunk ci landed
@@ -539,7 +540,7 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
     }
     __syncthreads();  // K, fk, Delta free
-    if (more) issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
+    if (more) issue_k(blk + blk_step, krow + chunk_rows, n_next);
     commit();
   }
 #pragma unroll
