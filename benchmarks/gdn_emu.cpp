@@ -199,6 +199,29 @@ inline void wait2() {
     f.groups.pop_front();
   }
 }
+// ldmatrix.sync.aligned.m8n8.{x2,x4}.shared.b16 from the PTX ISA ("Warp-level matrix load instruction:
+// ldmatrix"): matrix i (8 rows of 8 b16 elements, a row 16 contiguous bytes) has its row addresses from
+// threads 8i..8i+7 (row j from thread 8i + j); thread l receives in register i the elements (row l / 4,
+// columns 2 (l % 4) and 2 (l % 4) + 1) of matrix i, the lower-numbered column in the low 16 bits.
+inline void ldsm(uint32_t* r, int nmat, uint32_t addr) {
+  const int lane = emu::cur % 32, base = emu::cur - lane;
+  emu::xch[emu::cur][0] = double(addr);
+  emu::warp_barrier();
+  for (int i = 0; i < nmat; ++i) {
+    const uint32_t row = uint32_t(emu::xch[base + 8 * i + lane / 4][0]);
+    const unsigned char* p = emu::smem.data() + row;
+    if (row % 16 || !emu::in_smem(p, 16)) {
+      std::fprintf(stderr, "ldmatrix row address misaligned or outside shared memory\n");
+      std::exit(2);
+    }
+    uint16_t e[2];
+    for (int k = 0; k < 2; ++k) std::memcpy(&e[k], p + 2 * (2 * (lane % 4) + k), 2);
+    r[i] = uint32_t(e[0]) | uint32_t(e[1]) << 16;
+  }
+  emu::warp_barrier();  // everyone has read the slots
+}
+inline void ldsm4(uint32_t (&r)[4], uint32_t addr) { ldsm(r, 4, addr); }
+inline void ldsm2(uint32_t (&r)[2], uint32_t addr) { ldsm(r, 2, addr); }
 // mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32 from the PTX ISA fragment table ("Matrix Fragments for
 // mma.m16n8k8" with .tf32): groupID = lane >> 2, threadID_in_group = lane % 4;
 //   A: a0 (groupID, tig) a1 (groupID + 8, tig) a2 (groupID, tig + 4) a3 (groupID + 8, tig + 4)
