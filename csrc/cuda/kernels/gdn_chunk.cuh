@@ -393,14 +393,20 @@ static_assert(offsetof(ScanSmem, Sl) == offsetof(ScanSmem, Sh) + sizeof(ScanSmem
 
 // cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
 // dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
-// source; rows >= n (i.e. 8 i >= n - warp) zero-filled, their source then `safe` (a valid address).
+// source; in a partial chunk (n < C, the last) rows >= n are zero-filled, their source then `safe` (a
+// valid address).
 template <int LD>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n_minus_warp,
+__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n, int warp,
                                           const float* safe) {
+  if (n == C) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i, src += step) {
-    const bool ok = 8 * i < n_minus_warp;
-    cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
+    for (int i = 0; i < 8; ++i, src += step) cp16(dst + 8 * LD * 4 * i, src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i, src += step) {
+      const bool ok = warp + 8 * i < n;
+      cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
+    }
   }
 }
 
@@ -460,13 +466,13 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   };
   // wsb: the chunk's workspace block, rows: this thread's first q (k) row of it, n: the chunk's tokens
   auto issue_qp = [&](const float* wsb, const float* rows, int n) {
-    copy_rows<LD>(sQ, rows, step8, n - warp, qg);
+    copy_rows<LD>(sQ, rows, step8, n, warp, qg);
 #pragma unroll
     for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
     if (tid < C / 4) cp16(sfq, wsb + WS_FQ + 4 * tid);
   };
   auto issue_k = [&](const float* wsb, const float* rows, int n) {
-    copy_rows<KLD>(sK, rows, step8, n - warp, kg);
+    copy_rows<KLD>(sK, rows, step8, n, warp, kg);
     if (tid < C / 4) cp16(sfk, wsb + WS_FK + 4 * tid);
   };
   const float* blk = p.ws + int64_t(h) * BLOCK;  // chunk 0's workspace block
