@@ -10,7 +10,9 @@
 // or a buffer reused while a copy is in flight, shows); zero-fill honoured; copy sources bounds-checked.
 // Shared memory and the workspace start as NaN, so any read of something never written poisons o.
 // Compares o and the final state with the fp64 sequential recurrence (benchmarks/gdn_ref.h) and prints
-// the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic).
+// the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic), and
+// an FNV-1a hash of the bits of the workspace, o and the final state: a change of the kernels meant to
+// keep every value (index math, load instructions) must leave the hashes as they were.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -169,13 +171,17 @@ inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 // The device primitives the kernels call (gdn_chunk.cuh leaves them out under LILY_GDN_HOST_EMU).
 namespace lily::cuda::gdn_chunk {
 inline unsigned char* smem() { return emu::smem.data(); }
-inline void cp16(float* dst, const float* src) {
+inline uint32_t saddr(const void* p) { return uint32_t(static_cast<const unsigned char*>(p) - emu::smem.data()); }
+inline float* sptr(uint32_t a) { return reinterpret_cast<float*>(emu::smem.data() + a); }
+inline void cp16(uint32_t a, const float* src) {
+  float* dst = sptr(a);
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, true};
   if (emu::mode == 0) emu::do_copy(c);
   else emu::fibers[emu::cur].open.push_back(c);
 }
-inline void cp16z(float* dst, const float* src, bool valid) {
+inline void cp16z(uint32_t a, const float* src, bool valid) {
+  float* dst = sptr(a);
   assert(emu::in_smem(dst, 16));
   emu::Copy c{dst, src, valid};
   if (emu::mode == 0) emu::do_copy(c);
@@ -193,6 +199,29 @@ inline void wait2() {
     f.groups.pop_front();
   }
 }
+// ldmatrix.sync.aligned.m8n8.{x2,x4}.shared.b16 from the PTX ISA ("Warp-level matrix load instruction:
+// ldmatrix"): matrix i (8 rows of 8 b16 elements, a row 16 contiguous bytes) has its row addresses from
+// threads 8i..8i+7 (row j from thread 8i + j); thread l receives in register i the elements (row l / 4,
+// columns 2 (l % 4) and 2 (l % 4) + 1) of matrix i, the lower-numbered column in the low 16 bits.
+inline void ldsm(uint32_t* r, int nmat, uint32_t addr) {
+  const int lane = emu::cur % 32, base = emu::cur - lane;
+  emu::xch[emu::cur][0] = double(addr);
+  emu::warp_barrier();
+  for (int i = 0; i < nmat; ++i) {
+    const uint32_t row = uint32_t(emu::xch[base + 8 * i + lane / 4][0]);
+    const unsigned char* p = emu::smem.data() + row;
+    if (row % 16 || !emu::in_smem(p, 16)) {
+      std::fprintf(stderr, "ldmatrix row address misaligned or outside shared memory\n");
+      std::exit(2);
+    }
+    uint16_t e[2];
+    for (int k = 0; k < 2; ++k) std::memcpy(&e[k], p + 2 * (2 * (lane % 4) + k), 2);
+    r[i] = uint32_t(e[0]) | uint32_t(e[1]) << 16;
+  }
+  emu::warp_barrier();  // everyone has read the slots
+}
+inline void ldsm4(uint32_t (&r)[4], uint32_t addr) { ldsm(r, 4, addr); }
+inline void ldsm2(uint32_t (&r)[2], uint32_t addr) { ldsm(r, 2, addr); }
 // mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32 from the PTX ISA fragment table ("Matrix Fragments for
 // mma.m16n8k8" with .tf32): groupID = lane >> 2, threadID_in_group = lane % 4;
 //   A: a0 (groupID, tig) a1 (groupID + 8, tig) a2 (groupID, tig + 4) a3 (groupID + 8, tig + 4)
@@ -272,6 +301,16 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
 }
 }  // namespace emu
 
+static uint64_t fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (float f : v) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
+  }
+  return h;
+}
+
 struct Case {
   int T, Hk, Hv, decay;
   float state_scale;
@@ -314,6 +353,8 @@ int main(int argc, char** argv) {
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",
                   mode ? "late" : "eager", T, Hk, Hv, cs.decay, cs.state_scale, eo, es, eo32, es32, bad ? "FAIL" : "ok");
+      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)fnv1a(ws),
+                  (unsigned long long)fnv1a(o), (unsigned long long)fnv1a(state));
       std::fflush(stdout);
     }
   std::printf("fiber switches: %lld\n", emu::switches);

@@ -12,13 +12,18 @@
 // chunked-vs-token-kernel tolerance; the fp32 sequential CPU op itself is ~3e-7 from fp64, printed too).
 // Table 2: the token kernel against the new chunked pair at short T, for GDN_CHUNK_MIN_T (the chunked
 // kernels accept any T >= 1; the dispatcher sends only T >= GDN_CHUNK_MIN_T to them).
+// Bits: an FNV-1a hash of the whole o, final state and workspace of the fresh prep + scan call, printed
+// as "gdn_lab bits: ..."; gdn_lab.sh with BASE=<commit> also builds the lab against that commit's
+// gdn_chunk.cuh and FAILs unless the two lines match (value-preserving kernel changes).
 // With OUT set the tables also go to $OUT/gdn_lab.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -82,6 +87,16 @@ static T* upload(const std::vector<T>& v) {
   return p;
 }
 
+static uint64_t fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (float f : v) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
+  }
+  return h;
+}
+
 int main() {
   CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
   CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
@@ -112,6 +127,7 @@ int main() {
     md += s;
   };
   bool fail = false;
+  std::string bits;
   std::snprintf(line, sizeof line,
                 "## GDN prefill lab: T = %d, Hv = %d, Hk = %d, Dk = Dv = 128 (fp32 sequential CPU arithmetic vs fp64: %.2e)\n\n"
                 "| kernel | us / call | err o | err state | |\n|---|---:|---:|---:|---|\n",
@@ -127,6 +143,13 @@ int main() {
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(o.data(), d.o, o.size() * sizeof(float), cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(st.data(), d.state, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      if (k == NEW_BOTH) {
+        std::vector<float> ws(ws_floats);
+        CK(cudaMemcpy(ws.data(), d.ws, ws_floats * sizeof(float), cudaMemcpyDeviceToHost));
+        std::snprintf(line, sizeof line, "gdn_lab bits: o %016llx state %016llx ws %016llx\n",
+                      (unsigned long long)fnv1a(o), (unsigned long long)fnv1a(st), (unsigned long long)fnv1a(ws));
+        bits = line;
+      }
       eo = es = 0;
       for (int i = 0; i < 3; ++i) {
         eo = std::max(eo, gdn_ref::rel_err(gdn_ref::head_o(o, T_MAX, HV, D, heads[i]), ro[i]));
@@ -157,6 +180,7 @@ int main() {
       std::fclose(f);
     }
   }
+  std::fputs(bits.c_str(), stdout);
   std::printf("%s\n", fail ? "gdn_lab: FAIL" : "gdn_lab: all checks ok");
   return fail ? 1 : 0;
 }

@@ -23,6 +23,7 @@
 //   B [8 x 8]:  b0 (k = c, n = g)  b1 (k = c+4, n = g)
 //   C [16 x 8]: c0 (g, 2c)  c1 (g, 2c+1)  c2 (g+8, 2c)  c3 (g+8, 2c+1)
 #pragma once
+#include <cstddef>  // offsetof
 #ifndef LILY_GDN_HOST_EMU  // benchmarks/gdn_emu.cpp compiles this file on the host with its own shim
 #include "gated_delta.cuh"
 #endif
@@ -35,13 +36,16 @@ constexpr int C = 64;          // tokens per chunk
 constexpr int D = 128;         // Dk = Dv
 constexpr int THREADS = 256;   // both kernels (8 warps)
 constexpr int COLS = 32;       // state columns per scan CTA
-// Shared row strides (floats), chosen for conflict-free fragment loads: a row-major A fragment reads
-// (g * ld + c) -> ld % 32 == 4; a [k][n] B fragment or a transposed A fragment reads (c * ld + g) ->
-// ld % 32 == 8; a C fragment's float2 (g * ld + 2c) is conflict-free per half-warp at ld % 32 == 8.
+// Shared row strides (floats), chosen for conflict-free fragment loads: a row-major A fragment or a
+// [n][k] B fragment is read by ldmatrix (8 rows of 16 bytes per matrix) -> ld % 32 == 4, which also
+// makes the scalar stores of a C fragment transposed ((2c + e) * ld + g) conflict-free; a transposed
+// A fragment reads (c * ld + g) -> ld % 32 == 8; a C fragment read in place (g * ld + 2c) too.
 constexpr int LD = D + 4;      // [64, 128] tiles read as A or as [n][k] B (132)
 constexpr int KLD = D + 8;     // the scan's K tile, read transposed (136)
 constexpr int PLD = C + 4;     // [64, 64] tiles read as A (68)
-constexpr int NLD = COLS + 8;  // [., 32] tiles: S, Delta, U (40)
+constexpr int NLD = COLS + 8;  // the scan's U tile [64, 32], read in C-fragment order (40)
+constexpr int SLD = D + 4;     // the scan's S^T [32 columns][128 rows], read as [n][k] B (132)
+constexpr int DLD = C + 4;     // the scan's Delta^T [32 columns][64 tokens], read as [n][k] B (68)
 
 // Workspace: one block of BLOCK floats per (chunk c, value head h) at (c * Hv + h) * BLOCK, tiles
 // row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros. WS_* are the
@@ -93,16 +97,27 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void cp16(float* dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
+// the shared-space address (32 bits) of a pointer into shared memory
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+// 16 bytes from src to the shared address dst
+__device__ __forceinline__ void cp16(uint32_t dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 // 16 bytes from src if valid, else 16 zero bytes (src is not read then, but must be a valid address).
-__device__ __forceinline__ void cp16z(float* dst, const float* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
+__device__ __forceinline__ void cp16z(uint32_t dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+// ldmatrix .x4 (four 8 x 8 b16 matrices, here read as 8 rows x 4 32-bit words): lanes 8 i .. 8 i + 7
+// give the row addresses (16 bytes each) of matrix i, and lane l receives in r[i] the b16 pair at
+// columns 2 (l % 4), 2 (l % 4) + 1 of row l / 4 of matrix i, i.e. word l % 4 of that row, unchanged.
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// .x2: matrices 0, 1 (the addresses of lanes 0 .. 15)
+__device__ __forceinline__ void ldsm2(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
@@ -121,15 +136,26 @@ __device__ __forceinline__ void mma3(float (&big)[4], float (&small)[4], const S
   mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
   mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 }
-// A fragment of a row-major tile: t points at element (row 0, k 0) of the 16 x 8 block, rows of LD
-// floats; rows g and g + 8 scaled by f0, f1 (1.f: exact).
+// Fragments by ldmatrix (ldsm4 above). A row-major tile X [m][k] holds the A fragment of a 16 x 8
+// block as four 8-row x 4-word matrices, rows 0-7 | 8-15 x words 0-3 | 4-7 = a0, a1, a2, a3 of the
+// table at the top (lane 4 g + c receives word c of row g of each): lane l gives the address of row
+// l % 16, word 4 (l / 16) (lsm_a). A tile stored [n][k] holds B fragments the same way: rows n 0-7 x
+// words k 0-3 | 4-7 = b0, b1 (b (k = c, n = g) is word c of row g); two n8 tiles (rows 0-7, 8-15) in
+// one ldsm4, lane l giving row l % 8 + 8 (l / 16), word 4 ((l / 8) % 2) (lsm_b; ldsm2 uses lanes 0-15,
+// the first tile). The words arrive unchanged: the same values as element-wise loads of the table.
+template <int LD>  // this lane's ldmatrix offset (floats) from the block's (row 0, word 0)
+__device__ __forceinline__ int lsm_a(int lane) { return (lane & 15) * LD + 4 * (lane >> 4); }
 template <int LD>
-__device__ __forceinline__ void frag_a(Split (&a)[4], const float* t, int g, int c, float f0 = 1.f,
-                                            float f1 = 1.f) {
-  a[0] = split(f0 * t[g * LD + c]);
-  a[1] = split(f1 * t[(g + 8) * LD + c]);
-  a[2] = split(f0 * t[g * LD + c + 4]);
-  a[3] = split(f1 * t[(g + 8) * LD + c + 4]);
+__device__ __forceinline__ int lsm_b(int lane) { return ((lane & 7) + 8 * (lane >> 4)) * LD + 4 * ((lane >> 3) & 1); }
+// A fragment of a row-major tile (addr: this lane's lsm_a address); rows g and g + 8 scaled by f0, f1
+// (1.f: exact).
+__device__ __forceinline__ void frag_a(Split (&a)[4], uint32_t addr, float f0 = 1.f, float f1 = 1.f) {
+  uint32_t r[4];
+  ldsm4(r, addr);
+  a[0] = split(f0 * __uint_as_float(r[0]));
+  a[1] = split(f1 * __uint_as_float(r[1]));
+  a[2] = split(f0 * __uint_as_float(r[2]));
+  a[3] = split(f1 * __uint_as_float(r[3]));
 }
 // A fragment of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points at
 // X[k0][m0], fk at fk[k0].
@@ -141,30 +167,29 @@ __device__ __forceinline__ void frag_at(Split (&a)[4], const float* t, const flo
   a[2] = split(f1 * t[(c + 4) * LD + g]);
   a[3] = split(f1 * t[(c + 4) * LD + g + 8]);
 }
-// B fragment of a [k][n] row-major tile (t at (k0, n0)).
-template <int LD>
-__device__ __forceinline__ void frag_b(Split& b0, Split& b1, const float* t, int g, int c) {
-  b0 = split(t[c * LD + g]);
-  b1 = split(t[(c + 4) * LD + g]);
+// B fragment of an n8 tile of a tile stored [n][k] (B = X^T; addr: this lane's lsm_b address).
+__device__ __forceinline__ void frag_bt(Split& b0, Split& b1, uint32_t addr) {
+  uint32_t r[2];
+  ldsm2(r, addr);
+  b0 = split(__uint_as_float(r[0]));
+  b1 = split(__uint_as_float(r[1]));
 }
-// B fragment of a [k][n] tile kept pre-split in shared memory (hi and lo arrays, t offsets equal).
-template <int LD>
-__device__ __forceinline__ void frag_b_pre(Split& b0, Split& b1, const uint32_t* th, const uint32_t* tl,
-                                                int g, int c) {
-  b0 = {th[c * LD + g], tl[c * LD + g]};
-  b1 = {th[(c + 4) * LD + g], tl[(c + 4) * LD + g]};
+// B fragments {b0, b1} of two n8 tiles t0, t1 of a [n][k] tile kept pre-split in shared memory: the hi
+// words at addr (this lane's lsm_b address), the lo words lo_off bytes further.
+__device__ __forceinline__ void frag_b2_pre(Split (&t0)[2], Split (&t1)[2], uint32_t addr, uint32_t lo_off) {
+  uint32_t hi[4], lo[4];
+  ldsm4(hi, addr);
+  ldsm4(lo, addr + lo_off);
+  t0[0] = {hi[0], lo[0]};
+  t0[1] = {hi[1], lo[1]};
+  t1[0] = {hi[2], lo[2]};
+  t1[1] = {hi[3], lo[3]};
 }
-// stores the split of (x, y) at hi/lo element i (8-byte aligned)
-__device__ __forceinline__ void st2_split(uint32_t* th, uint32_t* tl, int i, float x, float y) {
-  const Split sx = split(x), sy = split(y);
-  *reinterpret_cast<uint2*>(th + i) = make_uint2(sx.hi, sy.hi);
-  *reinterpret_cast<uint2*>(tl + i) = make_uint2(sx.lo, sy.lo);
-}
-// B fragment of a tile stored [n][k] row-major (B = X^T; t at X[n0][k0]).
-template <int LD>
-__device__ __forceinline__ void frag_bt(Split& b0, Split& b1, const float* t, int g, int c) {
-  b0 = split(t[g * LD + c]);
-  b1 = split(t[g * LD + c + 4]);
+// stores the split of x at hi/lo element i
+__device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, float x) {
+  const Split sx = split(x);
+  th[i] = sx.hi;
+  tl[i] = sx.lo;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -272,14 +297,14 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
     for (int i = 0; i < 5; ++i) {
       const int idx = warp + 8 * i, is_qk = idx >= 20, j = idx - 20 * is_qk;
       const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
-      const float* xa = &(is_qk ? sm.q : sm.k)[16 * mt][0];
-      const float* xb = &sm.k[8 * nt][0];
+      const uint32_t xa = saddr(&(is_qk ? sm.q : sm.k)[16 * mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
+      const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b<LD>(lane);
       float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {
+      for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 8 floats = 32 bytes on
         Split a[4], b0, b1;
-        frag_a<LD>(a, xa + 8 * ks, g, c);
-        frag_bt<LD>(b0, b1, xb + 8 * ks, g, c);
+        frag_a(a, xa + 32 * ks);
+        frag_bt(b0, b1, xb + 32 * ks);
         mma3(acc, sml, a, b0, b1);
       }
 #pragma unroll
@@ -344,7 +369,10 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 //       K^T, read transposed from the raw k rows, times fk = exp(G_last - G) / |k|; then S to shared
 //       memory for the next (a), (b).
 // S and Delta, the B operands, are kept in shared memory already split into tf32 hi and lo words
-// (split once when written, not at each of their two or three reads); W, Q, P, K are split at load.
+// (split once when written, not at each of their two or three reads) and transposed ([column][k]),
+// so that ldmatrix reads their B fragments (two n8 tiles per ldmatrix.x4); W, Q, P are read by
+// ldmatrix too and split at load, K (transposed A) by scalar loads. Every shared address the loops
+// use is a per-lane base set before the chunk loop plus a constant per k-step.
 // Tiles arrive by cp.async, each as soon as the phase reading it is done: W and U during (b), (c)
 // of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
 // tile set, always committed, so wait_group 2 before a phase means its own group has landed). q, k
@@ -355,47 +383,31 @@ struct ScanSmem {
   float K[C][KLD];    // raw k rows
   float P[C][PLD];
   float U[C][NLD];    // this CTA's columns of U
-  uint32_t Sh[D][NLD], Sl[D][NLD];  // this CTA's columns of S, split (tf32 hi, lo)
-  uint32_t Dh[C][NLD], Dl[C][NLD];  // Delta, split
+  uint32_t Sh[COLS][SLD], Sl[COLS][SLD];  // this CTA's columns of S, transposed [column][row], split
+  uint32_t Dh[COLS][DLD], Dl[COLS][DLD];  // Delta, transposed [column][token], split
   float fq[C], fk[C];
 };
+// the lo words lie sizeof(hi) bytes after the hi words (one ldmatrix base address for both)
+static_assert(offsetof(ScanSmem, Sl) == offsetof(ScanSmem, Sh) + sizeof(ScanSmem::Sh) &&
+              offsetof(ScanSmem, Dl) == offsetof(ScanSmem, Dh) + sizeof(ScanSmem::Dh));
 
-// [64, 128] tile of rows `stride` floats apart -> shared rows of LD floats: 2048 float4, 8 per thread;
-// rows >= n zero-filled.
+// cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
+// dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
+// source; in a partial chunk (n < C, the last) rows >= n are zero-filled, their source then `safe` (a
+// valid address).
 template <int LD>
-__device__ __forceinline__ void copy_rows(float (*dst)[LD], const float* src, int64_t stride, int n) {
+__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n, int warp,
+                                          const float* safe) {
+  if (n == C) {
 #pragma unroll
-  for (int i = 0; i < C * D / 4 / THREADS; ++i) {
-    const int idx = threadIdx.x + THREADS * i, r = idx / (D / 4), c4 = idx % (D / 4);
-    const bool ok = r < n;
-    cp16z(&dst[r][4 * c4], src + (ok ? r : 0) * stride + 4 * c4, ok);
-  }
-}
-
-__device__ __forceinline__ void issue_wu(ScanSmem& sm, const float* blk, int j0) {
-  copy_rows<LD>(sm.W, blk + WS_W, D, C);
+    for (int i = 0; i < 8; ++i, src += step) cp16(dst + 8 * LD * 4 * i, src);
+  } else {
 #pragma unroll
-  for (int i = 0; i < C * COLS / 4 / THREADS; ++i) {  // U columns [j0, j0 + 32)
-    const int idx = threadIdx.x + THREADS * i, r = idx / (COLS / 4), c4 = idx % (COLS / 4);
-    cp16(&sm.U[r][4 * c4], blk + WS_U + r * D + j0 + 4 * c4);
+    for (int i = 0; i < 8; ++i, src += step) {
+      const bool ok = warp + 8 * i < n;
+      cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
+    }
   }
-}
-
-// q rows of the chunk (from qkv), P, fq
-__device__ __forceinline__ void issue_qp(ScanSmem& sm, const float* blk, const float* q, int64_t Wd, int n) {
-  copy_rows<LD>(sm.Q, q, Wd, n);
-#pragma unroll
-  for (int i = 0; i < C * C / 4 / THREADS; ++i) {
-    const int idx = threadIdx.x + THREADS * i, r = idx / (C / 4), c4 = idx % (C / 4);
-    cp16(&sm.P[r][4 * c4], blk + WS_P + r * C + 4 * c4);
-  }
-  if (threadIdx.x < C / 4) cp16(&sm.fq[4 * threadIdx.x], blk + WS_FQ + 4 * threadIdx.x);
-}
-
-// k rows of the chunk (from qkv), fk
-__device__ __forceinline__ void issue_k(ScanSmem& sm, const float* blk, const float* k, int64_t Wd, int n) {
-  copy_rows<KLD>(sm.K, k, Wd, n);
-  if (threadIdx.x < C / 4) cp16(&sm.fk[4 * threadIdx.x], blk + WS_FK + 4 * threadIdx.x);
 }
 
 __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
@@ -406,35 +418,77 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int kh = h / (p.Hv / p.Hk);
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D, o_row = int64_t(p.Hv) * D;
+  const int64_t o_row8 = 8 * o_row, chunk_rows_o = C * o_row;
   const float* qg = p.qkv + int64_t(kh) * D;                       // q of token 0
   const float* kg = p.qkv + int64_t(p.Hk) * D + int64_t(kh) * D;   // k of token 0
   const int mt = warp >> 1, nb = 16 * (warp & 1);                  // (a), (b): rows 16 mt.., columns nb..
+  // this lane's ldmatrix addresses at k-step 0: A of W, Q, P (rows 16 mt..), B of S^T (columns nb..)
+  // and of Delta^T (columns 0.., for (b) + nb rows); the lo words S_LO, D_LO bytes after the hi words
+  const uint32_t aW = saddr(&sm.W[16 * mt][0]) + 4 * lsm_a<LD>(lane), aQ = saddr(&sm.Q[16 * mt][0]) + 4 * lsm_a<LD>(lane),
+                 aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane), bS = saddr(&sm.Sh[nb][0]) + 4 * lsm_b<SLD>(lane),
+                 bD = saddr(&sm.Dh[0][0]) + 4 * lsm_b<DLD>(lane);
+  constexpr uint32_t S_LO = sizeof(ScanSmem::Sh), D_LO = sizeof(ScanSmem::Dh);  // (static_assert above)
   // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
   float* Sg = p.state + int64_t(h) * D * D + j0;  // S[h][.][j0], row stride D
   float s[4][4];
+  auto store_s = [&] {  // s, split, to Sh, Sl (transposed)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int r = 16 * warp + g, col = 8 * nt + 2 * c;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st_split(&sm.Sh[0][0], &sm.Sl[0][0], (col + (e & 1)) * SLD + r + 8 * (e >> 1), s[nt][e]);
+    }
+  };
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const int r = 16 * warp + g, col = 8 * nt + 2 * c;
     const float2 lo = *reinterpret_cast<const float2*>(Sg + r * D + col);
     const float2 hi = *reinterpret_cast<const float2*>(Sg + (r + 8) * D + col);
     s[nt][0] = lo.x, s[nt][1] = lo.y, s[nt][2] = hi.x, s[nt][3] = hi.y;
-    st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, lo.x, lo.y);
-    st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, hi.x, hi.y);
   }
-  auto block_of = [&](int ci) { return p.ws + (int64_t(ci) * p.Hv + h) * BLOCK; };
-  auto rows_in = [&](int ci) { return min(C, p.T - ci * C); };
-  issue_wu(sm, block_of(0), j0);
+  store_s();
+  // cp.async plan: every chunk copies the same tile positions, so this thread's shared destinations
+  // (32-bit addresses) and offsets in a workspace block are set once here; per chunk only the block
+  // and the q, k row pointers move. W, Q, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 +
+  // 32 i (i < 2), float4 tid % 8; P: rows tid / 16 + 16 i (i < 4), float4 tid % 16; fq, fk: tid < 16.
+  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sQ = saddr(&sm.Q[warp][4 * lane]),
+                 sK = saddr(&sm.K[warp][4 * lane]), sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]),
+                 sP = saddr(&sm.P[tid / 16][4 * (tid % 16)]), sfq = saddr(sm.fq) + 16 * tid,
+                 sfk = saddr(sm.fk) + 16 * tid;
+  const int oW = WS_W + warp * D + 4 * lane, oU = WS_U + (tid / 8) * D + j0 + 4 * (tid % 8),
+            oP = WS_P + (tid / 16) * C + 4 * (tid % 16);
+  const int64_t step8 = 8 * Wd, chunk_rows = C * Wd, blk_step = int64_t(p.Hv) * BLOCK;
+  auto issue_wu = [&](const float* wsb) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cp16(sW + 8 * LD * 4 * i, wsb + oW + 8 * D * i);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cp16(sU + 32 * NLD * 4 * i, wsb + oU + 32 * D * i);
+  };
+  // wsb: the chunk's workspace block, rows: this thread's first q (k) row of it, n: the chunk's tokens
+  auto issue_qp = [&](const float* wsb, const float* rows, int n) {
+    copy_rows<LD>(sQ, rows, step8, n, warp, qg);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
+    if (tid < C / 4) cp16(sfq, wsb + WS_FQ + 4 * tid);
+  };
+  auto issue_k = [&](const float* wsb, const float* rows, int n) {
+    copy_rows<KLD>(sK, rows, step8, n, warp, kg);
+    if (tid < C / 4) cp16(sfk, wsb + WS_FK + 4 * tid);
+  };
+  const float* blk = p.ws + int64_t(h) * BLOCK;  // chunk 0's workspace block
+  const float* qrow = qg + warp * Wd + 4 * lane;  // this thread's q, k rows of chunk 0
+  const float* krow = kg + warp * Wd + 4 * lane;
+  float* orow = p.o + (16 * mt + g) * o_row + int64_t(h) * D + j0 + nb + 2 * c;  // (b)'s o of chunk 0
+  issue_wu(blk);
   commit();
-  issue_qp(sm, block_of(0), qg, Wd, rows_in(0));
+  issue_qp(blk, qrow, min(C, p.T));
   commit();
-  issue_k(sm, block_of(0), kg, Wd, rows_in(0));
+  issue_k(blk, krow, min(C, p.T));
   commit();
-  for (int ci = 0; ci < p.num_chunks; ++ci) {
-    const float* blk = block_of(ci);
+  for (int ci = 0; ci < p.num_chunks; ++ci, blk += blk_step, qrow += chunk_rows, krow += chunk_rows, orow += chunk_rows_o) {
     const bool more = ci + 1 < p.num_chunks;
-    const int64_t tn = int64_t(ci + 1) * C;  // first token of the next chunk
+    const int n = min(C, p.T - ci * C), n_next = min(C, p.T - (ci + 1) * C);
     const float gC = blk[WS_GC];
-    const int n = rows_in(ci);
     wait2();
     __syncthreads();  // W, U of chunk ci landed; S of the previous chunk in shared memory
 
@@ -442,29 +496,27 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     {
       float acc[2][4] = {}, sml[2][4] = {};
 #pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {
-        Split a[4], b0, b1;
-        frag_a<LD>(a, &sm.W[16 * mt][8 * ks], g, c);
+      for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 32 bytes on
+        Split a[4], b[2][2];
+        frag_a(a, aW + 32 * ks);
+        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
-          mma3(acc[j], sml[j], a, b0, b1);
-        }
+        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int r = 16 * mt + g, col = nb + 8 * j + 2 * c;
-        st2_split(&sm.Dh[0][0], &sm.Dl[0][0], r * NLD + col, sm.U[r][col] - acc[j][0], sm.U[r][col + 1] - acc[j][1]);
-        st2_split(&sm.Dh[0][0], &sm.Dl[0][0], (r + 8) * NLD + col, sm.U[r + 8][col] - acc[j][2],
-                       sm.U[r + 8][col + 1] - acc[j][3]);
-      }
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * mt + g + 8 * (e >> 1), col = nb + 8 * j + 2 * c + (e & 1);
+          st_split(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + r, sm.U[r][col] - acc[j][e]);
+        }
     }
     __syncthreads();  // Delta complete; W, U free
-    if (more) issue_wu(sm, block_of(ci + 1), j0);
+    if (more) issue_wu(blk + blk_step);
     commit();
     wait2();
     __syncthreads();  // Q, P, fq of chunk ci landed
@@ -475,39 +527,33 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
 #pragma unroll 4
       for (int ks = 0; ks < D / 8; ++ks) {
-        Split a[4], b0, b1;
-        frag_a<LD>(a, &sm.Q[16 * mt][8 * ks], g, c, f0, f1);
+        Split a[4], b[2][2];
+        frag_a(a, aQ + 32 * ks, f0, f1);
+        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          frag_b_pre<NLD>(b0, b1, &sm.Sh[8 * ks][nb + 8 * j], &sm.Sl[8 * ks][nb + 8 * j], g, c);
-          mma3(acc[j], sml[j], a, b0, b1);
-        }
+        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll 2
       for (int ks = 0; ks < 2 * mt + 2; ++ks) {  // P's k-steps at or left of the diagonal
-        Split a[4], b0, b1;
-        frag_a<PLD>(a, &sm.P[16 * mt][8 * ks], g, c);
+        Split a[4], b[2][2];
+        frag_a(a, aP + 32 * ks);
+        frag_b2_pre(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][nb + 8 * j], &sm.Dl[8 * ks][nb + 8 * j], g, c);
-          mma3(acc[j], sml[j], a, b0, b1);
-        }
+        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
-      float* out = p.o + int64_t(ci) * C * o_row + int64_t(h) * D + j0;  // row 0 of the chunk
       const int r = 16 * mt + g;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int col = nb + 8 * j + 2 * c;
-        if (r < n) st2(out + r * o_row + col, acc[j][0], acc[j][1]);
-        if (r + 8 < n) st2(out + (r + 8) * o_row + col, acc[j][2], acc[j][3]);
+        if (r < n) st2(orow + 8 * j, acc[j][0], acc[j][1]);
+        if (r + 8 < n) st2(orow + o_row8 + 8 * j, acc[j][2], acc[j][3]);
       }
     }
     __syncthreads();  // Q, P, fq and S in shared memory free
-    if (more) issue_qp(sm, block_of(ci + 1), qg + tn * Wd, Wd, rows_in(ci + 1));
+    if (more) issue_qp(blk + blk_step, qrow + chunk_rows, n_next);
     commit();
     wait2();
     __syncthreads();  // K, fk of chunk ci landed
@@ -520,26 +566,20 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
 #pragma unroll 2
     for (int ks = 0; ks < C / 8; ++ks) {
-      Split a[4], b0, b1;
+      Split a[4], b[4][2];
       frag_at<KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
+      frag_b2_pre(b[0], b[1], bD + 32 * ks, D_LO);
+      frag_b2_pre(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        frag_b_pre<NLD>(b0, b1, &sm.Dh[8 * ks][8 * nt], &sm.Dl[8 * ks][8 * nt], g, c);
-        mma3(s[nt], sml[nt], a, b0, b1);
-      }
+      for (int nt = 0; nt < 4; ++nt) mma3(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int r = 16 * warp + g, col = 8 * nt + 2 * c;
-      st2_split(&sm.Sh[0][0], &sm.Sl[0][0], r * NLD + col, s[nt][0], s[nt][1]);
-      st2_split(&sm.Sh[0][0], &sm.Sl[0][0], (r + 8) * NLD + col, s[nt][2], s[nt][3]);
-    }
+    store_s();
     __syncthreads();  // K, fk, Delta free
-    if (more) issue_k(sm, block_of(ci + 1), kg + tn * Wd, Wd, rows_in(ci + 1));
+    if (more) issue_k(blk + blk_step, krow + chunk_rows, n_next);
     commit();
   }
 #pragma unroll
