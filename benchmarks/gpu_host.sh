@@ -30,8 +30,7 @@ if [[ $stage == bench || $stage == all ]]; then
 fi
 if [[ $stage == tests || $stage == all ]]; then
   t0=$(date +%s)
-  # one process per file: a crash in one file (the host kills the process on some C++ exceptions) is
-  # reported as that file's result and the others still run
+  # one process per file: a crash in one file is reported as that file's result and the others still run
   for f in "$src"/tests/gpu/test_*.py; do
     python3 -m pytest -q -p no:cacheprovider "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
       | grep -v "tensor/s" >"$OUT/tests_$(basename "$f" .py).log"
