@@ -4,8 +4,8 @@
 # the full-size synthetic checkpoint once, then runs bench_engine.py alternately (base, new) for ROUNDS
 # rounds at CONTEXTS, and prints the per-round rows and the medians of both builds last.
 #   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
-# LABS run after the builds and before the benchmark. Logs go to $OUT (ab.log, build.log, base_build.log,
-# <lab>_lab.txt).
+# LABS run after the builds and before the benchmark. Logs end in $OUT/logs.tgz (ab.log, build.log,
+# base_build.log, <lab>_lab.txt; ab.log also beside it).
 set -uo pipefail
 : "${BASE:?set BASE to a commit}"
 OUT=${OUT:-${TMPDIR:-/tmp}/lily-out}
@@ -65,3 +65,4 @@ for (ctx, build), rs in sorted(rows.items()):
     print(f"| {ctx} | {name} | {', '.join(f'{v:.3f}' for v in d)} | {statistics.median(d):.3f} | "
           f"{', '.join(f'{v:.1f}' for v in p)} | {statistics.median(p):.1f} | {rs[0]['graph_nodes']} |")
 EOF
+host_pack_out ab.log  # everything else is in logs.tgz

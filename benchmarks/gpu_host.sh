@@ -2,7 +2,8 @@
 # One call on the GPU host: build lily with CUDA, run the GPU tests, then (stage "bench") generate the
 # full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles).
 # LABS="gemv gemm ..." also builds and runs benchmarks/<name>_lab.sh while lily builds (the GPU is idle
-# then); their tables go to $OUT/<name>_lab.txt. Logs go to $OUT; a short table is printed last.
+# then); their tables go to <name>_lab.txt. Every log ends in $OUT/logs.tgz (tests.log, bench.log and
+# kernels.log also beside it: the device tool returns at most 8 files); a short table is printed last.
 # PROFILE=0 skips the per-group and per-kernel profiles of the bench stage.
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
 set -uo pipefail
@@ -48,5 +49,4 @@ if [[ $stage == bench || $stage == all ]]; then
       | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
   fi
 fi
-# the device tool returns at most 8 files: every log goes into one archive too
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz ./*.txt ./*.log ./*.json ./*.md 2>/dev/null)
+host_pack_out tests.log bench.log kernels.log  # everything else is in logs.tgz

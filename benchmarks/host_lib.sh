@@ -38,3 +38,16 @@ host_full_checkpoint() {
     || { echo "CHECKPOINT FAILED"; return 1; }
   echo "full-size checkpoint: $(( $(date +%s) - t0 )) s, $(du -sh "$dir" | cut -f1)"
 }
+
+# The device tool returns at most 8 files from $OUT: pack every file of $OUT into $OUT/logs.tgz, then
+# remove all but logs.tgz and the named files (e.g. `host_pack_out bench.log kernels.log`).
+host_pack_out() {
+  (cd "$OUT" || return 1
+   tar czf "${TMPDIR:-/tmp}/lily-logs.tgz" --exclude=logs.tgz . && mv "${TMPDIR:-/tmp}/lily-logs.tgz" logs.tgz
+   for f in *; do
+     [[ $f == logs.tgz ]] && continue
+     keep=0
+     for k in "$@"; do [[ $f == "$k" ]] && keep=1; done
+     [[ $keep == 1 ]] || rm -rf -- "$f"
+   done)
+}
