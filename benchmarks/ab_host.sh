@@ -24,8 +24,9 @@ else
   git worktree prune
   git worktree add -f "$basedir" "$BASE" >"$OUT/worktree.log" 2>&1 || { cat "$OUT/worktree.log"; echo "no commit $BASE"; exit 1; }
 fi
-(python3 -m pip install -q --no-build-isolation --no-deps --target "$basepkg" "$basedir" >"$OUT/base_build.log" 2>&1 \
-  || echo "BASE BUILD FAILED") &
+(host_prebuilt_install "$basedir" "$basepkg" >"$OUT/base_build.log" 2>&1 \
+  || { rm -rf "$basepkg"; python3 -m pip install -q --no-build-isolation --no-deps --target "$basepkg" "$basedir" \
+         >>"$OUT/base_build.log" 2>&1; } || echo "BASE BUILD FAILED") &
 base_pid=$!
 host_build || exit 1
 wait "$base_pid"

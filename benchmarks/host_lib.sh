@@ -16,12 +16,38 @@ host_build() {
   fi
   if [[ -n ${SKIP_BUILD:-} ]] && (cd /tmp && python3 -c "import lily._core") 2>/dev/null; then
     echo "build: reusing the installed lily"
-  elif ! python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1; then
+  elif host_prebuilt_install . "" >"$OUT/build.log" 2>&1; then
+    echo "build: installed the prebuilt wheel $(basename .prebuilt/lily-*.whl)"
+  elif ! python3 -m pip install --no-build-isolation --no-deps -v . >>"$OUT/build.log" 2>&1; then
     grep -E "error|Error" "$OUT/build.log" | head -40
     echo "BUILD FAILED"; return 1
   fi
   grep -E "spill|lily:" "$OUT/build.log" 2>/dev/null | grep -v " 0 bytes spill" | head -20
   echo "build: $(( $(date +%s) - t0 )) s"
+}
+
+# A hash of the sources a build of tree DIR compiles and packages (csrc, src, CMakeLists.txt,
+# pyproject.toml): benchmarks/prebuild.sh stores it beside the wheel it builds.
+host_source_hash() {
+  (cd "$1" && find csrc src CMakeLists.txt pyproject.toml -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+     | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+}
+
+# Install tree DIR's prebuilt wheel (DIR/.prebuilt, benchmarks/prebuild.sh) into the host's python, or
+# into folder TARGET when given, if its hash matches DIR's sources and its CUDA backend loads there.
+# Fails otherwise (no wheel, stale, or it does not load on this image), so the caller builds instead.
+host_prebuilt_install() {
+  local dir=$1 target=$2 whl
+  whl=$(compgen -G "$dir/.prebuilt/lily-*.whl" | head -1)
+  [[ -n $whl && -f $dir/.prebuilt/SOURCE_HASH ]] || { echo "prebuilt: none in $dir"; return 1; }
+  [[ $(cat "$dir/.prebuilt/SOURCE_HASH") == $(host_source_hash "$dir") ]] || { echo "prebuilt: stale for $dir"; return 1; }
+  if [[ -n $target ]]; then
+    python3 -m pip install -q --no-deps --target "$target" "$whl" || return 1
+  else
+    python3 -m pip install -q --no-deps --force-reinstall "$whl" || return 1
+  fi
+  (cd /tmp && PYTHONPATH=${target:-${PYTHONPATH:-}} python3 -c \
+    "import lily._core as c; assert c.backend_available('cuda'), 'no CUDA backend'") || { echo "prebuilt: does not load here"; return 1; }
 }
 
 # Write the full-size synthetic Qwen3.6-35B-A3B checkpoint (MLX 4-bit, ~19.5 GB, deterministic) to
