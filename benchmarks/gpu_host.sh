@@ -4,7 +4,8 @@
 # LABS="gemv gemm ..." also builds and runs benchmarks/<name>_lab.sh while lily builds (the GPU is idle
 # then); their tables go to <name>_lab.txt. Every log ends in $OUT/logs.tgz (tests.log, bench.log and
 # kernels.log also beside it: the device tool returns at most 8 files); a short table is printed last.
-# PROFILE=0 skips the per-group and per-kernel profiles of the bench stage.
+# PROFILE=0 skips the per-group and per-kernel profiles of the bench stage. TEST_JOBS=N runs the GPU
+# tests in N pytest-xdist workers instead of one process per file (unmeasured: compare the wall time).
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
 set -uo pipefail
 stage=${1:-all}
@@ -31,12 +32,20 @@ if [[ $stage == bench || $stage == all ]]; then
 fi
 if [[ $stage == tests || $stage == all ]]; then
   t0=$(date +%s)
-  # one process per file: a crash in one file is reported as that file's result and the others still run
-  for f in "$src"/tests/gpu/test_*.py; do
-    python3 -m pytest -q -p no:cacheprovider "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
-      | grep -v "tensor/s" >"$OUT/tests_$(basename "$f" .py).log"
-    echo "$(basename "$f"): rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_$(basename "$f" .py).log")"
-  done | tee "$OUT/tests.log"
+  if [[ ${TEST_JOBS:-1} -gt 1 ]]; then
+    # TEST_JOBS worker processes (the image's pytest-xdist), tests dealt one by one; a crashed worker is
+    # reported as such and replaced
+    python3 -m pytest -q -p no:cacheprovider -n "$TEST_JOBS" --dist load "$src/tests/gpu" ${kexpr:+-k "$kexpr"} \
+      --tb=short -rfE 2>&1 | grep -v "tensor/s" >"$OUT/tests_all.log"
+    echo "tests/gpu with $TEST_JOBS workers: rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_all.log")" | tee "$OUT/tests.log"
+  else
+    # one process per file: a crash in one file is reported as that file's result and the others still run
+    for f in "$src"/tests/gpu/test_*.py; do
+      python3 -m pytest -q -p no:cacheprovider "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
+        | grep -v "tensor/s" >"$OUT/tests_$(basename "$f" .py).log"
+      echo "$(basename "$f"): rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_$(basename "$f" .py).log")"
+    done | tee "$OUT/tests.log"
+  fi
   grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | head -40
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
 fi
