@@ -4,7 +4,8 @@
 //   logit, softmax and top-k in one kernel (kernels/moe_router.cuh); otherwise router logits and shared
 //   expert gate logit (one stacked GEMV when T = 1) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
-//   -> moe_down (all K+1 down products per output as one virtual row, summed into out);
+//   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
+//      moe_add, moe_add_rms_norm);
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
 //   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
@@ -209,7 +210,8 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
 
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
-                           const float* shared_w, float* act, int64_t ld, int top_k, const NormTail& tail) {
+                           const float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
+                           const NormTail& tail) {
   const auto up = moe_up_mma_kernel<BITS, NG>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
@@ -223,7 +225,7 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
-                 log2_of(w.gate_proj->group_size), 1, 1, tail};
+                 log2_of(w.gate_proj->group_size), 1, 1, accumulate, tail};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T, true);
@@ -291,9 +293,9 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
   LILY_CUDA_LAUNCHED();
 }
 
-// moe(), or with a tail (T = 1, use_moe_mma): out += the MoE output, then the tail's RMSNorm.
+// moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
-                    const NormTail& tail) {
+                    bool accumulate, const NormTail& tail) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -331,12 +333,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     float* act = s.gate.ptr<float>();
     const int64_t ld = s.gate.dim(1);
     if (w.gate_proj->bits == 4)
-      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail)
-                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail);
-    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail)
-                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail);
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail)
+                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail);
   }
-  LILY_CHECK(tail.done == nullptr, "moe: a fused residual norm needs the tensor-core decode path");
+  LILY_CHECK(!accumulate, "moe: a fused residual add needs the tensor-core decode path");
   if (use_moe_decode(w, h, s, top_k)) {
     switch (w.gate_proj->bits) {
       case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
@@ -385,15 +387,24 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
 }
 
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
-  run_moe(w, h, out, s, top_k, NormTail{});
+  run_moe(w, h, out, s, top_k, false, NormTail{});
+}
+
+// On the tensor-core path moe_down_mma adds into res; otherwise moe into tmp, then add.
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const ops::MoeScratch& s,
+             int top_k) {
+  if (use_moe_mma(w, h, s, top_k)) return run_moe(w, h, res, s, top_k, true, NormTail{});
+  run_moe(w, h, tmp, s, top_k, false, NormTail{});
+  add(res, tmp);
 }
 
 // One token on the tensor-core path: moe_down_mma adds into res and its last CTA writes the norm into h
 // (h's last reader, moe_up_mma, has finished by then). Otherwise moe into tmp, then add_rms_norm.
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync) {
-  if (h.dim(0) == 1 && use_moe_mma(w, h, s, top_k)) return run_moe(w, h, res, s, top_k, norm_tail(res, weight, eps, h, sync));
-  run_moe(w, h, tmp, s, top_k, NormTail{});
+  if (h.dim(0) == 1 && use_moe_mma(w, h, s, top_k))
+    return run_moe(w, h, res, s, top_k, true, norm_tail(res, weight, eps, h, sync));
+  run_moe(w, h, tmp, s, top_k, false, NormTail{});
   add_rms_norm(res, tmp, weight, eps, h);
 }
 

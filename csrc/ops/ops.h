@@ -39,6 +39,17 @@ int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // scratch, zero before and after.
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
+// y = (weight * rms_normalise(res)) W^T row by row: a layer's input norm and its first projection. Equal to
+// rms_norm(res, weight, eps, h) then linear(w, h, y, workspace), bit for bit on each backend: CUDA, where
+// linear_rms_normed_supported, one kernel (every CTA of the GEMV normalises res in rms_norm's order while
+// it stages it; h is not written), elsewhere those two ops. res, h [T, in] (h: work space, contents
+// unspecified after; aliases neither res nor y); weight [in]; y [T, out]; workspace as linear's.
+void linear_rms_normed(const QMatrix& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace);
+// Whether linear_rms_normed runs as one kernel for these operands (never on the CPU). Only then does the
+// engine leave a layer's input norm to the layer's first projection (the MoE block before it runs moe_add,
+// not moe_add_rms_norm): elsewhere the fallback's rms_norm launch would cost more than the norm it saves.
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h);
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
@@ -140,6 +151,11 @@ int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is,
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
 // h, out [T, H].
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
+// res += moe(h): the MoE block joining the residual stream, equal to moe(w, h, tmp, ...) then add(res, tmp),
+// bit for bit on each backend (CUDA, on the tensor-core decode path: the add in moe_down's kernel). h, res,
+// tmp [T, H] (tmp: work space; no two alias).
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const MoeScratch& scratch,
+             int top_k);
 // res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
 // next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
 // for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's

@@ -8,8 +8,9 @@
 //                 s == K the shared expert (w = sigmoid gate); pair p = s * I + i, shared pairs last.
 //   moe_down_mma: out[t, o] = sum_s D_s[o, :] . act[t, s, :] as one GEMV over a virtual row of
 //                 K*I + Is values (the K+1 act rows back to back; segment v of row o reads expert
-//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); with a tail
-//                 (ops::moe_add_rms_norm) out[t, o] += it and the last CTA writes the next RMSNorm.
+//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); accumulating
+//                 (ops::moe_add) out[t, o] += it, and with a tail (ops::moe_add_rms_norm, T = 1) the last
+//                 CTA then writes the next RMSNorm.
 #pragma once
 #include "gemv_mma.cuh"
 #include "moe_decode.cuh"
@@ -26,8 +27,9 @@ struct MoeMmaParams {
   float* act;                                    // [T, K+1, ld] F32, 16-byte aligned rows
   float* out;                                    // [T, H]
   int K, ld, group_shift, ks_up, ks_down;
-  NormTail tail;  // tail.done != nullptr (T = 1): out += the product (out is the residual row), then
-                  // tail.y = rms_norm(out) * tail.w by moe_down_mma's last CTA
+  bool accumulate;  // out += the product (out is the residual stream), else out = it
+  NormTail tail;    // tail.done != nullptr (T = 1, accumulate): then tail.y = rms_norm(out) * tail.w by
+                    // moe_down_mma's last CTA
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -104,7 +106,7 @@ struct MmaMoeDownRows {
     const int o = tile * 16 + r;
     if (o >= p.down.rows) return;
     float* y = p.out + int64_t(t) * p.down.rows + o;
-    *y = p.tail.done != nullptr ? *y + row_sum(r) : row_sum(r);
+    *y = p.accumulate ? *y + row_sum(r) : row_sum(r);
   }
 };
 

@@ -1,4 +1,4 @@
-// RMSNorm kernels (device code only; launchers in norms.cu).
+// RMSNorm kernels (device code and their thread count, norm_threads; launchers in norms.cu).
 //   rms_norm:        y[r, i] = x[r, i] * s_r * w[i]
 //   gated_rms_norm:  y[r, i] = w[i] * (x[r, i] * s_r) * silu(z[r, i])
 //   with s_r = 1 / sqrt(mean_i x[r, i]^2 + eps).
@@ -19,6 +19,13 @@ struct RmsNormParams {
 };
 
 constexpr int NORM_WARP_ROWS = 8;  // rows of a block when a warp takes a row
+
+// The threads of a row of D values in rms_norm and add_rms_norm (norms.cu): enough to give each a few
+// float4s, at most 256 (D = 2048 -> 256, D = 128 -> 32). Their summation order is the one that
+// grid_tail_rms_norm and the GEMV's normed input (gemv_mma.cuh, mma_stage_normed_x) reproduce.
+__host__ __device__ constexpr int norm_threads(int64_t D) {
+  return (D + 7) / 8 <= 32 ? 32 : (D + 7) / 8 <= 64 ? 64 : (D + 7) / 8 <= 128 ? 128 : 256;
+}
 
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
