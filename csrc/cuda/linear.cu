@@ -2,6 +2,7 @@
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
 //                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm;
+//                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
@@ -203,9 +204,10 @@ static void launch_gemv_mma(const MmaLinearParams& p0) {
   LILY_CUDA_LAUNCHED();
 }
 
-static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const NormTail& tail = {},
-                         const MmaNormIn& norm_in = {}) {
+static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate = false,
+                         const NormTail& tail = {}, const NormIn& norm_in = {}) {
   MmaLinearParams p{};
+  p.accumulate = accumulate;
   p.tail = tail;
   p.norm_in = norm_in;
   p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
@@ -361,9 +363,17 @@ int64_t linear_workspace_elems(int64_t T, int64_t in) {
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
-  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, norm_tail(res, weight, eps, y, sync));
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true, norm_tail(res, weight, eps, y, sync));
   linear(w, 0, x, tmp, workspace);
   add_rms_norm(res, tmp, weight, eps, y);
+}
+
+// One token on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum, no tail).
+// Otherwise linear into tmp, then add.
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true);
+  linear(w, 0, x, tmp, workspace);
+  add(res, tmp);
 }
 
 // The GEMV stages rms_norm(x) * weight itself (mma_stage_normed_x) where it runs for x (use_gemv_mma: one
@@ -378,7 +388,7 @@ bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor
 void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
                        const Tensor& y, const Tensor& workspace) {
   if (linear_rms_normed_supported(w, x, weight, h))
-    return run_gemv_mma(w, 0, x, y, NormTail{}, MmaNormIn{weight.ptr<float>(), eps});
+    return run_gemv_mma(w, 0, x, y, false, NormTail{}, NormIn{weight.ptr<float>(), eps});
   rms_norm(x, weight, eps, h);
   linear(w, 0, h, y, workspace);
 }

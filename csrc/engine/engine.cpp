@@ -33,11 +33,13 @@ static std::array<Tensor, N> split(const Tensor& row, const int64_t (&widths)[N]
   return out;
 }
 
-// A layer's input to its projections, h = input_layernorm(x) [T, H]: already in h, or (`normed`: one
-// token, ops::linear_rms_normed_supported for the layer's stacked projection) computed by that projection
-// from the residual stream x (ops::linear_rms_normed; h is then its work space).
+// A block's input h = rms_norm(x) * norm [T, H] (a layer's input_layernorm before its projections, its
+// post_attention_layernorm before its MoE block): already in h, or (`normed`: one token, and
+// ops::linear_rms_normed_supported for the layer's stacked projection, ops::moe_rms_normed_supported for
+// the MoE block) computed by the block's first op from the residual stream x (ops::linear_rms_normed,
+// ops::moe_rms_normed_add; h is then their work space).
 struct LayerInput {
-  Tensor h, x, norm;  // norm: the layer's input_layernorm weight [H]
+  Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
   float eps;
   bool normed;
 };
@@ -188,10 +190,13 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   const float eps = c.rms_norm_eps;
   const int K = c.num_experts_per_tok;
   const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
-  // One token (and no trace of the blocks' outputs): each residual add and the norm after it run inside
-  // the product before them (ops::linear_add_rms_norm, ops::moe_add_rms_norm); mix is then work space.
-  // Where a layer's stacked input projection normalises its input itself (LayerInput::normed), the MoE
-  // block before it only adds (ops::moe_add) and layer 0's rms_norm is left out.
+  // One token (and no trace of the blocks' outputs): each residual add runs inside the product before it
+  // (ops::linear_add, ops::moe_add and their _rms_norm forms) and each RMSNorm inside a product next to it;
+  // mix is then work space. Where a layer's stacked input projection normalises its input itself
+  // (LayerInput::normed), the MoE block before it only adds and layer 0's rms_norm is left out; where the
+  // MoE block normalises its own input (post.normed: the router and moe_up stage the post-attention norm,
+  // and the next layer's projection takes its input norm), the output projection before it only adds.
+  // Elsewhere the norm is written into h by the product before its reader (a last-CTA tail).
   const bool fold = T == 1 && !f.trace;
   auto input_of = [&](int l) {
     const LayerWeights& L = weights_->layers[l];
@@ -204,12 +209,18 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
+    const bool last = l + 1 == c.num_hidden_layers;
+    const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
-    {  // x += mixer(h); h = post_attention_layernorm(x)
+    const LayerInput post{h, xs, post_norm, eps,
+                          fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
+    {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
       const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
                                                  : gdn_layer(f, L, f.layers[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
-      if (fold) {
+      if (post.normed) {
+        ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
+      } else if (fold) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
         ops::linear(*out.w, out.x, mix, xb_work(x, device()));
@@ -219,18 +230,19 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     }
     // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
     // layer: x += moe(h))
-    const bool last = l + 1 == c.num_hidden_layers;
-    if (!last) in = input_of(l + 1);
-    if (fold && !last) {
-      if (in.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
-      else ops::moe_add_rms_norm(L.moe, h, xs, in.norm, eps, mix, ms, K, sync);
+    if (post.normed) {
+      ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
+    } else if (fold && !last) {
+      if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
+      else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
     } else {
       ops::moe(L.moe, h, mix, ms, K);
       record(f, p + "moe", x.mix, T, H);
       if (last) ops::add(xs, mix);
-      else ops::add_rms_norm(xs, mix, in.norm, eps, h);
+      else ops::add_rms_norm(xs, mix, next.norm, eps, h);
     }
     record(f, p + "residual", x.x, T, H);
+    in = next;
   }
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }

@@ -68,6 +68,23 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
   no_backend(op, x.device);
 }
 
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  const char* op = "linear_add";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, tmp, workspace);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, x.dim(0));
+  check_shape(op, "res", res, 1, w.rows);
+  LILY_CHECK(res.data != tmp.data && res.data != x.data && tmp.data != x.data, op, ": x, res and tmp must not alias");
+  check_same_device(op, {x, res});
+  if (x.device == Device::CPU) {  // the two ops, literally
+    cpu::linear(w, 0, x, tmp);
+    return cpu::add(res, tmp);
+  }
+  LILY_CUDA_CASE(x.device, linear_add(w, x, res, tmp, workspace));
+  no_backend(op, x.device);
+}
+
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h) {
 #ifdef LILY_WITH_CUDA
   if (res.device == Device::CUDA) return cuda::linear_rms_normed_supported(w, res, weight, h);

@@ -1,8 +1,10 @@
 """CUDA linear_add_rms_norm and moe_add_rms_norm against the CUDA ops they fold (linear or moe, then
 add_rms_norm): bit for bit, on the one-kernel path (one token, integer tensor-core GEMV; the add in the
 epilogue, the norm by the grid's last CTA) and on the fallback; the completion counter back at zero.
-Likewise moe_add (moe, then add) and linear_rms_normed (rms_norm, then linear: on its one-kernel path every
-CTA of the GEMV normalises the residual row in rms_norm's order while staging it)."""
+Likewise moe_add (moe, then add), linear_add (linear, then add), linear_rms_normed (rms_norm, then linear: on
+its one-kernel path every CTA of the GEMV normalises the residual row in rms_norm's order while staging it) and
+moe_rms_normed_add (rms_norm, then moe_add: on its fast path the fused router and moe_up normalise the residual
+row themselves in rms_norm's order)."""
 from __future__ import annotations
 
 import numpy as np
@@ -95,3 +97,39 @@ def test_moe_add_equals_moe_then_add(T, E, top_k, H, I, Is, bits, group):
     res = rng.standard_normal((T, H)).astype(np.float32)
     got = ops.moe_add("cuda", *gpu, h, res, top_k)
     assert np.array_equal(got, ops.add("cuda", res, ops.moe("cuda", *gpu, h, top_k)))
+
+
+# (T, rows, cols, bits, group): the one-kernel path (T = 1, tensor-core GEMV: the add in its epilogue) at the
+# real out_proj / o_proj shape (2048 x 4096), 8 bits, two groups a segment; the fallback (linear, then add)
+# for two tokens, too few rows and 4-bit group 32
+ADD_CASES = [(1, 2048, 4096, 4, 64), (1, 2048, 2048, 8, 64), (1, 1024, 1536, 8, 32), (2, 2048, 4096, 4, 64),
+             (1, 96, 256, 4, 64), (1, 2048, 512, 4, 32)]
+
+
+@pytest.mark.parametrize("T, rows, cols, bits, group", ADD_CASES)
+def test_linear_add_equals_linear_then_add(T, rows, cols, bits, group):
+    rng = np.random.default_rng(rows + cols + T + 2)
+    _, w = both(random_matrix(rng, 1, rows, cols, bits, group, "BF16"))
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    res = rng.standard_normal((T, rows)).astype(np.float32)
+    assert np.array_equal(ops.linear_add(w, x, res), ops.add("cuda", res, ops.linear(w, 0, x)))
+
+
+# (T, E, top_k, H, I, Is, bits, group, one kernel path): the real MoE block (router cluster of 16 CTAs) and
+# the real-widths test checkpoint's 16 experts (one CTA); fallbacks: H = 256 (no fused router), two tokens,
+# and 4-bit group 32 (no tensor-core chain)
+NORMED_MOE_CASES = [(1, 256, 8, 2048, 512, 512, 4, 64, True), (1, 16, 8, 2048, 512, 512, 4, 64, True),
+                    (1, 9, 4, 256, 128, 256, 4, 64, False), (2, 256, 8, 2048, 512, 512, 4, 64, False),
+                    (1, 40, 4, 2048, 128, 128, 4, 32, False)]
+
+
+@pytest.mark.parametrize("T, E, top_k, H, I, Is, bits, group, one_kernel", NORMED_MOE_CASES)
+def test_moe_rms_normed_add_equals_rms_norm_then_moe_add(T, E, top_k, H, I, Is, bits, group, one_kernel):
+    rng = np.random.default_rng(E + H + T + 3)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    res = (rng.standard_normal((T, H)) * rng.uniform(0.1, 10.0, H)).astype(np.float32)  # uneven, as x is
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k)
+    assert fused == one_kernel
+    want = ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k)
+    assert np.array_equal(got, want)

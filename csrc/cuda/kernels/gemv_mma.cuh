@@ -255,27 +255,21 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
   }
 }
 
-// The GEMV's input as the RMSNorm of a residual row: stage h = rms_norm(x) * w for x, w [K] instead of
-// x (MmaLinearParams::norm_in, linear_gemv_mma_kernel's NORM_IN instance).
-struct MmaNormIn {
-  const float* w;
-  float eps;
-};
-
 // Stages h = rms_norm(x) * w (x [K] the residual row, w [K]; 16-byte aligned) with a CTA of MMA_THREADS
 // threads where that is rms_norm's own thread mapping for D = K (norm_threads(K) = MMA_THREADS: 1024 <
 // K) and one octet a thread covers the row (K <= MMA_NORM_MAX_COLS). The staged values are the h that
 // rms_norm, add_rms_norm and grid_tail_rms_norm write, bit for bit: their sum of squares in their order
 // (thread t adds sq4 of float4s t, t + MMA_THREADS, ... of x, then the same block_sum), their
-// s = 1 / sqrt(ss / K + eps), and (x * s) * w as two rounded products, as they store them (__fmul_rn:
-// not contracted into an FMA with the staging's sums, which h read from memory could not be).
+// s = 1 / sqrt(ss / K + eps), and (x * s) * w as they store it (norm_scale4).
 // One load of x and w: a thread loads its octet of both and shares the squares of its two float4s of x
 // through shared memory (sq4 of the same float4 gives the same bits in any thread). w, a constant weight,
 // is read before wait() (the PDL wait, after which x may be read): ptxas then issues its loads with x's
-// rather than sinking them towards their use. Every thread must call it; the caller synchronises after.
+// rather than sinking them towards their use (moe_up_mma_kernel, which waits before it reads the expert
+// ids, passes a no-op: w and x load together after its wait). Every thread must call it; the caller
+// synchronises after.
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
 template <int BITS, int VB, class Wait>
-__device__ __forceinline__ void mma_stage_normed_x(const float* x, const MmaNormIn& n, int K, uint2* xd, float* xe,
+__device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
                                                    float* xsum, const Wait& wait) {
   __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
   const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
@@ -292,10 +286,8 @@ __device__ __forceinline__ void mma_stage_normed_x(const float* x, const MmaNorm
     if (tid + j * MMA_THREADS < K / 4) ss += sq[tid + j * MMA_THREADS];
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(K) + n.eps);
-  const float v[8] = {__fmul_rn(__fmul_rn(a[0].x, s), b[0].x), __fmul_rn(__fmul_rn(a[0].y, s), b[0].y),
-                      __fmul_rn(__fmul_rn(a[0].z, s), b[0].z), __fmul_rn(__fmul_rn(a[0].w, s), b[0].w),
-                      __fmul_rn(__fmul_rn(a[1].x, s), b[1].x), __fmul_rn(__fmul_rn(a[1].y, s), b[1].y),
-                      __fmul_rn(__fmul_rn(a[1].z, s), b[1].z), __fmul_rn(__fmul_rn(a[1].w, s), b[1].w)};
+  const float4 h0 = norm_scale4(a[0], s, b[0]), h1 = norm_scale4(a[1], s, b[1]);
+  const float v[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
   mma_stage_octet<BITS, VB>(v, tid, octets, xd, xe, xsum);
 }
 
@@ -541,13 +533,15 @@ struct MmaLinearParams {
   const float* x;  // [cols] F32, 16-byte aligned (with norm_in: the residual row)
   float* y;        // [rows]
   int rows, cols, group_shift, ks;
-  NormTail tail;   // tail.done != nullptr: y += W x (y is the residual row), then tail.y = rms_norm(y) * tail.w
-  MmaNormIn norm_in;  // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
+  bool accumulate;  // y += W x (y is the residual row: ops::linear_add), else y = W x
+  NormTail tail;    // tail.done != nullptr (accumulate): then tail.y = rms_norm(y) * tail.w
+  NormIn norm_in;   // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
 };
 
-// y = W x for one token (T = 1); with a tail y += W x and then the next RMSNorm of y by the grid's last
-// CTA (ops::linear_add_rms_norm). NORM_IN (p.norm_in set): y = W (rms_norm(x) * w), every CTA normalising
-// x while it stages it (ops::linear_rms_normed; its own instance, so the plain GEMV's code is untouched).
+// y = W x for one token (T = 1), or accumulating y += W x (ops::linear_add), and with a tail then the next
+// RMSNorm of y by the grid's last CTA (ops::linear_add_rms_norm). NORM_IN (p.norm_in set): y = W
+// (rms_norm(x) * w), every CTA normalising x while it stages it (ops::linear_rms_normed; its own
+// instance, so the plain GEMV's code is untouched).
 // Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are requested before the wait on the
 // previous kernel and before x is staged.
 template <int BITS, int NG, bool NORM_IN = false>
@@ -558,9 +552,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
   float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS;
-  const bool tail = p.tail.done != nullptr;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
-                                 p.cols >> p.group_shift, p.group_shift, tail};
+                                 p.cols >> p.group_shift, p.group_shift, p.accumulate};
   auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
     auto wait = [] {
       pdl_wait();
@@ -575,7 +568,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
     __syncthreads();
   };
   mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
-  if (tail) grid_tail_rms_norm(p.tail);
+  if (p.tail.done != nullptr) grid_tail_rms_norm(p.tail);
 }
 
 }  // namespace lily::cuda
