@@ -247,8 +247,8 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
 static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
 
 // Whether a cluster of n moe_router_kernel<NORM_IN> CTAs can be resident at all (n > 8 needs the
-// non-portable cluster size, granted per device; a CTA's 544 threads at 96 registers take more than half an
-// SM's registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once
+// non-portable cluster size, granted per device; a CTA's 544 or 576 threads at 96 registers take more than
+// half an SM's registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once
 // per instance; a refusal leaves that n on the GEMV + moe_topk path.
 template <bool NORM_IN>
 static bool router_cluster_fits(int n) {
@@ -264,7 +264,7 @@ static bool router_cluster_fits(int n) {
       attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(unsigned(c));
-      cfg.blockDim = dim3(ROUTER_THREADS);
+      cfg.blockDim = dim3(unsigned(router_threads(NORM_IN)));
       cfg.attrs = &attr;
       cfg.numAttrs = 1;
       int clusters = 0;
@@ -297,8 +297,9 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
   const MoeRouterParams p{affine_stack(*w.router), affine_stack(*w.shared_expert_gate), h.ptr<float>(), r.topk_id,
                           r.topk_w, shared_gate, top_k, norm_in};
   const unsigned n = unsigned(router_ctas(w.router->rows));
-  launch_clustered(norm_in.w != nullptr ? moe_router_kernel<true> : moe_router_kernel<false>, dim3(n),
-                   dim3(ROUTER_THREADS), dim3(n), 0, p);
+  const bool normed = norm_in.w != nullptr;
+  launch_clustered(normed ? moe_router_kernel<true> : moe_router_kernel<false>, dim3(n),
+                   dim3(unsigned(router_threads(normed))), dim3(n), 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -2,8 +2,9 @@
 // replaces (kernels/norms.cuh: grid_tail_rms_norm in out_proj / o_proj, add_rms_norm_kernel and
 // rms_norm_kernel, which share one order). Its two readers of the residual row x stage h = rms_norm(x) * w
 // themselves for D = ROUTER_COLS = 2048:
-// - moe_router_kernel's staging warp (kernels/moe_router.cuh, router_inv_rms): 32 lanes holding 16 float4s
-//   each, the norm's 256 sums and block_sum recombined from register pairs, three shuffles and two more;
+// - moe_router_kernel's two staging warps (kernels/moe_router.cuh, router_inv_rms): 32 lanes each holding 8
+//   float4s, the norm's 256 sums and block_sum recombined from register pairs, three shuffles, one partial
+//   a lane octet exchanged between the warps, and two more shuffles;
 // - moe_up_mma_kernel (mma_stage_normed_x: the 256 threads of the CTA, as linear_rms_normed's GEMV).
 // Both are transcribed with the device's float operations (sq4 as ptxas compiles it: y*y, then FFMAs of x,
 // z and w; an xor shuffle as the partner lane's value added to one's own) over random rows; every lane's
@@ -22,7 +23,7 @@
 using namespace lily::cuda;
 
 constexpr int D = ROUTER_COLS;
-constexpr int F = GemvShape<8>::F;  // float4s per 16-byte weight chunk: lane l holds float4 F (l + 32 j) + f
+constexpr int F = GemvShape<8>::F;  // float4s per 16-byte weight chunk: chunk c is float4s F c .. F c + F - 1
 
 static float sq4_dev(const float* v) {
   return std::fmaf(v[3], v[3], std::fmaf(v[2], v[2], std::fmaf(v[0], v[0], v[1] * v[1])));
@@ -55,32 +56,33 @@ static float norm_ss(const float* x) {
   return red[0];
 }
 
-// router_inv_rms's sum in every lane (ss[32]); `control` adds f ^ 1 before f ^ 2 in the registers.
-static void router_ss(const float* x, bool control, float* ss) {
-  float u[32][2][4];
-  for (int l = 0; l < 32; ++l)
-    for (int j = 0; j < 2; ++j)
+// router_inv_rms's sum in every lane of both staging warps (ss[sw][32]); `control` adds f ^ 1 before f ^ 2 in
+// the registers. Lane l of warp sw holds chunks l + 32 (sw + 2 k), k < 2: v[k][f] is float4 F (l + 32 (sw +
+// 2 k)) + f.
+static void router_ss(const float* x, bool control, float (*ss)[32]) {
+  float part[2][4];
+  for (int sw = 0; sw < 2; ++sw) {
+    float u[32][4];
+    for (int l = 0; l < 32; ++l)
       for (int f = 0; f < 4; ++f) {
         float s = 0.f;
-        s += sq4_dev(x + 4 * (F * (l + 32 * j) + f));
-        s += sq4_dev(x + 4 * (F * (l + 32 * (j + 2)) + f));
-        u[l][j][f] = s;
+        s += sq4_dev(x + 4 * (F * (l + 32 * sw) + f));
+        s += sq4_dev(x + 4 * (F * (l + 32 * (sw + 2)) + f));
+        u[l][f] = s;
       }
-  for (int o = 4; o > 0; o >>= 1) {
-    float t[32][2][4];
-    for (int l = 0; l < 32; ++l)
-      for (int j = 0; j < 2; ++j)
-        for (int f = 0; f < 4; ++f) t[l][j][f] = u[l][j][f] + u[l ^ o][j][f];
-    std::memcpy(u, t, sizeof t);
+    for (int o = 4; o > 0; o >>= 1) {
+      float t[32][4];
+      for (int l = 0; l < 32; ++l)
+        for (int f = 0; f < 4; ++f) t[l][f] = u[l][f] + u[l ^ o][f];
+      std::memcpy(u, t, sizeof t);
+    }
+    for (int l = 0; l < 32; l += 8)
+      part[sw][l / 8] = control ? (u[l][0] + u[l][1]) + (u[l][2] + u[l][3]) : (u[l][0] + u[l][2]) + (u[l][1] + u[l][3]);
   }
-  for (int l = 0; l < 32; ++l) {
-    float r[2];
-    for (int j = 0; j < 2; ++j)
-      r[j] = control ? (u[l][j][0] + u[l][j][1]) + (u[l][j][2] + u[l][j][3])
-                     : (u[l][j][0] + u[l][j][2]) + (u[l][j][1] + u[l][j][3]);
-    ss[l] = r[0] + r[1];
+  for (int sw = 0; sw < 2; ++sw) {
+    for (int l = 0; l < 32; ++l) ss[sw][l] = part[0][l / 8] + part[1][l / 8];
+    xor_tree(ss[sw], 16, 8);  // the shuffles at 16 and 8
   }
-  xor_tree(ss, 16, 8);  // the shuffles at 16 and 8
 }
 
 // mma_stage_normed_x's sum for K = D: thread t stores sq4 of its octet's float4s 2t, 2t + 1 into sq; then
@@ -124,16 +126,16 @@ int main() {
       w[j] = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
     }
     const float want = norm_ss(x.data());
-    float ss[32], ctl[32];
+    float ss[2][32], ctl[2][32];
     router_ss(x.data(), false, ss);
     router_ss(x.data(), true, ctl);
     bool lanes = false;
-    for (int l = 1; l < 32; ++l) lanes |= bits(ss[l]) != bits(ss[0]);
+    for (int l = 0; l < 64; ++l) lanes |= bits(ss[l / 32][l % 32]) != bits(ss[0][0]);
     lanes_differ += lanes;
-    router_differ += bits(ss[0]) != bits(want);
+    router_differ += bits(ss[0][0]) != bits(want);
     up_differ += bits(up_ss(x.data())) != bits(want);
-    control_differ += bits(ctl[0]) != bits(want);
-    const float sa = 1.f / std::sqrt(want / float(D) + eps), sb = 1.f / std::sqrt(ss[0] / float(D) + eps);
+    control_differ += bits(ctl[0][0]) != bits(want);
+    const float sa = 1.f / std::sqrt(want / float(D) + eps), sb = 1.f / std::sqrt(ss[0][0] / float(D) + eps);
     for (int j = 0; j < D; ++j) values += bits(x[j] * sa * w[j]) != bits(x[j] * sb * w[j]);
   }
   bool ok = true;
@@ -141,8 +143,8 @@ int main() {
     std::printf("%s %s: %d of %d rows\n", pass ? "ok  " : "FAIL", what, n, rows);
     ok &= pass;
   };
-  report(router_differ == 0 && values == 0, "router staging warp, sums that differ from the norms'", router_differ);
-  report(lanes_differ == 0, "router staging warp, rows whose lanes disagree", lanes_differ);
+  report(router_differ == 0 && values == 0, "router staging warps, sums that differ from the norms'", router_differ);
+  report(lanes_differ == 0, "router staging warps, rows whose lanes disagree", lanes_differ);
   report(up_differ == 0, "moe_up (mma_stage_normed_x), sums that differ from the norms'", up_differ);
   report(control_differ > 0, "control (f ^ 1 first), sums that differ from the norms'", control_differ);
   std::printf(ok ? "norm_post_emu: all passed\n" : "norm_post_emu: FAILED\n");

@@ -16,13 +16,6 @@ namespace lily::cuda {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// cp.async: 16 bytes from global memory to shared address dst (L2 only, no register round trip);
-// src_bytes 0 fills the chunk with zeros and reads nothing. The bytes are visible to the issuing thread
-// after its cp_async_wait, to other threads after that and a barrier.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 // cp.async bookkeeping: close the thread's group of copies issued since the last commit; wait until at
 // most N of its groups are still in flight.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

@@ -32,7 +32,7 @@ struct MoeMmaParams {
   bool accumulate;  // out += the product (out is the residual stream), else out = it
   NormTail tail;    // tail.done != nullptr (T = 1, accumulate): then tail.y = rms_norm(out) * tail.w by
                     // moe_down_mma's last CTA
-  NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (H = 2048)
+  NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (mma_stage_normed_x)
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the prefill GEMM (kernels/linear_wgmma_tma.cuh): warpgroup MMA
 // (wgmma) with the A operand in registers and B from a 128B-swizzled K-major shared tile, its shared
-// memory descriptor, mbarriers, TMA tile loads and register reallocation (cp.async: common.cuh). Device code only;
+// memory descriptor, cp.async, mbarriers, TMA tile loads and register reallocation. Device code only;
 // PTX semantics as in the PTX ISA (wgmma.mma_async, mbarrier, cp.async.bulk.tensor, setmaxnreg).
 #pragma once
 #include <cuda_bf16.h>
@@ -13,6 +13,7 @@ namespace lily::cuda {
 
 #ifdef __CUDACC__
 
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 // 16 bytes at shared address saddr (ld.shared: a 32-bit address, not a generic load). Volatile with a
 // memory clobber: it stays after the mbarrier wait that makes the bytes visible.
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
@@ -22,6 +23,11 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
                : "r"(saddr)
                : "memory");
   return v;
+}
+
+// 16-byte cp.async (L2 only); src_bytes 0 fills the chunk with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
