@@ -212,7 +212,7 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const bool last = l + 1 == c.num_hidden_layers;
     const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
-    const LayerInput post{h, xs, post_norm, eps,
+    const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
       const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
