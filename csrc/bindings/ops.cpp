@@ -135,6 +135,24 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(ri), out_f32(y), left);
   }, nb::arg("w"), nb::arg("x"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"), nb::arg("repeat") = 1,
      "(res + x W^T, rms_norm of it, the sync counter after): the op `repeat` times on the same buffers.");
+  m.def("linear_add", [](const QMatrix& w, const F32In& x, const F32In& res) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), ri = f32(d, res), tmp(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::linear_add(w, xi.t, ri.t, tmp.t, ws.t);
+    return out_f32(ri);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("res"), "res + x W^T.");
+  m.def("linear_rms_normed", [](const QMatrix& w, const F32In& res, const F32In& nw, float eps) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(res.shape(0));
+    Dev ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, w.cols}), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    const bool one_kernel = ops::linear_rms_normed_supported(w, ri.t, wi.t, h.t);
+    ops::linear_rms_normed(w, ri.t, wi.t, eps, h.t, y.t, ws.t);
+    return nb::make_tuple(out_f32(y), one_kernel);
+  }, nb::arg("w"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"),
+     "(rms_norm(res) * weight W^T, whether it ran as one kernel: linear_rms_normed_supported).");
   m.def("rms_norm", [](const std::string& device, const F32In& x, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), y(d, DType::F32, shape_of(x));
@@ -253,6 +271,41 @@ void init_ops(nb::module_& parent) {
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
   });
+  m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
+                      const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
+                      const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev hi = f32(d, h), ri = f32(d, res), tmp(d, DType::F32, {T, H});
+    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    ops::moe_add(w, hi.t, ri.t, tmp.t, s, top_k);
+    return out_f32(ri);
+  }, "res + moe(h).");
+  m.def("moe_rms_normed_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                 const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                 const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& res,
+                                 const F32In& nw, float eps, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, H}), tmp(d, DType::F32, {T, H});
+    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    const bool fused = ops::moe_rms_normed_supported(w, ri.t, wi.t, h.t, s, top_k);
+    ops::moe_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, s, top_k);
+    return nb::make_tuple(out_f32(ri), fused);
+  }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
+     "moe_rms_normed_supported).");
   m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                                const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,

@@ -16,8 +16,18 @@ int64_t linear_workspace_elems(int64_t T, int64_t in);  // to allocate: X as bf1
 int64_t linear_x_elems(int64_t T, int64_t in);          // the least a workspace may hold: X as bf16
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
+void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace);
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);
 // moe.cu / kernels/moe_*.cuh
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const ops::MoeScratch& s,
+             int top_k);
+void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                        const Tensor& tmp, const ops::MoeScratch& s, int top_k);
+bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
+                              const ops::MoeScratch& s, int top_k);
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);

@@ -1,7 +1,10 @@
 // Launchers of linear and embedding. Five kernels, chosen by named predicates:
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
-//                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
+//                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm;
+//                    linear_add there in one kernel (the add in its epilogue), else linear + add;
+//                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
+//                    normalises the input while staging it), else rms_norm + linear
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
@@ -181,26 +184,32 @@ static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
          mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
 }
 
+// The plan is the plain kernel's for both instances, so a normed input splits K as linear of the
+// normalised row does (the same sums); both are held to MMA_MIN_CTAS CTAs per SM by their registers.
 template <int BITS, int NG>
 static void launch_gemv_mma(const MmaLinearParams& p0) {
-  const auto kernel = linear_gemv_mma_kernel<BITS, NG>;
+  const auto plain = linear_gemv_mma_kernel<BITS, NG, false>, normed = linear_gemv_mma_kernel<BITS, NG, true>;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
+    for (const auto kernel : {plain, normed})
+      LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
     return true;
   }();
   (void)configured;
   const size_t smem = mma_x_bytes(p0.cols, MmaSeg<BITS>::VALS / NG);
   MmaLinearParams p = p0;
-  const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(kernel), smem, ceil_div(p.rows, 16),
+  const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(plain), smem, ceil_div(p.rows, 16),
                                 p.cols / MmaSeg<BITS>::VALS, 1);
   p.ks = plan.ks;
-  launch(kernel, plan.grid, MMA_THREADS, smem, p);
+  launch(p.norm_in.w != nullptr ? normed : plain, plan.grid, MMA_THREADS, smem, p);
   LILY_CUDA_LAUNCHED();
 }
 
-static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const NormTail& tail = {}) {
+static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate = false,
+                         const NormTail& tail = {}, const NormIn& norm_in = {}) {
   MmaLinearParams p{};
+  p.accumulate = accumulate;
   p.tail = tail;
+  p.norm_in = norm_in;
   p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
   p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
   p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
@@ -354,9 +363,34 @@ int64_t linear_workspace_elems(int64_t T, int64_t in) {
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
-  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, norm_tail(res, weight, eps, y, sync));
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true, norm_tail(res, weight, eps, y, sync));
   linear(w, 0, x, tmp, workspace);
   add_rms_norm(res, tmp, weight, eps, y);
+}
+
+// One token on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum, no tail).
+// Otherwise linear into tmp, then add.
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true);
+  linear(w, 0, x, tmp, workspace);
+  add(res, tmp);
+}
+
+// The GEMV stages rms_norm(x) * weight itself (mma_stage_normed_x) where it runs for x (use_gemv_mma: one
+// token, whole segments, so cols % 4 == 0), rms_norm's threads for D = cols are the CTA's (norm_threads(cols)
+// = MMA_THREADS), one octet a thread covers the row (cols <= MMA_NORM_MAX_COLS), and rms_norm would take
+// float4s: x (checked by use_gemv_mma), weight and h 16-byte aligned.
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h) {
+  return use_gemv_mma(w, 0, x) && norm_threads(w.cols) == MMA_THREADS && w.cols <= MMA_NORM_MAX_COLS &&
+         is_aligned16(weight.data) && is_aligned16(h.data);
+}
+
+void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace) {
+  if (linear_rms_normed_supported(w, x, weight, h))
+    return run_gemv_mma(w, 0, x, y, false, NormTail{}, NormIn{weight.ptr<float>(), eps});
+  rms_norm(x, weight, eps, h);
+  linear(w, 0, h, y, workspace);
 }
 
 // Rows [r0, r0 + n) of a contiguous F32 matrix.

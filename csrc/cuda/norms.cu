@@ -17,15 +17,6 @@ static bool can_use_vec4(int64_t D, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-// Enough threads to give each a few float4 of the row, at most 256 (D = 2048 -> 256, D = 128 -> 32).
-static int norm_threads(int64_t D) {
-  const int64_t want = ceil_div<int64_t>(D, 8);
-  if (want <= 32) return 32;
-  if (want <= 64) return 64;
-  if (want <= 128) return 128;
-  return 256;
-}
-
 NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync) {
   const int64_t D = x.dim(1);
   return NormTail{x.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), reinterpret_cast<unsigned*>(sync.data),

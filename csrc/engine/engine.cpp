@@ -33,34 +33,49 @@ static std::array<Tensor, N> split(const Tensor& row, const int64_t (&widths)[N]
   return out;
 }
 
-// The projections y_i = x W_i^T of one input x [T, in] by the matrices `parts`: for one token,
-// where they are also stacked by rows (`stacked`), one GEMV into the scratch row `row`, split back
-// into the parts' outputs; otherwise one linear per part into `outs` (ws: linear's workspace).
+// A block's input h = rms_norm(x) * norm [T, H] (a layer's input_layernorm before its projections, its
+// post_attention_layernorm before its MoE block): already in h, or (`normed`: one token, and
+// ops::linear_rms_normed_supported for the layer's stacked projection, ops::moe_rms_normed_supported for
+// the MoE block) computed by the block's first op from the residual stream x (ops::linear_rms_normed,
+// ops::moe_rms_normed_add; h is then their work space).
+struct LayerInput {
+  Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
+  float eps;
+  bool normed;
+};
+
+// The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
+// are also stacked by rows (`stacked`), one GEMV into the scratch row `row` (with in.normed the input
+// norm in it), split back into the parts' outputs; otherwise one linear per part into `outs` (ws:
+// linear's workspace).
 template <size_t N>
-static std::array<Tensor, N> project(const Tensor& x, const QMatrix* stacked, const QMatrix* const (&parts)[N],
+static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
-  if (x.dim(0) == 1 && stacked) {
+  if (in.h.dim(0) == 1 && stacked) {
     int64_t widths[N];
     for (size_t i = 0; i < N; ++i) widths[i] = parts[i]->rows;
     const Tensor y = view(row, 1, stacked->rows);
-    ops::linear(*stacked, x, y, ws);
+    if (in.normed) ops::linear_rms_normed(*stacked, in.x, in.norm, in.eps, in.h, y, ws);
+    else ops::linear(*stacked, in.h, y, ws);
     return split(y, widths);
   }
-  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], x, outs[i], ws);
+  LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
+  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], in.h, outs[i], ws);
   return outs;
 }
 
 // Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
-Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const {
+Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
+                                     const LayerInput& in) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
   const Scratch& x = f.scratch;
-  const int64_t H = c.hidden_size, C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
+  const int64_t T = in.h.dim(0), C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
                 Hv = c.linear_num_value_heads, Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const ProfileLabel label("gdn");
   // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
   const auto [qkv, z, b, a] =
-      project(view(x.h, T, H), w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
+      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
               {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
   const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                // [K-1, C]
   const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});  // [Hv, Dk, Dv]
@@ -81,14 +96,14 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
 
 // Gated full attention (docs/model.md section 2.3): o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
 Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
-                                           int64_t T, const Tensor* rope_pos) const {
+                                           const LayerInput& in, const Tensor* rope_pos) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
   const Scratch& x = f.scratch;
-  const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
+  const int64_t T = in.h.dim(0), nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   const ProfileLabel label("attn");
   // p [T, nH*2D] (per head: query | gate), k, v [T, nKV*D]
-  const auto [p, k, v] = project(view(x.h, T, H), w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
+  const auto [p, k, v] = project(in, w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
                                  {view(x.proj, T, c.q_proj_dim()), view(x.k, T, nKV * D), view(x.v, T, nKV * D)},
                                  xb_work(x, device()));
   const Tensor q = view(x.core_in, T, nH * D), gate = view(x.out_gate, T, nH * D), o = view(x.core_out, T, nH * D);
@@ -175,19 +190,37 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   const float eps = c.rms_norm_eps;
   const int K = c.num_experts_per_tok;
   const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
-  // One token (and no trace of the blocks' outputs): each residual add and the norm after it run inside
-  // the product before them (ops::linear_add_rms_norm, ops::moe_add_rms_norm); mix is then work space.
+  // One token (and no trace of the blocks' outputs): each residual add runs inside the product before it
+  // (ops::linear_add, ops::moe_add and their _rms_norm forms) and each RMSNorm inside a product next to it;
+  // mix is then work space. Where a layer's stacked input projection normalises its input itself
+  // (LayerInput::normed), the MoE block before it only adds and layer 0's rms_norm is left out; where the
+  // MoE block normalises its own input (post.normed: the router and moe_up stage the post-attention norm,
+  // and the next layer's projection takes its input norm), the output projection before it only adds.
+  // Elsewhere the norm is written into h by the product before its reader (a last-CTA tail).
   const bool fold = T == 1 && !f.trace;
-  ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), eps, h);
+  auto input_of = [&](int l) {
+    const LayerWeights& L = weights_->layers[l];
+    const QMatrix* stacked = L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj;
+    const Tensor norm = L.input_layernorm->view();
+    return LayerInput{h, xs, norm, eps, fold && stacked && ops::linear_rms_normed_supported(*stacked, xs, norm, h)};
+  };
+  LayerInput in = input_of(0);
+  if (!in.normed) ops::rms_norm(xs, in.norm, eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
+    const bool last = l + 1 == c.num_hidden_layers;
+    const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
-    {  // x += mixer(h); h = post_attention_layernorm(x)
-      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], T, images ? &rope_pos : nullptr)
-                                                 : gdn_layer(f, L, f.layers[l], T);
+    const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
+                          fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
+    {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
+      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
+                                                 : gdn_layer(f, L, f.layers[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
-      if (fold) {
+      if (post.normed) {
+        ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
+      } else if (fold) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
         ops::linear(*out.w, out.x, mix, xb_work(x, device()));
@@ -195,17 +228,21 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
         ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }
     }
-    // x += moe(h); h = the next layer's input_layernorm(x) (the last layer: x += moe(h))
-    const bool last = l + 1 == c.num_hidden_layers;
-    if (fold && !last) {
-      ops::moe_add_rms_norm(L.moe, h, xs, weights_->layers[l + 1].input_layernorm->view(), eps, mix, ms, K, sync);
+    // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
+    // layer: x += moe(h))
+    if (post.normed) {
+      ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
+    } else if (fold && !last) {
+      if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
+      else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
     } else {
       ops::moe(L.moe, h, mix, ms, K);
       record(f, p + "moe", x.mix, T, H);
       if (last) ops::add(xs, mix);
-      else ops::add_rms_norm(xs, mix, weights_->layers[l + 1].input_layernorm->view(), eps, h);
+      else ops::add_rms_norm(xs, mix, next.norm, eps, h);
     }
     record(f, p + "residual", x.x, T, H);
+    in = next;
   }
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }

@@ -10,6 +10,8 @@
 
 namespace lily {
 
+struct LayerInput;  // engine.cpp: a layer's input to its projections
+
 class Engine {
  public:
   Engine(ModelConfig config, std::unique_ptr<WeightStore> weights);
@@ -40,9 +42,9 @@ class Engine {
     const QMatrix* w;
     Tensor x;
   };
-  Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const;
+  Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, const LayerInput& in) const;
   // rope_pos: the chunk's (t, h, w) positions [T, 3] when its prompt has images (multimodal RoPE), else null.
-  Projection attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T,
+  Projection attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, const LayerInput& in,
                              const Tensor* rope_pos) const;
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;

@@ -68,6 +68,51 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
   no_backend(op, x.device);
 }
 
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  const char* op = "linear_add";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, tmp, workspace);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, x.dim(0));
+  check_shape(op, "res", res, 1, w.rows);
+  LILY_CHECK(res.data != tmp.data && res.data != x.data && tmp.data != x.data, op, ": x, res and tmp must not alias");
+  check_same_device(op, {x, res});
+  if (x.device == Device::CPU) {  // the two ops, literally
+    cpu::linear(w, 0, x, tmp);
+    return cpu::add(res, tmp);
+  }
+  LILY_CUDA_CASE(x.device, linear_add(w, x, res, tmp, workspace));
+  no_backend(op, x.device);
+}
+
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h) {
+#ifdef LILY_WITH_CUDA
+  if (res.device == Device::CUDA) return cuda::linear_rms_normed_supported(w, res, weight, h);
+#endif
+  (void)w, (void)res, (void)weight, (void)h;
+  return false;
+}
+
+void linear_rms_normed(const QMatrix& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace) {
+  const char* op = "linear_rms_normed";
+  const OpSpan span(op);
+  check_linear(op, w, 0, h, y, workspace);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, w.cols);
+  LILY_CHECK(h.data != res.data && h.data != y.data, op, ": h must not alias res or y");
+  check_same_device(op, {h, res, weight});
+  if (res.device == Device::CPU) {  // the two ops, literally
+    cpu::rms_norm(res, weight, eps, h);
+    return cpu::linear(w, 0, h, y);
+  }
+  LILY_CUDA_CASE(res.device, linear_rms_normed(w, res, weight, eps, h, y, workspace));
+  no_backend(op, res.device);
+}
+
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
   const char* op = "embedding";
   const OpSpan span(op);

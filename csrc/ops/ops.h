@@ -31,6 +31,11 @@ inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y, const Ten
 // BF16 elements of linear's workspace for x [T, in]; 0 where the backend needs none. Non-decreasing in
 // T and in, so a buffer sized for the largest chunk and input serves every call.
 int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
+// res += x W^T: a block's output projection joining the residual stream. Equal to linear(w, x, tmp, workspace)
+// then add(res, tmp), bit for bit on each backend (CUDA, one token on the tensor-core GEMV: one kernel, the
+// add in its epilogue). x [T, in]; res, tmp [T, out] (tmp: work space, contents unspecified after; no two
+// of x, res, tmp alias); workspace as linear's.
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
 // res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
 // residual stream, and the next RMSNorm. Equal to linear(w, x, tmp, workspace) then add_rms_norm(res, tmp,
 // weight, eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and
@@ -39,6 +44,17 @@ int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // scratch, zero before and after.
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
+// y = (weight * rms_normalise(res)) W^T row by row: a layer's input norm and its first projection. Equal to
+// rms_norm(res, weight, eps, h) then linear(w, h, y, workspace), bit for bit on each backend: CUDA, where
+// linear_rms_normed_supported, one kernel (every CTA of the GEMV normalises res in rms_norm's order while
+// it stages it; h is not written), elsewhere those two ops. res, h [T, in] (h: work space, contents
+// unspecified after; aliases neither res nor y); weight [in]; y [T, out]; workspace as linear's.
+void linear_rms_normed(const QMatrix& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace);
+// Whether linear_rms_normed runs as one kernel for these operands (never on the CPU). Only then does the
+// engine leave a layer's input norm to the layer's first projection (the MoE block before it runs moe_add,
+// not moe_add_rms_norm): elsewhere the fallback's rms_norm launch would cost more than the norm it saves.
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h);
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
@@ -140,6 +156,24 @@ int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is,
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
 // h, out [T, H].
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
+// res += moe(h): the MoE block joining the residual stream, equal to moe(w, h, tmp, ...) then add(res, tmp),
+// bit for bit on each backend (CUDA, on the tensor-core decode path: the add in moe_down's kernel). h, res,
+// tmp [T, H] (tmp: work space; no two alias).
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const MoeScratch& scratch,
+             int top_k);
+// res += moe(weight * rms_normalise(res)) row by row: the MoE block with its input norm (the post-attention
+// norm), joining the residual stream. Equal to rms_norm(res, weight, eps, h) then moe_add(w, h, res, tmp,
+// ...), bit for bit on each backend: CUDA, where moe_rms_normed_supported, the fused router and moe_up
+// normalise res in rms_norm's order while they stage it (h is not written) and moe_down adds into res;
+// elsewhere those two ops. res, h, tmp [T, H] (h, tmp: work space, contents unspecified after; no two alias);
+// weight [H].
+void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                        const Tensor& tmp, const MoeScratch& scratch, int top_k);
+// Whether moe_rms_normed_add runs without the norm kernel for these operands (never on the CPU). Only then
+// does the engine leave the post-attention norm to the MoE block (the mixer's output projection runs
+// linear_add, not linear_add_rms_norm).
+bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
+                              const MoeScratch& scratch, int top_k);
 // res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
 // next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
 // for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's

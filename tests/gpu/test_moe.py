@@ -108,6 +108,24 @@ def test_moe_decode_router(E, top_k, group, gpu_tol):
             check(one, ref[t:t + 1], "moe_decode", gpu_tol)
 
 
+@pytest.mark.parametrize("E,top_k,bits,group", [(16, 8, 4, 64), (40, 4, 8, 32), (129, 8, 4, 128), (256, 8, 4, 64),
+                                                 (256, 1, 8, 64)])
+def test_moe_decode_router_normed(E, top_k, bits, group):
+    # One token, the MoE block normalising its own input (ops.moe_rms_normed_add): the fused router's NORM_IN
+    # instance in clusters of 1, 3, 9 and 16 CTAs (its staging warp sums the squares in rms_norm's order) and
+    # moe_up's (one and two weight groups a segment). The router's logits, the shared expert gate and the
+    # experts' inputs are the h that rms_norm writes, so the output equals rms_norm then moe_add bit for bit,
+    # and the residual row's scale (x is uneven, far from unit rms) exercises the norm.
+    rng = np.random.default_rng(2000 + E + top_k)
+    _, gpu = moe_weights(rng, E, 2048, 128, 128, bits, group, "BF16", 8)
+    for t in range(3):
+        res = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 30.0, 2048)).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+        got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k)
+        assert fused
+        assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k))
+
+
 @pytest.mark.parametrize("T", [19, 300])
 def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which

@@ -1,4 +1,4 @@
-// RMSNorm kernels (device code only; launchers in norms.cu).
+// RMSNorm kernels (device code and their thread count, norm_threads; launchers in norms.cu).
 //   rms_norm:        y[r, i] = x[r, i] * s_r * w[i]
 //   gated_rms_norm:  y[r, i] = w[i] * (x[r, i] * s_r) * silu(z[r, i])
 //   with s_r = 1 / sqrt(mean_i x[r, i]^2 + eps).
@@ -20,7 +20,21 @@ struct RmsNormParams {
 
 constexpr int NORM_WARP_ROWS = 8;  // rows of a block when a warp takes a row
 
+// The threads of a row of D values in rms_norm and add_rms_norm (norms.cu): enough to give each a few
+// float4s, at most 256 (D = 2048 -> 256, D = 128 -> 32). Their summation order is the one that
+// grid_tail_rms_norm and the GEMV's normed input (gemv_mma.cuh, mma_stage_normed_x) reproduce.
+__host__ __device__ constexpr int norm_threads(int64_t D) {
+  return (D + 7) / 8 <= 32 ? 32 : (D + 7) / 8 <= 64 ? 64 : (D + 7) / 8 <= 128 ? 128 : 256;
+}
+
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
+// (x * s) * w as the norm kernels store it: two rounded products (__fmul_rn, so that a consumer that stages
+// the result never contracts a product into an FMA with its own sums, which it could not with h from memory).
+__device__ __forceinline__ float4 norm_scale4(float4 x, float s, float4 w) {
+  return make_float4(__fmul_rn(__fmul_rn(x.x, s), w.x), __fmul_rn(__fmul_rn(x.y, s), w.y),
+                     __fmul_rn(__fmul_rn(x.z, s), w.z), __fmul_rn(__fmul_rn(x.w, s), w.w));
+}
 
 // 1 / rms of row x[0, D) from its nt threads (tid = 0..nt-1): each sums the squares of float4s (VEC4) or
 // floats tid, tid + nt, ... in that order; then warp_sum (WARP: the row's threads are one warp) or
@@ -151,6 +165,15 @@ struct NormTail {
 };
 
 constexpr int TAIL_CACHE = 4;
+
+// The RMSNorm that a consumer kernel applies to its input row while staging it, instead of reading an h
+// that a norm kernel or tail wrote: it reads the residual row x and stages h = rms_norm(x) * w in the
+// order above, bit for bit (gemv_mma.cuh's mma_stage_normed_x: linear_rms_normed and moe_up;
+// moe_router.cuh's staging warp). w == nullptr: the row is h itself.
+struct NormIn {
+  const float* w;  // [D]
+  float eps;
+};
 
 __device__ __forceinline__ void grid_tail_rms_norm(const NormTail& n) {
   __shared__ float red[32];
