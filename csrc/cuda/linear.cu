@@ -9,7 +9,8 @@
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
-//                    X converted to bf16 into the op's workspace first)
+//                    X converted to bf16 into the op's workspace first); a gated product (a.up set) as
+//                    one GATED product where use_gated_wgmma holds, else as its gate and up products
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
@@ -281,46 +282,89 @@ static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   return a;
 }
 
+// The gate product of a gated one, and its up product with SwiGLU (y holds the gate product by then).
+static LinearArgs gate_of(const LinearArgs& a) {
+  LinearArgs g = a;
+  g.up = WeightView{};
+  g.row_scale = nullptr;
+  return g;
+}
+static LinearArgs up_of(const LinearArgs& a) {
+  LinearArgs u = a;
+  u.w = a.up;
+  u.up = WeightView{};
+  u.swiglu = true;
+  return u;
+}
+
+// A gated product as one GATED product: both matrices take the wgmma GEMM with the same shape and group
+// size (one tile covers the same rows of both, one scale index serves both), groups of 64 or more (no
+// 32-wide GATED instance), and no split-K for dense products (short prompts keep the two split
+// products: a gated tile would run all K on few CTAs).
+static bool use_gated_wgmma(const LinearArgs& a) {
+  return use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) && a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
+         a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
+         (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
+}
+
 static void check_tensor_map(CUresult r, const char* what) {
   LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
-// The persistent GEMM over row_tiles x ceil(N / 256) tiles: min(tiles, SMs) CTAs. Tensor maps are
-// encoded per launch (host only, cheap) and passed as __grid_constant__ parameters.
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false>
+// Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.
+static int64_t wgmma_col_tiles(const LinearArgs& a) {
+  return ceil_div<int64_t>(a.w.rows, a.up.w != nullptr ? WG_BN / 2 : WG_BN);
+}
+
+// The persistent GEMM over row_tiles x column tiles: min(tiles, SMs) CTAs. Tensor maps are encoded per
+// launch (host only, cheap) and passed as __grid_constant__ parameters (tmap_u: GATED's up matrix, else
+// the W map again, unread).
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
 static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT>;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED>;
+  constexpr int smem = tma_smem_bytes(BM, GATED), box_rows = GATED ? WG_BN / 2 : WG_BN;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem_bytes(BM)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)configured;
-  CUtensorMap mx, mw;
+  CUtensorMap mx, mw, mu;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
-  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols), "W");
-  const int64_t units = row_tiles * ceil_div<int64_t>(a.w.rows, WG_BN) * a.k_splits;
-  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(tma_smem_bytes(BM)), a, xb, mx,
-         mw);
+  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, box_rows), "W");
+  if (GATED) check_tensor_map(make_w4_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, box_rows), "up");
+  else mu = mw;
+  const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);
   LILY_CUDA_LAUNCHED();
 }
 
 // Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
+// A gated product (use_gated_wgmma: no 32-wide groups, no split-K) takes the GATED instances, same rules.
 static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
   const uint16_t* xb = xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
-  const int64_t col_tiles = ceil_div<int64_t>(a.w.rows, WG_BN);
+  const int64_t col_tiles = wgmma_col_tiles(a);
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
   LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
              a.w.cols, " exceed the 32-bit chunk index");
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
+             "linear: unsupported tile map rows ", a.tiles.tile_rows);
+  if (a.up.w != nullptr) {
+    const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS
+                              : ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms();
+    const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
+    if (wide) return gather ? launch_wgmma<128, false, true, false, true>(a, xb, x_count, row_tiles)
+                            : launch_wgmma<128, false, false, false, true>(a, xb, x_count, row_tiles);
+    return gather ? launch_wgmma<64, false, true, false, true>(a, xb, x_count, row_tiles)
+                  : launch_wgmma<64, false, false, false, true>(a, xb, x_count, row_tiles);
+  }
   if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
     LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");
     return gather ? launch_wgmma<128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<128, false, false>(a, xb, x_count, max_tiles);
   }
-  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS, "linear: unsupported tile map rows ",
-             a.tiles.tile_rows);
   if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
     return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
@@ -333,12 +377,21 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
               : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
-bool linear_wide_tiles(const LinearArgs& a) { return use_wgmma_gemm(a) && a.w.group_size != 32; }
+bool linear_wide_tiles(const LinearArgs& a) {
+  if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
+  return use_wgmma_gemm(a) && a.w.group_size != 32;
+}
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
+  if (a.up.w != nullptr) {
+    LILY_CHECK(!a.swiglu, "linear: a gated product reads no gate product from y");
+    if (use_gated_wgmma(a)) return run_wgmma(a, max_tiles, x_count, xb);
+    linear_tiles(gate_of(a), max_tiles, x_count, xb);
+    return linear_tiles(up_of(a), max_tiles, x_count, xb);
+  }
   if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles, x_count, xb);
   LILY_CHECK(a.tiles.tile_expert == nullptr || a.tiles.tile_rows == LINEAR_TILE_ROWS,
              "linear: only the wgmma kernel takes a tile map of ", a.tiles.tile_rows, " rows");

@@ -25,7 +25,8 @@ struct XbCopy {
 // Runs a.tiles over `max_tiles` row tiles of GENERIC_TILE_ROWS (= GEMM_BM) rows: the tensor-core
 // GEMM where the weight variant and alignment allow it, the generic kernel otherwise. x_count: the
 // rows of a.x the product reads (dense: M; gathered: the rows x_rows names; grouped: the bound on
-// product rows).
+// product rows). A gated product (a.up set, LinearArgs) runs as one where the wgmma GEMM's GATED
+// instances take it, else as the gate product into a.y, then the up product with swiglu.
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb);
 
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).

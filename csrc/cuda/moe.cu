@@ -14,11 +14,12 @@
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
 //   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
-//   -> grouped gate product, grouped up product with SwiGLU and the routing weight in its epilogue
-//   -> the shared expert's gate, up (SwiGLU, sigmoid gate in the epilogue) over all T tokens
+//   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
+//      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
+//   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
-// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the four
+// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
 // products over it, then the routed rows of the activation, then the shared ones.
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
@@ -121,8 +122,9 @@ static LinearArgs dense(LinearArgs a, int64_t M) {
   return a;
 }
 
-static LinearArgs swiglu(LinearArgs a, const float* row_scale) {
-  a.swiglu = true;
+// The product of a's matrix (the gate) gated by up over the same rows: y = row_scale * silu(gate) * up.
+static LinearArgs gated(LinearArgs a, const QMatrix& up, const float* row_scale) {
+  a.up = weight_view(up);
   a.row_scale = row_scale;
   return a;
 }
@@ -367,18 +369,16 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   launch(moe_count_kernel, chunks, MOE_ROUTE_TOKENS, E * sizeof(int32_t), cp);
   LILY_CUDA_LAUNCHED();
   const int64_t ld = s.gate.dim(1);
-  float* act = s.gate.ptr<float>();  // [T*K + T, ld]: gate products, then silu(gate)*up*weight in place
+  // [T*K + T, ld]: silu(gate)*up*weight (the two-product fallback: gate products, then that in place)
+  float* act = s.gate.ptr<float>();
   float* shared_act = act + TK * ld;
   float* down = s.down.ptr<float>();  // [T*K + T, H]
-  LinearArgs gate = product(*w.gate_proj, h.ptr<float>(), H, act, ld);
-  gate.x_rows = r.row_token;
-  LinearArgs up = swiglu(product(*w.up_proj, h.ptr<float>(), H, act, ld), r.row_weight);
-  up.x_rows = r.row_token;
+  LinearArgs gate_up = gated(product(*w.gate_proj, h.ptr<float>(), H, act, ld), *w.up_proj, r.row_weight);
+  gate_up.x_rows = r.row_token;
   LinearArgs dn = product(*w.down_proj, act, ld, down, H);
-  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all three grouped
-  // products have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
-  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate) && linear_wide_tiles(up) &&
-                    linear_wide_tiles(dn);
+  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products
+  // have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
+  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
   const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
@@ -387,10 +387,10 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
 
   const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  linear_tiles(grouped(gate, r, tile_rows), r.max_tiles, T, xb);
-  linear_tiles(grouped(up, r, tile_rows), r.max_tiles, T, xb);
-  linear_tiles(dense(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), T), shared_tiles, T, xb);
-  linear_tiles(swiglu(dense(product(*w.shared_up_proj, h.ptr<float>(), H, shared_act, ld), T), sg.ptr<float>()),
+  linear_tiles(grouped(gate_up, r, tile_rows), r.max_tiles, T, xb);
+  linear_tiles(dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
+                           sg.ptr<float>()),
+                     T),
                shared_tiles, T, xb);
   linear_tiles(grouped(dn, r, tile_rows), r.max_tiles, TK, xb);
   linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles, T, xb);

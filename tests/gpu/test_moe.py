@@ -148,6 +148,19 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
+def test_moe_prefill_gated_dense_wide(gpu_tol):
+    # The gate/up pairs run as one gated wgmma product (linear.cu, use_gated_wgmma): 4300 tokens and a
+    # 512-wide shared expert give its dense 128-row instance (34 row tiles x 4 column tiles of 128
+    # outputs >= 132 SMs); the routed experts (~1075 rows each) its gathered 128-row one. Partial
+    # column tiles (I = 192, Is = 64), 64-row tiles and the two-product fallback (group 32, T <= 64
+    # shared products) are in the cases above.
+    rng = np.random.default_rng(4300)
+    cpu, gpu = moe_weights(rng, 8, 256, 128, 512, 4, 64, "BF16", 8)
+    h = rng.standard_normal((4300, 256)).astype(np.float32)
+    out = moe_vs_cpu(cpu, gpu, h, 2, 0.05, "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 2))
+
+
 @pytest.mark.parametrize("E, top_k", [(3, 2), (2, 2)])
 def test_moe_prefill_many_chunks(E, top_k, gpu_tol):
     # 1100 tokens: five chunks of the routing tables (256 tokens a CTA), more chunks than experts, the last

@@ -87,8 +87,12 @@ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM,
 //   plain:  y[r, o] = acc
 //   swiglu: y[r, o] = row_scale[r] * silu(y[r, o]) * acc   (y holds the gate product already;
 //           row_scale folds the MoE routing weight or the shared expert's sigmoid gate)
+// Gated (up.w set; linear.cu's linear_tiles): the gate product (w) and the up product (up, the same
+// shape) as one, y[r, o] = row_scale[r] * silu(gate[r, o]) * up[r, o]: linear_wgmma_tma_kernel's GATED
+// instances where they apply, else the plain gate product into y, then the up product with swiglu.
 struct LinearArgs {
   WeightView w;
+  WeightView up;
   const float* x = nullptr;         // [*, ldx] F32
   int64_t ldx = 0;
   const int32_t* x_rows = nullptr;  // [M] row of x for product row r (MoE gather); null: r

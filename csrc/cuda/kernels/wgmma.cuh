@@ -25,6 +25,10 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
   return v;
 }
 
+__device__ __forceinline__ void st_shared_v4(uint32_t saddr, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
 // 16-byte cp.async (L2 only); src_bytes 0 fills the chunk with zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
