@@ -291,6 +291,27 @@ void init_engine(nb::module_& m) {
         nb::gil_scoped_release release;
         return s.sample_next(m);
       }, nb::arg("mask") = nb::none(), "decode_sample's second half: masks (optional) and samples the launched step.")
+      .def("sample_launch", [](Session& s, std::optional<MaskIn> mask) {
+        const int32_t* m = mask_words(s, mask);
+        nb::gil_scoped_release release;
+        s.sample_launch(m);
+      }, nb::arg("mask") = nb::none(),
+         "sample_next without the wait: queues the mask, the sample and the copy of its id to the host, and returns "
+         "at once on GPUs; decode_launch(-1) may follow before the id is known, sampled() reads it.")
+      .def("sampled", [](Session& s) {
+        nb::gil_scoped_release release;
+        return s.sampled();
+      }, "Waits for the last sample_launch and returns its id (raises on NaN logits, taking back a step launched "
+         "on it).")
+      .def("decode_discard", [](Session& s) {
+        nb::gil_scoped_release release;
+        s.decode_discard();
+      }, "Takes back the launched, unsampled step: the session is as before its decode_launch (docs/generation.md, "
+         "'Pipelined decoding').")
+      .def_prop_ro("launched", &Session::launched,
+                   "A step was launched and its logits not yet sampled (decode_discard takes it back).")
+      .def_prop_ro("state_copy", &Session::state_copy,
+                   "Which copy of the GDN state pair is current (0 or 1): each decode step flips it.")
       .def("last_logprobs", [](const Session& s) {
         IntArray ids = new_array<int32_t>({size_t(1 + ops::MAX_LOGPROBS)});
         FloatArray vals = new_floats({size_t(1 + ops::MAX_LOGPROBS)});

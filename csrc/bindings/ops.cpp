@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <limits>
 #include <vector>
 
 #include "../ops/ops.h"
@@ -60,6 +61,12 @@ IntArray out_i32(const Dev& x) {
   IntArray a = new_array<int32_t>(shape);
   x.buf.download(a.data(), a.size() * 4);
   return a;
+}
+
+// A device F32 array shaped like a, every element NaN.
+Dev nan_like(Device d, const F32In& a) {
+  const std::vector<float> nan(a.size(), std::numeric_limits<float>::quiet_NaN());
+  return Dev(d, nan.data(), nan.size() * 4, DType::F32, shape_of(a));
 }
 
 // KV caches are F32 on the CPU and BF16 (round to nearest even) on GPUs.
@@ -171,33 +178,58 @@ void init_ops(nb::module_& parent) {
     ops::gated_rms_norm(xi.t, zi.t, wi.t, eps, y.t);
     return out_f32(y);
   });
-  m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state) {
+  // The carried-state ops take out_of_place: False updates the state in place and returns (outputs...,
+  // new state); True writes the new state to a separate buffer (pre-filled with NaN, so an element the
+  // op fails to write shows) and also returns the input state as the op left it (it must not change).
+  m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state,
+                          bool out_of_place) {
     const Device d = parse_device(device);
     Dev ui = f32(d, u), wi = f32(d, w), st = f32(d, state), y(d, DType::F32, shape_of(u));
-    ops::conv1d_silu(ui.t, wi.t, st.t, y.t);
-    return nb::make_tuple(out_f32(y), out_f32(st));
-  });
+    if (!out_of_place) {
+      ops::conv1d_silu(ui.t, wi.t, st.t, st.t, y.t);
+      return nb::make_tuple(out_f32(y), out_f32(st));
+    }
+    Dev so = nan_like(d, state);
+    ops::conv1d_silu(ui.t, wi.t, st.t, so.t, y.t);
+    return nb::make_tuple(out_f32(y), out_f32(so), out_f32(st));
+  }, nb::arg("device"), nb::arg("u"), nb::arg("w"), nb::arg("state"), nb::arg("out_of_place") = false);
   m.def("gated_delta_rule", [](const std::string& device, const F32In& qkv, const F32In& a, const F32In& b,
-                               const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk) {
+                               const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk,
+                               bool out_of_place) {
     const Device d = parse_device(device);
     Dev q = f32(d, qkv), ai = f32(d, a), bi = f32(d, b), al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state);
     const int64_t T = int64_t(qkv.shape(0)), Hv = int64_t(state.shape(0)), Dv = int64_t(state.shape(2));
     Dev o(d, DType::F32, {T, Hv * Dv});
     Dev ws(d, DType::F32, {std::max<int64_t>(1, ops::gated_delta_workspace_floats(d, T, Hv, Dk, Dv))});
-    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, ws.t, Hk, Dk);
-    return nb::make_tuple(out_f32(o), out_f32(st));
-  });
+    if (!out_of_place) {
+      ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, st.t, o.t, ws.t, Hk, Dk);
+      return nb::make_tuple(out_f32(o), out_f32(st));
+    }
+    Dev so = nan_like(d, state);
+    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, so.t, o.t, ws.t, Hk, Dk);
+    return nb::make_tuple(out_f32(o), out_f32(so), out_f32(st));
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"),
+     nb::arg("state"), nb::arg("Hk"), nb::arg("Dk"), nb::arg("out_of_place") = false);
   m.def("gdn_decode_mixer", [](const std::string& device, const F32In& qkv, const F32In& conv_weight,
                                const F32In& conv_state, const F32In& a, const F32In& b, const F32In& A_log,
                                const F32In& dt_bias, const F32In& state, const F32In& z, const F32In& norm_weight,
-                               float eps, int Hk, int Dk) {
+                               float eps, int Hk, int Dk, bool out_of_place) {
     const Device d = parse_device(device);
     Dev q = f32(d, qkv), cw = f32(d, conv_weight), cs = f32(d, conv_state), ai = f32(d, a), bi = f32(d, b);
     Dev al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state), zi = f32(d, z), nw = f32(d, norm_weight);
     Dev y(d, DType::F32, shape_of(z));
-    ops::gdn_decode_mixer(q.t, cw.t, cs.t, ai.t, bi.t, al.t, dt.t, st.t, zi.t, nw.t, eps, y.t, Hk, Dk);
-    return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st));
-  }, "One decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm; returns (y, conv_state, state).");
+    if (!out_of_place) {
+      ops::gdn_decode_mixer(q.t, cw.t, cs.t, cs.t, ai.t, bi.t, al.t, dt.t, st.t, st.t, zi.t, nw.t, eps, y.t, Hk, Dk);
+      return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st));
+    }
+    Dev cso = nan_like(d, conv_state), so = nan_like(d, state);
+    ops::gdn_decode_mixer(q.t, cw.t, cs.t, cso.t, ai.t, bi.t, al.t, dt.t, st.t, so.t, zi.t, nw.t, eps, y.t, Hk, Dk);
+    return nb::make_tuple(out_f32(y), out_f32(cso), out_f32(so), out_f32(cs), out_f32(st));
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("conv_weight"), nb::arg("conv_state"), nb::arg("a"), nb::arg("b"),
+     nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("state"), nb::arg("z"), nb::arg("norm_weight"), nb::arg("eps"),
+     nb::arg("Hk"), nb::arg("Dk"), nb::arg("out_of_place") = false,
+     "One decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm; returns (y, conv_state, state), "
+     "out_of_place: (y, new conv_state, new state, input conv_state, input state).");
   m.def("gdn_decode_mixer_supported", [](const std::string& device, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
                                          int64_t K) {
     return ops::gdn_decode_mixer_supported(parse_device(device), Hk, Hv, Dk, Dv, K);

@@ -38,15 +38,16 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
-                      int num_key_heads, int key_head_dim);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int num_key_heads, int key_head_dim);
 int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
-                      int key_head_dim);
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim);
 bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
 // attention.cu: pos points to the I32 position of the chunk's first token in device memory.
 // k_cache, v_cache are BF16.

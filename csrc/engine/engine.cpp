@@ -64,9 +64,10 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
   return outs;
 }
 
-// Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
-Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
-                                     const LayerInput& in) const {
+// Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)),
+// continuing from the state in `st` and writing the new state to `out` (st itself: in place).
+Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, const LayerState& st,
+                                     LayerState& out, const LayerInput& in) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
   const Scratch& x = f.scratch;
@@ -77,18 +78,21 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
   const auto [qkv, z, b, a] =
       project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
               {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
-  const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                // [K-1, C]
-  const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});  // [Hv, Dk, Dv]
-  const Tensor normed = view(x.normed, T, Vd);                                             // [T, Vd]
+  auto conv_state = [&](const LayerState& s) { return view(s.conv, c.linear_conv_kernel_dim - 1, C); };  // [K-1, C]
+  auto S = [&](const LayerState& s) {  // [Hv, Dk, Dv]
+    return Tensor::of(s.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});
+  };
+  const Tensor normed = view(x.normed, T, Vd);  // [T, Vd]
   if (T == 1 && ops::gdn_decode_mixer_supported(device(), Hk, Hv, Dk, Dv, c.linear_conv_kernel_dim)) {
     // decode: the three ops below in one (one kernel on CUDA; literally the three on the CPU)
-    ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state, a, b, w.A_log->view(), w.dt_bias->view(), S, z,
-                          w.norm->view(), c.rms_norm_eps, normed, int(Hk), int(Dk));
+    ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state(st), conv_state(out), a, b, w.A_log->view(),
+                          w.dt_bias->view(), S(st), S(out), z, w.norm->view(), c.rms_norm_eps, normed, int(Hk),
+                          int(Dk));
   } else {
     const Tensor y = view(x.core_in, T, C), o = view(x.core_out, T, Vd);
     const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
-    ops::conv1d_silu(qkv, w.conv1d->view(), conv_state, y);
-    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, int(Hk), int(Dk));
+    ops::conv1d_silu(qkv, w.conv1d->view(), conv_state(st), conv_state(out), y);
+    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S(st), S(out), o, work, int(Hk), int(Dk));
     ops::gated_rms_norm(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, heads(normed, Dv));
   }
   return {w.out_proj, normed};
@@ -216,7 +220,7 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
       const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
-                                                 : gdn_layer(f, L, f.layers[l], in);
+                                                 : gdn_layer(f, L, f.layers[l], f.next[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (post.normed) {
         ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));

@@ -21,7 +21,8 @@ class Engine {
 
   // A session hands itself over as a ForwardContext (forward.h): its state, scratch and position.
   // Runs T <= f.chunk tokens whose ids are in device memory at f.position, leaving the final residual
-  // stream in f.scratch; advances the device position (the session advances its own count). images:
+  // stream in f.scratch and the GDN layers' new state in f.next; advances the device position (the
+  // session advances its own count). images:
   // the prompt's images when the chunk is part of one with images (its rows [t0, t0 + T)), else null.
   void forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T, const PromptImages* images = nullptr,
                      int64_t t0 = 0) const;
@@ -42,7 +43,9 @@ class Engine {
     const QMatrix* w;
     Tensor x;
   };
-  Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, const LayerInput& in) const;
+  // st: the layer's state before the chunk; out: where its new state goes (st itself: in place).
+  Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, const LayerState& st, LayerState& out,
+                       const LayerInput& in) const;
   // rope_pos: the chunk's (t, h, w) positions [T, 3] when its prompt has images (multimodal RoPE), else null.
   Projection attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, const LayerInput& in,
                              const Tensor* rope_pos) const;

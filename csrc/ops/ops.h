@@ -70,32 +70,39 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, floa
 
 // Causal depthwise conv over time then SiLU, continuing from state:
 // y[t, c] = silu(sum_j w[c, j] * u[t - K + 1 + j, c]), earlier inputs from state [K-1, C]
-// (oldest first); the state then holds the last K-1 inputs.  u, y [T, C]; w [C, K].
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
+// (oldest first); state_out [K-1, C] then holds the last K-1 inputs.  u, y [T, C]; w [C, K].
+// state_out is state itself (updated in place) or a buffer that overlaps neither state nor y (state is
+// then left as it was: a decode step that can be taken back, docs/generation.md "Pipelined decoding").
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y);
 
-// The Gated DeltaNet recurrence over T tokens, fp32 state S [Hv, Dk, Dv] updated in place.
-// qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v, head-major), a, b [T, Hv], A_log, dt_bias [Hv], o [T, Hv*Dv].
+// The Gated DeltaNet recurrence over T tokens from the fp32 state S = state [Hv, Dk, Dv]; the state
+// after the last token goes to state_out (state itself: in place; or a buffer that does not overlap it,
+// as conv1d_silu's). qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v, head-major), a, b [T, Hv], A_log, dt_bias
+// [Hv], o [T, Hv*Dv].
 // workspace [>= gated_delta_workspace_floats(device, T, Hv, Dk, Dv)] F32: the chunked CUDA prefill's
 // per-chunk tiles (docs/gdn-prefill.md); when that size is 0 (CPU, short calls, other head sizes)
 // it is not read and may be an empty tensor.
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
-                      int num_key_heads, int key_head_dim);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int num_key_heads, int key_head_dim);
 // F32 elements of gated_delta_rule's workspace for T tokens; 0 where the backend needs none.
 // Non-decreasing in T, so a buffer sized for the largest chunk serves every call.
 int64_t gated_delta_workspace_floats(Device device, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 
 // The GDN mixer core of one decode token, exactly conv1d_silu -> gated_delta_rule -> gated_rms_norm:
-//   x = conv1d_silu(qkv) (conv_state shifted), o = gated_delta_rule(x, a, b, A_log, dt_bias, state),
+//   x = conv1d_silu(qkv) (conv_state shifted into conv_state_out),
+//   o = gated_delta_rule(x, a, b, A_log, dt_bias, state -> state_out),
 //   y[h, :] = gated_rms_norm(o[h, :], z[h, :], norm_weight, eps) per value head h.
-// qkv [1, C = 2*Hk*Dk + Hv*Dv]; conv_weight [C, K]; conv_state [K-1, C]; a, b [1, Hv]; A_log, dt_bias
-// [Hv]; state [Hv, Dk, Dv]; z, y [1, Hv*Dv]; norm_weight [Dv]. The CPU backend runs the three CPU ops
-// (bit-identical to them); CUDA runs one kernel where gdn_decode_mixer_supported() says so and raises
-// elsewhere (callers then run the three ops).
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
-                      int key_head_dim);
+// qkv [1, C = 2*Hk*Dk + Hv*Dv]; conv_weight [C, K]; conv_state, conv_state_out [K-1, C]; a, b [1, Hv];
+// A_log, dt_bias [Hv]; state, state_out [Hv, Dk, Dv]; z, y [1, Hv*Dv]; norm_weight [Dv]. Each *_out is
+// its input (in place) or a buffer apart from it, as in the two ops. The CPU backend runs the three CPU
+// ops (bit-identical to them); CUDA runs one kernel where gdn_decode_mixer_supported() says so and
+// raises elsewhere (callers then run the three ops).
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim);
 // Whether `device` has gdn_decode_mixer for these dims (always on the CPU).
 bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t num_value_heads, int64_t key_head_dim,
                                 int64_t value_head_dim, int64_t conv_kernel);
@@ -215,7 +222,8 @@ void apply_token_mask(const Tensor& logits, const Tensor& mask);
 // Marks ids [n] I32 as seen (prompt tokens for the repetition penalty).
 void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
 
-// pos += T on the device (GPU backends; the CPU backend has no device position).
+// pos += T on the device (GPU backends; the CPU backend has no device position). T < 0 takes back
+// tokens (a discarded decode step).
 void advance_position(int32_t* pos_device, Device device, int64_t T);
 
 // ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp. They have CPU implementations
