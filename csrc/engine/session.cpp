@@ -156,8 +156,8 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
 }
 
 ForwardContext Session::forward_context() {
-  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data())};
-  return {s_, layers_, max_context_, chunk_, position, rope_delta_, tracing ? &trace : nullptr};
+  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data()), rope_delta_};
+  return {s_, layers_, max_context_, chunk_, position, tracing ? &trace : nullptr};
 }
 
 void Session::set_position(int64_t p) {
@@ -238,7 +238,12 @@ void Session::decode_from_device() {
   // The first step runs eagerly so one-time kernel setup (attributes, lazy module loading) happens
   // outside the capture; later steps replay the captured graph.
   if (use_graph && engine_->device() != Device::CPU && !tracing && !profiler && eager_steps_ > 0) {
-    if (decode_graph_.empty()) decode_graph_ = DeviceGraph(engine_->device(), step);
+    // The rope offset is a kernel argument (ops::Position): a graph captured with another one is stale.
+    if (!decode_graph_.empty() && graph_rope_delta_ != rope_delta_) decode_graph_ = DeviceGraph();
+    if (decode_graph_.empty()) {
+      decode_graph_ = DeviceGraph(engine_->device(), step);
+      graph_rope_delta_ = rope_delta_;
+    }
     decode_graph_.launch();
   } else {
     step();
@@ -296,8 +301,6 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
   if (images) {
-    LILY_CHECK(engine_->device() == Device::CPU, "prefill: images are not implemented on CUDA yet; use "
-               "device='cpu' for images");
     for (int64_t i = 0; i < images->n; ++i)
       LILY_CHECK(images->rows[i] >= (i ? images->rows[i - 1] + 1 : 0) && images->rows[i] < T, "prefill: image row ",
                  i, " (", images->rows[i], ") is not increasing within the prompt of ", T, " tokens");
