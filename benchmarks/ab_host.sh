@@ -2,7 +2,8 @@
 # Side by side on the GPU host: builds this tree and BASE (a commit of this repository, or a folder holding
 # another tree, e.g. `git archive C | tar -x -C .ab-base` carried to the host: its .git may lag) in one call, writes
 # the full-size synthetic checkpoint once, then runs bench_engine.py alternately (base, new) for ROUNDS
-# rounds at CONTEXTS, and prints the per-round rows and the medians of both builds last.
+# rounds at CONTEXTS, compares the text path's bits (text_digest.py) under both, and prints the per-round rows
+# and the medians of both builds last.
 #   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
 # LABS run after the builds and before the benchmark. Logs end in $OUT/logs.tgz (ab.log, build.log,
 # base_build.log, <lab>_lab.txt; ab.log also beside it).
@@ -44,6 +45,16 @@ for ((r = 1; r <= ROUNDS; ++r)); do
       --json "$OUT/ab_${build}_$r.json" 2>&1 | grep -v "tensor/s" >>"$OUT/ab.log"
   done
 done
+# the text path's bits under both builds (benchmarks/text_digest.py: chunked prefill + graph decode logits)
+digests=()
+for build in base new; do
+  path=$([[ $build == base ]] && echo "$basepkg" || echo "")
+  d=$(PYTHONPATH=$path python3 "$src/benchmarks/text_digest.py" --model "$FULL" 2>&1 | grep "text digest")
+  echo "$build: $d" | tee -a "$OUT/ab.log"
+  digests+=("${d%% (*}")
+done
+if [[ -n ${digests[0]} && ${digests[0]} == "${digests[1]}" ]]; then verdict="bit-identical"; else verdict="DIFFERENT bits (or a failed run)"; fi
+echo "text path: $verdict" | tee -a "$OUT/ab.log"
 python3 - "$OUT" "$ROUNDS" "$BASE" <<'EOF'
 import json, statistics, sys
 out, rounds, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
