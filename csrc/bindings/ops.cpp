@@ -231,7 +231,7 @@ void init_ops(nb::module_& parent) {
   }, nb::arg("device"), nb::arg("p"), nb::arg("k"), nb::arg("v"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
      nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
      nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
-     "(q, gate, o, k_cache, v_cache) of the gated-attention core at cache rows pos0 + t, rope at pos0 + rope_delta + t.");
+     "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t.");
   m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), gi = f32(d, g);
