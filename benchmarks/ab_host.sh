@@ -3,7 +3,8 @@
 # folder holding another tree, e.g. `git archive C | tar -x -C .ab-base` carried to the host: its .git
 # may lag; several, space-separated, to attribute stacked changes in one call), writes the full-size
 # synthetic checkpoint once, then runs bench_engine.py alternately (each base in order, then this tree)
-# for ROUNDS rounds at CONTEXTS, and prints the per-round rows and the medians of every build.
+# for ROUNDS rounds at CONTEXTS, compares the text path's bits (text_digest.py) of every base with this
+# tree's, and prints the per-round rows and the medians of every build.
 #   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] [GENERATE=128] bash benchmarks/ab_host.sh
 #   BASE="$PWD/.ab-base $PWD/.ab-mid" ... (the first base installs to /tmp/ab-basepkg, the next to
 #   /tmp/ab-basepkg2, ...). A tree with a fresh .prebuilt wheel (benchmarks/prebuild.sh) is not compiled.
@@ -59,6 +60,19 @@ for ((r = 1; r <= ROUNDS; ++r)); do
     PYTHONPATH=$path python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts "$CONTEXTS" \
       --generate "${GENERATE:-128}" --json "$OUT/ab_${b}_$r.json" 2>&1 | grep -v "tensor/s" >>"$OUT/ab.log"
   done
+done
+# the text path's bits under every build (benchmarks/text_digest.py: chunked prefill + graph decode logits)
+digests=()
+for b in "${builds[@]}"; do
+  path=$([[ $b == new ]] && echo "" || echo "${pkgs[${b#base}]}")
+  d=$(PYTHONPATH=$path python3 "$src/benchmarks/text_digest.py" --model "$FULL" 2>&1 | grep "text digest")
+  echo "$b: $d" | tee -a "$OUT/ab.log"
+  digests+=("${d%% (*}")
+done
+for i in "${!bases[@]}"; do
+  if [[ -n ${digests[$i]} && ${digests[$i]} == "${digests[-1]}" ]]; then verdict="bit-identical"
+  else verdict="DIFFERENT bits (or a failed run)"; fi
+  echo "text path, ${bases[$i]} vs this tree: $verdict" | tee -a "$OUT/ab.log"
 done
 python3 - "$OUT" "$ROUNDS" "${builds[@]}" -- "${bases[@]}" <<'EOF'
 import json, statistics, sys

@@ -86,14 +86,14 @@ FloatArray cache_out(const Dev& x) {
   return a;
 }
 
-// The position of a chunk, in host and device memory as the engine keeps it.
+// The position of a chunk, in host and device memory as the engine keeps it, and the rope offset.
 struct Pos {
   Dev dev;
   ops::Position pos;
-  Pos(Device d, int64_t p) : dev(d, DType::I32, {1}) {
+  Pos(Device d, int64_t p, int64_t rope_delta = 0) : dev(d, DType::I32, {1}) {
     const int32_t v = int32_t(p);
     dev.buf.upload(&v, 4);
-    pos = {p, d == Device::CPU ? nullptr : dev.t.ptr<int32_t>()};
+    pos = {p, d == Device::CPU ? nullptr : dev.t.ptr<int32_t>(), rope_delta};
   }
 };
 
@@ -241,13 +241,15 @@ void init_ops(nb::module_& parent) {
     ops::split_q_gate(pi.t, q.t, g.t, nH);
     return nb::make_tuple(out_f32(q), out_f32(g));
   });
-  m.def("rope", [](const std::string& device, const F32In& x, int nH, int rotary_dim, double theta, int64_t pos0) {
+  m.def("rope", [](const std::string& device, const F32In& x, int nH, int rotary_dim, double theta, int64_t pos0,
+                   int64_t rope_delta) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x);
-    Pos p(d, pos0);
+    Pos p(d, pos0, rope_delta);
     ops::rope(xi.t, nH, rotary_dim, theta, p.pos);
     return out_f32(xi);
-  });
+  }, nb::arg("device"), nb::arg("x"), nb::arg("num_heads"), nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("pos0"),
+     nb::arg("rope_delta") = 0, "x turned by positions pos0 + rope_delta + t.");
   m.def("kv_cache_write", [](const std::string& device, const F32In& x, const F32In& cache, int64_t pos0) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), c = cache_in(d, cache);
@@ -265,17 +267,21 @@ void init_ops(nb::module_& parent) {
   });
   m.def("gated_attention", [](const std::string& device, const F32In& p, const F32In& k, const F32In& v,
                               const F32In& q_norm, const F32In& k_norm, float eps, int rotary_dim, double theta,
-                              const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0) {
+                              const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0,
+                              int64_t rope_delta) {
     const Device d = parse_device(device);
     Dev pi = f32(d, p), ki = f32(d, k), vi = f32(d, v), qn = f32(d, q_norm), kn = f32(d, k_norm);
     Dev kc = cache_in(d, k_cache), vc = cache_in(d, v_cache);
     const std::vector<int64_t> qs{int64_t(p.shape(0)), int64_t(p.shape(1) / 2)};
     Dev q(d, DType::F32, qs), g(d, DType::F32, qs), o(d, DType::F32, qs);
-    Pos ps(d, pos0);
+    Pos ps(d, pos0, rope_delta);
     ops::gated_attention(pi.t, ki.t, vi.t, qn.t, kn.t, eps, rotary_dim, theta, kc.t, vc.t, q.t, g.t, o.t, nH, nKV,
                          ps.pos);
     return nb::make_tuple(out_f32(q), out_f32(g), out_f32(o), cache_out(kc), cache_out(vc));
-  });
+  }, nb::arg("device"), nb::arg("p"), nb::arg("k"), nb::arg("v"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
+     nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
+     nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
+     "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t.");
   m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), gi = f32(d, g);
@@ -381,7 +387,7 @@ void init_ops(nb::module_& parent) {
     return out_f32(l);
   }, nb::arg("device"), nb::arg("logits"), nb::arg("mask"),
      "logits with -inf where bit v of mask (int32 words, llguidance's layout) is 0.");
-  // The vision tower's ops (CPU only for now; other devices raise, ops.h).
+  // The vision tower's ops and the multimodal RoPE.
   m.def("layer_norm", [](const std::string& device, const F32In& x, const F32In& w, const F32In& b, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), bi = f32(d, b), y(d, DType::F32, shape_of(x));
@@ -425,7 +431,9 @@ void init_ops(nb::module_& parent) {
     const Device d = parse_device(device);
     const int64_t N = int64_t(qkv.shape(0)), W = int64_t(qkv.shape(1)) / 3;
     Dev xi = f32(d, qkv), si = i32(d, starts), o(d, DType::F32, {N, W});
-    ops::vision_attention(xi.t, o.t, si.t, num_heads);
+    const int64_t D = num_heads > 0 ? W / num_heads : 0;
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::vision_attention_workspace_elems(d, N, num_heads, D))});
+    ops::vision_attention(xi.t, o.t, si.t, num_heads, ws.t);
     return out_f32(o);
   }, nb::arg("device"), nb::arg("qkv"), nb::arg("starts"), nb::arg("num_heads"));
 }

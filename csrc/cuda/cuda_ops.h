@@ -49,10 +49,12 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
                       const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
                       const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim);
 bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
-// attention.cu: pos points to the I32 position of the chunk's first token in device memory.
-// k_cache, v_cache are BF16.
+// attention.cu: pos points to the I32 position of the chunk's first token in device memory; rope_delta is
+// added to it for the rotations only (ops::Position). k_cache, v_cache are BF16.
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
-void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos);
+void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos, int64_t rope_delta);
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos);  // pos [T, 3] I32 in device memory
 void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos);
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
                int num_heads, int num_kv_heads, const int32_t* pos);
@@ -64,7 +66,16 @@ bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, con
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
                      const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
-                     const int32_t* pos);
+                     const int32_t* pos, int64_t rope_delta);
+// vision.cu / kernels/vision*.cuh: the vision tower's ops (pos and starts in device memory).
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
+void add_bias(const Tensor& x, const Tensor& bias);
+void gelu(const Tensor& x, bool tanh_approx);
+void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_h, int grid_w, const Tensor& y);
+void vision_rope(const Tensor& qkv, const Tensor& pos, int num_heads, double theta);
+void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads,
+                      const Tensor& workspace);
+int64_t vision_attention_workspace_elems(int64_t N, int64_t num_heads, int64_t head_dim);
 // sample.cu
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);

@@ -12,6 +12,8 @@
 //                    X converted to bf16 into the op's workspace first); a gated product (a.up set) as
 //                    one GATED product where use_gated_wgmma holds, else as its gate and up products
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
+//   use_dense_gemm:  T > 8, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte aligned operands
+//                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored)
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
 #include <cstdint>
@@ -84,6 +86,13 @@ static bool use_wgmma_gemm(const LinearArgs& a) {
 
 static bool use_tensor_gemm(const LinearArgs& a) {
   return is_fast_affine(a.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
+}
+
+// Dense BF16 weights of a prefill-sized product (decode-sized ones keep fp32 products, docs/numerics.md): rows of
+// whole 16-byte chunks, X rows and W 16-byte aligned. Dense products only (no tile maps: linear(), not linear_tiles).
+static bool use_dense_gemm(const LinearArgs& a) {
+  return a.w.bits == 0 && a.w.dtype == DType::BF16 && a.tiles.M > GEMV_MAX_TOKENS && a.w.cols % 8 == 0 &&
+         is_aligned16(a.w.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
 }
 
 // The power of two covering a row's 16-byte chunks in one step, at most a CTA.
@@ -472,6 +481,11 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
       run_gemv(w, e, row_block(x, t0, n), row_block(y, t0, n));
     }
     return;
+  }
+  if (use_dense_gemm(a)) {
+    LILY_CHECK(ceil_div<int64_t>(T, GEMM_BM) <= INT32_MAX && ceil_div<int64_t>(w.rows, GEMM_BN) <= 65535, "linear: ", T,
+               " x ", w.rows, " exceeds the grid");
+    return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
   }
   XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);

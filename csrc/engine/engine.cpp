@@ -114,11 +114,9 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
   const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
   const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
   const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
+  // After a prompt with images, text tokens turn by their index + pos.rope_delta (docs/model.md section 8.5).
   const ops::Position pos = f.position;
-  // After a prompt with images, text tokens turn by their index + rope_delta (docs/model.md section 8.5).
-  LILY_CHECK(f.rope_delta == 0 || device() == Device::CPU, "attention: a rope offset (images) on ", device_name(device()));
-  const ops::Position rope_at{pos.host + f.rope_delta, pos.device};
-  if (T == 1 && !rope_pos && f.rope_delta == 0) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
+  if (T == 1 && !rope_pos) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
     ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
                          kc, vc, q, gate, o, int(nH), int(nKV), pos);
   } else {
@@ -129,8 +127,8 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
       ops::mrope(q, int(nH), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
       ops::mrope(k, int(nKV), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
     } else {
-      ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, rope_at);
-      ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, rope_at);
+      ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
+      ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
     }
     ops::kv_cache_write(k, kc, pos);
     ops::kv_cache_write(v, vc, pos);
@@ -179,9 +177,16 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   ops::embedding(*weights_->embed_tokens, ids, xs);
   Tensor rope_pos;  // [T, 3] the chunk's multimodal positions, when its prompt has images
   if (images) {     // the image tokens' embeddings are the vision tower's merged tokens
-    for (int64_t i = 0; i < images->n; ++i)
-      if (images->rows[i] >= t0 && images->rows[i] < t0 + T)
-        x.x.upload(images->embeds + i * H, size_t(H) * 4, size_t((images->rows[i] - t0) * H) * 4);
+    for (int64_t i = 0; i < images->n;) {
+      if (images->rows[i] < t0 || images->rows[i] >= t0 + T) {
+        ++i;
+        continue;
+      }
+      int64_t j = i + 1;  // rows i..j-1: consecutive and inside the chunk, one upload
+      while (j < images->n && images->rows[j] == images->rows[j - 1] + 1 && images->rows[j] < t0 + T) ++j;
+      x.x.upload(images->embeds + i * H, size_t((j - i) * H) * 4, size_t((images->rows[i] - t0) * H) * 4);
+      i = j;
+    }
     x.rope_pos.upload(images->positions + 3 * t0, size_t(T) * 12);
     rope_pos = Tensor::of(x.rope_pos.data(), DType::I32, device(), {T, 3});
   }

@@ -34,7 +34,7 @@ class Engine {
   // The vision tower (docs/model.md section 8, engine/vision.cpp) on n images: pixels [N, patch_dim] host
   // floats, the patches of every image in merge-block order, image after image; grids[i] = (t, h, w),
   // image i's grid in patches (t = 1). Writes the merged tokens [N / m^2, hidden_size] to out (host).
-  // Runs on the CPU only for now (raises on CUDA) and raises without a vision tower.
+  // Allocates its work space per call (on the engine's device) and raises without a vision tower.
   void encode_images(const float* pixels, int64_t N, const std::vector<std::array<int, 3>>& grids, float* out) const;
 
  private:

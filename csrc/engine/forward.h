@@ -69,8 +69,8 @@ struct ForwardContext {
   std::vector<LayerState>& next;
   int64_t max_context;              // rows of each KV cache
   int64_t chunk;                    // tokens the scratch holds
-  ops::Position position;           // the chunk's first token
-  int64_t rope_delta;               // after a prompt with images: text rotates by index + rope_delta
+  ops::Position position;           // the chunk's first token; rope_delta: text after images rotates by
+                                    // index + rope_delta
   std::map<std::string, Trace>* trace;
 };
 

@@ -165,9 +165,8 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
 }
 
 ForwardContext Session::forward_context(bool decode) {
-  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data())};
-  return {s_, layers_, decode ? spare_ : layers_, max_context_, chunk_, position, rope_delta_,
-          tracing ? &trace : nullptr};
+  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data()), rope_delta_};
+  return {s_, layers_, decode ? spare_ : layers_, max_context_, chunk_, position, tracing ? &trace : nullptr};
 }
 
 void Session::flip_state() {
@@ -283,6 +282,11 @@ void Session::decode_from_device() {
   // outside the capture; later steps replay the graph captured for the current state copy (the two
   // graphs differ only in which copy they read and which they write).
   if (use_graph && engine_->device() != Device::CPU && !tracing && !profiler && eager_steps_ > 0) {
+    // The rope offset is a kernel argument (ops::Position): graphs captured with another one are stale.
+    if (graph_rope_delta_ != rope_delta_) {
+      for (DeviceGraph& g : decode_graph_) g = DeviceGraph();
+      graph_rope_delta_ = rope_delta_;
+    }
     DeviceGraph& graph = decode_graph_[copy_];
     if (graph.empty()) graph = DeviceGraph(engine_->device(), step);
     graph.launch();
@@ -364,8 +368,6 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
   if (images) {
-    LILY_CHECK(engine_->device() == Device::CPU, "prefill: images are not implemented on CUDA yet; use "
-               "device='cpu' for images");
     for (int64_t i = 0; i < images->n; ++i)
       LILY_CHECK(images->rows[i] >= (i ? images->rows[i - 1] + 1 : 0) && images->rows[i] < T, "prefill: image row ",
                  i, " (", images->rows[i], ") is not increasing within the prompt of ", T, " tokens");

@@ -66,7 +66,7 @@ class Session {
   Session(std::shared_ptr<const Engine> engine, int64_t max_context, int64_t chunk);
 
   // Runs T tokens; writes the logits of the last token [V], or of every token [T, V] if all_logits.
-  // images: the prompt's images (CPU only for now), or null.
+  // images: the prompt's images, or null.
   void prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits, const PromptImages* images = nullptr);
   // One token; on GPUs a replay of the captured decode graph when use_graph is set.
   void decode_step(int32_t id, float* logits);
@@ -164,6 +164,7 @@ class Session {
   HostBuffer host_;
   DeviceFence sampled_fence_;  // recorded after a sample's result copy
   DeviceGraph decode_graph_[2];  // per state copy (each reads one copy and writes the other)
+  int64_t graph_rope_delta_ = 0;  // rope_delta_ when decode_graph_ was captured
   int64_t eager_steps_ = 0;
 };
 

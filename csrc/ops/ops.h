@@ -11,9 +11,13 @@ namespace lily::ops {
 // Where a chunk starts in the sequence. The CPU backend reads `host`; GPU backends read `device`
 // (an I32 [1] in device memory) so that a captured decode graph replays at any position. The
 // engine keeps the two equal; `host` also bounds work on the GPU (positions never exceed it).
+// rope_delta: the rotary ops (rope, gated_attention) turn token t by position + t + rope_delta, while
+// caches and attention index rows by position + t (text after an image, docs/model.md section 8.5;
+// 0 otherwise). GPU kernels take it as an argument: a captured graph holds the delta it was captured with.
 struct Position {
   int64_t host = 0;
   const int32_t* device = nullptr;
+  int64_t rope_delta = 0;
 };
 
 // y[t, :] = dequant(table)[ids[t], :].  ids [T] I32, y [T, H].
@@ -110,7 +114,7 @@ bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t nu
 // Splits q_proj's per-head [query | gate] rows.  p [T, nH*2D] -> q, gate [T, nH*D].
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 
-// Rotate-half RoPE on the first rotary_dim dims of every head, token t at position pos0 + t.
+// Rotate-half RoPE on the first rotary_dim dims of every head, token t at position pos0 + t + pos.rope_delta.
 // x [T, n*D] in place.
 void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const Position& pos);
 
@@ -124,6 +128,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
 
 // The gated-attention core of a full-attention layer, between the q|k|v and o projections:
 //   q, gate = split_q_gate(p);  q = rope(rms_norm(q, q_norm));  k = rope(rms_norm(k, k_norm));
+//   (rope at pos0 + t + pos.rope_delta)
 //   k_cache[pos0 + t] = k;  v_cache[pos0 + t] = v;  o = attention(q, caches) * sigmoid(gate).
 // Exactly that sequence of ops on the CPU (bit-identical) and wherever a backend has no fused
 // form; on CUDA for T = 1 and the tensor-core head dims it is two kernels (docs/cuda.md).
@@ -226,10 +231,9 @@ void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
 // tokens (a discarded decode step).
 void advance_position(int32_t* pos_device, Device device, int64_t T);
 
-// ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp. They have CPU implementations
-// only for now: on another device each raises "<op>: not implemented on CUDA yet; use device='cpu' for
-// images". Patches are listed in merge-block order: blocks of m x m patches row-major, the blocks of an
-// image row-major; pos [N, 2] I32 holds each patch's (row, column) in its image's grid of patches.
+// ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp; CPU and CUDA. Patches are listed in
+// merge-block order: blocks of m x m patches row-major, the blocks of an image row-major; pos [N, 2] I32
+// holds each patch's (row, column) in its image's grid of patches.
 
 // y[r, :] = (x[r, :] - mean(x[r, :])) / sqrt(var(x[r, :]) + eps) * weight + bias, var the biased
 // (population) variance.  x, y [R, D] (y may alias x); weight, bias [D].
@@ -264,5 +268,9 @@ void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const s
 // Non-causal attention of each image's patches among themselves: rows [starts[i], starts[i+1]) form
 // image i. Per head h: o_t = sum_s softmax_s(q_t . k_s / sqrt(D)) v_s over the rows s of t's image.
 // qkv [N, 3*nH*D] (q | k | v); o [N, nH*D]; starts [n+1] I32, 0 = starts[0] < ... < starts[n] = N.
-void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads);
+// workspace [vision_attention_workspace_elems(device, N, nH, D)] BF16: on CUDA q, k and v as bf16 per
+// head (the tensor cores' operands); on the CPU that size is 0: not read, and it may be an empty tensor.
+void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads,
+                      const Tensor& workspace);
+int64_t vision_attention_workspace_elems(Device device, int64_t N, int64_t num_heads, int64_t head_dim);
 }  // namespace lily::ops

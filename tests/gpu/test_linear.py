@@ -55,6 +55,8 @@ def both(m: dict):
 def path_of(m: dict, T: int) -> str:
     """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
     fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
+    if m.get("bits", 0) == 0 and m["dtype"] == "BF16" and T > 8 and m["cols"] % 8 == 0:
+        return "linear_gemm"  # dense BF16 weights on the mma.sync GEMM (use_dense_gemm)
     if not fast:
         return "linear_generic"
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
@@ -87,6 +89,19 @@ def test_linear_variants(bits, group, sdt, T, gpu_tol):
     if bits == 0 and T >= 99:
         rows, cols = 131, 77
     m = random_matrix(rng, 2, rows, cols, bits, group, sdt)
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), path_of(m, T), gpu_tol)
+
+
+# Dense BF16 weights (the vision tower's) from T = 9 on take the tensor-core GEMM with the weights as stored:
+# odd row counts, a K with a partial k-tile (4304 % 64 = 16), the tower's shapes, and both stack entries.
+@pytest.mark.parametrize("T, rows, cols", [(8, 19, 8), (9, 19, 8), (65, 131, 72), (300, 3456, 1152),
+                                           (257, 1152, 4304), (100, 2048, 4608), (70, 1152, 1536), (1, 64, 64)])
+def test_linear_dense_bf16(T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T + rows + cols)
+    m = random_matrix(rng, 2, rows, cols, 0, 0, "BF16")
     wc, wg = both(m)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     for e in (0, 1):
