@@ -328,8 +328,15 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   float xs[C];
   if (tid < D) {  // column tid of beta V
     const float* v = p.qkv + int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + tid;
+    // every load issued before the first use (one memory latency, not 64: a load under `t < n` was
+    // a branch with its use inside); rows past the prompt re-read row n - 1 and are then dropped
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = t < n ? sm.beta[t] * v[t * Wd] : 0.f;
+    for (int t = 0; t < C; ++t) xs[t] = v[min(t, n - 1) * int(Wd)];  // (63 Wd fits in 32 bits)
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      const float bv = sm.beta[t] * xs[t];  // (read unconditionally: no predicated shared loads)
+      xs[t] = t < n ? bv : 0.f;
+    }
   } else {  // column tid - D of beta exp(G) K
 #pragma unroll
     for (int t = 0; t < C; ++t) xs[t] = sm.beta[t] * sm.eG[t] * sm.k[t][tid - D];
