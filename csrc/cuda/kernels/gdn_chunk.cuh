@@ -230,36 +230,44 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;  // qkv row width
   float* blk = p.ws + (int64_t(ch) * p.Hv + h) * BLOCK;
 
-  // 1. gates; q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i)
-  if (tid < C) {
-    float beta = 0.f, g = 0.f;
-    if (tid < n) {
-      const int64_t i = int64_t(t0 + tid) * p.Hv + h;
-      beta = 1.f / (1.f + expf(-p.b[i]));
-      g = -expf(p.A_log[h]) * softplus(p.a[i] + p.dt_bias[h]);
-    }
-    sm.beta[tid] = beta;
-    sm.g[tid] = g;
+  // 1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i); gates. Every global
+  // load of the phase is issued before the first use of any (one memory latency per warp): the gate
+  // inputs of token tid first, the gates computed after the rows.
+  float b_in = 0.f, a_in = 0.f, A_log = 0.f, dt_bias = 0.f;
+  if (tid < n) {
+    const int64_t i = int64_t(t0 + tid) * p.Hv + h;
+    b_in = p.b[i];
+    a_in = p.a[i];
+    A_log = p.A_log[h];
+    dt_bias = p.dt_bias[h];
   }
-  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32), BATCH = 8;  // 16 rows, loads 8 at a time
+  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32);  // 16
   const float q_scale = 1.f / sqrtf(float(D));
+  {
+    float4 x[ROWS_PER_WARP];
 #pragma unroll
-  for (int i0 = 0; i0 < ROWS_PER_WARP; i0 += BATCH) {
-    float4 x[BATCH];  // the batch's loads all in flight before the first reduction
-#pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
       x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (t < n) x[i] = ld4(p.qkv + (t0 + t) * Wd + is_k * int64_t(p.Hk) * D + int64_t(kh) * D + 4 * lane);
     }
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
       const float ss = warp_sum(x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w);
       const float f = (is_k ? 1.f : q_scale) / sqrtf(ss + 1e-6f);  // rows past n: 0 * f = 0
       st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, scale4(f, x[i]));
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
+  }
+  if (tid < C) {
+    float beta = 0.f, g = 0.f;
+    if (tid < n) {
+      beta = 1.f / (1.f + expf(-b_in));
+      g = -expf(A_log) * softplus(a_in + dt_bias);
+    }
+    sm.beta[tid] = beta;
+    sm.g[tid] = g;
   }
   __syncthreads();
 
