@@ -196,7 +196,7 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 // prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
 //   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
 //      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
-//      are zeros.
+//      are zeros. All 16 rows of a warp and the gate inputs are loaded before any is used.
 //   2. G = inclusive prefix sum of g in fp64 (warp 0 shuffle scan): exp(G_t - G_s) is formed from an
 //      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
 //      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
@@ -208,8 +208,12 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 //      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
 //      s <= t < n, else 0 (exp of a positive exponent is never taken).
 //   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
-//      c of U (V read from global memory), thread c >= 128 column c - 128 of W; the column's 64
-//      values stay in registers (loops fully unrolled), A rows are shared-memory broadcasts. fp32 FMA.
+//      c of U (V read from global memory, all 64 loads issued before the first use), thread c >= 128
+//      column c - 128 of W; the column's 64 values stay in registers (loops fully unrolled), A rows are
+//      shared-memory broadcasts. fp32 FMA.
+// A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
+// a full memory latency each: the loads here are unconditional (clamped rows) or use-free in their
+// branch, and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
 struct PrepSmem {
