@@ -22,6 +22,7 @@ void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, c
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
 int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
+int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);  // the least moe accepts
 // norms.cu, elementwise.cu, gated_delta.cu
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);

@@ -6,8 +6,10 @@
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
-//                    X converted to bf16 into the op's workspace first); a gated product (a.up set) as
-//                    one GATED product where use_gated_wgmma holds, else as its gate and up products
+//                    X converted to bf16 into the op's workspace first, unless its producer wrote it so:
+//                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds,
+//                    else as its gate and up products; a GATED product may store its output as the next
+//                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
@@ -70,13 +72,13 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
 // The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
 // inside K, one or two scale groups per k-tile (a power-of-two group: the kernel shifts, it does not
 // divide), scale indices in 32 bits, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its
-// TMA map: rows of K/2 bytes, a multiple of 32).
+// TMA map: rows of K/2 bytes, a multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
 static bool use_wgmma_gemm(const LinearArgs& a) {
   const int gs = a.w.group_size;
   return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
          (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
          a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
-         a.ldx % 4 == 0 && is_aligned16(a.x);
+         (a.xb != nullptr ? is_aligned16(a.xb) : a.ldx % 4 == 0 && is_aligned16(a.x));
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
@@ -334,7 +336,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: no 32-wide groups, no split-K) takes the GATED instances, same rules.
 static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
-  const uint16_t* xb = xb_rows(a, x_count, xb_copy);
+  const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
   const int64_t col_tiles = wgmma_col_tiles(a);
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
@@ -368,6 +370,10 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
               : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
+bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_gemm(a); }
+
+bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
+
 bool linear_wide_tiles(const LinearArgs& a) {
   if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
   return use_wgmma_gemm(a) && a.w.group_size != 32;
@@ -375,6 +381,10 @@ bool linear_wide_tiles(const LinearArgs& a) {
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
+  LILY_CHECK(a.xb == nullptr || linear_reads_xb(a), "linear: X given only as bf16 (xb) needs the wgmma GEMM, which ",
+             "does not take this ", a.w.bits, "-bit product of ", a.w.cols, " inputs");
+  LILY_CHECK(a.yb == nullptr || linear_writes_xb(a), "linear: a bf16 output (yb) needs a gated product on the ",
+             "GATED wgmma GEMM, which does not take this one");
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
   if (a.up.w != nullptr) {

@@ -127,7 +127,8 @@ struct MoeScratch {
   Tensor down;           // [R, H] F32
   Tensor shared_gate;    // [C, 1] F32
   Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
-  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only)
+  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only;
+                         // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for
