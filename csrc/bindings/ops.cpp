@@ -153,6 +153,21 @@ void init_ops(nb::module_& parent) {
     ops::gated_rms_norm(xi.t, zi.t, wi.t, eps, y.t);
     return out_f32(y);
   });
+  m.def("linear_xb_supported", [](const QMatrix& w, int64_t T) {
+    return ops::linear_xb_supported(w.weight.device(), w, T);
+  }, nb::arg("w"), nb::arg("T"), "Whether linear_xb takes T rows over w (CUDA: the wgmma GEMM).");
+  m.def("gated_rms_norm_linear_xb", [](const QMatrix& w, const F32In& x, const F32In& z, const F32In& nw, float eps) {
+    const Device d = w.weight.device();
+    LILY_CHECK(int64_t(x.size()) % w.cols == 0, "gated_rms_norm_linear_xb: x's ", x.size(),
+               " values are no whole rows of ", w.cols);
+    const int64_t T = int64_t(x.size()) / w.cols;
+    Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, nw), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::gated_rms_norm_xb(xi.t, zi.t, wi.t, eps, ws.t);
+    ops::linear_xb(w, ws.t, y.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("z"), nb::arg("weight"), nb::arg("eps"),
+     "linear(w, gated_rms_norm(x, z) seen as [T, w.cols]) with the norm writing linear's bf16 X (GDN out_proj).");
   m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state) {
     const Device d = parse_device(device);
     Dev ui = f32(d, u), wi = f32(d, w), st = f32(d, state), y(d, DType::F32, shape_of(u));

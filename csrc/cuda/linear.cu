@@ -453,6 +453,40 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 
+// The product linear runs over T > GEMV_MAX_TOKENS rows (no GEMV), with X given as Xb at `xb` (16-byte
+// aligned: a workspace).
+static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int64_t T) {
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.xb = xb;
+  a.y = y;
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  return a;
+}
+
+// linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
+// take (T > GEMV_MAX_TOKENS; the blocked GEMV below 32 rows only where the GEMM does not apply) and
+// use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only its alignment is read.
+bool linear_xb_supported(const QMatrix& w, int64_t T) {
+  alignas(16) static const uint16_t aligned[8] = {};
+  return T > GEMV_MAX_TOKENS && w.num_stack == 1 && linear_reads_xb(xb_product(w, aligned, nullptr, T));
+}
+
+// linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same
+// product, tiles and split-K choice (the XbCopy holds "X" there, the partials go after it), so the same
+// bits as converting x there first.
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {
+  const int64_t T = y.dim(0);
+  LILY_CHECK(linear_xb_supported(w, T), "linear_xb: ", T, " rows of a ", w.bits, "-bit ", w.rows, "x", w.cols,
+             " matrix do not run on the wgmma GEMM");
+  LILY_CHECK(is_aligned16(workspace.data) && workspace.numel() >= T * w.cols, "linear_xb: the workspace (",
+             workspace.numel(), " elements) does not hold X as bf16 [", T, ", ", w.cols, "] at a 16-byte address");
+  const LinearArgs a = xb_product(w, workspace.ptr<uint16_t>(), y.ptr<float>(), T);
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel(), nullptr, 0, T, w.cols};
+  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
+}
+
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {
   const int64_t T = ids.dim(0);
   if (T == 0 || table.cols == 0) return;

@@ -35,10 +35,12 @@ class Engine {
   void encode_images(const float* pixels, int64_t N, const std::vector<std::array<int, 3>>& grids, float* out) const;
 
  private:
-  // A mixer's output projection, not yet applied: the caller adds w x into the residual stream.
+  // A mixer's output projection, not yet applied: the caller adds w x into the residual stream. x_in_xb:
+  // the mixer wrote x as bf16 into the linear workspace (ops::linear_xb reads it; x is empty then).
   struct Projection {
     const QMatrix* w;
     Tensor x;
+    bool x_in_xb = false;
   };
   Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const;
   // rope_pos: the chunk's (t, h, w) positions [T, 3] when its prompt has images (multimodal RoPE), else null.

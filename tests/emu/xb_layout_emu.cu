@@ -6,8 +6,9 @@
 //   gated:  wg_store_gated's yb stores for every thread of every (row tile, 128-output column tile) of a
 //           GATED product (BM 64 and 128; ragged row and output ends), checked to write every element
 //           exactly once and the same bits as wgx;
-//   norm:   gated_rms_norm_xb's stores (kernels/norms.cuh: each head row's element d at wg_xb_pos(d) of
-//           the row), checked against wgx of the [T, heads*D] matrix.
+//   norm:   gated_rms_norm_xb's stores (kernels/norms.cuh: thread j of a head row [D] packs its values
+//           8j+c and 8j+c+4 into word c of one 16-byte store at 8j), checked against wgx of the matrix
+//           [T, heads*D] that out_proj reads (the same Xb when D % 8 == 0).
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
 #include <cmath>
 #include <cstdio>
@@ -138,8 +139,8 @@ static bool run_gated(int64_t M, int64_t N, std::mt19937& rng) {
   return failures == before;
 }
 
-// gated_rms_norm_xb: x [T*heads, D] head rows, output row i's element d at xb[i*D + wg_xb_pos(d)]; the
-// matrix [T, heads*D] that out_proj reads has the same Xb when D % 8 == 0.
+// gated_rms_norm_xb over head rows [T*heads, D]: row i, thread j stores {pack(v[8j+c], v[8j+c+4]), c = 0..3}
+// at xb[i*D + 8j]; also each element sits at wg_xb_pos of its column in [T, heads*D].
 static bool run_norm(int64_t T, int64_t heads, int64_t D, std::mt19937& rng) {
   const int before = failures;
   const int64_t K = heads * D;
@@ -147,8 +148,17 @@ static bool run_norm(int64_t T, int64_t heads, int64_t D, std::mt19937& rng) {
   const std::vector<uint16_t> ref = wgx(y, T, K);
   std::vector<uint16_t> xb(size_t(T * K), 0xdead);
   for (int64_t i = 0; i < T * heads; ++i)
-    for (int64_t d = 0; d < D; ++d) xb[size_t(i * D + wg_xb_pos(d))] = wg_bf16(y[size_t(i * D + d)]);
+    for (int64_t j = 0; j < D / 8; ++j) {
+      const float* v = &y[size_t(i * D + 8 * j)];
+      const uint32_t q[4] = {wg_pack_bf16x2(v[0], v[4]), wg_pack_bf16x2(v[1], v[5]), wg_pack_bf16x2(v[2], v[6]),
+                             wg_pack_bf16x2(v[3], v[7])};
+      std::memcpy(&xb[size_t(i * D + 8 * j)], q, 16);
+    }
   for (size_t i = 0; i < xb.size(); ++i) expect(xb[i] == ref[i], "norm: xb != wgx", long(i), long(xb[i]));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      expect(xb[size_t(t * K + wg_xb_pos(k))] == wg_bf16(y[size_t(t * K + k)]), "norm: X[t, k] not at wg_xb_pos(k)",
+             long(t), long(k));
   std::printf("%s norm T %ld, heads %ld, D %ld\n", failures == before ? "ok  " : "FAIL", long(T), long(heads), long(D));
   return failures == before;
 }

@@ -55,12 +55,7 @@ namespace lily::cuda {
 
 constexpr int WG_BN = 256, WG_BK = 64;
 
-// Physical k (0..63 inside a k-tile) at logical position lk of the operands; host and device.
-__host__ __device__ constexpr int wg_phys_k(int lk) { return (lk & ~7) | ((lk >> 1) & 3) | ((lk & 1) << 2); }
-// Position of X's k in its Xb row (wg_phys_k's inverse inside each aligned block of 8 k values):
-// X[r, k] is Xb[r, wg_xb_pos(k)]. A producer writing Xb itself (LinearArgs::yb, gated_rms_norm_xb) stores
-// bf16_rn(X[r, k]) there: the bits wgx_bf16_kernel would write.
-__host__ __device__ constexpr int64_t wg_xb_pos(int64_t k) { return (k & ~int64_t(7)) | ((k & 3) << 1) | ((k >> 2) & 1); }
+// wg_phys_k, wg_xb_pos (the k permutation of Xb) and the bf16 rounding: xb_layout.cuh.
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
