@@ -105,8 +105,9 @@ int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
 }
 
 // The gated product g writes its activation rows as the down product p's Xb at xb (LinearArgs::yb and
-// ::xb) where both kernels take it; otherwise both stay as they are (F32 rows, converted by p).
-static void hand_over_xb(LinearArgs& g, LinearArgs& p, uint16_t* xb) {
+// ::xb) where both kernels take it (returns true); otherwise both stay as they are (F32 rows, converted
+// by p).
+static bool hand_over_xb(LinearArgs& g, LinearArgs& p, uint16_t* xb) {
   LinearArgs gx = g, px = p;
   gx.yb = xb;
   gx.y = nullptr;
@@ -114,9 +115,10 @@ static void hand_over_xb(LinearArgs& g, LinearArgs& p, uint16_t* xb) {
   px.xb = xb;
   px.x = nullptr;
   px.ldx = 0;
-  if (!linear_writes_xb(gx) || !linear_reads_xb(px)) return;
+  if (!linear_writes_xb(gx) || !linear_reads_xb(px)) return false;
   g = gx;
   p = px;
+  return true;
 }
 
 static Tensor rows_of(const Tensor& t, int64_t row0, int64_t n) {
@@ -405,13 +407,15 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
                                      *w.shared_up_proj, sg.ptr<float>()),
                                T);
   LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
-  // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them
+  // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
+  // neither pair hands over)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
-    xb.capacity = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
-    uint16_t* routed_xb = xb.data + xb.capacity;
-    hand_over_xb(routed_up, routed_down, routed_xb);
-    hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
+    const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
+    uint16_t* routed_xb = xb.data + copy;
+    const bool routed = hand_over_xb(routed_up, routed_down, routed_xb);
+    const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
+    if (routed || shared) xb.capacity = copy;
   }
   linear_tiles(routed_up, r.max_tiles, T, xb);
   linear_tiles(shared_up, shared_tiles, T, xb);
