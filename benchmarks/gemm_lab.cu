@@ -26,7 +26,10 @@
 // one product, against the two-product TMA run on the same inputs (the gate product into y, then the
 // up product with the SwiGLU epilogue: linear.cu's fallback). "wgmma-tma 2 products" is that run;
 // for "wgmma-tma gated" the "vs wgmma" columns are against it: time ratio, and the output, which must
-// be bit-identical (every float) or FAIL. Both times include one X -> bf16 conversion.
+// be bit-identical (every float) or FAIL. Both times include one X -> bf16 conversion. Two more rows per
+// gated problem time the Xb hand-over (docs/cuda.md): the GATED product then wgx_bf16_kernel of its F32
+// output (what the down product converted), against the GATED product storing that Xb itself (a.yb),
+// whose bits must equal the conversion's (FAIL otherwise).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -376,10 +379,12 @@ static int gated_bm(const Problem& p) {
 }
 
 // A gated problem on copy `copy`: X -> bf16, then the GATED product, or (two) the gate product into y
-// and the up product with SwiGLU, as linear.cu's fallback runs them.
-static void launch_gated(const Problem& p, int copy, bool two) {
+// and the up product with SwiGLU, as linear.cu's fallback runs them. yb (GATED only): the output as the
+// next product's Xb there instead of y (LinearArgs::yb, moe.cu's hand-over).
+static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nullptr) {
   launch_x_bf16(p);
   LinearArgs a = p.args(copy, true);
+  a.yb = yb;
   if (two) {
     LinearArgs g = a, u = a;
     g.row_scale = nullptr;
@@ -588,9 +593,36 @@ static void gated_row(Problem& p, bool timed) {
     ok[v] = bad[v] == 0 && err[v] <= 1e-2 && std::isfinite(err[v]);
   }
   ok[1] = ok[1] && differ == 0;
-  double t[2] = {0, 0};
-  if (timed)
+  // The Xb hand-over (docs/cuda.md): the GATED product storing its output as the down product's Xb must
+  // leave the bits wgx_bf16_kernel makes from the F32 output (host: wg_pack_bf16x2 at wg_xb_pos).
+  uint16_t *dyb = nullptr, *dconv = nullptr;
+  CK(cudaMalloc(&dyb, MN * 2));
+  CK(cudaMalloc(&dconv, MN * 2));
+  CK(cudaMemset(dyb, 0xFF, MN * 2));
+  launch_gated(p, 0, false, dyb);
+  CK(cudaDeviceSynchronize());
+  std::vector<uint16_t> yb(MN);
+  CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+  int64_t xb_differ = 0;
+  for (int64_t r = 0; r < p.M; ++r)
+    for (int64_t o = 0; o < N; ++o)
+      xb_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[1][r * N + o]);
+  if (xb_differ) {
+    std::printf("FAIL: %s: gated Xb output: %lld of %lld values differ from wgx_bf16 of the F32 output\n", p.name,
+                (long long)xb_differ, (long long)MN);
+    ++g_failures;
+  }
+  double t[2] = {0, 0}, t_xb[2] = {0, 0};  // [0] gated + wgx_bf16 of its F32 output, [1] gated writing Xb
+  if (timed) {
     for (int v = 0; v < 2; ++v) t[v] = time_launches(p.w->copies, [&](int c) { launch_gated(p, c, v == 0); });
+    t_xb[0] = time_launches(p.w->copies, [&](int c) {
+      launch_gated(p, c, false);
+      wgx_bf16_kernel<<<unsigned(p.M), WGX_THREADS>>>(p.dy, N, N, dconv);
+    });
+    t_xb[1] = time_launches(p.w->copies, [&](int c) { launch_gated(p, c, false, dyb); });
+  }
+  CK(cudaFree(dyb));
+  CK(cudaFree(dconv));
   const double flop = 2.0 * 2.0 * p.M * N * K;
   const char* names[2] = {"wgmma-tma 2 products", "wgmma-tma gated"};
   const int bms[2] = {tma_bm(p), gated_bm(p)};
@@ -610,6 +642,16 @@ static void gated_row(Problem& p, bool timed) {
                   p.name, names[v], (long long)bad[v], (long long)MN, err[v], (long long)differ);
       ++g_failures;
     }
+  }
+  const char* xb_names[2] = {"wgmma-tma gated + X->bf16 of y", "wgmma-tma gated, Xb out"};
+  for (int v = 0; v < 2; ++v) {
+    if (timed)
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | | %s%.2fx | | | %s |\n", p.name, (long long)p.M,
+                  (long long)N, (long long)K, xb_names[v], bms[1], t_xb[v], v == 1 ? "" : "(ref) ", t_xb[0] / t_xb[v],
+                  v == 0 ? "" : xb_differ ? "FAIL" : "bits = wgx of y");
+    else if (v == 1)
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | | %s |\n", p.name, (long long)p.M, (long long)N,
+                  (long long)K, xb_names[v], bms[1], xb_differ ? "FAIL" : "bits = wgx of y");
   }
   std::fflush(stdout);
 }

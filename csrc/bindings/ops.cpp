@@ -178,6 +178,21 @@ void init_ops(nb::module_& parent) {
     ops::gated_rms_norm(xi.t, zi.t, wi.t, eps, y.t);
     return out_f32(y);
   });
+  m.def("linear_xb_supported", [](const QMatrix& w, int64_t T) {
+    return ops::linear_xb_supported(w.weight.device(), w, T);
+  }, nb::arg("w"), nb::arg("T"), "Whether linear_xb takes T rows over w (CUDA: the wgmma GEMM).");
+  m.def("gated_rms_norm_linear_xb", [](const QMatrix& w, const F32In& x, const F32In& z, const F32In& nw, float eps) {
+    const Device d = w.weight.device();
+    LILY_CHECK(int64_t(x.size()) % w.cols == 0, "gated_rms_norm_linear_xb: x's ", x.size(),
+               " values are no whole rows of ", w.cols);
+    const int64_t T = int64_t(x.size()) / w.cols;
+    Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, nw), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::gated_rms_norm_xb(xi.t, zi.t, wi.t, eps, ws.t);
+    ops::linear_xb(w, ws.t, y.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("z"), nb::arg("weight"), nb::arg("eps"),
+     "linear(w, gated_rms_norm(x, z) seen as [T, w.cols]) with the norm writing linear's bf16 X (GDN out_proj).");
   // The carried-state ops take out_of_place: False updates the state in place and returns (outputs...,
   // new state); True writes the new state to a separate buffer (pre-filled with NaN, so an element the
   // op fails to write shows) and also returns the input state as the op left it (it must not change).
@@ -296,7 +311,7 @@ void init_ops(nb::module_& parent) {
   });
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                  const QMatrix& shared_expert_gate, const F32In& h, int top_k) {
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -304,11 +319,16 @@ void init_ops(nb::module_& parent) {
     Dev hi = f32(d, h), out(d, DType::F32, {T, H}), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    const int64_t xn = xb_elems > 0 ? xb_elems : ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k);
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, xn)});
     ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
-  });
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
+     nb::arg("xb_elems") = 0,
+     "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
+     "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in).");
   m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                       const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                       const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {

@@ -14,6 +14,8 @@ void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y);
 void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor& y, const Tensor& workspace);
 int64_t linear_workspace_elems(int64_t T, int64_t in);  // to allocate: X as bf16 + split-K room (short prompts)
 int64_t linear_x_elems(int64_t T, int64_t in);          // the least a workspace may hold: X as bf16
+bool linear_xb_supported(const QMatrix& w, int64_t T);  // linear_xb takes w over T rows (the wgmma GEMM)
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
@@ -32,10 +34,12 @@ void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, c
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
 int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
+int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);  // the least moe accepts
 // norms.cu, elementwise.cu, gated_delta.cu
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);
 void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,

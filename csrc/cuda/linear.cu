@@ -9,8 +9,10 @@
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
-//                    X converted to bf16 into the op's workspace first); a gated product (a.up set) as
-//                    one GATED product where use_gated_wgmma holds, else as its gate and up products
+//                    X converted to bf16 into the op's workspace first, unless its producer wrote it so:
+//                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds,
+//                    else as its gate and up products; a GATED product may store its output as the next
+//                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   use_dense_gemm:  T > 8, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte aligned operands
 //                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored)
@@ -75,13 +77,13 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
 // The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
 // inside K, one or two scale groups per k-tile (a power-of-two group: the kernel shifts, it does not
 // divide), scale indices in 32 bits, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its
-// TMA map: rows of K/2 bytes, a multiple of 32).
+// TMA map: rows of K/2 bytes, a multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
 static bool use_wgmma_gemm(const LinearArgs& a) {
   const int gs = a.w.group_size;
   return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
          (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
          a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
-         a.ldx % 4 == 0 && is_aligned16(a.x);
+         (a.xb != nullptr ? is_aligned16(a.xb) : a.ldx % 4 == 0 && is_aligned16(a.x));
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
@@ -352,7 +354,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: no 32-wide groups, no split-K) takes the GATED instances, same rules.
 static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
-  const uint16_t* xb = xb_rows(a, x_count, xb_copy);
+  const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
   const int64_t col_tiles = wgmma_col_tiles(a);
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
@@ -386,6 +388,10 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
               : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
+bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_gemm(a); }
+
+bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
+
 bool linear_wide_tiles(const LinearArgs& a) {
   if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
   return use_wgmma_gemm(a) && a.w.group_size != 32;
@@ -393,6 +399,10 @@ bool linear_wide_tiles(const LinearArgs& a) {
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
+  LILY_CHECK(a.xb == nullptr || linear_reads_xb(a), "linear: X given only as bf16 (xb) needs the wgmma GEMM, which ",
+             "does not take this ", a.w.bits, "-bit product of ", a.w.cols, " inputs");
+  LILY_CHECK(a.yb == nullptr || linear_writes_xb(a), "linear: a bf16 output (yb) needs a gated product on the ",
+             "GATED wgmma GEMM, which does not take this one");
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
   if (a.up.w != nullptr) {
@@ -488,6 +498,40 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
     return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
   }
   XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
+  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
+}
+
+// The product linear runs over T > GEMV_MAX_TOKENS rows (no GEMV), with X given as Xb at `xb` (16-byte
+// aligned: a workspace).
+static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int64_t T) {
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.xb = xb;
+  a.y = y;
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  return a;
+}
+
+// linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
+// take (T > GEMV_MAX_TOKENS; the blocked GEMV below 32 rows only where the GEMM does not apply) and
+// use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only its alignment is read.
+bool linear_xb_supported(const QMatrix& w, int64_t T) {
+  alignas(16) static const uint16_t aligned[8] = {};
+  return T > GEMV_MAX_TOKENS && w.num_stack == 1 && linear_reads_xb(xb_product(w, aligned, nullptr, T));
+}
+
+// linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same
+// product, tiles and split-K choice (the XbCopy holds "X" there, the partials go after it), so the same
+// bits as converting x there first.
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {
+  const int64_t T = y.dim(0);
+  LILY_CHECK(linear_xb_supported(w, T), "linear_xb: ", T, " rows of a ", w.bits, "-bit ", w.rows, "x", w.cols,
+             " matrix do not run on the wgmma GEMM");
+  LILY_CHECK(is_aligned16(workspace.data) && workspace.numel() >= T * w.cols, "linear_xb: the workspace (",
+             workspace.numel(), " elements) does not hold X as bf16 [", T, ", ", w.cols, "] at a 16-byte address");
+  const LinearArgs a = xb_product(w, workspace.ptr<uint16_t>(), y.ptr<float>(), T);
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel(), nullptr, 0, T, w.cols};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 

@@ -20,7 +20,9 @@
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
 // The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
-// products over it, then the routed rows of the activation, then the shared ones.
+// products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
+// (moe_xb_elems' layout, hand_over_xb) where the kernels on both sides take it, else converted from the
+// F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
@@ -89,8 +91,37 @@ int64_t moe_routing_words(int64_t C, int64_t E, int top_k) {
   return routing_tables(nullptr, C, E, top_k).words;
 }
 
-int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+// s.xb of a prefill call with T tokens: from the start the XbCopy of the products (h's bf16 copy, a down
+// product's converted X, split-K partials after it: moe_xb_min_elems at least); at the end, where s.xb has
+// room for them (moe_xb_elems), the activation rows as the down products' Xb (hand_over_xb), routed
+// [T*K, I] then shared [T, Is], each block starting on 64 elements (128 B; TMA wants 16). Taken from the
+// end, the XbCopy keeps what it had before the hand-over existed less the blocks: the split-K choices of
+// short prompts stay where the workspace is large (the session's), so do their bits.
+static int64_t xb_block(int64_t n) { return (n + 63) / 64 * 64; }
+
+int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
   return C * std::max({H, top_k * I, Is});
+}
+
+int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+  return xb_block(moe_xb_min_elems(C, H, I, Is, top_k)) + xb_block(C * top_k * I) + xb_block(C * Is);
+}
+
+// The gated product g writes its activation rows as the down product p's Xb at xb (LinearArgs::yb and
+// ::xb) where both kernels take it (returns true); otherwise both stay as they are (F32 rows, converted
+// by p).
+static bool hand_over_xb(LinearArgs& g, LinearArgs& p, uint16_t* xb) {
+  LinearArgs gx = g, px = p;
+  gx.yb = xb;
+  gx.y = nullptr;
+  gx.ldy = 0;
+  px.xb = xb;
+  px.x = nullptr;
+  px.ldx = 0;
+  if (!linear_writes_xb(gx) || !linear_reads_xb(px)) return false;
+  g = gx;
+  p = px;
+  return true;
 }
 
 static Tensor rows_of(const Tensor& t, int64_t row0, int64_t n) {
@@ -385,15 +416,27 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
-  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
+  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS), I = w.down_proj->cols,
+                Is = w.shared_down_proj->cols;
+  LinearArgs routed_up = grouped(gate_up, r, tile_rows), routed_down = grouped(dn, r, tile_rows);
+  LinearArgs shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld),
+                                     *w.shared_up_proj, sg.ptr<float>()),
+                               T);
+  LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
+  // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
+  // neither pair hands over)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  linear_tiles(grouped(gate_up, r, tile_rows), r.max_tiles, T, xb);
-  linear_tiles(dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
-                           sg.ptr<float>()),
-                     T),
-               shared_tiles, T, xb);
-  linear_tiles(grouped(dn, r, tile_rows), r.max_tiles, TK, xb);
-  linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles, T, xb);
+  if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
+    const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
+    uint16_t* routed_xb = xb.data + copy;
+    const bool routed = hand_over_xb(routed_up, routed_down, routed_xb);
+    const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
+    if (routed || shared) xb.capacity = copy;
+  }
+  linear_tiles(routed_up, r.max_tiles, T, xb);
+  linear_tiles(shared_up, shared_tiles, T, xb);
+  linear_tiles(routed_down, r.max_tiles, TK, xb);
+  linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
   launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);

@@ -63,6 +63,16 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   LILY_CUDA_LAUNCHED();
 }
 
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {
+  const int64_t D = x.dim(1);
+  RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), nullptr,
+                  norm_rows(x.dim(0), "gated_rms_norm_xb"), int(D), eps};
+  p.yb = xb.ptr<uint16_t>();
+  LILY_CHECK(D % 8 == 0 && aligned16(p.yb), "gated_rms_norm_xb: rows of ", D,
+             " floats or an xb address off 16 bytes do not allow 16-byte Xb stores");
+  launch_rms_norm<true>(p, can_use_vec4(D, {p.x, p.z, p.w}));  // as gated_rms_norm decides: the same s
+}
+
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const int64_t D = x.dim(1);
   const RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), y.ptr<float>(),

@@ -93,6 +93,12 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
     const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
     ops::conv1d_silu(qkv, w.conv1d->view(), conv_state(st), conv_state(out), y);
     ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S(st), S(out), o, work, int(Hk), int(Dk));
+    // prefill where out_proj runs on the GEMM that reads bf16 X: the norm writes that X itself (its head
+    // rows [T*Hv, Dv] are out_proj's rows [T, Vd]; docs/cuda.md, "Xb hand-over"); else F32 rows
+    if (Dv % 8 == 0 && ops::linear_xb_supported(device(), *w.out_proj, T)) {
+      ops::gated_rms_norm_xb(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, xb_work(x, device()));
+      return {w.out_proj, Tensor{}, true};
+    }
     ops::gated_rms_norm(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, heads(normed, Dv));
   }
   return {w.out_proj, normed};
@@ -229,10 +235,11 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (post.normed) {
         ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
-      } else if (fold) {
+      } else if (fold && !out.x_in_xb) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
-        ops::linear(*out.w, out.x, mix, xb_work(x, device()));
+        if (out.x_in_xb) ops::linear_xb(*out.w, xb_work(x, device()), mix);
+        else ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(f, p + "mixer", x.mix, T, H);
         ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }

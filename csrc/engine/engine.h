@@ -38,10 +38,12 @@ class Engine {
   void encode_images(const float* pixels, int64_t N, const std::vector<std::array<int, 3>>& grids, float* out) const;
 
  private:
-  // A mixer's output projection, not yet applied: the caller adds w x into the residual stream.
+  // A mixer's output projection, not yet applied: the caller adds w x into the residual stream. x_in_xb:
+  // the mixer wrote x as bf16 into the linear workspace (ops::linear_xb reads it; x is empty then).
   struct Projection {
     const QMatrix* w;
     Tensor x;
+    bool x_in_xb = false;
   };
   // st: the layer's state before the chunk; out: where its new state goes (st itself: in place).
   Projection gdn_layer(const ForwardContext& f, const LayerWeights& L, const LayerState& st, LayerState& out,

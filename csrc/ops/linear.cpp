@@ -48,6 +48,28 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   no_backend(op, x.device);
 }
 
+bool linear_xb_supported(Device d, const QMatrix& w, int64_t T) {
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA && w.weight.device() == d) return cuda::linear_xb_supported(w, T);
+#endif
+  (void)w, (void)T;
+  return false;
+}
+
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {
+  const char* op = "linear_xb";
+  const OpSpan span(op);
+  check_tensor(op, "workspace", workspace, DType::BF16, 1);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "y", y, 1, w.rows);
+  LILY_CHECK(workspace.device == w.weight.device(), op, ": weight and workspace live on different devices");
+  check_same_device(op, {workspace, y});
+  LILY_CHECK(linear_xb_supported(y.device, w, y.dim(0)), op, ": ", y.dim(0), " rows of this ", w.bits,
+             "-bit matrix on ", device_name(y.device), " take no bf16 X (linear_xb_supported)");
+  LILY_CUDA_CASE(y.device, linear_xb(w, workspace, y));
+  no_backend(op, y.device);
+}
+
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   const char* op = "linear_add_rms_norm";

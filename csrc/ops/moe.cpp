@@ -36,7 +36,12 @@ static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, cons
                  s.gate.dim(0) >= R && s.down.dim(0) >= R && s.routing.numel() >= moe_routing_words(h.device, T, E, top_k),
              op, ": scratch is too small for ", T, " tokens");
   check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
-  const int64_t need = moe_xb_elems(h.device, T, H, w.down_proj->cols, w.shared_down_proj->cols, top_k);
+  // the least accepted (the activation room moe_xb_elems adds is optional: without it the down products
+  // convert their X themselves)
+  int64_t need = 0;
+#ifdef LILY_WITH_CUDA
+  if (h.device == Device::CUDA) need = cuda::moe_xb_min_elems(T, H, w.down_proj->cols, w.shared_down_proj->cols, top_k);
+#endif
   if (need > 0) {
     check_tensor(op, "xb", s.xb, DType::BF16, 1);
     LILY_CHECK(s.xb.numel() >= need, op, ": xb ", s.xb.shape_str(), " is too small for ", T, " tokens (", need,

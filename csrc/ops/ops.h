@@ -40,6 +40,12 @@ int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // add in its epilogue). x [T, in]; res, tmp [T, out] (tmp: work space, contents unspecified after; no two
 // of x, res, tmp alias); workspace as linear's.
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
+// X handed over as bf16 (docs/cuda.md, "Xb hand-over"): linear(w, x, y, workspace) where x's producer has
+// already written x into the workspace's first T x in elements in the prefill GEMM's bf16 layout (Xb; on
+// CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where
+// linear_xb_supported(device, w, T) holds (CUDA, w and T on the wgmma GEMM); elsewhere an error.
+bool linear_xb_supported(Device device, const QMatrix& w, int64_t T);
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 // res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
 // residual stream, and the next RMSNorm. Equal to linear(w, x, tmp, workspace) then add_rms_norm(res, tmp,
 // weight, eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and
@@ -71,6 +77,10 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
 
 // y[r, :] = weight * rms_normalise(x[r, :]) * silu(z[r, :]).  x, z, y [R, D]; weight [D].
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
+// gated_rms_norm with y written as linear_xb's X instead: xb [>= R*D] BF16 holds y [R, D] (equally the
+// matrix [R*D/n, n] for any n that D divides) as the prefill GEMM's bf16 X. CUDA only; D % 8 == 0 and
+// 16-byte aligned rows of x, z, weight and xb.
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb);
 
 // Causal depthwise conv over time then SiLU, continuing from state:
 // y[t, c] = silu(sum_j w[c, j] * u[t - K + 1 + j, c]), earlier inputs from state [K-1, C]
@@ -155,7 +165,8 @@ struct MoeScratch {
   Tensor down;           // [R, H] F32
   Tensor shared_gate;    // [C, 1] F32
   Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
-  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only)
+  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only;
+                         // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for

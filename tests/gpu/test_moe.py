@@ -188,3 +188,24 @@ def test_moe_deterministic(T, I):
     _, gpu = moe_weights(rng, 7, 128, I, 64 if I == 64 else 128, 4, 64, "BF16", 8)
     h = rng.standard_normal((T, 128)).astype(np.float32)
     assert np.array_equal(ops.moe("cuda", *gpu, h, 3), ops.moe("cuda", *gpu, h, 3))
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,group,T", [
+    (8, 2, 256, 128, 512, 64, 4300),  # both pairs hand over: GATED dense 128-row shared, gathered 128-row routed
+    (8, 4, 256, 192, 128, 64, 400),   # 128-row expert tiles, partial column tiles of the routed act (I = 192)
+    (8, 2, 256, 128, 192, 64, 300),   # 64-row tiles; shared expert wider than the routed ones
+    (8, 2, 256, 128, 128, 64, 40),    # routed pair only: the shared gate/up (T <= 64) is two products
+    (8, 2, 256, 128, 128, 32, 300),   # group 32: no GATED instance, no hand-over (both sizes convert)
+    (256, 8, 2048, 512, 512, 64, 4096),  # the model's dims at a 4K prefill
+])
+def test_moe_prefill_xb_hand_over(E, top_k, H, I, Is, group, T):
+    # moe.cu's hand_over_xb: with ops::moe_xb_elems' room the GATED gate/up products store the activation
+    # rows as the down products' bf16 X; with only the least workspace CUDA accepts (T * max(H, K*I, Is))
+    # the down products convert the F32 rows (wgx_bf16_kernel). The same bits either way.
+    rng = np.random.default_rng(E + T + I)
+    _, gpu = moe_weights(rng, E, H, I, Is, 4, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    least = T * max(H, top_k * I, Is)
+    out = ops.moe("cuda", *gpu, h, top_k)
+    assert np.isfinite(out).all()
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, xb_elems=least))

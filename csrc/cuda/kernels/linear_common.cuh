@@ -99,6 +99,13 @@ struct LinearArgs {
   float* y = nullptr;               // [M, ldy] F32
   int64_t ldy = 0;
   const float* row_scale = nullptr;  // [M] swiglu multiplier; null: 1
+  // X given as Xb by its producer: [rows, K] BF16 in the wgmma GEMM's k-permuted layout
+  // (linear_wgmma_tma.cuh, wg_xb_pos), read by the wgmma GEMM instead of converting x (x unused then;
+  // only the wgmma GEMM takes it). Null: x.
+  const uint16_t* xb = nullptr;
+  // A gated product's output as Xb rows [M, N] BF16 (row r at yb + r*N, k-permuted as xb), for the next
+  // product to read as its xb, instead of y (only the GATED wgmma instances write it). Null: y.
+  uint16_t* yb = nullptr;
   bool swiglu = false;
   RowTiles tiles;
   // Split-K (linear_wgmma_tma_kernel, dense tiles only): each tile's k-tiles run as k_splits work

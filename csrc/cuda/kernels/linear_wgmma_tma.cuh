@@ -1,10 +1,11 @@
 // Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4-bit MLX-affine weights:
 //   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
 //   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE), or (GATED) the gate and
-//   up products of a SwiGLU at once: y[r, o] = row_scale[r] * silu(G[r, o]) * U[r, o].
+//   up products of a SwiGLU at once: y[r, o] = row_scale[r] * silu(G[r, o]) * U[r, o], stored as F32 y
+//   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
-// product); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
+// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
 // BM = the map's tile_rows, 64 or 128).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
@@ -54,8 +55,7 @@ namespace lily::cuda {
 
 constexpr int WG_BN = 256, WG_BK = 64;
 
-// Physical k (0..63 inside a k-tile) at logical position lk of the operands; host and device.
-__host__ __device__ constexpr int wg_phys_k(int lk) { return (lk & ~7) | ((lk >> 1) & 3) | ((lk & 1) << 2); }
+// wg_phys_k, wg_xb_pos (the k permutation of Xb) and the bf16 rounding: xb_layout.cuh.
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
@@ -258,7 +258,10 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 // stores y = row_scale * silu(G) * U for its block with store_output's expression. Named barrier 1
 // over the 256 consumers: before the sends (the partner has read the previous tile's block) and
 // between the sends and the reads. Row group j's partner quad and 2 row scales are loaded before group
-// j-1 is computed and stored, as in wg_store_tile. The warpgroups' roles are selects on cw, not
+// j-1 is computed and stored, as in wg_store_tile. With a.yb (the output as the next product's Xb) each
+// value goes there instead, as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32
+// value rounded as wgx_bf16_kernel rounds it (a 2-byte store; the 8 lanes of one c fill a row's 16-byte
+// chunk). a.yb is uniform: a branch on it is not a branch on cw. The warpgroups' roles are selects on cw, not
 // branches: a branch on cw here (an if/else join in the tile loop) costs the k-tile loop its uniform
 // datapath, ~25 instructions a k-tile (SASS).
 template <int BM>
@@ -304,7 +307,10 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
       for (int h = 0; h < 2; ++h) {
         const int i = 2 * h + e;
         const float g = cw ? part[i] : acc[0][4 * j + i], u = cw ? acc[1][4 * j + i] : part[i];
-        if (col[h]) y[8 * h] = rs[j & 1][e] * silu(g) * u;
+        if (!col[h]) continue;
+        const float v = rs[j & 1][e] * silu(g) * u;
+        if (a.yb) a.yb[(tile.row0 + r) * a.w.rows + wg_xb_pos(o0 + 8 * h)] = wg_bf16(v);
+        else y[8 * h] = v;
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "xb_layout.cuh"
 
 namespace lily::cuda {
 
@@ -42,11 +43,6 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-__device__ __forceinline__ uint32_t wg_pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Shared-memory matrix descriptor: K-major, SWIZZLE_128B, 8-row groups 1024 B apart (SBO), LBO unused (1).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
