@@ -5,8 +5,8 @@
 # synthetic checkpoint once, then runs bench_engine.py alternately (each base in order, then this tree)
 # for ROUNDS rounds at CONTEXTS, and prints the per-round rows and the medians of every build.
 #   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
-#   BASE="$PWD/.ab-base $PWD/.ab-mid" ... (the first base installs to /tmp/ab-basepkg, the next to
-#   /tmp/ab-basepkg2, ...). A tree with a fresh .prebuilt wheel (benchmarks/prebuild.sh) is not compiled.
+#   BASE="$PWD/.ab-base $PWD/.ab-mid" ... (the first base installs to ${TMPDIR:-/tmp}/ab-basepkg, the
+#   next to ab-basepkg2, ...). A tree with a fresh .prebuilt wheel (benchmarks/prebuild.sh) is not compiled.
 # LABS run after the builds and before the benchmark. Logs end in $OUT/logs.tgz (ab.log, build.log,
 # base_build*.log, <lab>_lab.txt; ab.log also beside it).
 set -uo pipefail

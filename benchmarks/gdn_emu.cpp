@@ -301,16 +301,6 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
 }
 }  // namespace emu
 
-static uint64_t fnv1a(const std::vector<float>& v) {
-  uint64_t h = 1469598103934665603ull;
-  for (float f : v) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
-  }
-  return h;
-}
-
 struct Case {
   int T, Hk, Hv, decay;
   float state_scale;
@@ -353,8 +343,8 @@ int main(int argc, char** argv) {
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",
                   mode ? "late" : "eager", T, Hk, Hv, cs.decay, cs.state_scale, eo, es, eo32, es32, bad ? "FAIL" : "ok");
-      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)fnv1a(ws),
-                  (unsigned long long)fnv1a(o), (unsigned long long)fnv1a(state));
+      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)gdn_ref::fnv1a(ws),
+                  (unsigned long long)gdn_ref::fnv1a(o), (unsigned long long)gdn_ref::fnv1a(state));
       std::fflush(stdout);
     }
   std::printf("fiber switches: %lld\n", emu::switches);

@@ -87,16 +87,6 @@ static T* upload(const std::vector<T>& v) {
   return p;
 }
 
-static uint64_t fnv1a(const std::vector<float>& v) {
-  uint64_t h = 1469598103934665603ull;
-  for (float f : v) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
-  }
-  return h;
-}
-
 int main() {
   CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
   CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
@@ -147,7 +137,7 @@ int main() {
         std::vector<float> ws(ws_floats);
         CK(cudaMemcpy(ws.data(), d.ws, ws_floats * sizeof(float), cudaMemcpyDeviceToHost));
         std::snprintf(line, sizeof line, "gdn_lab bits: o %016llx state %016llx ws %016llx\n",
-                      (unsigned long long)fnv1a(o), (unsigned long long)fnv1a(st), (unsigned long long)fnv1a(ws));
+                      (unsigned long long)gdn_ref::fnv1a(o), (unsigned long long)gdn_ref::fnv1a(st), (unsigned long long)gdn_ref::fnv1a(ws));
         bits = line;
       }
       eo = es = 0;

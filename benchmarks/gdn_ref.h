@@ -4,10 +4,22 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
 namespace gdn_ref {
+
+// FNV-1a over the bits of v (the labs' bit hashes: a value-preserving kernel change leaves them alone).
+inline uint64_t fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (float f : v) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    for (int i = 0; i < 4; ++i) h = (h ^ ((u >> (8 * i)) & 0xffu)) * 1099511628211ull;
+  }
+  return h;
+}
 
 struct Inputs {
   int T, Hk, Hv, D;
