@@ -3,10 +3,13 @@
 # folder holding another tree, e.g. `git archive C | tar -x -C .ab-base` carried to the host: its .git
 # may lag; several, space-separated, to attribute stacked changes in one call), writes the full-size
 # synthetic checkpoint once, then runs bench_engine.py alternately (each base in order, then this tree)
-# for ROUNDS rounds at CONTEXTS, and prints the per-round rows and the medians of every build.
-#   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] bash benchmarks/ab_host.sh
+# for ROUNDS rounds at CONTEXTS, compares the text path's bits (text_digest.py) of every base with this
+# tree's, and prints the per-round rows and the medians of every build.
+#   BASE=8dd1df3 ROUNDS=2 CONTEXTS=4096 [LABS="gemv gemm"] [GENERATE=128] bash benchmarks/ab_host.sh
 #   BASE="$PWD/.ab-base $PWD/.ab-mid" ... (the first base installs to ${TMPDIR:-/tmp}/ab-basepkg, the
 #   next to ab-basepkg2, ...). A tree with a fresh .prebuilt wheel (benchmarks/prebuild.sh) is not compiled.
+# Rows: decode as Model.generate runs it (pipelined where the build has it), the same steps one at a
+# time, and Model.generate's stream in tokens/s (GENERATE tokens; 0 skips it).
 # LABS run after the builds and before the benchmark. Logs end in $OUT/logs.tgz (ab.log, build.log,
 # base_build*.log, <lab>_lab.txt; ab.log also beside it).
 set -uo pipefail
@@ -55,8 +58,21 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   for b in "${builds[@]}"; do
     path=$([[ $b == new ]] && echo "" || echo "${pkgs[${b#base}]}")
     PYTHONPATH=$path python3 "$src/benchmarks/bench_engine.py" --model "$FULL" --contexts "$CONTEXTS" \
-      --json "$OUT/ab_${b}_$r.json" 2>&1 | grep -v "tensor/s" >>"$OUT/ab.log"
+      --generate "${GENERATE:-128}" --json "$OUT/ab_${b}_$r.json" 2>&1 | grep -v "tensor/s" >>"$OUT/ab.log"
   done
+done
+# the text path's bits under every build (benchmarks/text_digest.py: chunked prefill + graph decode logits)
+digests=()
+for b in "${builds[@]}"; do
+  path=$([[ $b == new ]] && echo "" || echo "${pkgs[${b#base}]}")
+  d=$(PYTHONPATH=$path python3 "$src/benchmarks/text_digest.py" --model "$FULL" 2>&1 | grep "text digest")
+  echo "$b: $d" | tee -a "$OUT/ab.log"
+  d=${d#*text digest }; digests+=("${d%% *}")  # the hash alone (graph nodes may differ)
+done
+for i in "${!bases[@]}"; do
+  if [[ -n ${digests[$i]} && ${digests[$i]} == "${digests[-1]}" ]]; then verdict="bit-identical"
+  else verdict="DIFFERENT bits (or a failed run)"; fi
+  echo "text path, ${bases[$i]} vs this tree: $verdict" | tee -a "$OUT/ab.log"
 done
 python3 - "$OUT" "$ROUNDS" "${builds[@]}" -- "${bases[@]}" <<'EOF'
 import json, statistics, sys
@@ -72,12 +88,16 @@ for i, build in enumerate(builds):
             continue
         for row in res["rows"]:
             rows.setdefault((row["context"], i), []).append(row)
-print(f"| context | build | decode ms/tok (rounds) | median | prefill ms (rounds) | median | graph nodes |")
-print("|---:|---|---|---:|---|---:|---:|")
+print(f"| context | build | decode ms/tok (rounds) | median | one at a time ms/tok | generate tok/s | "
+      f"prefill ms (rounds) | median | graph nodes |")
+print("|---:|---|---|---:|---:|---:|---|---:|---:|")
+med = lambda rs, key: f"{statistics.median(x[key] for x in rs):.3f}" if key in rs[0] else "-"
 for (ctx, i), rs in sorted(rows.items()):
     d = [x["decode_ms"] for x in rs]
     p = [x["prefill_s"] * 1e3 for x in rs]
-    print(f"| {ctx} | {names[i]} | {', '.join(f'{v:.3f}' for v in d)} | {statistics.median(d):.3f} | "
+    mode = "" if rs[0].get("pipelined") else " (one at a time)"
+    print(f"| {ctx} | {names[i]} | {', '.join(f'{v:.3f}' for v in d)}{mode} | {statistics.median(d):.3f} | "
+          f"{med(rs, 'decode_sync_ms')} | {med(rs, 'generate_tok_s')} | "
           f"{', '.join(f'{v:.1f}' for v in p)} | {statistics.median(p):.1f} | {rs[0]['graph_nodes']} |")
 EOF
 host_pack_out ab.log  # everything else is in logs.tgz

@@ -1,10 +1,10 @@
 """Host (Python) overhead per generated token of Model.generate, without the forward pass.
 
-The session's core is replaced by a stub whose sample calls return at once (cycling through the ids
-of a multilingual text, so the detokenizer does real work), so what is timed is exactly the Python
-side of a decode step: the core call's bookkeeping, stop ids, detokenization, stop strings, logprob
-conversion, events. The real core's own binding cost is timed separately on the tiny checkpoint
-(``last_logprobs``, which does no model work).
+The session's core is replaced by a stub whose calls return at once (its samples cycle through the
+ids of a multilingual text, so the detokenizer does real work), so what is timed is exactly the Python
+side of a decode step: the core calls' bookkeeping (the pipelined loop's sample_launch, decode_launch
+and sampled), stop ids, detokenization, stop strings, logprob conversion, events. The real core's own
+binding cost is timed separately on the tiny checkpoint (``last_logprobs``, which does no model work).
 
     python benchmarks/bench_generate_host.py [--tokens 20000]
 """
@@ -36,13 +36,30 @@ class StubCore:
         self.i += 1
         return self.ids[self.i % len(self.ids)]
 
-    def prefill_sample(self, ids):
+    def prefill_sample(self, ids, mask=None, *images):
         self.position += len(ids)
         return self._next()
 
     def decode_sample(self, token=-1):
         self.position += 1
         return self._next()
+
+    # The pipelined loop's calls (generate.py): launch a step, sample it, read the id, take a step back.
+    launched = False
+
+    def decode_launch(self, token=-1):
+        self.position += 1
+        self.launched = True
+
+    def sample_launch(self, mask=None):
+        self.launched = False
+
+    def sampled(self):
+        return self._next()
+
+    def decode_discard(self):
+        self.position -= 1
+        self.launched = False
 
     def last_logprobs(self):
         return self.lp

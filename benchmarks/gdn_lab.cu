@@ -52,7 +52,7 @@ static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "p
 static void launch(Kind k, const Dev& d, int T) {
   const int nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
   if (k == TOKEN) {
-    const GatedDeltaParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, T, HK, HV, D, D};
+    const GatedDeltaParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.state, d.o, T, HK, HV, D, D};  // in place
     gated_delta_kernel<128><<<dim3(HV, (D + GDN_COLS - 1) / GDN_COLS), GDN_THREADS>>>(p);
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {

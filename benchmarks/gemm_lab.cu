@@ -22,6 +22,14 @@
 // must stay <= 1e-6 there (same operands, same order) or FAIL. Its time includes the X -> bf16 kernel,
 // whose time alone is the "X->bf16 us" column.
 // Also checks (not timed): partial row/col tiles, T = 9..300, group sizes 32/128, SwiGLU epilogue.
+// Gated rows (gated_row; tma only): the GATED kernel computing y = row_scale * silu(X Wg^T) * (X Wu^T) in
+// one product, against the two-product TMA run on the same inputs (the gate product into y, then the
+// up product with the SwiGLU epilogue: linear.cu's fallback). "wgmma-tma 2 products" is that run;
+// for "wgmma-tma gated" the "vs wgmma" columns are against it: time ratio, and the output, which must
+// be bit-identical (every float) or FAIL. Both times include one X -> bf16 conversion. Two more rows per
+// gated problem time the Xb hand-over (docs/cuda.md): the GATED product then wgx_bf16_kernel of its F32
+// output (what the down product converted), against the GATED product storing that Xb itself (a.yb),
+// whose bits must equal the conversion's (FAIL otherwise).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -135,6 +143,7 @@ struct Stack {
 struct Problem {
   const char* name;
   Stack* w;
+  Stack* up = nullptr;             // gated: the up matrix (w is the gate); y = row_scale * silu(gate) * up
   int64_t M, X_rows;               // product rows, rows of x
   std::vector<float> hx;           // [X_rows, K]
   std::vector<int32_t> hx_rows;    // [M] or empty
@@ -182,19 +191,22 @@ static void fill_x(Problem& p) {
   if (p.swiglu) {
     p.hy_old.resize(p.M * p.w->N);
     for (auto& v : p.hy_old) v = 4.f * rndu() - 2.f;
-    p.hrow_scale.resize(p.M);
-    for (auto& v : p.hrow_scale) v = rndu();
     CK(cudaMalloc(&p.dy_old, p.M * p.w->N * 4));
     CK(cudaMemcpy(p.dy_old, p.hy_old.data(), p.hy_old.size() * 4, cudaMemcpyHostToDevice));
+  }
+  if (p.swiglu || p.up) {
+    p.hrow_scale.resize(p.M);
+    for (auto& v : p.hrow_scale) v = rndu();
     CK(cudaMalloc(&p.drs, p.M * 4));
     CK(cudaMemcpy(p.drs, p.hrow_scale.data(), p.M * 4, cudaMemcpyHostToDevice));
   }
 }
 
-static Problem dense(const char* name, Stack* w, int64_t T, bool swiglu = false) {
+static Problem dense(const char* name, Stack* w, int64_t T, bool swiglu = false, Stack* up = nullptr) {
   Problem p;
   p.name = name;
   p.w = w;
+  p.up = up;
   p.M = p.X_rows = T;
   p.swiglu = swiglu;
   p.hrow_expert.assign(T, 0);
@@ -206,11 +218,12 @@ static Problem dense(const char* name, Stack* w, int64_t T, bool swiglu = false)
 // Routed rows of T tokens x top_k distinct uniform experts, grouped by expert as moe_scatter does.
 // gather: gate/up (x = tokens, x_rows gather); else down (x = the routed rows themselves).
 static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather, int empty_experts = 0,
-                   bool swiglu = false, int tma_rows = 64) {
+                   bool swiglu = false, int tma_rows = 64, Stack* up = nullptr) {
   Problem p;
   p.tma_rows = tma_rows;
   p.name = name;
   p.w = w;
+  p.up = up;
   p.grouped = true;
   p.swiglu = swiglu;
   const int64_t E = w->E;
@@ -303,28 +316,31 @@ static void launch_x_bf16(const Problem& p) {
   wgx_bf16_kernel<<<unsigned(p.X_rows), WGX_THREADS>>>(p.dx, p.w->K, p.w->K, p.dxb);
 }
 
-template <int BM, bool GS32, bool GATHER>
+// mu: the up matrix's map (GATED), else unread.
+template <int BM, bool GS32, bool GATHER, bool GATED = false>
 static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
-                              int64_t tiles_ub) {
+                              const CUtensorMap& mu, int64_t tiles_ub) {
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, false, GATED>;
+  constexpr int smem = tma_smem_bytes(BM, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
   static bool configured = false;
   if (!configured) {
-    CK(cudaFuncSetAttribute(linear_wgmma_tma_kernel<BM, GS32, GATHER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            tma_smem_bytes(BM)));
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     configured = true;
   }
-  const int64_t total_ub = tiles_ub * ((a.w.rows + WG_BN - 1) / WG_BN);
+  const int64_t total_ub = tiles_ub * ((a.w.rows + BN - 1) / BN);
   const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(total_ub, g_sms)));
-  linear_wgmma_tma_kernel<BM, GS32, GATHER><<<grid, TMA_THREADS, tma_smem_bytes(BM)>>>(a, xb, mx, mw);
+  kernel<<<grid, TMA_THREADS, smem>>>(a, xb, mx, mw, mu);
 }
 
-// Tensor maps, cached by (address, shape): Xb per problem and BM, W per weight copy.
-static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int bm) {
+// Tensor maps, cached by (address, shape): Xb per problem and BM (rows: the box rows), W per weight copy
+// and box rows (256, or 128 for a gated product).
+static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int rows) {
   static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, bm);
+  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, rows);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   CUtensorMap m;
-  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, bm) : make_w4_tensor_map(m, ptr, d0, d1, d2);
+  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, rows) : make_w4_tensor_map(m, ptr, d0, d1, d2, rows);
   if (r != CUDA_SUCCESS) {
     std::printf("FAIL: wgmma-tma: cuTensorMapEncodeTiled (%s) returned %d\n", is_x ? "Xb" : "W", int(r));
     std::fflush(stdout);
@@ -333,25 +349,67 @@ static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int
   return cache.emplace(key, m).first->second;
 }
 
-static void launch_tma(const Problem& p, const LinearArgs& a, int copy, int bm) {
-  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, bm);
-  const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, 0);
-  const bool gather = p.dx_rows != nullptr, gs32 = p.w->gs == 32;
+// The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy).
+static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, bm);
+  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN);
+  const bool gather = p.dx_rows != nullptr, gs32 = a.w.group_size == 32;
   if (bm == 128) {
     if (gs32) {
       std::printf("FAIL: wgmma-tma: no BM 128 instance for group 32\n");
       std::exit(1);
     }
     const int64_t tiles = p.grouped ? p.max_tiles64 : (p.M + 127) / 128;
-    if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, tiles);
-    else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, tiles);
+    if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, mw, tiles);
+    else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, mw, tiles);
   } else if (gather) {
-    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   } else {
-    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   }
+}
+
+// BM of the gated product as linear.cu's run_wgmma picks it: the map's rows, or dense 128 when
+// 128-row tiles x 128-output column tiles still cover the SMs.
+static int gated_bm(const Problem& p) {
+  if (p.grouped) return p.tma_rows;
+  return (p.M + 127) / 128 * ((p.w->N + 127) / 128) >= g_sms ? 128 : 64;
+}
+
+// A gated problem on copy `copy`: X -> bf16, then the GATED product, or (two) the gate product into y
+// and the up product with SwiGLU, as linear.cu's fallback runs them. yb (GATED only): the output as the
+// next product's Xb there instead of y (LinearArgs::yb, moe.cu's hand-over).
+static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nullptr) {
+  launch_x_bf16(p);
+  LinearArgs a = p.args(copy, true);
+  a.yb = yb;
+  if (two) {
+    LinearArgs g = a, u = a;
+    g.row_scale = nullptr;
+    u.w = p.up->view(copy);
+    u.swiglu = true;
+    launch_tma(p, g, tma_bm(p));
+    launch_tma(p, u, tma_bm(p));
+    CK(cudaGetLastError());
+    return;
+  }
+  a.up = p.up->view(copy);
+  const int bm = gated_bm(p);
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, bm);
+  const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, WG_BN / 2);
+  const CUtensorMap& mu = tensor_map(false, p.up->dw[copy], p.up->E, p.up->N, p.up->K, WG_BN / 2);
+  const bool gather = p.dx_rows != nullptr;
+  const int64_t tiles = p.grouped || bm == 64 ? p.max_tiles64 : (p.M + 127) / 128;
+  if (bm == 128) {
+    if (gather) launch_tma_kernel<128, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
+    else launch_tma_kernel<128, false, false, true>(a, p.dxb, mx, mw, mu, tiles);
+  } else {
+    if (gather) launch_tma_kernel<64, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
+    else launch_tma_kernel<64, false, false, true>(a, p.dxb, mx, mw, mu, tiles);
+  }
+  CK(cudaGetLastError());
 }
 
 static void launch(Kernel k, const Problem& p, int copy) {
@@ -372,7 +430,7 @@ static void launch(Kernel k, const Problem& p, int copy) {
     else launch_new<64, false>(a, tiles);
   } else {
     launch_x_bf16(p);
-    launch_tma(p, p.args(copy, true), copy, tma_bm(p));
+    launch_tma(p, p.args(copy, true), tma_bm(p));
   }
   CK(cudaGetLastError());
 }
@@ -497,6 +555,107 @@ static void row(Problem& p, bool timed) {
   }
 }
 
+// A gated problem (tma only): the two-product run and the GATED product from NaN-poisoned outputs on
+// copy 0, each all finite with a sampled error vs the fp64 reference (rs * silu(g) * u) <= 1e-2; the
+// gated output must equal the two-product one in every float. Timed: both, one X -> bf16 each.
+static void gated_row(Problem& p, bool timed) {
+  if (!g_run[TMA]) return;
+  const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
+  auto run_once = [&](bool two, std::vector<float>& y) {
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    launch_gated(p, 0, two);
+    CK(cudaDeviceSynchronize());
+    y.resize(MN);
+    CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  };
+  std::vector<float> y[2];  // [0] two products, [1] gated
+  run_once(true, y[0]);
+  run_once(false, y[1]);
+  int64_t bad[2] = {0, 0}, differ = 0;
+  for (int v = 0; v < 2; ++v)
+    for (float f : y[v]) bad[v] += !std::isfinite(f);
+  for (int64_t i = 0; i < MN; ++i) differ += std::memcmp(&y[0][i], &y[1][i], 4) != 0;
+  double num[2] = {0, 0}, den = 0;
+  for (int i = 0; i < 4096; ++i) {
+    const int64_t r = rnd32() % p.M, o = rnd32() % N;
+    const int64_t xr = p.hx_rows.empty() ? r : p.hx_rows[r], e = p.hrow_expert[r];
+    const float* x = p.hx.data() + xr * K;
+    double g = 0, u = 0;
+    for (int64_t k = 0; k < K; ++k) g += p.w->w(e, o, k) * double(x[k]), u += p.up->w(e, o, k) * double(x[k]);
+    const double ref = double(p.hrow_scale[r]) * (g / (1.0 + std::exp(-g))) * u;
+    for (int v = 0; v < 2; ++v) num[v] += (double(y[v][r * N + o]) - ref) * (double(y[v][r * N + o]) - ref);
+    den += ref * ref;
+  }
+  double err[2];
+  bool ok[2];
+  for (int v = 0; v < 2; ++v) {
+    err[v] = std::sqrt(num[v] / std::max(den, 1e-300));
+    ok[v] = bad[v] == 0 && err[v] <= 1e-2 && std::isfinite(err[v]);
+  }
+  ok[1] = ok[1] && differ == 0;
+  // The Xb hand-over (docs/cuda.md): the GATED product storing its output as the down product's Xb must
+  // leave the bits wgx_bf16_kernel makes from the F32 output (host: wg_pack_bf16x2 at wg_xb_pos).
+  uint16_t *dyb = nullptr, *dconv = nullptr;
+  CK(cudaMalloc(&dyb, MN * 2));
+  CK(cudaMalloc(&dconv, MN * 2));
+  CK(cudaMemset(dyb, 0xFF, MN * 2));
+  launch_gated(p, 0, false, dyb);
+  CK(cudaDeviceSynchronize());
+  std::vector<uint16_t> yb(MN);
+  CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+  int64_t xb_differ = 0;
+  for (int64_t r = 0; r < p.M; ++r)
+    for (int64_t o = 0; o < N; ++o)
+      xb_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[1][r * N + o]);
+  if (xb_differ) {
+    std::printf("FAIL: %s: gated Xb output: %lld of %lld values differ from wgx_bf16 of the F32 output\n", p.name,
+                (long long)xb_differ, (long long)MN);
+    ++g_failures;
+  }
+  double t[2] = {0, 0}, t_xb[2] = {0, 0};  // [0] gated + wgx_bf16 of its F32 output, [1] gated writing Xb
+  if (timed) {
+    for (int v = 0; v < 2; ++v) t[v] = time_launches(p.w->copies, [&](int c) { launch_gated(p, c, v == 0); });
+    t_xb[0] = time_launches(p.w->copies, [&](int c) {
+      launch_gated(p, c, false);
+      wgx_bf16_kernel<<<unsigned(p.M), WGX_THREADS>>>(p.dy, N, N, dconv);
+    });
+    t_xb[1] = time_launches(p.w->copies, [&](int c) { launch_gated(p, c, false, dyb); });
+  }
+  CK(cudaFree(dyb));
+  CK(cudaFree(dconv));
+  const double flop = 2.0 * 2.0 * p.M * N * K;
+  const char* names[2] = {"wgmma-tma 2 products", "wgmma-tma gated"};
+  const int bms[2] = {tma_bm(p), gated_bm(p)};
+  for (int v = 0; v < 2; ++v) {
+    char vs[48] = "";
+    if (v == 1 && differ == 0) std::snprintf(vs, sizeof vs, "bit-identical");
+    else if (v == 1) std::snprintf(vs, sizeof vs, "%lld floats differ", (long long)differ);
+    if (timed)
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %s%.2fx | | %.1e %s | %s |\n", p.name,
+                  (long long)p.M, (long long)N, (long long)K, names[v], bms[v], t[v], flop / t[v] * 1e-6,
+                  v == 1 ? "" : "(ref) ", t[0] / t[v], err[v], ok[v] ? "ok" : "FAIL", vs);
+    else
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | %.1e %s | %s |\n", p.name, (long long)p.M,
+                  (long long)N, (long long)K, names[v], bms[v], err[v], ok[v] ? "ok" : "FAIL", vs);
+    if (!ok[v]) {
+      std::printf("FAIL: %s %s: %lld non-finite outputs of %lld, sampled rel err %.3e, %lld floats differ\n",
+                  p.name, names[v], (long long)bad[v], (long long)MN, err[v], (long long)differ);
+      ++g_failures;
+    }
+  }
+  const char* xb_names[2] = {"wgmma-tma gated + X->bf16 of y", "wgmma-tma gated, Xb out"};
+  for (int v = 0; v < 2; ++v) {
+    if (timed)
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | | %s%.2fx | | | %s |\n", p.name, (long long)p.M,
+                  (long long)N, (long long)K, xb_names[v], bms[1], t_xb[v], v == 1 ? "" : "(ref) ", t_xb[0] / t_xb[v],
+                  v == 0 ? "" : xb_differ ? "FAIL" : "bits = wgx of y");
+    else if (v == 1)
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | | %s |\n", p.name, (long long)p.M, (long long)N,
+                  (long long)K, xb_names[v], bms[1], xb_differ ? "FAIL" : "bits = wgx of y");
+  }
+  std::fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   bool header = true, any = false;
   for (int i = 1; i < argc; ++i) {
@@ -518,8 +677,9 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   if (header) {
-    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B (BM 128 / 64)\n\n", prop.name,
-                g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128), tma_smem_bytes(64));
+    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B (BM 128 / 64)\n\n",
+                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128), tma_smem_bytes(64),
+                tma_smem_bytes(128, true), tma_smem_bytes(64, true));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }
@@ -580,10 +740,24 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
-  {  // the MoE up product as the engine runs it: y holds the gate product, the epilogue applies SwiGLU
+  {  // the MoE up product as the engine's fallback runs it: y holds the gate product, SwiGLU epilogue.
+     // Checked, not timed: a timed loop would rewrite y in place from its last value (running to inf,
+     // where silu's division is slow); the gated rows below time the gate + SwiGLU-up pair instead.
     Stack w(256, 512, 2048, 64, 1);
     Problem p = moe("moe up [256,512,2048], 128-row tiles, SwiGLU", &w, T, 8, true, 0, true, 128);
-    row(p, true);
+    row(p, false);
+    free_problem(p);
+  }
+  {  // the MoE gate and up products as the engine runs them: one gated product (vs the two above)
+    Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1);
+    Problem p = moe("moe gate+up [256,512,2048], 128-row tiles, gated", &wg, T, 8, true, 0, false, 128, &wu);
+    gated_row(p, true);
+    free_problem(p);
+  }
+  {
+    Stack wg(1, 512, 2048, 64, copies_for(512, 2048)), wu(1, 512, 2048, 64, copies_for(512, 2048));
+    Problem p = dense("dense shared gate+up 512x2048, gated", &wg, T, false, &wu);
+    gated_row(p, true);
     free_problem(p);
   }
   // correctness only: partial tiles, small T, other group sizes, SwiGLU, empty experts
@@ -635,6 +809,41 @@ int main(int argc, char** argv) {
     Stack w(16, 2048, 512, 64, 1);
     Problem p = moe("check moe down 128-row tiles", &w, 300, 4, false, 0, false, 128);
     row(p, false);
+    free_problem(p);
+  }
+  // gated: 64- and 128-row tiles with empty experts, a partial column tile (N = 320: 2.5 tiles of 128),
+  // N below one tile, dense rows at BM 64 (partial row tile) and BM 128, group 128
+  {
+    Stack wg(16, 512, 2048, 64, 1), wu(16, 512, 2048, 64, 1);
+    Problem p = moe("check moe gated, 6 empty experts", &wg, 77, 4, true, 6, false, 64, &wu);
+    gated_row(p, false);
+    free_problem(p);
+    p = moe("check moe gated 128-row tiles, 6 empty experts", &wg, 700, 4, true, 6, false, 128, &wu);
+    gated_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(8, 320, 1024, 64, 1), wu(8, 320, 1024, 64, 1);
+    Problem p = moe("check moe gated N=320 (partial column tile)", &wg, 500, 4, true, 0, false, 128, &wu);
+    gated_row(p, false);
+    free_problem(p);
+    p = moe("check moe gated N=320, 64-row tiles", &wg, 100, 4, true, 0, false, 64, &wu);
+    gated_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(1, 64, 512, 128, 1), wu(1, 64, 512, 128, 1);
+    Problem p = dense("check dense gated N=64, group 128", &wg, 300, false, &wu);
+    gated_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(1, 512, 2048, 64, 1), wu(1, 512, 2048, 64, 1);
+    Problem p = dense("check dense gated BM 64", &wg, 1000, false, &wu);
+    gated_row(p, false);
+    free_problem(p);
+    p = dense("check dense gated BM 128", &wg, 128 * ((g_sms + 3) / 4) + 50, false, &wu);
+    gated_row(p, false);
     free_problem(p);
   }
   CK(cudaDeviceSynchronize());

@@ -1,9 +1,11 @@
 #!/bin/bash
 # One call on the GPU host: build lily with CUDA, run the GPU tests, then (stage "bench") generate the
-# full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles).
+# full-size synthetic checkpoint and measure it (engine table, per-group and per-kernel profiles), and the
+# full-size vision tower (bench_vision.py on the tiny text model).
 # LABS="gemv gemm ..." also builds and runs benchmarks/<name>_lab.sh while lily builds (the GPU is idle
-# then); their tables go to <name>_lab.txt. Every log ends in $OUT/logs.tgz (tests.log, bench.log and
-# kernels.log also beside it: the device tool returns at most 8 files); a short table is printed last.
+# then); their tables go to <name>_lab.txt. Every log ends in $OUT/logs.tgz (tests.log, bench.log,
+# kernels.log and vision.log also beside it: the device tool returns at most 8 files); a short table is
+# printed last.
 # PROFILE=0 skips the per-group and per-kernel profiles of the bench stage. TEST_JOBS=N runs the GPU
 # tests in N pytest-xdist workers instead of one process per file (unmeasured: compare the wall time).
 #   bash benchmarks/gpu_host.sh [tests|bench|all] [pytest -k expression]
@@ -57,5 +59,7 @@ if [[ $stage == bench || $stage == all ]]; then
     python3 "$src/benchmarks/kernel_profile.py" --model "$FULL" --context 4096 --rows 30 --short 11 2>&1 \
       | grep -v "tensor/s\|UserWarning\|warn_once" > "$OUT/kernels.log" && echo "kernel profile: kernels.log"
   fi
+  # the vision tower (full size, on the tiny text model): encode time per image size, per-op profile, TTFT
+  python3 "$src/benchmarks/bench_vision.py" --json "$OUT/vision.json" 2>&1 | tee "$OUT/vision.log" | tail -6
 fi
-host_pack_out tests.log bench.log kernels.log  # everything else is in logs.tgz
+host_pack_out tests.log bench.log kernels.log vision.log  # everything else is in logs.tgz

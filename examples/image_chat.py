@@ -1,5 +1,5 @@
-"""Chat about images on the CPU: image parts in the messages, a follow-up turn that reuses the image's
-prefix, and the same request through `lily serve` with a data: URL (docs/vision.md).
+"""Chat about images (on CUDA when lily has it, else the CPU): image parts in the messages, a follow-up
+turn that reuses the image's prefix, and the same request through `lily serve` with a data: URL (docs/vision.md).
 
     python examples/image_chat.py [CHECKPOINT] [IMAGE]   # default: a tiny random model with a vision tower
 """
@@ -23,7 +23,7 @@ else:
     y, x = np.mgrid[0:96, 0:128]
     image = np.stack([x * 2, y * 2, np.full_like(x, 128)], axis=-1).astype(np.uint8)  # a colour gradient
 
-model = lily.Model.load(path, device="cpu")             # images run on the CPU backend for now
+model = lily.Model.load(path)                           # "auto": CUDA when available, else the CPU
 chat = model.new_session()
 params = model.default_sampling(max_tokens=256 if len(sys.argv) > 1 else 16)
 

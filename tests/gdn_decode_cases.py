@@ -27,24 +27,38 @@ def gdn_token_inputs(rng, Hk, Hv, Dk, Dv, K, steps):
     )
 
 
-def run_fused(device, x, Hk, Dk, eps=1e-6):
-    """Every token through gdn_decode_mixer, states carried: (y [steps, Hv*Dv], conv_state, state)."""
+def unchanged(before, after):
+    """The input state an out-of-place call returned as it left it: the same bits it was given."""
+    np.testing.assert_array_equal(after, before, err_msg="an out-of-place op wrote its input state")
+    return None
+
+
+def run_fused(device, x, Hk, Dk, eps=1e-6, out_of_place=False):
+    """Every token through gdn_decode_mixer, states carried: (y [steps, Hv*Dv], conv_state, state).
+    out_of_place: each token writes new state buffers (the decode step's ping-pong), the inputs unchanged."""
     conv_state, state, ys = x["conv_state"], x["state"], []
     for t in range(x["qkv"].shape[0]):
-        y, conv_state, state = ops.gdn_decode_mixer(device, x["qkv"][t], x["conv_weight"], conv_state, x["a"][t],
-                                                    x["b"][t], x["A_log"], x["dt_bias"], state, x["z"][t],
-                                                    x["norm_weight"], eps, Hk, Dk)
+        out = ops.gdn_decode_mixer(device, x["qkv"][t], x["conv_weight"], conv_state, x["a"][t], x["b"][t],
+                                   x["A_log"], x["dt_bias"], state, x["z"][t], x["norm_weight"], eps, Hk, Dk,
+                                   out_of_place)
+        if out_of_place:
+            unchanged(conv_state, out[3]), unchanged(state, out[4])
+        y, conv_state, state = out[:3]
         ys.append(y[0])
     return np.stack(ys), conv_state, state
 
 
-def run_three_ops(device, x, Hk, Dk, eps=1e-6):
+def run_three_ops(device, x, Hk, Dk, eps=1e-6, out_of_place=False):
     """The same tokens through conv1d_silu, gated_delta_rule and gated_rms_norm (the unfused engine)."""
     Hv, Dv = x["state"].shape[0], x["state"].shape[2]
     conv_state, state, ys = x["conv_state"], x["state"], []
     for t in range(x["qkv"].shape[0]):
-        u, conv_state = ops.conv1d_silu(device, x["qkv"][t], x["conv_weight"], conv_state)
-        o, state = ops.gated_delta_rule(device, u, x["a"][t], x["b"][t], x["A_log"], x["dt_bias"], state, Hk, Dk)
+        c = ops.conv1d_silu(device, x["qkv"][t], x["conv_weight"], conv_state, out_of_place)
+        g = ops.gated_delta_rule(device, c[0], x["a"][t], x["b"][t], x["A_log"], x["dt_bias"], state, Hk, Dk,
+                                 out_of_place)
+        if out_of_place:
+            unchanged(conv_state, c[2]), unchanged(state, g[2])
+        (u, conv_state), (o, state) = c[:2], g[:2]
         y = ops.gated_rms_norm(device, o.reshape(Hv, Dv), x["z"][t].reshape(Hv, Dv), x["norm_weight"], eps)
         ys.append(y.reshape(-1))
     return np.stack(ys), conv_state, state

@@ -182,7 +182,8 @@ void init_engine(nb::module_& m) {
         return e.weights().signature();
       }, "Every tensor's name, storage form, shape and a few sampled bytes, one per line (model identity).")
       .def("encode_images", [](const Engine& e, nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig> pixels,
-                               nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig> grids) {
+                               nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig> grids,
+                               bool profile) -> nb::object {
         LILY_CHECK(grids.shape(1) == 3, "encode_images: grids must be [n, 3] (t, h, w)");
         const VisionConfig& v = e.config().vision;
         LILY_CHECK(!v.present() || int64_t(pixels.shape(1)) == v.patch_dim(), "encode_images: pixels have ",
@@ -192,14 +193,24 @@ void init_engine(nb::module_& m) {
           for (int j = 0; j < 3; ++j) g[i][j] = grids.data()[3 * i + j];
         const int64_t N = int64_t(pixels.shape(0)), mm = std::max(1, v.spatial_merge_size * v.spatial_merge_size);
         FloatArray out = new_floats({size_t(N / mm), size_t(e.config().hidden_size)});
+        std::map<std::string, Profiler::Entry> totals;
         {
           nb::gil_scoped_release release;
+          std::unique_ptr<Profiler> profiler = profile ? std::make_unique<Profiler>(e.device()) : nullptr;
           e.encode_images(pixels.data(), N, g, out.data());
+          if (profiler) {
+            profiler->collect();
+            totals.swap(profiler->totals);
+          }
         }
-        return out;
-      }, nb::arg("pixels"), nb::arg("grids"),
+        if (!profile) return nb::cast(out);
+        nb::dict d;
+        for (const auto& [name, entry] : totals) d[name.c_str()] = nb::make_tuple(entry.ms, entry.calls);
+        return nb::make_tuple(out, d);
+      }, nb::arg("pixels"), nb::arg("grids"), nb::arg("profile") = false,
          "The vision tower on preprocessed patches [N, patch_dim] of images with grids [n, 3] (t, h, w): "
-         "the merged tokens [N / m^2, hidden_size] that replace the images' <|image_pad|> embeddings.")
+         "the merged tokens [N / m^2, hidden_size] that replace the images' <|image_pad|> embeddings; with "
+         "profile, (tokens, {op: (ms, calls)}) timing each op ('vision.linear', ...) on the device.")
       .def_prop_ro("stacked_projections",
                    [](const Engine& e) {
                      int n = 0;
@@ -291,6 +302,27 @@ void init_engine(nb::module_& m) {
         nb::gil_scoped_release release;
         return s.sample_next(m);
       }, nb::arg("mask") = nb::none(), "decode_sample's second half: masks (optional) and samples the launched step.")
+      .def("sample_launch", [](Session& s, std::optional<MaskIn> mask) {
+        const int32_t* m = mask_words(s, mask);
+        nb::gil_scoped_release release;
+        s.sample_launch(m);
+      }, nb::arg("mask") = nb::none(),
+         "sample_next without the wait: queues the mask, the sample and the copy of its id to the host, and returns "
+         "at once on GPUs; decode_launch(-1) may follow before the id is known, sampled() reads it.")
+      .def("sampled", [](Session& s) {
+        nb::gil_scoped_release release;
+        return s.sampled();
+      }, "Waits for the last sample_launch and returns its id (raises on NaN logits, taking back a step launched "
+         "on it).")
+      .def("decode_discard", [](Session& s) {
+        nb::gil_scoped_release release;
+        s.decode_discard();
+      }, "Takes back the launched, unsampled step: the session is as before its decode_launch (docs/generation.md, "
+         "'Pipelined decoding').")
+      .def_prop_ro("launched", &Session::launched,
+                   "A step was launched and its logits not yet sampled (decode_discard takes it back).")
+      .def_prop_ro("state_copy", &Session::state_copy,
+                   "Which copy of the GDN state pair is current (0 or 1): each decode step flips it.")
       .def("last_logprobs", [](const Session& s) {
         IntArray ids = new_array<int32_t>({size_t(1 + ops::MAX_LOGPROBS)});
         FloatArray vals = new_floats({size_t(1 + ops::MAX_LOGPROBS)});

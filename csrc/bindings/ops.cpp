@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <limits>
 #include <vector>
 
 #include "../ops/ops.h"
@@ -62,6 +63,12 @@ IntArray out_i32(const Dev& x) {
   return a;
 }
 
+// A device F32 array shaped like a, every element NaN.
+Dev nan_like(Device d, const F32In& a) {
+  const std::vector<float> nan(a.size(), std::numeric_limits<float>::quiet_NaN());
+  return Dev(d, nan.data(), nan.size() * 4, DType::F32, shape_of(a));
+}
+
 // KV caches are F32 on the CPU and BF16 (round to nearest even) on GPUs.
 Dev cache_in(Device d, const F32In& a) {
   if (d == Device::CPU) return f32(d, a);
@@ -79,14 +86,14 @@ FloatArray cache_out(const Dev& x) {
   return a;
 }
 
-// The position of a chunk, in host and device memory as the engine keeps it.
+// The position of a chunk, in host and device memory as the engine keeps it, and the rope offset.
 struct Pos {
   Dev dev;
   ops::Position pos;
-  Pos(Device d, int64_t p) : dev(d, DType::I32, {1}) {
+  Pos(Device d, int64_t p, int64_t rope_delta = 0) : dev(d, DType::I32, {1}) {
     const int32_t v = int32_t(p);
     dev.buf.upload(&v, 4);
-    pos = {p, d == Device::CPU ? nullptr : dev.t.ptr<int32_t>()};
+    pos = {p, d == Device::CPU ? nullptr : dev.t.ptr<int32_t>(), rope_delta};
   }
 };
 
@@ -135,6 +142,24 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(ri), out_f32(y), left);
   }, nb::arg("w"), nb::arg("x"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"), nb::arg("repeat") = 1,
      "(res + x W^T, rms_norm of it, the sync counter after): the op `repeat` times on the same buffers.");
+  m.def("linear_add", [](const QMatrix& w, const F32In& x, const F32In& res) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), ri = f32(d, res), tmp(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::linear_add(w, xi.t, ri.t, tmp.t, ws.t);
+    return out_f32(ri);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("res"), "res + x W^T.");
+  m.def("linear_rms_normed", [](const QMatrix& w, const F32In& res, const F32In& nw, float eps) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(res.shape(0));
+    Dev ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, w.cols}), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    const bool one_kernel = ops::linear_rms_normed_supported(w, ri.t, wi.t, h.t);
+    ops::linear_rms_normed(w, ri.t, wi.t, eps, h.t, y.t, ws.t);
+    return nb::make_tuple(out_f32(y), one_kernel);
+  }, nb::arg("w"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"),
+     "(rms_norm(res) * weight W^T, whether it ran as one kernel: linear_rms_normed_supported).");
   m.def("rms_norm", [](const std::string& device, const F32In& x, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), y(d, DType::F32, shape_of(x));
@@ -153,33 +178,73 @@ void init_ops(nb::module_& parent) {
     ops::gated_rms_norm(xi.t, zi.t, wi.t, eps, y.t);
     return out_f32(y);
   });
-  m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state) {
+  m.def("linear_xb_supported", [](const QMatrix& w, int64_t T) {
+    return ops::linear_xb_supported(w.weight.device(), w, T);
+  }, nb::arg("w"), nb::arg("T"), "Whether linear_xb takes T rows over w (CUDA: the wgmma GEMM).");
+  m.def("gated_rms_norm_linear_xb", [](const QMatrix& w, const F32In& x, const F32In& z, const F32In& nw, float eps) {
+    const Device d = w.weight.device();
+    LILY_CHECK(int64_t(x.size()) % w.cols == 0, "gated_rms_norm_linear_xb: x's ", x.size(),
+               " values are no whole rows of ", w.cols);
+    const int64_t T = int64_t(x.size()) / w.cols;
+    Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, nw), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::gated_rms_norm_xb(xi.t, zi.t, wi.t, eps, ws.t);
+    ops::linear_xb(w, ws.t, y.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("z"), nb::arg("weight"), nb::arg("eps"),
+     "linear(w, gated_rms_norm(x, z) seen as [T, w.cols]) with the norm writing linear's bf16 X (GDN out_proj).");
+  // The carried-state ops take out_of_place: False updates the state in place and returns (outputs...,
+  // new state); True writes the new state to a separate buffer (pre-filled with NaN, so an element the
+  // op fails to write shows) and also returns the input state as the op left it (it must not change).
+  m.def("conv1d_silu", [](const std::string& device, const F32In& u, const F32In& w, const F32In& state,
+                          bool out_of_place) {
     const Device d = parse_device(device);
     Dev ui = f32(d, u), wi = f32(d, w), st = f32(d, state), y(d, DType::F32, shape_of(u));
-    ops::conv1d_silu(ui.t, wi.t, st.t, y.t);
-    return nb::make_tuple(out_f32(y), out_f32(st));
-  });
+    if (!out_of_place) {
+      ops::conv1d_silu(ui.t, wi.t, st.t, st.t, y.t);
+      return nb::make_tuple(out_f32(y), out_f32(st));
+    }
+    Dev so = nan_like(d, state);
+    ops::conv1d_silu(ui.t, wi.t, st.t, so.t, y.t);
+    return nb::make_tuple(out_f32(y), out_f32(so), out_f32(st));
+  }, nb::arg("device"), nb::arg("u"), nb::arg("w"), nb::arg("state"), nb::arg("out_of_place") = false);
   m.def("gated_delta_rule", [](const std::string& device, const F32In& qkv, const F32In& a, const F32In& b,
-                               const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk) {
+                               const F32In& A_log, const F32In& dt_bias, const F32In& state, int Hk, int Dk,
+                               bool out_of_place) {
     const Device d = parse_device(device);
     Dev q = f32(d, qkv), ai = f32(d, a), bi = f32(d, b), al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state);
     const int64_t T = int64_t(qkv.shape(0)), Hv = int64_t(state.shape(0)), Dv = int64_t(state.shape(2));
     Dev o(d, DType::F32, {T, Hv * Dv});
     Dev ws(d, DType::F32, {std::max<int64_t>(1, ops::gated_delta_workspace_floats(d, T, Hv, Dk, Dv))});
-    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, o.t, ws.t, Hk, Dk);
-    return nb::make_tuple(out_f32(o), out_f32(st));
-  });
+    if (!out_of_place) {
+      ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, st.t, o.t, ws.t, Hk, Dk);
+      return nb::make_tuple(out_f32(o), out_f32(st));
+    }
+    Dev so = nan_like(d, state);
+    ops::gated_delta_rule(q.t, ai.t, bi.t, al.t, dt.t, st.t, so.t, o.t, ws.t, Hk, Dk);
+    return nb::make_tuple(out_f32(o), out_f32(so), out_f32(st));
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"),
+     nb::arg("state"), nb::arg("Hk"), nb::arg("Dk"), nb::arg("out_of_place") = false);
   m.def("gdn_decode_mixer", [](const std::string& device, const F32In& qkv, const F32In& conv_weight,
                                const F32In& conv_state, const F32In& a, const F32In& b, const F32In& A_log,
                                const F32In& dt_bias, const F32In& state, const F32In& z, const F32In& norm_weight,
-                               float eps, int Hk, int Dk) {
+                               float eps, int Hk, int Dk, bool out_of_place) {
     const Device d = parse_device(device);
     Dev q = f32(d, qkv), cw = f32(d, conv_weight), cs = f32(d, conv_state), ai = f32(d, a), bi = f32(d, b);
     Dev al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state), zi = f32(d, z), nw = f32(d, norm_weight);
     Dev y(d, DType::F32, shape_of(z));
-    ops::gdn_decode_mixer(q.t, cw.t, cs.t, ai.t, bi.t, al.t, dt.t, st.t, zi.t, nw.t, eps, y.t, Hk, Dk);
-    return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st));
-  }, "One decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm; returns (y, conv_state, state).");
+    if (!out_of_place) {
+      ops::gdn_decode_mixer(q.t, cw.t, cs.t, cs.t, ai.t, bi.t, al.t, dt.t, st.t, st.t, zi.t, nw.t, eps, y.t, Hk, Dk);
+      return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st));
+    }
+    Dev cso = nan_like(d, conv_state), so = nan_like(d, state);
+    ops::gdn_decode_mixer(q.t, cw.t, cs.t, cso.t, ai.t, bi.t, al.t, dt.t, st.t, so.t, zi.t, nw.t, eps, y.t, Hk, Dk);
+    return nb::make_tuple(out_f32(y), out_f32(cso), out_f32(so), out_f32(cs), out_f32(st));
+  }, nb::arg("device"), nb::arg("qkv"), nb::arg("conv_weight"), nb::arg("conv_state"), nb::arg("a"), nb::arg("b"),
+     nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("state"), nb::arg("z"), nb::arg("norm_weight"), nb::arg("eps"),
+     nb::arg("Hk"), nb::arg("Dk"), nb::arg("out_of_place") = false,
+     "One decode token's conv1d_silu -> gated_delta_rule -> gated_rms_norm; returns (y, conv_state, state), "
+     "out_of_place: (y, new conv_state, new state, input conv_state, input state).");
   m.def("gdn_decode_mixer_supported", [](const std::string& device, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
                                          int64_t K) {
     return ops::gdn_decode_mixer_supported(parse_device(device), Hk, Hv, Dk, Dv, K);
@@ -191,13 +256,15 @@ void init_ops(nb::module_& parent) {
     ops::split_q_gate(pi.t, q.t, g.t, nH);
     return nb::make_tuple(out_f32(q), out_f32(g));
   });
-  m.def("rope", [](const std::string& device, const F32In& x, int nH, int rotary_dim, double theta, int64_t pos0) {
+  m.def("rope", [](const std::string& device, const F32In& x, int nH, int rotary_dim, double theta, int64_t pos0,
+                   int64_t rope_delta) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x);
-    Pos p(d, pos0);
+    Pos p(d, pos0, rope_delta);
     ops::rope(xi.t, nH, rotary_dim, theta, p.pos);
     return out_f32(xi);
-  });
+  }, nb::arg("device"), nb::arg("x"), nb::arg("num_heads"), nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("pos0"),
+     nb::arg("rope_delta") = 0, "x turned by positions pos0 + rope_delta + t.");
   m.def("kv_cache_write", [](const std::string& device, const F32In& x, const F32In& cache, int64_t pos0) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), c = cache_in(d, cache);
@@ -215,17 +282,21 @@ void init_ops(nb::module_& parent) {
   });
   m.def("gated_attention", [](const std::string& device, const F32In& p, const F32In& k, const F32In& v,
                               const F32In& q_norm, const F32In& k_norm, float eps, int rotary_dim, double theta,
-                              const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0) {
+                              const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0,
+                              int64_t rope_delta) {
     const Device d = parse_device(device);
     Dev pi = f32(d, p), ki = f32(d, k), vi = f32(d, v), qn = f32(d, q_norm), kn = f32(d, k_norm);
     Dev kc = cache_in(d, k_cache), vc = cache_in(d, v_cache);
     const std::vector<int64_t> qs{int64_t(p.shape(0)), int64_t(p.shape(1) / 2)};
     Dev q(d, DType::F32, qs), g(d, DType::F32, qs), o(d, DType::F32, qs);
-    Pos ps(d, pos0);
+    Pos ps(d, pos0, rope_delta);
     ops::gated_attention(pi.t, ki.t, vi.t, qn.t, kn.t, eps, rotary_dim, theta, kc.t, vc.t, q.t, g.t, o.t, nH, nKV,
                          ps.pos);
     return nb::make_tuple(out_f32(q), out_f32(g), out_f32(o), cache_out(kc), cache_out(vc));
-  });
+  }, nb::arg("device"), nb::arg("p"), nb::arg("k"), nb::arg("v"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
+     nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
+     nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
+     "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t.");
   m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), gi = f32(d, g);
@@ -240,7 +311,7 @@ void init_ops(nb::module_& parent) {
   });
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                  const QMatrix& shared_expert_gate, const F32In& h, int top_k) {
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -248,11 +319,51 @@ void init_ops(nb::module_& parent) {
     Dev hi = f32(d, h), out(d, DType::F32, {T, H}), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    const int64_t xn = xb_elems > 0 ? xb_elems : ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k);
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, xn)});
     ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
-  });
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
+     nb::arg("xb_elems") = 0,
+     "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
+     "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in).");
+  m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
+                      const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
+                      const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev hi = f32(d, h), ri = f32(d, res), tmp(d, DType::F32, {T, H});
+    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    ops::moe_add(w, hi.t, ri.t, tmp.t, s, top_k);
+    return out_f32(ri);
+  }, "res + moe(h).");
+  m.def("moe_rms_normed_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                 const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                 const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& res,
+                                 const F32In& nw, float eps, int top_k) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, H}), tmp(d, DType::F32, {T, H});
+    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    const bool fused = ops::moe_rms_normed_supported(w, ri.t, wi.t, h.t, s, top_k);
+    ops::moe_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, s, top_k);
+    return nb::make_tuple(out_f32(ri), fused);
+  }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
+     "moe_rms_normed_supported).");
   m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                                const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,
@@ -296,7 +407,7 @@ void init_ops(nb::module_& parent) {
     return out_f32(l);
   }, nb::arg("device"), nb::arg("logits"), nb::arg("mask"),
      "logits with -inf where bit v of mask (int32 words, llguidance's layout) is 0.");
-  // The vision tower's ops (CPU only for now; other devices raise, ops.h).
+  // The vision tower's ops and the multimodal RoPE.
   m.def("layer_norm", [](const std::string& device, const F32In& x, const F32In& w, const F32In& b, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), bi = f32(d, b), y(d, DType::F32, shape_of(x));
@@ -340,7 +451,9 @@ void init_ops(nb::module_& parent) {
     const Device d = parse_device(device);
     const int64_t N = int64_t(qkv.shape(0)), W = int64_t(qkv.shape(1)) / 3;
     Dev xi = f32(d, qkv), si = i32(d, starts), o(d, DType::F32, {N, W});
-    ops::vision_attention(xi.t, o.t, si.t, num_heads);
+    const int64_t D = num_heads > 0 ? W / num_heads : 0;
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::vision_attention_workspace_elems(d, N, num_heads, D))});
+    ops::vision_attention(xi.t, o.t, si.t, num_heads, ws.t);
     return out_f32(o);
   }, nb::arg("device"), nb::arg("qkv"), nb::arg("starts"), nb::arg("num_heads"));
 }

@@ -10,13 +10,15 @@ void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int num_key_heads,
-                      int key_head_dim);
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      int num_key_heads, int key_head_dim);
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk);
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, int64_t pos0);
 void kv_cache_write(const Tensor& x, const Tensor& cache, int64_t pos0);

@@ -1,5 +1,6 @@
 // CPU Gated DeltaNet: causal conv1d + SiLU with carried state, and the fp32 delta-rule recurrence
 // in its sequential (token-by-token) form, the reference the chunked GPU kernels are tested against.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -9,11 +10,12 @@ namespace lily::cpu {
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y) {
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y) {
   const int64_t T = u.dim(0), C = u.dim(1), K = weight.dim(1), S = K - 1;
   const float* U = u.ptr<float>();        // [T, C]
   const float* W = weight.ptr<float>();   // [C, K]
-  float* st = state.ptr<float>();         // [K-1, C], oldest first
+  const float* st = state.ptr<float>();   // [K-1, C], oldest first
   float* Y = y.ptr<float>();              // [T, C]
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < C; ++c) {
@@ -26,13 +28,13 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
       Y[t * C + c] = silu(acc);
     }
   }
-  // New state: the last K-1 inputs of [state; u].
+  // New state: the last K-1 inputs of [state; u] (through a copy: state_out may be state).
   std::vector<float> next(S * C);  // [K-1, C]
   for (int64_t i = 0; i < S; ++i) {
     const int64_t tau = T - S + i;
     for (int64_t c = 0; c < C; ++c) next[i * C + c] = tau >= 0 ? U[tau * C + c] : st[(S + tau) * C + c];
   }
-  std::copy(next.begin(), next.end(), st);
+  std::copy(next.begin(), next.end(), state_out.ptr<float>());
 }
 
 static inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
@@ -45,14 +47,17 @@ static void l2_normalize(float* x, int64_t n, float scale) {
 }
 
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, int Hk, int Dk) {
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o, int Hk,
+                      int Dk) {
   const int64_t T = qkv.dim(0), W = qkv.dim(1), Hv = state.dim(0), Dv = state.dim(2);
+  // The recurrence runs in place on state_out, starting from a copy of state when they differ.
+  if (state_out.data != state.data) std::copy_n(state.ptr<float>(), state.numel(), state_out.ptr<float>());
   const int64_t group = Hv / Hk;  // value heads 2k, 2k+1 (group = 2) share key head k
   const float q_scale = 1.f / std::sqrt(float(Dk));
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < Hv; ++h) {
     const int64_t kh = h / group;
-    float* S = state.ptr<float>() + h * Dk * Dv;  // [Dk, Dv]
+    float* S = state_out.ptr<float>() + h * Dk * Dv;  // [Dk, Dv]
     std::vector<float> q(Dk), k(Dk), delta(Dv);
     const float decay_rate = -std::exp(A_log.ptr<float>()[h]);
     for (int64_t t = 0; t < T; ++t) {
@@ -86,15 +91,16 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
 }
 
 // The three ops in order, through temporaries: the reference the fused CUDA kernel is tested against.
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
   const int64_t C = qkv.dim(1), Hv = state.dim(0), Dv = state.dim(2);
   std::vector<float> x(C), o(Hv * Dv);
   const Tensor xt = Tensor::of(x.data(), DType::F32, Device::CPU, {1, C});        // [1, C] after conv + SiLU
   const Tensor ot = Tensor::of(o.data(), DType::F32, Device::CPU, {1, Hv * Dv});  // [1, Hv*Dv]
-  conv1d_silu(qkv, conv_weight, conv_state, xt);
-  gated_delta_rule(xt, a, b, A_log, dt_bias, state, ot, Hk, Dk);
+  conv1d_silu(qkv, conv_weight, conv_state, conv_state_out, xt);
+  gated_delta_rule(xt, a, b, A_log, dt_bias, state, state_out, ot, Hk, Dk);
   gated_rms_norm(Tensor::of(o.data(), DType::F32, Device::CPU, {Hv, Dv}),
                  Tensor::of(z.data, DType::F32, Device::CPU, {Hv, Dv}), norm_weight, eps,
                  Tensor::of(y.data, DType::F32, Device::CPU, {Hv, Dv}));

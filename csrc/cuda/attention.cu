@@ -1,4 +1,5 @@
-// Launchers of the gated-attention ops (kernels/attention_*.cuh). attention() picks a variant:
+// Launchers of the gated-attention ops (kernels/attention_*.cuh; mrope: rope with the (t, h, w) positions
+// of a prompt with images). attention() picks a variant:
 //   head_dim in {32, 64, 128, 256} (tensor cores):
 //     T <= 4 and T * group <= 32 -> split-KV decode (one wave of CTAs per device) with the LSE merge
 //                                   by its last CTAs (one launch)
@@ -115,13 +116,25 @@ void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_
   LILY_CUDA_LAUNCHED();
 }
 
-void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos) {
+void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const int32_t* pos, int64_t rope_delta) {
   const int64_t T = x.dim(0), D = x.dim(1) / num_heads, half = rotary_dim / 2;
   if (T == 0 || half == 0) return;
   LILY_CHECK(half <= kMaxRopeHalf, "rope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
-  RopeParams rp{x.ptr<float>(), pos, T * num_heads * half, num_heads, int(D), int(half), {}};
+  RopeParams rp{x.ptr<float>(), pos, T * num_heads * half, num_heads, int(D), int(half), int(rope_delta), {}};
   for (int64_t j = 0; j < half; ++j) rp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
   launch(rope_kernel, elementwise_blocks("rope", rp.n), kElementwiseThreads, 0, rp);
+  LILY_CUDA_LAUNCHED();
+}
+
+void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
+           const Tensor& pos) {
+  const int64_t T = x.dim(0), D = x.dim(1) / num_heads, half = rotary_dim / 2;
+  if (T == 0 || half == 0) return;
+  LILY_CHECK(half <= kMaxRopeHalf, "mrope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
+  MropeParams p{x.ptr<float>(), pos.ptr<int32_t>(), T * num_heads * half, num_heads, int(D), int(half),
+                sections[1], sections[2], {}};
+  for (int64_t j = 0; j < half; ++j) p.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  launch(mrope_kernel, elementwise_blocks("mrope", p.n), kElementwiseThreads, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -185,7 +198,7 @@ bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, con
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
                      const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
-                     const int32_t* pos) {
+                     const int32_t* pos, int64_t rope_delta) {
   const int64_t D = p.dim(1) / (2 * num_heads), group = num_heads / num_kv_heads, half = rotary_dim / 2;
   LILY_CHECK(half <= kMaxPrepHalf, "gated_attention: rotary_dim ", rotary_dim, " exceeds ", 2 * kMaxPrepHalf);
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
@@ -195,7 +208,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
   const DecodeParams dp{q.ptr<float>(), kc, vc, pos, o.ptr<float>(), 1, num_heads, num_kv_heads, int(group), P,
                         scale_log2};
   DecodePrepParams pp{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(),
-                      kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), {}};
+                      kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), int(rope_delta), {}};
   for (int64_t j = 0; j < half; ++j) pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
   launch_decode_for_dim<true>(dp, group, D, pp);
 }

@@ -1,6 +1,7 @@
 // Launchers of the Gated DeltaNet kernels (kernels/gated_delta.cuh): the causal conv1d + SiLU and
-// the delta-rule recurrence, both updating their carried state in place; and the decode token's
-// conv -> recurrence -> gated norm in one kernel (kernels/gdn_decode.cuh).
+// the delta-rule recurrence, both reading their carried state from one buffer and writing it to
+// another or the same one (in place); and the decode token's conv -> recurrence -> gated norm in one
+// kernel (kernels/gdn_decode.cuh).
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
@@ -16,11 +17,13 @@ static void launch_conv1d(const Conv1dParams& p) {
   LILY_CUDA_LAUNCHED();
 }
 
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y) {
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y) {
   const int64_t T = u.dim(0), C = u.dim(1), K = weight.dim(1);
   LILY_CHECK(T <= 0x7fffffff && C <= 0x7fffffff, "conv1d_silu: sizes exceed the CUDA kernel's int range");
   if (T == 0) return;
-  const Conv1dParams p{u.ptr<float>(), weight.ptr<float>(), state.ptr<float>(), y.ptr<float>(), int(T), int(C)};
+  const Conv1dParams p{u.ptr<float>(), weight.ptr<float>(),    state.ptr<float>(),
+                       state_out.ptr<float>(), y.ptr<float>(), int(T), int(C)};
   switch (K) {  // the taps live in registers, so the kernel size is a template constant
     case 2: return launch_conv1d<2>(p);
     case 3: return launch_conv1d<3>(p);
@@ -78,25 +81,31 @@ static void launch_gdn_chunked(const gdn_chunk::Params& p) {
 }
 
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
-                      int num_key_heads, int key_head_dim) {
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int num_key_heads, int key_head_dim) {
   const int64_t T = qkv.dim(0), Hv = state.dim(0), Dv = state.dim(2);
   LILY_CHECK(T <= 0x7fffffff && Hv <= 0xffff && Dv <= 0x7fffffff,
              "gated_delta_rule: sizes exceed the CUDA kernel's range");
   if (T == 0) return;
   // ops/ checked workspace.numel() >= gated_delta_workspace_floats(); float4 and cp.async access
   // needs 16-byte aligned bases (always so for buffers; a misaligned view takes the token path).
-  if (gdn_chunked(T, key_head_dim, Dv) && aligned16(qkv.data) && aligned16(state.data) && aligned16(o.data) &&
+  if (gdn_chunked(T, key_head_dim, Dv) && aligned16(qkv.data) && aligned16(state_out.data) && aligned16(o.data) &&
       aligned16(workspace.data)) {
-    const gdn_chunk::Params cp{qkv.ptr<float>(),     a.ptr<float>(),     b.ptr<float>(), A_log.ptr<float>(),
-                               dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
-                               int(T),               num_key_heads,      int(Hv),
+    // The chunked kernels update their state in place (the engine's prefill passes state_out == state):
+    // another output buffer starts as a copy of state.
+    if (state_out.data != state.data)
+      LILY_CUDA_CHECK(cudaMemcpyAsync(state_out.data, state.data, size_t(state.numel()) * 4,
+                                      cudaMemcpyDeviceToDevice, stream()));
+    const gdn_chunk::Params cp{qkv.ptr<float>(),     a.ptr<float>(),         b.ptr<float>(), A_log.ptr<float>(),
+                               dt_bias.ptr<float>(), state_out.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
+                               int(T),               num_key_heads,          int(Hv),
                                int(ceil_div<int64_t>(T, gdn_chunk::C))};
     return launch_gdn_chunked(cp);
   }
-  const GatedDeltaParams p{qkv.ptr<float>(), a.ptr<float>(),     b.ptr<float>(),  A_log.ptr<float>(),
-                           dt_bias.ptr<float>(), state.ptr<float>(), o.ptr<float>(), int(T),
-                           num_key_heads,        int(Hv),            key_head_dim,    int(Dv)};
+  const GatedDeltaParams p{qkv.ptr<float>(),     a.ptr<float>(),     b.ptr<float>(),         A_log.ptr<float>(),
+                           dt_bias.ptr<float>(), state.ptr<float>(), state_out.ptr<float>(), o.ptr<float>(),
+                           int(T),               num_key_heads,      int(Hv),                key_head_dim,
+                           int(Dv)};
   const dim3 grid{unsigned(Hv), unsigned(ceil_div<int64_t>(Dv, GDN_COLS))};
   if (!gdn_has_fast_path(key_head_dim)) {
     launch(gated_delta_generic_kernel, grid, 32, 0, p);
@@ -131,20 +140,35 @@ static void launch_gdn_decode(const GdnDecodeParams& p, int K, const dim3& grid,
   LILY_CUDA_LAUNCHED();
 }
 
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
-                      int key_head_dim) {
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim) {
   const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1);
   LILY_CHECK(gdn_decode_mixer_supported(num_key_heads, Hv, key_head_dim, Dv, K),
              "gdn_decode_mixer: no CUDA kernel for Hk ", num_key_heads, ", Hv ", Hv, ", Dk ", key_head_dim, ", Dv ",
              Dv, ", conv kernel ", K, " (check gdn_decode_mixer_supported first)");
   // gated_rms_norm's float4 choice for the same row (its x, the unfused o, is always a fresh buffer)
   const bool vec4 = Dv % 4 == 0 && aligned16(z.data) && aligned16(norm_weight.data) && aligned16(y.data);
-  const GdnDecodeParams p{qkv.ptr<float>(),   conv_weight.ptr<float>(), conv_state.ptr<float>(), a.ptr<float>(),
-                          b.ptr<float>(),     A_log.ptr<float>(),       dt_bias.ptr<float>(),    state.ptr<float>(),
-                          z.ptr<float>(),     norm_weight.ptr<float>(), y.ptr<float>(),          num_key_heads,
-                          int(Hv),            int(Dv),                  eps,                     vec4};
+  GdnDecodeParams p;
+  p.u = qkv.ptr<float>();
+  p.conv_w = conv_weight.ptr<float>();
+  p.conv_state = conv_state.ptr<float>();
+  p.conv_state_out = conv_state_out.ptr<float>();
+  p.a = a.ptr<float>();
+  p.b = b.ptr<float>();
+  p.A_log = A_log.ptr<float>();
+  p.dt_bias = dt_bias.ptr<float>();
+  p.state = state.ptr<float>();
+  p.state_out = state_out.ptr<float>();
+  p.z = z.ptr<float>();
+  p.norm_w = norm_weight.ptr<float>();
+  p.y = y.ptr<float>();
+  p.Hk = num_key_heads;
+  p.Hv = int(Hv);
+  p.Dv = int(Dv);
+  p.eps = eps;
+  p.norm_vec4 = vec4;
   const unsigned ns = unsigned(ceil_div<int64_t>(Dv, GDN_COLS));
   const dim3 grid{ns, unsigned(Hv)}, cluster{ns, unsigned(Hv / num_key_heads)};
   switch (key_head_dim) {

@@ -1,13 +1,21 @@
 // Launchers of linear and embedding. Five kernels, chosen by named predicates:
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
-//                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm
+//                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm;
+//                    linear_add there in one kernel (the add in its epilogue), else linear + add;
+//                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
+//                    normalises the input while staging it), else rms_norm + linear
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
-//                    X converted to bf16 into the op's workspace first)
+//                    X converted to bf16 into the op's workspace first, unless its producer wrote it so:
+//                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds,
+//                    else as its gate and up products; a GATED product may store its output as the next
+//                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
+//   use_dense_gemm:  T > 8, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte aligned operands
+//                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored)
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
 #include <cstdint>
@@ -69,17 +77,24 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
 // The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
 // inside K, one or two scale groups per k-tile (a power-of-two group: the kernel shifts, it does not
 // divide), scale indices in 32 bits, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its
-// TMA map: rows of K/2 bytes, a multiple of 32).
+// TMA map: rows of K/2 bytes, a multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
 static bool use_wgmma_gemm(const LinearArgs& a) {
   const int gs = a.w.group_size;
   return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
          (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
          a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
-         a.ldx % 4 == 0 && is_aligned16(a.x);
+         (a.xb != nullptr ? is_aligned16(a.xb) : a.ldx % 4 == 0 && is_aligned16(a.x));
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
   return is_fast_affine(a.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
+}
+
+// Dense BF16 weights of a prefill-sized product (decode-sized ones keep fp32 products, docs/numerics.md): rows of
+// whole 16-byte chunks, X rows and W 16-byte aligned. Dense products only (no tile maps: linear(), not linear_tiles).
+static bool use_dense_gemm(const LinearArgs& a) {
+  return a.w.bits == 0 && a.w.dtype == DType::BF16 && a.tiles.M > GEMV_MAX_TOKENS && a.w.cols % 8 == 0 &&
+         is_aligned16(a.w.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
 }
 
 // The power of two covering a row's 16-byte chunks in one step, at most a CTA.
@@ -181,26 +196,32 @@ static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
          mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
 }
 
+// The plan is the plain kernel's for both instances, so a normed input splits K as linear of the
+// normalised row does (the same sums); both are held to MMA_MIN_CTAS CTAs per SM by their registers.
 template <int BITS, int NG>
 static void launch_gemv_mma(const MmaLinearParams& p0) {
-  const auto kernel = linear_gemv_mma_kernel<BITS, NG>;
+  const auto plain = linear_gemv_mma_kernel<BITS, NG, false>, normed = linear_gemv_mma_kernel<BITS, NG, true>;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
+    for (const auto kernel : {plain, normed})
+      LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
     return true;
   }();
   (void)configured;
   const size_t smem = mma_x_bytes(p0.cols, MmaSeg<BITS>::VALS / NG);
   MmaLinearParams p = p0;
-  const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(kernel), smem, ceil_div(p.rows, 16),
+  const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(plain), smem, ceil_div(p.rows, 16),
                                 p.cols / MmaSeg<BITS>::VALS, 1);
   p.ks = plan.ks;
-  launch(kernel, plan.grid, MMA_THREADS, smem, p);
+  launch(p.norm_in.w != nullptr ? normed : plain, plan.grid, MMA_THREADS, smem, p);
   LILY_CUDA_LAUNCHED();
 }
 
-static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const NormTail& tail = {}) {
+static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate = false,
+                         const NormTail& tail = {}, const NormIn& norm_in = {}) {
   MmaLinearParams p{};
+  p.accumulate = accumulate;
   p.tail = tail;
+  p.norm_in = norm_in;
   p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
   p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
   p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
@@ -272,46 +293,89 @@ static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   return a;
 }
 
+// The gate product of a gated one, and its up product with SwiGLU (y holds the gate product by then).
+static LinearArgs gate_of(const LinearArgs& a) {
+  LinearArgs g = a;
+  g.up = WeightView{};
+  g.row_scale = nullptr;
+  return g;
+}
+static LinearArgs up_of(const LinearArgs& a) {
+  LinearArgs u = a;
+  u.w = a.up;
+  u.up = WeightView{};
+  u.swiglu = true;
+  return u;
+}
+
+// A gated product as one GATED product: both matrices take the wgmma GEMM with the same shape and group
+// size (one tile covers the same rows of both, one scale index serves both), groups of 64 or more (no
+// 32-wide GATED instance), and no split-K for dense products (short prompts keep the two split
+// products: a gated tile would run all K on few CTAs).
+static bool use_gated_wgmma(const LinearArgs& a) {
+  return use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) && a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
+         a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
+         (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
+}
+
 static void check_tensor_map(CUresult r, const char* what) {
   LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
-// The persistent GEMM over row_tiles x ceil(N / 256) tiles: min(tiles, SMs) CTAs. Tensor maps are
-// encoded per launch (host only, cheap) and passed as __grid_constant__ parameters.
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false>
+// Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.
+static int64_t wgmma_col_tiles(const LinearArgs& a) {
+  return ceil_div<int64_t>(a.w.rows, a.up.w != nullptr ? WG_BN / 2 : WG_BN);
+}
+
+// The persistent GEMM over row_tiles x column tiles: min(tiles, SMs) CTAs. Tensor maps are encoded per
+// launch (host only, cheap) and passed as __grid_constant__ parameters (tmap_u: GATED's up matrix, else
+// the W map again, unread).
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
 static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT>;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED>;
+  constexpr int smem = tma_smem_bytes(BM, GATED), box_rows = GATED ? WG_BN / 2 : WG_BN;
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem_bytes(BM)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)configured;
-  CUtensorMap mx, mw;
+  CUtensorMap mx, mw, mu;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
-  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols), "W");
-  const int64_t units = row_tiles * ceil_div<int64_t>(a.w.rows, WG_BN) * a.k_splits;
-  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(tma_smem_bytes(BM)), a, xb, mx,
-         mw);
+  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, box_rows), "W");
+  if (GATED) check_tensor_map(make_w4_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, box_rows), "up");
+  else mu = mw;
+  const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);
   LILY_CUDA_LAUNCHED();
 }
 
 // Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
+// A gated product (use_gated_wgmma: no 32-wide groups, no split-K) takes the GATED instances, same rules.
 static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
-  const uint16_t* xb = xb_rows(a, x_count, xb_copy);
+  const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
-  const int64_t col_tiles = ceil_div<int64_t>(a.w.rows, WG_BN);
+  const int64_t col_tiles = wgmma_col_tiles(a);
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
   LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
              a.w.cols, " exceed the 32-bit chunk index");
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
+             "linear: unsupported tile map rows ", a.tiles.tile_rows);
+  if (a.up.w != nullptr) {
+    const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS
+                              : ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms();
+    const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
+    if (wide) return gather ? launch_wgmma<128, false, true, false, true>(a, xb, x_count, row_tiles)
+                            : launch_wgmma<128, false, false, false, true>(a, xb, x_count, row_tiles);
+    return gather ? launch_wgmma<64, false, true, false, true>(a, xb, x_count, row_tiles)
+                  : launch_wgmma<64, false, false, false, true>(a, xb, x_count, row_tiles);
+  }
   if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
     LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");
     return gather ? launch_wgmma<128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<128, false, false>(a, xb, x_count, max_tiles);
   }
-  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS, "linear: unsupported tile map rows ",
-             a.tiles.tile_rows);
   if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
     return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
@@ -324,12 +388,29 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
               : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
 }
 
-bool linear_wide_tiles(const LinearArgs& a) { return use_wgmma_gemm(a) && a.w.group_size != 32; }
+bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_gemm(a); }
+
+bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
+
+bool linear_wide_tiles(const LinearArgs& a) {
+  if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
+  return use_wgmma_gemm(a) && a.w.group_size != 32;
+}
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
+  LILY_CHECK(a.xb == nullptr || linear_reads_xb(a), "linear: X given only as bf16 (xb) needs the wgmma GEMM, which ",
+             "does not take this ", a.w.bits, "-bit product of ", a.w.cols, " inputs");
+  LILY_CHECK(a.yb == nullptr || linear_writes_xb(a), "linear: a bf16 output (yb) needs a gated product on the ",
+             "GATED wgmma GEMM, which does not take this one");
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
+  if (a.up.w != nullptr) {
+    LILY_CHECK(!a.swiglu, "linear: a gated product reads no gate product from y");
+    if (use_gated_wgmma(a)) return run_wgmma(a, max_tiles, x_count, xb);
+    linear_tiles(gate_of(a), max_tiles, x_count, xb);
+    return linear_tiles(up_of(a), max_tiles, x_count, xb);
+  }
   if (use_wgmma_gemm(a)) return run_wgmma(a, max_tiles, x_count, xb);
   LILY_CHECK(a.tiles.tile_expert == nullptr || a.tiles.tile_rows == LINEAR_TILE_ROWS,
              "linear: only the wgmma kernel takes a tile map of ", a.tiles.tile_rows, " rows");
@@ -354,9 +435,34 @@ int64_t linear_workspace_elems(int64_t T, int64_t in) {
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
-  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, norm_tail(res, weight, eps, y, sync));
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true, norm_tail(res, weight, eps, y, sync));
   linear(w, 0, x, tmp, workspace);
   add_rms_norm(res, tmp, weight, eps, y);
+}
+
+// One token on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum, no tail).
+// Otherwise linear into tmp, then add.
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true);
+  linear(w, 0, x, tmp, workspace);
+  add(res, tmp);
+}
+
+// The GEMV stages rms_norm(x) * weight itself (mma_stage_normed_x) where it runs for x (use_gemv_mma: one
+// token, whole segments, so cols % 4 == 0), rms_norm's threads for D = cols are the CTA's (norm_threads(cols)
+// = MMA_THREADS), one octet a thread covers the row (cols <= MMA_NORM_MAX_COLS), and rms_norm would take
+// float4s: x (checked by use_gemv_mma), weight and h 16-byte aligned.
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h) {
+  return use_gemv_mma(w, 0, x) && norm_threads(w.cols) == MMA_THREADS && w.cols <= MMA_NORM_MAX_COLS &&
+         is_aligned16(weight.data) && is_aligned16(h.data);
+}
+
+void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace) {
+  if (linear_rms_normed_supported(w, x, weight, h))
+    return run_gemv_mma(w, 0, x, y, false, NormTail{}, NormIn{weight.ptr<float>(), eps});
+  rms_norm(x, weight, eps, h);
+  linear(w, 0, h, y, workspace);
 }
 
 // Rows [r0, r0 + n) of a contiguous F32 matrix.
@@ -386,7 +492,46 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
     }
     return;
   }
+  if (use_dense_gemm(a)) {
+    LILY_CHECK(ceil_div<int64_t>(T, GEMM_BM) <= INT32_MAX && ceil_div<int64_t>(w.rows, GEMM_BN) <= 65535, "linear: ", T,
+               " x ", w.rows, " exceeds the grid");
+    return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
+  }
   XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
+  linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
+}
+
+// The product linear runs over T > GEMV_MAX_TOKENS rows (no GEMV), with X given as Xb at `xb` (16-byte
+// aligned: a workspace).
+static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int64_t T) {
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.xb = xb;
+  a.y = y;
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  return a;
+}
+
+// linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
+// take (T > GEMV_MAX_TOKENS; the blocked GEMV below 32 rows only where the GEMM does not apply) and
+// use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only its alignment is read.
+bool linear_xb_supported(const QMatrix& w, int64_t T) {
+  alignas(16) static const uint16_t aligned[8] = {};
+  return T > GEMV_MAX_TOKENS && w.num_stack == 1 && linear_reads_xb(xb_product(w, aligned, nullptr, T));
+}
+
+// linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same
+// product, tiles and split-K choice (the XbCopy holds "X" there, the partials go after it), so the same
+// bits as converting x there first.
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {
+  const int64_t T = y.dim(0);
+  LILY_CHECK(linear_xb_supported(w, T), "linear_xb: ", T, " rows of a ", w.bits, "-bit ", w.rows, "x", w.cols,
+             " matrix do not run on the wgmma GEMM");
+  LILY_CHECK(is_aligned16(workspace.data) && workspace.numel() >= T * w.cols, "linear_xb: the workspace (",
+             workspace.numel(), " elements) does not hold X as bf16 [", T, ", ", w.cols, "] at a 16-byte address");
+  const LinearArgs a = xb_product(w, workspace.ptr<uint16_t>(), y.ptr<float>(), T);
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel(), nullptr, 0, T, w.cols};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 

@@ -25,8 +25,16 @@ struct XbCopy {
 // Runs a.tiles over `max_tiles` row tiles of GENERIC_TILE_ROWS (= GEMM_BM) rows: the tensor-core
 // GEMM where the weight variant and alignment allow it, the generic kernel otherwise. x_count: the
 // rows of a.x the product reads (dense: M; gathered: the rows x_rows names; grouped: the bound on
-// product rows).
+// product rows). A gated product (a.up set, LinearArgs) runs as one where the wgmma GEMM's GATED
+// instances take it, else as the gate product into a.y, then the up product with swiglu.
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb);
+
+// X handed over as bf16 (LinearArgs::xb, ::yb; docs/cuda.md, "Xb hand-over"): linear_reads_xb(a) holds
+// when a, with a.xb set, runs on the wgmma GEMM (the only kernel reading a.xb); linear_writes_xb(a) when
+// the gated product a runs as one GATED wgmma product (the only kernel writing a.yb). linear_tiles fails on
+// an a.xb or a.yb that its predicate rejects: a producer sets them only where both hold.
+bool linear_reads_xb(const LinearArgs& a);
+bool linear_writes_xb(const LinearArgs& a);
 
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;

@@ -4,19 +4,25 @@
 //   logit, softmax and top-k in one kernel (kernels/moe_router.cuh); otherwise router logits and shared
 //   expert gate logit (one stacked GEMV when T = 1) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
-//   -> moe_down (all K+1 down products per output as one virtual row, summed into out);
+//   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
+//      moe_add, moe_add_rms_norm, moe_rms_normed_add);
+//   moe_rms_normed_add (where moe_rms_normed_supported): the fused router and moe_up stage rms_norm(x) * w
+//   of the residual row x themselves (their NORM_IN instances), and moe_down adds into x;
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
 //   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
 //   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
-//   -> grouped gate product, grouped up product with SwiGLU and the routing weight in its epilogue
-//   -> the shared expert's gate, up (SwiGLU, sigmoid gate in the epilogue) over all T tokens
+//   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
+//      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
+//   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
-// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the four
-// products over it, then the routed rows of the activation, then the shared ones.
+// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
+// products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
+// (moe_xb_elems' layout, hand_over_xb) where the kernels on both sides take it, else converted from the
+// F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
@@ -85,8 +91,37 @@ int64_t moe_routing_words(int64_t C, int64_t E, int top_k) {
   return routing_tables(nullptr, C, E, top_k).words;
 }
 
-int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+// s.xb of a prefill call with T tokens: from the start the XbCopy of the products (h's bf16 copy, a down
+// product's converted X, split-K partials after it: moe_xb_min_elems at least); at the end, where s.xb has
+// room for them (moe_xb_elems), the activation rows as the down products' Xb (hand_over_xb), routed
+// [T*K, I] then shared [T, Is], each block starting on 64 elements (128 B; TMA wants 16). Taken from the
+// end, the XbCopy keeps what it had before the hand-over existed less the blocks: the split-K choices of
+// short prompts stay where the workspace is large (the session's), so do their bits.
+static int64_t xb_block(int64_t n) { return (n + 63) / 64 * 64; }
+
+int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
   return C * std::max({H, top_k * I, Is});
+}
+
+int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k) {
+  return xb_block(moe_xb_min_elems(C, H, I, Is, top_k)) + xb_block(C * top_k * I) + xb_block(C * Is);
+}
+
+// The gated product g writes its activation rows as the down product p's Xb at xb (LinearArgs::yb and
+// ::xb) where both kernels take it (returns true); otherwise both stay as they are (F32 rows, converted
+// by p).
+static bool hand_over_xb(LinearArgs& g, LinearArgs& p, uint16_t* xb) {
+  LinearArgs gx = g, px = p;
+  gx.yb = xb;
+  gx.y = nullptr;
+  gx.ldy = 0;
+  px.xb = xb;
+  px.x = nullptr;
+  px.ldx = 0;
+  if (!linear_writes_xb(gx) || !linear_reads_xb(px)) return false;
+  g = gx;
+  p = px;
+  return true;
 }
 
 static Tensor rows_of(const Tensor& t, int64_t row0, int64_t n) {
@@ -118,8 +153,9 @@ static LinearArgs dense(LinearArgs a, int64_t M) {
   return a;
 }
 
-static LinearArgs swiglu(LinearArgs a, const float* row_scale) {
-  a.swiglu = true;
+// The product of a's matrix (the gate) gated by up over the same rows: y = row_scale * silu(gate) * up.
+static LinearArgs gated(LinearArgs a, const QMatrix& up, const float* row_scale) {
+  a.up = weight_view(up);
   a.row_scale = row_scale;
   return a;
 }
@@ -207,13 +243,17 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
   return mma_x_bytes(H, vb) <= GEMV_MAX_SMEM && mma_x_bytes(top_k * I + Is, vb) <= GEMV_MAX_SMEM;
 }
 
+// The up product's NORM_IN instance (norm_in.w set) launches with the plain one's plan, so its K split
+// and sums are those of moe_up over the normalised row; both are held to MMA_MIN_CTAS CTAs per SM.
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
-                           const float* shared_w, float* act, int64_t ld, int top_k, const NormTail& tail) {
-  const auto up = moe_up_mma_kernel<BITS, NG>;
+                           const float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
+                           const NormTail& tail, const NormIn& norm_in) {
+  const auto up = moe_up_mma_kernel<BITS, NG, false>, up_normed = moe_up_mma_kernel<BITS, NG, true>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
     allow_gemv_smem(up);
+    allow_gemv_smem(up_normed);
     allow_gemv_smem(down);
     return true;
   }();
@@ -223,14 +263,14 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
-                 log2_of(w.gate_proj->group_size), 1, 1, tail};
+                 log2_of(w.gate_proj->group_size), 1, 1, accumulate, tail, norm_in};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T, true);
   const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(down), down_smem, ceil_div<int64_t>(H, 16),
                               (top_k * I + Is) / VALS, T, true);
   p.ks_up = pu.ks, p.ks_down = pd.ks;
-  launch(up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
+  launch(norm_in.w != nullptr ? up_normed : up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
   LILY_CUDA_LAUNCHED();
   launch(down, dim3(unsigned(pd.grid), unsigned(T)), MMA_THREADS, down_smem, p);
   LILY_CUDA_LAUNCHED();
@@ -239,16 +279,17 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
 static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
 
-// Whether a cluster of n moe_router_kernel CTAs can be resident at all (n > 8 needs the non-portable
-// cluster size, granted per device; a CTA's 544 threads at 96 registers take more than half an SM's
-// registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once;
-// a refusal leaves that n on the GEMV + moe_topk path.
+// Whether a cluster of n moe_router_kernel<NORM_IN> CTAs can be resident at all (n > 8 needs the
+// non-portable cluster size, granted per device; a CTA's 544 or 576 threads at 96 registers take more than
+// half an SM's registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once
+// per instance; a refusal leaves that n on the GEMV + moe_topk path.
+template <bool NORM_IN>
 static bool router_cluster_fits(int n) {
   static const std::array<bool, ROUTER_MAX_CTAS + 1> fits = [] {
+    const auto kernel = moe_router_kernel<NORM_IN>;
     std::array<bool, ROUTER_MAX_CTAS + 1> f{};
     f[1] = true;
-    const bool wide = cudaFuncSetAttribute(moe_router_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                      cudaSuccess;
+    const bool wide = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
     for (int c = 2; c <= ROUTER_MAX_CTAS && (c <= 8 || wide); ++c) {
       cudaLaunchAttribute attr;
       attr.id = cudaLaunchAttributeClusterDimension;
@@ -256,11 +297,11 @@ static bool router_cluster_fits(int n) {
       attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(unsigned(c));
-      cfg.blockDim = dim3(ROUTER_THREADS);
+      cfg.blockDim = dim3(unsigned(router_threads(NORM_IN)));
       cfg.attrs = &attr;
       cfg.numAttrs = 1;
       int clusters = 0;
-      f[c] = cudaOccupancyMaxActiveClusters(&clusters, moe_router_kernel, &cfg) == cudaSuccess && clusters > 0;
+      f[c] = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
     }
     (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
     return f;
@@ -269,31 +310,37 @@ static bool router_cluster_fits(int n) {
 }
 
 // The fused decode router: one token; router and shared expert gate both 8-bit affine with BF16 scales,
-// whole 16-value chunks in a group, over H = ROUTER_COLS; E <= 256 and its cluster resident; h 16-byte
-// aligned (its float4 loads).
-static bool use_moe_router(const MoeWeights& w, const Tensor& h) {
+// whole 16-value chunks in a group, over H = ROUTER_COLS; E <= 256 and its cluster resident (of the
+// NORM_IN instance when `normed`); h 16-byte aligned (its float4 loads).
+static bool use_moe_router(const MoeWeights& w, const Tensor& h, bool normed) {
   const QMatrix* mats[] = {w.router, w.shared_expert_gate};
   for (const QMatrix* m : mats)
     if (!is_fast_affine(weight_view(*m)) || m->bits != 8 || m->num_stack != 1 || m->cols != ROUTER_COLS ||
         m->group_size <= 0 || m->group_size % 16 != 0 || ROUTER_COLS % m->group_size != 0)
       return false;
   const int64_t E = w.router->rows;
+  const int n = router_ctas(E);
   return h.dim(0) == 1 && h.dim(1) == ROUTER_COLS && w.shared_expert_gate->rows == 1 && E >= 1 &&
-         E <= ROUTER_MAX_EXPERTS && is_aligned16(h.data) && router_cluster_fits(router_ctas(E));
+         E <= ROUTER_MAX_EXPERTS && is_aligned16(h.data) &&
+         (normed ? router_cluster_fits<true>(n) : router_cluster_fits<false>(n));
 }
 
 static void launch_moe_router(const MoeWeights& w, const Tensor& h, const RoutingTables& r, float* shared_gate,
-                              int top_k) {
+                              int top_k, const NormIn& norm_in) {
   const MoeRouterParams p{affine_stack(*w.router), affine_stack(*w.shared_expert_gate), h.ptr<float>(), r.topk_id,
-                          r.topk_w, shared_gate, top_k};
+                          r.topk_w, shared_gate, top_k, norm_in};
   const unsigned n = unsigned(router_ctas(w.router->rows));
-  launch_clustered(moe_router_kernel, dim3(n), dim3(ROUTER_THREADS), dim3(n), 0, p);
+  const bool normed = norm_in.w != nullptr;
+  launch_clustered(normed ? moe_router_kernel<true> : moe_router_kernel<false>, dim3(n),
+                   dim3(unsigned(router_threads(normed))), dim3(n), 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
-// moe(), or with a tail (T = 1, use_moe_mma): out += the MoE output, then the tail's RMSNorm.
+// moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
+// With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
+// norm_in.w, staged by the fused router and moe_up.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
-                    const NormTail& tail) {
+                    bool accumulate, const NormTail& tail, const NormIn& norm_in = {}) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -303,13 +350,15 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   // One token: the fused router kernel where it applies; else a decode step runs the router and the
   // shared-expert gate as one GEMV over their stacked rows: E logits, then the gate logit, back to back
   // in router_logits (which has a spare row then).
-  const bool fused = use_moe_router(w, h);
+  const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
+  LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
+             "moe: a normed input needs the fused router and the tensor-core decode chain");
   const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
   if (fused) {
-    launch_moe_router(w, h, r, sg.ptr<float>(), top_k);
+    launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);
   } else {
     if (stacked) {
       linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
@@ -331,12 +380,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     float* act = s.gate.ptr<float>();
     const int64_t ld = s.gate.dim(1);
     if (w.gate_proj->bits == 4)
-      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail)
-                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail);
-    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail)
-                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, tail);
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
+                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
   }
-  LILY_CHECK(tail.done == nullptr, "moe: a fused residual norm needs the tensor-core decode path");
+  LILY_CHECK(!accumulate, "moe: a fused residual add needs the tensor-core decode path");
   if (use_moe_decode(w, h, s, top_k)) {
     switch (w.gate_proj->bits) {
       case 4: return launch_moe_decode<4>(w, h, out, r, sg.ptr<float>(), s.gate.ptr<float>(), s.gate.dim(1), top_k);
@@ -351,33 +400,43 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   launch(moe_count_kernel, chunks, MOE_ROUTE_TOKENS, E * sizeof(int32_t), cp);
   LILY_CUDA_LAUNCHED();
   const int64_t ld = s.gate.dim(1);
-  float* act = s.gate.ptr<float>();  // [T*K + T, ld]: gate products, then silu(gate)*up*weight in place
+  // [T*K + T, ld]: silu(gate)*up*weight (the two-product fallback: gate products, then that in place)
+  float* act = s.gate.ptr<float>();
   float* shared_act = act + TK * ld;
   float* down = s.down.ptr<float>();  // [T*K + T, H]
-  LinearArgs gate = product(*w.gate_proj, h.ptr<float>(), H, act, ld);
-  gate.x_rows = r.row_token;
-  LinearArgs up = swiglu(product(*w.up_proj, h.ptr<float>(), H, act, ld), r.row_weight);
-  up.x_rows = r.row_token;
+  LinearArgs gate_up = gated(product(*w.gate_proj, h.ptr<float>(), H, act, ld), *w.up_proj, r.row_weight);
+  gate_up.x_rows = r.row_token;
   LinearArgs dn = product(*w.down_proj, act, ld, down, H);
-  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all three grouped
-  // products have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
-  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate) && linear_wide_tiles(up) &&
-                    linear_wide_tiles(dn);
+  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products
+  // have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
+  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
   const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
-  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
+  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS), I = w.down_proj->cols,
+                Is = w.shared_down_proj->cols;
+  LinearArgs routed_up = grouped(gate_up, r, tile_rows), routed_down = grouped(dn, r, tile_rows);
+  LinearArgs shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld),
+                                     *w.shared_up_proj, sg.ptr<float>()),
+                               T);
+  LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
+  // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
+  // neither pair hands over)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  linear_tiles(grouped(gate, r, tile_rows), r.max_tiles, T, xb);
-  linear_tiles(grouped(up, r, tile_rows), r.max_tiles, T, xb);
-  linear_tiles(dense(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), T), shared_tiles, T, xb);
-  linear_tiles(swiglu(dense(product(*w.shared_up_proj, h.ptr<float>(), H, shared_act, ld), T), sg.ptr<float>()),
-               shared_tiles, T, xb);
-  linear_tiles(grouped(dn, r, tile_rows), r.max_tiles, TK, xb);
-  linear_tiles(dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T), shared_tiles, T, xb);
+  if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
+    const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
+    uint16_t* routed_xb = xb.data + copy;
+    const bool routed = hand_over_xb(routed_up, routed_down, routed_xb);
+    const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
+    if (routed || shared) xb.capacity = copy;
+  }
+  linear_tiles(routed_up, r.max_tiles, T, xb);
+  linear_tiles(shared_up, shared_tiles, T, xb);
+  linear_tiles(routed_down, r.max_tiles, TK, xb);
+  linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
   launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
@@ -385,15 +444,45 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
 }
 
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
-  run_moe(w, h, out, s, top_k, NormTail{});
+  run_moe(w, h, out, s, top_k, false, NormTail{});
+}
+
+// On the tensor-core path moe_down_mma adds into res; otherwise moe into tmp, then add.
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const ops::MoeScratch& s,
+             int top_k) {
+  if (use_moe_mma(w, h, s, top_k)) return run_moe(w, h, res, s, top_k, true, NormTail{});
+  run_moe(w, h, tmp, s, top_k, false, NormTail{});
+  add(res, tmp);
+}
+
+// The block's input norm in the router and moe_up (NORM_IN instances) where the fused router and the
+// tensor-core chain run for res, rms_norm's threads for D = H are moe_up's CTA (norm_threads(H) =
+// MMA_THREADS, as the router's 256 for H = 2048) and the norm kernels would take float4s (res checked by
+// use_moe_router; weight and h 16-byte aligned: also the router's cp.async of the weight).
+bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
+                              const ops::MoeScratch& s, int top_k) {
+  const int64_t H = res.dim(1);
+  return use_moe_router(w, res, true) && use_moe_mma(w, res, s, top_k) && norm_threads(H) == MMA_THREADS &&
+         H <= MMA_NORM_MAX_COLS && is_aligned16(weight.data) && is_aligned16(h.data);
+}
+
+// res += moe(rms_norm(res) * weight): no kernel writes h where moe_rms_normed_supported; otherwise rms_norm
+// into h, then moe_add.
+void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                        const Tensor& tmp, const ops::MoeScratch& s, int top_k) {
+  if (cuda::moe_rms_normed_supported(w, res, weight, h, s, top_k))  // cuda::, not ops:: (found by its arguments)
+    return run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps});
+  rms_norm(res, weight, eps, h);
+  cuda::moe_add(w, h, res, tmp, s, top_k);
 }
 
 // One token on the tensor-core path: moe_down_mma adds into res and its last CTA writes the norm into h
 // (h's last reader, moe_up_mma, has finished by then). Otherwise moe into tmp, then add_rms_norm.
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync) {
-  if (h.dim(0) == 1 && use_moe_mma(w, h, s, top_k)) return run_moe(w, h, res, s, top_k, norm_tail(res, weight, eps, h, sync));
-  run_moe(w, h, tmp, s, top_k, NormTail{});
+  if (h.dim(0) == 1 && use_moe_mma(w, h, s, top_k))
+    return run_moe(w, h, res, s, top_k, true, norm_tail(res, weight, eps, h, sync));
+  run_moe(w, h, tmp, s, top_k, false, NormTail{});
   add_rms_norm(res, tmp, weight, eps, h);
 }
 

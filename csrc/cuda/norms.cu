@@ -17,15 +17,6 @@ static bool can_use_vec4(int64_t D, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-// Enough threads to give each a few float4 of the row, at most 256 (D = 2048 -> 256, D = 128 -> 32).
-static int norm_threads(int64_t D) {
-  const int64_t want = ceil_div<int64_t>(D, 8);
-  if (want <= 32) return 32;
-  if (want <= 64) return 64;
-  if (want <= 128) return 128;
-  return 256;
-}
-
 NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync) {
   const int64_t D = x.dim(1);
   return NormTail{x.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), reinterpret_cast<unsigned*>(sync.data),
@@ -70,6 +61,16 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   else
     launch(add_rms_norm_kernel<false>, grid, block, 0, p);
   LILY_CUDA_LAUNCHED();
+}
+
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {
+  const int64_t D = x.dim(1);
+  RmsNormParams p{x.ptr<float>(), z.ptr<float>(), weight.ptr<float>(), nullptr,
+                  norm_rows(x.dim(0), "gated_rms_norm_xb"), int(D), eps};
+  p.yb = xb.ptr<uint16_t>();
+  LILY_CHECK(D % 8 == 0 && aligned16(p.yb), "gated_rms_norm_xb: rows of ", D,
+             " floats or an xb address off 16 bytes do not allow 16-byte Xb stores");
+  launch_rms_norm<true>(p, can_use_vec4(D, {p.x, p.z, p.w}));  // as gated_rms_norm decides: the same s
 }
 
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {

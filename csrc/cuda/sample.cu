@@ -63,7 +63,7 @@ void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state) {
 }
 
 void advance_position(int32_t* pos, int64_t T) {
-  LILY_CHECK(T >= 0 && T <= 0x7fffffff, "advance_position: step of ", T, " tokens out of range");
+  LILY_CHECK(T >= -0x7fffffff && T <= 0x7fffffff, "advance_position: step of ", T, " tokens out of range");
   advance_position_kernel<<<1, 1, 0, stream()>>>(pos, int(T));
   LILY_CUDA_LAUNCHED();
 }

@@ -33,47 +33,72 @@ static std::array<Tensor, N> split(const Tensor& row, const int64_t (&widths)[N]
   return out;
 }
 
-// The projections y_i = x W_i^T of one input x [T, in] by the matrices `parts`: for one token,
-// where they are also stacked by rows (`stacked`), one GEMV into the scratch row `row`, split back
-// into the parts' outputs; otherwise one linear per part into `outs` (ws: linear's workspace).
+// A block's input h = rms_norm(x) * norm [T, H] (a layer's input_layernorm before its projections, its
+// post_attention_layernorm before its MoE block): already in h, or (`normed`: one token, and
+// ops::linear_rms_normed_supported for the layer's stacked projection, ops::moe_rms_normed_supported for
+// the MoE block) computed by the block's first op from the residual stream x (ops::linear_rms_normed,
+// ops::moe_rms_normed_add; h is then their work space).
+struct LayerInput {
+  Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
+  float eps;
+  bool normed;
+};
+
+// The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
+// are also stacked by rows (`stacked`), one GEMV into the scratch row `row` (with in.normed the input
+// norm in it), split back into the parts' outputs; otherwise one linear per part into `outs` (ws:
+// linear's workspace).
 template <size_t N>
-static std::array<Tensor, N> project(const Tensor& x, const QMatrix* stacked, const QMatrix* const (&parts)[N],
+static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
-  if (x.dim(0) == 1 && stacked) {
+  if (in.h.dim(0) == 1 && stacked) {
     int64_t widths[N];
     for (size_t i = 0; i < N; ++i) widths[i] = parts[i]->rows;
     const Tensor y = view(row, 1, stacked->rows);
-    ops::linear(*stacked, x, y, ws);
+    if (in.normed) ops::linear_rms_normed(*stacked, in.x, in.norm, in.eps, in.h, y, ws);
+    else ops::linear(*stacked, in.h, y, ws);
     return split(y, widths);
   }
-  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], x, outs[i], ws);
+  LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
+  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], in.h, outs[i], ws);
   return outs;
 }
 
-// Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)).
-Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st, int64_t T) const {
+// Gated DeltaNet mixer (docs/model.md section 2.2): out_proj(gated_rms_norm(delta_rule(conv(h)), z)),
+// continuing from the state in `st` and writing the new state to `out` (st itself: in place).
+Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights& L, const LayerState& st,
+                                     LayerState& out, const LayerInput& in) const {
   const ModelConfig& c = config_;
   const GdnWeights& w = L.gdn;
   const Scratch& x = f.scratch;
-  const int64_t H = c.hidden_size, C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
+  const int64_t T = in.h.dim(0), C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
                 Hv = c.linear_num_value_heads, Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const ProfileLabel label("gdn");
   // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
   const auto [qkv, z, b, a] =
-      project(view(x.h, T, H), w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
+      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
               {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
-  const Tensor conv_state = view(st.conv, c.linear_conv_kernel_dim - 1, C);                // [K-1, C]
-  const Tensor S = Tensor::of(st.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});  // [Hv, Dk, Dv]
-  const Tensor normed = view(x.normed, T, Vd);                                             // [T, Vd]
+  auto conv_state = [&](const LayerState& s) { return view(s.conv, c.linear_conv_kernel_dim - 1, C); };  // [K-1, C]
+  auto S = [&](const LayerState& s) {  // [Hv, Dk, Dv]
+    return Tensor::of(s.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});
+  };
+  const Tensor normed = view(x.normed, T, Vd);  // [T, Vd]
   if (T == 1 && ops::gdn_decode_mixer_supported(device(), Hk, Hv, Dk, Dv, c.linear_conv_kernel_dim)) {
     // decode: the three ops below in one (one kernel on CUDA; literally the three on the CPU)
-    ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state, a, b, w.A_log->view(), w.dt_bias->view(), S, z,
-                          w.norm->view(), c.rms_norm_eps, normed, int(Hk), int(Dk));
+    ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state(st), conv_state(out), a, b, w.A_log->view(),
+                          w.dt_bias->view(), S(st), S(out), z, w.norm->view(), c.rms_norm_eps, normed, int(Hk),
+                          int(Dk));
   } else {
     const Tensor y = view(x.core_in, T, C), o = view(x.core_out, T, Vd);
     const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
-    ops::conv1d_silu(qkv, w.conv1d->view(), conv_state, y);
-    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S, o, work, int(Hk), int(Dk));
+    ops::conv1d_silu(qkv, w.conv1d->view(), conv_state(st), conv_state(out), y);
+    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S(st), S(out), o, work, int(Hk), int(Dk));
+    // prefill where out_proj runs on the GEMM that reads bf16 X: the norm writes that X itself (its head
+    // rows [T*Hv, Dv] are out_proj's rows [T, Vd]; docs/cuda.md, "Xb hand-over"); else F32 rows
+    if (Dv % 8 == 0 && ops::linear_xb_supported(device(), *w.out_proj, T)) {
+      ops::gated_rms_norm_xb(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, xb_work(x, device()));
+      return {w.out_proj, Tensor{}, true};
+    }
     ops::gated_rms_norm(heads(o, Dv), heads(z, Dv), w.norm->view(), c.rms_norm_eps, heads(normed, Dv));
   }
   return {w.out_proj, normed};
@@ -81,25 +106,23 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
 
 // Gated full attention (docs/model.md section 2.3): o_proj(attention(rope(norm(q)), cache) * sigmoid(gate)).
 Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerWeights& L, LayerState& st,
-                                           int64_t T, const Tensor* rope_pos) const {
+                                           const LayerInput& in, const Tensor* rope_pos) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attn;
   const Scratch& x = f.scratch;
-  const int64_t H = c.hidden_size, nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
+  const int64_t T = in.h.dim(0), nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   const ProfileLabel label("attn");
   // p [T, nH*2D] (per head: query | gate), k, v [T, nKV*D]
-  const auto [p, k, v] = project(view(x.h, T, H), w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
+  const auto [p, k, v] = project(in, w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
                                  {view(x.proj, T, c.q_proj_dim()), view(x.k, T, nKV * D), view(x.v, T, nKV * D)},
                                  xb_work(x, device()));
   const Tensor q = view(x.core_in, T, nH * D), gate = view(x.out_gate, T, nH * D), o = view(x.core_out, T, nH * D);
   const DType kv_dtype = device() == Device::CPU ? DType::F32 : DType::BF16;
   const Tensor kc = Tensor::of(st.k.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
   const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
+  // After a prompt with images, text tokens turn by their index + pos.rope_delta (docs/model.md section 8.5).
   const ops::Position pos = f.position;
-  // After a prompt with images, text tokens turn by their index + rope_delta (docs/model.md section 8.5).
-  LILY_CHECK(f.rope_delta == 0 || device() == Device::CPU, "attention: a rope offset (images) on ", device_name(device()));
-  const ops::Position rope_at{pos.host + f.rope_delta, pos.device};
-  if (T == 1 && !rope_pos && f.rope_delta == 0) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
+  if (T == 1 && !rope_pos) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
     ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
                          kc, vc, q, gate, o, int(nH), int(nKV), pos);
   } else {
@@ -110,8 +133,8 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
       ops::mrope(q, int(nH), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
       ops::mrope(k, int(nKV), c.rotary_dim, c.rope_theta, c.mrope_section, *rope_pos);
     } else {
-      ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, rope_at);
-      ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, rope_at);
+      ops::rope(q, int(nH), c.rotary_dim, c.rope_theta, pos);
+      ops::rope(k, int(nKV), c.rotary_dim, c.rope_theta, pos);
     }
     ops::kv_cache_write(k, kc, pos);
     ops::kv_cache_write(v, vc, pos);
@@ -160,9 +183,16 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   ops::embedding(*weights_->embed_tokens, ids, xs);
   Tensor rope_pos;  // [T, 3] the chunk's multimodal positions, when its prompt has images
   if (images) {     // the image tokens' embeddings are the vision tower's merged tokens
-    for (int64_t i = 0; i < images->n; ++i)
-      if (images->rows[i] >= t0 && images->rows[i] < t0 + T)
-        x.x.upload(images->embeds + i * H, size_t(H) * 4, size_t((images->rows[i] - t0) * H) * 4);
+    for (int64_t i = 0; i < images->n;) {
+      if (images->rows[i] < t0 || images->rows[i] >= t0 + T) {
+        ++i;
+        continue;
+      }
+      int64_t j = i + 1;  // rows i..j-1: consecutive and inside the chunk, one upload
+      while (j < images->n && images->rows[j] == images->rows[j - 1] + 1 && images->rows[j] < t0 + T) ++j;
+      x.x.upload(images->embeds + i * H, size_t((j - i) * H) * 4, size_t((images->rows[i] - t0) * H) * 4);
+      i = j;
+    }
     x.rope_pos.upload(images->positions + 3 * t0, size_t(T) * 12);
     rope_pos = Tensor::of(x.rope_pos.data(), DType::I32, device(), {T, 3});
   }
@@ -175,37 +205,60 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   const float eps = c.rms_norm_eps;
   const int K = c.num_experts_per_tok;
   const Tensor sync = Tensor::of(x.sync.data(), DType::I32, device(), {1});
-  // One token (and no trace of the blocks' outputs): each residual add and the norm after it run inside
-  // the product before them (ops::linear_add_rms_norm, ops::moe_add_rms_norm); mix is then work space.
+  // One token (and no trace of the blocks' outputs): each residual add runs inside the product before it
+  // (ops::linear_add, ops::moe_add and their _rms_norm forms) and each RMSNorm inside a product next to it;
+  // mix is then work space. Where a layer's stacked input projection normalises its input itself
+  // (LayerInput::normed), the MoE block before it only adds and layer 0's rms_norm is left out; where the
+  // MoE block normalises its own input (post.normed: the router and moe_up stage the post-attention norm,
+  // and the next layer's projection takes its input norm), the output projection before it only adds.
+  // Elsewhere the norm is written into h by the product before its reader (a last-CTA tail).
   const bool fold = T == 1 && !f.trace;
-  ops::rms_norm(xs, weights_->layers[0].input_layernorm->view(), eps, h);
+  auto input_of = [&](int l) {
+    const LayerWeights& L = weights_->layers[l];
+    const QMatrix* stacked = L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj;
+    const Tensor norm = L.input_layernorm->view();
+    return LayerInput{h, xs, norm, eps, fold && stacked && ops::linear_rms_normed_supported(*stacked, xs, norm, h)};
+  };
+  LayerInput in = input_of(0);
+  if (!in.normed) ops::rms_norm(xs, in.norm, eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
+    const bool last = l + 1 == c.num_hidden_layers;
+    const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
-    {  // x += mixer(h); h = post_attention_layernorm(x)
-      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], T, images ? &rope_pos : nullptr)
-                                                 : gdn_layer(f, L, f.layers[l], T);
+    const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
+                          fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
+    {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
+      const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
+                                                 : gdn_layer(f, L, f.layers[l], f.next[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
-      if (fold) {
+      if (post.normed) {
+        ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
+      } else if (fold && !out.x_in_xb) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
-        ops::linear(*out.w, out.x, mix, xb_work(x, device()));
+        if (out.x_in_xb) ops::linear_xb(*out.w, xb_work(x, device()), mix);
+        else ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(f, p + "mixer", x.mix, T, H);
         ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }
     }
-    // x += moe(h); h = the next layer's input_layernorm(x) (the last layer: x += moe(h))
-    const bool last = l + 1 == c.num_hidden_layers;
-    if (fold && !last) {
-      ops::moe_add_rms_norm(L.moe, h, xs, weights_->layers[l + 1].input_layernorm->view(), eps, mix, ms, K, sync);
+    // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
+    // layer: x += moe(h))
+    if (post.normed) {
+      ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
+    } else if (fold && !last) {
+      if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
+      else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
     } else {
       ops::moe(L.moe, h, mix, ms, K);
       record(f, p + "moe", x.mix, T, H);
       if (last) ops::add(xs, mix);
-      else ops::add_rms_norm(xs, mix, weights_->layers[l + 1].input_layernorm->view(), eps, h);
+      else ops::add_rms_norm(xs, mix, next.norm, eps, h);
     }
     record(f, p + "residual", x.x, T, H);
+    in = next;
   }
   ops::advance_position(static_cast<int32_t*>(x.position.data()), device(), T);
 }

@@ -61,11 +61,16 @@ struct PromptImages {
 // traced activations go (null when not tracing).
 struct ForwardContext {
   Scratch& scratch;
-  std::vector<LayerState>& layers;  // one per model layer
+  std::vector<LayerState>& layers;  // one per model layer: the state the chunk continues from
+  // Where the GDN layers write their new conv and recurrent state: `layers` itself (in place: prefill),
+  // or the other copy of the session's ping-pong pair (a decode step, which the session can then take
+  // back by keeping the copy it read; docs/generation.md "Pipelined decoding"). Attention layers append
+  // to their KV caches in `layers` either way.
+  std::vector<LayerState>& next;
   int64_t max_context;              // rows of each KV cache
   int64_t chunk;                    // tokens the scratch holds
-  ops::Position position;           // the chunk's first token
-  int64_t rope_delta;               // after a prompt with images: text rotates by index + rope_delta
+  ops::Position position;           // the chunk's first token; rope_delta: text after images rotates by
+                                    // index + rope_delta
   std::map<std::string, Trace>* trace;
 };
 

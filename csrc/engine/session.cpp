@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "engine.h"
 
@@ -89,15 +90,18 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   const size_t kv_bytes = size_t(product("KV cache size", product("KV cache size", max_context, c.kv_dim()),
                                          d == Device::CPU ? 4 : 2));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    LayerState st;
+    LayerState st, other;
     if (c.is_full_attention[l]) {
       st.k = Buffer(d, kv_bytes);
       st.v = Buffer(d, kv_bytes);
     } else {
-      st.conv = f32(c.linear_conv_kernel_dim - 1, c.conv_dim());
-      st.recurrent = f32(c.linear_num_value_heads, int64_t(c.linear_key_head_dim) * c.linear_value_head_dim);
+      for (LayerState* x : {&st, &other}) {
+        x->conv = f32(c.linear_conv_kernel_dim - 1, c.conv_dim());
+        x->recurrent = f32(c.linear_num_value_heads, int64_t(c.linear_key_head_dim) * c.linear_value_head_dim);
+      }
     }
     layers_.push_back(std::move(st));
+    spare_.push_back(std::move(other));
   }
   const int64_t C = chunk_, H = c.hidden_size;  // no chunk is longer than the context: scratch for that many
   const int64_t wide = std::max({int64_t(c.conv_dim()), int64_t(c.q_proj_dim()), int64_t(c.value_dim()),
@@ -147,17 +151,36 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   const int64_t V = c.vocab_size;
   sampler_.counts = Buffer(d, size_t(V) * 4);
   sampler_.seen = Buffer(d, size_t(V) * 4);
-  sampler_.token = Buffer(d, 4);
-  sampler_.logprob_ids = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
-  sampler_.logprob_values = Buffer(d, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  const size_t lp = size_t(1 + ops::MAX_LOGPROBS) * 4;
+  sampler_.result = Buffer(d, SamplerBuffers::RESULT_WORDS * 4);
+  sampler_.token = Buffer::view(sampler_.result, 0, 4);
+  sampler_.logprob_ids = Buffer::view(sampler_.result, 4, lp);
+  sampler_.logprob_values = Buffer::view(sampler_.result, 4 + lp, lp);
   sampler_.mask = Buffer(d, size_t((V + 31) / 32) * 4);
+  host_ = HostBuffer(d, sampler_.result.nbytes() + sampler_.mask.nbytes());
+  std::memset(host_.data(), 0, host_.nbytes());
+  sampled_fence_ = DeviceFence(d);
   set_sampler(ops::SamplerParams{}, nullptr, 0);
   reset();
 }
 
-ForwardContext Session::forward_context() {
-  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data())};
-  return {s_, layers_, max_context_, chunk_, position, rope_delta_, tracing ? &trace : nullptr};
+ForwardContext Session::forward_context(bool decode) {
+  const ops::Position position{position_, static_cast<const int32_t*>(s_.position.data()), rope_delta_};
+  return {s_, layers_, decode ? spare_ : layers_, max_context_, chunk_, position, tracing ? &trace : nullptr};
+}
+
+void Session::flip_state() {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    std::swap(layers_[l].conv, spare_[l].conv);
+    std::swap(layers_[l].recurrent, spare_[l].recurrent);
+  }
+  copy_ ^= 1;
+}
+
+void Session::settle() {
+  if (!pending_) return;
+  sampled_fence_.wait();
+  pending_ = false;
 }
 
 void Session::set_position(int64_t p) {
@@ -169,7 +192,8 @@ void Session::set_position(int64_t p) {
 }
 
 void Session::reset() {
-  for (LayerState& st : layers_) {
+  settle();
+  for (LayerState& st : layers_) {  // the other copy is written in full before any step reads it
     st.conv.zero();
     st.recurrent.zero();
   }
@@ -202,48 +226,75 @@ void Session::set_sampler(const ops::SamplerParams& params, const int32_t* promp
   }
 }
 
-int32_t Session::sample_last(const int32_t* mask) {
+void Session::queue_sample(const int32_t* mask) {
   const int64_t V = engine_->config().vocab_size;
+  settle();  // the staging words below may still be on their way to the device
   if (mask) {
     const int64_t words = (V + 31) / 32;
-    sampler_.mask.upload(mask, size_t(words) * 4);
+    void* staged = static_cast<char*>(host_.data()) + sampler_.result.nbytes();
+    std::memcpy(staged, mask, size_t(words) * 4);
+    sampler_.mask.upload_async(staged, size_t(words) * 4);
     ops::apply_token_mask(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}),
                           i32_view(sampler_.mask, words));
   }
   ops::sample(Tensor::of(s_.logits.data(), DType::F32, s_.logits.device(), {V}), sampler_.params, sampler_.step,
               sampler_state(sampler_, V));
   ++sampler_.step;
-  int32_t id = 0;
-  sampler_.token.download(&id, 4);
-  // The samplers write -1 when the logits hold NaN (docs/sampling.md): no token to feed back.
-  sampler_.has_token = id >= 0;
-  LILY_CHECK(id >= 0, "sample: the model's logits contain NaN (invalid weights or activations); no token was "
-             "sampled. Check the checkpoint with lily.Model.load(..., check_weights=True)");
+  // The id, and the logprobs when asked for, in one copy.
+  const size_t n = sampler_.params.num_logprobs >= 0 ? sampler_.result.nbytes() : 4;
+  sampler_.result.download_async(host_.data(), n);
+  sampled_fence_.record();
+  pending_ = true;
+  sampler_.has_token = true;  // once the copy has landed: sampled() says whether it is a token
+}
+
+int32_t Session::sampled() {
+  LILY_CHECK(pending_, "sampled() needs a sample_launch first (each sample's id is read once)");
+  sampled_fence_.wait();
+  pending_ = false;
+  const int32_t id = *static_cast<const int32_t*>(host_.data());
+  if (id < 0) {
+    // The samplers write -1 when the logits hold NaN (docs/sampling.md): no token to feed back, and a
+    // forward launched on it since is taken back.
+    if (launched_ && fed_pending_) decode_discard();
+    sampler_.has_token = false;
+    fail("sample: the model's logits contain NaN (invalid weights or activations); no token was sampled. Check "
+         "the checkpoint with lily.Model.load(..., check_weights=True)");
+  }
   return id;
 }
 
 int32_t Session::prefill_sample(const int32_t* ids, int64_t T, const int32_t* mask, const PromptImages* images) {
   prefill(ids, T, nullptr, false, images);
   engine_->logits_rows(forward_context(), (T - 1) % chunk_, 1);  // the last chunk's last row
-  return sample_last(mask);
+  queue_sample(mask);
+  return sampled();
 }
 
 void Session::decode_from_device() {
-  LILY_CHECK(position_ + 1 <= max_context_, "context overflow: ", position_, " tokens in the session + 1 new exceed max_context ",
-             max_context_);
+  LILY_CHECK(position_ + 1 <= max_context_, "context overflow: ", position_,
+             " tokens in the session + 1 new exceed max_context ", max_context_);
   auto step = [this] {
-    engine_->forward_chunk(forward_context(), i32_view(sampler_.token, 1), 1);
-    engine_->logits_rows(forward_context(), 0, 1);
+    engine_->forward_chunk(forward_context(true), i32_view(sampler_.token, 1), 1);
+    engine_->logits_rows(forward_context(true), 0, 1);
   };
   // The first step runs eagerly so one-time kernel setup (attributes, lazy module loading) happens
-  // outside the capture; later steps replay the captured graph.
+  // outside the capture; later steps replay the graph captured for the current state copy (the two
+  // graphs differ only in which copy they read and which they write).
   if (use_graph && engine_->device() != Device::CPU && !tracing && !profiler && eager_steps_ > 0) {
-    if (decode_graph_.empty()) decode_graph_ = DeviceGraph(engine_->device(), step);
-    decode_graph_.launch();
+    // The rope offset is a kernel argument (ops::Position): graphs captured with another one are stale.
+    if (graph_rope_delta_ != rope_delta_) {
+      for (DeviceGraph& g : decode_graph_) g = DeviceGraph();
+      graph_rope_delta_ = rope_delta_;
+    }
+    DeviceGraph& graph = decode_graph_[copy_];
+    if (graph.empty()) graph = DeviceGraph(engine_->device(), step);
+    graph.launch();
   } else {
     step();
     ++eager_steps_;
   }
+  flip_state();
   ++position_;
 }
 
@@ -268,22 +319,43 @@ void Session::decode_launch(int32_t id) {
     sampler_.token.upload(&id, 4);
   } else {
     LILY_CHECK(sampler_.has_token, "decode_sample(-1) needs a sampled token: call prefill_sample first");
+    // The CPU sampled at once: a NaN sample raises here, as sampled() would, instead of feeding id -1
+    // (which the CPU embedding refuses; GPU kernels clamp it and sampled() takes the step back).
+    if (pending_ && engine_->device() == Device::CPU && *static_cast<const int32_t*>(host_.data()) < 0) sampled();
   }
   launched_ = false;
   decode_from_device();
+  fed_sampled_ = id < 0;
+  fed_pending_ = id < 0 && pending_;
   sampler_.has_token = false;  // the fed token is consumed; sample_next samples the next one
   launched_ = true;
 }
 
 int32_t Session::sample_next(const int32_t* mask) {
+  sample_launch(mask);
+  return sampled();
+}
+
+void Session::sample_launch(const int32_t* mask) {
   LILY_CHECK(launched_, "sample_next needs a decode_launch first (each launched step is sampled once)");
   launched_ = false;
-  return sample_last(mask);
+  queue_sample(mask);
+}
+
+void Session::decode_discard() {
+  LILY_CHECK(launched_, "decode_discard needs a launched step whose logits were not sampled (decode_launch)");
+  launched_ = false;
+  flip_state();  // the copy the step read is current again; the one it wrote is the spare
+  --position_;
+  ops::advance_position(static_cast<int32_t*>(s_.position.data()), engine_->device(), -1);
+  sampler_.has_token = fed_sampled_;
 }
 
 void Session::last_logprobs(int32_t* ids, float* values) const {
-  sampler_.logprob_ids.download(ids, size_t(1 + ops::MAX_LOGPROBS) * 4);
-  sampler_.logprob_values.download(values, size_t(1 + ops::MAX_LOGPROBS) * 4);
+  if (pending_) sampled_fence_.wait();
+  const size_t n = size_t(1 + ops::MAX_LOGPROBS);
+  std::memcpy(ids, static_cast<const int32_t*>(host_.data()) + 1, n * 4);
+  std::memcpy(values, static_cast<const float*>(host_.data()) + 1 + n, n * 4);
 }
 
 void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_logits, const PromptImages* images) {
@@ -296,14 +368,13 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
     LILY_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " at index ", t, " is outside the vocabulary [0, ",
                V, ")");
   if (images) {
-    LILY_CHECK(engine_->device() == Device::CPU, "prefill: images are not implemented on CUDA yet; use "
-               "device='cpu' for images");
     for (int64_t i = 0; i < images->n; ++i)
       LILY_CHECK(images->rows[i] >= (i ? images->rows[i - 1] + 1 : 0) && images->rows[i] < T, "prefill: image row ",
                  i, " (", images->rows[i], ") is not increasing within the prompt of ", T, " tokens");
     for (int64_t i = 0; i < 3 * T; ++i)
       LILY_CHECK(images->positions[i] >= 0, "prefill: rope positions must be non-negative");
   }
+  settle();
   sampler_.has_token = false;
   launched_ = false;
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
@@ -346,6 +417,7 @@ void Session::restore(const Snapshot& snap) {
   LILY_CHECK(snap.engine == engine_.get(), "restore: the snapshot was taken from a session of another model");
   LILY_CHECK(snap.position <= max_context_, "restore: the snapshot holds ", snap.position,
              " tokens but this session's max_context is ", max_context_);
+  settle();
   for (size_t l = 0; l < layers_.size(); ++l) {
     LayerState& st = layers_[l];
     const LayerState& c = snap.layers[l];

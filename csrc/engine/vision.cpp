@@ -1,4 +1,6 @@
 // Engine::encode_images: the vision tower (docs/model.md section 8) as a sequence of ops.
+#include <algorithm>
+
 #include "engine.h"
 #include "../runtime/profile.h"
 
@@ -18,8 +20,9 @@ static std::vector<int32_t> patch_positions(int gh, int gw, int m) {
   return pos;
 }
 
-static void biased_linear(const BiasedLinear& l, const Tensor& x, const Tensor& y) {
-  ops::linear(*l.w, x, y, Tensor{});
+// y = x W^T + b (ws: ops::linear's workspace).
+static void biased_linear(const BiasedLinear& l, const Tensor& x, const Tensor& y, const Tensor& ws) {
+  ops::linear(*l.w, x, y, ws);
   ops::add_bias(y, l.b->view());
 }
 
@@ -28,8 +31,6 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   const VisionConfig& v = config_.vision;
   LILY_CHECK(v.present(), "encode_images: this checkpoint has no vision tower (its config.json has no "
              "vision_config, or its files no model.visual.* tensors), so it cannot read images");
-  LILY_CHECK(device() == Device::CPU, "encode_images: the vision tower is not implemented on CUDA yet; "
-             "use device='cpu' for images");
   const int m = v.spatial_merge_size, mm = m * m;
   const int64_t W = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(), H = config_.hidden_size;
   std::vector<int32_t> pos, starts{0};
@@ -47,6 +48,14 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   Buffer px = f32(N, v.patch_dim()), x = f32(N, W), h = f32(N, W), qkv = f32(N, 3 * W), o = f32(N, W),
          mlp = f32(N, I), merged = f32(N / mm, M), y = f32(N / mm, H), pos_b(d, pos.size() * 4),
          starts_b(d, starts.size() * 4);
+  // BF16 work space of the products (for the widest input: the patches, W or the MLP's I; the merger's M
+  // over N / m^2 rows) and of the attention; both empty on the CPU
+  const int64_t lin_ws = std::max(ops::linear_workspace_elems(d, N, std::max<int64_t>({v.patch_dim(), W, I})),
+                                  ops::linear_workspace_elems(d, N / mm, M));
+  const int64_t attn_ws = ops::vision_attention_workspace_elems(d, N, v.num_heads, W / v.num_heads);
+  Buffer lin_b(d, size_t(lin_ws) * 2), attn_b(d, size_t(attn_ws) * 2);
+  const Tensor ws = Tensor::of(lin_b.data(), DType::BF16, d, {lin_ws});
+  const Tensor attn_work = Tensor::of(attn_b.data(), DType::BF16, d, {attn_ws});
   px.upload(pixels, px.nbytes());
   pos_b.upload(pos.data(), pos_b.nbytes());
   starts_b.upload(starts.data(), starts_b.nbytes());
@@ -56,7 +65,7 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   const VisionWeights& vw = weights_->vision;
   const float eps = 1e-6f;  // every LayerNorm of the tower
   const ProfileLabel label("vision");
-  biased_linear(vw.patch_embed, f32_view(px, N, v.patch_dim()), xs);
+  biased_linear(vw.patch_embed, f32_view(px, N, v.patch_dim()), xs, ws);
   for (size_t i = 0; i < grids.size(); ++i) {  // each image's resampled position table
     const int64_t n = starts[i + 1] - starts[i];
     const Tensor rows = Tensor::of(xs.ptr<float>() + starts[i] * W, DType::F32, d, {n, W});
@@ -66,23 +75,23 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   for (const VisionBlockWeights& B : vw.blocks) {
     // x += proj(attention(rope(qkv(norm1(x)))))
     ops::layer_norm(xs, B.norm1.weight->view(), B.norm1.bias->view(), eps, hs);
-    biased_linear(B.qkv, hs, f32_view(qkv, N, 3 * W));
+    biased_linear(B.qkv, hs, f32_view(qkv, N, 3 * W), ws);
     ops::vision_rope(f32_view(qkv, N, 3 * W), pos_t, v.num_heads, v.rope_theta);
-    ops::vision_attention(f32_view(qkv, N, 3 * W), f32_view(o, N, W), starts_t, v.num_heads);
-    biased_linear(B.proj, f32_view(o, N, W), hs);
+    ops::vision_attention(f32_view(qkv, N, 3 * W), f32_view(o, N, W), starts_t, v.num_heads, attn_work);
+    biased_linear(B.proj, f32_view(o, N, W), hs, ws);
     ops::add(xs, hs);
     // x += fc2(gelu_tanh(fc1(norm2(x))))
     ops::layer_norm(xs, B.norm2.weight->view(), B.norm2.bias->view(), eps, hs);
-    biased_linear(B.fc1, hs, f32_view(mlp, N, I));
+    biased_linear(B.fc1, hs, f32_view(mlp, N, I), ws);
     ops::gelu(f32_view(mlp, N, I), true);
-    biased_linear(B.fc2, f32_view(mlp, N, I), hs);
+    biased_linear(B.fc2, f32_view(mlp, N, I), hs, ws);
     ops::add(xs, hs);
   }
   // merger: LayerNorm per patch, then each m x m block's patches side by side [N/m^2, m^2 W] -> MLP
   ops::layer_norm(xs, vw.merger_norm.weight->view(), vw.merger_norm.bias->view(), eps, hs);
-  biased_linear(vw.merger_fc1, f32_view(h, N / mm, M), f32_view(merged, N / mm, M));
+  biased_linear(vw.merger_fc1, f32_view(h, N / mm, M), f32_view(merged, N / mm, M), ws);
   ops::gelu(f32_view(merged, N / mm, M), false);
-  biased_linear(vw.merger_fc2, f32_view(merged, N / mm, M), f32_view(y, N / mm, H));
+  biased_linear(vw.merger_fc2, f32_view(merged, N / mm, M), f32_view(y, N / mm, H), ws);
   y.download(out, y.nbytes());
 }
 

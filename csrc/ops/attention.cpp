@@ -29,6 +29,12 @@ static void check_position(const char* op, const Position& pos, Device d, int64_
   LILY_CHECK(d == Device::CPU || pos.device != nullptr, op, ": a GPU op needs the position in device memory");
 }
 
+// Rotary positions stay in [0, INT32_MAX) (the kernels add the delta to the int32 position word).
+static void check_rope_delta(const char* op, const Position& pos, int64_t T) {
+  LILY_CHECK(pos.host + pos.rope_delta >= 0 && pos.host + pos.rope_delta + T <= INT32_MAX, op, ": rotary positions [",
+             pos.host + pos.rope_delta, ", ", pos.host + pos.rope_delta + T, ") are outside [0, ", INT32_MAX, ")");
+}
+
 void rope(const Tensor& x, int nH, int rotary_dim, double theta, const Position& pos) {
   const char* op = "rope";
   const OpSpan span(op);
@@ -36,8 +42,9 @@ void rope(const Tensor& x, int nH, int rotary_dim, double theta, const Position&
   LILY_CHECK(nH > 0 && x.dim(1) % nH == 0, op, ": width ", x.dim(1), " is not heads * head_dim");
   LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim <= x.dim(1) / nH, op, ": bad rotary_dim ", rotary_dim);
   check_position(op, pos, x.device, x.dim(0), INT32_MAX);
-  if (x.device == Device::CPU) return cpu::rope(x, nH, rotary_dim, theta, pos.host);
-  LILY_CUDA_CASE(x.device, rope(x, nH, rotary_dim, theta, pos.device));
+  check_rope_delta(op, pos, x.dim(0));
+  if (x.device == Device::CPU) return cpu::rope(x, nH, rotary_dim, theta, pos.host + pos.rope_delta);
+  LILY_CUDA_CASE(x.device, rope(x, nH, rotary_dim, theta, pos.device, pos.rope_delta));
   no_backend(op, x.device);
 }
 
@@ -111,8 +118,9 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
     }
     LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 0 && rotary_dim <= D, op, ": bad rotary_dim ", rotary_dim);
     check_position(op, pos, p.device, T, k_cache.dim(0));
+    check_rope_delta(op, pos, T);
     return cuda::gated_attention(p, k, v, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, q, gate, o, nH,
-                                 nKV, pos.device);
+                                 nKV, pos.device, pos.rope_delta);
   }
 #endif
   // The per-op sequence: the CPU reference, and the fallback of every other case.

@@ -28,6 +28,16 @@ inline void check_same_device(const char* op, std::initializer_list<Tensor> ts) 
   for (const Tensor& t : ts) LILY_CHECK(t.device == d, op, ": tensors live on different devices");
 }
 
+// out, the updated copy of a carried state `in` (arg: its name): the same shape, and either `in` itself
+// (in place) or bytes apart from it.
+inline void check_state_out(const char* op, const char* arg, const Tensor& out, const Tensor& in) {
+  LILY_CHECK(out.dtype == in.dtype && out.ndim == in.ndim && out.shape == in.shape, op, ": ", arg, " ",
+             out.shape_str(), " must have the shape of its input ", in.shape_str());
+  const char *o = static_cast<const char*>(out.data), *i = static_cast<const char*>(in.data);
+  const size_t n = size_t(in.numel()) * dtype_size(in.dtype);
+  LILY_CHECK(o == i || o + n <= i || i + n <= o, op, ": ", arg, " overlaps its input without being it");
+}
+
 // add_rms_norm's argument checks, for the ops that end in it (ops/norms.cpp).
 void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y);
 

@@ -3,13 +3,16 @@
 
 namespace lily::ops {
 
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y) {
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y) {
   const char* op = "conv1d_silu";
   const OpSpan span(op);
   check_tensor(op, "u", u, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 2);
   check_tensor(op, "state", state, DType::F32, 2);
+  check_tensor(op, "state_out", state_out, DType::F32, 2);
+  check_state_out(op, "state_out", state_out, state);
   const int64_t C = u.dim(1), K = weight.dim(1);
   check_shape(op, "weight", weight, 0, C);
   check_shape(op, "state", state, 0, K - 1);
@@ -17,9 +20,10 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
   check_shape(op, "y", y, 0, u.dim(0));
   check_shape(op, "y", y, 1, C);
   LILY_CHECK(y.data != u.data, op, ": y must not alias u");
-  check_same_device(op, {u, weight, state, y});
-  if (u.device == Device::CPU) return cpu::conv1d_silu(u, weight, state, y);
-  LILY_CUDA_CASE(u.device, conv1d_silu(u, weight, state, y));
+  LILY_CHECK(y.data != state_out.data, op, ": y must not alias state_out");
+  check_same_device(op, {u, weight, state, state_out, y});
+  if (u.device == Device::CPU) return cpu::conv1d_silu(u, weight, state, state_out, y);
+  LILY_CUDA_CASE(u.device, conv1d_silu(u, weight, state, state_out, y));
   no_backend(op, u.device);
 }
 
@@ -32,8 +36,8 @@ int64_t gated_delta_workspace_floats(Device d, int64_t T, int64_t Hv, int64_t Dk
 }
 
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
-                      int Hk, int Dk) {
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int Hk, int Dk) {
   const char* op = "gated_delta_rule";
   const OpSpan span(op);
   check_tensor(op, "qkv", qkv, DType::F32, 2);
@@ -42,6 +46,8 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   check_tensor(op, "A_log", A_log, DType::F32, 1);
   check_tensor(op, "dt_bias", dt_bias, DType::F32, 1);
   check_tensor(op, "state", state, DType::F32, 3);
+  check_tensor(op, "state_out", state_out, DType::F32, 3);
+  check_state_out(op, "state_out", state_out, state);
   check_tensor(op, "o", o, DType::F32, 2);
   const int64_t T = qkv.dim(0), Hv = state.dim(0), Dv = state.dim(2);
   check_shape(op, "state", state, 1, Dk);
@@ -55,8 +61,9 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   check_shape(op, "dt_bias", dt_bias, 0, Hv);
   check_shape(op, "o", o, 0, T);
   check_shape(op, "o", o, 1, Hv * Dv);
-  check_same_device(op, {qkv, a, b, A_log, dt_bias, state, o});
-  if (qkv.device == Device::CPU) return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, Hk, Dk);
+  check_same_device(op, {qkv, a, b, A_log, dt_bias, state, state_out, o});
+  if (qkv.device == Device::CPU)
+    return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, state_out, o, Hk, Dk);
   const int64_t need = gated_delta_workspace_floats(qkv.device, T, Hv, Dk, Dv);
   if (need > 0) {
     check_tensor(op, "workspace", workspace, DType::F32, 1);
@@ -64,7 +71,7 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
                " tokens (", need, " floats)");
     check_same_device(op, {qkv, workspace});
   }
-  LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, o, workspace, Hk, Dk));
+  LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, state_out, o, workspace, Hk, Dk));
   no_backend(op, qkv.device);
 }
 
@@ -77,9 +84,10 @@ bool gdn_decode_mixer_supported(Device d, int64_t Hk, int64_t Hv, int64_t Dk, in
   return false;
 }
 
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
   const char* op = "gdn_decode_mixer";
   const OpSpan span(op);
   check_tensor(op, "qkv", qkv, DType::F32, 2);
@@ -93,6 +101,10 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
   check_tensor(op, "z", z, DType::F32, 2);
   check_tensor(op, "norm_weight", norm_weight, DType::F32, 1);
   check_tensor(op, "y", y, DType::F32, 2);
+  check_tensor(op, "conv_state_out", conv_state_out, DType::F32, 2);
+  check_tensor(op, "state_out", state_out, DType::F32, 3);
+  check_state_out(op, "conv_state_out", conv_state_out, conv_state);
+  check_state_out(op, "state_out", state_out, state);
   const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1), C = 2 * int64_t(Hk) * Dk + Hv * Dv;
   LILY_CHECK(Hk > 0 && Hv % Hk == 0, op, ": value heads ", Hv, " not a multiple of key heads ", Hk);
   LILY_CHECK(K >= 2, op, ": conv kernel size ", K, " < 2");
@@ -114,12 +126,13 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
     check_shape(op, "z/y", *t, 1, Hv * Dv);
   }
   LILY_CHECK(y.data != qkv.data && y.data != z.data, op, ": y must not alias qkv or z");
-  check_same_device(op, {qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z, norm_weight, y});
+  check_same_device(op, {qkv, conv_weight, conv_state, conv_state_out, a, b, A_log, dt_bias, state, state_out, z,
+                         norm_weight, y});
   if (qkv.device == Device::CPU)
-    return cpu::gdn_decode_mixer(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z, norm_weight, eps, y,
-                                 Hk, Dk);
-  LILY_CUDA_CASE(qkv.device, gdn_decode_mixer(qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, z,
-                                              norm_weight, eps, y, Hk, Dk));
+    return cpu::gdn_decode_mixer(qkv, conv_weight, conv_state, conv_state_out, a, b, A_log, dt_bias, state,
+                                 state_out, z, norm_weight, eps, y, Hk, Dk);
+  LILY_CUDA_CASE(qkv.device, gdn_decode_mixer(qkv, conv_weight, conv_state, conv_state_out, a, b, A_log, dt_bias,
+                                              state, state_out, z, norm_weight, eps, y, Hk, Dk));
   no_backend(op, qkv.device);
 }
 

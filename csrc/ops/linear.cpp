@@ -48,6 +48,28 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   no_backend(op, x.device);
 }
 
+bool linear_xb_supported(Device d, const QMatrix& w, int64_t T) {
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA && w.weight.device() == d) return cuda::linear_xb_supported(w, T);
+#endif
+  (void)w, (void)T;
+  return false;
+}
+
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {
+  const char* op = "linear_xb";
+  const OpSpan span(op);
+  check_tensor(op, "workspace", workspace, DType::BF16, 1);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "y", y, 1, w.rows);
+  LILY_CHECK(workspace.device == w.weight.device(), op, ": weight and workspace live on different devices");
+  check_same_device(op, {workspace, y});
+  LILY_CHECK(linear_xb_supported(y.device, w, y.dim(0)), op, ": ", y.dim(0), " rows of this ", w.bits,
+             "-bit matrix on ", device_name(y.device), " take no bf16 X (linear_xb_supported)");
+  LILY_CUDA_CASE(y.device, linear_xb(w, workspace, y));
+  no_backend(op, y.device);
+}
+
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   const char* op = "linear_add_rms_norm";
@@ -66,6 +88,51 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
   }
   LILY_CUDA_CASE(x.device, linear_add_rms_norm(w, x, res, weight, eps, y, tmp, workspace, sync));
   no_backend(op, x.device);
+}
+
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
+  const char* op = "linear_add";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, tmp, workspace);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, x.dim(0));
+  check_shape(op, "res", res, 1, w.rows);
+  LILY_CHECK(res.data != tmp.data && res.data != x.data && tmp.data != x.data, op, ": x, res and tmp must not alias");
+  check_same_device(op, {x, res});
+  if (x.device == Device::CPU) {  // the two ops, literally
+    cpu::linear(w, 0, x, tmp);
+    return cpu::add(res, tmp);
+  }
+  LILY_CUDA_CASE(x.device, linear_add(w, x, res, tmp, workspace));
+  no_backend(op, x.device);
+}
+
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h) {
+#ifdef LILY_WITH_CUDA
+  if (res.device == Device::CUDA) return cuda::linear_rms_normed_supported(w, res, weight, h);
+#endif
+  (void)w, (void)res, (void)weight, (void)h;
+  return false;
+}
+
+void linear_rms_normed(const QMatrix& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace) {
+  const char* op = "linear_rms_normed";
+  const OpSpan span(op);
+  check_linear(op, w, 0, h, y, workspace);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, w.cols);
+  LILY_CHECK(h.data != res.data && h.data != y.data, op, ": h must not alias res or y");
+  check_same_device(op, {h, res, weight});
+  if (res.device == Device::CPU) {  // the two ops, literally
+    cpu::rms_norm(res, weight, eps, h);
+    return cpu::linear(w, 0, h, y);
+  }
+  LILY_CUDA_CASE(res.device, linear_rms_normed(w, res, weight, eps, h, y, workspace));
+  no_backend(op, res.device);
 }
 
 void embedding(const QMatrix& table, const Tensor& ids, const Tensor& y) {

@@ -36,7 +36,12 @@ static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, cons
                  s.gate.dim(0) >= R && s.down.dim(0) >= R && s.routing.numel() >= moe_routing_words(h.device, T, E, top_k),
              op, ": scratch is too small for ", T, " tokens");
   check_same_device(op, {h, out, s.router_logits, s.gathered, s.gate, s.up, s.down, s.shared_gate});
-  const int64_t need = moe_xb_elems(h.device, T, H, w.down_proj->cols, w.shared_down_proj->cols, top_k);
+  // the least accepted (the activation room moe_xb_elems adds is optional: without it the down products
+  // convert their X themselves)
+  int64_t need = 0;
+#ifdef LILY_WITH_CUDA
+  if (h.device == Device::CUDA) need = cuda::moe_xb_min_elems(T, H, w.down_proj->cols, w.shared_down_proj->cols, top_k);
+#endif
   if (need > 0) {
     check_tensor(op, "xb", s.xb, DType::BF16, 1);
     LILY_CHECK(s.xb.numel() >= need, op, ": xb ", s.xb.shape_str(), " is too small for ", T, " tokens (", need,
@@ -52,6 +57,54 @@ void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScrat
   if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
   LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k));
   no_backend(op, h.device);
+}
+
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const MoeScratch& s,
+             int top_k) {
+  const char* op = "moe_add";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  LILY_CHECK(res.data != tmp.data && res.data != h.data && tmp.data != h.data, op, ": h, res and tmp must not alias");
+  check_same_device(op, {h, res});
+  if (h.device == Device::CPU) {  // the two ops, literally
+    cpu::moe(w, h, tmp, s, top_k);
+    return cpu::add(res, tmp);
+  }
+  LILY_CUDA_CASE(h.device, moe_add(w, h, res, tmp, s, top_k));
+  no_backend(op, h.device);
+}
+
+bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
+                              const MoeScratch& s, int top_k) {
+#ifdef LILY_WITH_CUDA
+  if (res.device == Device::CUDA) return cuda::moe_rms_normed_supported(w, res, weight, h, s, top_k);
+#endif
+  (void)w, (void)res, (void)weight, (void)h, (void)s, (void)top_k;
+  return false;
+}
+
+void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                        const Tensor& tmp, const MoeScratch& s, int top_k) {
+  const char* op = "moe_rms_normed_add";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, h.dim(1));
+  LILY_CHECK(res.data != tmp.data && res.data != h.data && tmp.data != h.data, op, ": res, h and tmp must not alias");
+  check_same_device(op, {h, res, weight});
+  if (res.device == Device::CPU) {  // the three ops, literally
+    cpu::rms_norm(res, weight, eps, h);
+    cpu::moe(w, h, tmp, s, top_k);
+    return cpu::add(res, tmp);
+  }
+  LILY_CUDA_CASE(res.device, moe_rms_normed_add(w, res, weight, eps, h, tmp, s, top_k));
+  no_backend(op, res.device);
 }
 
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,

@@ -41,6 +41,22 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   no_backend(op, x.device);
 }
 
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {
+  const char* op = "gated_rms_norm_xb";
+  const OpSpan span(op);
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "z", z, DType::F32, 2);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_tensor(op, "xb", xb, DType::BF16, 1);
+  check_shape(op, "weight", weight, 0, x.dim(1));
+  check_shape(op, "z", z, 0, x.dim(0));
+  check_shape(op, "z", z, 1, x.dim(1));
+  LILY_CHECK(xb.numel() >= x.numel(), op, ": xb ", xb.shape_str(), " is smaller than x ", x.shape_str());
+  check_same_device(op, {x, z, weight, xb});
+  LILY_CUDA_CASE(x.device, gated_rms_norm_xb(x, z, weight, eps, xb));
+  no_backend(op, x.device);
+}
+
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "gated_rms_norm";
   const OpSpan span(op);

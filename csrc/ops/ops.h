@@ -11,9 +11,13 @@ namespace lily::ops {
 // Where a chunk starts in the sequence. The CPU backend reads `host`; GPU backends read `device`
 // (an I32 [1] in device memory) so that a captured decode graph replays at any position. The
 // engine keeps the two equal; `host` also bounds work on the GPU (positions never exceed it).
+// rope_delta: the rotary ops (rope, gated_attention) turn token t by position + t + rope_delta, while
+// caches and attention index rows by position + t (text after an image, docs/model.md section 8.5;
+// 0 otherwise). GPU kernels take it as an argument: a captured graph holds the delta it was captured with.
 struct Position {
   int64_t host = 0;
   const int32_t* device = nullptr;
+  int64_t rope_delta = 0;
 };
 
 // y[t, :] = dequant(table)[ids[t], :].  ids [T] I32, y [T, H].
@@ -31,6 +35,17 @@ inline void linear(const QMatrix& w, const Tensor& x, const Tensor& y, const Ten
 // BF16 elements of linear's workspace for x [T, in]; 0 where the backend needs none. Non-decreasing in
 // T and in, so a buffer sized for the largest chunk and input serves every call.
 int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
+// res += x W^T: a block's output projection joining the residual stream. Equal to linear(w, x, tmp, workspace)
+// then add(res, tmp), bit for bit on each backend (CUDA, one token on the tensor-core GEMV: one kernel, the
+// add in its epilogue). x [T, in]; res, tmp [T, out] (tmp: work space, contents unspecified after; no two
+// of x, res, tmp alias); workspace as linear's.
+void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
+// X handed over as bf16 (docs/cuda.md, "Xb hand-over"): linear(w, x, y, workspace) where x's producer has
+// already written x into the workspace's first T x in elements in the prefill GEMM's bf16 layout (Xb; on
+// CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where
+// linear_xb_supported(device, w, T) holds (CUDA, w and T on the wgmma GEMM); elsewhere an error.
+bool linear_xb_supported(Device device, const QMatrix& w, int64_t T);
+void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 // res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
 // residual stream, and the next RMSNorm. Equal to linear(w, x, tmp, workspace) then add_rms_norm(res, tmp,
 // weight, eps, y), bit for bit on each backend (CUDA, one token: one kernel, the add in its epilogue and
@@ -39,6 +54,17 @@ int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // scratch, zero before and after.
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
+// y = (weight * rms_normalise(res)) W^T row by row: a layer's input norm and its first projection. Equal to
+// rms_norm(res, weight, eps, h) then linear(w, h, y, workspace), bit for bit on each backend: CUDA, where
+// linear_rms_normed_supported, one kernel (every CTA of the GEMV normalises res in rms_norm's order while
+// it stages it; h is not written), elsewhere those two ops. res, h [T, in] (h: work space, contents
+// unspecified after; aliases neither res nor y); weight [in]; y [T, out]; workspace as linear's.
+void linear_rms_normed(const QMatrix& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                       const Tensor& y, const Tensor& workspace);
+// Whether linear_rms_normed runs as one kernel for these operands (never on the CPU). Only then does the
+// engine leave a layer's input norm to the layer's first projection (the MoE block before it runs moe_add,
+// not moe_add_rms_norm): elsewhere the fallback's rms_norm launch would cost more than the norm it saves.
+bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h);
 
 // y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight.  x, y [R, D]; weight [D] (the full
 // multiplier: 1+w for Qwen's zero-centred norms).  y may alias x.
@@ -51,35 +77,46 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
 
 // y[r, :] = weight * rms_normalise(x[r, :]) * silu(z[r, :]).  x, z, y [R, D]; weight [D].
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
+// gated_rms_norm with y written as linear_xb's X instead: xb [>= R*D] BF16 holds y [R, D] (equally the
+// matrix [R*D/n, n] for any n that D divides) as the prefill GEMM's bf16 X. CUDA only; D % 8 == 0 and
+// 16-byte aligned rows of x, z, weight and xb.
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb);
 
 // Causal depthwise conv over time then SiLU, continuing from state:
 // y[t, c] = silu(sum_j w[c, j] * u[t - K + 1 + j, c]), earlier inputs from state [K-1, C]
-// (oldest first); the state then holds the last K-1 inputs.  u, y [T, C]; w [C, K].
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& y);
+// (oldest first); state_out [K-1, C] then holds the last K-1 inputs.  u, y [T, C]; w [C, K].
+// state_out is state itself (updated in place) or a buffer that overlaps neither state nor y (state is
+// then left as it was: a decode step that can be taken back, docs/generation.md "Pipelined decoding").
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y);
 
-// The Gated DeltaNet recurrence over T tokens, fp32 state S [Hv, Dk, Dv] updated in place.
-// qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v, head-major), a, b [T, Hv], A_log, dt_bias [Hv], o [T, Hv*Dv].
+// The Gated DeltaNet recurrence over T tokens from the fp32 state S = state [Hv, Dk, Dv]; the state
+// after the last token goes to state_out (state itself: in place; or a buffer that does not overlap it,
+// as conv1d_silu's). qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v, head-major), a, b [T, Hv], A_log, dt_bias
+// [Hv], o [T, Hv*Dv].
 // workspace [>= gated_delta_workspace_floats(device, T, Hv, Dk, Dv)] F32: the chunked CUDA prefill's
 // per-chunk tiles (docs/gdn-prefill.md); when that size is 0 (CPU, short calls, other head sizes)
 // it is not read and may be an empty tensor.
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& o, const Tensor& workspace,
-                      int num_key_heads, int key_head_dim);
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int num_key_heads, int key_head_dim);
 // F32 elements of gated_delta_rule's workspace for T tokens; 0 where the backend needs none.
 // Non-decreasing in T, so a buffer sized for the largest chunk serves every call.
 int64_t gated_delta_workspace_floats(Device device, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 
 // The GDN mixer core of one decode token, exactly conv1d_silu -> gated_delta_rule -> gated_rms_norm:
-//   x = conv1d_silu(qkv) (conv_state shifted), o = gated_delta_rule(x, a, b, A_log, dt_bias, state),
+//   x = conv1d_silu(qkv) (conv_state shifted into conv_state_out),
+//   o = gated_delta_rule(x, a, b, A_log, dt_bias, state -> state_out),
 //   y[h, :] = gated_rms_norm(o[h, :], z[h, :], norm_weight, eps) per value head h.
-// qkv [1, C = 2*Hk*Dk + Hv*Dv]; conv_weight [C, K]; conv_state [K-1, C]; a, b [1, Hv]; A_log, dt_bias
-// [Hv]; state [Hv, Dk, Dv]; z, y [1, Hv*Dv]; norm_weight [Dv]. The CPU backend runs the three CPU ops
-// (bit-identical to them); CUDA runs one kernel where gdn_decode_mixer_supported() says so and raises
-// elsewhere (callers then run the three ops).
-void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& a,
-                      const Tensor& b, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
-                      const Tensor& z, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
-                      int key_head_dim);
+// qkv [1, C = 2*Hk*Dk + Hv*Dv]; conv_weight [C, K]; conv_state, conv_state_out [K-1, C]; a, b [1, Hv];
+// A_log, dt_bias [Hv]; state, state_out [Hv, Dk, Dv]; z, y [1, Hv*Dv]; norm_weight [Dv]. Each *_out is
+// its input (in place) or a buffer apart from it, as in the two ops. The CPU backend runs the three CPU
+// ops (bit-identical to them); CUDA runs one kernel where gdn_decode_mixer_supported() says so and
+// raises elsewhere (callers then run the three ops).
+void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
+                      const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
+                      const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim);
 // Whether `device` has gdn_decode_mixer for these dims (always on the CPU).
 bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t num_value_heads, int64_t key_head_dim,
                                 int64_t value_head_dim, int64_t conv_kernel);
@@ -87,7 +124,7 @@ bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t nu
 // Splits q_proj's per-head [query | gate] rows.  p [T, nH*2D] -> q, gate [T, nH*D].
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 
-// Rotate-half RoPE on the first rotary_dim dims of every head, token t at position pos0 + t.
+// Rotate-half RoPE on the first rotary_dim dims of every head, token t at position pos0 + t + pos.rope_delta.
 // x [T, n*D] in place.
 void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const Position& pos);
 
@@ -101,6 +138,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
 
 // The gated-attention core of a full-attention layer, between the q|k|v and o projections:
 //   q, gate = split_q_gate(p);  q = rope(rms_norm(q, q_norm));  k = rope(rms_norm(k, k_norm));
+//   (rope at pos0 + t + pos.rope_delta)
 //   k_cache[pos0 + t] = k;  v_cache[pos0 + t] = v;  o = attention(q, caches) * sigmoid(gate).
 // Exactly that sequence of ops on the CPU (bit-identical) and wherever a backend has no fused
 // form; on CUDA for T = 1 and the tensor-core head dims it is two kernels (docs/cuda.md).
@@ -127,7 +165,8 @@ struct MoeScratch {
   Tensor down;           // [R, H] F32
   Tensor shared_gate;    // [C, 1] F32
   Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
-  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only)
+  Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only;
+                         // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for
@@ -140,6 +179,24 @@ int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is,
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
 // h, out [T, H].
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
+// res += moe(h): the MoE block joining the residual stream, equal to moe(w, h, tmp, ...) then add(res, tmp),
+// bit for bit on each backend (CUDA, on the tensor-core decode path: the add in moe_down's kernel). h, res,
+// tmp [T, H] (tmp: work space; no two alias).
+void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const MoeScratch& scratch,
+             int top_k);
+// res += moe(weight * rms_normalise(res)) row by row: the MoE block with its input norm (the post-attention
+// norm), joining the residual stream. Equal to rms_norm(res, weight, eps, h) then moe_add(w, h, res, tmp,
+// ...), bit for bit on each backend: CUDA, where moe_rms_normed_supported, the fused router and moe_up
+// normalise res in rms_norm's order while they stage it (h is not written) and moe_down adds into res;
+// elsewhere those two ops. res, h, tmp [T, H] (h, tmp: work space, contents unspecified after; no two alias);
+// weight [H].
+void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
+                        const Tensor& tmp, const MoeScratch& scratch, int top_k);
+// Whether moe_rms_normed_add runs without the norm kernel for these operands (never on the CPU). Only then
+// does the engine leave the post-attention norm to the MoE block (the mixer's output projection runs
+// linear_add, not linear_add_rms_norm).
+bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
+                              const MoeScratch& scratch, int top_k);
 // res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
 // next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
 // for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's
@@ -181,13 +238,13 @@ void apply_token_mask(const Tensor& logits, const Tensor& mask);
 // Marks ids [n] I32 as seen (prompt tokens for the repetition penalty).
 void sampler_mark_seen(const Tensor& ids, const SamplerState& state);
 
-// pos += T on the device (GPU backends; the CPU backend has no device position).
+// pos += T on the device (GPU backends; the CPU backend has no device position). T < 0 takes back
+// tokens (a discarded decode step).
 void advance_position(int32_t* pos_device, Device device, int64_t T);
 
-// ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp. They have CPU implementations
-// only for now: on another device each raises "<op>: not implemented on CUDA yet; use device='cpu' for
-// images". Patches are listed in merge-block order: blocks of m x m patches row-major, the blocks of an
-// image row-major; pos [N, 2] I32 holds each patch's (row, column) in its image's grid of patches.
+// ---- The vision tower's ops (docs/model.md section 8), ops/vision.cpp; CPU and CUDA. Patches are listed in
+// merge-block order: blocks of m x m patches row-major, the blocks of an image row-major; pos [N, 2] I32
+// holds each patch's (row, column) in its image's grid of patches.
 
 // y[r, :] = (x[r, :] - mean(x[r, :])) / sqrt(var(x[r, :]) + eps) * weight + bias, var the biased
 // (population) variance.  x, y [R, D] (y may alias x); weight, bias [D].
@@ -222,5 +279,9 @@ void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const s
 // Non-causal attention of each image's patches among themselves: rows [starts[i], starts[i+1]) form
 // image i. Per head h: o_t = sum_s softmax_s(q_t . k_s / sqrt(D)) v_s over the rows s of t's image.
 // qkv [N, 3*nH*D] (q | k | v); o [N, nH*D]; starts [n+1] I32, 0 = starts[0] < ... < starts[n] = N.
-void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads);
+// workspace [vision_attention_workspace_elems(device, N, nH, D)] BF16: on CUDA q, k and v as bf16 per
+// head (the tensor cores' operands); on the CPU that size is 0: not read, and it may be an empty tensor.
+void vision_attention(const Tensor& qkv, const Tensor& o, const Tensor& starts, int num_heads,
+                      const Tensor& workspace);
+int64_t vision_attention_workspace_elems(Device device, int64_t N, int64_t num_heads, int64_t head_dim);
 }  // namespace lily::ops

@@ -20,6 +20,14 @@ void* backend_alloc(Device d, size_t n) { LILY_DISPATCH_DEVICE(d, alloc(n)); }
 void backend_free(Device d, void* p) { LILY_DISPATCH_DEVICE(d, free(p)); }
 void backend_upload(Device d, void* dst, const void* h, size_t n) { LILY_DISPATCH_DEVICE(d, upload(dst, h, n)); }
 void backend_download(Device d, void* h, const void* s, size_t n) { LILY_DISPATCH_DEVICE(d, download(h, s, n)); }
+void* backend_host_alloc(Device d, size_t n) { LILY_DISPATCH_DEVICE(d, host_alloc(n)); }
+void backend_host_free(Device d, void* p) { LILY_DISPATCH_DEVICE(d, host_free(p)); }
+void backend_upload_async(Device d, void* dst, const void* h, size_t n) {
+  LILY_DISPATCH_DEVICE(d, upload_async(dst, h, n));
+}
+void backend_download_async(Device d, void* h, const void* s, size_t n) {
+  LILY_DISPATCH_DEVICE(d, download_async(h, s, n));
+}
 void backend_copy(Device d, void* dst, const void* s, size_t n) { LILY_DISPATCH_DEVICE(d, copy(dst, s, n)); }
 void backend_memset(Device d, void* dst, int v, size_t n) { LILY_DISPATCH_DEVICE(d, memset(dst, v, n)); }
 
@@ -28,10 +36,37 @@ void backend_synchronize(Device d) {
   LILY_DISPATCH_DEVICE(d, synchronize());
 }
 
-void* backend_event_create(Device d) { LILY_DISPATCH_DEVICE(d, event_create()); }
+void* backend_event_create(Device d, bool timing) { LILY_DISPATCH_DEVICE(d, event_create(timing)); }
 void backend_event_record(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_record(e)); }
+void backend_event_wait(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_wait(e)); }
 float backend_event_elapsed_ms(Device d, void* a, void* b) { LILY_DISPATCH_DEVICE(d, event_elapsed_ms(a, b)); }
 void backend_event_destroy(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_destroy(e)); }
+
+DeviceFence::DeviceFence(Device device) : device_(device) {
+  if (device != Device::CPU) event_ = backend_event_create(device, false);
+}
+
+DeviceFence::~DeviceFence() {
+  if (event_) backend_event_destroy(device_, event_);
+}
+
+DeviceFence& DeviceFence::operator=(DeviceFence&& o) noexcept {
+  if (this != &o) {
+    if (event_) backend_event_destroy(device_, event_);
+    device_ = o.device_;
+    event_ = o.event_;
+    o.event_ = nullptr;
+  }
+  return *this;
+}
+
+void DeviceFence::record() {
+  if (event_) backend_event_record(device_, event_);
+}
+
+void DeviceFence::wait() const {
+  if (event_) backend_event_wait(device_, event_);
+}
 
 static void* graph_capture(Device d, const std::function<void()>& body, size_t* n) {
   LILY_DISPATCH_DEVICE(d, graph_capture(body, n));

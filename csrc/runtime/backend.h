@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <functional>
+#include <utility>
 
 #include "common.h"
 
@@ -14,14 +15,38 @@ void* backend_alloc(Device device, size_t nbytes);
 void backend_free(Device device, void* ptr);
 void backend_upload(Device device, void* dst, const void* host, size_t nbytes);
 void backend_download(Device device, void* host, const void* src, size_t nbytes);
+// Page-locked host memory, and stream-ordered copies to or from it that return at once.
+void* backend_host_alloc(Device device, size_t nbytes);
+void backend_host_free(Device device, void* ptr);
+void backend_upload_async(Device device, void* dst, const void* host, size_t nbytes);
+void backend_download_async(Device device, void* host, const void* src, size_t nbytes);
 void backend_copy(Device device, void* dst, const void* src, size_t nbytes);
 void backend_memset(Device device, void* dst, int value, size_t nbytes);
 void backend_synchronize(Device device);
-// Device events on the backend's stream, for profiling.
-void* backend_event_create(Device device);
+// Device events on the backend's stream: timed ones for profiling, untimed ones to wait on (DeviceFence).
+void* backend_event_create(Device device, bool timing);
 void backend_event_record(Device device, void* event);
+void backend_event_wait(Device device, void* event);
 float backend_event_elapsed_ms(Device device, void* start, void* stop);
 void backend_event_destroy(Device device, void* event);
+
+// A point in a device's stream that the host can wait for: record() marks the work queued so far,
+// wait() returns once it is done. On the CPU, where every op has finished when it returns, both do
+// nothing. Move-only.
+class DeviceFence {
+ public:
+  DeviceFence() = default;
+  explicit DeviceFence(Device device);
+  ~DeviceFence();
+  DeviceFence(DeviceFence&& o) noexcept { *this = std::move(o); }
+  DeviceFence& operator=(DeviceFence&& o) noexcept;
+  void record();
+  void wait() const;
+
+ private:
+  Device device_ = Device::CPU;
+  void* event_ = nullptr;
+};
 
 // A captured sequence of device work (a CUDA graph), replayed with launch(). Move-only.
 class DeviceGraph {

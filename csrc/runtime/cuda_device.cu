@@ -1,6 +1,7 @@
 // Device memory services (device_api.h) and the backend stream. Copies that the host waits for
-// (upload, download) synchronise the stream; device-to-device copies and memsets stay asynchronous
-// and ordered with the kernels on the same stream.
+// (upload, download) synchronise the stream; device-to-device copies, memsets and the copies to and
+// from page-locked host memory (upload_async, download_async) stay asynchronous and ordered with the
+// kernels on the same stream.
 #include <cstdio>
 
 #include "cuda_device.h"
@@ -71,6 +72,22 @@ void download(void* host, const void* src, size_t n) {
   LILY_CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 
+void* host_alloc(size_t n) {
+  void* p = nullptr;
+  LILY_CUDA_CHECK(cudaMallocHost(&p, n));
+  return p;
+}
+
+void host_free(void* p) { cudaFreeHost(p); }
+
+void upload_async(void* dst, const void* host, size_t n) {
+  LILY_CUDA_CHECK(cudaMemcpyAsync(dst, host, n, cudaMemcpyHostToDevice, stream()));
+}
+
+void download_async(void* host, const void* src, size_t n) {
+  LILY_CUDA_CHECK(cudaMemcpyAsync(host, src, n, cudaMemcpyDeviceToHost, stream()));
+}
+
 void copy(void* dst, const void* src, size_t n) {
   LILY_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
 }
@@ -113,13 +130,17 @@ void graph_launch(void* g) { LILY_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGra
 
 void graph_destroy(void* g) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)); }
 
-void* event_create() {
+void* event_create(bool timing) {
   cudaEvent_t e;
-  LILY_CUDA_CHECK(cudaEventCreate(&e));
+  LILY_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
   return e;
 }
 
 void event_record(void* e) { LILY_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), stream())); }
+
+// With the default device flags and one context, the host spins while it waits (no sleep, no
+// wake-up latency): the decode pipeline waits here once per token.
+void event_wait(void* e) { LILY_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e))); }
 
 float event_elapsed_ms(void* a, void* b) {
   float ms = 0.f;

@@ -12,6 +12,12 @@ namespace lily {
   void free(void* ptr);                                            \
   void upload(void* dst, const void* host, size_t nbytes);         \
   void download(void* host, const void* src, size_t nbytes);       \
+  /* Page-locked host memory, and copies to or from it that are     \
+     queued on the stream and return at once. */                    \
+  void* host_alloc(size_t nbytes);                                 \
+  void host_free(void* ptr);                                       \
+  void upload_async(void* dst, const void* host, size_t nbytes);   \
+  void download_async(void* host, const void* src, size_t nbytes); \
   void copy(void* dst, const void* src, size_t nbytes);            \
   void memset(void* dst, int value, size_t nbytes);                 \
   void synchronize();                                              \
@@ -21,8 +27,10 @@ namespace lily {
   void* graph_capture(const std::function<void()>& body, size_t* num_nodes);          \
   void graph_launch(void* graph);                                  \
   void graph_destroy(void* graph);                                 \
-  void* event_create();                                            \
+  /* timing: for event_elapsed_ms (profiling); else only waited on */ \
+  void* event_create(bool timing);                                 \
   void event_record(void* event);                                  \
+  void event_wait(void* event);  /* the host waits for the event */ \
   float event_elapsed_ms(void* start, void* stop);                 \
   void event_destroy(void* event);
 namespace cuda { LILY_DEVICE_API }

@@ -20,14 +20,19 @@
   void free(void*) {}                                                                          \
   void upload(void*, const void*, size_t) { not_built(); }                                     \
   void download(void*, const void*, size_t) { not_built(); }                                   \
+  void* host_alloc(size_t) { not_built(); }                                                    \
+  void host_free(void*) {}                                                                     \
+  void upload_async(void*, const void*, size_t) { not_built(); }                               \
+  void download_async(void*, const void*, size_t) { not_built(); }                             \
   void copy(void*, const void*, size_t) { not_built(); }                                       \
   void memset(void*, int, size_t) { not_built(); }                                             \
   void synchronize() { not_built(); }                                                          \
   void* graph_capture(const std::function<void()>&, size_t*) { not_built(); }                  \
   void graph_launch(void*) { not_built(); }                                                    \
   void graph_destroy(void*) {}                                                                 \
-  void* event_create() { not_built(); }                                                        \
+  void* event_create(bool) { not_built(); }                                                    \
   void event_record(void*) { not_built(); }                                                    \
+  void event_wait(void*) { not_built(); }                                                      \
   float event_elapsed_ms(void*, void*) { not_built(); }                                        \
   void event_destroy(void*) {}                                                                 \
   }

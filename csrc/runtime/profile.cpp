@@ -30,7 +30,7 @@ Profiler::~Profiler() {
 }
 
 void* Profiler::event() {
-  if (free_events_.empty()) return backend_event_create(device_);
+  if (free_events_.empty()) return backend_event_create(device_, true);
   void* e = free_events_.back();
   free_events_.pop_back();
   return e;

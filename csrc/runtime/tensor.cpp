@@ -90,6 +90,20 @@ void Buffer::download(void* host, size_t n, size_t offset) const {
   else backend_download(device_, host, static_cast<const char*>(data_) + offset, n);
 }
 
+void Buffer::upload_async(const void* host, size_t n, size_t offset) {
+  LILY_CHECK(offset + n <= nbytes_, "upload of ", n, " bytes past a buffer of ", nbytes_);
+  if (n == 0) return;
+  if (device_ == Device::CPU) std::memcpy(static_cast<char*>(data_) + offset, host, n);
+  else backend_upload_async(device_, static_cast<char*>(data_) + offset, host, n);
+}
+
+void Buffer::download_async(void* host, size_t n, size_t offset) const {
+  LILY_CHECK(offset + n <= nbytes_, "download of ", n, " bytes past a buffer of ", nbytes_);
+  if (n == 0) return;
+  if (device_ == Device::CPU) std::memcpy(host, static_cast<const char*>(data_) + offset, n);
+  else backend_download_async(device_, host, static_cast<const char*>(data_) + offset, n);
+}
+
 void Buffer::copy_from(const Buffer& src, size_t n, size_t offset) {
   LILY_CHECK(offset + n <= nbytes_ && n <= src.nbytes_ && device_ == src.device_, "bad buffer copy");
   if (n == 0) return;
@@ -102,6 +116,38 @@ void Buffer::zero() {
   if (!data_) return;
   if (device_ == Device::CPU) std::memset(data_, 0, nbytes_);
   else backend_memset(device_, data_, 0, nbytes_);
+}
+
+HostBuffer::HostBuffer(Device device, size_t nbytes) : nbytes_(nbytes), device_(device) {
+  if (nbytes == 0) return;
+  if (device == Device::CPU) {
+    data_ = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+    LILY_CHECK(data_, "out of host memory allocating ", nbytes, " bytes");
+  } else {
+    data_ = backend_host_alloc(device, nbytes);
+  }
+}
+
+HostBuffer::~HostBuffer() { release(); }
+
+void HostBuffer::release() {
+  if (data_) {
+    if (device_ == Device::CPU) std::free(data_);
+    else backend_host_free(device_, data_);
+  }
+  data_ = nullptr;
+}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    data_ = o.data_;
+    nbytes_ = o.nbytes_;
+    device_ = o.device_;
+    o.data_ = nullptr;
+    o.nbytes_ = 0;
+  }
+  return *this;
 }
 
 Tensor Tensor::of(void* data, DType dtype, Device device, std::initializer_list<int64_t> dims) {

@@ -27,6 +27,11 @@ class Buffer {
   Device device() const { return device_; }
   void upload(const void* host, size_t nbytes, size_t offset = 0);
   void download(void* host, size_t nbytes, size_t offset = 0) const;
+  // The same queued on the device's stream, returning at once (on the CPU they copy at once). `host`
+  // is page-locked memory (a HostBuffer of this device); it must not change (upload) or be read
+  // (download) until a DeviceFence recorded after the copy has been waited on.
+  void upload_async(const void* host, size_t nbytes, size_t offset = 0);
+  void download_async(void* host, size_t nbytes, size_t offset = 0) const;
   void copy_from(const Buffer& src, size_t nbytes, size_t offset = 0);  // into this at offset
   void zero();
   bool owned() const { return owned_; }
@@ -37,6 +42,27 @@ class Buffer {
   size_t nbytes_ = 0;
   Device device_ = Device::CPU;
   bool owned_ = true;
+};
+
+// Host memory that `device` copies to and from asynchronously (Buffer::upload_async / download_async):
+// page-locked on GPUs, plain on the CPU. Move-only.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(Device device, size_t nbytes);
+  ~HostBuffer();
+  HostBuffer(HostBuffer&& o) noexcept { *this = std::move(o); }
+  HostBuffer& operator=(HostBuffer&& o) noexcept;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  void release();
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  Device device_ = Device::CPU;
 };
 
 // A contiguous row-major view: shape[0] is the slowest axis.

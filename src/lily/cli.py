@@ -393,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "top_p 0.95); with --input, text prompts become user messages")
     g.add_argument("--greedy", action="store_true", help="with --chat: greedy decoding (temperature 0)")
     g.add_argument("--image", action="append", metavar="PATH", default=[],
-                   help="with --chat: an image for the user message, before the text (repeatable; CPU only for "
-                        "now, docs/vision.md)")
+                   help="with --chat: an image for the user message, before the text (repeatable; "
+                        "docs/vision.md)")
     add_image_pixel_arguments(g)
     g.add_argument("--input", "-i", metavar="PROMPTS.jsonl", help="generate for every prompt of a JSONL file")
     g.add_argument("--output", "-o", metavar="RESULTS.jsonl", help="where --input writes results (appended; resumable)")

@@ -6,6 +6,11 @@ first token in the core, then per token: check the stop ids, detokenize, match s
 max_tokens and the context, and feed the token back while the core samples the next one. The
 sampled token that ends generation is never fed, so the session then holds the prompt and every
 returned token but the last.
+
+Decoding is pipelined (docs/generation.md, "Pipelined decoding"): the step that feeds a token is
+launched before the host looks at the token, so the device runs it while the host checks, detokenizes
+and yields; when the token ends generation (or the stream is closed) that step is taken back
+(decode_discard) and the session ends exactly where the one-step-at-a-time loop would leave it.
 """
 from __future__ import annotations
 
@@ -315,7 +320,11 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
 
 def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "Tokenizer | None",
             stop_ids: frozenset[int], result: Generation, guide: "Guide | None") -> Iterator[GenerationEvent]:
-    # The per-token path: keep it to a few dict/list operations besides the core call.
+    # The per-token path: keep it to a few dict/list operations besides the core calls. The device runs
+    # one step ahead: when the loop looks at `token`, the step that feeds it (decode_launch) is already
+    # queued, and it is kept (sample_launch samples its logits) only once the token has passed every
+    # check and been yielded; a token that ends generation leaves it to the `finally`, which takes it
+    # back. A step is launched ahead only when the token could be fed at all (max_tokens, context).
     core, lock, tokens = session._core, session.model._lock, session._tokens
     detok = StreamingDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
     stops = StopMatcher(params.stop) if params.stop else None
@@ -326,6 +335,9 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
     room = session.max_context
     result.finish_reason = "cancelled"  # until the loop decides; stays so when the stream is closed early
     try:
+        with lock:
+            if len(out_ids) + 1 < max_tokens and len(tokens) < room:
+                core.decode_launch(-1)
         while True:
             if token in stop_ids:
                 text, hit = _finish(detok, stops)
@@ -362,15 +374,17 @@ def _decode(session: "Session", token: int, params: SamplingParams, tokenizer: "
                 return
             parts.append(text)
             yield GenerationEvent(text, token, lp, None)
+            mask = guide.mask() if guide is not None else None  # while the step runs on the device
             with lock:
-                if guide is None:
-                    nxt = core.decode_sample(-1)
-                else:  # the step runs on the device while the host computes the next mask
-                    core.decode_launch(-1)
-                    nxt = core.sample_next(guide.mask())
-            tokens.append(token)
-            token = nxt
+                core.sample_launch(mask)  # the step that fed `token` is kept
+                tokens.append(token)
+                if len(out_ids) + 1 < max_tokens and len(tokens) < room:
+                    core.decode_launch(-1)  # the next step, fed the id the sampler is about to write
+                token = core.sampled()
     finally:
+        if core.launched:  # a step fed a token that ended generation, or the stream was closed
+            with lock:
+                core.decode_discard()
         result.text = "".join(parts)
 
 

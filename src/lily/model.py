@@ -111,18 +111,15 @@ class Model:
         return [im if isinstance(im, PreparedImage) else prepare_image(im, cfg) for im in images]
 
     def check_images(self) -> None:
-        """Raise LilyError unless this model can read images: the checkpoint has a vision tower and the
-        device is the CPU (the CUDA backend does not run images yet; docs/vision.md)."""
+        """Raise LilyError unless this model can read images: the checkpoint has a vision tower
+        (docs/vision.md; both backends run it)."""
         if self.config.vision is None:
             raise LilyError(f"{self.path.name}: this checkpoint has no vision tower (no vision_config in "
                             f"config.json, or no model.visual.* tensors in its files), so it cannot read images")
-        if self.device != "cpu":
-            raise LilyError(f"images need device='cpu' for now: the vision tower and multimodal RoPE are not "
-                            f"implemented on {self.device} yet (load the model with device='cpu')")
 
     def encode_images(self, prepared) -> np.ndarray:
         """The vision tower's merged tokens [sum of num_tokens, hidden_size] float32 of prepared images, in
-        order (docs/model.md section 8); raises when the checkpoint has no vision tower or on CUDA."""
+        order (docs/model.md section 8); raises when the checkpoint has no vision tower."""
         self.check_images()
         pixels = np.concatenate([p.pixels for p in prepared])
         grids = np.array([p.grid for p in prepared], np.int32)
@@ -261,8 +258,7 @@ class Model:
         ``session``: the Session to run on (default: the model's default session); it resumes from
         the longest prefix of the prompt it already holds. ``tools``, ``enable_thinking``,
         ``preserve_thinking``, ``chat_template_kwargs``: passed to the chat template for messages;
-        ``tools`` also types the parsed ``Generation.tool_calls``. Images (CPU only for now;
-        docs/vision.md): chat messages carry them as content parts, ``{'type': 'image', 'image': path |
+        ``tools`` also types the parsed ``Generation.tool_calls``. Images (docs/vision.md): chat messages carry them as content parts, ``{'type': 'image', 'image': path |
         bytes | PIL image | numpy array}`` or ``{'type': 'image_url', 'image_url': {'url': 'data:...'}}``;
         a text or token-id prompt takes ``images``, one per ``<|image_pad|>`` run. ``max_tokens`` left out (None):
         ``model.default_max_tokens``, capped by the context; given, prompt + max_tokens must fit the

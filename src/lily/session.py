@@ -190,7 +190,7 @@ class Session:
         """Run ``token_ids`` [T] after the current position in chunks; logits [V] of the last token
         (float32), or [T, V] for every token when ``all_logits``. ``images``: one per run of image tokens
         (``<|image_pad|>``) in ``token_ids``, in order: paths, bytes, PIL images, numpy arrays or
-        ``lily.images.PreparedImage`` (CPU only for now; docs/model.md section 8)."""
+        ``lily.images.PreparedImage`` (docs/model.md section 8)."""
         ids = self._new_ids(token_ids)
         extra, spans = self._core_images(ids, images)
         with self.model._lock:

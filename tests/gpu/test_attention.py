@@ -179,11 +179,13 @@ def gated_inputs(nH, nKV, D, max_t, pos0, seed):
     return p, k, v, q_norm, k_norm, kc, vc
 
 
-def gated_sequence(dev, nH, nKV, D, rd, theta, eps, pos0, p, k, v, q_norm, k_norm, kc, vc):
-    """The per-op sequence on `dev`; the CPU caches get bf16 rows, as the GPU's."""
+def gated_sequence(dev, nH, nKV, D, rd, theta, eps, pos0, p, k, v, q_norm, k_norm, kc, vc, delta=0):
+    """The per-op sequence on `dev` (rotations at pos0 + delta); the CPU caches get bf16 rows, as the GPU's."""
     q, g = ops.split_q_gate(dev, p, nH)
-    q = ops.rope(dev, ops.rms_norm(dev, q.reshape(nH, D), q_norm, eps).reshape(1, nH * D), nH, rd, theta, pos0)
-    kr = ops.rope(dev, ops.rms_norm(dev, k.reshape(nKV, D), k_norm, eps).reshape(1, nKV * D), nKV, rd, theta, pos0)
+    q = ops.rope(dev, ops.rms_norm(dev, q.reshape(nH, D), q_norm, eps).reshape(1, nH * D), nH, rd, theta, pos0,
+                 rope_delta=delta)
+    kr = ops.rope(dev, ops.rms_norm(dev, k.reshape(nKV, D), k_norm, eps).reshape(1, nKV * D), nKV, rd, theta, pos0,
+                  rope_delta=delta)
     if dev == "cpu":
         kc, vc = kc.copy(), vc.copy()
         kc[pos0], vc[pos0] = bf16_round(kr[0]), bf16_round(v[0])
@@ -255,3 +257,26 @@ def test_gated_attention_deterministic():
     b = ops.gated_attention("cuda", *args[:5], 1e-6, 64, 1e7, *args[5:], nH, nKV, 1500)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+# Text after an image turns by its cache position + rope_delta (ops::Position): the offset is a kernel argument
+# of rope_kernel and of the fused decode's prep, and the cache rows stay where the position says.
+@pytest.mark.parametrize("pos0, delta", [(40, -25), (5000, -4000), (7, 12)])
+def test_rope_delta(pos0, delta, gpu_tol):
+    x = np.random.default_rng(pos0).standard_normal((5, 16 * 256)).astype(np.float32)
+    got = ops.rope("cuda", x, 16, 64, 1e7, pos0, rope_delta=delta)
+    np.testing.assert_array_equal(got, ops.rope("cuda", x, 16, 64, 1e7, pos0 + delta))
+    check(got, ops.rope("cpu", x, 16, 64, 1e7, pos0, rope_delta=delta), gpu_tol["rope"])
+
+
+@pytest.mark.parametrize("nH, nKV, D, rd, theta", GATED_CONFIGS)
+@pytest.mark.parametrize("pos0, delta", [(37, -20), (1500, -1400)])
+def test_gated_attention_decode_rope_delta(nH, nKV, D, rd, theta, pos0, delta, gpu_tol):
+    eps = 1e-6
+    args = gated_inputs(nH, nKV, D, pos0 + 70, pos0, seed=nH + D + pos0)
+    got = ops.gated_attention("cuda", *args[:5], eps, rd, theta, *args[5:], nH, nKV, pos0, rope_delta=delta)
+    want = gated_sequence("cuda", nH, nKV, D, rd, theta, eps, pos0, *args, delta=delta)
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    o_ref = gated_sequence("cpu", nH, nKV, D, rd, theta, eps, pos0, *args, delta=delta)[2]
+    check(got[2], o_ref, gpu_tol[attention_tol_key(1, nH, nKV, D)])

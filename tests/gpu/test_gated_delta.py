@@ -61,6 +61,31 @@ def test_gated_delta_rule(T, Hk, Hv, Dk, Dv, gpu_tol):
     assert_rel_close("state", s_gpu, s_cpu, gpu_tol["gated_delta_rule"])
 
 
+# The token kernel (decode and short calls), the generic kernel (Dk = 20), the chunked kernels (T >= 64):
+# each with a separate output state (the decode ping-pong; the chunked path copies and runs in place).
+@pytest.mark.parametrize("T, Hk, Hv, Dk, Dv", [(1, 16, 32, 128, 128), (19, 2, 4, 32, 32), (5, 2, 2, 20, 12),
+                                              (130, 16, 32, 128, 128)])
+def test_gated_delta_out_of_place_equals_in_place(T, Hk, Hv, Dk, Dv):
+    x = gdn_inputs(np.random.default_rng(4000 + T + Dk), T, Hk, Hv, Dk, Dv)
+    o_ip, s_ip = gdn("cuda", x, Hk, Dk)
+    o, new, old = ops.gated_delta_rule("cuda", x["qkv"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], Hk,
+                                       Dk, out_of_place=True)
+    np.testing.assert_array_equal(old, x["state"])
+    np.testing.assert_array_equal(o, o_ip)
+    np.testing.assert_array_equal(new, s_ip)
+
+
+@pytest.mark.parametrize("T, C, K", [(1, 8192, 4), (40, 257, 3)])
+def test_conv1d_silu_out_of_place_equals_in_place(T, C, K):
+    rng = np.random.default_rng(T + C + K)
+    u, w, st = (rng.standard_normal(s).astype(np.float32) for s in ((T, C), (C, K), (K - 1, C)))
+    y, new, old = ops.conv1d_silu("cuda", u, w, st, out_of_place=True)
+    y_ip, s_ip = ops.conv1d_silu("cuda", u, w, st)
+    np.testing.assert_array_equal(old, st)
+    np.testing.assert_array_equal(y, y_ip)
+    np.testing.assert_array_equal(new, s_ip)
+
+
 @pytest.mark.parametrize("T, Hk, Hv, Dk, Dv", [(21, 2, 4, 32, 32), (5, 2, 2, 20, 12), (18, 16, 32, 128, 128)])
 def test_gated_delta_steps_equal_one_call(T, Hk, Hv, Dk, Dv, gpu_tol):
     x = gdn_inputs(np.random.default_rng(T + Dk), T, Hk, Hv, Dk, Dv)

@@ -65,6 +65,18 @@ def test_gdn_decode_mixer_equals_cuda_ops(Hk, Hv, Dk, Dv, K, gpu_tol):
     np.testing.assert_array_equal(fused[1], three[1])
 
 
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, K", SHAPES)
+def test_out_of_place_is_bit_identical_to_in_place(Hk, Hv, Dk, Dv, K):
+    """The decode step's ping-pong (the new conv and recurrent state in the other copy): the fused kernel
+    and the three kernels write every element of the output buffers (NaN before the call) with the bits
+    of the in-place run, and leave the input state untouched (checked in run_*)."""
+    x = gdn_token_inputs(np.random.default_rng(11 + Dv + Hv), Hk, Hv, Dk, Dv, K, STEPS)
+    for run in (run_fused, run_three_ops):
+        for name, got, ref in zip(("y", "conv_state", "state"), run("cuda", x, Hk, Dk, out_of_place=True),
+                                  run("cuda", x, Hk, Dk)):
+            np.testing.assert_array_equal(got, ref, err_msg=f"{run.__name__}: {name}")
+
+
 def test_gdn_decode_mixer_supported_on_cuda():
     assert ops.gdn_decode_mixer_supported("cuda", 16, 32, 128, 128, 4)  # Qwen3.6: clusters of 2 x 4
     assert ops.gdn_decode_mixer_supported("cuda", 2, 4, 32, 32, 4)  # the tiny model

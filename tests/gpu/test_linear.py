@@ -55,6 +55,8 @@ def both(m: dict):
 def path_of(m: dict, T: int) -> str:
     """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
     fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
+    if m.get("bits", 0) == 0 and m["dtype"] == "BF16" and T > 8 and m["cols"] % 8 == 0:
+        return "linear_gemm"  # dense BF16 weights on the mma.sync GEMM (use_dense_gemm)
     if not fast:
         return "linear_generic"
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
@@ -87,6 +89,19 @@ def test_linear_variants(bits, group, sdt, T, gpu_tol):
     if bits == 0 and T >= 99:
         rows, cols = 131, 77
     m = random_matrix(rng, 2, rows, cols, bits, group, sdt)
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), path_of(m, T), gpu_tol)
+
+
+# Dense BF16 weights (the vision tower's) from T = 9 on take the tensor-core GEMM with the weights as stored:
+# odd row counts, a K with a partial k-tile (4304 % 64 = 16), the tower's shapes, and both stack entries.
+@pytest.mark.parametrize("T, rows, cols", [(8, 19, 8), (9, 19, 8), (65, 131, 72), (300, 3456, 1152),
+                                           (257, 1152, 4304), (100, 2048, 4608), (70, 1152, 1536), (1, 64, 64)])
+def test_linear_dense_bf16(T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T + rows + cols)
+    m = random_matrix(rng, 2, rows, cols, 0, 0, "BF16")
     wc, wg = both(m)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     for e in (0, 1):
@@ -215,3 +230,32 @@ def test_embedding_clamps_ids():
     out = ops.embedding(wg, np.array([-3, 50, 1000], dtype=np.int32))
     ref = ops.embedding(wc, np.array([0, 49, 49], dtype=np.int32))
     assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("T,heads,D,out,group", [
+    (4096, 32, 128, 2048, 64),  # GDN out_proj at a 4K prefill: 128-row tiles
+    (300, 32, 128, 2048, 64),   # 64-row tiles, a partial last tile
+    (40, 32, 128, 2048, 64),    # T <= 64: split-K, its partials after X in the workspace
+    (9, 4, 128, 320, 32),       # the fewest rows the GEMM takes; group 32, a partial column tile
+    (100, 4, 24, 256, 32),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
+])
+def test_gated_rms_norm_linear_xb(T, heads, D, out, group):
+    # The GDN hand-over (engine.cpp gdn_layer): gated_rms_norm_xb writes out_proj's bf16 X into the linear
+    # workspace and linear_xb reads it; the same bits as gated_rms_norm's F32 rows converted by linear.
+    K = heads * D
+    rng = np.random.default_rng(T + K)
+    m = random_matrix(rng, 1, out, K, 4, group, "BF16")
+    w = ops.QMatrix("cuda", **m)
+    x = rng.standard_normal((T * heads, D)).astype(np.float32)
+    z = rng.standard_normal((T * heads, D)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    if K % 64:
+        assert not ops.linear_xb_supported(w, T)
+        with pytest.raises(Exception, match="linear_xb"):
+            ops.gated_rms_norm_linear_xb(w, x, z, nw, 1e-6)
+        return
+    assert ops.linear_xb_supported(w, T) and not ops.linear_xb_supported(w, 8)
+    ref = ops.linear(w, 0, ops.gated_rms_norm("cuda", x, z, nw, 1e-6).reshape(T, K))
+    got = ops.gated_rms_norm_linear_xb(w, x, z, nw, 1e-6)
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, ref)

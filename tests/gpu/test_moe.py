@@ -108,6 +108,24 @@ def test_moe_decode_router(E, top_k, group, gpu_tol):
             check(one, ref[t:t + 1], "moe_decode", gpu_tol)
 
 
+@pytest.mark.parametrize("E,top_k,bits,group", [(16, 8, 4, 64), (40, 4, 8, 32), (129, 8, 4, 128), (256, 8, 4, 64),
+                                                 (256, 1, 8, 64)])
+def test_moe_decode_router_normed(E, top_k, bits, group):
+    # One token, the MoE block normalising its own input (ops.moe_rms_normed_add): the fused router's NORM_IN
+    # instance in clusters of 1, 3, 9 and 16 CTAs (its staging warp sums the squares in rms_norm's order) and
+    # moe_up's (one and two weight groups a segment). The router's logits, the shared expert gate and the
+    # experts' inputs are the h that rms_norm writes, so the output equals rms_norm then moe_add bit for bit,
+    # and the residual row's scale (x is uneven, far from unit rms) exercises the norm.
+    rng = np.random.default_rng(2000 + E + top_k)
+    _, gpu = moe_weights(rng, E, 2048, 128, 128, bits, group, "BF16", 8)
+    for t in range(3):
+        res = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 30.0, 2048)).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+        got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k)
+        assert fused
+        assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k))
+
+
 @pytest.mark.parametrize("T", [19, 300])
 def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which
@@ -128,6 +146,19 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     h = rng.standard_normal((400, 256)).astype(np.float32)
     out = moe_vs_cpu(cpu, gpu, h, 4, 0.05, "moe", gpu_tol)
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
+
+
+def test_moe_prefill_gated_dense_wide(gpu_tol):
+    # The gate/up pairs run as one gated wgmma product (linear.cu, use_gated_wgmma): 4300 tokens and a
+    # 512-wide shared expert give its dense 128-row instance (34 row tiles x 4 column tiles of 128
+    # outputs >= 132 SMs); the routed experts (~1075 rows each) its gathered 128-row one. Partial
+    # column tiles (I = 192, Is = 64), 64-row tiles and the two-product fallback (group 32, T <= 64
+    # shared products) are in the cases above.
+    rng = np.random.default_rng(4300)
+    cpu, gpu = moe_weights(rng, 8, 256, 128, 512, 4, 64, "BF16", 8)
+    h = rng.standard_normal((4300, 256)).astype(np.float32)
+    out = moe_vs_cpu(cpu, gpu, h, 2, 0.05, "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 2))
 
 
 @pytest.mark.parametrize("E, top_k", [(3, 2), (2, 2)])
@@ -157,3 +188,24 @@ def test_moe_deterministic(T, I):
     _, gpu = moe_weights(rng, 7, 128, I, 64 if I == 64 else 128, 4, 64, "BF16", 8)
     h = rng.standard_normal((T, 128)).astype(np.float32)
     assert np.array_equal(ops.moe("cuda", *gpu, h, 3), ops.moe("cuda", *gpu, h, 3))
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,group,T", [
+    (8, 2, 256, 128, 512, 64, 4300),  # both pairs hand over: GATED dense 128-row shared, gathered 128-row routed
+    (8, 4, 256, 192, 128, 64, 400),   # 128-row expert tiles, partial column tiles of the routed act (I = 192)
+    (8, 2, 256, 128, 192, 64, 300),   # 64-row tiles; shared expert wider than the routed ones
+    (8, 2, 256, 128, 128, 64, 40),    # routed pair only: the shared gate/up (T <= 64) is two products
+    (8, 2, 256, 128, 128, 32, 300),   # group 32: no GATED instance, no hand-over (both sizes convert)
+    (256, 8, 2048, 512, 512, 64, 4096),  # the model's dims at a 4K prefill
+])
+def test_moe_prefill_xb_hand_over(E, top_k, H, I, Is, group, T):
+    # moe.cu's hand_over_xb: with ops::moe_xb_elems' room the GATED gate/up products store the activation
+    # rows as the down products' bf16 X; with only the least workspace CUDA accepts (T * max(H, K*I, Is))
+    # the down products convert the F32 rows (wgx_bf16_kernel). The same bits either way.
+    rng = np.random.default_rng(E + T + I)
+    _, gpu = moe_weights(rng, E, H, I, Is, 4, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    least = T * max(H, top_k * I, Is)
+    out = ops.moe("cuda", *gpu, h, top_k)
+    assert np.isfinite(out).all()
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, xb_elems=least))

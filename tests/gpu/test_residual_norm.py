@@ -1,13 +1,17 @@
 """CUDA linear_add_rms_norm and moe_add_rms_norm against the CUDA ops they fold (linear or moe, then
 add_rms_norm): bit for bit, on the one-kernel path (one token, integer tensor-core GEMV; the add in the
-epilogue, the norm by the grid's last CTA) and on the fallback; the completion counter back at zero."""
+epilogue, the norm by the grid's last CTA) and on the fallback; the completion counter back at zero.
+Likewise moe_add (moe, then add), linear_add (linear, then add), linear_rms_normed (rms_norm, then linear: on
+its one-kernel path every CTA of the GEMV normalises the residual row in rms_norm's order while staging it) and
+moe_rms_normed_add (rms_norm, then moe_add: on its fast path the fused router and moe_up normalise the residual
+row themselves in rms_norm's order)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from lily import _core
-from test_linear import both, random_matrix
+from test_linear import both, random_matrix, random_words_matrix
 from test_moe import moe_weights
 
 pytestmark = [
@@ -57,3 +61,75 @@ def test_moe_add_rms_norm_equals_the_two_ops(T, E, top_k, H, I, Is, bits, group)
     assert left == 0
     assert np.array_equal(got_res, want_res)
     assert np.array_equal(got_h, want_h)
+
+
+# (T, rows, cols, bits, group, one kernel): the layers' stacked input projections (GDN in_proj 12352 x 2048,
+# attention qkv 9216 x 2048, 4-bit group 64), 8 bits, two groups a segment and a smaller D with the CTA's
+# norm mapping (norm_threads(D) = 256: 1024 < D <= 2048); the fallback for D = 1024 (128 norm threads),
+# D = 4096 (past one octet a thread), two tokens and too few rows for the tensor-core GEMV
+NORMED_CASES = [(1, 12352, 2048, 4, 64, True), (1, 9216, 2048, 4, 64, True), (1, 2048, 2048, 8, 64, True),
+                (1, 1024, 1536, 8, 32, True), (1, 1024, 1152, 4, 128, True),
+                (1, 2048, 1024, 4, 64, False), (1, 1024, 4096, 4, 64, False), (2, 2048, 2048, 4, 64, False),
+                (1, 96, 2048, 4, 64, False)]
+
+
+@pytest.mark.parametrize("T, rows, cols, bits, group, one_kernel", NORMED_CASES)
+def test_linear_rms_normed_equals_rms_norm_then_linear(T, rows, cols, bits, group, one_kernel):
+    rng = np.random.default_rng(rows + cols + bits)
+    w = ops.QMatrix("cuda", **random_words_matrix(rng, rows, cols, bits, group))
+    res = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 10.0, cols)).astype(np.float32)  # uneven, as x is
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    got, fused = ops.linear_rms_normed(w, res, nw, 1e-6)
+    assert fused == one_kernel
+    assert np.array_equal(got, ops.linear(w, 0, ops.rms_norm("cuda", res, nw, 1e-6)))
+
+
+@pytest.mark.parametrize("T, E, top_k, H, I, Is, bits, group", [
+    (1, 256, 8, 2048, 512, 512, 4, 64),   # the real MoE block: moe_down_mma adds into res
+    (3, 9, 4, 256, 128, 256, 4, 64),      # three tokens, still the tensor-core chain
+    (1, 7, 3, 192, 64, 128, 8, 32),       # 8 bits, two groups a segment
+    (20, 9, 4, 256, 128, 256, 4, 64),     # a prompt: moe, then add
+])
+def test_moe_add_equals_moe_then_add(T, E, top_k, H, I, Is, bits, group):
+    rng = np.random.default_rng(E + H + T + 1)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    got = ops.moe_add("cuda", *gpu, h, res, top_k)
+    assert np.array_equal(got, ops.add("cuda", res, ops.moe("cuda", *gpu, h, top_k)))
+
+
+# (T, rows, cols, bits, group): the one-kernel path (T = 1, tensor-core GEMV: the add in its epilogue) at the
+# real out_proj / o_proj shape (2048 x 4096), 8 bits, two groups a segment; the fallback (linear, then add)
+# for two tokens, too few rows and 4-bit group 32
+ADD_CASES = [(1, 2048, 4096, 4, 64), (1, 2048, 2048, 8, 64), (1, 1024, 1536, 8, 32), (2, 2048, 4096, 4, 64),
+             (1, 96, 256, 4, 64), (1, 2048, 512, 4, 32)]
+
+
+@pytest.mark.parametrize("T, rows, cols, bits, group", ADD_CASES)
+def test_linear_add_equals_linear_then_add(T, rows, cols, bits, group):
+    rng = np.random.default_rng(rows + cols + T + 2)
+    _, w = both(random_matrix(rng, 1, rows, cols, bits, group, "BF16"))
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    res = rng.standard_normal((T, rows)).astype(np.float32)
+    assert np.array_equal(ops.linear_add(w, x, res), ops.add("cuda", res, ops.linear(w, 0, x)))
+
+
+# (T, E, top_k, H, I, Is, bits, group, one kernel path): the real MoE block (router cluster of 16 CTAs) and
+# the real-widths test checkpoint's 16 experts (one CTA); fallbacks: H = 256 (no fused router), two tokens,
+# and 4-bit group 32 (no tensor-core chain)
+NORMED_MOE_CASES = [(1, 256, 8, 2048, 512, 512, 4, 64, True), (1, 16, 8, 2048, 512, 512, 4, 64, True),
+                    (1, 9, 4, 256, 128, 256, 4, 64, False), (2, 256, 8, 2048, 512, 512, 4, 64, False),
+                    (1, 40, 4, 2048, 128, 128, 4, 32, False)]
+
+
+@pytest.mark.parametrize("T, E, top_k, H, I, Is, bits, group, one_kernel", NORMED_MOE_CASES)
+def test_moe_rms_normed_add_equals_rms_norm_then_moe_add(T, E, top_k, H, I, Is, bits, group, one_kernel):
+    rng = np.random.default_rng(E + H + T + 3)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    res = (rng.standard_normal((T, H)) * rng.uniform(0.1, 10.0, H)).astype(np.float32)  # uneven, as x is
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k)
+    assert fused == one_kernel
+    want = ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k)
+    assert np.array_equal(got, want)

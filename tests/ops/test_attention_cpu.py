@@ -120,3 +120,40 @@ def test_gated_attention_names_a_bad_shape():
         ops.gated_attention("cpu", p, np.zeros((1, 9), np.float32), kv, w, w, 1e-6, 8, 1e4, cache, cache, 2, 1, 0)
     with pytest.raises(Exception, match="kv_cache_write.*exceed"):
         ops.gated_attention("cpu", p, kv, kv, w, w, 1e-6, 8, 1e4, cache, cache, 2, 1, 4)
+
+
+# The rope offset of text after an image (ops::Position::rope_delta, docs/model.md section 8.5): the
+# rotations move to pos0 + delta + t while the cache rows stay at pos0 + t.
+@pytest.mark.parametrize("pos0, delta", [(40, -25), (3, 0), (7, 12)])
+def test_rope_delta_turns_by_the_shifted_position(pos0, delta):
+    x = np.random.default_rng(pos0).standard_normal((3, 2 * 16)).astype(np.float32)
+    np.testing.assert_array_equal(ops.rope("cpu", x, 2, 8, 1e4, pos0, rope_delta=delta),
+                                  ops.rope("cpu", x, 2, 8, 1e4, pos0 + delta))
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_gated_attention_rope_delta_moves_rotations_not_cache_rows(T):
+    nH, nKV, D, rd, theta, eps, pos0, delta = 4, 2, 16, 8, 1e4, 1e-6, 30, -17
+    rng = np.random.default_rng(T)
+    p = rng.standard_normal((T, nH * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    v = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    qn, kn = np.ones(D, np.float32), (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    kc = rng.standard_normal((pos0 + T + 2, nKV * D)).astype(np.float32)
+    vc = rng.standard_normal((pos0 + T + 2, nKV * D)).astype(np.float32)
+    got = ops.gated_attention("cpu", p, k, v, qn, kn, eps, rd, theta, kc, vc, nH, nKV, pos0, rope_delta=delta)
+    q, g = ops.split_q_gate("cpu", p, nH)
+    q = ops.rope("cpu", ops.rms_norm("cpu", q.reshape(T * nH, D), qn, eps).reshape(T, nH * D), nH, rd, theta,
+                 pos0 + delta)
+    kr = ops.rope("cpu", ops.rms_norm("cpu", k.reshape(T * nKV, D), kn, eps).reshape(T, nKV * D), nKV, rd, theta,
+                  pos0 + delta)
+    kc2, vc2 = ops.kv_cache_write("cpu", kr, kc, pos0), ops.kv_cache_write("cpu", v, vc, pos0)
+    o = ops.sigmoid_mul("cpu", ops.attention("cpu", q, kc2, vc2, nH, nKV, pos0), g)
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got, (q, g, o, kc2, vc2)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_rope_delta_below_zero_is_refused():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(Exception, match="rope: rotary positions"):
+        ops.rope("cpu", x, 1, 8, 1e4, 3, rope_delta=-4)

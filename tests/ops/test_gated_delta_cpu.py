@@ -87,6 +87,24 @@ def test_gated_delta_rule_matches_reference(T, Hk, Hv, Dk, Dv):
     np.testing.assert_allclose(state, state_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_out_of_place_leaves_the_input_and_equals_in_place(T):
+    x = gdn_inputs(T, T, 2, 4, 8, 8)
+    args = ("cpu", x["qkv"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], 2, 8)
+    o, new, old = ops.gated_delta_rule(*args, out_of_place=True)
+    o_ip, s_ip = ops.gated_delta_rule(*args)
+    np.testing.assert_array_equal(old, x["state"])
+    np.testing.assert_array_equal(o, o_ip)
+    np.testing.assert_array_equal(new, s_ip)
+    rng = np.random.default_rng(T)
+    u, w, st = (rng.standard_normal(s).astype(np.float32) for s in ((T, 6), (6, 4), (3, 6)))
+    y, new, old = ops.conv1d_silu("cpu", u, w, st, out_of_place=True)
+    y_ip, s_ip = ops.conv1d_silu("cpu", u, w, st)
+    np.testing.assert_array_equal(old, st)
+    np.testing.assert_array_equal(y, y_ip)
+    np.testing.assert_array_equal(new, s_ip)
+
+
 def test_gated_delta_rule_in_two_calls_equals_one():
     """The state carries the whole history: T tokens in one call or split in two give the same."""
     x = gdn_inputs(7, 8, 1, 2, 8, 8)

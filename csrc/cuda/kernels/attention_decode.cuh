@@ -36,7 +36,7 @@
 // of a prepared q and a written cache row. Per head row (one warp each, rows m = warp, warp + 4, ...,
 // all loaded before any is used): x = p[h, query D] (resp. k[kvh]); x *= w / sqrt(mean(x^2) + eps)
 // (rms_norm_kernel's 32-lane float4 order and one warp_sum, so the same bits); rotate pairs
-// (j, j + half) by pos0 * inv_freq[j] (rope_kernel's sincosf and rope_rotate), staged in f32 in the
+// (j, j + half) by (pos0 + rope_delta) * inv_freq[j] (rope_kernel's sincosf and rope_rotate), staged in f32 in the
 // score buffer. Every CTA with rows prepares the q rows of its KV head (group x D floats from L2,
 // cheap next to its K/V tiles); the CTA whose rows end at pos0 also normalises and rotates the new
 // key (last warp) and converts the new value (warp 2), writes both as cache row pos0 of its KV head
@@ -102,6 +102,7 @@ struct DecodePrepParams {
   float* gate_out;       // [1, nH*D] f32
   float eps;
   int half;              // rotary_dim / 2
+  int rope_delta;        // rotary position minus cache position (RopeParams::delta)
   float inv_freq[kMaxPrepHalf];  // as RopeParams: host double pow rounded to float
 };
 
@@ -138,7 +139,7 @@ __device__ __forceinline__ void load_prep_consts(PrepConsts<kD>& pc, const Decod
 #pragma unroll
   for (int k = 0; k < PrepConsts<kD>::kRopePer; ++k) {
     const int j = lane + 32 * k;
-    if (j < pp.half) sincosf(float(int64_t(pos0)) * pp.inv_freq[j], &pc.sn[k], &pc.cs[k]);
+    if (j < pp.half) sincosf(float(int64_t(pos0) + pp.rope_delta) * pp.inv_freq[j], &pc.sn[k], &pc.cs[k]);
   }
 }
 

@@ -1,4 +1,5 @@
-// The elementwise pieces of gated attention: q/gate split, rotate-half RoPE, BF16 KV cache append.
+// The elementwise pieces of gated attention: q/gate split, rotate-half RoPE (and its multimodal form),
+// BF16 KV cache append.
 // 1-D grids of 256 threads, one thread per element, or per kVec = 4 consecutive elements when the
 // launcher found every row 16-byte aligned. Match cpu::split_q_gate, cpu::rope, cpu::kv_cache_write.
 #pragma once
@@ -36,8 +37,9 @@ __global__ void split_q_gate_kernel(const SplitQGateParams p) {
   *reinterpret_cast<V*>(p.gate + e) = *reinterpret_cast<const V*>(src + p.D);
 }
 
-// x[t, h, j], x[t, h, j + half] <- rotate by angle (pos0 + t) * inv_freq[j], j < half:
-//   x0' = x0 cos - x1 sin, x1' = x1 cos + x0 sin. x [T, nH*D] f32 in place.
+// x[t, h, j], x[t, h, j + half] <- rotate by angle (pos0 + delta + t) * inv_freq[j], j < half:
+//   x0' = x0 cos - x1 sin, x1' = x1 cos + x0 sin. x [T, nH*D] f32 in place. delta: the rope offset of text
+//   after an image (ops::Position::rope_delta; 0 otherwise, which adds nothing to the integer position).
 // One thread per (t, h, j). inv_freq comes from the host (double pow rounded to float, as the CPU
 // computes it); the angle is an fp32 product and sincosf is the precise one (positions reach 2^17).
 struct RopeParams {
@@ -45,17 +47,9 @@ struct RopeParams {
   const int32_t* pos;   // [1] i32
   int64_t n;            // T*nH*half
   int nH, D, half;
+  int delta;            // rotary position minus cache position
   float inv_freq[kMaxRopeHalf];
 };
-
-// The rotation of one pair, shared with the fused decode prep (attention_decode.cuh). Explicit
-// roundings (one product, then a fused multiply-add) so no compiler contraction choice can make
-// the two kernels differ.
-__device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float s) {
-  const float a = x0, b = x1;
-  x0 = __fmaf_rn(a, c, -__fmul_rn(b, s));
-  x1 = __fmaf_rn(b, c, __fmul_rn(a, s));
-}
 
 __global__ void rope_kernel(const RopeParams p) {
   pdl_wait();
@@ -64,7 +58,38 @@ __global__ void rope_kernel(const RopeParams p) {
   if (i >= p.n) return;
   const int j = int(i % p.half);
   const int64_t r = i / p.half, t = r / p.nH;
-  const float ang = float(int64_t(*p.pos) + t) * p.inv_freq[j];
+  const float ang = float(int64_t(*p.pos) + p.delta + t) * p.inv_freq[j];
+  float s, c;
+  sincosf(ang, &s, &c);
+  float* v = p.x + r * p.D;
+  float x0 = v[j], x1 = v[j + p.half];
+  rope_rotate(x0, x1, c, s);
+  v[j] = x0;
+  v[j + p.half] = x1;
+}
+
+// mrope (multimodal RoPE, docs/model.md section 8.5): as rope_kernel, token t turning frequency j by its own
+// position pos[t, axis_j] (axis 1 = h when j % 3 == 1 and j < 3 sections[1], 2 = w when j % 3 == 2 and
+// j < 3 sections[2], else 0 = t): the same fp32 angle, sincosf and rope_rotate, so a token whose three
+// positions equal p turns exactly as rope_kernel turns position p. One thread per (t, h, j).
+struct MropeParams {
+  float* x;             // [T, nH*D] f32
+  const int32_t* pos;   // [T, 3] i32 (t, h, w)
+  int64_t n;            // T*nH*half
+  int nH, D, half;
+  int section_h, section_w;
+  float inv_freq[kMaxRopeHalf];
+};
+
+__global__ void mrope_kernel(const MropeParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.n) return;
+  const int j = int(i % p.half);
+  const int64_t r = i / p.half, t = r / p.nH;
+  const int axis = j % 3 == 1 && j < 3 * p.section_h ? 1 : j % 3 == 2 && j < 3 * p.section_w ? 2 : 0;
+  const float ang = float(int64_t(p.pos[3 * t + axis])) * p.inv_freq[j];
   float s, c;
   sincosf(ang, &s, &c);
   float* v = p.x + r * p.D;

@@ -1,5 +1,6 @@
 // Device helpers shared by the kernels: warp and block reductions in a fixed order (so results are
-// bitwise reproducible run to run), BF16 conversion and the activation functions the ops share.
+// bitwise reproducible run to run), BF16 conversion, the activation functions and the RoPE rotation the ops
+// share.
 #pragma once
 #include <cuda_bf16.h>
 #include <cmath>
@@ -64,5 +65,14 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+// The rotation of one rotate-half RoPE pair by an angle of cosine c and sine s, shared by rope_kernel, the
+// fused decode prep (attention_decode.cuh), mrope and vision_rope. Explicit roundings (one product, then a
+// fused multiply-add) so no compiler contraction choice can make two kernels differ.
+__device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float s) {
+  const float a = x0, b = x1;
+  x0 = __fmaf_rn(a, c, -__fmul_rn(b, s));
+  x1 = __fmaf_rn(b, c, __fmul_rn(a, s));
+}
 
 }  // namespace lily::cuda

@@ -6,19 +6,21 @@ namespace lily::cuda {
 
 // ---------------------------------------------------------------------------------------------
 // conv1d_silu: y[t, c] = silu(sum_j w[c, j] * in(t - K + 1 + j, c)), in(tau < 0) = state[K-1+tau, c].
-// u, y [T, C] f32; w [C, K] f32; state [K-1, C] f32 (oldest first), replaced by the last K-1 inputs.
+// u, y [T, C] f32; w [C, K] f32; state [K-1, C] f32 (oldest first); state_out [K-1, C] gets the last
+// K-1 inputs (state itself, or a separate copy).
 // Grid (ceil(C/128), ceil(T/CONV_STEPS)), block 128: one thread per channel and CONV_STEPS tokens,
 // the K-1 previous inputs sliding in registers. Only blockIdx.y == 0 reads the old state
-// (CONV_STEPS >= K-1), so its threads may rewrite it at the end without racing other blocks.
-// fp32, taps summed oldest first like the CPU.
+// (CONV_STEPS >= K-1), and its threads write state_out at the end, each its own channel after reading
+// it, so in place never races other blocks. fp32, taps summed oldest first like the CPU.
 constexpr int CONV_STEPS = 16;
 constexpr int CONV_THREADS = 128;
 
 struct Conv1dParams {
-  const float* u;  // [T, C]
-  const float* w;  // [C, K]
-  float* state;    // [K-1, C]
-  float* y;        // [T, C]
+  const float* u;      // [T, C]
+  const float* w;      // [C, K]
+  const float* state;  // [K-1, C]
+  float* state_out;    // [K-1, C]
+  float* y;            // [T, C]
   int T, C;
 };
 
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams 
 #pragma unroll
     for (int r = 0; r < S; ++r)  // select with constant indices so `old` stays in registers
       if (r == S + tau) carried = old[r];
-    p.state[i * C + c] = tau >= 0 ? p.u[tau * C + c] : carried;
+    p.state_out[i * C + c] = tau >= 0 ? p.u[tau * C + c] : carried;
   }
 }
 
@@ -73,7 +75,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams 
 //   beta = sigmoid(b[t, h]);  alpha = exp(-exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
 //   S = alpha S;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
 // qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v); a, b [T, Hv]; A_log, dt_bias [Hv]; S [Hv, Dk, Dv] f32
-// (k-major, updated in place, read and written once per call); o [T, Hv*Dv].
+// (k-major, read once from state, written once to state_out: the same buffer or another); o [T, Hv*Dv].
 // Fast path (Dk = DK, a multiple of 4*GDN_KSPLIT): grid (Hv, ceil(Dv/32)), block 128. Lane
 // (col, ks) of warp w owns column j = 32*blockIdx.y + 8*w + lane/4 and the float4 rows
 // 4*(ks + 4r) of S in registers; dot products over k end in two xor-shuffles. Each CTA stages
@@ -90,7 +92,8 @@ struct GatedDeltaParams {
   const float* b;        // [T, Hv]
   const float* A_log;    // [Hv]
   const float* dt_bias;  // [Hv]
-  float* state;          // [Hv, Dk, Dv]
+  const float* state;    // [Hv, Dk, Dv]
+  float* state_out;      // [Hv, Dk, Dv] (may be state)
   float* o;              // [T, Hv*Dv]
   int T, Hk, Hv, Dk, Dv;
 };
@@ -124,7 +127,8 @@ __global__ void __launch_bounds__(GDN_THREADS) gated_delta_kernel(GatedDeltaPara
   const int j = blockIdx.y * GDN_COLS + jl;
   const bool has_col = j < p.Dv;
   const int64_t W = 2 * int64_t(p.Hk) * DK + int64_t(p.Hv) * p.Dv;
-  float* S = p.state + int64_t(h) * DK * p.Dv + (has_col ? j : 0);  // column j of [DK, Dv]
+  const int64_t col = int64_t(h) * DK * p.Dv + (has_col ? j : 0);  // column j of [DK, Dv]
+  const float* S = p.state + col;
   float s[RPT];
 #pragma unroll
   for (int r = 0; r < RPT / 4; ++r)
@@ -179,22 +183,26 @@ __global__ void __launch_bounds__(GDN_THREADS) gated_delta_kernel(GatedDeltaPara
     }
   }
   if (!has_col) return;
+  float* So = p.state_out + col;
 #pragma unroll
   for (int r = 0; r < RPT / 4; ++r)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) S[int64_t(4 * (ks + GDN_KSPLIT * r) + c) * p.Dv] = s[4 * r + c];
+    for (int c = 0; c < 4; ++c) So[int64_t(4 * (ks + GDN_KSPLIT * r) + c) * p.Dv] = s[4 * r + c];
 }
 
-// Generic path for any Dk: grid (Hv, ceil(Dv/32)), one thread per column j of S, which it updates
-// in place in global memory every token; each thread normalises q and k itself. Slow, for the odd
-// sizes of tests; same equations and order of operations as the fast path.
+// Generic path for any Dk: grid (Hv, ceil(Dv/32)), one thread per column j of S, which it copies to
+// state_out (a no-op in place) and then updates there in global memory every token; each thread
+// normalises q and k itself. Slow, for the odd sizes of tests; same equations and order of operations
+// as the fast path.
 __global__ void __launch_bounds__(32) gated_delta_generic_kernel(GatedDeltaParams p) {
   pdl_wait();
   pdl_trigger();
   const int h = blockIdx.x, kh = h / (p.Hv / p.Hk), j = blockIdx.y * 32 + threadIdx.x;
   if (j >= p.Dv) return;
   const int64_t W = 2 * int64_t(p.Hk) * p.Dk + int64_t(p.Hv) * p.Dv;
-  float* S = p.state + int64_t(h) * p.Dk * p.Dv + j;  // column j of [Dk, Dv], stride Dv
+  float* S = p.state_out + int64_t(h) * p.Dk * p.Dv + j;  // column j of [Dk, Dv], stride Dv
+  if (p.state_out != p.state)
+    for (int i = 0; i < p.Dk; ++i) S[int64_t(i) * p.Dv] = p.state[int64_t(h) * p.Dk * p.Dv + j + int64_t(i) * p.Dv];
   for (int t = 0; t < p.T; ++t) {
     const float* q = p.qkv + t * W + int64_t(kh) * p.Dk;  // [Dk]
     const float* k = q + int64_t(p.Hk) * p.Dk;            // [Dk]

@@ -196,7 +196,7 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 // prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
 //   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
 //      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
-//      are zeros.
+//      are zeros. All 16 rows of a warp and the gate inputs are loaded before any is used.
 //   2. G = inclusive prefix sum of g in fp64 (warp 0 shuffle scan): exp(G_t - G_s) is formed from an
 //      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
 //      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
@@ -208,8 +208,12 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 //      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
 //      s <= t < n, else 0 (exp of a positive exponent is never taken).
 //   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
-//      c of U (V read from global memory), thread c >= 128 column c - 128 of W; the column's 64
-//      values stay in registers (loops fully unrolled), A rows are shared-memory broadcasts. fp32 FMA.
+//      c of U (V read from global memory, all 64 loads issued before the first use), thread c >= 128
+//      column c - 128 of W; the column's 64 values stay in registers (loops fully unrolled), A rows are
+//      shared-memory broadcasts. fp32 FMA.
+// A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
+// a full memory latency each: the loads here are unconditional (clamped rows) or use-free in their
+// branch, and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
 struct PrepSmem {
@@ -230,36 +234,44 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;  // qkv row width
   float* blk = p.ws + (int64_t(ch) * p.Hv + h) * BLOCK;
 
-  // 1. gates; q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i)
-  if (tid < C) {
-    float beta = 0.f, g = 0.f;
-    if (tid < n) {
-      const int64_t i = int64_t(t0 + tid) * p.Hv + h;
-      beta = 1.f / (1.f + expf(-p.b[i]));
-      g = -expf(p.A_log[h]) * softplus(p.a[i] + p.dt_bias[h]);
-    }
-    sm.beta[tid] = beta;
-    sm.g[tid] = g;
+  // 1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i); gates. Every global
+  // load of the phase is issued before the first use of any (one memory latency per warp): the gate
+  // inputs of token tid first, the gates computed after the rows.
+  float b_in = 0.f, a_in = 0.f, A_log = 0.f, dt_bias = 0.f;
+  if (tid < n) {
+    const int64_t i = int64_t(t0 + tid) * p.Hv + h;
+    b_in = p.b[i];
+    a_in = p.a[i];
+    A_log = p.A_log[h];
+    dt_bias = p.dt_bias[h];
   }
-  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32), BATCH = 8;  // 16 rows, loads 8 at a time
+  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32);  // 16
   const float q_scale = 1.f / sqrtf(float(D));
+  {
+    float4 x[ROWS_PER_WARP];
 #pragma unroll
-  for (int i0 = 0; i0 < ROWS_PER_WARP; i0 += BATCH) {
-    float4 x[BATCH];  // the batch's loads all in flight before the first reduction
-#pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
       x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (t < n) x[i] = ld4(p.qkv + (t0 + t) * Wd + is_k * int64_t(p.Hk) * D + int64_t(kh) * D + 4 * lane);
     }
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const int r = warp + (THREADS / 32) * (i0 + i), t = r % C, is_k = r / C;
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
       const float ss = warp_sum(x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w);
       const float f = (is_k ? 1.f : q_scale) / sqrtf(ss + 1e-6f);  // rows past n: 0 * f = 0
       st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, scale4(f, x[i]));
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
+  }
+  if (tid < C) {
+    float beta = 0.f, g = 0.f;
+    if (tid < n) {
+      beta = 1.f / (1.f + expf(-b_in));
+      g = -expf(A_log) * softplus(a_in + dt_bias);
+    }
+    sm.beta[tid] = beta;
+    sm.g[tid] = g;
   }
   __syncthreads();
 
@@ -328,8 +340,15 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   float xs[C];
   if (tid < D) {  // column tid of beta V
     const float* v = p.qkv + int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + tid;
+    // every load issued before the first use (one memory latency, not 64: a load under `t < n` was
+    // a branch with its use inside); rows past the prompt re-read row n - 1 and are then dropped
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = t < n ? sm.beta[t] * v[t * Wd] : 0.f;
+    for (int t = 0; t < C; ++t) xs[t] = v[min(t, n - 1) * int(Wd)];  // (63 Wd fits in 32 bits)
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      const float bv = sm.beta[t] * xs[t];  // (read unconditionally: no predicated shared loads)
+      xs[t] = t < n ? bv : 0.f;
+    }
   } else {  // column tid - D of beta exp(G) K
 #pragma unroll
     for (int t = 0; t < C; ++t) xs[t] = sm.beta[t] * sm.eG[t] * sm.k[t][tid - D];

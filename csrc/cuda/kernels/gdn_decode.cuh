@@ -7,7 +7,11 @@
 //   S_h     = alpha S_h;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
 //   y[h, j] = norm_w[j] * (o_j / sqrt(mean_j o_j^2 + eps)) * silu(z[h, j])
 // u [C = 2*Hk*Dk + Hv*Dv] pre-conv q | k | v (head-major); conv w [C, K]; conv state [K-1, C] (oldest
-// first); a, b [Hv]; A_log, dt_bias [Hv]; S [Hv, Dk, Dv] f32 (k-major, in place); z, y [Hv*Dv]; norm_w [Dv].
+// first); a, b [Hv]; A_log, dt_bias [Hv]; S [Hv, Dk, Dv] f32 (k-major); z, y [Hv*Dv]; norm_w [Dv]. The
+// conv state and S are read from conv_state, state and their new values written to conv_state_out,
+// state_out: the same buffers (in place) or the other copy of the session's ping-pong pair (a decode
+// step that can be discarded, docs/generation.md "Pipelined decoding"); the stores below are ordered
+// for the in-place case and need no order otherwise.
 //
 // Grid (ns = ceil(Dv/32), Hv), block 128, clusters of (ns, Hv/Hk) CTAs: one cluster per key head, one
 // CTA per (value head h, slice of 32 value columns), cluster rank slice + ns * (h % (Hv/Hk)). The
@@ -20,6 +24,8 @@
 //     previous token (or a prefill or restore long before) writes them, never the kernel launched just
 //     before this one (the in_proj GEMV: it writes u, z, a, b). Every kernel calls pdl_wait() before
 //     pdl_trigger(), so when this kernel starts every kernel two or more launches back has completed.
+//     With the ping-pong pair, the copy this kernel writes was last read by this layer's mixer of the
+//     previous token, also complete by then, and every write comes after pdl_wait() anyway.
 //     They are read with ld.global.cg (from L2, the point of coherence: no stale L1 line). In a graph
 //     replay (programmatic launches) this DRAM latency overlaps the end of the previous kernel.
 //   after pdl_wait(): u, z, a, b (the previous kernel's outputs), all at once. Every write comes later.
@@ -49,15 +55,17 @@ namespace lily::cuda {
 constexpr int GDN_DECODE_MAX_CLUSTER = 8;  // portable cluster size: (Hv/Hk) * ceil(Dv/32) <= 8
 
 struct GdnDecodeParams {
-  const float* u;        // [C] pre-conv q | k | v
-  const float* conv_w;   // [C, K]
-  float* conv_state;     // [K-1, C]
-  const float* a;        // [Hv]
-  const float* b;        // [Hv]
-  const float* A_log;    // [Hv]
-  const float* dt_bias;  // [Hv]
-  float* state;          // [Hv, Dk, Dv]
-  const float* z;        // [Hv*Dv]
+  const float* u;           // [C] pre-conv q | k | v
+  const float* conv_w;      // [C, K]
+  const float* conv_state;  // [K-1, C]
+  float* conv_state_out;    // [K-1, C] (may be conv_state)
+  const float* a;           // [Hv]
+  const float* b;           // [Hv]
+  const float* A_log;       // [Hv]
+  const float* dt_bias;     // [Hv]
+  const float* state;       // [Hv, Dk, Dv]
+  float* state_out;         // [Hv, Dk, Dv] (may be state)
+  const float* z;           // [Hv*Dv]
   const float* norm_w;   // [Dv]
   float* y;              // [Hv*Dv]
   int Hk, Hv, Dv;
@@ -76,7 +84,7 @@ __device__ __forceinline__ float conv_silu_token(const float (&w)[K], const floa
   return acc / (1.f + expf(-acc));
 }
 
-// state[:, c] = [st[1:], x]: conv1d_silu_kernel's new rows for one token.
+// state[:, c] = [st[1:], x]: conv1d_silu_kernel's new rows for one token (state: the output copy).
 template <int K>
 __device__ __forceinline__ void conv_state_store(float* state, int64_t C, int64_t c, const float (&st)[K - 1],
                                                  float x) {
@@ -127,7 +135,7 @@ __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecode
   const float A_log = p.A_log[h], dt_bias = p.dt_bias[h], nw = has_col ? p.norm_w[j] : 0.f;
   // Column j of [DK, Dv] as an opaque register (else NVVM folds each row's address back into p.state
   // plus 64-bit index math: ~9 instructions per load instead of ~3); row offsets < DK * Dv <= 2^16 in int.
-  float* S = p.state + int64_t(h) * DK * p.Dv + (has_col ? j : 0);
+  const float* S = p.state + int64_t(h) * DK * p.Dv + (has_col ? j : 0);
   asm("" : "+l"(S));
   auto row = [&](int r, int c) { return (4 * (ks + GDN_KSPLIT * r) + c) * p.Dv; };  // of s[4r + c]
   float s[RPT];
@@ -202,10 +210,12 @@ __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecode
   }
   __cluster_barrier_arrive();  // phase 1, release: this thread's o_j stores and conv state reads are done
   if (has_col) {
+    float* So = p.state_out + int64_t(h) * DK * p.Dv + j;  // column j of the output copy
+    asm("" : "+l"(So));
 #pragma unroll
     for (int r = 0; r < RPT / 4; ++r)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) __stcg(S + row(r, c), s[4 * r + c]);
+      for (int c = 0; c < 4; ++c) __stcg(So + row(r, c), s[4 * r + c]);
   }
   __cluster_barrier_wait();  // phase 1, acquire: ohead holds head h; no thread will read the old conv state
 
@@ -228,13 +238,13 @@ __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecode
   const float sc = 1.f / sqrtf(ss / float(p.Dv) + p.eps);
   if (has_col && ks == 0) {
     p.y[at] = norm_out<true>(out, sc, nw, z);
-    conv_state_store<K>(p.conv_state, C, vc, sv, uv);
+    conv_state_store<K>(p.conv_state_out, C, vc, sv, uv);
   }
   if (slice == 0 && hr == 0) {  // rank 0: the key head's q/k conv state
 #pragma unroll
     for (int r = 0; r < QK_PER; ++r) {
       const int i = threadIdx.x + GDN_THREADS * r;
-      if (i < 2 * DK) conv_state_store<K>(p.conv_state, C, qk_channel(i), sqk[r], uqk[r]);
+      if (i < 2 * DK) conv_state_store<K>(p.conv_state_out, C, qk_channel(i), sqk[r], uqk[r]);
     }
   }
 }

@@ -195,18 +195,44 @@ __host__ __device__ __forceinline__ void mma_octet_digits(const float (&v)[8], f
   }
 }
 
-// Stages x into a CTA's shared memory: xd [K/8][3] digits, xe [K/VB] block scales e_u, xsum [K/VB].
-// x_at(o) is the address of octet o (8 consecutive floats, 16-byte aligned). Each thread takes one octet
-// per round; a block's VB/8 octets are consecutive lanes of one warp (VB/8 in {4, 8, 16}), so its max and
-// sum are xor-shuffle trees (every lane gets the same, fixed-order sum). The loads of MMA_STAGE_ROUNDS
-// rounds are issued together (one memory latency for K <= MMA_STAGE_ROUNDS * 8 * blockDim.x: the
-// model's 2,048 to 4,608 values), then the rounds are converted in order. Every thread must call it;
-// the caller synchronises afterwards.
+// Stages octet o of x (its 8 values v) into a CTA's shared memory: digits xd [K/8][3], and for the
+// first octet of a block its scale e_u (xe [K/VB]) and sum (xsum [K/VB]). A block's VB/8 octets are
+// consecutive lanes of one warp (VB/8 in {4, 8, 16}), so its max and sum are xor-shuffle trees (every
+// lane gets the same, fixed-order sum): every lane of the warp must call it, those with o >= octets
+// (nothing to store) with zeros in v.
+template <int BITS, int VB>
+__device__ __forceinline__ void mma_stage_octet(const float (&v)[8], int o, int octets, uint2* xd, float* xe,
+                                                float* xsum) {
+  constexpr int OPB = VB / 8;
+  static_assert(OPB == 4 || OPB == 8 || OPB == 16, "a block spans 4, 8 or 16 octets");
+  float m = 0.f, s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+  s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+#pragma unroll
+  for (int off = 1; off < OPB; off <<= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    s += __shfl_xor_sync(0xffffffffu, s, off);
+  }
+  if (o >= octets) return;
+  float e;
+  const float inv = mma_block_scale(m, e);
+  uint2 dg[3];
+  mma_octet_digits<BITS>(v, inv, dg);
+#pragma unroll
+  for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
+  if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
+}
+
+// Stages x [K] into a CTA's shared memory (mma_stage_octet). x_at(o) is the address of octet o (8
+// consecutive floats, 16-byte aligned). Each thread takes one octet per round. The loads of
+// MMA_STAGE_ROUNDS rounds are issued together (one memory latency for K <= MMA_STAGE_ROUNDS * 8 *
+// blockDim.x: the model's 2,048 to 4,608 values), then the rounds are converted in order. Every thread
+// must call it; the caller synchronises afterwards.
 constexpr int MMA_STAGE_ROUNDS = 3;
 template <int BITS, int VB, class XAt>
 __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, float* xe, float* xsum) {
-  constexpr int OPB = VB / 8, NR = MMA_STAGE_ROUNDS;
-  static_assert(OPB == 4 || OPB == 8 || OPB == 16, "a block spans 4, 8 or 16 octets");
+  constexpr int NR = MMA_STAGE_ROUNDS;
   const int octets = K / 8;
   for (int base = 0; base < octets; base += NR * blockDim.x) {  // uniform over the CTA: full warps shuffle
     float4 raw[NR][2];
@@ -222,28 +248,47 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (base + r * int(blockDim.x) >= octets) break;  // uniform
-      const int o = base + r * int(blockDim.x) + int(threadIdx.x);
       const float4 a = raw[r][0], b = raw[r][1];
       const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      float m = 0.f, s = 0.f;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
-      s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-#pragma unroll
-      for (int off = 1; off < OPB; off <<= 1) {
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        s += __shfl_xor_sync(0xffffffffu, s, off);
-      }
-      if (o >= octets) continue;
-      float e;
-      const float inv = mma_block_scale(m, e);
-      uint2 dg[3];
-      mma_octet_digits<BITS>(v, inv, dg);
-#pragma unroll
-      for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
-      if (o % OPB == 0) xe[o / OPB] = e, xsum[o / OPB] = s;
+      mma_stage_octet<BITS, VB>(v, base + r * int(blockDim.x) + int(threadIdx.x), octets, xd, xe, xsum);
     }
   }
+}
+
+// Stages h = rms_norm(x) * w (x [K] the residual row, w [K]; 16-byte aligned) with a CTA of MMA_THREADS
+// threads where that is rms_norm's own thread mapping for D = K (norm_threads(K) = MMA_THREADS: 1024 <
+// K) and one octet a thread covers the row (K <= MMA_NORM_MAX_COLS). The staged values are the h that
+// rms_norm, add_rms_norm and grid_tail_rms_norm write, bit for bit: their sum of squares in their order
+// (thread t adds sq4 of float4s t, t + MMA_THREADS, ... of x, then the same block_sum), their
+// s = 1 / sqrt(ss / K + eps), and (x * s) * w as they store it (norm_scale4).
+// One load of x and w: a thread loads its octet of both and shares the squares of its two float4s of x
+// through shared memory (sq4 of the same float4 gives the same bits in any thread). w, a constant weight,
+// is read before wait() (the PDL wait, after which x may be read): ptxas then issues its loads with x's
+// rather than sinking them towards their use (moe_up_mma_kernel, which waits before it reads the expert
+// ids, passes a no-op: w and x load together after its wait). Every thread must call it; the caller
+// synchronises after.
+constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
+template <int BITS, int VB, class Wait>
+__device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
+                                                   float* xsum, const Wait& wait) {
+  __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
+  const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
+  const float4* w4 = reinterpret_cast<const float4*>(n.w) + 2 * o;
+  const float4 b[2] = {__ldg(w4), __ldg(w4 + 1)};
+  wait();
+  const float4* x4 = reinterpret_cast<const float4*>(x) + 2 * o;
+  const float4 a[2] = {x4[0], x4[1]};
+  if (tid < octets) sq[2 * tid] = sq4(a[0]), sq[2 * tid + 1] = sq4(a[1]);
+  __syncthreads();
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < MMA_NORM_MAX_COLS / 4 / MMA_THREADS; ++j)  // float4s tid, tid + MMA_THREADS (< K / 4)
+    if (tid + j * MMA_THREADS < K / 4) ss += sq[tid + j * MMA_THREADS];
+  ss = block_sum(ss, red);
+  const float s = 1.f / sqrtf(ss / float(K) + n.eps);
+  const float4 h0 = norm_scale4(a[0], s, b[0]), h1 = norm_scale4(a[1], s, b[1]);
+  const float v[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+  mma_stage_octet<BITS, VB>(v, tid, octets, xd, xe, xsum);
 }
 
 // Per-lane constants of the column epilogue: the lane's B digit, and per accumulator column its half h,
@@ -485,16 +530,21 @@ struct MmaLinearParams {
   const uint32_t* w;
   const uint16_t* scales;
   const uint16_t* biases;
-  const float* x;  // [cols] F32, 16-byte aligned
+  const float* x;  // [cols] F32, 16-byte aligned (with norm_in: the residual row)
   float* y;        // [rows]
   int rows, cols, group_shift, ks;
-  NormTail tail;   // tail.done != nullptr: y += W x (y is the residual row), then tail.y = rms_norm(y) * tail.w
+  bool accumulate;  // y += W x (y is the residual row: ops::linear_add), else y = W x
+  NormTail tail;    // tail.done != nullptr (accumulate): then tail.y = rms_norm(y) * tail.w
+  NormIn norm_in;   // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
 };
 
-// y = W x for one token (T = 1), or with a tail y += W x and then the next RMSNorm of y by the grid's last
-// CTA (ops::linear_add_rms_norm). Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are
-// requested before the wait on the previous kernel and before x is staged.
-template <int BITS, int NG>
+// y = W x for one token (T = 1), or accumulating y += W x (ops::linear_add), and with a tail then the next
+// RMSNorm of y by the grid's last CTA (ops::linear_add_rms_norm). NORM_IN (p.norm_in set): y = W
+// (rms_norm(x) * w), every CTA normalising x while it stages it (ops::linear_rms_normed; its own
+// instance, so the plain GEMV's code is untouched).
+// Grid: CTAs over passes (launcher: mma_plan). The weights of unit 0 are requested before the wait on the
+// previous kernel and before x is staged.
+template <int BITS, int NG, bool NORM_IN = false>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
@@ -502,17 +552,23 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
   float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS;
-  const bool tail = p.tail.done != nullptr;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
-                                 p.cols >> p.group_shift, p.group_shift, tail};
+                                 p.cols >> p.group_shift, p.group_shift, p.accumulate};
   auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
-    pdl_wait();
-    pdl_trigger();
-    mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
+    auto wait = [] {
+      pdl_wait();
+      pdl_trigger();
+    };
+    if constexpr (NORM_IN) {
+      mma_stage_normed_x<BITS, VB>(p.x, p.norm_in, p.cols, xd, xe, xsum, wait);
+    } else {
+      wait();
+      mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
+    }
     __syncthreads();
   };
   mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
-  if (tail) grid_tail_rms_norm(p.tail);
+  if (p.tail.done != nullptr) grid_tail_rms_norm(p.tail);
 }
 
 }  // namespace lily::cuda

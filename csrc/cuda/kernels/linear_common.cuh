@@ -87,14 +87,25 @@ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM,
 //   plain:  y[r, o] = acc
 //   swiglu: y[r, o] = row_scale[r] * silu(y[r, o]) * acc   (y holds the gate product already;
 //           row_scale folds the MoE routing weight or the shared expert's sigmoid gate)
+// Gated (up.w set; linear.cu's linear_tiles): the gate product (w) and the up product (up, the same
+// shape) as one, y[r, o] = row_scale[r] * silu(gate[r, o]) * up[r, o]: linear_wgmma_tma_kernel's GATED
+// instances where they apply, else the plain gate product into y, then the up product with swiglu.
 struct LinearArgs {
   WeightView w;
+  WeightView up;
   const float* x = nullptr;         // [*, ldx] F32
   int64_t ldx = 0;
   const int32_t* x_rows = nullptr;  // [M] row of x for product row r (MoE gather); null: r
   float* y = nullptr;               // [M, ldy] F32
   int64_t ldy = 0;
   const float* row_scale = nullptr;  // [M] swiglu multiplier; null: 1
+  // X given as Xb by its producer: [rows, K] BF16 in the wgmma GEMM's k-permuted layout
+  // (linear_wgmma_tma.cuh, wg_xb_pos), read by the wgmma GEMM instead of converting x (x unused then;
+  // only the wgmma GEMM takes it). Null: x.
+  const uint16_t* xb = nullptr;
+  // A gated product's output as Xb rows [M, N] BF16 (row r at yb + r*N, k-permuted as xb), for the next
+  // product to read as its xb, instead of y (only the GATED wgmma instances write it). Null: y.
+  uint16_t* yb = nullptr;
   bool swiglu = false;
   RowTiles tiles;
   // Split-K (linear_wgmma_tma_kernel, dense tiles only): each tile's k-tiles run as k_splits work

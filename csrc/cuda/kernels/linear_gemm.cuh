@@ -1,8 +1,10 @@
-// Prefill linear on tensor cores over MLX-affine weights (4 or 8 bits, BF16 scales/biases):
+// Prefill linear on tensor cores over MLX-affine weights (4 or 8 bits, BF16 scales/biases) or dense BF16
+// weights (BITS = GEMM_DENSE_BF16: 16 bits per weight, taken as stored):
 //   Y[r, o] = sum_i bf16(W_e[o, i]) * bf16(X[x_row(r), i]), fp32 accumulation, then the epilogue
 //   of linear_common.cuh (plain store, or SwiGLU with a per-row scale for MoE).
-// W [E, N, K*BITS/32] U32 with K % 32 == 0; X rows [K] F32 (16-byte aligned, ldx % 4 == 0);
-// tiles of product rows from RowTiles (dense, or an MoE tile map built on the device).
+// W [E, N, K*BITS/32] U32 with K % 32 == 0 (dense BF16: [E, N, K] bf16, K % 8 == 0, 16-byte aligned);
+// X rows [K] F32 (16-byte aligned, ldx % 4 == 0); tiles of product rows from RowTiles (dense, or an MoE
+// tile map built on the device).
 // CTA tile 64 (rows) x 128 (outputs) x 64 (k), 8 warps as 2 x 4, each warp 32 x 32 with
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate). Grid (row tiles, ceil(N / 128)): neighbouring CTAs
 // share a weight tile, so it comes from HBM once and from L2 for the other row tiles.
@@ -16,6 +18,7 @@
 namespace lily::cuda {
 
 constexpr int GEMM_BM = 64, GEMM_BN = 128, GEMM_BK = 64, GEMM_THREADS = 256;
+constexpr int GEMM_DENSE_BF16 = 16;  // the BITS of dense BF16 weights: a 16-byte chunk is 8 weights as stored
 constexpr int GEMM_LDS = GEMM_BK + 8;  // bf16 row stride in shared memory: 144 B, ldmatrix without bank conflicts
 constexpr int GEMM_SMEM_BYTES = 2 * (GEMM_BM + GEMM_BN) * GEMM_LDS * 2;
 
@@ -42,6 +45,7 @@ template <int BITS>
 __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearArgs a) {
   pdl_wait();
   pdl_trigger();
+  constexpr bool DENSE = BITS == GEMM_DENSE_BF16;              // no scales: chunks go to shared memory as read
   constexpr int VALS = 128 / BITS;                             // weight values per 16-byte chunk
   constexpr int CPR = GEMM_BK / VALS;                          // chunks per weight row per k-tile
   constexpr int B_LOADS = GEMM_BN * CPR / GEMM_THREADS;        // chunks per thread per k-tile
@@ -60,7 +64,7 @@ __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearA
     const int idx = tid + i * GEMM_THREADS, m = idx / (GEMM_BK / 4), c4 = idx % (GEMM_BK / 4);
     a_src[i] = m < tile.rows ? x_row(a, tile.row0 + m) + 4 * c4 : nullptr;
   }
-  const int64_t wpr = K * BITS / 32, gpr = K / a.w.group_size;
+  const int64_t wpr = K * BITS / 32, gpr = DENSE ? 0 : K / a.w.group_size;
   const uint32_t* b_src[B_LOADS];  // weight row of each chunk this thread stages (null: padding row)
   int64_t b_group[B_LOADS];
 #pragma unroll
@@ -85,12 +89,14 @@ __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearA
 #pragma unroll
     for (int i = 0; i < B_LOADS; ++i) {
       const int ch = (tid + i * GEMM_THREADS) % CPR;
-      const int64_t k = k0 + ch * VALS;  // K % 32 == 0: a chunk is wholly inside or outside K
+      const int64_t k = k0 + ch * VALS;  // K % 32 == 0 (dense: K % 8 == 0): a chunk is wholly inside or outside K
       const bool ok = b_src[i] && k < K;
       rb[i] = ok ? ld_stream(b_src[i] + k0 * BITS / 32) : make_uint4(0, 0, 0, 0);
-      const int64_t g = b_group[i] + k / a.w.group_size;
-      rs[i] = ok ? bf16_bits_to_f32(static_cast<const uint16_t*>(a.w.scales)[g]) : 0.f;
-      rz[i] = ok ? bf16_bits_to_f32(static_cast<const uint16_t*>(a.w.biases)[g]) : 0.f;
+      if constexpr (!DENSE) {
+        const int64_t g = b_group[i] + k / a.w.group_size;
+        rs[i] = ok ? bf16_bits_to_f32(static_cast<const uint16_t*>(a.w.scales)[g]) : 0.f;
+        rz[i] = ok ? bf16_bits_to_f32(static_cast<const uint16_t*>(a.w.biases)[g]) : 0.f;
+      }
     }
   };
   auto store_tile = [&](int buf) {
@@ -102,25 +108,33 @@ __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearA
       *reinterpret_cast<uint2*>(As + m * GEMM_LDS + 4 * c4) =
           make_uint2(pack_bf16x2(ra[i].x, ra[i].y), pack_bf16x2(ra[i].z, ra[i].w));
     }
-    constexpr uint32_t mask = (1u << BITS) - 1u;
+    if constexpr (DENSE) {  // bf16 pairs in memory order: the lower index in the low half, as pack_bf16x2
 #pragma unroll
-    for (int i = 0; i < B_LOADS; ++i) {
-      const int idx = tid + i * GEMM_THREADS, n = idx / CPR, ch = idx % CPR;
-      uint32_t packed[VALS / 2];  // VALS bf16 values, two per word
-#pragma unroll
-      for (int j = 0; j < VALS; j += 2) {
-        const uint32_t w = (j * BITS / 32 == 0)   ? rb[i].x
-                           : (j * BITS / 32 == 1) ? rb[i].y
-                           : (j * BITS / 32 == 2) ? rb[i].z
-                                                  : rb[i].w;
-        const int s = (j * BITS) % 32;
-        const float q0 = float((w >> s) & mask), q1 = float((w >> (s + BITS)) & mask);
-        packed[j / 2] = pack_bf16x2(fmaf(rs[i], q0, rz[i]), fmaf(rs[i], q1, rz[i]));
+      for (int i = 0; i < B_LOADS; ++i) {
+        const int idx = tid + i * GEMM_THREADS, n = idx / CPR, ch = idx % CPR;
+        *reinterpret_cast<uint4*>(Bs + n * GEMM_LDS + ch * VALS) = rb[i];
       }
-      uint4* dst = reinterpret_cast<uint4*>(Bs + n * GEMM_LDS + ch * VALS);
+    } else {
+      constexpr uint32_t mask = (1u << BITS) - 1u;
 #pragma unroll
-      for (int v = 0; v < VALS / 8; ++v)
-        dst[v] = make_uint4(packed[4 * v], packed[4 * v + 1], packed[4 * v + 2], packed[4 * v + 3]);
+      for (int i = 0; i < B_LOADS; ++i) {
+        const int idx = tid + i * GEMM_THREADS, n = idx / CPR, ch = idx % CPR;
+        uint32_t packed[VALS / 2];  // VALS bf16 values, two per word
+#pragma unroll
+        for (int j = 0; j < VALS; j += 2) {
+          const uint32_t w = (j * BITS / 32 == 0)   ? rb[i].x
+                             : (j * BITS / 32 == 1) ? rb[i].y
+                             : (j * BITS / 32 == 2) ? rb[i].z
+                                                    : rb[i].w;
+          const int s = (j * BITS) % 32;
+          const float q0 = float((w >> s) & mask), q1 = float((w >> (s + BITS)) & mask);
+          packed[j / 2] = pack_bf16x2(fmaf(rs[i], q0, rz[i]), fmaf(rs[i], q1, rz[i]));
+        }
+        uint4* dst = reinterpret_cast<uint4*>(Bs + n * GEMM_LDS + ch * VALS);
+#pragma unroll
+        for (int v = 0; v < VALS / 8; ++v)
+          dst[v] = make_uint4(packed[4 * v], packed[4 * v + 1], packed[4 * v + 2], packed[4 * v + 3]);
+      }
     }
   };
 

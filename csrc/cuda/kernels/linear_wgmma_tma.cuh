@@ -1,9 +1,11 @@
 // Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4-bit MLX-affine weights:
 //   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
-//   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE).
+//   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE), or (GATED) the gate and
+//   up products of a SwiGLU at once: y[r, o] = row_scale[r] * silu(G[r, o]) * U[r, o], stored as F32 y
+//   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
-// product); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
+// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
 // BM = the map's tile_rows, 64 or 128).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
@@ -15,8 +17,10 @@
 // The product is computed transposed, D[o, r] = W[o, :] . X[r, :], so that the weights are the wgmma A
 // operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64 or
 // 128): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
-// Tile: BN = 256 outputs x BM rows, k-tiles of 64. Consumer warpgroup cw owns outputs [cw*128, +128) of
-// the tile as two m64 blocks; each thread holds 2 x BM/2 fp32 accumulators.
+// Tile: 256 weight rows x BM rows, k-tiles of 64. Consumer warpgroup cw owns weight rows [cw*128, +128)
+// of the tile as two m64 blocks; each thread holds 2 x BM/2 fp32 accumulators. The weight rows are 256
+// outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix:
+// warpgroup 0 accumulates G and warpgroup 1 U of the same 128 outputs.
 //   A (weights) from registers: each thread dequantizes its own fragment straight from the packed words
 //     (w = scale*q + bias rounded once to bf16: q is exact as bf16 0x4300|q minus 128, then one bf16x2
 //     fma with the bf16 scale and bias; wg_dequant_pair). No dequantized weight goes to memory.
@@ -35,7 +39,10 @@
 // Precision: bf16 operands (w rounded once, x rounded once, round to nearest even), fp32 accumulation in
 //   a fixed order (k-tiles ascending, 4 k16 steps each): ~1e-3 relative to the fp32 product,
 //   deterministic, bit-identical to the retired one-kernel wgmma GEMM (benchmarks/gemm_lab_wgmma.cuh,
-//   same operands and wgmma sequence; checked on the H200 by benchmarks/gemm_lab.sh).
+//   same operands and wgmma sequence; checked on the H200 by benchmarks/gemm_lab.sh). GATED computes
+//   every G and U value with the same operands and wgmma sequence as the plain gate and up products
+//   (an output row sits at the same row of the same m64 block: tiles start at multiples of 128) and
+//   the SwiGLU with store_output's expression: bit-identical to the two products (gemm_lab checks).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
@@ -48,8 +55,7 @@ namespace lily::cuda {
 
 constexpr int WG_BN = 256, WG_BK = 64;
 
-// Physical k (0..63 inside a k-tile) at logical position lk of the operands; host and device.
-__host__ __device__ constexpr int wg_phys_k(int lk) { return (lk & ~7) | ((lk >> 1) & 3) | ((lk & 1) << 2); }
+// wg_phys_k, wg_xb_pos (the k permutation of Xb) and the bf16 rounding: xb_layout.cuh.
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
@@ -61,15 +67,19 @@ constexpr int WGX_THREADS = 256;
 
 // The GEMM's CTA: 1 producer + 2 consumer warpgroups. Shared memory: 1024 B alignment slack, a ring of
 // tma_stages(BM) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x 32 B], then the
-// full[S] and empty[S] mbarriers.
+// full[S] and empty[S] mbarriers, then (GATED) the epilogue's exchange area of tma_xchg_bytes(BM):
+// 2 x 128 threads x BM/2 fp32 (BM 128: 64 KB, 209 KB in all; BM 64: 161 KB).
 constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 constexpr int TMA_W_BYTES = WG_BN * WG_BK / 2;
 __host__ __device__ constexpr int tma_stages(int bm) { return bm == 128 ? 6 : 8; }
 __host__ __device__ constexpr int tma_stage_bytes(int bm) { return bm * WG_BK * 2 + TMA_W_BYTES; }
-__host__ __device__ constexpr int tma_smem_bytes(int bm) {
-  return 1024 + tma_stages(bm) * tma_stage_bytes(bm) + 2 * tma_stages(bm) * 8;
+__host__ __device__ constexpr int tma_xchg_bytes(int bm) { return 2 * 128 * (bm / 2) * 4; }
+__host__ __device__ constexpr int tma_smem_bytes(int bm, bool gated = false) {
+  return 1024 + tma_stages(bm) * tma_stage_bytes(bm) + 2 * tma_stages(bm) * 8 + (gated ? tma_xchg_bytes(bm) : 0);
 }
+static_assert(tma_smem_bytes(128, true) <= 227 * 1024 && tma_smem_bytes(64, true) <= 227 * 1024,
+              "the GATED ring and exchange area exceed the 227 KB opt-in shared memory");
 
 #ifdef __CUDACC__
 
@@ -99,29 +109,28 @@ struct WgScalesP {
   uint32_t sb[2][2][GS32 ? 2 : 1];
 };
 
-// Scale/bias index of one thread's weight rows o(b, h) = n0 + rbase + b*64 + 8h at group 0 of the tile's
+// Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + b*64 + 8h at group 0 of the tile's
 // expert, set once per tile (rows past N read row N - 1: computed, never stored). 32 bits: the host
 // keeps the scale tensor below 2^32 elements, so a k-tile's index is one 32-bit add and its address one
 // IMAD.WIDE from the kernel's scales/biases pointers.
 __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const WeightView& w, int64_t expert, int64_t n0,
-                                              int rbase) {
+                                              int orow) {
   const int64_t N = w.rows, gpr = w.cols / w.group_size;
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t o = n0 + rbase + b * 64 + 8 * h;
+      const int64_t o = n0 + orow + b * 64 + 8 * h;
       row[b][h] = uint32_t((expert * N + (o < N ? o : N - 1)) * gpr);
     }
 }
 
-// Loads the packed scales/biases of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a
-// shift (gshift = log2 group_size: the host takes only power-of-two groups to this kernel).
+// Loads the packed scales/biases (sc, bi: the thread's matrix) of k-tile kt: group (kt*64 + half*32) /
+// group_size of each row, as a shift (gshift = log2 group_size: the host takes only power-of-two groups
+// to this kernel).
 template <bool GS32>
-__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const WeightView& w, const uint32_t (&row)[2][2],
-                                               int gshift, int kt) {
-  const uint16_t* sc = static_cast<const uint16_t*>(w.scales);
-  const uint16_t* bi = static_cast<const uint16_t*>(w.biases);
+__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_t* sc, const uint16_t* bi,
+                                               const uint32_t (&row)[2][2], int gshift, int kt) {
 #pragma unroll
   for (int half = 0; half < (GS32 ? 2 : 1); ++half) {
     const uint32_t g = uint32_t(kt * WG_BK + half * 32) >> gshift;
@@ -241,6 +250,72 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
   }
 }
 
+// GATED epilogue of consumer warpgroup cw: warpgroups 0 and 1 hold G and U of the same outputs,
+// acc[b][4j + 2h + e] of consumer threads t and t + 128 both at o = n0 + orow + b*64 + 8h
+// (orow = 16*w4 + g), r = 8j + 2c + e. Each warpgroup finishes block b = cw: it sends its other block
+// acc[1 - cw] to the partner through its half of the exchange area xchg ([2 senders][BM/8 quads][128
+// threads][4 fp32]: quad j = acc[b][4j..4j+3], one conflict-free 16-byte store or load a thread), then
+// stores y = row_scale * silu(G) * U for its block with store_output's expression. Named barrier 1
+// over the 256 consumers: before the sends (the partner has read the previous tile's block) and
+// between the sends and the reads. Row group j's partner quad and 2 row scales are loaded before group
+// j-1 is computed and stored, as in wg_store_tile. With a.yb (the output as the next product's Xb) each
+// value goes there instead, as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32
+// value rounded as wgx_bf16_kernel rounds it (a 2-byte store; the 8 lanes of one c fill a row's 16-byte
+// chunk). a.yb is uniform: a branch on it is not a branch on cw. The warpgroups' roles are selects on cw, not
+// branches: a branch on cw here (an if/else join in the tile loop) costs the k-tile loop its uniform
+// datapath, ~25 instructions a k-tile (SASS).
+template <int BM>
+__device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
+                                               int cw, uint32_t xchg, int t, const float (&acc)[2][BM / 2]) {
+  constexpr uint32_t HALF = tma_xchg_bytes(BM) / 2, QUAD = 128 * 16;
+  const uint32_t send = xchg + cw * HALF + 16 * t, recv = xchg + (1 - cw) * HALF + 16 * t;
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    float v[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = cw ? acc[0][4 * j + m] : acc[1][4 * j + m];
+    st_shared_v4(send + j * QUAD, v[0], v[1], v[2], v[3]);
+  }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  const int64_t o0 = n0 + orow + cw * 64;
+  bool col[2];  // output o0 + 8h is a real row of the matrices
+#pragma unroll
+  for (int h = 0; h < 2; ++h) col[h] = o0 + 8 * h < a.w.rows;
+  uint4 other[2];  // [group parity]: the partner's quad
+  float rs[2][2];  // [group parity][e]
+  auto load = [&](int j) {
+    other[j & 1] = ld_shared_v4(recv + j * QUAD);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 8 * j + 2 * c + e;
+      rs[j & 1][e] = r < tile.rows && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
+    }
+  };
+  load(0);
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    if (j + 1 < BM / 8) load(j + 1);
+    const uint4 q = other[j & 1];
+    const float part[4] = {__uint_as_float(q.x), __uint_as_float(q.y), __uint_as_float(q.z), __uint_as_float(q.w)};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 8 * j + 2 * c + e;
+      if (r >= tile.rows) continue;
+      float* y = a.y + (tile.row0 + r) * a.ldy + o0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * h + e;
+        const float g = cw ? part[i] : acc[0][4 * j + i], u = cw ? acc[1][4 * j + i] : part[i];
+        if (!col[h]) continue;
+        const float v = rs[j & 1][e] * silu(g) * u;
+        if (a.yb) a.yb[(tile.row0 + r) * a.w.rows + wg_xb_pos(o0 + 8 * h)] = wg_bf16(v);
+        else y[8 * h] = v;
+      }
+    }
+  }
+}
+
 // Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
 // partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][ct][BM], fence, count the
 // unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
@@ -283,27 +358,35 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT>: Y = W . X^T over 256-output x BM-row tiles, persistent.
+// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED>: Y = W . X^T over 256-output x BM-row tiles
+// (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T), persistent.
 // Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
 // last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
+// Column tiles: ceil(N / 256), GATED ceil(N / 128) (no split-K).
 // Shared memory: a ring of S = tma_stages(BM) stages, each [Xb tile BM x 64 bf16, 128B-swizzled as TMA
-// SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
+// SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers,
+// then (GATED) the exchange area (wg_store_gated).
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
-//   !GATHER: one thread arms full[s] with the stage's bytes and issues two TMA loads: W box {8 words,
-//            256 rows, 1 expert} of tmap_w (3-D [E][N][K/8] U32; rows >= N read as zero) and Xb box
-//            {64, BM} of tmap_x (2-D [rows][K] bf16) at row tile.row0 (rows past the end read zero;
-//            rows of the next expert in a MoE tile are read and never stored).
-//   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA; all 128
-//            threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async into the
-//            swizzled positions; a thread arrives on full[s] once its copies of that stage have landed
-//            (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts 1 + 128.
+//   !GATHER: one thread arms full[s] with the stage's bytes and issues the W and Xb TMA loads: W box
+//            {8 words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K/8] U32; rows >= N read as zero) or
+//            (GATED) box {8, 128, 1} of tmap_w into W rows 0-127 and the same rows of tmap_u (the up
+//            matrix, the same shape) into rows 128-255, and Xb box {64, BM} of tmap_x (2-D [rows][K]
+//            bf16) at row tile.row0 (rows past the end read zero; rows of the next expert in a MoE tile
+//            are read and never stored).
+//   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA(s);
+//            all 128 threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async
+//            into the swizzled positions; a thread arrives on full[s] once its copies of that stage
+//            have landed (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts
+//            1 + 128.
 //            Deadlock-free because the lag (3) is below the stage count.
-// Warpgroups 1, 2 = consumers (setmaxnreg 232), outputs [cw*128, +128) of the tile as two m64 blocks,
-//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h), lane%4 = c. Per k-tile: wait full[s]; for
+// Warpgroups 1, 2 = consumers (setmaxnreg 232), weight rows [cw*128, +128) of the tile as two m64 blocks,
+//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + orow
+//   (+ b*64 + 8h) of its matrix, orow = rbase (GATED: 16*w4 + g; scales and biases of W for warpgroup 0,
+//   of the up matrix for warpgroup 1). Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
 //   into its own register set (scales/biases from global, one k-tile ahead: per-tile 32-bit row
 //   indices plus the k-tile's group, a shift), queue its 4 wgmmas on B = the stage's Xb tile, retire
@@ -312,15 +395,17 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   carried from k-tile to k-tile, all 32-bit shared addresses. SASS at BM = 128: ~233 instructions
 //   per k-tile per thread, 128 of them the dequantization (4 per bf16 pair); two consumer warps per
 //   scheduler: ~470 issue slots against ~1,024 cycles of wgmma (docs/perf-notes.md, 2026-12-01).
-//   Epilogue straight from the accumulators (store_output's arithmetic) while the producer already
-//   fills the ring with the next tile.
+//   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, the two
+//   warpgroups exchange half their accumulators through shared memory) while the producer already
+//   fills the ring with the next tile (the exchange area is outside the ring).
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
 // consumers 232, producer 40; no spills (ptxas -v).
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false>
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
-                            const __grid_constant__ CUtensorMap tmap_w) {
-  constexpr int S = tma_stages(BM);
+                            const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_u) {
+  static_assert(!(GATED && SPLIT), "a gated product has no split-K");
+  constexpr int S = tma_stages(BM), BN = GATED ? WG_BN / 2 : WG_BN;  // BN: outputs per column tile
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM);
   pdl_wait();
   pdl_trigger();
@@ -342,13 +427,22 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 
   const int64_t N = a.w.rows, K = a.w.cols;
   const int nk = int(K / WG_BK);
-  const int64_t col_tiles = (N + WG_BN - 1) / WG_BN;
+  const int64_t col_tiles = (N + BN - 1) / BN;
   const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
   const int64_t total = row_tiles * col_tiles;
   // work units: tile t = u / splits, k-tiles [split_begin(u % splits), split_begin(u % splits + 1))
   const int splits = SPLIT ? a.k_splits : 1;  // SPLIT instances only for dense products (host)
   const int64_t units = total * splits;
   auto split_begin = [&](int sp) { return int(int64_t(sp) * nk / splits); };
+  // the W rows of k-tile kt of column tile n0 into stage st, counted on mbarrier bar
+  auto load_w = [&](uint32_t st, uint32_t bar, int kt, int n0, int expert) {
+    if constexpr (GATED) {
+      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * 8, n0, expert);
+      tma_load_3d(st + XBYTES + TMA_W_BYTES / 2, &tmap_u, bar, kt * 8, n0, expert);
+    } else {
+      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * 8, n0, expert);
+    }
+  };
 
   if (warp < 4) {  // ---------------- producer warpgroup ----------------
     setmaxnreg_dec<TMA_PRODUCER_REGS>();
@@ -359,13 +453,13 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         const int64_t t = u / splits;
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * WG_BN;
+        const int n0 = int(t / row_tiles) * BN;
         const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
         for (int kt = kb; kt < ke; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
           mbar_arrive_expect_tx(full(s), STAGE);
-          tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * 8, n0, int(tile.expert));
+          load_w(st, full(s), kt, n0, int(tile.expert));
           tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
           if (++s == S) s = 0, ph ^= 1;
         }
@@ -379,7 +473,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {  // GATHER: splits == 1
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * WG_BN;
+        const int n0 = int(t / row_tiles) * BN;
         // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
         // 64-bit pointers would not fit the producer's 40 registers at BM = 128)
         uint32_t src[PER];
@@ -393,7 +487,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
           const uint32_t st = ring_s + s * STAGE;
           if (tid == 0) {
             mbar_arrive_expect_tx(full(s), STAGE - XBYTES);
-            tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * 8, n0, int(tile.expert));
+            load_w(st, full(s), kt, n0, int(tile.expert));
           }
 #pragma unroll
           for (int i = 0; i < PER; ++i) {
@@ -426,8 +520,12 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // ---------------- consumer warpgroups ----------------
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = cw * 128 + w4 * 16 + g;
+  const int rbase = cw * 128 + w4 * 16 + g, orow = GATED ? rbase - cw * 128 : rbase;
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
+  const uint32_t xchg = bars + 16 * S;  // GATED: the exchange area, after the mbarriers
+  const bool up = GATED && cw == 1;  // this warpgroup's matrix is a.up (its scales and biases)
+  const uint16_t* sc = static_cast<const uint16_t*>(up ? a.up.scales : a.w.scales);
+  const uint16_t* bi = static_cast<const uint16_t*>(up ? a.up.biases : a.w.biases);
   // The ring position, carried from k-tile to k-tile: stage s and its parity, the stage's Xb tile (xs),
   // this thread's W row in it (ws), full[s] (fb) and the previous k-tile's empty[] (eb_prev). Computed
   // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
@@ -437,7 +535,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     const int64_t t = u / splits;
     Tile tile;
     if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-    const int64_t n0 = (t / row_tiles) * WG_BN;
+    const int64_t n0 = (t / row_tiles) * BN;
     const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
     float acc[2][BM / 2];
 #pragma unroll
@@ -446,16 +544,16 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     uint32_t rows[2][2];
-    wg_scale_rows(rows, a.w, tile.expert, n0, rbase);
+    wg_scale_rows(rows, a.w, tile.expert, n0, orow);
     WgScalesP<GS32> cur, nxt;
-    wg_load_scales(nxt, a.w, rows, gshift, kb);
+    wg_load_scales(nxt, sc, bi, rows, gshift, kb);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales(nxt, a.w, rows, gshift, kt + 1);
+      if (kt + 1 < ke) wg_load_scales(nxt, sc, bi, rows, gshift, kt + 1);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
       wg_dequant_half<0>(ws, c, cur, H0);
@@ -476,7 +574,9 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(eb_prev);
-    if (splits == 1) {
+    if constexpr (GATED) {
+      wg_store_gated<BM>(a, tile, n0, orow, c, cw, xchg, ct & 127, acc);
+    } else if (splits == 1) {
       wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
     } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {
       wg_store_tile<BM>(a, tile, n0, rbase, c, acc);

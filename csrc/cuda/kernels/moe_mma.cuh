@@ -6,10 +6,13 @@
 //                 up) row pairs, A rows 0-7 the gate rows and 8-15 the up rows of the same i, so one
 //                 finished tile holds both products of each pair. Slot s < K is expert topk_id[t, s],
 //                 s == K the shared expert (w = sigmoid gate); pair p = s * I + i, shared pairs last.
+//                 NORM_IN (ops::moe_rms_normed_add): h[t] = rms_norm(x[t]) * w, each CTA normalising the
+//                 residual row x[t] while it stages it (gemv_mma.cuh, mma_stage_normed_x).
 //   moe_down_mma: out[t, o] = sum_s D_s[o, :] . act[t, s, :] as one GEMV over a virtual row of
 //                 K*I + Is values (the K+1 act rows back to back; segment v of row o reads expert
-//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); with a tail
-//                 (ops::moe_add_rms_norm) out[t, o] += it and the last CTA writes the next RMSNorm.
+//                 topk_id[t, v / (I/VALS)]'s row o, the shared expert's past K*I values); accumulating
+//                 (ops::moe_add) out[t, o] += it, and with a tail (ops::moe_add_rms_norm, T = 1) the last
+//                 CTA then writes the next RMSNorm.
 #pragma once
 #include "gemv_mma.cuh"
 #include "moe_decode.cuh"
@@ -19,15 +22,17 @@ namespace lily::cuda {
 struct MoeMmaParams {
   AffineStack gate, up, shared_gate, shared_up;  // [E, I, H], [1, Is, H]
   AffineStack down, shared_down;                 // [E, H, I], [1, H, Is]
-  const float* h;                                // [T, H] F32, 16-byte aligned
+  const float* h;                                // [T, H] F32, 16-byte aligned (NORM_IN: the residual rows)
   const int32_t* topk_id;                        // [T, K]
   const float* topk_w;                           // [T, K]
   const float* shared_w;                         // [T] sigmoid of the shared expert gate
   float* act;                                    // [T, K+1, ld] F32, 16-byte aligned rows
   float* out;                                    // [T, H]
   int K, ld, group_shift, ks_up, ks_down;
-  NormTail tail;  // tail.done != nullptr (T = 1): out += the product (out is the residual row), then
-                  // tail.y = rms_norm(out) * tail.w by moe_down_mma's last CTA
+  bool accumulate;  // out += the product (out is the residual stream), else out = it
+  NormTail tail;    // tail.done != nullptr (T = 1, accumulate): then tail.y = rms_norm(out) * tail.w by
+                    // moe_down_mma's last CTA
+  NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (mma_stage_normed_x)
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -104,7 +109,7 @@ struct MmaMoeDownRows {
     const int o = tile * 16 + r;
     if (o >= p.down.rows) return;
     float* y = p.out + int64_t(t) * p.down.rows + o;
-    *y = p.tail.done != nullptr ? *y + row_sum(r) : row_sum(r);
+    *y = p.accumulate ? *y + row_sum(r) : row_sum(r);
   }
 };
 
@@ -129,8 +134,9 @@ __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaM
   __syncthreads();
 }
 
-// Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB).
-template <int BITS, int NG>
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(H, VB). NORM_IN: its own instance (the plain one's
+// code is untouched), launched with the plain one's plan.
+template <int BITS, int NG, bool NORM_IN = false>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
@@ -143,7 +149,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
-    mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
+    if constexpr (NORM_IN) mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {});  // waited in ids_in
+    else mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
     __syncthreads();
   };
   mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);

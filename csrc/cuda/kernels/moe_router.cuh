@@ -19,10 +19,19 @@
 // distance 16, 8, 4, 2, 1), then the four group sums added to 0 in order (slot_sum). The gate pieces
 // run the first three butterfly levels on their 8 lanes and rank 0 the last two, which is the same
 // tree: after levels 16, 8, 4 the value of chunk j depends on j % 4 only.
+// NORM_IN (ops::moe_rms_normed_add): p.h is the residual row x, and two staging warps (18 warps: registers
+// are granted per 4 warps, so 17 and 18 both get 96 a thread) stage h = rms_norm(x) * w themselves, bit
+// for bit the h of the norm kernels (router_inv_rms: their sum order). Staging warp s loads chunks
+// lane + 32 s and lane + 32 (s + 2) of x and of w, all after the wait in one round trip, exchanges one
+// partial sum a lane octet with the other over shared memory (a named barrier of the 64 staging threads)
+// and stages its chunks as the single staging warp does. ptxas: 96 registers and 32 bytes of spill: the
+// norm's sqrt and division have subroutine slow paths, and across those calls ptxas keeps 8 of the compute
+// warps' decoded values in local memory (stored before the CTA barrier, reloaded after it, L1 hits).
 #pragma once
 #include <cooperative_groups.h>
 
 #include "moe_decode.cuh"
+#include "norms.cuh"
 
 namespace lily::cuda {
 
@@ -31,27 +40,66 @@ constexpr int ROUTER_CHUNKS = ROUTER_COLS / 16;  // 16-byte chunks per row: thre
 constexpr int ROUTER_R = 4;                      // rows per slot (GemvTiling<1>::R)
 constexpr int ROUTER_SLOTS = 4;
 constexpr int ROUTER_ROWS = ROUTER_SLOTS * ROUTER_R;  // 16 router rows per CTA
-constexpr int ROUTER_WARPS = ROUTER_SLOTS * ROUTER_CHUNKS / 32;  // 16 compute warps, then the staging warp
-constexpr int ROUTER_THREADS = (ROUTER_WARPS + 1) * 32;  // 544: one CTA per SM at <= 120 registers
+constexpr int ROUTER_WARPS = ROUTER_SLOTS * ROUTER_CHUNKS / 32;  // 16 compute warps, then the staging warps
+// 544 or (NORM_IN) 576 threads: one CTA per SM at <= 96 registers
+__host__ __device__ constexpr int router_threads(bool norm_in) { return (ROUTER_WARPS + (norm_in ? 2 : 1)) * 32; }
 constexpr int ROUTER_MAX_CTAS = 16;                      // the largest cluster (non-portable)
 constexpr int ROUTER_MAX_EXPERTS = ROUTER_ROWS * ROUTER_MAX_CTAS;  // 256
 constexpr int ROUTER_GATE_PIECES = 16;                             // of 8 chunks: 4 groups x 4 residues
 static_assert(ROUTER_R == GemvTiling<1>::R && ROUTER_CHUNKS == 128, "the logits follow linear_gemv_kernel<8,1>");
+static_assert(norm_threads(ROUTER_COLS) == 256, "router_inv_rms follows rms_norm's 256 threads of a row");
+constexpr int ROUTER_NORM_BARRIER = 1;  // named barrier of the two staging warps (0 is __syncthreads)
 
 struct MoeRouterParams {
   AffineStack router;  // [E, 2048] 8-bit (rows = E)
   AffineStack gate;    // [1, 2048] 8-bit, the shared expert gate
-  const float* h;      // [2048] F32
+  const float* h;      // [2048] F32 (NORM_IN: the residual row x)
   int32_t* topk_id;    // [K]
   float* topk_w;       // [K]
   float* shared_gate;  // [1] sigmoid of the gate logit
   int K;
+  NormIn norm_in;      // NORM_IN: the router's input is rms_norm(x) * norm_in.w [2048]
 };
 
-__global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_router_kernel(const MoeRouterParams p) {
+// 1 / rms of the row x, s = 1 / sqrt(mean x^2 + eps), from the two staging warps' registers in the order
+// of rms_norm's 256 threads (norm_threads(2048)): thread t adds sq4 of float4s t and t + 256, then
+// block_sum. Lane l of staging warp sw holds float4 4 (l + 32 (sw + 2 k)) + f in v[k][f], so norm thread
+// t = 4 l + 128 sw + f has its two terms in v[0][f], v[1][f]. Its warp w = l / 8 + 4 sw spans lanes
+// 8 (l / 8) .. + 7 and f = 0..3 (its lane bits 4, 3, 2 are bits 2, 1, 0 of l, bits 1, 0 are f), so its xor
+// tree is shuffles at 4, 2, 1, then f ^ 2 and f ^ 1 in registers: r_w = (u0 + u2) + (u1 + u3). block_sum's
+// second tree over r_0..r_7 and 24 zeros adds ((r0 + r4) + (r2 + r6)) + ((r1 + r5) + (r3 + r7)) (a zero
+// added leaves a sum of squares unchanged): r_a + r_(a+4) (a = l / 8; r_(a+4) from warp 1 through `part`),
+// then shuffles at 16 and 8. Every lane of both warps gets the same s. tests/emu/norm_post_emu.cu checks
+// this order against the norms' on the CPU.
+__device__ __forceinline__ float router_inv_rms(const float4 (&v)[2][4], int sw, float (&part)[2][4], float eps) {
+  const int lane = int(threadIdx.x) & 31;
+  float u[4];
+#pragma unroll
+  for (int f = 0; f < 4; ++f) {
+    float ss = 0.f;
+    ss += sq4(v[0][f]);
+    ss += sq4(v[1][f]);
+    u[f] = ss;
+  }
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1)
+#pragma unroll
+    for (int f = 0; f < 4; ++f) u[f] += __shfl_xor_sync(0xffffffffu, u[f], o);
+  if (lane % 8 == 0) part[sw][lane / 8] = (u[0] + u[2]) + (u[1] + u[3]);
+  asm volatile("bar.sync %0, 64;" ::"n"(ROUTER_NORM_BARRIER) : "memory");
+  float ss = part[0][lane / 8] + part[1][lane / 8];
+  ss += __shfl_xor_sync(0xffffffffu, ss, 16);
+  ss += __shfl_xor_sync(0xffffffffu, ss, 8);
+  return 1.f / sqrtf(ss / float(ROUTER_COLS) + eps);
+}
+
+template <bool NORM_IN>
+__global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(const MoeRouterParams p) {
   namespace cg = cooperative_groups;
   using S = GemvShape<8>;
+  static_assert(S::F == 4, "router_inv_rms takes 4 float4s a chunk");
   __shared__ float4 xs[ROUTER_CHUNKS * S::F];  // h in GemvShape's swizzled chunks
+  __shared__ float norm_part[2][4];            // NORM_IN: the staging warps' partial sums
   __shared__ float xsum[ROUTER_CHUNKS];
   __shared__ float red[ROUTER_WARPS][ROUTER_R];    // warp sums of the slots
   __shared__ float logits[ROUTER_MAX_EXPERTS];    // rank 0's: the cluster's router logits
@@ -59,7 +107,7 @@ __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_router_kernel(const Moe
   const cg::cluster_group cluster = cg::this_cluster();
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int b = int(cluster.block_rank()), n = int(cluster.num_blocks());
-  const bool stager = warp == ROUTER_WARPS;  // stages h; holds no weights
+  const bool stager = warp == ROUTER_WARPS || (NORM_IN && warp == ROUTER_WARPS + 1);  // stage h; no weights
   const int slot = tid / ROUTER_CHUNKS, q = tid % ROUTER_CHUNKS, E = p.router.rows;
   const int row0 = b * ROUTER_ROWS + slot * ROUTER_R;
   __cluster_barrier_arrive_relaxed();  // paired with the wait before the first store to rank 0
@@ -80,7 +128,31 @@ __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_router_kernel(const Moe
   pdl_wait();
   pdl_trigger();
   float wq[ROUTER_R][S::VALS], ws[ROUTER_R], wb[ROUTER_R];  // the compute warps' weights as floats
-  if (stager) {  // gemv_stage_x's layout and sums, chunks lane + 32j; its loads issue at once
+  if (NORM_IN && stager) {  // h = rms_norm(x) * w; warp sw takes chunks lane + 32 (sw + 2 k), k < 2
+    const int sw = warp - ROUTER_WARPS;
+    float4 v[2][S::F], w[2][S::F];
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int f = 0; f < S::F; ++f) {
+        const int i = (lane + 32 * (sw + 2 * k)) * S::F + f;
+        v[k][f] = reinterpret_cast<const float4*>(p.h)[i];
+        w[k][f] = __ldg(reinterpret_cast<const float4*>(p.norm_in.w) + i);
+      }
+    const float rs = router_inv_rms(v, sw, norm_part, p.norm_in.eps);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int c = lane + 32 * (sw + 2 * k);
+      float s = 0.f;
+#pragma unroll
+      for (int f = 0; f < S::F; ++f) {
+        const float4 h = norm_scale4(v[k][f], rs, w[k][f]);
+        xs[S::slot(c, f)] = h;
+        s += h.x + h.y + h.z + h.w;
+      }
+      xsum[c] = s;
+    }
+  } else if (stager) {  // gemv_stage_x's layout and sums, chunks lane + 32j; its loads issue at once
     float4 v[4][S::F];
 #pragma unroll
     for (int j = 0; j < 4; ++j)

@@ -1,11 +1,14 @@
-// RMSNorm kernels (device code only; launchers in norms.cu).
+// RMSNorm kernels (device code and their thread count, norm_threads; launchers in norms.cu).
 //   rms_norm:        y[r, i] = x[r, i] * s_r * w[i]
 //   gated_rms_norm:  y[r, i] = w[i] * (x[r, i] * s_r) * silu(z[r, i])
 //   with s_r = 1 / sqrt(mean_i x[r, i]^2 + eps).
 // x, z, y [R, D] f32 row-major (y may alias x); w [D] f32.
 // fp32 throughout; matches cpu/norms.cpp up to summation order.
+// gated_rms_norm_xb: y as the prefill GEMM's bf16 X instead (yb [R, D] BF16, xb_layout.cuh): the same F32
+// values, each 8-value block of a row packed as wgx_bf16_kernel packs it (D % 8 == 0, yb 16-byte aligned).
 #pragma once
 #include "common.cuh"
+#include "xb_layout.cuh"
 
 namespace lily::cuda {
 
@@ -16,11 +19,26 @@ struct RmsNormParams {
   float* y;        // [R, D]
   int R, D;
   float eps;
+  uint16_t* yb = nullptr;  // [R, D] BF16 Xb rows instead of y (D % 8 == 0, 16-byte aligned); null: y
 };
 
 constexpr int NORM_WARP_ROWS = 8;  // rows of a block when a warp takes a row
 
+// The threads of a row of D values in rms_norm and add_rms_norm (norms.cu): enough to give each a few
+// float4s, at most 256 (D = 2048 -> 256, D = 128 -> 32). Their summation order is the one that
+// grid_tail_rms_norm and the GEMV's normed input (gemv_mma.cuh, mma_stage_normed_x) reproduce.
+__host__ __device__ constexpr int norm_threads(int64_t D) {
+  return (D + 7) / 8 <= 32 ? 32 : (D + 7) / 8 <= 64 ? 64 : (D + 7) / 8 <= 128 ? 128 : 256;
+}
+
 __device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
+// (x * s) * w as the norm kernels store it: two rounded products (__fmul_rn, so that a consumer that stages
+// the result never contracts a product into an FMA with its own sums, which it could not with h from memory).
+__device__ __forceinline__ float4 norm_scale4(float4 x, float s, float4 w) {
+  return make_float4(__fmul_rn(__fmul_rn(x.x, s), w.x), __fmul_rn(__fmul_rn(x.y, s), w.y),
+                     __fmul_rn(__fmul_rn(x.z, s), w.z), __fmul_rn(__fmul_rn(x.w, s), w.w));
+}
 
 // 1 / rms of row x[0, D) from its nt threads (tid = 0..nt-1): each sums the squares of float4s (VEC4) or
 // floats tid, tid + nt, ... in that order; then warp_sum (WARP: the row's threads are one warp) or
@@ -63,6 +81,34 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
   const int tid = WARP ? int(threadIdx.x & 31) : int(threadIdx.x), nt = WARP ? 32 : int(blockDim.x);
   const int64_t off = row * p.D;
   const float s = row_inv_rms<VEC4, WARP>(p.x + off, p.D, p.eps, tid, nt, red);
+  if (p.yb) {  // Xb: 8 values a thread, pairs (v_c, v_c+4) packed as wgx_bf16_kernel does, one 16-byte store
+    for (int j = tid; j < p.D / 8; j += nt) {
+      const int64_t k = off + 8 * j;
+      float v[8];
+      if constexpr (VEC4) {
+        const float4 xl = *reinterpret_cast<const float4*>(p.x + k), xh = *reinterpret_cast<const float4*>(p.x + k + 4);
+        const float4 wl = *reinterpret_cast<const float4*>(p.w + 8 * j),
+                     wh = *reinterpret_cast<const float4*>(p.w + 8 * j + 4);
+        const float4 zl = *reinterpret_cast<const float4*>(GATED ? p.z + k : p.x + k),
+                     zh = *reinterpret_cast<const float4*>(GATED ? p.z + k + 4 : p.x + k + 4);
+        const float xs[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+        const float ws[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+        const float zs[8] = {zl.x, zl.y, zl.z, zl.w, zh.x, zh.y, zh.z, zh.w};
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = norm_out<GATED>(xs[m], s, ws[m], zs[m]);
+      } else {
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = norm_out<GATED>(p.x[k + m], s, p.w[8 * j + m], GATED ? p.z[k + m] : 0.f);
+      }
+      uint4 q;
+      q.x = wg_pack_bf16x2(v[0], v[4]);
+      q.y = wg_pack_bf16x2(v[1], v[5]);
+      q.z = wg_pack_bf16x2(v[2], v[6]);
+      q.w = wg_pack_bf16x2(v[3], v[7]);
+      *reinterpret_cast<uint4*>(p.yb + k) = q;
+    }
+    return;
+  }
   if constexpr (VEC4) {
     const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
     const float4* w4 = reinterpret_cast<const float4*>(p.w);
@@ -151,6 +197,15 @@ struct NormTail {
 };
 
 constexpr int TAIL_CACHE = 4;
+
+// The RMSNorm that a consumer kernel applies to its input row while staging it, instead of reading an h
+// that a norm kernel or tail wrote: it reads the residual row x and stages h = rms_norm(x) * w in the
+// order above, bit for bit (gemv_mma.cuh's mma_stage_normed_x: linear_rms_normed and moe_up;
+// moe_router.cuh's staging warp). w == nullptr: the row is h itself.
+struct NormIn {
+  const float* w;  // [D]
+  float eps;
+};
 
 __device__ __forceinline__ void grid_tail_rms_norm(const NormTail& n) {
   __shared__ float red[32];

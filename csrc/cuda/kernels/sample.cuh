@@ -238,6 +238,7 @@ __global__ void mark_seen_kernel(const int32_t* ids, int n, int32_t* seen, int V
   if (i < n && ids[i] >= 0 && ids[i] < V) seen[ids[i]] = 1;
 }
 
+// pos += T (T = -1: a discarded decode step, Session::decode_discard).
 __global__ void advance_position_kernel(int32_t* pos, int T) { pos[0] += T; }
 
 }  // namespace lily::cuda

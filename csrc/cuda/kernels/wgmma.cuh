@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "xb_layout.cuh"
 
 namespace lily::cuda {
 
@@ -25,6 +26,10 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
   return v;
 }
 
+__device__ __forceinline__ void st_shared_v4(uint32_t saddr, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
 // 16-byte cp.async (L2 only); src_bytes 0 fills the chunk with zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -38,11 +43,6 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-__device__ __forceinline__ uint32_t wg_pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Shared-memory matrix descriptor: K-major, SWIZZLE_128B, 8-row groups 1024 B apart (SBO), LBO unused (1).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {

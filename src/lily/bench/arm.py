@@ -11,8 +11,10 @@ Timed arm: the contract's prompt of N tokens; an exact-shape warm-up (a prefill 
 tokens and a few decode steps, which also captures lily's CUDA decode graph); then one measured
 prefill ending when the first generated token is on the host, and exactly --decode greedy steps.
 prefill tok/s = N / prefill seconds; decode tok/s = decode steps / decode seconds.
-lily: `Session._core.prefill_sample(ids)` then `decode_sample(-1)` per step (the sampled id stays on
-the device and is fed back there; each call returns the new id to the host). MLX-LM: see mlx_arm.py.
+lily: `Session._core.prefill_sample(ids)`, then the steps as `Model.generate` runs them (pipelined,
+docs/generation.md): each step is launched before the previous id has reached the host
+(`decode_launch(-1)` ahead of `sampled()`), the sampled id stays on the device and is fed back there,
+and every id is read on the host. MLX-LM: see mlx_arm.py.
 
 Logits mode: teacher-forced logits [T-1, V] float32 of the first T-1 tokens of the contract's
 prompt of --tokens T tokens (position i predicts token i+1), saved as .npy.
@@ -45,6 +47,20 @@ def device_used_bytes() -> int | None:
         return None
 
 
+def lily_decode(core, steps: int) -> list[int]:
+    """`steps` greedy ids after prefill_sample, pipelined as generate.py runs them: the step that feeds
+    an id is queued before the id reaches the host, so the device never waits for the host's read."""
+    out = []
+    if steps:
+        core.decode_launch(-1)
+    for i in range(steps):
+        core.sample_launch()
+        if i + 1 < steps:
+            core.decode_launch(-1)
+        out.append(int(core.sampled()))
+    return out
+
+
 def lily_timed(model_path: str, ids: np.ndarray, decode: int, device: str, warmup_decode: int) -> dict:
     import lily
 
@@ -65,8 +81,7 @@ def lily_timed(model_path: str, ids: np.ndarray, decode: int, device: str, warmu
     t0 = time.perf_counter()
     tokens = [int(core.prefill_sample(ids))]
     t1 = time.perf_counter()
-    for _ in range(decode):
-        tokens.append(int(core.decode_sample(-1)))
+    tokens += lily_decode(core, decode)
     t2 = time.perf_counter()
     return {"load_s": load_s, "warmup_s": warmup_s, "prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": tokens,
             "device": model.device, "graph_nodes": int(core.decode_graph_nodes),

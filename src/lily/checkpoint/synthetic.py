@@ -353,7 +353,7 @@ def make_checkpoint(
     shard_size: int = DEFAULT_SHARD_SIZE,
     direct_codes: bool | None = None,
     workers: int | None = None,
-    vision: bool = False,
+    vision: bool | Mapping = False,
 ) -> Path:
     """Write a random checkpoint into directory `path` and return it.
 
@@ -362,7 +362,8 @@ def make_checkpoint(
     directly instead of quantizing floats; default when the model has more than 1e9 weights.
     Shards of at most `shard_size` bytes, with model.safetensors.index.json when there are several.
     vision: add the preset's vision tower (`VISION_CONFIGS`; "tiny" for a config file or dict) to
-    config.json and its weights (bf16, `model.visual.*`, also in the MLX layout, as `lily convert` writes).
+    config.json and its weights (bf16, `model.visual.*`, also in the MLX layout, as `lily convert` writes);
+    a mapping adds that tower with these keys replaced (e.g. {"depth": 3, "hidden_size": 1152, ...}).
     """
     if layout not in ("mlx", "hf"):
         raise ValueError(f"layout {layout!r} is not 'mlx' or 'hf'")
@@ -370,9 +371,10 @@ def make_checkpoint(
         raise ValueError("direct_codes applies to the quantized MLX layout only")
     text_config = resolve_text_config(config, num_layers)
     vision_config = None
-    if vision:
+    if vision or isinstance(vision, Mapping):
         preset = str(config) if isinstance(config, (str, os.PathLike)) and str(config) in VISION_CONFIGS else "tiny"
-        vision_config = {**VISION_CONFIGS[preset], "out_hidden_size": text_config["hidden_size"]}
+        overrides = dict(vision) if isinstance(vision, Mapping) else {}
+        vision_config = {**VISION_CONFIGS[preset], **overrides, "out_hidden_size": text_config["hidden_size"]}
     path = Path(path)
     vision = vision_tensors(text_config, vision_config, seed) if vision_config is not None else {}
     if layout == "hf":

@@ -708,10 +708,6 @@ def _read_images(s: Server, messages: list[dict], pixels: tuple[int | None, int 
         raise bad_request(f"the model '{s.model_name}' has no vision tower, so it cannot read images (send text "
                           f"only, or serve a checkpoint with a vision_config and model.visual.* weights)", "messages",
                           "images_unsupported")
-    if s.model.device != "cpu":
-        raise bad_request(f"images need device cpu for now: this server runs the model on {s.model.device}, where "
-                          f"images are not implemented yet (serve with --device cpu to read images)", "messages",
-                          "images_unsupported")
     try:
         lo, hi = (p if p is not None else d for p, d in zip(pixels, s.image_pixels))
         try:
