@@ -53,17 +53,27 @@ std::shared_ptr<Snapshot> Snapshot::blank(const Engine& engine, int64_t position
   auto snap = std::make_shared<Snapshot>();
   snap->engine = &engine;
   snap->position = position;
+  constexpr size_t ALIGN = 256;  // every part starts 256-byte aligned, as a device allocation would
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const Part& p : parts) {
+    offsets.push_back(total);
+    LILY_CHECK(!__builtin_add_overflow(total, (p.nbytes + ALIGN - 1) / ALIGN * ALIGN, &total),
+               "snapshot size overflows");
+  }
+  snap->storage = Buffer(engine.device(), total);
   const ModelConfig& c = engine.config();
-  const Device d = engine.device();
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     LayerState st;
-    const Part &a = parts[2 * size_t(l)], &b = parts[2 * size_t(l) + 1];
+    const size_t i = 2 * size_t(l);
+    Buffer a = Buffer::view(snap->storage, offsets[i], parts[i].nbytes),
+           b = Buffer::view(snap->storage, offsets[i + 1], parts[i + 1].nbytes);
     if (c.is_full_attention[l]) {
-      st.k = Buffer(d, a.nbytes);
-      st.v = Buffer(d, b.nbytes);
+      st.k = std::move(a);
+      st.v = std::move(b);
     } else {
-      st.conv = Buffer(d, a.nbytes);
-      st.recurrent = Buffer(d, b.nbytes);
+      st.conv = std::move(a);
+      st.recurrent = std::move(b);
     }
     snap->layers.push_back(std::move(st));
   }
@@ -389,26 +399,18 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
 }
 
 std::shared_ptr<Snapshot> Session::snapshot() const {
-  auto snap = std::make_shared<Snapshot>();
-  snap->engine = engine_.get();
-  snap->position = position_;
+  auto snap = Snapshot::blank(*engine_, position_);
   snap->rope_delta = rope_delta_;
-  const int64_t kv_row = int64_t(engine_->config().kv_dim()) * (engine_->device() == Device::CPU ? 4 : 2);
-  for (const LayerState& st : layers_) {
-    LayerState c;
-    auto copy = [](const Buffer& src, size_t n) {
-      Buffer b(src.device(), n);
-      b.copy_from(src, n);
-      return b;
-    };
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& st = layers_[l];
+    LayerState& c = snap->layers[l];
     if (st.recurrent.nbytes()) {
-      c.conv = copy(st.conv, st.conv.nbytes());
-      c.recurrent = copy(st.recurrent, st.recurrent.nbytes());
+      c.conv.copy_from(st.conv, c.conv.nbytes());
+      c.recurrent.copy_from(st.recurrent, c.recurrent.nbytes());
     } else {
-      c.k = copy(st.k, size_t(position_ * kv_row));
-      c.v = copy(st.v, size_t(position_ * kv_row));
+      c.k.copy_from(st.k, c.k.nbytes());
+      c.v.copy_from(st.v, c.v.nbytes());
     }
-    snap->layers.push_back(std::move(c));
   }
   return snap;
 }
