@@ -27,10 +27,11 @@ host_build() {
 }
 
 # A hash of the sources a build of tree DIR compiles and packages (csrc, src, CMakeLists.txt,
-# pyproject.toml): benchmarks/prebuild.sh stores it beside the wheel it builds.
+# pyproject.toml): benchmarks/prebuild.sh stores it beside the wheel it builds. The file order is
+# C-locale (the host's and this machine's locales differ).
 host_source_hash() {
   (cd "$1" && find csrc src CMakeLists.txt pyproject.toml -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
-     | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+     | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 
 # Install tree DIR's prebuilt wheel (DIR/.prebuilt, benchmarks/prebuild.sh) into the host's python, or

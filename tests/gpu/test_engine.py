@@ -95,7 +95,7 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, 12).tolist()
     prof = m.new_session()
     prof._core.set_sampler()
-    dec = prof._core.profile(ids[:4], 2)["decode"]
+    dec = prof._core.profile(np.asarray(ids[:4], np.int32), 2)["decode"]
     assert dec["attn.linear_rms_normed"][1] + dec["gdn.linear_rms_normed"][1] == 2 * L  # the fold is on
     assert dec["attn.linear_add"][1] + dec["gdn.linear_add"][1] == 2 * L
     assert dec["moe_rms_normed_add"][1] == 2 * L
