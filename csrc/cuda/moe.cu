@@ -431,9 +431,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   // 64 rows as a 64-row tile of map 2, run by a second launch of each product (moe_tile_counts)
   const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
   const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS, tail_rows = wide ? LINEAR_TILE_ROWS : 0;
-  MoeScatterParams sp{r.topk_id,     r.topk_w,      r.chunk_count, r.topk_row, r.row_end, r.row_token,
-                      r.row_weight,  r.tile_expert, r.tile_row0,   r.tail_expert, r.tail_row0, r.num_tiles,
-                      int(T), int(E), top_k, tile_rows, tail_rows};
+  MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
+                      r.tile_expert, r.tile_row0, r.tail_expert, r.tail_row0, r.num_tiles, int(T), int(E), top_k,
+                      tile_rows, tail_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 

@@ -160,9 +160,10 @@ struct MoeScatterParams {
   int T, E, K, tile_rows, tail_rows;
 };
 
-// Writes expert e's tiles (rows [start, start + n), moe_tile_counts(n, ...) = t, linear_common.cuh): map-1 tiles at index
-// tile.. of tile_expert / tile_row0, starting at start + i * tile_rows; its tail (t.tail == 1) at index
-// tail of tail_expert / tail_row0, starting at start + t.wide * tile_rows (the rows after its whole tiles).
+// Writes expert e's tiles (rows [start, start + n), t = moe_tile_counts(n, ...) of linear_common.cuh):
+// map-1 tiles at index tile.. of tile_expert / tile_row0, starting at start + i * tile_rows; its tail
+// (t.tail == 1) at index tail of tail_expert / tail_row0, starting at start + t.wide * tile_rows (the
+// rows after its whole tiles).
 __host__ __device__ inline void moe_write_tiles(const MoeScatterParams& p, int e, int start, MoeExpertTiles t,
                                                 int tile, int tail) {
   for (int i = 0; i < t.wide; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
