@@ -10,7 +10,10 @@
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = GEMM_LAB_T (default 2048) and
 // its MoE grouped products (T tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row
 // tiles built like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up;
-// the "128-row tiles" rows give the tma kernel a map of 128-row tiles, the references keep 64).
+// the "128-row tiles" rows give the tma kernel a map of 128-row tiles, the references keep 64; the
+// "128 + 64-row tails" rows give it moe.cu's map with tails: each expert's remainder of up to 64 rows as a
+// 64-row tile of a second map, run by a second launch at BM 64 (moe_tile_counts); timed at T = 2048 and
+// 4096 next to the plain 128-row map, both launches in the time).
 // Timing: per kernel, 15 batches of R launches between CUDA events after a warm-up; us = median batch / R.
 // Launch i reads weight copy i % copies (dense: copies >= 160 MB together, L2 is 50-60 MB; MoE: one
 // 128 MB+ stack), so the first touch of a weight comes from HBM. TFLOP/s = 2*M*N*K / time, M = product rows.
@@ -154,9 +157,12 @@ struct Problem {
   float *dx = nullptr, *dy = nullptr, *dy_old = nullptr, *drs = nullptr;
   int32_t *dx_rows = nullptr, *dte = nullptr, *dtr = nullptr, *dre = nullptr, *dnt = nullptr;
   int32_t *dte128 = nullptr, *dtr128 = nullptr, *dnt128 = nullptr;  // grouped, tma_rows 128: the tma kernel's map
+  int32_t *dte_tail = nullptr, *dtr_tail = nullptr, *dnt_tail = nullptr;  // tails: map 2 (64-row tail tiles)
   int64_t max_tiles64 = 0;  // grid of 64-row tiles
+  int64_t max_tails = 0;    // tails: grid of map 2
   int tma_rows = 64;        // grouped: rows per tile of the tma kernel's map (the references take 64)
   bool grouped = false, swiglu = false;
+  bool tails = false;  // tma_rows 128 as moe.cu builds it: 128-row map 1 + 64-row tails (map 2, a second launch)
   LinearArgs args(int copy, bool tma = false) const {
     LinearArgs a;
     a.w = w->view(copy);
@@ -177,6 +183,14 @@ struct Problem {
     } else {
       a.tiles.M = M;
     }
+    return a;
+  }
+  // a over map 2 (tails), as moe.cu's tails()
+  LinearArgs tail_args(LinearArgs a) const {
+    a.tiles.tile_expert = dte_tail;
+    a.tiles.tile_row0 = dtr_tail;
+    a.tiles.num_tiles = dnt_tail;
+    a.tiles.tile_rows = 64;
     return a;
   }
 };
@@ -217,10 +231,13 @@ static Problem dense(const char* name, Stack* w, int64_t T, bool swiglu = false,
 
 // Routed rows of T tokens x top_k distinct uniform experts, grouped by expert as moe_scatter does.
 // gather: gate/up (x = tokens, x_rows gather); else down (x = the routed rows themselves).
+// tails (tma_rows 128): the tma kernel's map is moe_scatter's 128-row map with 64-row tails
+// (moe_tile_counts), run as two launches.
 static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather, int empty_experts = 0,
-                   bool swiglu = false, int tma_rows = 64, Stack* up = nullptr) {
+                   bool swiglu = false, int tma_rows = 64, Stack* up = nullptr, bool tails = false) {
   Problem p;
   p.tma_rows = tma_rows;
+  p.tails = tails && tma_rows == 128;
   p.name = name;
   p.w = w;
   p.up = up;
@@ -237,14 +254,16 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
       tokens[pick[lo]].push_back(int32_t(t));
     }
   }
-  std::vector<int32_t> row_end(E), te, tr, te128, tr128;
+  std::vector<int32_t> row_end(E), te, tr, te128, tr128, ue, ur;
   int64_t row = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t start = row;
     for (int32_t t : tokens[e]) p.hx_rows.push_back(t), p.hrow_expert.push_back(int32_t(e)), ++row;
     row_end[e] = int32_t(row);
     for (int64_t r0 = start; r0 < row; r0 += 64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
-    for (int64_t r0 = start; r0 < row; r0 += 128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
+    const MoeExpertTiles et = moe_tile_counts(int(row - start), 128, p.tails ? 64 : 0);
+    for (int i = 0; i < et.wide; ++i) te128.push_back(int32_t(e)), tr128.push_back(int32_t(start + 128 * i));
+    if (et.tail) ue.push_back(int32_t(e)), ur.push_back(int32_t(start + 128 * et.wide));
   }
   p.M = row;
   p.max_tiles64 = (p.M + 63) / 64 + std::min<int64_t>(E, p.M);
@@ -268,6 +287,18 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
     CK(cudaMemcpy(p.dtr128, tr128.data(), tr128.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(p.dnt128, &nt128, 4, cudaMemcpyHostToDevice));
   }
+  if (p.tails) {
+    const int32_t nu = int32_t(ue.size());
+    p.max_tails = std::min<int64_t>(E, p.M);
+    ue.resize(p.max_tails, -1);
+    ur.resize(p.max_tails, -1);
+    CK(cudaMalloc(&p.dte_tail, std::max<size_t>(1, ue.size()) * 4));
+    CK(cudaMalloc(&p.dtr_tail, std::max<size_t>(1, ur.size()) * 4));
+    CK(cudaMalloc(&p.dnt_tail, 4));
+    CK(cudaMemcpy(p.dte_tail, ue.data(), ue.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(p.dtr_tail, ur.data(), ur.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(p.dnt_tail, &nu, 4, cudaMemcpyHostToDevice));
+  }
   if (gather) {
     p.X_rows = T;
     CK(cudaMalloc(&p.dx_rows, p.M * 4));
@@ -283,7 +314,7 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
 static void free_problem(Problem& p) {
   for (void* q : {(void*)p.dx, (void*)p.dy, (void*)p.dy_old, (void*)p.drs, (void*)p.dx_rows, (void*)p.dte,
                   (void*)p.dtr, (void*)p.dre, (void*)p.dnt, (void*)p.dxb, (void*)p.dte128, (void*)p.dtr128,
-                  (void*)p.dnt128})
+                  (void*)p.dnt128, (void*)p.dte_tail, (void*)p.dtr_tail, (void*)p.dnt_tail})
     if (q) cudaFree(q);
 }
 
@@ -362,6 +393,11 @@ static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
     const int64_t tiles = p.grouped ? p.max_tiles64 : (p.M + 127) / 128;
     if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, mw, tiles);
     else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, mw, tiles);
+    if (p.tails) {  // map 2: the 64-row tails, a second launch (moe.cu)
+      const CUtensorMap& mx64 = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, 64);
+      if (gather) launch_tma_kernel<64, false, true>(p.tail_args(a), p.dxb, mx64, mw, mw, p.max_tails);
+      else launch_tma_kernel<64, false, false>(p.tail_args(a), p.dxb, mx64, mw, mw, p.max_tails);
+    }
   } else if (gather) {
     if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
     else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
@@ -405,6 +441,11 @@ static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nu
   if (bm == 128) {
     if (gather) launch_tma_kernel<128, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
     else launch_tma_kernel<128, false, false, true>(a, p.dxb, mx, mw, mu, tiles);
+    if (p.tails) {  // map 2: the 64-row tails, a second launch (moe.cu)
+      const CUtensorMap& mx64 = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, 64);
+      if (gather) launch_tma_kernel<64, false, true, true>(p.tail_args(a), p.dxb, mx64, mw, mu, p.max_tails);
+      else launch_tma_kernel<64, false, false, true>(p.tail_args(a), p.dxb, mx64, mw, mu, p.max_tails);
+    }
   } else {
     if (gather) launch_tma_kernel<64, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
     else launch_tma_kernel<64, false, false, true>(a, p.dxb, mx, mw, mu, tiles);
@@ -754,6 +795,31 @@ int main(int argc, char** argv) {
     gated_row(p, true);
     free_problem(p);
   }
+  // The 128-row map against moe.cu's 128-row map with 64-row tails (two launches), at the engine's
+  // 16384 and 32768 routed rows (T = 2048, 4096 tokens x top-8, uniform routing as the synthetic
+  // checkpoint's router gives): every output must stay bit-identical to the wgmma reference (row) and
+  // the gated output to the two products over the same map (gated_row).
+  for (const int64_t t : {2048, 4096}) {
+    const bool t4 = t == 4096;
+    Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1), wd(256, 2048, 512, 64, 1);
+    for (const bool tl : {false, true}) {
+      Problem p = moe(t4 ? (tl ? "moe gate/up T=4096, 128 + 64-row tails" : "moe gate/up T=4096, 128-row tiles")
+                         : (tl ? "moe gate/up T=2048, 128 + 64-row tails" : "moe gate/up T=2048, 128-row tiles"),
+                      &wg, t, 8, true, 0, false, 128, nullptr, tl);
+      row(p, true);
+      free_problem(p);
+      p = moe(t4 ? (tl ? "moe down T=4096, 128 + 64-row tails" : "moe down T=4096, 128-row tiles")
+                 : (tl ? "moe down T=2048, 128 + 64-row tails" : "moe down T=2048, 128-row tiles"),
+              &wd, t, 8, false, 0, false, 128, nullptr, tl);
+      row(p, true);
+      free_problem(p);
+      p = moe(t4 ? (tl ? "moe gate+up gated T=4096, 128 + 64-row tails" : "moe gate+up gated T=4096, 128-row tiles")
+                 : (tl ? "moe gate+up gated T=2048, 128 + 64-row tails" : "moe gate+up gated T=2048, 128-row tiles"),
+              &wg, t, 8, true, 0, false, 128, &wu, tl);
+      gated_row(p, true);
+      free_problem(p);
+    }
+  }
   {
     Stack wg(1, 512, 2048, 64, copies_for(512, 2048)), wu(1, 512, 2048, 64, copies_for(512, 2048));
     Problem p = dense("dense shared gate+up 512x2048, gated", &wg, T, false, &wu);
@@ -810,6 +876,9 @@ int main(int argc, char** argv) {
     Problem p = moe("check moe down 128-row tiles", &w, 300, 4, false, 0, false, 128);
     row(p, false);
     free_problem(p);
+    p = moe("check moe down 128 + 64-row tails", &w, 300, 4, false, 0, false, 128, nullptr, true);
+    row(p, false);
+    free_problem(p);
   }
   // gated: 64- and 128-row tiles with empty experts, a partial column tile (N = 320: 2.5 tiles of 128),
   // N below one tile, dense rows at BM 64 (partial row tile) and BM 128, group 128
@@ -819,6 +888,9 @@ int main(int argc, char** argv) {
     gated_row(p, false);
     free_problem(p);
     p = moe("check moe gated 128-row tiles, 6 empty experts", &wg, 700, 4, true, 6, false, 128, &wu);
+    gated_row(p, false);
+    free_problem(p);
+    p = moe("check moe gated 128 + 64-row tails, 6 empty experts", &wg, 700, 4, true, 6, false, 128, &wu, true);
     gated_row(p, false);
     free_problem(p);
   }

@@ -16,10 +16,10 @@ run_all() {
     local args=(${g//,/ })
     [ $first = 1 ] || args=(-n "${args[@]}")
     first=0
-    timeout 60 "$BIN" "${args[@]}"
+    timeout 150 "$BIN" "${args[@]}"
     local rc=$?
     if [ $rc != 0 ]; then
-      [ $rc = 124 ] && echo "gemm_lab: group '$g' timed out after 60 s (hang?)" || echo "gemm_lab: group '$g' exit status $rc"
+      [ $rc = 124 ] && echo "gemm_lab: group '$g' timed out after 150 s (hang?)" || echo "gemm_lab: group '$g' exit status $rc"
       status=1
     fi
   done

@@ -13,11 +13,13 @@
 // Otherwise (prefill):
 //   router logits (linear) and shared expert gate logit (linear)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
-//   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
+//   -> moe_count, moe_scatter (rows grouped by expert, tile maps; kernels/moe_routing.cuh)
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
 //      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
+// The grouped products run over map 1 (64- or 128-row tiles) and, with 128-row tiles, a second launch
+// over map 2 (each expert's remainder of at most 64 rows as a 64-row tile; moe_tile_counts).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
 // The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
 // products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
@@ -46,10 +48,12 @@ struct RoutingTables {
   float* row_weight;     // [T*K]
   int32_t* chunk_count;  // [ceil(T / MOE_ROUTE_TOKENS), E]
   int32_t* row_end;      // [E]
-  int32_t* tile_expert;  // [max_tiles]
+  int32_t* tile_expert;  // [max_tiles] map 1 (moe_scatter_kernel)
   int32_t* tile_row0;    // [max_tiles]
-  int32_t* num_tiles;    // [1]
-  int64_t max_tiles, words;
+  int32_t* tail_expert;  // [max_tails] map 2: the 64-row tails of a 128-row map
+  int32_t* tail_row0;    // [max_tails]
+  int32_t* num_tiles;    // [2] tiles of map 1, of map 2
+  int64_t max_tiles, max_tails, words;
 };
 
 // Average routed rows per expert from which the grouped products take 128-row tiles. gemm_lab, 256
@@ -63,10 +67,14 @@ static int64_t max_routed_tiles(int64_t T, int64_t E, int top_k) {
   return ceil_div<int64_t>(rows, LINEAR_TILE_ROWS) + std::min(E, rows);
 }
 
+// Map 2 holds at most one tail tile per expert that has rows.
+static int64_t max_tail_tiles(int64_t T, int64_t E, int top_k) { return std::min(E, T * top_k); }
+
 static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top_k) {
   RoutingTables r;
   const int64_t TK = T * top_k;
   r.max_tiles = max_routed_tiles(T, E, top_k);
+  r.max_tails = max_tail_tiles(T, E, top_k);
   int32_t* p = base;
   auto take = [&p](int64_t n) {
     int32_t* q = p;
@@ -82,7 +90,9 @@ static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top
   r.row_end = take(E);
   r.tile_expert = take(r.max_tiles);
   r.tile_row0 = take(r.max_tiles);
-  r.num_tiles = take(1);
+  r.tail_expert = take(r.max_tails);
+  r.tail_row0 = take(r.max_tails);
+  r.num_tiles = take(2);
   r.words = p - base;
   return r;
 }
@@ -145,6 +155,15 @@ static LinearArgs grouped(LinearArgs a, const RoutingTables& r, int tile_rows) {
   a.tiles.row_end = r.row_end;
   a.tiles.num_tiles = r.num_tiles;
   a.tiles.tile_rows = tile_rows;
+  return a;
+}
+
+// a over map 2 (the tails, LINEAR_TILE_ROWS rows each) instead of map 1.
+static LinearArgs tails(LinearArgs a, const RoutingTables& r) {
+  a.tiles.tile_expert = r.tail_expert;
+  a.tiles.tile_row0 = r.tail_row0;
+  a.tiles.num_tiles = r.num_tiles + 1;
+  a.tiles.tile_rows = LINEAR_TILE_ROWS;
   return a;
 }
 
@@ -408,11 +427,13 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   gate_up.x_rows = r.row_token;
   LinearArgs dn = product(*w.down_proj, act, ld, down, H);
   // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products
-  // have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
+  // have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles"), with an expert's remainder of up to
+  // 64 rows as a 64-row tile of map 2, run by a second launch of each product (moe_tile_counts)
   const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
-  const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
+  const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS, tail_rows = wide ? LINEAR_TILE_ROWS : 0;
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
-                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
+                      r.tile_expert, r.tile_row0, r.tail_expert, r.tail_row0, r.num_tiles, int(T), int(E), top_k,
+                      tile_rows, tail_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
@@ -433,9 +454,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
     if (routed || shared) xb.capacity = copy;
   }
+  // the tails write other rows than map 1's tiles and read the same X: its conversion (XbCopy) is reused
   linear_tiles(routed_up, r.max_tiles, T, xb);
+  if (wide) linear_tiles(tails(routed_up, r), r.max_tails, T, xb);
   linear_tiles(shared_up, shared_tiles, T, xb);
   linear_tiles(routed_down, r.max_tiles, TK, xb);
+  if (wide) linear_tiles(tails(routed_down, r), r.max_tails, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};

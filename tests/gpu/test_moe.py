@@ -148,6 +148,27 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
+def test_moe_prefill_tail_tiles(gpu_tol):
+    # 128-row expert tiles with 64-row tails (moe_tile_counts): 330 tokens x top-4 over 8 experts, ~165
+    # rows per expert, so most experts have a whole 128-row tile and a tail of 1..64 rows in map 2 (the
+    # second, BM 64 launch of each grouped product). Against the CPU; then row independence: 70 other
+    # tokens put first shift these tokens' rows within their experts (~35 rows: rows move between whole
+    # tiles, ragged 128-row tiles and tails), and their outputs must stay the same bit for bit (> 64 tokens
+    # in both calls: no split-K in the shared expert's products).
+    rng = np.random.default_rng(330)
+    cpu, gpu = moe_weights(rng, 8, 256, 192, 128, 4, 64, "BF16", 8)
+    h = rng.standard_normal((330, 256)).astype(np.float32)
+    first = rng.standard_normal((70, 256)).astype(np.float32)
+    for x in (h, np.concatenate([first, h])):  # the CPU router's counts: tails in both calls
+        top = np.argsort(-ops.linear(cpu[0], 0, x), axis=1, kind="stable")[:, :4]
+        n = np.bincount(top.ravel(), minlength=8)
+        assert (n.sum() >= 64 * 8) and np.any((n % 128 > 0) & (n % 128 <= 64)), n
+    out = moe_vs_cpu(cpu, gpu, h, 4, 0.05, "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
+    both_out = ops.moe("cuda", *gpu, np.concatenate([first, h]), 4)
+    assert np.array_equal(both_out[70:], out), "a token's MoE output depends on its row's tile"
+
+
 def test_moe_prefill_gated_dense_wide(gpu_tol):
     # The gate/up pairs run as one gated wgmma product (linear.cu, use_gated_wgmma): 4300 tokens and a
     # 512-wide shared expert give its dense 128-row instance (34 row tiles x 4 column tiles of 128

@@ -69,7 +69,22 @@ struct Tile {
   int64_t expert, row0, rows;
 };
 
-__device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM, Tile& tile) {
+// The tiles of one expert with n grouped rows in a MoE tile map (moe_scatter_kernel): `wide` tiles of
+// tile_rows rows in map 1, then `tail` (0 or 1) tile of tail_rows rows in map 2. floor(n / tile_rows)
+// whole tiles; the remainder r = n % tile_rows (if any) is one more map-1 tile when r > tail_rows, else
+// the map-2 tail. tail_rows = 0: map 1 only, ceil(n / tile_rows) tiles. moe.cu's 128-row map with
+// 64-row tails: a remainder of 1..64 rows costs a 64-row work unit (half the wgmma work of a 128-row
+// one, the same dequantisation) in a second launch, instead of a 128-row one.
+struct MoeExpertTiles {
+  int wide, tail;
+};
+__host__ __device__ constexpr MoeExpertTiles moe_tile_counts(int n, int tile_rows, int tail_rows) {
+  return n % tile_rows == 0           ? MoeExpertTiles{n / tile_rows, 0}
+         : n % tile_rows <= tail_rows ? MoeExpertTiles{n / tile_rows, 1}
+                                      : MoeExpertTiles{n / tile_rows + 1, 0};
+}
+
+__host__ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM, Tile& tile) {
   if (rt.tile_expert == nullptr) {
     tile.expert = rt.expert;
     tile.row0 = m * BM;

@@ -4,6 +4,7 @@
 // Layout of the routing words is RoutingTables in moe.cu.
 #pragma once
 #include "common.cuh"
+#include "linear_common.cuh"
 
 namespace lily::cuda {
 
@@ -151,23 +152,36 @@ struct MoeScatterParams {
   int32_t* row_end;            // [E] one past expert e's last grouped row
   int32_t* row_token;          // [T*K] token of each grouped row
   float* row_weight;           // [T*K] routing weight of each grouped row
-  int32_t* tile_expert;        // [max_tiles]
+  int32_t* tile_expert;        // [max_tiles] map 1: tiles of tile_rows rows
   int32_t* tile_row0;          // [max_tiles]
-  int32_t* num_tiles;          // [1]
-  int T, E, K, tile_rows;
+  int32_t* tail_expert;        // [min(E, T*K)] map 2: tail tiles of tail_rows rows (tail_rows > 0)
+  int32_t* tail_row0;          // [min(E, T*K)]
+  int32_t* num_tiles;          // [2] tiles of map 1, of map 2
+  int T, E, K, tile_rows, tail_rows;
 };
 
+// Writes expert e's tiles (rows [start, start + n), t = moe_tile_counts(n, ...) of linear_common.cuh):
+// map-1 tiles at index tile.. of tile_expert / tile_row0, starting at start + i * tile_rows; its tail
+// (t.tail == 1) at index tail of tail_expert / tail_row0, starting at start + t.wide * tile_rows (the
+// rows after its whole tiles).
+__host__ __device__ inline void moe_write_tiles(const MoeScatterParams& p, int e, int start, MoeExpertTiles t,
+                                                int tile, int tail) {
+  for (int i = 0; i < t.wide; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
+  if (t.tail) p.tail_expert[tail] = e, p.tail_row0[tail] = start + t.wide * p.tile_rows;
+}
+
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
-// start_e = sum_{e' < e} n_e', its tokens in ascending order; its ceil(n_e / tile_rows) tiles follow
-// those of lower experts. A token's K experts are distinct (moe_topk's choice).
+// start_e = sum_{e' < e} n_e', its tokens in ascending order; its tiles (moe_tile_counts: map 1, and
+// with tail_rows > 0 a tail tile in map 2) follow those of lower experts in each map. A token's K experts
+// are distinct (moe_topk's choice).
 // Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
 // Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
 // mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
-// scans n_e and the tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
+// scans n_e and the tile counts of both maps over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
 // so expert e's rows of this chunk start at start_e + b_e. The row of (t, k) with e = topk_id[t, k] is
 // that plus the chunk's earlier tokens that chose e: popc(mask[w'][e]) for w' < w and popc(mask[w][e])
 // over lanes below l, so ascending token order with no ordering between threads. CTA c also writes
-// row_end and the tiles of the experts e with e % C == c, CTA 0 the tile count.
+// row_end and the tiles of the experts e with e % C == c, CTA 0 the tile counts.
 // Dynamic shared memory: (2 + MOE_ROUTE_WARPS) * E words (40 KB at moe_topk's E <= 1024).
 __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const MoeScatterParams p) {
   extern __shared__ int32_t smem[];
@@ -196,24 +210,29 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
   __syncthreads();
   if (warp == 0) {
     const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
-    int rows = 0, tiles = 0;  // this lane's run, then the inclusive scans over lanes
-    for (int e = e0; e < e1; ++e) rows += n_of[e], tiles += (n_of[e] + p.tile_rows - 1) / p.tile_rows;
-    int start = -rows, tile = -tiles;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o);
-      if (lane >= o) rows += r, tiles += u;
-    }
-    start += rows, tile += tiles;  // exclusive: the rows and tiles of experts below e0
+    int rows = 0, tiles = 0, tails = 0;  // this lane's run, then the inclusive scans over lanes
     for (int e = e0; e < e1; ++e) {
-      const int n = n_of[e], nt = (n + p.tile_rows - 1) / p.tile_rows;
+      const MoeExpertTiles et = moe_tile_counts(n_of[e], p.tile_rows, p.tail_rows);
+      rows += n_of[e], tiles += et.wide, tails += et.tail;
+    }
+    int start = -rows, tile = -tiles, tail = -tails;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o),
+                v = __shfl_up_sync(0xffffffffu, tails, o);
+      if (lane >= o) rows += r, tiles += u, tails += v;
+    }
+    start += rows, tile += tiles, tail += tails;  // exclusive: the rows and tiles of experts below e0
+    for (int e = e0; e < e1; ++e) {
+      const int n = n_of[e];
+      const MoeExpertTiles et = moe_tile_counts(n, p.tile_rows, p.tail_rows);
       base[e] += start;
       if (e % int(gridDim.x) == c) {
         p.row_end[e] = start + n;
-        for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
+        moe_write_tiles(p, e, start, et, tile, tail);
       }
-      start += n, tile += nt;
+      start += n, tile += et.wide, tail += et.tail;
     }
-    if (c == 0 && lane == 31) *p.num_tiles = tile;
+    if (c == 0 && lane == 31) p.num_tiles[0] = tile, p.num_tiles[1] = tail;
   }
   __syncthreads();
   if (t >= p.T) return;
