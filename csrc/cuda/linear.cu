@@ -268,11 +268,11 @@ static int64_t mma_tokens_per_launch(int bits, int64_t cols, int64_t group_size)
   return std::max<int64_t>(1, std::min<int64_t>(MMA_MAX_TOKENS, int64_t(MMA_TOKENS_MAX_SMEM) / per));
 }
 
-// p.tokens rows of x on linear_gemv_mma_tokens_kernel: K-parts per tile from the one-token kernel's plan
+// `tokens` rows of x on linear_gemv_mma_tokens_kernel: K-parts per tile from the one-token kernel's plan
 // for this matrix (each token's row then has the one-token sums, bit for bit), CTAs over the passes as
 // many as fit at once, spread evenly over the rounds.
 template <int BITS, int NG>
-static void launch_gemv_mma_tokens(const MmaLinearParams& p0) {
+static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
   const auto one = linear_gemv_mma_kernel<BITS, NG, false>, kernel = linear_gemv_mma_tokens_kernel<BITS, NG>;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(one, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
@@ -284,15 +284,15 @@ static void launch_gemv_mma_tokens(const MmaLinearParams& p0) {
   MmaLinearParams p = p0;
   const int64_t tiles = ceil_div(p.rows, 16), segments = p.cols / MmaSeg<BITS>::VALS;
   p.ks = mma_plan(reinterpret_cast<const void*>(one), mma_x_bytes(p.cols, VB), tiles, segments, 1).ks;
-  const size_t smem = mma_x_bytes(int64_t(p.tokens) * p.cols, VB);
-  LILY_CHECK(p.tokens >= 2 && p.tokens <= MMA_MAX_TOKENS && smem <= MMA_TOKENS_MAX_SMEM, "linear: ", p.tokens,
+  const size_t smem = mma_x_bytes(int64_t(tokens) * p.cols, VB);
+  LILY_CHECK(tokens >= 2 && tokens <= MMA_MAX_TOKENS && smem <= MMA_TOKENS_MAX_SMEM, "linear: ", tokens,
              " tokens of ", p.cols, " inputs do not fit one multi-token GEMV launch");
   int per_sm = 0;
   LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
   const int64_t passes = ceil_div<int64_t>(tiles, MmaSplit(p.ks, int(segments)).rt);
   const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1);
   const int64_t rounds = ceil_div<int64_t>(passes, resident);
-  launch(kernel, unsigned(ceil_div<int64_t>(passes, rounds)), MMA_THREADS, smem, p);
+  launch(kernel, unsigned(ceil_div<int64_t>(passes, rounds)), MMA_THREADS, smem, p, tokens);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -315,15 +315,14 @@ static void run_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x, co
     const int64_t n = (T - t0) / (launches - i);  // balanced: the later launches take the remainder
     p.x = x.ptr<float>() + t0 * w.cols;
     p.y = y.ptr<float>() + t0 * w.rows;
-    p.tokens = int(n);
     t0 += n;
     if (n == 1) {
       if (w.bits == 4) halves == 1 ? launch_gemv_mma<4, 1>(p) : launch_gemv_mma<4, 2>(p);
       else halves == 1 ? launch_gemv_mma<8, 1>(p) : launch_gemv_mma<8, 2>(p);
     } else if (w.bits == 4) {
-      halves == 1 ? launch_gemv_mma_tokens<4, 1>(p) : launch_gemv_mma_tokens<4, 2>(p);
+      halves == 1 ? launch_gemv_mma_tokens<4, 1>(p, int(n)) : launch_gemv_mma_tokens<4, 2>(p, int(n));
     } else if (w.bits == 8) {
-      halves == 1 ? launch_gemv_mma_tokens<8, 1>(p) : launch_gemv_mma_tokens<8, 2>(p);
+      halves == 1 ? launch_gemv_mma_tokens<8, 1>(p, int(n)) : launch_gemv_mma_tokens<8, 2>(p, int(n));
     } else {
       fail("linear: unsupported tensor-core GEMV bits ", w.bits);
     }

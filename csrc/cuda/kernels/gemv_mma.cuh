@@ -574,7 +574,6 @@ struct MmaLinearParams {
   bool accumulate;  // y += W x (y is the residual row: ops::linear_add), else y = W x
   NormTail tail;    // tail.done != nullptr (accumulate): then tail.y = rms_norm(y) * tail.w
   NormIn norm_in;   // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
-  int tokens = 1;   // linear_gemv_mma_tokens_kernel: x [tokens, cols], y [tokens, rows] (row-major)
 };
 
 // y = W x for one token (T = 1), or accumulating y += W x (ops::linear_add), and with a tail then the next

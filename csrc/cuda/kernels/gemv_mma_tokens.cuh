@@ -69,7 +69,7 @@ __device__ __forceinline__ void mma_segment_tokens(const MmaLane<BITS, NG>& L, c
                     : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int m = 0; m < S::MMAS; ++m) {
-      uint32_t a[4];  // per token: masks are cheaper than 16 registers held across the tokens
+      uint32_t a[4];  // the segment's A fragments, the same for every token
       mma_a_frag<BITS>(st.w[i][0], st.w[i][1], m, a);
       const uint2 b = mma_b_frag<BITS>(q[BITS == 4 ? (m & 1) : 0], m);
       mma_s8(cs[mma_acc_of<BITS>(m)], a, b.x, b.y);
@@ -90,30 +90,32 @@ struct MmaTokensSegmentOp {
   }
 };
 
-// y[k] = W x[k] (or y[k] += W x[k]: p.accumulate, ops::linear_add) for k < p.tokens (2..MMA_MAX_TOKENS),
-// x [tokens, cols] and y [tokens, rows] row-major, x 16-byte aligned. No tail, no normed input. p.ks: the
+// y[k] = W x[k] (or y[k] += W x[k]: p.accumulate, ops::linear_add) for k < tokens (2..MMA_MAX_TOKENS),
+// x [tokens, cols] and y [tokens, rows] row-major, x 16-byte aligned. (tokens is a parameter of its own:
+// a field in MmaLinearParams changes the one-token kernel's SASS.) No tail, no normed input. p.ks: the
 // one-token kernel's plan for the matrix (the same sums); grid: CTAs over passes. The weights of units 0
 // and 1 are requested before the wait on the previous kernel and before x is staged.
 template <int BITS, int NG>
-__global__ void __launch_bounds__(MMA_THREADS, MMA_TOKENS_MIN_CTAS) linear_gemv_mma_tokens_kernel(const MmaLinearParams p) {
+__global__ void __launch_bounds__(MMA_THREADS, MMA_TOKENS_MIN_CTAS)
+    linear_gemv_mma_tokens_kernel(const MmaLinearParams p, const int tokens) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];  // [tokens][cols/8][3] digits, then xe, xsum [tokens][cols/VB]
-  float* xe = reinterpret_cast<float*>(xd + p.tokens * (p.cols / 8 * 3));
-  float* xsum = xe + p.tokens * (p.cols / VB);
+  float* xe = reinterpret_cast<float*>(xd + tokens * (p.cols / 8 * 3));
+  float* xsum = xe + tokens * (p.cols / VB);
   const int Sg = p.cols / S::VALS;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
                                  p.cols >> p.group_shift, p.group_shift, p.accumulate};
   auto stage = [&] {  // the weights of units 0 and 1 are on their way meanwhile
     pdl_wait();
     pdl_trigger();
-    mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * int64_t(o); }, p.tokens * p.cols, xd, xe, xsum);
+    mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * int64_t(o); }, tokens * p.cols, xd, xe, xsum);
     __syncthreads();
   };
   const auto none = [] {};
   mma_gemv_body<BITS, NG, MmaLinearRows<BITS>, decltype(none), decltype(stage), MmaTokensSegmentOp<BITS, NG>,
                 MMA_MAX_TOKENS>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, none, stage,
-                                mma_tokens(p.tokens, p.cols, VB));
+                                mma_tokens(tokens, p.cols, VB));
 }
 
 }  // namespace lily::cuda
