@@ -5,7 +5,7 @@
 //                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
-//   use_gemv_mma_tokens: 2..16 tokens, the same matrices from 512 rows -> kernels/gemv_mma_tokens.cuh in
+//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows) -> kernels/gemv_mma_tokens.cuh in
 //                    launches of at most 8 tokens, each token's row bit for bit the one-token kernel's;
 //                    linear_add there (the add in its epilogue), linear_add_rms_norm as that + rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
@@ -187,13 +187,12 @@ MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segment
 // router is the model's case; docs/perf-notes.md, "Decisions in the code").
 constexpr int64_t GEMV_MMA_MIN_ROWS = 1024;
 
-// The matrix and x as the integer GEMV takes them (any token count): 4/8-bit affine with BF16 scales,
-// groups of a whole or half a row segment, whole segments, 16-byte aligned weights and x (rows of whole
-// segments: every x row aligned), 4-byte aligned scale pairs when a group is half a segment, one token's
-// staged x within GEMV_MAX_SMEM.
-static bool gemv_mma_shape(const QMatrix& w, int64_t e, const Tensor& x) {
-  const WeightView v = weight_view(w);
-  if (!is_fast_affine(v) || !is_aligned16(x.data)) return false;
+// The matrix as the integer GEMV takes it (any token count): 4/8-bit affine with BF16 scales, groups of a
+// whole or half a row segment, whole segments, 16-byte aligned weights, 4-byte aligned scale pairs when a
+// group is half a segment, one token's staged x within GEMV_MAX_SMEM. x then needs a 16-byte aligned
+// start (its rows are whole segments: every row aligned).
+static bool gemv_mma_matrix(const QMatrix& w, int64_t e) {
+  if (!is_fast_affine(weight_view(w))) return false;
   const int halves = mma_group_halves(w.bits, w.group_size);
   const int64_t vals = 512 / w.bits;
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
@@ -205,20 +204,24 @@ static bool gemv_mma_shape(const QMatrix& w, int64_t e, const Tensor& x) {
 }
 
 static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
-  return x.dim(0) == 1 && w.rows >= GEMV_MMA_MIN_ROWS && gemv_mma_shape(w, e, x);
+  return x.dim(0) == 1 && w.rows >= GEMV_MMA_MIN_ROWS && is_aligned16(x.data) && gemv_mma_matrix(w, e);
 }
 
 // Short prompts: 2..MMA_TOKENS_MAX_T tokens on the multi-token integer GEMV instead of the fp32 GEMV (T <=
-// 8) or the split-K wgmma GEMM (~25 us a call at any size: its fixed cost, docs/perf-notes.md). From 512
-// rows (the shared expert's products): a token's work is the one-token kernel's times T, so fewer tiles
-// fill the SMs; the 257-row router and the one-row shared gate keep the fp32 GEMV. Up to 16 tokens: two
-// launches (the weights read twice) still cost less than one wgmma call for the model's shapes
-// (prediction in docs/perf-notes.md, 2026-12-02).
-constexpr int64_t MMA_TOKENS_MAX_T = 16, MMA_TOKENS_MIN_ROWS = 512;
+// 8) or the split-K wgmma GEMM (T > 8: ~25 us a call at any size, its fixed cost; docs/perf-notes.md).
+// Every 4-bit matrix (a token's work is the one-token kernel's times T, so few tiles still keep the SMs
+// busy; GDN's 32-row in_proj_b / in_proj_a included); 8-bit ones from GEMV_MMA_MIN_ROWS rows as for one
+// token, so the 257-row router and the one-row shared gate keep the fp32 GEMV. Up to 16 tokens: two
+// launches (the weights read twice) still cost less than one wgmma call (prediction in
+// docs/perf-notes.md, 2026-12-02).
+constexpr int64_t MMA_TOKENS_MAX_T = 16;
+
+static bool gemv_mma_tokens_matrix(const QMatrix& w, int64_t e, int64_t T) {
+  return T >= 2 && T <= MMA_TOKENS_MAX_T && (w.bits == 4 || w.rows >= GEMV_MMA_MIN_ROWS) && gemv_mma_matrix(w, e);
+}
 
 static bool use_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x) {
-  const int64_t T = x.dim(0);
-  return T >= 2 && T <= MMA_TOKENS_MAX_T && w.rows >= MMA_TOKENS_MIN_ROWS && gemv_mma_shape(w, e, x);
+  return is_aligned16(x.data) && gemv_mma_tokens_matrix(w, e, x.dim(0));
 }
 
 // The plan is the plain kernel's for both instances, so a normed input splits K as linear of the
@@ -273,7 +276,8 @@ static int64_t mma_tokens_per_launch(int bits, int64_t cols, int64_t group_size)
 // many as fit at once, spread evenly over the rounds.
 template <int BITS, int NG>
 static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
-  const auto one = linear_gemv_mma_kernel<BITS, NG, false>, kernel = linear_gemv_mma_tokens_kernel<BITS, NG>;
+  const auto one = linear_gemv_mma_kernel<BITS, NG, false>;
+  const auto kernel = linear_gemv_mma_tokens_kernel<BITS, NG>;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(one, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_TOKENS_MAX_SMEM)));
@@ -613,11 +617,13 @@ static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int
 }
 
 // linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
-// take (T > GEMV_MAX_TOKENS; the blocked GEMV below 32 rows only where the GEMM does not apply) and
-// use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only its alignment is read.
+// take (T > GEMV_MAX_TOKENS and not the multi-token GEMV's; the blocked GEMV below 32 rows only where the
+// GEMM does not apply) and use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only
+// its alignment is read.
 bool linear_xb_supported(const QMatrix& w, int64_t T) {
   alignas(16) static const uint16_t aligned[8] = {};
-  return T > GEMV_MAX_TOKENS && w.num_stack == 1 && linear_reads_xb(xb_product(w, aligned, nullptr, T));
+  return T > GEMV_MAX_TOKENS && !gemv_mma_tokens_matrix(w, 0, T) && w.num_stack == 1 &&
+         linear_reads_xb(xb_product(w, aligned, nullptr, T));
 }
 
 // linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same
