@@ -5,9 +5,10 @@
 //                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
-//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows) -> kernels/gemv_mma_tokens.cuh in
-//                    launches of at most 8 tokens, each token's row bit for bit the one-token kernel's;
-//                    linear_add there (the add in its epilogue), linear_add_rms_norm as that + rms_norm
+//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows)
+//                    -> kernels/gemv_mma_tokens.cuh in launches of at most 8 tokens, each token's row bit
+//                    for bit the one-token kernel's; linear_add there (the add in its epilogue),
+//                    linear_add_rms_norm as that + rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
@@ -280,7 +281,8 @@ static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
   const auto kernel = linear_gemv_mma_tokens_kernel<BITS, NG>;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(one, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_TOKENS_MAX_SMEM)));
+    LILY_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_TOKENS_MAX_SMEM)));
     return true;
   }();
   (void)configured;
@@ -301,7 +303,7 @@ static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
 }
 
 // y = W x (or y += W x: accumulate) for x [T, cols], y [T, rows] on the multi-token GEMV: launches of at
-// most mma_tokens_per_launch tokens, balanced (11 tokens of 2048 inputs: 6 + 5); a launch of one token
+// most mma_tokens_per_launch tokens, balanced (11 tokens of 2048 inputs: 5 + 6); a launch of one token
 // takes the one-token kernel (the same sums).
 static void run_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate) {
   MmaLinearParams p{};

@@ -207,7 +207,7 @@ def test_linear_gemv_mma_shapes(bits, group, rows, segs, gpu_tol):
 # Short prompts on the multi-token integer GEMV (kernels/gemv_mma_tokens.cuh): each token's row must equal
 # its one-token product bit for bit (>= 1024 rows: one token takes the integer GEMV too). Group sizes of
 # a whole or half a segment, odd T, T past one launch (9..16: two launches; K = 8192 at 4 bits: at most 6
-# tokens a launch, so 8 = 4 + 4 and 16 = 6 + 5 + 5), rows that leave a tile partial, K-parts uneven or
+# tokens a launch, so 8 = 4 + 4 and 16 = 5 + 5 + 6), rows that leave a tile partial, K-parts uneven or
 # empty, both stack entries.
 TOKEN_SHAPES = [(1031, 5), (1057, 17), (2000, 40), (1100, 64)]
 
