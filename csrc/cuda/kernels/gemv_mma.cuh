@@ -225,14 +225,13 @@ __device__ __forceinline__ void mma_stage_octet(const float (&v)[8], int o, int 
 }
 
 // Stages x [K] into a CTA's shared memory (mma_stage_octet). x_at(o) is the address of octet o (8
-// consecutive floats, 16-byte aligned). Each thread takes one octet per round. The loads of
-// MMA_STAGE_ROUNDS rounds are issued together (one memory latency for K <= MMA_STAGE_ROUNDS * 8 *
-// blockDim.x: the model's 2,048 to 4,608 values), then the rounds are converted in order. Every thread
-// must call it; the caller synchronises afterwards.
+// consecutive floats, 16-byte aligned). Each thread takes one octet per round. The loads of NR rounds
+// (MMA_STAGE_ROUNDS, or the multi-token kernel's more for its T rows) are issued together (one memory
+// latency for K <= NR * 8 * blockDim.x: with 3, the model's 2,048 to 4,608 values), then the rounds are
+// converted in order. Every thread must call it; the caller synchronises afterwards.
 constexpr int MMA_STAGE_ROUNDS = 3;
-template <int BITS, int VB, class XAt>
+template <int BITS, int VB, class XAt, int NR = MMA_STAGE_ROUNDS>
 __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, float* xe, float* xsum) {
-  constexpr int NR = MMA_STAGE_ROUNDS;
   const int octets = K / 8;
   for (int base = 0; base < octets; base += NR * blockDim.x) {  // uniform over the CTA: full warps shuffle
     float4 raw[NR][2];

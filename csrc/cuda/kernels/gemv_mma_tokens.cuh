@@ -20,11 +20,11 @@
 // the T tokens.
 // MMA_MAX_TOKENS = 8 at one CTA per SM (MMA_TOKENS_MIN_CTAS): 8 tokens' accumulators (16 registers) on top
 // of the one-token kernel's 123 registers do not fit the 128 of two CTAs per SM (ptxas, sm_90a: 76-96
-// bytes of spills at 4 bits for 8 tokens, still 16 bytes for 4 tokens); at one CTA it takes 168 registers
-// and no spills. Eight warps an SM still keep two units of weights in flight each, and the T-fold work
-// per unit (independent mma chains per token) gives the warps their own instruction-level parallelism.
-// 8 tokens of K = 4096 stage 100 KB of x (MMA_TOKENS_MAX_SMEM). More tokens run in launches of at most
-// MMA_MAX_TOKENS (linear.cu), each reading the weights again.
+// bytes of spills at 4 bits for 8 tokens, still 16 bytes for 4 tokens); at one CTA it takes 172-183
+// registers and no spills. Eight warps an SM still keep two units of weights in flight each, and the
+// T-fold work per unit (independent mma chains per token) gives the warps their own instruction-level
+// parallelism. 8 tokens of K = 4096 stage 100 KB of x (MMA_TOKENS_MAX_SMEM). More tokens run in launches
+// of at most MMA_MAX_TOKENS (linear.cu), each reading the weights again.
 #pragma once
 #include "gemv_mma.cuh"
 
@@ -32,6 +32,9 @@ namespace lily::cuda {
 
 constexpr int MMA_MAX_TOKENS = 8, MMA_TOKENS_MIN_CTAS = 1;
 constexpr size_t MMA_TOKENS_MAX_SMEM = 160 * 1024;  // staged x of one launch
+// Octets a thread loads before converting (mma_stage_x's NR): 8 tokens of K = 2048 in one memory latency
+// (the one-token kernel's 3 would take three); the registers are there at one CTA per SM.
+constexpr int MMA_TOKENS_STAGE_ROUNDS = 8;
 
 // The staged-x strides of tokens in a CTA's shared memory (layout above): n tokens of K values in blocks
 // of VB.
@@ -109,7 +112,8 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_TOKENS_MIN_CTAS)
   auto stage = [&] {  // the weights of units 0 and 1 are on their way meanwhile
     pdl_wait();
     pdl_trigger();
-    mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * int64_t(o); }, tokens * p.cols, xd, xe, xsum);
+    const auto x_at = [&](int o) { return p.x + 8 * int64_t(o); };
+    mma_stage_x<BITS, VB, decltype(x_at), MMA_TOKENS_STAGE_ROUNDS>(x_at, tokens * p.cols, xd, xe, xsum);
     __syncthreads();
   };
   const auto none = [] {};
