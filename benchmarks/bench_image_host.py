@@ -5,8 +5,9 @@ TTFT gap: TTFT - encode - the text-only TTFT of the same length).
     python benchmarks/bench_image_host.py [--device cpu] [--megapixels 0.25,1,4] [--rounds 5]
 
 Without --model it writes the tiny text model with the tiny vision tower (the host steps depend on the
-image's size, not on the tower: its patches are the real 16 x 16 x 2 frames), so it runs on the CPU in
-seconds; on CUDA pass a checkpoint with the full tower (bench_vision.py's) to see the device share too.
+image's size, not on the tower: its patches are the real 16 x 16 x 2 frames); on the CPU, whose fp32
+tower and prefill dominate the TTFT, --megapixels 0.25,1 takes about a minute. On CUDA pass a checkpoint
+with the full tower (bench_vision.py's) to see the device share too.
 Each row: one warm-up, then the median of --rounds generate(max_tokens=1) calls of [vision_start, image
 pads, vision_end] + a 100-token question on a reset session, as bench_vision.py's TTFT. Stages:
   prepare   model.prepare_images (decode, resize, normalise, patchify, digest; lily.images.prepare_image)
