@@ -64,6 +64,36 @@ def test_inputs_of_every_kind_agree(tmp_path):
     assert prepare_image(photo(90, 70, seed=1), CFG).digest not in digests
 
 
+@pytest.mark.parametrize("cfg", [CFG, ImageProcessorConfig(min_pixels=32 * 32, max_pixels=300 * 200,
+                                                        image_mean=(0.48145466, 0.4578275, 0.40821073),
+                                                        image_std=(0.26862954, 0.26130258, 0.27577711))])
+def test_pixels_are_the_normalised_frame_bit_for_bit(cfg):
+    # prepare_image reorders the uint8 pixels first and normalises after: the same float32 operations on
+    # each value as normalising the [H, W, C] image and then cutting it into patches (what it did before)
+    got = prepare_image(photo(333, 201, seed=2), cfg)
+    h, w = got.grid[1] * cfg.patch_size, got.grid[2] * cfg.patch_size
+    resized = np.asarray(photo(333, 201, seed=2).resize((w, h), Image.Resampling.BICUBIC), np.uint8)
+    x = (resized.astype(np.float32) * np.float32(1 / 255) - np.asarray(cfg.image_mean, np.float32)) \
+        / np.asarray(cfg.image_std, np.float32)
+    p, m, tp, (gh, gw) = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size, got.grid[1:]
+    x = x.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    ref = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p)).reshape(gh * gw, -1)
+    assert got.pixels.flags.c_contiguous and got.pixels.dtype == np.float32
+    np.testing.assert_array_equal(got.pixels.view(np.uint32), np.ascontiguousarray(ref).view(np.uint32))
+
+
+def test_digest_names_the_image_and_its_preparation():
+    img = photo(192, 128)  # whole 32-pixel blocks within the bounds: not resized, so one changed value stays
+    a = prepare_image(img, CFG)
+    assert a.digest == prepare_image(np.asarray(img), CFG).digest
+    assert a.digest != prepare_image(img, CFG.with_pixels(max_pixels=64 * 64)).digest  # other bounds: other pixels
+    other_norm = ImageProcessorConfig(min_pixels=CFG.min_pixels, max_pixels=CFG.max_pixels, image_std=(0.25,) * 3)
+    assert a.digest != prepare_image(img, other_norm).digest
+    flipped = np.asarray(img).copy()
+    flipped[0, 0, 0] ^= 1  # one value of one pixel
+    assert a.digest != prepare_image(flipped, CFG).digest
+
+
 def test_pixel_bounds_and_the_resize_rule():
     cfg = CFG.with_pixels(min_pixels=64 * 64, max_pixels=64 * 64)
     got = prepare_image(photo(500, 100), cfg)

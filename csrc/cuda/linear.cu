@@ -19,7 +19,8 @@
 //                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   use_dense_gemm:  T > 8, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte aligned operands
-//                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored)
+//                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored);
+//                    linear_add_bias there in one kernel (the bias in its epilogue), else linear + add_bias
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
 #include <cstdint>
@@ -572,6 +573,28 @@ void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, 
 // Rows [r0, r0 + n) of a contiguous F32 matrix.
 static Tensor row_block(const Tensor& t, int64_t r0, int64_t n) {
   return Tensor::of(t.ptr<float>() + r0 * t.dim(1), DType::F32, t.device, {n, t.dim(1)});
+}
+
+// The dense BF16 GEMM adds the bias to each fp32 sum before its store (add_bias's one fp32 add, so the
+// same bits); every other path runs linear, then add_bias.
+void linear_add_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
+  const int64_t T = x.dim(0);
+  if (T == 0 || w.rows == 0) return;
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.x = x.ptr<float>();
+  a.ldx = w.cols;
+  a.y = y.ptr<float>();
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  a.bias = bias.ptr<float>();
+  if (use_dense_gemm(a)) {  // linear's choice for these weights (the GEMVs take affine weights only)
+    LILY_CHECK(ceil_div<int64_t>(T, GEMM_BM) <= INT32_MAX && ceil_div<int64_t>(w.rows, GEMM_BN) <= 65535,
+               "linear_add_bias: ", T, " x ", w.rows, " exceeds the grid");
+    return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
+  }
+  linear(w, 0, x, y, workspace);
+  add_bias(y, bias);
 }
 
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {

@@ -121,7 +121,7 @@ class Model:
         """The vision tower's merged tokens [sum of num_tokens, hidden_size] float32 of prepared images, in
         order (docs/model.md section 8); raises when the checkpoint has no vision tower."""
         self.check_images()
-        pixels = np.concatenate([p.pixels for p in prepared])
+        pixels = prepared[0].pixels if len(prepared) == 1 else np.concatenate([p.pixels for p in prepared])
         grids = np.array([p.grid for p in prepared], np.int32)
         with self._lock:
             return self._engine.encode_images(pixels, grids)

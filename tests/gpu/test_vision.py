@@ -55,6 +55,24 @@ def test_add_bias_is_exact(R, C):
     np.testing.assert_array_equal(*both(ops.add_bias, x, b))
 
 
+# The biased product: on the dense BF16 GEMM (T > 8) the bias is added in the epilogue, the same fp32 add as
+# add_bias after the stored product, so the same bits as CUDA linear then add_bias; T <= 8 and F32 weights
+# run those two ops. The tower's shapes (qkv, proj, fc1, fc2 with K % 64 == 16, the merger) and odd ones.
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+@pytest.mark.parametrize("T, rows, cols", [(9, 19, 8), (100, 3456, 1152), (129, 1152, 1152), (70, 4304, 1152),
+                                           (257, 1152, 4304), (33, 2048, 4608), (5, 131, 72)])
+def test_linear_add_bias_is_linear_then_add_bias(dtype, T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T + rows + cols)
+    w = rng.uniform(-0.5, 0.5, (1, rows, cols)).astype(np.float32)
+    weight = w if dtype == "F32" else (w.view(np.uint32) >> 16).astype(np.uint16)
+    wg, wc = (ops.QMatrix(d, weight, dtype, 1, rows, cols) for d in ("cuda", "cpu"))
+    x, b = rng.standard_normal((T, cols)).astype(np.float32), rng.standard_normal(rows).astype(np.float32)
+    got = ops.linear_add_bias(wg, x, b)
+    np.testing.assert_array_equal(got, ops.add_bias("cuda", ops.linear(wg, 0, x), b))
+    key = "linear_gemm" if dtype == "BF16" and T > 8 else "linear_generic"
+    check(got, ops.linear_add_bias(wc, x, b), gpu_tol[key], "linear_add_bias vs cpu")
+
+
 @pytest.mark.parametrize("tanh_approx", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1), (19, 4304), (257, 4608)])
 def test_gelu(shape, tanh_approx, gpu_tol):

@@ -37,6 +37,15 @@ def test_add_bias():
     np.testing.assert_array_equal(ops.add_bias("cpu", x, b), x + b)
 
 
+def test_linear_add_bias_is_linear_then_add_bias():
+    w = randn(1, 7, 24)
+    m = ops.QMatrix("cpu", w, "F32", 1, 7, 24)
+    x, b = randn(5, 24), randn(7)
+    np.testing.assert_array_equal(ops.linear_add_bias(m, x, b), ops.add_bias("cpu", ops.linear(m, 0, x), b))
+    with pytest.raises(LilyError, match="linear_add_bias.*bias"):
+        ops.linear_add_bias(m, x, randn(6))
+
+
 @pytest.mark.parametrize("tanh_approx", [True, False])
 def test_gelu(tanh_approx):
     x = randn(3, 41) * 3

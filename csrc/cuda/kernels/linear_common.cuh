@@ -129,6 +129,10 @@ struct LinearArgs {
   int k_splits = 1;
   float* partial = nullptr;
   uint32_t* split_done = nullptr;
+  // [N] F32 added to every output row's fp32 sum before it is stored (linear_add_bias); only the dense
+  // BF16 GEMM (linear_gemm.cuh, GEMM_DENSE_BF16) reads it. Null: no bias. Last, so that the other
+  // fields keep their offsets and the other kernels their code.
+  const float* bias = nullptr;
 };
 
 __device__ __forceinline__ const float* x_row(const LinearArgs& a, int64_t r) {

@@ -1,7 +1,8 @@
 // Prefill linear on tensor cores over MLX-affine weights (4 or 8 bits, BF16 scales/biases) or dense BF16
 // weights (BITS = GEMM_DENSE_BF16: 16 bits per weight, taken as stored):
 //   Y[r, o] = sum_i bf16(W_e[o, i]) * bf16(X[x_row(r), i]), fp32 accumulation, then the epilogue
-//   of linear_common.cuh (plain store, or SwiGLU with a per-row scale for MoE).
+//   of linear_common.cuh (plain store, or SwiGLU with a per-row scale for MoE); dense BF16 weights
+//   with LinearArgs::bias: Y[r, o] = sum + bias[o] (one fp32 add, as add_bias after the store).
 // W [E, N, K*BITS/32] U32 with K % 32 == 0 (dense BF16: [E, N, K] bf16, K % 8 == 0, 16-byte aligned);
 // X rows [K] F32 (16-byte aligned, ldx % 4 == 0); tiles of product rows from RowTiles (dense, or an MoE
 // tile map built on the device).
@@ -175,7 +176,13 @@ __global__ void __launch_bounds__(GEMM_THREADS) linear_gemm_kernel(const LinearA
       for (int c = 0; c < 4; ++c) {
         const int m = warp_m * 32 + mi * 16 + (lane >> 2) + (c >= 2 ? 8 : 0);
         const int64_t o = n0 + warp_n * 32 + ni * 8 + (lane & 3) * 2 + (c & 1);
-        if (m < tile.rows && o < N) store_output(a, tile.row0 + m, o, acc[mi][ni][c]);
+        if (m < tile.rows && o < N) {
+          float v = acc[mi][ni][c];
+          if constexpr (DENSE) {
+            if (a.bias) v += a.bias[o];
+          }
+          store_output(a, tile.row0 + m, o, v);
+        }
       }
 }
 
