@@ -5,7 +5,8 @@
 //                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
-//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows)
+//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows), up to 2^28
+//                    multiply-adds (gemv_plan.h's mma_tokens_shape: not the vocabulary head)
 //                    -> kernels/gemv_mma_tokens.cuh in launches of at most 8 tokens, each token's row bit
 //                    for bit the one-token kernel's; linear_add there (the add in its epilogue),
 //                    linear_add_rms_norm as that + rms_norm
@@ -185,10 +186,6 @@ MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segment
   return mma_plan_for(tiles, segments, std::max<int64_t>(resident, 1), dependent);
 }
 
-// Below this many rows the fp32 GEMV is faster: too few 16-row tiles to spread over the SMs (the 257-row
-// router is the model's case; docs/perf-notes.md, "Decisions in the code").
-constexpr int64_t GEMV_MMA_MIN_ROWS = 1024;
-
 // The matrix as the integer GEMV takes it (any token count): 4/8-bit affine with BF16 scales, groups of a
 // whole or half a row segment, whole segments, 16-byte aligned weights, 4-byte aligned scale pairs when a
 // group is half a segment, one token's staged x within GEMV_MAX_SMEM. x then needs a 16-byte aligned
@@ -209,17 +206,10 @@ static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
   return x.dim(0) == 1 && w.rows >= GEMV_MMA_MIN_ROWS && is_aligned16(x.data) && gemv_mma_matrix(w, e);
 }
 
-// Short prompts: 2..MMA_TOKENS_MAX_T tokens on the multi-token integer GEMV instead of the fp32 GEMV (T <=
-// 8) or the split-K wgmma GEMM (T > 8: ~25 us a call at any size, its fixed cost; docs/perf-notes.md).
-// Every 4-bit matrix (a token's work is the one-token kernel's times T, so few tiles still keep the SMs
-// busy; GDN's 32-row in_proj_b / in_proj_a included); 8-bit ones from GEMV_MMA_MIN_ROWS rows as for one
-// token, so the 257-row router and the one-row shared gate keep the fp32 GEMV. Up to 16 tokens: two
-// launches (the weights read twice) still cost less than one wgmma call (prediction in
-// docs/perf-notes.md, 2026-12-02).
-constexpr int64_t MMA_TOKENS_MAX_T = 16;
-
+// Short prompts on the multi-token integer GEMV: mma_tokens_shape's T and shapes (gemv_plan.h: not the
+// vocabulary head) and the matrix as the integer GEMV takes it.
 static bool gemv_mma_tokens_matrix(const QMatrix& w, int64_t e, int64_t T) {
-  return T >= 2 && T <= MMA_TOKENS_MAX_T && (w.bits == 4 || w.rows >= GEMV_MMA_MIN_ROWS) && gemv_mma_matrix(w, e);
+  return mma_tokens_shape(w.bits, w.rows, w.cols, T) && gemv_mma_matrix(w, e);
 }
 
 static bool use_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x) {

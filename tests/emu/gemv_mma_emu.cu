@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda/gemv_plan.h"
 #include "cuda/kernels/gemv_mma_tokens.cuh"
 
 using namespace lily::cuda;
@@ -240,6 +241,37 @@ static bool run_tokens_case(int K, int group, int T, std::mt19937& rng) {
   return ok;
 }
 
+// Which short prompts take the multi-token GEMV (gemv_plan.h's mma_tokens_shape): every layer matrix of
+// the model at T = 2..16 (its 4-bit parts, the largest 8192 x 2048, and out_proj's 2048 x 4096); not one
+// token or 17; not the 8-bit 257-row router or one-row shared gate; not the 248,320-row lm_head at any T
+// (all_logits' 16-row blocks: the wgmma GEMM streams its weights once), nor a matrix past 2^28
+// multiply-adds.
+static bool run_tokens_shape_case() {
+  struct Case {
+    int bits;
+    int64_t rows, cols, T;
+    bool taken;
+  };
+  const Case cases[] = {
+      {4, 8192, 2048, 16, true},  {4, 8192, 2048, 2, true},     {4, 4096, 2048, 11, true},
+      {4, 2048, 4096, 16, true},  {4, 32, 2048, 16, true},      {4, 512, 2048, 9, true},
+      {8, 1024, 2048, 16, true},  {4, 8192, 2048, 1, false},    {4, 8192, 2048, 17, false},
+      {8, 257, 2048, 4, false},   {8, 1, 2048, 4, false},       {4, 248320, 2048, 16, false},
+      {4, 248320, 2048, 12, false}, {4, 248320, 2048, 2, false}, {4, 12352, 2048, 16, false},
+      {4, 16400, 2048, 12, false},
+  };
+  int wrong = 0;
+  for (const Case& c : cases)
+    if (mma_tokens_shape(c.bits, c.rows, c.cols, c.T) != c.taken) {
+      std::printf("FAIL tokens shape: %d-bit %lld x %lld, T %lld: %s\n", c.bits, (long long)c.rows,
+                  (long long)c.cols, (long long)c.T, c.taken ? "not taken" : "taken");
+      ++wrong;
+    }
+  std::printf("%s tokens shapes: %d of %d routed wrongly\n", wrong ? "FAIL" : "ok  ", wrong,
+              int(sizeof(cases) / sizeof(cases[0])));
+  return wrong == 0;
+}
+
 int main() {
   std::mt19937 rng(7);
   bool ok = true;
@@ -257,6 +289,7 @@ int main() {
     ok &= run_tokens_case<8, 2>(512, 32, T, rng);
     ok &= run_tokens_case<8, 1>(256, 128, T, rng);
   }
+  ok &= run_tokens_shape_case();
   std::printf(ok ? "gemv_mma_emu: all passed\n" : "gemv_mma_emu: FAILED\n");
   return ok ? 0 : 1;
 }

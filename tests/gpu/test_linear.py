@@ -52,12 +52,14 @@ def both(m: dict):
     return ops.QMatrix("cpu", **m), ops.QMatrix("cuda", **m)
 
 
-def gemv_mma_tokens(m: dict) -> bool:
-    """Whether 2..16 tokens of m take the multi-token integer GEMV (linear.cu's gemv_mma_tokens_matrix):
-    4-bit (any rows) or 8-bit from 1024 rows, BF16 scales, a group of a whole or half a 64-byte row
-    segment, whole segments, one token's staged x within 96 KB."""
+def gemv_mma_tokens(m: dict, T: int) -> bool:
+    """Whether T tokens of m take the multi-token integer GEMV (linear.cu's gemv_mma_tokens_matrix): T = 2..16,
+    4-bit (any rows) or 8-bit from 1024 rows, T x rows x cols <= 2^28 (gemv_plan.h's mma_tokens_shape), BF16
+    scales, a group of a whole or half a 64-byte row segment, whole segments, one token's staged x within 96 KB."""
     bits, group, cols = m.get("bits", 0), m.get("group_size", 0), m["cols"]
     if bits not in (4, 8) or m.get("scale_dtype") != "BF16" or (bits == 8 and m["rows"] < 1024):
+        return False
+    if not 2 <= T <= 16 or T * m["rows"] * cols > 1 << 28:
         return False
     vals = 512 // bits
     if group & (group - 1) or not (group >= vals or 2 * group == vals) or cols % vals:
@@ -72,7 +74,7 @@ def path_of(m: dict, T: int) -> str:
         return "linear_gemm"  # dense BF16 weights on the mma.sync GEMM (use_dense_gemm)
     if not fast:
         return "linear_generic"
-    if 2 <= T <= 16 and gemv_mma_tokens(m):
+    if gemv_mma_tokens(m, T):
         return "linear_gemv"  # the multi-token integer GEMV (use_gemv_mma_tokens)
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
     staged = nt * m["cols"] * (4 + m["bits"] / 32)  # x and one sum per 16-byte chunk, per CTA
@@ -221,7 +223,7 @@ def test_linear_gemv_mma_tokens_bitwise(bits, group, rows, segs, T, gpu_tol):
         pytest.skip("group does not divide the row")
     rng = np.random.default_rng(rows * 13 + segs + bits + group + T)
     m = random_matrix(rng, 2, rows, cols, bits, group, "BF16")
-    assert gemv_mma_tokens(m) and path_of(m, T) == "linear_gemv"
+    assert gemv_mma_tokens(m, T) and path_of(m, T) == "linear_gemv"
     wc, wg = both(m)
     x = rng.standard_normal((T, cols)).astype(np.float32) * np.exp2(rng.integers(-6, 7, (T, cols)))
     for e in (0, 1):
@@ -246,6 +248,20 @@ def test_linear_gemv_mma_tokens_small(rows, cols, T, gpu_tol):
     y = ops.linear(wg, 0, x)
     check(y, ops.linear(wc, 0, x), "linear_gemv", gpu_tol)
     assert np.array_equal(y, ops.linear(wg, 0, x))
+
+
+@pytest.mark.parametrize("rows, T, taken", [(8192, 16, True), (8192, 9, True), (16400, 9, False), (16400, 16, False)])
+def test_linear_tokens_work_cap(rows, T, taken, gpu_tol):
+    # Past 2^28 multiply-adds (T x rows x cols; the 248,320-row lm_head's blocks of 16 rows, and any T of
+    # it) a short prompt keeps the wgmma GEMM (gemv_plan.h's mma_tokens_shape): linear_xb_supported, which
+    # refuses the multi-token GEMV's products, says which kernel runs.
+    rng = np.random.default_rng(rows + T)
+    m = random_matrix(rng, 1, rows, 2048, 4, 64, "BF16")
+    assert gemv_mma_tokens(m, T) == taken
+    wc, wg = both(m)
+    assert ops.linear_xb_supported(wg, T) == (not taken)
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
 
 
 @pytest.mark.parametrize("T", [2, 7, 11])
