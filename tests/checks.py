@@ -56,3 +56,22 @@ def token_mask(vocab_size: int, allowed_ids) -> tuple[np.ndarray, np.ndarray]:
     bits = np.zeros((vocab_size + 31) // 32 * 32, np.uint8)
     bits[:vocab_size] = allowed
     return allowed, np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def nan_norm_checkpoint(dest: Path) -> Path:
+    """A copy of the built-in tiny checkpoint at `dest` whose final norm weight is all NaN: the model
+    loads (with check_weights=False) and every logit it computes is NaN."""
+    import shutil
+
+    from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
+    from lily.checkpoint.tiny import tiny_checkpoint
+
+    shutil.copytree(tiny_checkpoint(), dest)
+    f = SafetensorsFile(dest / "model.safetensors")
+    tensors = {n: (f.info(n).dtype, np.array(f.get(n))) for n in f.names()}
+    f.close()
+    name = next(n for n in tensors if n.endswith("model.norm.weight"))
+    dtype, a = tensors[name]
+    a[...] = 0x7FC0 if dtype == "BF16" else np.nan
+    save_file(dest / "model.safetensors", tensors)
+    return dest

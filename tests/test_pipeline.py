@@ -14,6 +14,7 @@ import pytest
 import lily
 from lily import LilyError
 from lily.checkpoint.tiny import tiny_checkpoint
+from checks import nan_norm_checkpoint
 from pipeline_cases import PROMPT, assert_same_result, assert_same_session, both, pair
 
 
@@ -171,19 +172,7 @@ def test_pipelined_primitives_equal_decode_sample(model):
 def test_nan_sample_with_a_step_launched_on_it(tmp_path):
     """A NaN sample raises from the step launched on its id (the CPU knows the id at once), leaving the
     session after the step that was sampled."""
-    import shutil
-
-    from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
-
-    ckpt = tmp_path / "nan"
-    shutil.copytree(tiny_checkpoint(), ckpt)
-    f = SafetensorsFile(ckpt / "model.safetensors")
-    tensors = {n: (f.info(n).dtype, np.array(f.get(n))) for n in f.names()}
-    f.close()
-    name = next(n for n in tensors if n.endswith("model.norm.weight"))
-    dtype, a = tensors[name]
-    a[...] = 0x7FC0 if dtype == "BF16" else np.nan
-    save_file(ckpt / "model.safetensors", tensors)
+    ckpt = nan_norm_checkpoint(tmp_path / "nan")
     with lily.Model.load(ckpt, device="cpu", max_context=64, check_weights=False) as m:
         core = m.new_session()._core
         core.set_sampler()

@@ -20,6 +20,8 @@ import pytest
 import lily
 from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
+
+from checks import nan_norm_checkpoint
 from server_fakes import Slow
 
 CONTEXT = 512
@@ -225,19 +227,7 @@ def test_non_finite_logprobs_serialise_as_valid_json():
 def test_nan_weights_loaded_anyway_give_a_clear_error_not_garbage(tmp_path):
     """Row 9: with check_weights=False a NaN weight makes NaN logits; generation raises instead of
     emitting id 0 ('!!!!')."""
-    import shutil
-
-    from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
-
-    ckpt = tmp_path / "nan"
-    shutil.copytree(tiny_checkpoint(), ckpt)
-    f = SafetensorsFile(ckpt / "model.safetensors")
-    tensors = {n: (f.info(n).dtype, np.array(f.get(n))) for n in f.names()}
-    f.close()
-    name = next(n for n in tensors if n.endswith("model.norm.weight"))
-    dtype, a = tensors[name]
-    a[...] = 0x7FC0 if dtype == "BF16" else np.nan
-    save_file(ckpt / "model.safetensors", tensors)
+    ckpt = nan_norm_checkpoint(tmp_path / "nan")
     with pytest.raises(lily.CheckpointError, match="NaN or infinity"):
         lily.Model.load(ckpt, device="cpu", max_context=64)
     with lily.Model.load(ckpt, device="cpu", max_context=64, check_weights=False) as m:

@@ -11,6 +11,7 @@ import pytest
 import lily
 from lily import LilyError, _core
 from lily.checkpoint import synthetic
+from checks import nan_norm_checkpoint
 from pipeline_cases import PROMPT, assert_same_result, assert_same_session, both, pair
 
 pytestmark = [
@@ -118,20 +119,7 @@ def test_pipelined_primitives_equal_decode_sample(real_widths):
 def test_nan_sample_takes_back_the_step_launched_on_it(tmp_path):
     """On the GPU the step after a NaN sample is launched on the clamped id -1 before the host knows;
     sampled() takes it back and raises."""
-    import shutil
-
-    from lily.checkpoint.safetensors_io import SafetensorsFile, save_file
-    from lily.checkpoint.tiny import tiny_checkpoint
-
-    ckpt = tmp_path / "nan"
-    shutil.copytree(tiny_checkpoint(), ckpt)
-    f = SafetensorsFile(ckpt / "model.safetensors")
-    tensors = {n: (f.info(n).dtype, np.array(f.get(n))) for n in f.names()}
-    f.close()
-    name = next(n for n in tensors if n.endswith("model.norm.weight"))
-    dtype, a = tensors[name]
-    a[...] = 0x7FC0 if dtype == "BF16" else np.nan
-    save_file(ckpt / "model.safetensors", tensors)
+    ckpt = nan_norm_checkpoint(tmp_path / "nan")
     m = lily.Model.load(ckpt, device="cuda", max_context=64, check_weights=False)
     core = m.new_session()._core
     core.set_sampler()
