@@ -41,16 +41,21 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   no_backend(op, x.device);
 }
 
-void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {
-  const char* op = "gated_rms_norm_xb";
-  const OpSpan span(op);
+// The inputs both gated norms take: x, z [T, D] f32 and weight [D] f32.
+static void check_gated_norm_inputs(const char* op, const Tensor& x, const Tensor& z, const Tensor& weight) {
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "z", z, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 1);
-  check_tensor(op, "xb", xb, DType::BF16, 1);
   check_shape(op, "weight", weight, 0, x.dim(1));
   check_shape(op, "z", z, 0, x.dim(0));
   check_shape(op, "z", z, 1, x.dim(1));
+}
+
+void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {
+  const char* op = "gated_rms_norm_xb";
+  const OpSpan span(op);
+  check_gated_norm_inputs(op, x, z, weight);
+  check_tensor(op, "xb", xb, DType::BF16, 1);
   LILY_CHECK(xb.numel() >= x.numel(), op, ": xb ", xb.shape_str(), " is smaller than x ", x.shape_str());
   check_same_device(op, {x, z, weight, xb});
   LILY_CUDA_CASE(x.device, gated_rms_norm_xb(x, z, weight, eps, xb));
@@ -60,15 +65,10 @@ void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, f
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y) {
   const char* op = "gated_rms_norm";
   const OpSpan span(op);
-  check_tensor(op, "x", x, DType::F32, 2);
-  check_tensor(op, "z", z, DType::F32, 2);
+  check_gated_norm_inputs(op, x, z, weight);
   check_tensor(op, "y", y, DType::F32, 2);
-  check_tensor(op, "weight", weight, DType::F32, 1);
-  check_shape(op, "weight", weight, 0, x.dim(1));
-  for (const Tensor* t : {&z, &y}) {
-    check_shape(op, "z/y", *t, 0, x.dim(0));
-    check_shape(op, "z/y", *t, 1, x.dim(1));
-  }
+  check_shape(op, "y", y, 0, x.dim(0));
+  check_shape(op, "y", y, 1, x.dim(1));
   check_same_device(op, {x, z, y, weight});
   if (x.device == Device::CPU) return cpu::gated_rms_norm(x, z, weight, eps, y);
   LILY_CUDA_CASE(x.device, gated_rms_norm(x, z, weight, eps, y));
