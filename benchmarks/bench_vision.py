@@ -8,7 +8,7 @@ Without --model it writes a checkpoint of the tiny text model with the full-size
 16 heads of 72, bf16; the merger's output is the tiny model's 128 wide instead of 2048: 0.5% less work) to a
 temporary folder: the encoding times are the real tower's, the TTFT rows then measure the tiny text model. For
 the full model's TTFT, pass a full-size checkpoint with a tower:
-    python -c "from lily.checkpoint import synthetic; synthetic.make_checkpoint('/tmp/full-vision', \\
+    python -c "from lily.checkpoint import synthetic; synthetic.make_checkpoint('full-vision', \\
         'qwen3.6-35b-a3b', with_tokenizer=False, vision=True)"
 Images are random pixels of the exact size (a 1-megapixel image is 1024 x 1024: 4096 patches, 1024 tokens).
 Each row: one warm-up, then the median of --rounds. "encode" is Model.encode_images on prepared images
