@@ -23,16 +23,22 @@
 //   mma ks=N    the integer tensor-core GEMV (kernels/gemv_mma.cuh) at each K-split ("*": the launch plan's),
 //               then an ablation of the planned one: "loads-only" (no fragments, mma or epilogue)
 // Also: "empty" (launch gap), "1 GiB stream" (bandwidth ceiling), and v1 against a host fp64 reference.
+// Short prompts (bench_tokens): "mma T=n", a product of n tokens as linear.cu's run_gemv_mma_tokens
+// launches it (kernels/gemv_mma_tokens.cuh; one token: the one-token kernel), us per product; err there =
+// rows differing bitwise from n one-token products ("0 of N" expected). The split-K wgmma GEMM that short
+// prompts took before is not in the lab: 25.4 us a call at T = 11 (kernel_profile, /work/.device/4).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/gemv_mma_tokens.cuh"
 #include "cuda/kernels/linear_gemv.cuh"
 #include "cuda/kernels/moe_decode.cuh"
 #include "cuda/kernels/moe_mma.cuh"
@@ -640,6 +646,76 @@ void bench_linear(const char* name, int rows, int cols) {
     CK(cudaFree(p));
 }
 
+// Short prompts: products of T = 1, 2, 4, 8, 11, 16 tokens on the multi-token integer GEMV, sized as
+// linear.cu's run_gemv_mma_tokens (ks from the one-token kernel's plan, launches of at most
+// mma_tokens_per_launch tokens balanced, a one-token launch on the one-token kernel), PDL launches.
+template <int BITS>
+void bench_tokens(const char* name, int rows, int cols) {
+  constexpr int NG = BITS == 4 ? 2 : 1, VB = MmaSeg<BITS>::VALS / NG;  // group 64 (Affine's)
+  constexpr int TMAX = 16;
+  std::fprintf(stderr, "gemv_lab: %s (tokens)\n", name);
+  const int copies = std::max<int>(2, cdiv(ROTATE_BYTES, Affine::entry_bytes(rows, cols, BITS)));
+  const Affine W(copies, rows, cols, BITS, 777);
+  const int n = copies * int(cdiv(100, copies));
+  std::vector<float> hx(size_t(TMAX) * cols);
+  std::mt19937 rng(5);
+  for (float& v : hx) v = std::uniform_real_distribution<float>(-1.f, 1.f)(rng);
+  float *x = dalloc<float>(hx.size()), *yv = dalloc<float>(size_t(TMAX) * rows);
+  CK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+  const auto one = linear_gemv_mma_kernel<BITS, NG>;
+  const auto tk = linear_gemv_mma_tokens_kernel<BITS, NG>;
+  allow_smem(one, MAX_SMEM);
+  allow_smem(tk, MMA_TOKENS_MAX_SMEM);
+  const size_t ms1 = mma_x_bytes(cols, VB);
+  const int64_t tiles = cdiv(rows, 16), segs = cols / MmaSeg<BITS>::VALS;
+  const MmaPlan plan = mma_plan_for(tiles, segs, int64_t(g_sms) * per_sm((const void*)one, ms1));
+  const int64_t passes = cdiv(tiles, MmaSplit(plan.ks, int(segs)).rt);
+  const int cap = int(std::min<int64_t>(MMA_MAX_TOKENS, int64_t(MMA_TOKENS_MAX_SMEM / ms1)));
+  std::string desc;
+  // one product of T tokens of x into y, weights of copy c
+  auto product = [&](int c, int T, float* y, bool record) {
+    const int launches = int(cdiv(T, cap));
+    for (int i = 0, t0 = 0; i < launches; ++i) {
+      const int k = (T - t0) / (launches - i);
+      const MmaLinearParams mp{W.w(c), W.s(c), W.b(c), x + size_t(t0) * cols, y + size_t(t0) * rows, rows, cols, 6,
+                               plan.ks};
+      if (k == 1) {
+        launch_pdl(one, plan.grid, MMA_THREADS, ms1, mp);
+        if (record) desc += "1 token: grid " + std::to_string(plan.grid) + "; ";
+      } else {
+        const size_t sm = mma_x_bytes(int64_t(k) * cols, VB);
+        const int64_t resident = int64_t(g_sms) * std::max(1, per_sm((const void*)tk, sm));
+        const int grid = int(cdiv(passes, cdiv(passes, resident)));
+        launch_pdl(tk, grid, MMA_THREADS, sm, mp, k);
+        if (record)
+          desc += std::to_string(k) + " tokens: grid " + std::to_string(grid) + ", smem " + std::to_string(sm) + "; ";
+      }
+      t0 += k;
+    }
+  };
+  for (int T : {1, 2, 4, 8, 11, 16}) {
+    desc = "ks " + std::to_string(plan.ks) + "; ";
+    product(0, T, yv, true);
+    const double us = time_us([&](int i) { product(i % copies, T, yv, false); }, n);
+    // bitwise against T one-token products of copy 0
+    CK(cudaMemsetAsync(yv, 0xff, size_t(T) * rows * 4, g_stream));
+    product(0, T, yv, false);
+    const std::vector<float> y = to_host(yv, size_t(T) * rows);
+    int differ = 0;
+    for (int t = 0; t < T; ++t) {
+      const MmaLinearParams mp{W.w(0), W.s(0), W.b(0), x + size_t(t) * cols, yv, rows, cols, 6, plan.ks};
+      launch_pdl(one, plan.grid, MMA_THREADS, ms1, mp);
+      const std::vector<float> y1 = to_host(yv, rows);
+      for (int o = 0; o < rows; ++o) differ += std::memcmp(&y1[o], &y[size_t(t) * rows + o], 4) != 0;
+    }
+    const std::string label = "mma T=" + std::to_string(T);
+    push_row({name, label, us, W.mb(), std::to_string(differ) + " of " + std::to_string(T * rows), desc});
+  }
+  CK(cudaStreamSynchronize(g_stream));
+  for (void* p : {(void*)W.base, (void*)x, (void*)yv})
+    CK(cudaFree(p));
+}
+
 // moe.cu's staged_bytes: x rows and one sum per 16-byte chunk.
 size_t staged_bytes(int64_t rows, int64_t cols, int bits) {
   return size_t(rows) * (cols * 4 + cols / (128 / bits) * 4);
@@ -844,6 +920,14 @@ int run() {
   bench_linear<8>("router 257x2048 (8-bit)", 257, 2048);
   bench_linear<4>("lm_head 248320x2048", 248320, 2048);
   bench_moe<4, MOE_DOWN_LOADS>(256, 8, 2048, 512, 512);
+  // short prompts: the dense products a prefill of T <= 16 tokens runs per layer (docs/model.md; the
+  // stacked in_proj / qkv are decode's, for comparison)
+  bench_tokens<4>("in_proj_qkv 8192x2048", 8192, 2048);
+  bench_tokens<4>("in_proj_z 4096x2048", 4096, 2048);
+  bench_tokens<4>("in_proj_b 32x2048", 32, 2048);
+  bench_tokens<4>("out_proj 2048x4096", 2048, 4096);
+  bench_tokens<4>("k_proj 512x2048", 512, 2048);
+  bench_tokens<4>("in_proj 12352x2048", 12352, 2048);
 
   std::string md;
   char line[512];

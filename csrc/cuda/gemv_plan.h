@@ -34,4 +34,26 @@ inline MmaPlan mma_plan_for(int64_t tiles, int64_t segments, int64_t resident, b
   return best;
 }
 
+// Below this many rows the fp32 GEMV is faster for one token: too few 16-row tiles to spread over the SMs
+// (the 257-row router is the model's case; docs/perf-notes.md, "Decisions in the code").
+constexpr int64_t GEMV_MMA_MIN_ROWS = 1024;
+
+// Short prompts (linear.cu, use_gemv_mma_tokens; the matrix's own conditions apart): T = 2..MMA_TOKENS_MAX_T
+// tokens of a rows x cols matrix take the multi-token integer GEMV (kernels/gemv_mma_tokens.cuh) instead
+// of the fp32 GEMV (T <= 8) or the split-K wgmma GEMM (T > 8: ~25 us a call, its fixed cost) when
+//  - it has 4 bits (a token's work is the one-token kernel's times T, so few tiles still keep the SMs busy;
+//    GDN's 32-row in_proj_b / in_proj_a included), or 8 bits and GEMV_MMA_MIN_ROWS rows as for one token
+//    (the 257-row router and the one-row shared gate keep the fp32 GEMV);
+//  - T x rows x cols <= MMA_TOKENS_MAX_WORK multiply-adds. The kernel is compute-bound at these T
+//    (gemv_lab, H200, sixth session: 8192 x 2048 at T = 16, 2^28 of them, 28.9 us; 12352 x 2048 at
+//    T = 16 42.6 us), while the GEMMs it replaces cost ~25 us or stream the weights once: beyond 2^28
+//    it loses, and on the 248,320-row lm_head (all_logits' blocks of 16 rows, engine.cpp write_logits)
+//    by ~12x (estimated ~0.9 ms a block instead of ~0.07 ms). Every layer matrix of the model at T <= 16
+//    is within it (the largest part: 8192 x 2048; the stacked in_proj runs for one token only).
+constexpr int64_t MMA_TOKENS_MAX_T = 16, MMA_TOKENS_MAX_WORK = int64_t(1) << 28;
+constexpr bool mma_tokens_shape(int bits, int64_t rows, int64_t cols, int64_t T) {
+  return T >= 2 && T <= MMA_TOKENS_MAX_T && (bits == 4 || (bits == 8 && rows >= GEMV_MMA_MIN_ROWS)) &&
+         T * rows * cols <= MMA_TOKENS_MAX_WORK;
+}
+
 }  // namespace lily::cuda

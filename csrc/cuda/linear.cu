@@ -5,6 +5,11 @@
 //                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
+//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows), up to 2^28
+//                    multiply-adds (gemv_plan.h's mma_tokens_shape: not the vocabulary head)
+//                    -> kernels/gemv_mma_tokens.cuh in launches of at most 8 tokens, each token's row bit
+//                    for bit the one-token kernel's; linear_add there (the add in its epilogue),
+//                    linear_add_rms_norm as that + rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
 //   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
@@ -22,6 +27,7 @@
 
 #include "cuda_ops.h"
 #include "kernels/gemv_mma.cuh"
+#include "kernels/gemv_mma_tokens.cuh"
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_generic.cuh"
@@ -179,13 +185,12 @@ MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segment
   return mma_plan_for(tiles, segments, std::max<int64_t>(resident, 1), dependent);
 }
 
-// Below this many rows the fp32 GEMV is faster: too few 16-row tiles to spread over the SMs (the 257-row
-// router is the model's case; docs/perf-notes.md, "Decisions in the code").
-constexpr int64_t GEMV_MMA_MIN_ROWS = 1024;
-
-static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
-  const WeightView v = weight_view(w);
-  if (x.dim(0) != 1 || w.rows < GEMV_MMA_MIN_ROWS || !is_fast_affine(v) || !is_aligned16(x.data)) return false;
+// The matrix as the integer GEMV takes it (any token count): 4/8-bit affine with BF16 scales, groups of a
+// whole or half a row segment, whole segments, 16-byte aligned weights, 4-byte aligned scale pairs when a
+// group is half a segment, one token's staged x within GEMV_MAX_SMEM. x then needs a 16-byte aligned
+// start (its rows are whole segments: every row aligned).
+static bool gemv_mma_matrix(const QMatrix& w, int64_t e) {
+  if (!is_fast_affine(weight_view(w))) return false;
   const int halves = mma_group_halves(w.bits, w.group_size);
   const int64_t vals = 512 / w.bits;
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
@@ -194,6 +199,20 @@ static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
          is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
          (halves == 1 || (reinterpret_cast<uintptr_t>(scales) % 4 == 0 && reinterpret_cast<uintptr_t>(biases) % 4 == 0)) &&
          mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
+}
+
+static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
+  return x.dim(0) == 1 && w.rows >= GEMV_MMA_MIN_ROWS && is_aligned16(x.data) && gemv_mma_matrix(w, e);
+}
+
+// Short prompts on the multi-token integer GEMV: mma_tokens_shape's T and shapes (gemv_plan.h: not the
+// vocabulary head) and the matrix as the integer GEMV takes it.
+static bool gemv_mma_tokens_matrix(const QMatrix& w, int64_t e, int64_t T) {
+  return mma_tokens_shape(w.bits, w.rows, w.cols, T) && gemv_mma_matrix(w, e);
+}
+
+static bool use_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x) {
+  return is_aligned16(x.data) && gemv_mma_tokens_matrix(w, e, x.dim(0));
 }
 
 // The plan is the plain kernel's for both instances, so a normed input splits K as linear of the
@@ -234,6 +253,76 @@ static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Ten
   if (w.bits == 4) return halves == 1 ? launch_gemv_mma<4, 1>(p) : launch_gemv_mma<4, 2>(p);
   if (w.bits == 8) return halves == 1 ? launch_gemv_mma<8, 1>(p) : launch_gemv_mma<8, 2>(p);
   fail("linear: unsupported tensor-core GEMV bits ", w.bits);
+}
+
+// Tokens per launch of the multi-token GEMV for rows of `cols`: MMA_MAX_TOKENS, fewer where their staged x
+// would pass MMA_TOKENS_MAX_SMEM.
+static int64_t mma_tokens_per_launch(int bits, int64_t cols, int64_t group_size) {
+  const int64_t vals = 512 / bits, per = int64_t(mma_x_bytes(cols, int(vals / mma_group_halves(bits, group_size))));
+  return std::max<int64_t>(1, std::min<int64_t>(MMA_MAX_TOKENS, int64_t(MMA_TOKENS_MAX_SMEM) / per));
+}
+
+// `tokens` rows of x on linear_gemv_mma_tokens_kernel: K-parts per tile from the one-token kernel's plan
+// for this matrix (each token's row then has the one-token sums, bit for bit), CTAs over the passes as
+// many as fit at once, spread evenly over the rounds.
+template <int BITS, int NG>
+static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
+  const auto one = linear_gemv_mma_kernel<BITS, NG, false>;
+  const auto kernel = linear_gemv_mma_tokens_kernel<BITS, NG>;
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(one, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GEMV_MAX_SMEM)));
+    LILY_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(MMA_TOKENS_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
+  constexpr int VB = MmaSeg<BITS>::VALS / NG;
+  MmaLinearParams p = p0;
+  const int64_t tiles = ceil_div(p.rows, 16), segments = p.cols / MmaSeg<BITS>::VALS;
+  p.ks = mma_plan(reinterpret_cast<const void*>(one), mma_x_bytes(p.cols, VB), tiles, segments, 1).ks;
+  const size_t smem = mma_x_bytes(int64_t(tokens) * p.cols, VB);
+  LILY_CHECK(tokens >= 2 && tokens <= MMA_MAX_TOKENS && smem <= MMA_TOKENS_MAX_SMEM, "linear: ", tokens,
+             " tokens of ", p.cols, " inputs do not fit one multi-token GEMV launch");
+  int per_sm = 0;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
+  const int64_t passes = ceil_div<int64_t>(tiles, MmaSplit(p.ks, int(segments)).rt);
+  const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1);
+  const int64_t rounds = ceil_div<int64_t>(passes, resident);
+  launch(kernel, unsigned(ceil_div<int64_t>(passes, rounds)), MMA_THREADS, smem, p, tokens);
+  LILY_CUDA_LAUNCHED();
+}
+
+// y = W x (or y += W x: accumulate) for x [T, cols], y [T, rows] on the multi-token GEMV: launches of at
+// most mma_tokens_per_launch tokens, balanced (11 tokens of 2048 inputs: 5 + 6); a launch of one token
+// takes the one-token kernel (the same sums).
+static void run_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate) {
+  MmaLinearParams p{};
+  p.accumulate = accumulate;
+  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
+  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  p.rows = int(w.rows);
+  p.cols = int(w.cols);
+  p.group_shift = log2_of(w.group_size);
+  const int halves = mma_group_halves(w.bits, w.group_size);
+  const int64_t T = x.dim(0), cap = mma_tokens_per_launch(w.bits, w.cols, w.group_size);
+  const int64_t launches = ceil_div(T, cap);
+  for (int64_t i = 0, t0 = 0; i < launches; ++i) {
+    const int64_t n = (T - t0) / (launches - i);  // balanced: the later launches take the remainder
+    p.x = x.ptr<float>() + t0 * w.cols;
+    p.y = y.ptr<float>() + t0 * w.rows;
+    t0 += n;
+    if (n == 1) {
+      if (w.bits == 4) halves == 1 ? launch_gemv_mma<4, 1>(p) : launch_gemv_mma<4, 2>(p);
+      else halves == 1 ? launch_gemv_mma<8, 1>(p) : launch_gemv_mma<8, 2>(p);
+    } else if (w.bits == 4) {
+      halves == 1 ? launch_gemv_mma_tokens<4, 1>(p, int(n)) : launch_gemv_mma_tokens<4, 2>(p, int(n));
+    } else if (w.bits == 8) {
+      halves == 1 ? launch_gemv_mma_tokens<8, 1>(p, int(n)) : launch_gemv_mma_tokens<8, 2>(p, int(n));
+    } else {
+      fail("linear: unsupported tensor-core GEMV bits ", w.bits);
+    }
+  }
 }
 
 template <int BITS>
@@ -436,14 +525,19 @@ int64_t linear_workspace_elems(int64_t T, int64_t in) {
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true, norm_tail(res, weight, eps, y, sync));
+  if (use_gemv_mma_tokens(w, 0, x)) {
+    run_gemv_mma_tokens(w, 0, x, res, true);
+    return rms_norm(res, weight, eps, y);
+  }
   linear(w, 0, x, tmp, workspace);
   add_rms_norm(res, tmp, weight, eps, y);
 }
 
-// One token on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum, no tail).
-// Otherwise linear into tmp, then add.
+// One token or a short prompt on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum,
+// no tail). Otherwise linear into tmp, then add.
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
   if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true);
+  if (use_gemv_mma_tokens(w, 0, x)) return run_gemv_mma_tokens(w, 0, x, res, true);
   linear(w, 0, x, tmp, workspace);
   add(res, tmp);
 }
@@ -474,6 +568,7 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
+  if (use_gemv_mma_tokens(w, e, x)) return run_gemv_mma_tokens(w, e, x, y, false);
   const WeightView v = weight_view(w);
   const bool w_aligned = is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row());
   if (use_gemv(v, x) && w_aligned) return run_gemv(w, e, x, y);
@@ -514,11 +609,13 @@ static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int
 }
 
 // linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
-// take (T > GEMV_MAX_TOKENS; the blocked GEMV below 32 rows only where the GEMM does not apply) and
-// use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only its alignment is read.
+// take (T > GEMV_MAX_TOKENS and not the multi-token GEMV's; the blocked GEMV below 32 rows only where the
+// GEMM does not apply) and use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only
+// its alignment is read.
 bool linear_xb_supported(const QMatrix& w, int64_t T) {
   alignas(16) static const uint16_t aligned[8] = {};
-  return T > GEMV_MAX_TOKENS && w.num_stack == 1 && linear_reads_xb(xb_product(w, aligned, nullptr, T));
+  return T > GEMV_MAX_TOKENS && !gemv_mma_tokens_matrix(w, 0, T) && w.num_stack == 1 &&
+         linear_reads_xb(xb_product(w, aligned, nullptr, T));
 }
 
 // linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same

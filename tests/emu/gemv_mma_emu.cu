@@ -12,7 +12,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/kernels/gemv_mma.cuh"
+#include "cuda/gemv_plan.h"
+#include "cuda/kernels/gemv_mma_tokens.cuh"
 
 using namespace lily::cuda;
 
@@ -56,26 +57,11 @@ static float from_bf16(uint16_t h) {
   return f;
 }
 
+// Stages x [K] as mma_stage_x does, per octet (block max and sum over the block's octets), into xd
+// [K/8][3], xe and xsum [K/VB]; checks that the digits reconstruct rint(v * inv) exactly.
 template <int BITS, int NG>
-static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
-  using S = MmaSeg<BITS>;
-  constexpr int VB = S::VALS / NG;
-  const int rows = 16, wpr = K * BITS / 32, gpr = K / group, Sg = K / S::VALS;
-  std::vector<uint32_t> w(rows * wpr);
-  std::vector<uint16_t> sc(rows * gpr), bi(rows * gpr);
-  std::vector<float> x(K);
-  for (uint32_t& v : w) v = rng();
-  for (uint16_t& v : sc) v = to_bf16(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng) / ((1 << BITS) - 1));
-  for (uint16_t& v : bi) v = to_bf16(std::uniform_real_distribution<float>(-0.6f, -0.4f)(rng));
-  // activations with a spread of magnitudes across blocks, and outliers
-  for (int j = 0; j < K; ++j) {
-    const float mag = std::exp2(float(int(rng() % 9) - 4)) * xscale;
-    x[j] = std::normal_distribution<float>(0.f, 1.f)(rng) * mag;
-    if (rng() % 97 == 0) x[j] *= 50.f;
-  }
-  // staging, per octet, as mma_stage_x does (block max and sum over the block's octets)
-  std::vector<uint2> xd(K / 8 * 3);
-  std::vector<float> xe(K / VB), xsum(K / VB);
+static bool stage_row(const float* x, int K, uint2* xd, float* xe, float* xsum) {
+  constexpr int VB = MmaSeg<BITS>::VALS / NG;
   for (int u = 0; u < K / VB; ++u) {
     float m = 0.f, s = 0.f;
     for (int j = u * VB; j < (u + 1) * VB; ++j) m = std::fmax(m, std::fabs(x[j])), s += x[j];
@@ -87,7 +73,7 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
       for (int k = 0; k < 8; ++k) v[k] = x[8 * o + k];
       uint2 dg[3];
       mma_octet_digits<BITS>(v, inv, dg);
-      for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd.data()), o, d, dg[d]);
+      for (int d = 0; d < 3; ++d) mma_xd_store<BITS>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
       // the digits must reconstruct rint(v * inv) exactly
       for (int k = 0; k < 8; ++k) {
         const int byte = BITS == 4 ? (k % 2) * 4 + k / 2 : k;  // position of value k in (b0, b1)
@@ -103,8 +89,17 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
       }
     }
   }
-  // one warp over all segments of the tile
-  float acc[32][2] = {};
+  return true;
+}
+
+// One warp over all segments of a 16-row tile (w [16][wpr], sc / bi [16][gpr]) with the staged x (xd,
+// xe, xsum): each lane's accumulators acc[lane][2] as mma_segment leaves them.
+template <int BITS, int NG>
+static void tile_acc(const std::vector<uint32_t>& w, const std::vector<uint16_t>& sc, const std::vector<uint16_t>& bi,
+                     int K, int group, const uint2* xd, const float* xe, const float* xsum, float (&acc)[32][2]) {
+  using S = MmaSeg<BITS>;
+  const int wpr = K * BITS / 32, gpr = K / group, Sg = K / S::VALS;
+  for (auto& a : acc) a[0] = a[1] = 0.f;
   for (int seg = 0; seg < Sg; ++seg) {
     uint4 wl[32][2];
     uint32_t sbits[32][2], bbits[32][2];
@@ -127,7 +122,7 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
         const MmaLane<BITS, NG> L(lane);
         mma_a_frag<BITS>(wl[lane][0], wl[lane][1], m, a[lane]);
         const int k = BITS == 4 ? (m & 1) : 0;
-        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd.data()), seg, L.t, k, L.b_digit)
+        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), seg, L.t, k, L.b_digit)
                                : make_uint4(0u, 0u, 0u, 0u);
         const uint2 v = mma_b_frag<BITS>(q, m);
         b[lane][0] = v.x, b[lane][1] = v.y;
@@ -140,15 +135,43 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
     for (int lane = 0; lane < 32; ++lane) {
       int c[4];
       for (int e = 0; e < 4; ++e) c[e] = mma_combine<BITS>(cs[lane], e);
-      mma_columns<BITS, NG>(MmaLane<BITS, NG>(lane), c, sbits[lane], bbits[lane], seg, xe.data(), xsum.data(),
-                            acc[lane]);
+      mma_columns<BITS, NG>(MmaLane<BITS, NG>(lane), c, sbits[lane], bbits[lane], seg, xe, xsum, acc[lane]);
     }
   }
+}
+
+// Row `row` of a tile from the lane accumulators: the quad sum in mma_gemv_body's xor-shuffle order.
+static float quad_sum(const float (&acc)[32][2], int row) {
+  const int g = row % 8, r = row / 8;
+  return (acc[4 * g][r] + acc[4 * g + 1][r]) + (acc[4 * g + 2][r] + acc[4 * g + 3][r]);
+}
+
+template <int BITS, int NG>
+static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
+  using S = MmaSeg<BITS>;
+  constexpr int VB = S::VALS / NG;
+  const int rows = 16, wpr = K * BITS / 32, gpr = K / group;
+  std::vector<uint32_t> w(rows * wpr);
+  std::vector<uint16_t> sc(rows * gpr), bi(rows * gpr);
+  std::vector<float> x(K);
+  for (uint32_t& v : w) v = rng();
+  for (uint16_t& v : sc) v = to_bf16(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng) / ((1 << BITS) - 1));
+  for (uint16_t& v : bi) v = to_bf16(std::uniform_real_distribution<float>(-0.6f, -0.4f)(rng));
+  // activations with a spread of magnitudes across blocks, and outliers
+  for (int j = 0; j < K; ++j) {
+    const float mag = std::exp2(float(int(rng() % 9) - 4)) * xscale;
+    x[j] = std::normal_distribution<float>(0.f, 1.f)(rng) * mag;
+    if (rng() % 97 == 0) x[j] *= 50.f;
+  }
+  std::vector<uint2> xd(K / 8 * 3);
+  std::vector<float> xe(K / VB), xsum(K / VB);
+  if (!stage_row<BITS, NG>(x.data(), K, xd.data(), xe.data(), xsum.data())) return false;
+  float acc[32][2];
+  tile_acc<BITS, NG>(w, sc, bi, K, group, xd.data(), xe.data(), xsum.data(), acc);
   // quad sums (lane t of each g), against fp64
   double num = 0, den = 0, num32 = 0;
   for (int row = 0; row < rows; ++row) {
-    const int g = row % 8, r = row / 8;
-    const float y = (acc[4 * g][r] + acc[4 * g + 1][r]) + (acc[4 * g + 2][r] + acc[4 * g + 3][r]);
+    const float y = quad_sum(acc, row);
     double ref = 0;
     float y32 = 0.f;  // the fp32 product in natural order, for scale
     for (int j = 0; j < K; ++j) {
@@ -169,6 +192,86 @@ static bool run_case(int K, int group, float xscale, std::mt19937& rng) {
   return ok;
 }
 
+// T tokens as linear_gemv_mma_tokens_kernel stages them (one mma_stage_x over the concatenated row x[0] |
+// ... | x[T-1]: digits [T][K/8][3], then e and xsum [T][K/VB]) and reads them (mma_token_x): each token's
+// tile must equal its one-token product (the token staged alone) bit for bit.
+template <int BITS, int NG>
+static bool run_tokens_case(int K, int group, int T, std::mt19937& rng) {
+  constexpr int VB = MmaSeg<BITS>::VALS / NG;
+  const int rows = 16, wpr = K * BITS / 32, gpr = K / group;
+  std::vector<uint32_t> w(rows * wpr);
+  std::vector<uint16_t> sc(rows * gpr), bi(rows * gpr);
+  std::vector<float> x(size_t(T) * K);
+  for (uint32_t& v : w) v = rng();
+  for (uint16_t& v : sc) v = to_bf16(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng) / ((1 << BITS) - 1));
+  for (uint16_t& v : bi) v = to_bf16(std::uniform_real_distribution<float>(-0.6f, -0.4f)(rng));
+  for (float& v : x) v = std::normal_distribution<float>(0.f, 1.f)(rng) * std::exp2(float(int(rng() % 21) - 10));
+  // the kernel's shared memory: one buffer of mma_x_bytes(T * K, VB) bytes, split as the kernel splits it
+  std::vector<uint2> smem(mma_x_bytes(int64_t(T) * K, VB) / sizeof(uint2));
+  uint2* xd = smem.data();
+  float* xe = reinterpret_cast<float*>(xd + T * (K / 8 * 3));
+  float* xsum = xe + T * (K / VB);
+  if (reinterpret_cast<char*>(xsum + T * (K / VB)) != reinterpret_cast<char*>(smem.data() + smem.size())) {
+    std::printf("FAIL tokens: mma_x_bytes(T * K) is not the staged layout's size\n");
+    return false;
+  }
+  if (!stage_row<BITS, NG>(x.data(), T * K, xd, xe, xsum)) return false;
+  const MmaTokens tok = mma_tokens(T, K, VB);
+  int mismatches = 0;
+  for (int k = 0; k < T; ++k) {
+    const MmaTokenX v = mma_token_x(xd, xe, xsum, tok, k);
+    if (reinterpret_cast<uintptr_t>(v.xd) % 16 != 0) {
+      std::printf("FAIL tokens: token %d's digits are not 16-byte aligned\n", k);
+      return false;
+    }
+    float acc_t[32][2], acc_1[32][2];
+    tile_acc<BITS, NG>(w, sc, bi, K, group, v.xd, v.xe, v.xsum, acc_t);
+    std::vector<uint2> xd1(K / 8 * 3);
+    std::vector<float> xe1(K / VB), xsum1(K / VB);
+    if (!stage_row<BITS, NG>(x.data() + size_t(k) * K, K, xd1.data(), xe1.data(), xsum1.data())) return false;
+    tile_acc<BITS, NG>(w, sc, bi, K, group, xd1.data(), xe1.data(), xsum1.data(), acc_1);
+    for (int row = 0; row < rows; ++row) {
+      const float a = quad_sum(acc_t, row), b = quad_sum(acc_1, row);
+      if (std::memcmp(&a, &b, 4) != 0) ++mismatches;
+    }
+  }
+  const bool ok = mismatches == 0;
+  std::printf("%s tokens bits %d group %3d NG %d K %5d T %2d: %d of %d rows differ from one-token\n",
+              ok ? "ok  " : "FAIL", BITS, group, NG, K, T, mismatches, T * rows);
+  return ok;
+}
+
+// Which short prompts take the multi-token GEMV (gemv_plan.h's mma_tokens_shape): every layer matrix of
+// the model at T = 2..16 (its 4-bit parts, the largest 8192 x 2048, and out_proj's 2048 x 4096); not one
+// token or 17; not the 8-bit 257-row router or one-row shared gate; not the 248,320-row lm_head at any T
+// (all_logits' 16-row blocks: the wgmma GEMM streams its weights once), nor a matrix past 2^28
+// multiply-adds.
+static bool run_tokens_shape_case() {
+  struct Case {
+    int bits;
+    int64_t rows, cols, T;
+    bool taken;
+  };
+  const Case cases[] = {
+      {4, 8192, 2048, 16, true},  {4, 8192, 2048, 2, true},     {4, 4096, 2048, 11, true},
+      {4, 2048, 4096, 16, true},  {4, 32, 2048, 16, true},      {4, 512, 2048, 9, true},
+      {8, 1024, 2048, 16, true},  {4, 8192, 2048, 1, false},    {4, 8192, 2048, 17, false},
+      {8, 257, 2048, 4, false},   {8, 1, 2048, 4, false},       {4, 248320, 2048, 16, false},
+      {4, 248320, 2048, 12, false}, {4, 248320, 2048, 2, false}, {4, 12352, 2048, 16, false},
+      {4, 16400, 2048, 12, false},
+  };
+  int wrong = 0;
+  for (const Case& c : cases)
+    if (mma_tokens_shape(c.bits, c.rows, c.cols, c.T) != c.taken) {
+      std::printf("FAIL tokens shape: %d-bit %lld x %lld, T %lld: %s\n", c.bits, (long long)c.rows,
+                  (long long)c.cols, (long long)c.T, c.taken ? "not taken" : "taken");
+      ++wrong;
+    }
+  std::printf("%s tokens shapes: %d of %d routed wrongly\n", wrong ? "FAIL" : "ok  ", wrong,
+              int(sizeof(cases) / sizeof(cases[0])));
+  return wrong == 0;
+}
+
 int main() {
   std::mt19937 rng(7);
   bool ok = true;
@@ -180,6 +283,13 @@ int main() {
     ok &= run_case<8, 2>(512, 32, xs, rng);
     ok &= run_case<8, 1>(256, 128, xs, rng);
   }
+  for (int T : {2, 5, 8}) {
+    ok &= run_tokens_case<4, 2>(2048, 64, T, rng);
+    ok &= run_tokens_case<4, 1>(384, 128, T, rng);
+    ok &= run_tokens_case<8, 2>(512, 32, T, rng);
+    ok &= run_tokens_case<8, 1>(256, 128, T, rng);
+  }
+  ok &= run_tokens_shape_case();
   std::printf(ok ? "gemv_mma_emu: all passed\n" : "gemv_mma_emu: FAILED\n");
   return ok ? 0 : 1;
 }

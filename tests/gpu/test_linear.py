@@ -52,6 +52,21 @@ def both(m: dict):
     return ops.QMatrix("cpu", **m), ops.QMatrix("cuda", **m)
 
 
+def gemv_mma_tokens(m: dict, T: int) -> bool:
+    """Whether T tokens of m take the multi-token integer GEMV (linear.cu's gemv_mma_tokens_matrix): T = 2..16,
+    4-bit (any rows) or 8-bit from 1024 rows, T x rows x cols <= 2^28 (gemv_plan.h's mma_tokens_shape), BF16
+    scales, a group of a whole or half a 64-byte row segment, whole segments, one token's staged x within 96 KB."""
+    bits, group, cols = m.get("bits", 0), m.get("group_size", 0), m["cols"]
+    if bits not in (4, 8) or m.get("scale_dtype") != "BF16" or (bits == 8 and m["rows"] < 1024):
+        return False
+    if not 2 <= T <= 16 or T * m["rows"] * cols > 1 << 28:
+        return False
+    vals = 512 // bits
+    if group & (group - 1) or not (group >= vals or 2 * group == vals) or cols % vals:
+        return False
+    return cols // 8 * 24 + cols // min(group, vals) * 8 <= 96 * 1024
+
+
 def path_of(m: dict, T: int) -> str:
     """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
     fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
@@ -59,6 +74,8 @@ def path_of(m: dict, T: int) -> str:
         return "linear_gemm"  # dense BF16 weights on the mma.sync GEMM (use_dense_gemm)
     if not fast:
         return "linear_generic"
+    if gemv_mma_tokens(m, T):
+        return "linear_gemv"  # the multi-token integer GEMV (use_gemv_mma_tokens)
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
     staged = nt * m["cols"] * (4 + m["bits"] / 32)  # x and one sum per 16-byte chunk, per CTA
     if T <= 8 and staged <= 96 * 1024:
@@ -136,7 +153,7 @@ def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
     (4000, 1024, 64, 1100),  # 128-row tiles (>= one CTA per SM), partial row and column tiles
     (4096, 2048, 128, 2048),  # 128-row tiles, full; one group over two k-tiles
     (4000, 1024, 32, 1100),  # group 32: two groups per k-tile (64-row tiles)
-    (300, 128, 64, 9), (300, 128, 64, 65), (300, 128, 64, 300),  # 64-row tiles, two k-tiles, partial tiles
+    (300, 128, 64, 17), (300, 128, 64, 65), (300, 128, 64, 300),  # 64-row tiles, two k-tiles, partial tiles
     (40, 256, 32, 77),  # fewer outputs than the 256-row weight box of the TMA loads, group 32
     (1, 128, 64, 20),  # one output (the shared-expert gate's shape), fewer rows than one tile
 ])
@@ -189,6 +206,76 @@ def test_linear_gemv_mma_shapes(bits, group, rows, segs, gpu_tol):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_gemv", gpu_tol)
 
 
+# Short prompts on the multi-token integer GEMV (kernels/gemv_mma_tokens.cuh): each token's row must equal
+# its one-token product bit for bit (>= 1024 rows: one token takes the integer GEMV too). Group sizes of
+# a whole or half a segment, odd T, T past one launch (9..16: two launches; K = 8192 at 4 bits: at most 6
+# tokens a launch, so 8 = 4 + 4 and 16 = 5 + 5 + 6), rows that leave a tile partial, K-parts uneven or
+# empty, both stack entries.
+TOKEN_SHAPES = [(1031, 5), (1057, 17), (2000, 40), (1100, 64)]
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 32), (8, 64), (8, 128)])
+@pytest.mark.parametrize("rows,segs", TOKEN_SHAPES)
+@pytest.mark.parametrize("T", [2, 3, 5, 8, 11, 16])
+def test_linear_gemv_mma_tokens_bitwise(bits, group, rows, segs, T, gpu_tol):
+    cols = segs * 512 // bits
+    if cols % group:
+        pytest.skip("group does not divide the row")
+    rng = np.random.default_rng(rows * 13 + segs + bits + group + T)
+    m = random_matrix(rng, 2, rows, cols, bits, group, "BF16")
+    assert gemv_mma_tokens(m, T) and path_of(m, T) == "linear_gemv"
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32) * np.exp2(rng.integers(-6, 7, (T, cols)))
+    for e in (0, 1):
+        y = ops.linear(wg, e, x)
+        for t in range(T):
+            one = ops.linear(wg, e, x[t:t + 1])
+            assert np.array_equal(y[t:t + 1], one), f"token {t} of {T} (entry {e}) differs from its one-token product"
+        check(y, ops.linear(wc, e, x), "linear_gemv", gpu_tol)
+
+
+# 4-bit matrices with fewer rows than one token's integer GEMV takes (GDN's 32-row in_proj_b / in_proj_a,
+# one row, a partial tile) and the model's dense shapes: the multi-token GEMV against the CPU, deterministic.
+@pytest.mark.parametrize("rows,cols", [(32, 2048), (1, 256), (37, 384), (600, 2048), (8192, 2048), (2048, 4096),
+                                       (512, 2048)])
+@pytest.mark.parametrize("T", [2, 4, 9, 11, 16])
+def test_linear_gemv_mma_tokens_small(rows, cols, T, gpu_tol):
+    rng = np.random.default_rng(rows + cols + T)
+    m = random_matrix(rng, 1, rows, cols, 4, 64, "BF16")
+    assert path_of(m, T) == "linear_gemv"
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    y = ops.linear(wg, 0, x)
+    check(y, ops.linear(wc, 0, x), "linear_gemv", gpu_tol)
+    assert np.array_equal(y, ops.linear(wg, 0, x))
+
+
+@pytest.mark.parametrize("rows, T, taken", [(8192, 16, True), (8192, 9, True), (16400, 9, False), (16400, 16, False)])
+def test_linear_tokens_work_cap(rows, T, taken, gpu_tol):
+    # Past 2^28 multiply-adds (T x rows x cols; the 248,320-row lm_head's blocks of 16 rows, and any T of
+    # it) a short prompt keeps the wgmma GEMM (gemv_plan.h's mma_tokens_shape): linear_xb_supported, which
+    # refuses the multi-token GEMV's products, says which kernel runs.
+    rng = np.random.default_rng(rows + T)
+    m = random_matrix(rng, 1, rows, 2048, 4, 64, "BF16")
+    assert gemv_mma_tokens(m, T) == taken
+    wc, wg = both(m)
+    assert ops.linear_xb_supported(wg, T) == (not taken)
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
+
+
+@pytest.mark.parametrize("T", [2, 7, 11])
+def test_linear_add_tokens(T):
+    # linear_add of a short prompt: the multi-token GEMV adds into res in its epilogue, the same fp32 add
+    # as linear then add
+    rng = np.random.default_rng(50 + T)
+    m = random_matrix(rng, 1, 2048, 4096, 4, 64, "BF16")
+    w = ops.QMatrix("cuda", **m)
+    x = rng.standard_normal((T, 4096)).astype(np.float32)
+    res = rng.standard_normal((T, 2048)).astype(np.float32)
+    assert np.array_equal(ops.linear_add(w, x, res), res + ops.linear(w, 0, x))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_linear_gemv_nonfinite(bits):
     # NaN and Inf in x reach every output, as in the fp32 product (the tensor-core GEMV scales x per block)
@@ -201,6 +288,19 @@ def test_linear_gemv_nonfinite(bits):
         ref, out = ops.linear(wc, 0, x), ops.linear(wg, 0, x)
         assert not np.isfinite(ref).any()
         assert not np.isfinite(out).any()
+
+
+def test_linear_gemv_mma_tokens_nonfinite():
+    # NaN / Inf in one token of a short prompt reach that token's outputs only
+    rng = np.random.default_rng(21)
+    m = random_matrix(rng, 1, 1040, 1024, 4, 64, "BF16")
+    wg = ops.QMatrix("cuda", **m)
+    for bad in (np.nan, np.inf):
+        x = rng.standard_normal((5, 1024)).astype(np.float32)
+        x[3, 700] = bad
+        y = ops.linear(wg, 0, x)
+        assert not np.isfinite(y[3]).any()
+        assert np.isfinite(np.delete(y, 3, axis=0)).all()
 
 
 def test_linear_deterministic():

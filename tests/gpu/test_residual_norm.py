@@ -22,7 +22,8 @@ ops = _core.ops
 
 
 # (T, rows, cols, bits, group): the fused kernel (T = 1, >= 1024 rows, 4/8-bit, BF16 scales) at the real
-# out_proj / o_proj shapes and small-D norm mappings; the fallback (T = 2, group 32 at 4 bits, few rows)
+# out_proj / o_proj shapes and small-D norm mappings; two tokens (the multi-token GEMV adding in its
+# epilogue, then rms_norm); the fallback (group 32 at 4 bits, few rows)
 CASES = [(1, 2048, 4096, 4, 64), (1, 2048, 2048, 8, 64), (1, 1024, 512, 4, 128), (1, 1040, 256, 4, 64),
          (1, 1026, 256, 4, 64),
          (2, 2048, 1024, 4, 64), (1, 2048, 512, 4, 32), (1, 96, 64, 4, 64)]

@@ -225,14 +225,13 @@ __device__ __forceinline__ void mma_stage_octet(const float (&v)[8], int o, int 
 }
 
 // Stages x [K] into a CTA's shared memory (mma_stage_octet). x_at(o) is the address of octet o (8
-// consecutive floats, 16-byte aligned). Each thread takes one octet per round. The loads of
-// MMA_STAGE_ROUNDS rounds are issued together (one memory latency for K <= MMA_STAGE_ROUNDS * 8 *
-// blockDim.x: the model's 2,048 to 4,608 values), then the rounds are converted in order. Every thread
-// must call it; the caller synchronises afterwards.
+// consecutive floats, 16-byte aligned). Each thread takes one octet per round. The loads of NR rounds
+// (MMA_STAGE_ROUNDS, or the multi-token kernel's more for its T rows) are issued together (one memory
+// latency for K <= NR * 8 * blockDim.x: with 3, the model's 2,048 to 4,608 values), then the rounds are
+// converted in order. Every thread must call it; the caller synchronises afterwards.
 constexpr int MMA_STAGE_ROUNDS = 3;
-template <int BITS, int VB, class XAt>
+template <int BITS, int VB, class XAt, int NR = MMA_STAGE_ROUNDS>
 __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, float* xe, float* xsum) {
-  constexpr int NR = MMA_STAGE_ROUNDS;
   const int octets = K / 8;
   for (int base = 0; base < octets; base += NR * blockDim.x) {  // uniform over the CTA: full warps shuffle
     float4 raw[NR][2];
@@ -412,6 +411,12 @@ struct MmaSplit {
   }
 };
 
+// Tokens of a multi-token body (NT > 1, gemv_mma_tokens.cuh): n <= NT tokens staged one after the other,
+// token k's digits at xd + k * xd_stride (uint2), its e_u and xsum_u at xe, xsum + k * xe_stride.
+struct MmaTokens {
+  int n, xd_stride, xe_stride;
+};
+
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
 // (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
 // and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
@@ -419,12 +424,16 @@ struct MmaSplit {
 // synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
 // memory latency.
 // Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
-// row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end).
-template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>>
+// row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end); with
+// NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.
+// NT > 1 (tok.n tokens): Segment::run takes acc[NT][2] and tok; each token's sums take the one-token
+// order (quad xor shuffles, K-parts ascending), so a token's row equals the NT = 1 body's bit for bit.
+template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>,
+          int NT = 1>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
-                                              const After& after) {
-  __shared__ float red[2][MMA_WARPS][16];
+                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0}) {
+  __shared__ float red[2][MMA_WARPS][NT * 16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
   const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
@@ -432,7 +441,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
   const int units = max(my_passes, 0) * sp.upp;
   const MmaLane<BITS, NG> L(lane);
-  float acc[2] = {0.f, 0.f};
+  float acc[NT][2] = {};
 
   // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
   int lpass = int(blockIdx.x), lu = 0;
@@ -458,27 +467,48 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     const int first = seg0 + cu * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i)
-      if (first + i < seg1) Segment::run(L, st, i, first + i, xd, xe, xsum, acc);  // warp-uniform
+      if (first + i < seg1) {  // warp-uniform
+        if constexpr (NT == 1) Segment::run(L, st, i, first + i, xd, xe, xsum, acc[0]);
+        else Segment::run(L, st, i, first + i, xd, xe, xsum, acc, tok);
+      }
     if (++cu < sp.upp) return;
     // end of a pass: quad sum, then the tile's K-parts in ascending order
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
-      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    for (int k = 0; k < NT; ++k)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        acc[k][r] += __shfl_xor_sync(0xffffffffu, acc[k][r], 1);
+        acc[k][r] += __shfl_xor_sync(0xffffffffu, acc[k][r], 2);
+      }
+    float(*rd)[NT * 16] = red[parity];
+    if (L.t == 0) {
+#pragma unroll
+      for (int k = 0; k < NT; ++k) rd[warp][16 * k + L.g] = acc[k][0], rd[warp][16 * k + L.g + 8] = acc[k][1];
     }
-    float(*rd)[16] = red[parity];
-    if (L.t == 0) rd[warp][L.g] = acc[0], rd[warp][L.g + 8] = acc[1];
-    acc[0] = acc[1] = 0.f;
+#pragma unroll
+    for (int k = 0; k < NT; ++k) acc[k][0] = acc[k][1] = 0.f;
     __syncthreads();
     const int tid = int(threadIdx.x);
-    if (tid < sp.rt * 16) {
-      const int t2 = tid / 16, r = tid % 16, tile = cpass * sp.rt + t2;
-      auto row_sum = [&](int rr) {
-        float v = 0.f;
-        for (int k = 0; k < sp.ks; ++k) v += rd[t2 * sp.ks + k][rr];
-        return v;
-      };
-      if (tile < tiles) rows.finish(tile, r, row_sum);
+    if constexpr (NT == 1) {
+      if (tid < sp.rt * 16) {
+        const int t2 = tid / 16, r = tid % 16, tile = cpass * sp.rt + t2;
+        auto row_sum = [&](int rr) {
+          float v = 0.f;
+          for (int k = 0; k < sp.ks; ++k) v += rd[t2 * sp.ks + k][rr];
+          return v;
+        };
+        if (tile < tiles) rows.finish(tile, r, row_sum);
+      }
+    } else {
+      for (int i = tid; i < sp.rt * NT * 16; i += MMA_THREADS) {  // (tile, token, row): the same sums as NT = 1
+        const int t2 = i / (NT * 16), k = i / 16 % NT, r = i % 16, tile = cpass * sp.rt + t2;
+        auto row_sum = [&](int rr) {
+          float v = 0.f;
+          for (int kk = 0; kk < sp.ks; ++kk) v += rd[t2 * sp.ks + kk][16 * k + rr];
+          return v;
+        };
+        if (tile < tiles && k < tok.n) rows.finish_token(tile, r, k, row_sum);
+      }
     }
     cu = 0, cpass += int(gridDim.x), parity ^= 1;
   };
@@ -523,6 +553,13 @@ struct MmaLinearRows {
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
     if (o < rows) y[o] = accumulate ? y[o] + row_sum(r) : row_sum(r);
+  }
+  // Token k of a multi-token product: y [tokens, rows], row-major.
+  template <class Sum>
+  __device__ __forceinline__ void finish_token(int tile, int r, int k, const Sum& row_sum) const {
+    const int o = tile * 16 + r;
+    float* yk = y + int64_t(k) * rows;
+    if (o < rows) yk[o] = accumulate ? yk[o] + row_sum(r) : row_sum(r);
   }
 };
 
