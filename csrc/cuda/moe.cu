@@ -7,7 +7,8 @@
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
 //      moe_add, moe_add_rms_norm, moe_rms_normed_add);
 //   moe_rms_normed_add (where moe_rms_normed_supported): the fused router and moe_up stage rms_norm(x) * w
-//   of the residual row x themselves (their NORM_IN instances), and moe_down adds into x;
+//   of the residual row x themselves (their NORM_IN instances), and moe_down adds into x; all three as
+//   one kernel where its grid fits at once (kernels/moe_block.cuh, moe_block_plan);
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
 //   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
@@ -28,6 +29,7 @@
 #include <array>
 
 #include "cuda_ops.h"
+#include "kernels/moe_block.cuh"
 #include "kernels/moe_decode.cuh"
 #include "kernels/moe_mma.cuh"
 #include "kernels/moe_router.cuh"
@@ -336,6 +338,63 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
   LILY_CUDA_LAUNCHED();
 }
 
+// moe_block_kernel's split of its grid: the plans (K splits) of the unfused moe_up_mma / moe_down_mma, so
+// its passes compute their bits, each phase on at most the CTAs the block kernel keeps resident.
+struct MoeBlockPlan {
+  int ks_up, ks_down, router_ctas, up_ctas, down_ctas, grid, stage_bytes;
+  size_t smem;
+};
+
+template <int BITS, int NG>
+static MoeBlockPlan moe_block_plan(const MoeWeights& w, int64_t H, int top_k) {
+  constexpr int VB = MmaSeg<BITS>::VALS / NG;
+  const int64_t I = w.gate_proj->rows, Is = w.shared_gate_proj->rows, E = w.router->rows;
+  const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
+  const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(moe_up_mma_kernel<BITS, NG, false>), up_smem,
+                              ceil_div<int64_t>(top_k * I + Is, 8), H / MmaSeg<BITS>::VALS, 1, true);
+  const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(moe_down_mma_kernel<BITS, NG>), down_smem,
+                              ceil_div<int64_t>(H, 16), (top_k * I + Is) / MmaSeg<BITS>::VALS, 1, true);
+  MoeBlockPlan b{};
+  b.stage_bytes = int(ceil_div<size_t>(std::max(up_smem, down_smem), 16) * 16);
+  b.smem = size_t(b.stage_bytes) + size_t(ROUTER_COLS) * 4;
+  int per_sm = 0;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_block_kernel<BITS, NG>, MMA_THREADS,
+                                                                b.smem));
+  const int resident = num_sms() * per_sm;
+  b.ks_up = pu.ks, b.ks_down = pd.ks;
+  b.router_ctas = int(ceil_div<int64_t>(E + 1, MMA_WARPS));
+  b.up_ctas = std::min(pu.grid, resident), b.down_ctas = std::min(pd.grid, resident);
+  b.grid = std::max({b.router_ctas, b.up_ctas, b.down_ctas});
+  if (b.grid > resident) b.grid = 0;  // not all resident at once: the unfused chain
+  return b;
+}
+
+// The decode MoE block as one kernel (moe_rms_normed_add, T = 1), where its grid fits; false: not launched.
+template <int BITS, int NG>
+static bool launch_moe_block(const MoeWeights& w, const Tensor& x, const ops::MoeScratch& s, int top_k,
+                             const NormIn& norm_in) {
+  static const bool configured = [] {
+    allow_gemv_smem(moe_block_kernel<BITS, NG>);
+    return true;
+  }();
+  (void)configured;
+  const int64_t H = x.dim(1);
+  const MoeBlockPlan b = moe_block_plan<BITS, NG>(w, H, top_k);
+  if (b.grid == 0) return false;
+  MoeBlockParams q{};
+  q.mma = MoeMmaParams{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
+                       affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
+                       x.ptr<float>(), nullptr, nullptr, nullptr, s.gate.ptr<float>(), x.ptr<float>(), top_k,
+                       int(s.gate.dim(1)), log2_of(w.gate_proj->group_size), b.ks_up, b.ks_down, true, NormTail{},
+                       norm_in};
+  q.router = affine_stack(*w.router), q.gate = affine_stack(*w.shared_expert_gate);
+  q.logits = s.router_logits.ptr<float>(), q.gate_logit = s.shared_gate.ptr<float>();
+  q.router_ctas = b.router_ctas, q.up_ctas = b.up_ctas, q.down_ctas = b.down_ctas, q.stage_bytes = b.stage_bytes;
+  launch(moe_block_kernel<BITS, NG>, dim3(unsigned(b.grid)), MMA_THREADS, b.smem, q);
+  LILY_CUDA_LAUNCHED();
+  return true;
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up.
@@ -353,6 +412,14 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
+  if (normed) {  // one kernel for the block where it fits
+    const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;
+    const bool one = w.gate_proj->bits == 4 ? (half ? launch_moe_block<4, 2>(w, h, s, top_k, norm_in)
+                                                    : launch_moe_block<4, 1>(w, h, s, top_k, norm_in))
+                                            : (half ? launch_moe_block<8, 2>(w, h, s, top_k, norm_in)
+                                                    : launch_moe_block<8, 1>(w, h, s, top_k, norm_in));
+    if (one) return;
+  }
   const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})

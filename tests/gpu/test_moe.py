@@ -126,6 +126,22 @@ def test_moe_decode_router_normed(E, top_k, bits, group):
         assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k))
 
 
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64), (8, 32)])
+def test_moe_block_real_dims(bits, group):
+    # The model's dims (256 experts, top-8, H 2048, I = Is = 512) on moe_block_kernel, the block as one kernel
+    # (router, up and down phases handing over through device counters; kernels/moe_block.cuh), with one and
+    # two weight groups a segment: its output equals rms_norm then the three-kernel moe_add chain bit for bit,
+    # launch after launch (the counters go back to zero at exit: a stuck one would trap the next launch).
+    rng = np.random.default_rng(3000 + bits + group)
+    _, gpu = moe_weights(rng, 256, 2048, 512, 512, bits, group, "BF16", 8)
+    for _ in range(4):
+        res = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 30.0, 2048)).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+        got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, 8)
+        assert fused
+        assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, 8))
+
+
 @pytest.mark.parametrize("T", [19, 300])
 def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which

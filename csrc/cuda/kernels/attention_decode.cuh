@@ -106,14 +106,6 @@ struct DecodePrepParams {
   float inv_freq[kMaxPrepHalf];  // as RopeParams: host double pow rounded to float
 };
 
-// PTX release / acquire patterns at GPU scope (the merge's arrival protocol).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // What the prep needs that is known before the wait: norm weights (lane's float4s i = lane + 32 k)
 // and the rotation of pairs j = lane + 32 k at pos0.
 template <int kD>

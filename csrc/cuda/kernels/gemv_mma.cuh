@@ -261,7 +261,8 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 // (thread t adds sq4 of float4s t, t + MMA_THREADS, ... of x, then the same block_sum), their
 // s = 1 / sqrt(ss / K + eps), and (x * s) * w as they store it (norm_scale4).
 // One load of x and w: a thread loads its octet of both and shares the squares of its two float4s of x
-// through shared memory (sq4 of the same float4 gives the same bits in any thread). w, a constant weight,
+// through shared memory (sq4 of the same float4 gives the same bits in any thread). With hout, h is also
+// stored there as floats ([K], 16-byte aligned: moe_block's router reads it). w, a constant weight,
 // is read before wait() (the PDL wait, after which x may be read): ptxas then issues its loads with x's
 // rather than sinking them towards their use (moe_up_mma_kernel, which waits before it reads the expert
 // ids, passes a no-op: w and x load together after its wait). Every thread must call it; the caller
@@ -269,7 +270,7 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
 template <int BITS, int VB, class Wait>
 __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
-                                                   float* xsum, const Wait& wait) {
+                                                   float* xsum, const Wait& wait, float* hout = nullptr) {
   __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
   const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
   const float4* w4 = reinterpret_cast<const float4*>(n.w) + 2 * o;
@@ -286,6 +287,8 @@ __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn&
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(K) + n.eps);
   const float4 h0 = norm_scale4(a[0], s, b[0]), h1 = norm_scale4(a[1], s, b[1]);
+  if (hout != nullptr && tid < octets)
+    reinterpret_cast<float4*>(hout)[2 * tid] = h0, reinterpret_cast<float4*>(hout)[2 * tid + 1] = h1;
   const float v[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
   mma_stage_octet<BITS, VB>(v, tid, octets, xd, xe, xsum);
 }
@@ -417,8 +420,15 @@ struct MmaTokens {
   int n, xd_stride, xe_stride;
 };
 
+// Which CTA of how many runs a GEMV body: a kernel's own blockIdx.x of gridDim.x, or (moe_block.cuh) a phase's
+// share of a persistent grid.
+struct MmaGrid {
+  int cta, ctas;
+};
+__device__ __forceinline__ MmaGrid mma_launch_grid() { return {int(blockIdx.x), int(gridDim.x)}; }
+
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
+// (virtual) row; passes over tiles are strided by grid.ctas (CTA grid.cta takes passes cta, cta + ctas, ...). before() runs before the loads of units 0
 // and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
 // CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
 // synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
@@ -432,19 +442,20 @@ template <int BITS, int NG, class Rows, class Before, class After, class Segment
           int NT = 1>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
-                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0}) {
+                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0},
+                                              const MmaGrid grid = mma_launch_grid()) {
   __shared__ float red[2][MMA_WARPS][NT * 16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
   const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
   const int passes = (tiles + sp.rt - 1) / sp.rt;
-  const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+  const int my_passes = (passes - grid.cta + grid.ctas - 1) / grid.ctas;
   const int units = max(my_passes, 0) * sp.upp;
   const MmaLane<BITS, NG> L(lane);
   float acc[NT][2] = {};
 
   // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
-  int lpass = int(blockIdx.x), lu = 0;
+  int lpass = grid.cta, lu = 0;
   typename Rows::Ref ref0, ref1;
   auto resolve = [&](int pass) {
     const int tile = min(pass * sp.rt + tl, tiles - 1);
@@ -458,11 +469,11 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
       mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg), L.t);
     }
     if (++lu < sp.upp) return;
-    lu = 0, lpass += int(gridDim.x);
+    lu = 0, lpass += grid.ctas;
     if (lpass < passes) resolve(lpass);
   };
   // computes: pass cpass, unit cu; pass sums double-buffered in red by pass parity
-  int cpass = int(blockIdx.x), cu = 0, parity = 0;
+  int cpass = grid.cta, cu = 0, parity = 0;
   auto compute = [&](const MmaStage& st, int) {
     const int first = seg0 + cu * MMA_SPU;
 #pragma unroll
@@ -510,7 +521,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
         if (tile < tiles && k < tok.n) rows.finish_token(tile, r, k, row_sum);
       }
     }
-    cu = 0, cpass += int(gridDim.x), parity ^= 1;
+    cu = 0, cpass += grid.ctas, parity ^= 1;
   };
   // Units 0 and 1 are both requested before after() (which waits on the previous kernel and stages
   // x), then unit j + 2 as soon as unit j is computed: two units in flight throughout.

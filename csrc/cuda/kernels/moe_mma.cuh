@@ -46,6 +46,8 @@ struct MmaMoeUpRows {
   const MoeMmaParams& p;
   const int32_t* ids;  // [K] of this token, in shared memory
   int t;
+  const float* topk_w;    // [K] this token's routing weights
+  const float* shared_w;  // [1] its shared expert gate (sigmoid)
   __device__ __forceinline__ int total() const { return p.K * p.gate.rows + p.shared_gate.rows; }
   // pair -> slot s and row i of that slot's matrices
   __device__ __forceinline__ void slot_of(int pair, int& s, int& i) const {
@@ -71,7 +73,7 @@ struct MmaMoeUpRows {
     if (r >= 8 || pair >= total()) return;
     int s, i;
     slot_of(pair, s, i);
-    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    const float w = s < p.K ? topk_w[s] : *shared_w;
     p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = w * silu(row_sum(r)) * row_sum(r + 8);
   }
 };
@@ -122,14 +124,15 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
   __syncthreads();
 }
 
-// The down product's slot matrices of token t, read BEFORE the wait: the expert ids come from the
-// router (or moe_topk) two launches earlier (moe_up runs in between), and every kernel waits before it
-// triggers, so they are complete when moe_down starts (docs/cuda.md, the PDL rule's exception). The
-// chosen experts' first down weights are then requested while moe_up finishes.
+// The down product's slot matrices of a token whose expert ids are ids [K]. moe_down_mma reads them BEFORE
+// the wait: the expert ids come from the router (or moe_topk) two launches earlier (moe_up runs in
+// between), and every kernel waits before it triggers, so they are complete when moe_down starts
+// (docs/cuda.md, the PDL rule's exception). The chosen experts' first down weights are then requested
+// while moe_up finishes.
 template <int BITS>
-__device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
+__device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, const int32_t* ids, MmaMoeSlots& slots) {
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
-    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows, p.group_shift)
+    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(ids[k]) * p.down.rows, p.group_shift)
                          : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
   __syncthreads();
 }
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
-  const MmaMoeUpRows<BITS> rows{p, ids, t};
+  const MmaMoeUpRows<BITS> rows{p, ids, t, p.topk_w + t * p.K, p.shared_w + t};
   auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
   float* xsum = xe + Kv / VB;
   const MmaMoeDownRows<BITS> rows{p, slots, t, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
-  auto ids_in = [&] { moe_mma_slots<BITS>(p, t, slots); };
+  auto ids_in = [&] { moe_mma_slots<BITS>(p, p.topk_id + t * p.K, slots); };
   auto stage = [&] {  // act comes from moe_up, the kernel before
     pdl_wait();
     pdl_trigger();
