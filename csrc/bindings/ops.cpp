@@ -5,11 +5,17 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <limits>
 #include <vector>
 
 #include "../ops/ops.h"
+#ifdef LILY_WITH_CUDA
+namespace lily::cuda {
+std::vector<unsigned long long> moe_block_stamps();  // DIAGNOSTIC (to be removed)
+}
+#endif
 #include "arrays.h"
 
 namespace nb = nanobind;
@@ -160,6 +166,9 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(y), one_kernel);
   }, nb::arg("w"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"),
      "(rms_norm(res) * weight W^T, whether it ran as one kernel: linear_rms_normed_supported).");
+#ifdef LILY_WITH_CUDA
+  m.def("moe_block_stamps", [] { return cuda::moe_block_stamps(); });  // DIAGNOSTIC (to be removed)
+#endif
   m.def("rms_norm", [](const std::string& device, const F32In& x, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), wi = f32(d, w), y(d, DType::F32, shape_of(x));

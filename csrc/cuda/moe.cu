@@ -395,6 +395,14 @@ static bool launch_moe_block(const MoeWeights& w, const Tensor& x, const ops::Mo
   return true;
 }
 
+// DIAGNOSTIC (to be removed): the last moe_block launch's per-CTA globaltimer stamps, [CTAs x 8] and the grid.
+std::vector<unsigned long long> moe_block_stamps() {
+  std::vector<unsigned long long> v(size_t(MOE_BLOCK_STAMP_CTAS) * MOE_BLOCK_STAMPS);
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  LILY_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_moe_block_stamps, v.size() * 8));
+  return v;
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up.

@@ -36,6 +36,15 @@
 namespace lily::cuda {
 
 __device__ unsigned g_moe_block_counters[3];  // 0 between launches (moe_block_kernel's last CTA resets them)
+constexpr int MOE_BLOCK_STAMPS = 8, MOE_BLOCK_STAMP_CTAS = 512;  // DIAGNOSTIC (to be removed)
+__device__ unsigned long long g_moe_block_stamps[MOE_BLOCK_STAMP_CTAS][MOE_BLOCK_STAMPS];
+__device__ __forceinline__ void moe_block_stamp(int k) {
+  if (threadIdx.x == 0 && blockIdx.x < MOE_BLOCK_STAMP_CTAS) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    g_moe_block_stamps[blockIdx.x][k] = t;
+  }
+}
 
 struct MoeBlockParams {
   MoeMmaParams mma;           // the experts; mma.h = the residual row x = mma.out, accumulate, norm_in set
@@ -113,6 +122,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
   float* h = reinterpret_cast<float*>(reinterpret_cast<char*>(xd) + q.stage_bytes);
   const bool router = b < q.router_ctas;
   const int row = b * MMA_WARPS + warp;
+  moe_block_stamp(0);
 
   GemvStage<4> rw;  // the warp's router row: constant weights, requested before the wait
   if (router) {
@@ -129,6 +139,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
     pdl_trigger();
   }, router ? h : nullptr);
   __syncthreads();
+  moe_block_stamp(1);
 
   if (router) {
     if (row <= E) {
@@ -136,6 +147,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
       if (lane == 0) *(row < E ? q.logits + row : q.gate_logit) = l;
     }
     moe_block_arrive(&g_moe_block_counters[0]);
+    moe_block_stamp(2);
   }
 
   auto route = [&] {  // counter 0, then the routing into shared memory (the same bits in every CTA)
@@ -148,6 +160,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
       shared_w = moe_sigmoid(__ldcg(q.gate_logit));
     }
     __syncthreads();
+    moe_block_stamp(3);
   };
   const MmaMoeUpRows<BITS> up{p, ids, 0, topk_w, &shared_w};
   const int Su = H / S::VALS;
@@ -156,6 +169,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
                             MmaTokens{1, 0, 0}, MmaGrid{b, q.up_ctas});
   else
     route();
+  moe_block_stamp(4);
   moe_block_arrive(&g_moe_block_counters[1]);
 
   if (b < q.down_ctas) {
@@ -166,6 +180,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
     auto slots_in = [&] { moe_mma_slots<BITS>(p, ids, slots); };
     auto stage = [&] {  // act from every CTA's up passes; this CTA's own staged h is no longer read
       moe_block_wait(&g_moe_block_counters[1], unsigned(G));
+      moe_block_stamp(5);
       mma_stage_x<BITS, VB>(
           [&](int o) {
             const int j = 8 * o, s = j < KI ? j / I : p.K;
@@ -176,6 +191,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
     };
     mma_gemv_body<BITS, NG>(down, (p.down.rows + 15) / 16, Sd, MmaSplit(p.ks_down, Sd), xd, xe_d, xsum_d,
                             slots_in, stage, MmaTokens{1, 0, 0}, MmaGrid{b, q.down_ctas});
+    moe_block_stamp(6);
   }
 
   __syncthreads();
@@ -184,6 +200,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
     if (atomicAdd(&g_moe_block_counters[2], 1u) == unsigned(G) - 1u)
       g_moe_block_counters[0] = g_moe_block_counters[1] = g_moe_block_counters[2] = 0u;
   }
+  moe_block_stamp(7);
 }
 
 }  // namespace lily::cuda
