@@ -27,6 +27,7 @@
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 
 #include "cuda_ops.h"
 #include "kernels/moe_block.cuh"
@@ -380,7 +381,8 @@ static bool launch_moe_block(const MoeWeights& w, const Tensor& x, const ops::Mo
   (void)configured;
   const int64_t H = x.dim(1);
   const MoeBlockPlan b = moe_block_plan<BITS, NG>(w, H, top_k);
-  if (b.grid == 0) return false;
+  static const char* env_off = std::getenv("LILY_MOE_BLOCK_OFF");  // DIAGNOSTIC
+  if (b.grid == 0 || env_off) return false;
   MoeBlockParams q{};
   q.mma = MoeMmaParams{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                        affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
@@ -390,6 +392,8 @@ static bool launch_moe_block(const MoeWeights& w, const Tensor& x, const ops::Mo
   q.router = affine_stack(*w.router), q.gate = affine_stack(*w.shared_expert_gate);
   q.logits = s.router_logits.ptr<float>(), q.gate_logit = s.shared_gate.ptr<float>();
   q.router_ctas = b.router_ctas, q.up_ctas = b.up_ctas, q.down_ctas = b.down_ctas, q.stage_bytes = b.stage_bytes;
+  static const char* env_mode = std::getenv("LILY_MOE_BLOCK_MODE");  // DIAGNOSTIC
+  q.mode = env_mode ? std::atoi(env_mode) : 0;
   launch(moe_block_kernel<BITS, NG>, dim3(unsigned(b.grid)), MMA_THREADS, b.smem, q);
   LILY_CUDA_LAUNCHED();
   return true;

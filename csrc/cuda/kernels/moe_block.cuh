@@ -53,6 +53,7 @@ struct MoeBlockParams {
   float* gate_logit;          // [1] the shared expert gate's logit (device scratch)
   int router_ctas, up_ctas, down_ctas;
   int stage_bytes;            // the staged x's bytes (the larger of the two products'), 16-byte multiple
+  int mode;                   // DIAGNOSTIC: bit 0 relaxed polls, bit 1 nanosleep in polls
 };
 
 __device__ __forceinline__ void moe_block_arrive(unsigned* counter) {
@@ -63,11 +64,20 @@ __device__ __forceinline__ void moe_block_arrive(unsigned* counter) {
   }
 }
 
-__device__ __forceinline__ void moe_block_wait(const unsigned* counter, unsigned n) {
+__device__ __forceinline__ void moe_block_wait(const unsigned* counter, unsigned n, int mode = 0) {
   if (threadIdx.x == 0) {
     const long long t0 = clock64();
-    while (ld_acquire_gpu(counter) < n)
-      if (clock64() - t0 > (1ll << 32)) __trap();  // a CTA of the phase never ran: fail, do not hang
+    if (mode & 1) {
+      while (*reinterpret_cast<const volatile unsigned*>(counter) < n) {
+        if (mode & 2) __nanosleep(32);
+        if (clock64() - t0 > (1ll << 32)) __trap();
+      }
+    } else {
+      while (ld_acquire_gpu(counter) < n) {
+        if (mode & 2) __nanosleep(32);
+        if (clock64() - t0 > (1ll << 32)) __trap();  // a CTA of the phase never ran: fail, do not hang
+      }
+    }
     fence_acq_rel_gpu();
   }
   __syncthreads();  // the CTA's reads after this barrier follow thread 0's acquire
@@ -151,7 +161,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
   }
 
   auto route = [&] {  // counter 0, then the routing into shared memory (the same bits in every CTA)
-    moe_block_wait(&g_moe_block_counters[0], unsigned(q.router_ctas));
+    moe_block_wait(&g_moe_block_counters[0], unsigned(q.router_ctas), q.mode);
     if (warp == 0) {
       for (int e = lane; e < E; e += 32) logits[e] = __ldcg(q.logits + e);
       __syncwarp();
@@ -179,7 +189,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_block_kernel(co
     const MmaMoeDownRows<BITS> down{p, slots, 0, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
     auto slots_in = [&] { moe_mma_slots<BITS>(p, ids, slots); };
     auto stage = [&] {  // act from every CTA's up passes; this CTA's own staged h is no longer read
-      moe_block_wait(&g_moe_block_counters[1], unsigned(G));
+      moe_block_wait(&g_moe_block_counters[1], unsigned(G), q.mode);
       moe_block_stamp(5);
       mma_stage_x<BITS, VB>(
           [&](int o) {
