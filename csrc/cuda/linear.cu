@@ -363,16 +363,6 @@ static void check_tensor_map(CUresult r, const char* what) {
   LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
-// Row tile of the dense wgmma GEMM: 128 rows, or 64 where that takes fewer "waves" of tile work over the
-// SMs, a 64-row tile counted at ~0.6 of a 128-row one (proj and fc2 at 4096 rows: 160 tiles of 128 rows
-// are 2 waves on 132 SMs, 320 of 64 rows 3 x 0.6).
-static int dense_wgmma_bm(int64_t M, int64_t N, int64_t sms) {
-  const int64_t col_tiles = ceil_div<int64_t>(N, WG_BN);
-  const int64_t waves128 = ceil_div<int64_t>(ceil_div<int64_t>(M, 128) * col_tiles, sms);
-  const int64_t waves64 = ceil_div<int64_t>(ceil_div<int64_t>(M, 64) * col_tiles, sms);
-  return waves64 * 3 < waves128 * 5 ? 64 : 128;
-}
-
 template <int BM>
 static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const void* w, const uint16_t* xb) {
   const auto kernel = linear_wgmma_dense_kernel<BM>;
@@ -399,7 +389,7 @@ static void run_dense_wgmma(const LinearArgs& a, int64_t e, const float* bias, c
   uint16_t* xb = workspace.ptr<uint16_t>();
   launch(wgx_bf16_dense_kernel, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, xb);
   LILY_CUDA_LAUNCHED();
-  if (dense_wgmma_bm(M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64>(a, bias, w, xb);
+  if (wgd_bm(M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64>(a, bias, w, xb);
   launch_dense_wgmma<128>(a, bias, w, xb);
 }
 

@@ -55,6 +55,18 @@ static_assert(wgd_smem_bytes(128) <= 227 * 1024 && wgd_smem_bytes(64) <= 227 * 1
 static_assert(wgd_stage_bytes(64) % 1024 == 0 && wgd_x_bytes(64) % 1024 == 0 && wgd_a_offset(64, 0, 1) % 1024 == 0,
               "SWIZZLE_128B tiles start at multiples of 1024 B");
 
+// Row tile for an M x N product on `sms` SMs: 128 rows, or 64 where that takes fewer "waves" of tile
+// work, a 64-row tile counted at ~0.6 of a 128-row one (proj and fc2 at 4096 rows: 160 tiles of 128
+// rows are 2 waves on 132 SMs, 320 of 64 rows 3 x 0.6). A host-side choice (linear.cu, the lab).
+__host__ __device__ constexpr int wgd_bm(int64_t M, int64_t N, int64_t sms) {
+  const int64_t col_tiles = (N + WG_BN - 1) / WG_BN;
+  const int64_t waves128 = ((M + 127) / 128 * col_tiles + sms - 1) / sms;
+  const int64_t waves64 = ((M + 63) / 64 * col_tiles + sms - 1) / sms;
+  return waves64 * 3 < waves128 * 5 ? 64 : 128;
+}
+static_assert(wgd_bm(4096, 1152, 132) == 64 && wgd_bm(4096, 3456, 132) == 128 && wgd_bm(4096, 4304, 132) == 128,
+              "the vision tower's products at 1 MP: proj and fc2 on 64-row tiles, qkv and fc1 on 128");
+
 // Work unit u of a dense product: row tile u % row_tiles (fastest: CTAs running together share a weight
 // column tile), column tile u / row_tiles.
 struct WgdTile {
