@@ -150,6 +150,14 @@ void init_ops(nb::module_& parent) {
     ops::linear_add(w, xi.t, ri.t, tmp.t, ws.t);
     return out_f32(ri);
   }, nb::arg("w"), nb::arg("x"), nb::arg("res"), "res + x W^T.");
+  m.def("linear_bias", [](const QMatrix& w, const F32In& x, const F32In& b) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), bi = f32(d, b), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::linear_bias(w, xi.t, bi.t, y.t, ws.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("bias"), "x W^T + bias.");
   m.def("linear_rms_normed", [](const QMatrix& w, const F32In& res, const F32In& nw, float eps) {
     const Device d = w.weight.device();
     const int64_t T = int64_t(res.shape(0));

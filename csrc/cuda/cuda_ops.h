@@ -19,6 +19,7 @@ void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
+void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
 void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
                        const Tensor& y, const Tensor& workspace);
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);

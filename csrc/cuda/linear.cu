@@ -19,8 +19,11 @@
 //                    else as its gate and up products; a GATED product may store its output as the next
 //                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
-//   use_dense_gemm:  T > 8, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte aligned operands
-//                    -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the weights taken as stored)
+//   use_dense_wgmma: T >= DENSE_WGMMA_MIN_ROWS, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte
+//                    aligned operands -> kernels/linear_wgmma_dense.cuh (Hopper wgmma, both operands by TMA;
+//                    X converted to bf16 in natural k order into the op's workspace first)
+//   use_dense_gemm:  T > 8, the same weights below that -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the
+//                    weights taken as stored)
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +34,7 @@
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_generic.cuh"
+#include "kernels/linear_wgmma_dense.cuh"
 #include "kernels/linear_wgmma_tma.cuh"
 #include "linear.h"
 #include "../runtime/cuda_device.h"
@@ -101,6 +105,23 @@ static bool use_tensor_gemm(const LinearArgs& a) {
 static bool use_dense_gemm(const LinearArgs& a) {
   return a.w.bits == 0 && a.w.dtype == DType::BF16 && a.tiles.M > GEMV_MAX_TOKENS && a.w.cols % 8 == 0 &&
          is_aligned16(a.w.w) && a.ldx % 4 == 0 && is_aligned16(a.x);
+}
+
+// Dense BF16 products from this many rows take the wgmma GEMM (one 128-row tile: below it the mma.sync
+// GEMM's 64-row tiles waste less).
+constexpr int64_t DENSE_WGMMA_MIN_ROWS = 128;
+
+// Stack entry e of dense BF16 weights [num_stack, N, K].
+static const uint16_t* dense_weights(const LinearArgs& a, int64_t e) {
+  return static_cast<const uint16_t*>(a.w.w) + e * a.w.rows * a.w.cols;
+}
+
+// use_dense_gemm's conditions from DENSE_WGMMA_MIN_ROWS rows, with stack entry e's W (its TMA map: a
+// 16-byte aligned start, rows of whole 16 bytes) and the workspace (Xb [M, K]: 16-byte aligned, room
+// for it; linear's workspace always has it).
+static bool use_dense_wgmma(const LinearArgs& a, int64_t e, const Tensor& workspace) {
+  return use_dense_gemm(a) && a.tiles.M >= DENSE_WGMMA_MIN_ROWS && is_aligned16(dense_weights(a, e)) &&
+         is_aligned16(workspace.data) && workspace.numel() >= a.tiles.M * a.w.cols;
 }
 
 // The power of two covering a row's 16-byte chunks in one step, at most a CTA.
@@ -338,6 +359,40 @@ static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   LILY_CUDA_LAUNCHED();
 }
 
+static void check_tensor_map(CUresult r, const char* what) {
+  LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
+}
+
+template <int BM>
+static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const void* w, const uint16_t* xb) {
+  const auto kernel = linear_wgmma_dense_kernel<BM>;
+  constexpr int smem = wgd_smem_bytes(BM);
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)configured;
+  CUtensorMap mx, mw;
+  check_tensor_map(make_xb_tensor_map(mx, xb, a.tiles.M, a.w.cols, BM), "X");
+  check_tensor_map(make_xb_tensor_map(mw, w, a.w.rows, a.w.cols, WG_BN), "dense W");
+  const int64_t units = ceil_div<int64_t>(a.tiles.M, BM) * ceil_div<int64_t>(a.w.rows, WG_BN);
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGD_THREADS, size_t(smem), a, bias, mx, mw);
+  LILY_CUDA_LAUNCHED();
+}
+
+// Y (+ bias) for stack entry e of dense BF16 weights on the dense wgmma GEMM: X to bf16 (natural k order)
+// in the workspace, then the GEMM.
+static void run_dense_wgmma(const LinearArgs& a, int64_t e, const float* bias, const Tensor& workspace) {
+  const int64_t M = a.tiles.M, K = a.w.cols;
+  LILY_CHECK(M <= INT32_MAX && a.w.rows <= INT32_MAX, "linear: ", M, " x ", a.w.rows, " exceeds the dense GEMM");
+  const uint16_t* w = dense_weights(a, e);
+  uint16_t* xb = workspace.ptr<uint16_t>();
+  launch(wgx_bf16_dense_kernel, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, xb);
+  LILY_CUDA_LAUNCHED();
+  if (wgd_bm(M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64>(a, bias, w, xb);
+  launch_dense_wgmma<128>(a, bias, w, xb);
+}
+
 // X rows [x_count, K] of a product as BF16 (wgx_bf16_kernel) in xb, unless it holds them already.
 static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb) {
   const int64_t K = a.w.cols;
@@ -405,10 +460,6 @@ static bool use_gated_wgmma(const LinearArgs& a) {
   return use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) && a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
          a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
          (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
-}
-
-static void check_tensor_map(CUresult r, const char* what) {
-  LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
 // Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.
@@ -564,6 +615,19 @@ static Tensor row_block(const Tensor& t, int64_t r0, int64_t n) {
   return Tensor::of(t.ptr<float>() + r0 * t.dim(1), DType::F32, t.device, {n, t.dim(1)});
 }
 
+// The plain product y = x W_e^T over all of x's rows.
+static LinearArgs linear_args(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.x = x.ptr<float>();
+  a.ldx = w.cols;
+  a.y = y.ptr<float>();
+  a.ldy = w.rows;
+  a.tiles.M = x.dim(0);
+  a.tiles.expert = e;
+  return a;
+}
+
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
@@ -572,14 +636,7 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   const WeightView v = weight_view(w);
   const bool w_aligned = is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row());
   if (use_gemv(v, x) && w_aligned) return run_gemv(w, e, x, y);
-  LinearArgs a;
-  a.w = v;
-  a.x = x.ptr<float>();
-  a.ldx = w.cols;
-  a.y = y.ptr<float>();
-  a.ldy = w.rows;
-  a.tiles.M = T;
-  a.tiles.expert = e;
+  const LinearArgs a = linear_args(w, e, x, y);
   if (T <= GEMV_BLOCKED_MAX_TOKENS && !use_wgmma_gemm(a) && w_aligned && use_gemv(v, row_block(x, 0, GEMV_MAX_TOKENS))) {
     for (int64_t t0 = 0; t0 < T; t0 += GEMV_MAX_TOKENS) {  // x rows stay 16-byte aligned: t0 % 8 == 0
       const int64_t n = std::min<int64_t>(GEMV_MAX_TOKENS, T - t0);
@@ -587,6 +644,8 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
     }
     return;
   }
+  if (use_dense_wgmma(a, e, workspace))
+    return run_dense_wgmma(a, e, nullptr, workspace);
   if (use_dense_gemm(a)) {
     LILY_CHECK(ceil_div<int64_t>(T, GEMM_BM) <= INT32_MAX && ceil_div<int64_t>(w.rows, GEMM_BN) <= 65535, "linear: ", T,
                " x ", w.rows, " exceeds the grid");
@@ -594,6 +653,16 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
   }
   XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
+}
+
+// Dense BF16 weights on the dense wgmma GEMM: the bias in its epilogue (one fp32 add after the sum, as
+// add_bias adds it). Otherwise linear into y, then add_bias.
+void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
+  const LinearArgs a = linear_args(w, 0, x, y);
+  if (x.dim(0) > 0 && w.rows > 0 && use_dense_wgmma(a, 0, workspace))
+    return run_dense_wgmma(a, 0, bias.ptr<float>(), workspace);
+  linear(w, 0, x, y, workspace);
+  add_bias(y, bias);
 }
 
 // The product linear runs over T > GEMV_MAX_TOKENS rows (no GEMV), with X given as Xb at `xb` (16-byte

@@ -22,8 +22,7 @@ static std::vector<int32_t> patch_positions(int gh, int gw, int m) {
 
 // y = x W^T + b (ws: ops::linear's workspace).
 static void biased_linear(const BiasedLinear& l, const Tensor& x, const Tensor& y, const Tensor& ws) {
-  ops::linear(*l.w, x, y, ws);
-  ops::add_bias(y, l.b->view());
+  ops::linear_bias(*l.w, x, l.b->view(), y, ws);
 }
 
 void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std::array<int, 3>>& grids,

@@ -107,6 +107,22 @@ void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tens
   no_backend(op, x.device);
 }
 
+void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
+  const char* op = "linear_bias";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, y, workspace);
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "bias", bias, 0, w.rows);
+  LILY_CHECK(y.data != x.data, op, ": x and y must not alias");
+  check_same_device(op, {x, bias});
+  if (x.device == Device::CPU) {  // the two ops, literally
+    cpu::linear(w, 0, x, y);
+    return cpu::add_bias(y, bias);
+  }
+  LILY_CUDA_CASE(x.device, linear_bias(w, x, bias, y, workspace));
+  no_backend(op, x.device);
+}
+
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h) {
 #ifdef LILY_WITH_CUDA
   if (res.device == Device::CUDA) return cuda::linear_rms_normed_supported(w, res, weight, h);

@@ -40,6 +40,10 @@ int64_t linear_workspace_elems(Device device, int64_t T, int64_t in);
 // add in its epilogue). x [T, in]; res, tmp [T, out] (tmp: work space, contents unspecified after; no two
 // of x, res, tmp alias); workspace as linear's.
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
+// y = x W^T + bias: a biased product (the vision tower's). Equal to linear(w, x, y, workspace) then
+// add_bias(y, bias), bit for bit on each backend (CUDA, dense BF16 weights on the dense wgmma GEMM: one
+// kernel, the add in its epilogue). x [T, in]; bias [out] F32; y [T, out]; workspace as linear's.
+void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
 // X handed over as bf16 (docs/cuda.md, "Xb hand-over"): linear(w, x, y, workspace) where x's producer has
 // already written x into the workspace's first T x in elements in the prefill GEMM's bf16 layout (Xb; on
 // CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where

@@ -71,7 +71,8 @@ def path_of(m: dict, T: int) -> str:
     """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
     fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
     if m.get("bits", 0) == 0 and m["dtype"] == "BF16" and T > 8 and m["cols"] % 8 == 0:
-        return "linear_gemm"  # dense BF16 weights on the mma.sync GEMM (use_dense_gemm)
+        # dense BF16 weights: from 128 rows the dense wgmma GEMM (use_dense_wgmma), else the mma.sync GEMM
+        return "linear_wgmma" if T >= 128 else "linear_gemm"
     if not fast:
         return "linear_generic"
     if gemv_mma_tokens(m, T):
@@ -123,6 +124,46 @@ def test_linear_dense_bf16(T, rows, cols, gpu_tol):
     x = rng.standard_normal((T, cols)).astype(np.float32)
     for e in (0, 1):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), path_of(m, T), gpu_tol)
+
+
+# Dense BF16 from 128 rows on the dense wgmma GEMM (kernels/linear_wgmma_dense.cuh): the vision tower's
+# products (qkv 3456x1152: a half-empty last column tile, 128-row tiles; proj 1152x1152: 64-row tiles; fc1
+# 4304x1152; fc2 1152x4304: K = 67 x 64 + 16, zero-filled by TMA; the merger's 4608x4608 and 2048x4608;
+# the patch embedding's K = 1536), odd row counts, a K with an 8-wide tail, and stack entry 1.
+DENSE_WGMMA_SHAPES = [(128, 64, 64), (129, 40, 72), (1031, 3456, 1152), (1024, 1152, 1152), (1000, 4304, 1152),
+                      (777, 1152, 4304), (1024, 4608, 4608), (1023, 2048, 4608), (300, 1152, 1536)]
+
+
+@pytest.mark.parametrize("T, rows, cols", DENSE_WGMMA_SHAPES)
+def test_linear_dense_wgmma(T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T * 7 + rows + cols)
+    stack = 2 if rows * cols <= 1 << 20 else 1
+    m = random_matrix(rng, stack, rows, cols, 0, 0, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for e in range(stack):
+        got = ops.linear(wg, e, x)
+        check(got, ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
+        # against the mma.sync GEMM (127 rows: below the wgmma GEMM's 128): rows are independent, both round
+        # the operands to bf16 alike (nearest even), so only the fp32 summation order differs
+        old = ops.linear(wg, e, x[:127])
+        err = np.linalg.norm(got[:127] - old) / np.linalg.norm(old)
+        assert err <= 1e-4, f"dense wgmma vs mma.sync GEMM: relative {err:.3g}"
+
+
+# linear_bias: the bias in the dense wgmma GEMM's epilogue (T >= 128) is one fp32 add after the sum, the
+# same bits as linear then add_bias on the GPU; below 128 rows it is those two ops.
+@pytest.mark.parametrize("T, rows, cols", [(9, 19, 8), (127, 1152, 1152), (128, 64, 64), (1031, 3456, 1152),
+                                           (777, 1152, 4304)])
+def test_linear_bias_dense(T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T + rows)
+    m = random_matrix(rng, 1, rows, cols, 0, 0, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    b = rng.standard_normal(rows).astype(np.float32)
+    got = ops.linear_bias(wg, x, b)
+    np.testing.assert_array_equal(got, ops.add_bias("cuda", ops.linear(wg, 0, x), b))
+    check(got, ops.linear_bias(wc, x, b), path_of(m, T), gpu_tol)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

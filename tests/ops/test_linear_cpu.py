@@ -75,6 +75,20 @@ def test_linear_affine_weights(bits, group, scale_dtype, T):
         np.testing.assert_allclose(ops.linear(w, e, x), x @ W[e].T, rtol=1e-5, atol=1e-4)
 
 
+def test_linear_bias_is_linear_then_add_bias():
+    """linear_bias(w, x, b) = x W^T + b: on the CPU the two ops literally, so the same bits."""
+    rng = np.random.default_rng(5)
+    storage, W = float_weight(rng, 1, 9, 24, "BF16")
+    w = ops.QMatrix("cpu", **storage)
+    x = rng.standard_normal((4, 24)).astype(np.float32)
+    b = rng.standard_normal(9).astype(np.float32)
+    y = ops.linear_bias(w, x, b)
+    np.testing.assert_array_equal(y, ops.add_bias("cpu", ops.linear(w, 0, x), b))
+    np.testing.assert_allclose(y, x @ W[0].T + b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="bias"):
+        ops.linear_bias(w, x, b[:8])
+
+
 def test_embedding_is_a_dequantized_row():
     """y[t, :] = dequant(table)[ids[t], :]."""
     rng = np.random.default_rng(3)
