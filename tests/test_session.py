@@ -239,7 +239,7 @@ def test_snapshot_restore_and_reset_release_the_gil():
 
     m = lily.Model.load(tiny_checkpoint(), device="cpu", max_context=8192)
     s = m.new_session(8192)
-    s.prefill(np.arange(4000) % 1000 + 10)  # a state big enough that a copy takes a while
+    s.prefill(np.arange(2000) % 1000 + 10)  # a state big enough that a copy takes a while
     snap = s.snapshot()
     stop, delays, calls = threading.Event(), [], []
 
