@@ -144,6 +144,38 @@ def test_a_cancelled_request_still_leaves_its_snapshot(model, worker, tmp_path):
     assert same_bytes(worker.cache.get(prompt.ids[:b]), eager_snapshot(model, prompt.ids, b), tmp_path)
 
 
+def test_without_a_copy_of_the_end_state_the_boundary_is_still_kept(model, worker, tmp_path):
+    prompt = prompt_of(model, FIRST)
+    b = prompt.boundaries[-1]
+    session, calls = worker.session, []
+    snapshot = session.snapshot
+
+    def first_fails():  # the copy of the request's end state fails; the boundary's is made
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("out of device memory (test)")
+        return snapshot()
+
+    session.snapshot = first_fails
+    job = Job("a", prompt, PARAMS)
+    worker.submit(job)
+    kind, _ = finish(job)
+    wait_idle(worker)
+    del session.snapshot
+    assert kind == "done" and len(calls) == 2
+    assert same_bytes(worker.cache.get(prompt.ids[:b]), eager_snapshot(model, prompt.ids, b), tmp_path)
+    assert session.tokens == tuple(prompt.ids[:b])  # left at the boundary, consistently
+    second = prompt_of(model, SECOND)
+    kind, result = finish_job(worker, Job("b", second, PARAMS))
+    assert kind == "done" and result.usage.cached_tokens == b
+    assert result.token_ids == model.generate(second.ids, PARAMS).token_ids
+
+
+def finish_job(worker: Worker, job: Job):
+    worker.submit(job)
+    return finish(job)
+
+
 def test_a_failed_deferred_snapshot_leaves_no_entry_and_the_session_at_its_end(model, worker):
     prompt = prompt_of(model, FIRST)
     b = prompt.boundaries[-1]

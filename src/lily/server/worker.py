@@ -281,17 +281,19 @@ class Worker:
 
     def _snapshot_boundaries(self, d: Deferred) -> None:
         """Make a finished request's boundary snapshots (``d``), then put the session back where the
-        request left it (its own tokens stay reusable). Runs on the worker thread between jobs, so
-        no request sees the session meanwhile, and the cache gets only complete snapshots. A failure
-        leaves the cache without them: a later request prefills more, never reuses a wrong state."""
+        request left it (its own tokens stay reusable; when that copy cannot be made, e.g. out of
+        device memory, the session stays at the last boundary instead). Runs on the worker thread
+        between jobs, so no request sees the session meanwhile, and the cache gets only complete
+        snapshots. A failure leaves the cache without them: a later request prefills more, never
+        reuses a wrong state."""
         if self._closed:
             return
         session = self.session
         try:
             end = session.snapshot()
-        except Exception as e:  # noqa: BLE001 - e.g. out of device memory: skip, the request is answered
-            print(f"lily serve: boundary snapshots skipped ({type(e).__name__}: {e})", file=sys.stderr)
-            return
+        except Exception as e:  # noqa: BLE001 - the boundaries matter more than the end state
+            end = None
+            print(f"lily serve: the session's end state was not kept ({type(e).__name__}: {e})", file=sys.stderr)
         try:
             if d.start is None:
                 session.reset()
@@ -300,6 +302,8 @@ class Worker:
             self._prefill_boundaries(d.pos, d.cuts, d.ids, d.images, d.spans)
         except Exception as e:  # noqa: BLE001 - reuse is an optimisation, never a reason to fail
             print(f"lily serve: boundary snapshots failed ({type(e).__name__}: {e})", file=sys.stderr)
+        if end is None:
+            return
         try:
             session.restore(end)
         except Exception:  # noqa: BLE001 - then the next request starts from an empty session
