@@ -35,7 +35,7 @@ from ..constraints import Constraint
 from ..errors import LilyError
 from ..generate import Generation, GenerationStream
 from ..sampling import SamplingParams
-from .cache import PrefixCache
+from .cache import PrefixCache, SnapshotLike
 from ..multimodal import image_spans, safe_cut, same_images, split_at
 from .metrics import Metrics
 from .prompt import Prompt
@@ -107,7 +107,7 @@ class Deferred:
     """Boundary snapshots to make once a request is over: from ``start`` (the cache's snapshot the
     request resumed from; None: an empty session), prefill ``ids`` from ``pos`` to each of ``cuts`` in
     turn, snapshotting at each one the cache lacks (``images`` / ``spans``: the prompt's images)."""
-    start: object | None
+    start: SnapshotLike | None
     pos: int
     cuts: tuple[int, ...]
     ids: list[int]
@@ -302,6 +302,9 @@ class Worker:
             self._prefill_boundaries(d.pos, d.cuts, d.ids, d.images, d.spans)
         except Exception as e:  # noqa: BLE001 - reuse is an optimisation, never a reason to fail
             print(f"lily serve: boundary snapshots failed ({type(e).__name__}: {e})", file=sys.stderr)
+            if end is None:  # the session's state is unknown: the next request starts from an empty one
+                self._recover()
+                return
         if end is None:
             return
         try:
@@ -318,7 +321,7 @@ class Worker:
             self.cache.clear()
             print(f"lily serve: prefix snapshot failed ({type(e).__name__}: {e}); cache cleared", file=sys.stderr)
 
-    def _resume(self, ids: list[int], spans=()) -> tuple[int, object | None]:
+    def _resume(self, ids: list[int], spans=()) -> tuple[int, SnapshotLike | None]:
         """Bring the session to the longest reusable prefix of ``ids`` (whose images are ``spans``:
         a prefix is reused only with the same images behind its image tokens); its length, and the
         cache's snapshot restored (None: the session's own tokens, or an empty session)."""
