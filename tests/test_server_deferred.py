@@ -221,3 +221,20 @@ def test_a_prompt_continuing_the_session_splits_at_its_boundary_before_generatin
     assert kind == "done" and result.usage.cached_tokens == len(held) and seen[0] is True
     start = eager_snapshot(model, held, len(held))
     assert same_bytes(worker.cache.get(ids[:cut]), eager_snapshot(model, ids, cut, start), tmp_path)
+
+
+def test_a_long_prompt_snapshots_before_its_first_token(model, worker):
+    # Past DEFER_MAX_TOKENS boundary tokens the second prefill would cost more than the one-pass saving: the
+    # prompt is split and the boundary snapshot exists by the first item (the eager path), and no deferred
+    # work follows the reply (the session holds the request's own tokens).
+    worker.defer_max_tokens = 0
+    prompt = prompt_of(model, FIRST)
+    ids, b = prompt.ids, prompt.boundaries[-1]
+    job = Job("long", prompt, PARAMS)
+    seen = []
+    job.notify = lambda: seen.append(tuple(ids[:b]) in worker.cache)
+    worker.submit(job)
+    kind, _ = finish(job)
+    wait_idle(worker)
+    assert kind == "done" and seen and seen[0]
+    assert worker.session.tokens[:len(ids)] == tuple(ids)

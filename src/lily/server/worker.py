@@ -15,9 +15,11 @@ the session, which resumes from the session's tokens). The snapshots at the prom
 boundaries that the cache lacks are made after the request (``Deferred``), off its time to first
 token: the worker restores the request's starting state, prefills up to each boundary exactly as an
 eager split would (so the snapshots are the same bytes), keeps them, and puts the session back at
-the request's end, all before it takes the next job. A request that resumed from the session's own
-tokens has no saved starting state: it splits its prompt at the boundaries and snapshots there
-before generating, as before. Nothing else differs from a cold run, so the output is the same.
+the request's end, all before it takes the next job. That prefills the boundaries' tokens twice, so
+only up to ``DEFER_MAX_TOKENS`` of them are deferred (a chat turn: the one-pass saving, ~4-8 ms on
+the H200, is a large part of its TTFT); a longer prompt splits at its boundaries and snapshots there
+before generating, as does a request that resumed from the session's own tokens (no saved starting
+state). Nothing else differs from a cold run, so the output is the same.
 """
 from __future__ import annotations
 
@@ -115,6 +117,11 @@ class Deferred:
     spans: tuple
 
 
+# The most prompt tokens (from the resumed state to the last boundary) whose boundary snapshots are made after the
+# request: beyond, the second prefill would cost more GPU time than the one-pass TTFT saving (a 7,000-token
+# prompt: ~200 ms against ~6 ms on the H200, docs/server.md).
+DEFER_MAX_TOKENS = 512
+
 # A generation source for tests: job -> GenerationStream, used instead of the model.
 Source = Callable[[Job], GenerationStream]
 
@@ -129,6 +136,7 @@ class Worker:
         self.model = model
         self.session = model.new_session(max_context)
         self.cache = PrefixCache(cache_bytes)
+        self.defer_max_tokens = DEFER_MAX_TOKENS  # boundary tokens whose snapshots may wait for the reply
         self.source = source
         self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue(max_queue)
@@ -252,9 +260,9 @@ class Worker:
                 pos = b
         deferred = None
         if cuts and self.cache.budget_bytes and any(self._lacks(ids[:b], spans) for b in cuts):
-            if cached == 0 or start is not None:
+            if (cached == 0 or start is not None) and cuts[-1] - cached <= self.defer_max_tokens:
                 deferred = Deferred(start, cached, tuple(cuts), ids, images, spans)
-            else:  # no saved copy of the starting state to go back to later: split the prompt now
+            else:  # a long prompt, or no saved copy of the starting state to go back to: split it now
                 self._prefill_boundaries(cached, cuts, ids, images, spans)
         constraint = job.constraint.with_think(job.prompt.thinking) if job.constraint is not None else None
         stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint,
