@@ -20,7 +20,10 @@ the first SSE chunk after the role-only chunk (`delta: {"role": "assistant", "co
 the server sends before generation starts): a chunk with reasoning or content text, or, when the
 server holds the first token's text back (a possible `</think>` or tool-call tag), the chunk that
 flushes it or the finish chunk: in every case the first event that needs a generated token. The
-time to the role chunk is reported too (request parsing, rendering, tokenizing, queueing).
+time to the role chunk is reported too (request parsing, rendering, tokenizing, queueing). After
+each request the client polls /health until the worker is idle, so every request meets an idle
+server; "busy after" is the time from the request's [DONE] to then: the server's work after the
+reply (the request's boundary snapshots, docs/server.md), which a request sent at once would wait for.
 
     python benchmarks/server_ttft.py                                  # tiny built-in model, auto device
     python benchmarks/server_ttft.py -m CKPT --device cuda --rounds 10 --json ttft.json
@@ -165,6 +168,17 @@ def wait_health(host: str, port: int, deadline: float, server: ServerProcess | N
     raise SystemExit(msg)
 
 
+def wait_idle(host: str, port: int, deadline: float, res: "Result") -> float | None:
+    """Poll /health until the worker runs nothing (the server makes a request's boundary snapshots
+    after its reply); ms from the request's [DONE] to then (to ~1 ms: one /health round trip)."""
+    while time.monotonic() < deadline:
+        status, obj = get_json(host, port, "/health", timeout=5)
+        if status == 200 and obj and not obj.get("running") and not obj.get("queued"):
+            return (time.perf_counter() - res.t_done) * 1e3
+        time.sleep(0.001)
+    return None
+
+
 class Result:
     def __init__(self, case: str, label: str):
         self.case, self.label = case, label
@@ -173,6 +187,8 @@ class Result:
         self.role_ms: float | None = None  # to the role-only chunk
         self.ttft_ms: float | None = None  # to the first chunk that needs a generated token
         self.total_ms: float | None = None  # to [DONE]
+        self.busy_ms: float | None = None  # [DONE] -> the server idle (its work after the reply)
+        self.t_done = 0.0  # perf_counter at [DONE]
         self.first_kind = ""  # what that chunk carried
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
@@ -236,6 +252,7 @@ def stream_chat(host: str, port: int, case: str, label: str, messages: list[dict
             if payload == b"[DONE]":
                 done = True
                 res.total_ms = (now - t0) * 1e3
+                res.t_done = now
                 break
             obj = json.loads(payload)
             if "error" in obj:
@@ -278,6 +295,7 @@ def summarize(results: list[Result]) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_ms for r in ok]
     role = [r.role_ms for r in ok if r.role_ms is not None]
+    busy = [r.busy_ms for r in ok if r.busy_ms is not None]
 
     def one(values):
         values = sorted(set(values), key=lambda v: (v is None, v))
@@ -290,6 +308,7 @@ def summarize(results: list[Result]) -> dict:
         "ttft_ms_median": round(statistics.median(ttft), 2) if ttft else None,
         "ttft_ms_min": round(min(ttft), 2) if ttft else None,
         "role_chunk_ms_median": round(statistics.median(role), 2) if role else None,
+        "busy_after_ms_median": round(statistics.median(busy), 2) if busy else None,
         "first_chunk_kinds": sorted({r.first_kind for r in ok}),
     }
 
@@ -302,12 +321,14 @@ def table(summaries: dict) -> str:
             return f"{min(v)}-{max(v)}"
         return str(v)
 
-    rows = ["| case | prompt tokens | cached tokens | TTFT median ms | TTFT min ms | rounds | role chunk median ms |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| case | prompt tokens | cached tokens | TTFT median ms | TTFT min ms | rounds | role chunk median ms "
+            "| busy after median ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for case, s in summaries.items():
         rounds = f"{s['rounds']} ({s['failed']} failed)" if s["failed"] else str(s["rounds"])
         rows.append(f"| {case} | {cell(s['prompt_tokens'])} | {cell(s['cached_tokens'])} | "
-                    f"{fmt(s['ttft_ms_median'])} | {fmt(s['ttft_ms_min'])} | {rounds} | {fmt(s['role_chunk_ms_median'])} |")
+                    f"{fmt(s['ttft_ms_median'])} | {fmt(s['ttft_ms_min'])} | {rounds} | {fmt(s['role_chunk_ms_median'])} | "
+                    f"{fmt(s['busy_after_ms_median'])} |")
     return "\n".join(rows)
 
 
@@ -389,6 +410,8 @@ def main() -> int:
 
         def send(case, label, messages, timed):
             res = stream_chat(host, port, case, label, messages, args, deadline)
+            if res.ok:  # every request meets an idle server: the one before has finished its work
+                res.busy_ms = wait_idle(host, port, deadline, res)
             print(f"server_ttft: {label:<22} {'ok' if res.ok else 'FAILED':<6} prompt {res.prompt_tokens} "
                   f"cached {res.cached_tokens} role {fmt(res.role_ms)} ms TTFT {fmt(res.ttft_ms)} ms "
                   f"({res.first_kind or '-'}) total {fmt(res.total_ms)} ms"

@@ -227,21 +227,35 @@ def test_errors_are_openai_error_objects(server, client):
 # --- multi-turn reuse --------------------------------------------------------------------------------
 
 class CountingCore:
-    """Wraps a session's core and counts the prompt tokens it prefills."""
+    """Wraps a session's core and counts the prompt tokens it prefills: ``first`` in the pass that
+    samples the first token (the time to first token's), ``split`` in plain prefill calls (boundary
+    snapshots, made after the request)."""
 
     def __init__(self, core):
-        self._core, self.prefilled = core, 0
+        self._core, self.split, self.first = core, 0, 0
+
+    @property
+    def prefilled(self) -> tuple[int, int]:
+        return self.first, self.split
 
     def prefill(self, ids, *args):
-        self.prefilled += len(ids)
+        self.split += len(ids)
         return self._core.prefill(ids, *args)
 
     def prefill_sample(self, ids, *args):
-        self.prefilled += len(ids)
+        self.first += len(ids)
         return self._core.prefill_sample(ids, *args)
 
     def __getattr__(self, name):
         return getattr(self._core, name)
+
+
+def wait_idle(worker, timeout: float = 30.0) -> None:
+    """Until the worker has finished its job and the boundary snapshots after it."""
+    end = time.monotonic() + timeout
+    while worker.running is not None or worker.queued:
+        assert time.monotonic() < end, "the worker stayed busy"
+        time.sleep(0.005)
 
 
 def converse(srv, turns, before_each=None):
@@ -265,8 +279,13 @@ def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
     with Server(model, port=0, model_name=NAME) as warm:
         counter = warm.worker.session._core = CountingCore(warm.worker.session._core)
         seen = []
-        results = converse(warm, turns, before_each=lambda: seen.append(counter.prefilled))
-        seen.append(counter.prefilled)
+
+        def count():
+            wait_idle(warm.worker)
+            seen.append(counter.prefilled)
+
+        results = converse(warm, turns, before_each=count)
+        count()
     with Server(model, port=0, model_name=NAME, cache_mib=0) as cold:
         cold_results = converse(cold, turns, before_each=cold.worker.session.reset)
     tok = model.tokenizer
@@ -274,7 +293,10 @@ def test_three_turns_reuse_snapshots_and_equal_a_cold_run(model):
         u = r.usage
         boundary = len(tok.encode_chat(sent[:-2], add_generation_prompt=False)) if k else 0
         assert u.prompt_tokens_details.cached_tokens == boundary, k
-        assert seen[k + 1] - seen[k] == u.prompt_tokens - boundary  # only the new tokens were prefilled
+        # one pass over the new tokens before the first token; the prefill to the next boundary after it
+        assert seen[k + 1][0] - seen[k][0] == u.prompt_tokens - boundary
+        following = len(tok.encode_chat(sent, add_generation_prompt=False))
+        assert seen[k + 1][1] - seen[k][1] == following - boundary
         assert c.usage.prompt_tokens_details.cached_tokens == 0
         assert r.choices[0].message == c.choices[0].message
         assert [lp.logprob for lp in r.choices[0].logprobs.content] == \

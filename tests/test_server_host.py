@@ -252,3 +252,17 @@ def test_the_server_reuses_the_token_ids_of_earlier_messages():
         assert after["misses"] - before["misses"] == 2  # the reply and the question; the history was a hit
         assert after["hits"] > before["hits"] and 0 < after["bytes"] <= after["budget_bytes"] == 64 << 20
         assert s.worker.records[-1]["prompt_tokens"] == len(chat_prompt(TOK, follow, None, {}).ids)
+
+
+def test_the_boundary_of_a_chat_costs_no_second_render(monkeypatch):
+    """The head of a conversation (its rendering without the generation prompt) is the text less the
+    generation prompt seen before for the same template arguments: one render per request, not two."""
+    enc, calls = SegmentEncoder(TOK), []
+    render = TOK.apply_chat_template
+    monkeypatch.setattr(TOK, "apply_chat_template", lambda *a, **k: calls.append(k) or render(*a, **k))
+    for i, kwargs in enumerate([{}, {}, {"enable_thinking": False}, {"enable_thinking": False}, {}]):
+        msgs = [{"role": "user", "content": f"question {i}"}]
+        before = len(calls)
+        p = chat_prompt(TOK, msgs, None, kwargs, 1000, enc)
+        assert len(calls) - before == (2 if i in (0, 2) else 1), i  # a new set of arguments renders twice once
+        assert p.boundaries == (len(TOK.encode(render(msgs, add_generation_prompt=False, **kwargs))),)

@@ -411,9 +411,20 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("rope_delta", &Session::rope_delta)
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("chunk", &Session::chunk)
-      .def("snapshot", &Session::snapshot)
-      .def("restore", &Session::restore)
-      .def("reset", &Session::reset)
+      // Without the GIL: a snapshot or restore copies the whole state (~1 ms on the H200), and the
+      // server's event loop must not wait for it to write a response (docs/server.md).
+      .def("snapshot", [](const Session& s) {
+        nb::gil_scoped_release release;
+        return s.snapshot();
+      })
+      .def("restore", [](Session& s, const Snapshot& snap) {
+        nb::gil_scoped_release release;
+        s.restore(snap);
+      })
+      .def("reset", [](Session& s) {
+        nb::gil_scoped_release release;
+        s.reset();
+      })
       .def("state", [](const Session& s) {
         nb::dict out;
         for (const auto& v : s.state_views()) {

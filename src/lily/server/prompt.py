@@ -60,6 +60,7 @@ def encode_bounded(tokenizer: Tokenizer, text: str, limit: int | None) -> list[i
 DEFAULT_SEGMENT_CACHE_MIB = 64
 ENTRY_OVERHEAD = 200  # bytes counted per cached piece besides its text and ids (dict and tuple headers)
 ID_BYTES = 36  # per cached id: a tuple slot and an int object
+MAX_SUFFIXES = 64  # template-argument sets whose generation-prompt suffix SegmentEncoder.head keeps
 
 
 def _overlap(a: str, b: str) -> bool:
@@ -111,6 +112,25 @@ class SegmentEncoder:
         self.nbytes = 0
         self.hits = self.misses = 0
         self._lock = threading.Lock()
+        # The text a generation prompt appends to a rendering, per template arguments (head()).
+        self._suffixes: dict[str, str] = {}
+
+    def head(self, text: str, key: str, render) -> str:
+        """The rendering without its generation prompt of the messages whose rendering with one is
+        ``text``: ``text`` less the suffix that the generation prompt appended the last time for these
+        template arguments (``key``), when ``text`` ends with it; else ``render()``, and its suffix is
+        kept. A head found this way only places a boundary: the prefix cache reuses a snapshot only
+        for the exact tokens it holds, so a wrong one would cost reuse, never correctness."""
+        suffix = self._suffixes.get(key)
+        if suffix and text.endswith(suffix):
+            return text[:-len(suffix)]
+        head = render()
+        if head and text.startswith(head) and len(head) < len(text):
+            with self._lock:
+                if len(self._suffixes) >= MAX_SUFFIXES:
+                    self._suffixes.clear()
+                self._suffixes[key] = text[len(head):]
+        return head
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -220,9 +240,14 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | 
     if query is not None and query + 1 < len(messages):
         cuts.append(query + 1)
     boundaries = set()
+    suffix_key = repr((bool(tools), sorted(kw.items())))
     for cut in cuts:
+        def render(cut=cut):
+            return tokenizer.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=False, **kw)
         try:
-            head = tokenizer.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=False, **kw)
+            # the whole conversation's head is the text less its generation prompt (one render fewer)
+            head = encoder.head(text, suffix_key, render) if encoder is not None and cut == len(messages) \
+                else render()
         except LilyError:
             continue
         if not head or not text.startswith(head):

@@ -10,9 +10,16 @@ exactly one final item (``done``, ``cancelled`` or ``error``).
 
 Before a request runs, the session is brought to the longest prefix of its prompt that it holds
 (its own tokens, when the prompt continues them) or that the prefix cache has a snapshot of; then
-the prompt is prefilled up to each message boundary, keeping a snapshot there, and generation
-continues from the last one (``lily.Model.generate`` on the session, which resumes from the
-session's tokens). Nothing else differs from a cold run, so the output is the same.
+the rest of the prompt is prefilled in one pass and generation follows (``lily.Model.generate`` on
+the session, which resumes from the session's tokens). The snapshots at the prompt's message
+boundaries that the cache lacks are made after the request (``Deferred``), off its time to first
+token: the worker restores the request's starting state, prefills up to each boundary exactly as an
+eager split would (so the snapshots are the same bytes), keeps them, and puts the session back at
+the request's end, all before it takes the next job. That prefills the boundaries' tokens twice, so
+only up to ``DEFER_MAX_TOKENS`` of them are deferred (a chat turn: the one-pass saving, ~4-8 ms on
+the H200, is a large part of its TTFT); a longer prompt splits at its boundaries and snapshots there
+before generating, as does a request that resumed from the session's own tokens (no saved starting
+state). Nothing else differs from a cold run, so the output is the same.
 """
 from __future__ import annotations
 
@@ -23,13 +30,14 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 from ..constraints import Constraint
 from ..errors import LilyError
 from ..generate import Generation, GenerationStream
 from ..sampling import SamplingParams
-from .cache import PrefixCache
+from .cache import PrefixCache, SnapshotLike
 from ..multimodal import image_spans, safe_cut, same_images, split_at
 from .metrics import Metrics
 from .prompt import Prompt
@@ -96,6 +104,24 @@ class Job:
             return None
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """Boundary snapshots to make once a request is over: from ``start`` (the cache's snapshot the
+    request resumed from; None: an empty session), prefill ``ids`` from ``pos`` to each of ``cuts`` in
+    turn, snapshotting at each one the cache lacks (``images`` / ``spans``: the prompt's images)."""
+    start: SnapshotLike | None
+    pos: int
+    cuts: tuple[int, ...]
+    ids: list[int]
+    images: list
+    spans: tuple
+
+
+# The most prompt tokens (from the resumed state to the last boundary) whose boundary snapshots are made after the
+# request: beyond, the second prefill would cost more GPU time than the one-pass TTFT saving (a 7,000-token
+# prompt: ~200 ms against ~6 ms on the H200, docs/server.md).
+DEFER_MAX_TOKENS = 512
+
 # A generation source for tests: job -> GenerationStream, used instead of the model.
 Source = Callable[[Job], GenerationStream]
 
@@ -110,6 +136,7 @@ class Worker:
         self.model = model
         self.session = model.new_session(max_context)
         self.cache = PrefixCache(cache_bytes)
+        self.defer_max_tokens = DEFER_MAX_TOKENS  # boundary tokens whose snapshots may wait for the reply
         self.source = source
         self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue(max_queue)
@@ -193,10 +220,11 @@ class Worker:
             self._record(job, None, "cancelled")
             job.put("cancelled", None)
             return
+        deferred = None
         if self.source is not None:
             stream, cached, setup = self.source(job), 0, 0.0
         else:
-            stream, cached, setup = self._start(job)
+            stream, cached, setup, deferred = self._start(job)
         try:
             while not job.cancelled:  # checked before every token, the first one included
                 event = next(stream, None)
@@ -213,27 +241,84 @@ class Worker:
         kind = "cancelled" if job.cancelled else "done"
         self._record(job, result, kind)
         job.put(kind, result)
+        if deferred is not None:  # after the reply, before the next job
+            self._snapshot_boundaries(deferred)
 
-    def _start(self, job: Job) -> tuple[GenerationStream, int, float]:
-        """Resume the session for the job's prompt, prefill and snapshot its boundaries; the stream
-        of the rest, the number of prompt tokens reused, and the seconds spent here."""
+    def _start(self, job: Job) -> tuple[GenerationStream, int, float, Deferred | None]:
+        """Resume the session for the job's prompt; the stream of the rest, the number of prompt tokens
+        reused, the seconds spent here, and the boundary snapshots to make after the request (None:
+        none, or made here already: a prompt continuing the session's own tokens)."""
         t0 = time.perf_counter()
         session, ids, images = self.session, job.prompt.ids, list(job.prompt.images)
-        spans = image_spans(ids, images, self.model.config.image_token_id) if images else ()
-        cached = pos = self._resume(ids, spans)
+        spans = tuple(image_spans(ids, images, self.model.config.image_token_id)) if images else ()
+        cached, start = self._resume(ids, spans)
+        cuts, pos = [], cached
         for b in job.prompt.boundaries:
             b = safe_cut(spans, b)
             if pos < b < len(ids):
-                session.prefill(ids[pos:b], images=split_at(spans, images, pos, b))
+                cuts.append(b)
                 pos = b
-                if self.cache.budget_bytes:
-                    kept = self.cache.get(ids[:b])  # one per token prefix: the latest images behind it
-                    if kept is None or getattr(kept, "images", ()) != session.image_spans:
-                        self._keep_snapshot()
+        deferred = None
+        if cuts and self.cache.budget_bytes and any(self._lacks(ids[:b], spans) for b in cuts):
+            if (cached == 0 or start is not None) and cuts[-1] - cached <= self.defer_max_tokens:
+                deferred = Deferred(start, cached, tuple(cuts), ids, images, spans)
+            else:  # a long prompt, or no saved copy of the starting state to go back to: split it now
+                self._prefill_boundaries(cached, cuts, ids, images, spans)
         constraint = job.constraint.with_think(job.prompt.thinking) if job.constraint is not None else None
         stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint,
                                      images=images or None)
-        return stream, cached, time.perf_counter() - t0
+        return stream, cached, time.perf_counter() - t0, deferred
+
+    def _lacks(self, prefix: list[int], spans) -> bool:
+        """Whether the cache has no snapshot of ``prefix`` with the prompt's images in it."""
+        kept = self.cache.get(prefix)
+        return kept is None or getattr(kept, "images", ()) != tuple(s for s in spans if s[0] < len(prefix))
+
+    def _prefill_boundaries(self, pos: int, cuts, ids: list[int], images: list, spans) -> None:
+        """Prefill ``ids`` from the session's position ``pos`` to each of ``cuts`` in turn (one call
+        each), keeping a snapshot at each one the cache lacks (one per token prefix: the latest images
+        behind it)."""
+        session = self.session
+        for b in cuts:
+            session.prefill(ids[pos:b], images=split_at(spans, images, pos, b))
+            pos = b
+            if self.cache.budget_bytes:
+                kept = self.cache.get(ids[:b])
+                if kept is None or getattr(kept, "images", ()) != session.image_spans:
+                    self._keep_snapshot()
+
+    def _snapshot_boundaries(self, d: Deferred) -> None:
+        """Make a finished request's boundary snapshots (``d``), then put the session back where the
+        request left it (its own tokens stay reusable; when that copy cannot be made, e.g. out of
+        device memory, the session stays at the last boundary instead). Runs on the worker thread
+        between jobs, so no request sees the session meanwhile, and the cache gets only complete
+        snapshots. A failure leaves the cache without them: a later request prefills more, never
+        reuses a wrong state."""
+        if self._closed:
+            return
+        session = self.session
+        try:
+            end = session.snapshot()
+        except Exception as e:  # noqa: BLE001 - the boundaries matter more than the end state
+            end = None
+            print(f"lily serve: the session's end state was not kept ({type(e).__name__}: {e})", file=sys.stderr)
+        try:
+            if d.start is None:
+                session.reset()
+            else:
+                session.restore(d.start)
+            self._prefill_boundaries(d.pos, d.cuts, d.ids, d.images, d.spans)
+        except Exception as e:  # noqa: BLE001 - reuse is an optimisation, never a reason to fail
+            print(f"lily serve: boundary snapshots failed ({type(e).__name__}: {e})", file=sys.stderr)
+            if end is None:  # the session's state is unknown: the next request starts from an empty one
+                self._recover()
+                return
+        if end is None:
+            return
+        try:
+            session.restore(end)
+        except Exception:  # noqa: BLE001 - then the next request starts from an empty session
+            self._recover()
 
     def _keep_snapshot(self) -> None:
         """Add the session's state to the prefix cache; a failed copy (e.g. out of device memory)
@@ -244,9 +329,10 @@ class Worker:
             self.cache.clear()
             print(f"lily serve: prefix snapshot failed ({type(e).__name__}: {e}); cache cleared", file=sys.stderr)
 
-    def _resume(self, ids: list[int], spans=()) -> int:
+    def _resume(self, ids: list[int], spans=()) -> tuple[int, SnapshotLike | None]:
         """Bring the session to the longest reusable prefix of ``ids`` (whose images are ``spans``:
-        a prefix is reused only with the same images behind its image tokens) and return its length."""
+        a prefix is reused only with the same images behind its image tokens); its length, and the
+        cache's snapshot restored (None: the session's own tokens, or an empty session)."""
         session = self.session
         held = session.tokens
         own = len(held) if len(held) < len(ids) and tuple(ids[:len(held)]) == held \
@@ -255,11 +341,11 @@ class Worker:
                                          accept=lambda s: same_images(getattr(s, "images", ()), spans, len(s.tokens)))
         if snap is not None:
             session.restore(snap)
-            return len(snap.tokens)
+            return len(snap.tokens), snap
         if own >= 0:
-            return own
+            return own, None
         session.reset()
-        return 0
+        return 0, None
 
     def _recover(self) -> None:
         try:
