@@ -20,6 +20,11 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
 void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+bool linear_bias_xb_supported(const QMatrix& w, int64_t T);  // the dense wgmma GEMM takes w over T rows
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& xb,
+                         const Tensor& workspace);
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y);
 void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
                        const Tensor& y, const Tensor& workspace);
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);

@@ -67,8 +67,7 @@ void add_bias(const Tensor& x, const Tensor& bias) {
 }
 
 void gelu(const Tensor& x, bool tanh_approx) {
-  // the constants as cpu::gelu rounds them
-  const vision::GeluParams p{x.ptr<float>(), x.numel(), std::sqrt(2.f / float(M_PI)), float(M_SQRT1_2)};
+  const vision::GeluParams p{x.ptr<float>(), x.numel(), gelu_tanh_k(), gelu_erf_c()};
   if (p.n == 0) return;
   const unsigned grid = unsigned(std::min<int64_t>(ceil_div<int64_t>(p.n, vision::kThreads), int64_t(num_sms()) * 16));
   launch(tanh_approx ? vision::gelu_kernel<true> : vision::gelu_kernel<false>, grid, vision::kThreads, 0, p);

@@ -59,6 +59,7 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   pos_b.upload(pos.data(), pos_b.nbytes());
   starts_b.upload(starts.data(), starts_b.nbytes());
   const Tensor xs = f32_view(x, N, W), hs = f32_view(h, N, W);
+  const Tensor mlp_xb = Tensor::of(mlp.data(), DType::BF16, d, {N * I});  // the MLP's hidden as bf16 (CUDA)
   const Tensor pos_t = Tensor::of(pos_b.data(), DType::I32, d, {N, 2});
   const Tensor starts_t = Tensor::of(starts_b.data(), DType::I32, d, {int64_t(starts.size())});
   const VisionWeights& vw = weights_->vision;
@@ -79,11 +80,16 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
     ops::vision_attention(f32_view(qkv, N, 3 * W), f32_view(o, N, W), starts_t, v.num_heads, attn_work);
     biased_linear(B.proj, f32_view(o, N, W), hs, ws);
     ops::add(xs, hs);
-    // x += fc2(gelu_tanh(fc1(norm2(x))))
+    // x += fc2(gelu_tanh(fc1(norm2(x)))); where both products run on the dense wgmma GEMM (CUDA), fc1
+    // hands its output to fc2 as bf16 (in the mlp buffer, as mlp_xb: half its bytes) with the same bits
     ops::layer_norm(xs, B.norm2.weight->view(), B.norm2.bias->view(), eps, hs);
-    biased_linear(B.fc1, hs, f32_view(mlp, N, I), ws);
-    ops::gelu(f32_view(mlp, N, I), true);
-    biased_linear(B.fc2, f32_view(mlp, N, I), hs, ws);
+    if (ops::linear_bias_xb_supported(d, *B.fc1.w, N) && ops::linear_bias_xb_supported(d, *B.fc2.w, N)) {
+      ops::linear_bias_gelu_xb(*B.fc1.w, hs, B.fc1.b->view(), mlp_xb, ws);
+      ops::linear_bias_xb(*B.fc2.w, mlp_xb, B.fc2.b->view(), hs);
+    } else {
+      ops::linear_bias_gelu(*B.fc1.w, hs, B.fc1.b->view(), f32_view(mlp, N, I), ws);
+      biased_linear(B.fc2, f32_view(mlp, N, I), hs, ws);
+    }
     ops::add(xs, hs);
   }
   // merger: LayerNorm per patch, then each m x m block's patches side by side [N/m^2, m^2 W] -> MLP

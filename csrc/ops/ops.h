@@ -44,6 +44,21 @@ void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tens
 // add_bias(y, bias), bit for bit on each backend (CUDA, dense BF16 weights on the dense wgmma GEMM: one
 // kernel, the add in its epilogue). x [T, in]; bias [out] F32; y [T, out]; workspace as linear's.
 void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+// y = gelu_tanh(x W^T + bias): the vision tower's fc1 and its activation. Equal to linear_bias(w, x, bias,
+// y, workspace) then gelu(y, true), bit for bit on each backend (CUDA, dense BF16 weights on the dense
+// wgmma GEMM: one kernel, the GELU in its epilogue). Arguments as linear_bias's.
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+// The MLP's bf16 hand-over (docs/cuda.md, "Xb hand-over"): linear_bias_gelu_xb writes linear_bias_gelu's y
+// as bf16_rn into xb [>= T*out] BF16 (row-major [T, out]: the dense GEMM's X, natural k order) instead of
+// an fp32 y, and linear_bias_xb(w2, xb, bias2, y2) is linear_bias(w2, x, bias2, y2, ws) with x read from
+// there: together the bits of linear_bias_gelu then linear_bias (which rounds its x to bf16 the same way).
+// xb must not overlap linear_bias_gelu_xb's workspace (the product still reads its own X from there). Only
+// where linear_bias_xb_supported(device, w, T) holds for the matrix (CUDA, the dense wgmma GEMM; 16-byte
+// aligned xb); elsewhere an error.
+bool linear_bias_xb_supported(Device device, const QMatrix& w, int64_t T);
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& xb,
+                         const Tensor& workspace);
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y);
 // X handed over as bf16 (docs/cuda.md, "Xb hand-over"): linear(w, x, y, workspace) where x's producer has
 // already written x into the workspace's first T x in elements in the prefill GEMM's bf16 layout (Xb; on
 // CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where

@@ -9,6 +9,7 @@
 // Rows are row-major f32 [R, D]; pos [n, 2] I32 (row, column) per patch.
 #pragma once
 #include "common.cuh"
+#include "gelu.cuh"
 
 namespace lily::cuda::vision {
 
@@ -77,8 +78,8 @@ struct GeluParams {
 
 template <bool TANH>
 __device__ __forceinline__ float gelu(float u, const GeluParams& p) {
-  if constexpr (TANH) return 0.5f * u * (1.f + tanhf(p.k * (u + 0.044715f * u * u * u)));
-  return 0.5f * u * (1.f + erff(u * p.inv_sqrt2));
+  if constexpr (TANH) return gelu_tanh(u, p.k);  // kernels/gelu.cuh: the dense GEMM's GELU epilogue's bits
+  return gelu_erf(u, p.inv_sqrt2);
 }
 
 template <bool TANH>
