@@ -706,32 +706,32 @@ bool linear_bias_xb_supported(const QMatrix& w, int64_t T) {
   return T > 0 && w.rows > 0 && w.num_stack == 1 && use_dense_wgmma(a, 0, ws);
 }
 
-// linear_bias_gelu with y stored as bf16_rn into xb [T, out] (the next dense product's X).
-void linear_bias_gelu_xb(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& xb,
-                         const Tensor& workspace) {
-  const int64_t T = x.dim(0);
-  LILY_CHECK(linear_bias_xb_supported(w, T), "linear_bias_gelu_xb: ", T, " rows of a ", w.rows, "x", w.cols,
+// The dense product over T rows of w with X given as bf16 in xb's first T x in elements (16-byte aligned:
+// its TMA map), y unset.
+static LinearArgs dense_xb_product(const char* op, const QMatrix& w, const Tensor& xb, int64_t T) {
+  LILY_CHECK(linear_bias_xb_supported(w, T), op, ": ", T, " rows of a ", w.rows, "x", w.cols,
              " matrix do not run on the dense wgmma GEMM");
-  LinearArgs a = linear_args(w, 0, x, x);
-  a.y = nullptr;
-  a.yb = xb.ptr<uint16_t>();
-  LILY_CHECK(use_dense_wgmma(a, 0, workspace), "linear_bias_gelu_xb: x or the workspace (", workspace.numel(),
-             " elements) is unaligned or too small for the dense wgmma GEMM");
-  run_dense_wgmma(a, 0, bias.ptr<float>(), workspace, WGD_GELU_XB);
-}
-
-// y = X W^T + bias with X given as bf16 in xb's first T x in elements: the dense GEMM without its conversion.
-void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {
-  const int64_t T = y.dim(0);
-  LILY_CHECK(linear_bias_xb_supported(w, T), "linear_bias_xb: ", T, " rows of a ", w.rows, "x", w.cols,
-             " matrix do not run on the dense wgmma GEMM");
-  LILY_CHECK(is_aligned16(xb.data) && xb.numel() >= T * w.cols, "linear_bias_xb: xb (", xb.numel(),
+  LILY_CHECK(is_aligned16(xb.data) && xb.numel() >= T * w.cols, op, ": xb (", xb.numel(),
              " elements) does not hold X as bf16 [", T, ", ", w.cols, "] at a 16-byte address");
   LinearArgs a;
   a.w = weight_view(w);
+  a.tiles.M = T;
+  return a;
+}
+
+// linear_bias_gelu with X given as bf16 in xb and y stored as bf16_rn into yb [T, out] (the next dense
+// product's X): the dense GEMM without its conversion, the WGD_GELU_XB epilogue.
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb) {
+  LinearArgs a = dense_xb_product("linear_bias_gelu_xb", w, xb, yb.dim(0));
+  a.yb = yb.ptr<uint16_t>();
+  run_dense_wgmma(a, 0, bias.ptr<float>(), xb, WGD_GELU_XB, xb.ptr<uint16_t>());
+}
+
+// y = X W^T + bias with X given as bf16 in xb: the dense GEMM without its conversion.
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {
+  LinearArgs a = dense_xb_product("linear_bias_xb", w, xb, y.dim(0));
   a.y = y.ptr<float>();
   a.ldy = w.rows;
-  a.tiles.M = T;
   run_dense_wgmma(a, 0, bias.ptr<float>(), xb, WGD_PLAIN, xb.ptr<uint16_t>());
 }
 

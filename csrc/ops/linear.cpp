@@ -154,27 +154,25 @@ static void check_xb(const char* op, const Tensor& xb, int64_t rows, int64_t col
              " (", rows * cols, " elements)");
 }
 
-void linear_bias_gelu_xb(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& xb,
-                         const Tensor& workspace) {
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb) {
   const char* op = "linear_bias_gelu_xb";
   const OpSpan span(op);
-  check_tensor(op, "x", x, DType::F32, 2);
-  check_shape(op, "x", x, 1, w.cols);
+  check_tensor(op, "yb", yb, DType::BF16, 2);
+  check_shape(op, "yb", yb, 1, w.rows);
   check_tensor(op, "bias", bias, DType::F32, 1);
   check_shape(op, "bias", bias, 0, w.rows);
-  check_xb(op, xb, x.dim(0), w.rows);
-  check_tensor(op, "workspace", workspace, DType::BF16, 1);
-  LILY_CHECK(x.device == w.weight.device(), op, ": weight and input live on different devices");
-  check_same_device(op, {x, bias, xb, workspace});
-  const auto* wb = static_cast<const uint8_t*>(workspace.data);
-  const auto* xbb = static_cast<const uint8_t*>(xb.data);
-  LILY_CHECK(xbb + xb.numel() * 2 <= wb || wb + workspace.numel() * 2 <= xbb, op,
-             ": xb overlaps the workspace (the product reads its X from there while xb is written)");
-  LILY_CHECK(linear_bias_xb_supported(x.device, w, x.dim(0)), op, ": ", x.dim(0), " rows of this ", w.rows, "x",
-             w.cols, " matrix on ", device_name(x.device), " do not run on the dense wgmma GEMM "
+  check_xb(op, xb, yb.dim(0), w.cols);
+  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
+  check_same_device(op, {xb, bias, yb});
+  const auto* x0 = static_cast<const uint8_t*>(xb.data);
+  const auto* y0 = static_cast<const uint8_t*>(yb.data);
+  LILY_CHECK(y0 + yb.numel() * 2 <= x0 || x0 + xb.numel() * 2 <= y0, op,
+             ": yb overlaps xb (the product reads its X from xb while yb is written)");
+  LILY_CHECK(linear_bias_xb_supported(yb.device, w, yb.dim(0)), op, ": ", yb.dim(0), " rows of this ", w.rows, "x",
+             w.cols, " matrix on ", device_name(yb.device), " do not run on the dense wgmma GEMM "
              "(linear_bias_xb_supported)");
-  LILY_CUDA_CASE(x.device, linear_bias_gelu_xb(w, x, bias, xb, workspace));
-  no_backend(op, x.device);
+  LILY_CUDA_CASE(yb.device, linear_bias_gelu_xb(w, xb, bias, yb));
+  no_backend(op, yb.device);
 }
 
 void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {

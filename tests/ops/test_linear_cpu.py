@@ -105,8 +105,8 @@ def test_linear_bias_gelu_is_linear_bias_then_gelu():
     with pytest.raises(Exception, match="bias"):
         ops.linear_bias_gelu(w, x, b[:8])
     assert not ops.linear_bias_xb_supported(w, 1024)
-    with pytest.raises(Exception, match="linear_bias_gelu_xb: 5 rows of this 9x24 matrix on cpu do not run"):
-        ops.linear_bias_gelu_linear_bias_xb(w, x, b, w, b)
+    with pytest.raises(Exception, match="layer_norm_xb: no cpu implementation"):
+        ops.layer_norm_mlp_xb(x, np.ones(24, np.float32), np.zeros(24, np.float32), 1e-6, w, b, w, b)
 
 
 def test_embedding_is_a_dequantized_row():
