@@ -80,7 +80,7 @@ def test_linear_bias_gelu_is_linear_bias_then_gelu(T, rows, cols, gpu_tol):
     b = rng.standard_normal(rows).astype(np.float32)
     got = ops.linear_bias_gelu(wg, x, b)
     np.testing.assert_array_equal(got, ops.gelu("cuda", ops.linear_bias(wg, x, b), True))
-    check(got, ops.linear_bias_gelu(wc, x, b), 2e-3, "linear_bias_gelu vs the CPU")
+    check(got, ops.linear_bias_gelu(wc, x, b), gpu_tol["linear_wgmma"], "linear_bias_gelu vs the CPU")
 
 
 def norm_params(rng, T, W):

@@ -6,7 +6,8 @@
 // Shapes: W [N, K] BF16 as stored (one stack entry), K % 8 == 0 (TMA: rows of whole 16 bytes); X [M, K]
 // F32 converted once per product into Xb [M, K] BF16 in natural k order (wgx_bf16_dense_kernel; the
 // 4-bit GEMM's k permutation, wg_phys_k, only serves its register dequantization and is not used here);
-// bias [N] F32 or null. X may come as Xb already (its producer's WGD_GELU_XB epilogue): no conversion then.
+// bias [N] F32 or null. X may come as Xb already (written by its producer: layer_norm_xb, or another
+// product's WGD_GELU_XB epilogue; linear_bias_xb, linear_bias_gelu_xb): no conversion then.
 // Two kernels:
 //   wgx_bf16_dense_kernel      X [M, ldx] F32 -> Xb [M, K] BF16, natural order (round to nearest even).
 //   linear_wgmma_dense_kernel  the GEMM: the 4-bit GEMM's structure (kernels/linear_wgmma_tma.cuh:

@@ -47,9 +47,9 @@ __global__ void layer_norm_kernel(const LayerNormParams p) {
   for (int i = tid; i < p.D; i += nt) v += (x[i] - mean) * (x[i] - mean);
   const float inv = 1.f / sqrtf(block_sum(v, red) / float(p.D) + p.eps);
   for (int i = tid; i < p.D; i += nt) {
-    const float v = (x[i] - mean) * inv * p.w[i] + p.b[i];
-    if constexpr (XB) p.yb[off + i] = wg_bf16(v);
-    else p.y[off + i] = v;
+    const float y = (x[i] - mean) * inv * p.w[i] + p.b[i];
+    if constexpr (XB) p.yb[off + i] = wg_bf16(y);
+    else p.y[off + i] = y;
   }
 }
 
