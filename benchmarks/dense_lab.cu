@@ -1,7 +1,7 @@
 // dense_lab: the vision tower's dense BF16 products, self-checking, one table row per kernel and shape:
 //   mma.sync    kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the old path), then add_bias's arithmetic is
 //               not included (a separate kernel: ~21 us a product at 1 MP, docs/results/h200.md)
-//   wgmma       the library's path since 2026-12-02: wgx_bf16_dense_kernel (X -> bf16) + linear_wgmma_dense_kernel
+//   wgmma       the library's path since 2026-12-02: wgx_bf16_kernel<true> (X -> bf16) + linear_wgmma_dense_kernel
 //               with the bias in its epilogue, BM by wgd_bm, launched as linear.cu's run_dense_wgmma does
 // Shapes (N outputs x K, T rows): qkv 3456x1152, proj 1152x1152, fc1 4304x1152, fc2 1152x4304 at T =
 // DENSE_LAB_T (default 4096: a 1-megapixel image), the merger's 4608x4608 and 2048x4608 at T / 4.
@@ -146,7 +146,7 @@ static void launch_wgmma_bm(const Product& p, int c) {
 }
 
 static void launch_conv(const Product& p) {
-  wgx_bf16_dense_kernel<<<unsigned(p.T), WGX_THREADS>>>(p.dx, p.K, p.K, p.dxb);
+  wgx_bf16_kernel<true><<<unsigned(p.T), WGX_THREADS>>>(p.dx, p.K, p.K, p.dxb);
 }
 
 static void launch_new(const Product& p, int c) {

@@ -387,7 +387,7 @@ static void run_dense_wgmma(const LinearArgs& a, int64_t e, const float* bias, c
   LILY_CHECK(M <= INT32_MAX && a.w.rows <= INT32_MAX, "linear: ", M, " x ", a.w.rows, " exceeds the dense GEMM");
   const uint16_t* w = dense_weights(a, e);
   uint16_t* xb = workspace.ptr<uint16_t>();
-  launch(wgx_bf16_dense_kernel, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, xb);
+  launch(wgx_bf16_kernel<true>, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, xb);
   LILY_CUDA_LAUNCHED();
   if (wgd_bm(M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64>(a, bias, w, xb);
   launch_dense_wgmma<128>(a, bias, w, xb);
@@ -399,7 +399,7 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
   if (xb.x == a.x && xb.ldx == a.ldx && xb.rows == x_count && xb.K == K) return xb.data;
   LILY_CHECK(x_count <= INT32_MAX && x_count * K <= xb.capacity, "linear: a bf16 workspace of ", xb.capacity,
              " elements is too small for ", x_count, " x ", K);
-  launch(wgx_bf16_kernel, unsigned(x_count), WGX_THREADS, 0, a.x, a.ldx, K, xb.data);
+  launch(wgx_bf16_kernel<false>, unsigned(x_count), WGX_THREADS, 0, a.x, a.ldx, K, xb.data);
   LILY_CUDA_LAUNCHED();
   xb.x = a.x, xb.ldx = a.ldx, xb.rows = x_count, xb.K = K;
   return xb.data;

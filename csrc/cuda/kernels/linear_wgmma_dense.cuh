@@ -2,11 +2,11 @@
 // sm_90a), both operands loaded by TMA:
 //   Y[r, o] = sum_k W[o, k] * bf16(X[r, k]) (+ bias[o]), fp32 accumulation.
 // Shapes: W [N, K] BF16 as stored (one stack entry), K % 8 == 0 (TMA: rows of whole 16 bytes); X [M, K]
-// F32 converted once per product into Xb [M, K] BF16 in natural k order (wgx_bf16_dense_kernel; the
+// F32 converted once per product into Xb [M, K] BF16 in natural k order (wgx_bf16_kernel<true>; the
 // 4-bit GEMM's k permutation, wg_phys_k, only serves its register dequantization and is not used here);
 // bias [N] F32 or null.
 // Two kernels:
-//   wgx_bf16_dense_kernel      X [M, ldx] F32 -> Xb [M, K] BF16, natural order (round to nearest even).
+//   wgx_bf16_kernel<true>      (linear_wgmma_tma.cuh) X [M, ldx] F32 -> Xb [M, K] BF16, natural order.
 //   linear_wgmma_dense_kernel  the GEMM: the 4-bit GEMM's structure (kernels/linear_wgmma_tma.cuh:
 //                              persistent, warp-specialised, full/empty mbarrier ring) with A from
 //                              shared memory: one producer thread issues two TMA loads a k-tile, two
@@ -85,27 +85,6 @@ __host__ __device__ constexpr int wgd_acc_o(int ct, int b, int i) {
 __host__ __device__ constexpr int wgd_acc_r(int ct, int i) { return 8 * (i >> 2) + 2 * (ct & 3) + (i & 1); }
 
 #ifdef __CUDACC__
-
-// Xb[r, k] = bf16_rn(X[r, k]). Grid: one CTA per row, threads stride over the row's K/8 chunks: two
-// float4 loads and one 16-byte store each. X rows 16-byte aligned (ldx % 4 == 0), K % 8 == 0.
-__global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_dense_kernel(const float* __restrict__ x, int64_t ldx,
-                                                                   int64_t K, uint16_t* __restrict__ xb) {
-  pdl_wait();
-  pdl_trigger();
-  const int64_t r = blockIdx.x;
-  const float* src = x + r * ldx;
-  uint16_t* dst = xb + r * K;
-  for (int64_t j = threadIdx.x; j < K / 8; j += WGX_THREADS) {
-    const float4 lo = *reinterpret_cast<const float4*>(src + 8 * j);
-    const float4 hi = *reinterpret_cast<const float4*>(src + 8 * j + 4);
-    uint4 v;
-    v.x = wg_pack_bf16x2(lo.x, lo.y);
-    v.y = wg_pack_bf16x2(lo.z, lo.w);
-    v.z = wg_pack_bf16x2(hi.x, hi.y);
-    v.w = wg_pack_bf16x2(hi.z, hi.w);
-    *reinterpret_cast<uint4*>(dst + 8 * j) = v;
-  }
-}
 
 // Epilogue of one consumer thread: y[row0 + r, n0 + o] = acc (+ bias[n0 + o]) for its (o, r) pairs
 // (wgd_acc_o / wgd_acc_r) inside M and N. One bias load per weight row per tile.

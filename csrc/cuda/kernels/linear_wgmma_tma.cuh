@@ -8,7 +8,8 @@
 // product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
 // BM = the map's tile_rows, 64 or 128).
 // Two kernels:
-//   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it.
+//   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it
+//                            (NATURAL: in stored order, for the dense BF16 GEMM).
 //   linear_wgmma_tma_kernel  the GEMM: warp-specialised and persistent; a producer warpgroup fills an
 //                            S-stage shared-memory ring by TMA (W tile, Xb tile) or, for gathered MoE
 //                            rows, TMA (W) plus cp.async (Xb rows); two consumer warpgroups dequantize
@@ -83,6 +84,9 @@ static_assert(tma_smem_bytes(128, true) <= 227 * 1024 && tma_smem_bytes(64, true
 
 #ifdef __CUDACC__
 
+// NATURAL: the values in stored k order (the dense BF16 GEMM's operand, linear_wgmma_dense.cuh), else each
+// 8-value chunk as pairs (v_c, v_c+4) (the 4-bit GEMM's k permutation, xb_layout.cuh).
+template <bool NATURAL = false>
 __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t K,
                                                              uint16_t* __restrict__ xb) {
   pdl_wait();
@@ -94,10 +98,17 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
     const float4 lo = *reinterpret_cast<const float4*>(src + 8 * j);
     const float4 hi = *reinterpret_cast<const float4*>(src + 8 * j + 4);
     uint4 v;
-    v.x = wg_pack_bf16x2(lo.x, hi.x);
-    v.y = wg_pack_bf16x2(lo.y, hi.y);
-    v.z = wg_pack_bf16x2(lo.z, hi.z);
-    v.w = wg_pack_bf16x2(lo.w, hi.w);
+    if constexpr (NATURAL) {
+      v.x = wg_pack_bf16x2(lo.x, lo.y);
+      v.y = wg_pack_bf16x2(lo.z, lo.w);
+      v.z = wg_pack_bf16x2(hi.x, hi.y);
+      v.w = wg_pack_bf16x2(hi.z, hi.w);
+    } else {
+      v.x = wg_pack_bf16x2(lo.x, hi.x);
+      v.y = wg_pack_bf16x2(lo.y, hi.y);
+      v.z = wg_pack_bf16x2(lo.z, hi.z);
+      v.w = wg_pack_bf16x2(lo.w, hi.w);
+    }
     *reinterpret_cast<uint4*>(dst + 8 * j) = v;
   }
 }
