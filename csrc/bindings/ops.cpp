@@ -158,6 +158,44 @@ void init_ops(nb::module_& parent) {
     ops::linear_bias(w, xi.t, bi.t, y.t, ws.t);
     return out_f32(y);
   }, nb::arg("w"), nb::arg("x"), nb::arg("bias"), "x W^T + bias.");
+  m.def("linear_bias_gelu", [](const QMatrix& w, const F32In& x, const F32In& b) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), bi = f32(d, b), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::linear_bias_gelu(w, xi.t, bi.t, y.t, ws.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("bias"), "gelu_tanh(x W^T + bias).");
+  m.def("linear_bias_xb_supported", [](const QMatrix& w, int64_t T) {
+    return ops::linear_bias_xb_supported(w.weight.device(), w, T);
+  }, nb::arg("w"), nb::arg("T"), "Whether linear_bias_gelu_xb / linear_bias_xb take T rows over w (CUDA: the "
+     "dense wgmma GEMM).");
+  m.def("layer_norm_linear_bias_xb", [](const QMatrix& w, const F32In& x, const F32In& nw, const F32In& nb, float eps,
+                                       const F32In& b) {
+    const Device d = w.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), nwi = f32(d, nw), nbi = f32(d, nb), bi = f32(d, b), y(d, DType::F32, {T, w.rows});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, T * w.cols)});
+    ops::layer_norm_xb(xi.t, nwi.t, nbi.t, eps, xb.t);
+    ops::linear_bias_xb(w, xb.t, bi.t, y.t);
+    return out_f32(y);
+  }, nb::arg("w"), nb::arg("x"), nb::arg("norm_weight"), nb::arg("norm_bias"), nb::arg("eps"), nb::arg("bias"),
+     "layer_norm(x) W^T + bias with the norm's output handed over as bf16 (layer_norm_xb, linear_bias_xb).");
+  m.def("layer_norm_mlp_xb", [](const F32In& x, const F32In& nw, const F32In& nb, float eps, const QMatrix& w1,
+                                const F32In& b1, const QMatrix& w2, const F32In& b2) {
+    const Device d = w1.weight.device();
+    const int64_t T = int64_t(x.shape(0));
+    Dev xi = f32(d, x), nwi = f32(d, nw), nbi = f32(d, nb), b1i = f32(d, b1), b2i = f32(d, b2);
+    Dev y(d, DType::F32, {T, w2.rows}), xb(d, DType::BF16, {std::max<int64_t>(1, T * w1.cols)});
+    Dev hb(d, DType::BF16, {T, w1.rows});
+    ops::layer_norm_xb(xi.t, nwi.t, nbi.t, eps, xb.t);
+    ops::linear_bias_gelu_xb(w1, xb.t, b1i.t, hb.t);
+    ops::linear_bias_xb(w2, Tensor::of(hb.t.data, DType::BF16, d, {T * w1.rows}), b2i.t, y.t);
+    return out_f32(y);
+  }, nb::arg("x"), nb::arg("norm_weight"), nb::arg("norm_bias"), nb::arg("eps"), nb::arg("w1"), nb::arg("bias1"),
+     nb::arg("w2"), nb::arg("bias2"),
+     "fc2(gelu_tanh(fc1(layer_norm(x)))) with both products' inputs handed over as bf16 (layer_norm_xb, "
+     "linear_bias_gelu_xb, linear_bias_xb).");
   m.def("linear_rms_normed", [](const QMatrix& w, const F32In& res, const F32In& nw, float eps) {
     const Device d = w.weight.device();
     const int64_t T = int64_t(res.shape(0));

@@ -20,6 +20,10 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace);
 void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+bool linear_bias_xb_supported(const QMatrix& w, int64_t T);  // the dense wgmma GEMM takes w over T rows
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb);
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y);
 void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, float eps, const Tensor& h,
                        const Tensor& y, const Tensor& workspace);
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);
@@ -74,6 +78,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
                      const int32_t* pos, int64_t rope_delta);
 // vision.cu / kernels/vision*.cuh: the vision tower's ops (pos and starts in device memory).
 void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
+void layer_norm_xb(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& xb);
 void add_bias(const Tensor& x, const Tensor& bias);
 void gelu(const Tensor& x, bool tanh_approx);
 void vision_position_embedding(const Tensor& table, const Tensor& pos, int grid_h, int grid_w, const Tensor& y);

@@ -21,7 +21,9 @@
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   use_dense_wgmma: T >= DENSE_WGMMA_MIN_ROWS, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte
 //                    aligned operands -> kernels/linear_wgmma_dense.cuh (Hopper wgmma, both operands by TMA;
-//                    X converted to bf16 in natural k order into the op's workspace first)
+//                    X converted to bf16 in natural k order into the op's workspace first, unless its
+//                    producer wrote it so: linear_bias_xb); linear_bias_gelu's GELU in its epilogue, stored
+//                    as fp32 or as the next dense product's bf16 X (linear_bias_gelu_xb)
 //   use_dense_gemm:  T > 8, the same weights below that -> kernels/linear_gemm.cuh with GEMM_DENSE_BF16 (the
 //                    weights taken as stored)
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
@@ -29,6 +31,7 @@
 #include <cstdint>
 
 #include "cuda_ops.h"
+#include "kernels/gelu.cuh"
 #include "kernels/gemv_mma.cuh"
 #include "kernels/gemv_mma_tokens.cuh"
 #include "kernels/linear_gemm.cuh"
@@ -363,9 +366,9 @@ static void check_tensor_map(CUresult r, const char* what) {
   LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
-template <int BM>
+template <int BM, int EPI>
 static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const void* w, const uint16_t* xb) {
-  const auto kernel = linear_wgmma_dense_kernel<BM>;
+  const auto kernel = linear_wgmma_dense_kernel<BM, EPI>;
   constexpr int smem = wgd_smem_bytes(BM);
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -376,21 +379,36 @@ static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const voi
   check_tensor_map(make_xb_tensor_map(mx, xb, a.tiles.M, a.w.cols, BM), "X");
   check_tensor_map(make_xb_tensor_map(mw, w, a.w.rows, a.w.cols, WG_BN), "dense W");
   const int64_t units = ceil_div<int64_t>(a.tiles.M, BM) * ceil_div<int64_t>(a.w.rows, WG_BN);
-  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGD_THREADS, size_t(smem), a, bias, mx, mw);
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGD_THREADS, size_t(smem), a, bias, gelu_tanh_k(),
+         mx, mw);
   LILY_CUDA_LAUNCHED();
 }
 
-// Y (+ bias) for stack entry e of dense BF16 weights on the dense wgmma GEMM: X to bf16 (natural k order)
-// in the workspace, then the GEMM.
-static void run_dense_wgmma(const LinearArgs& a, int64_t e, const float* bias, const Tensor& workspace) {
+template <int EPI>
+static void launch_dense_wgmma_rows(const LinearArgs& a, const float* bias, const void* w, const uint16_t* xb) {
+  if (wgd_bm(a.tiles.M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64, EPI>(a, bias, w, xb);
+  launch_dense_wgmma<128, EPI>(a, bias, w, xb);
+}
+
+// Y (+ bias) for stack entry e of dense BF16 weights on the dense wgmma GEMM, epilogue `epi` (WgdEpilogue;
+// WGD_GELU_XB writes a.yb): X to bf16 (natural k order) in the workspace, then the GEMM; with `xb` given,
+// X is read from there as it stands (its producer wrote it so; a.x unused).
+static void run_dense_wgmma(const LinearArgs& a, int64_t e, const float* bias, const Tensor& workspace,
+                            WgdEpilogue epi = WGD_PLAIN, const uint16_t* xb = nullptr) {
   const int64_t M = a.tiles.M, K = a.w.cols;
   LILY_CHECK(M <= INT32_MAX && a.w.rows <= INT32_MAX, "linear: ", M, " x ", a.w.rows, " exceeds the dense GEMM");
   const uint16_t* w = dense_weights(a, e);
-  uint16_t* xb = workspace.ptr<uint16_t>();
-  launch(wgx_bf16_kernel<true>, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, xb);
-  LILY_CUDA_LAUNCHED();
-  if (wgd_bm(M, a.w.rows, num_sms()) == 64) return launch_dense_wgmma<64>(a, bias, w, xb);
-  launch_dense_wgmma<128>(a, bias, w, xb);
+  if (xb == nullptr) {
+    uint16_t* ws = workspace.ptr<uint16_t>();
+    launch(wgx_bf16_kernel<true>, unsigned(M), WGX_THREADS, 0, a.x, a.ldx, K, ws);
+    LILY_CUDA_LAUNCHED();
+    xb = ws;
+  }
+  switch (epi) {
+    case WGD_PLAIN: return launch_dense_wgmma_rows<WGD_PLAIN>(a, bias, w, xb);
+    case WGD_GELU: return launch_dense_wgmma_rows<WGD_GELU>(a, bias, w, xb);
+    case WGD_GELU_XB: return launch_dense_wgmma_rows<WGD_GELU_XB>(a, bias, w, xb);
+  }
 }
 
 // X rows [x_count, K] of a product as BF16 (wgx_bf16_kernel) in xb, unless it holds them already.
@@ -663,6 +681,58 @@ void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Te
     return run_dense_wgmma(a, 0, bias.ptr<float>(), workspace);
   linear(w, 0, x, y, workspace);
   add_bias(y, bias);
+}
+
+// y = gelu_tanh(x W^T + bias): dense BF16 weights on the dense wgmma GEMM with the GELU in its epilogue (the
+// bits of linear_bias then gelu there). Otherwise linear_bias, then gelu.
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
+  const LinearArgs a = linear_args(w, 0, x, y);
+  if (x.dim(0) > 0 && w.rows > 0 && use_dense_wgmma(a, 0, workspace))
+    return run_dense_wgmma(a, 0, bias.ptr<float>(), workspace, WGD_GELU);
+  linear_bias(w, x, bias, y, workspace);
+  gelu(y, true);
+}
+
+// use_dense_wgmma for T rows of w, the operands standing in (aligned, the workspace as large as needed):
+// what linear_bias_gelu_xb and linear_bias_xb take. No rows: nothing to hand over.
+bool linear_bias_xb_supported(const QMatrix& w, int64_t T) {
+  alignas(16) static const float aligned[4] = {};
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.x = aligned;
+  a.ldx = w.cols;
+  a.tiles.M = T;
+  const Tensor ws = Tensor::of(const_cast<float*>(aligned), DType::BF16, Device::CUDA, {T * w.cols});
+  return T > 0 && w.rows > 0 && w.num_stack == 1 && use_dense_wgmma(a, 0, ws);
+}
+
+// The dense product over T rows of w with X given as bf16 in xb's first T x in elements (16-byte aligned:
+// its TMA map), y unset.
+static LinearArgs dense_xb_product(const char* op, const QMatrix& w, const Tensor& xb, int64_t T) {
+  LILY_CHECK(linear_bias_xb_supported(w, T), op, ": ", T, " rows of a ", w.rows, "x", w.cols,
+             " matrix do not run on the dense wgmma GEMM");
+  LILY_CHECK(is_aligned16(xb.data) && xb.numel() >= T * w.cols, op, ": xb (", xb.numel(),
+             " elements) does not hold X as bf16 [", T, ", ", w.cols, "] at a 16-byte address");
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.tiles.M = T;
+  return a;
+}
+
+// linear_bias_gelu with X given as bf16 in xb and y stored as bf16_rn into yb [T, out] (the next dense
+// product's X): the dense GEMM without its conversion, the WGD_GELU_XB epilogue.
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb) {
+  LinearArgs a = dense_xb_product("linear_bias_gelu_xb", w, xb, yb.dim(0));
+  a.yb = yb.ptr<uint16_t>();
+  run_dense_wgmma(a, 0, bias.ptr<float>(), xb, WGD_GELU_XB, xb.ptr<uint16_t>());
+}
+
+// y = X W^T + bias with X given as bf16 in xb: the dense GEMM without its conversion.
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {
+  LinearArgs a = dense_xb_product("linear_bias_xb", w, xb, y.dim(0));
+  a.y = y.ptr<float>();
+  a.ldy = w.rows;
+  run_dense_wgmma(a, 0, bias.ptr<float>(), xb, WGD_PLAIN, xb.ptr<uint16_t>());
 }
 
 // The product linear runs over T > GEMV_MAX_TOKENS rows (no GEMV), with X given as Xb at `xb` (16-byte

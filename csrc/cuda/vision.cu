@@ -1,6 +1,6 @@
 // Launchers of the vision tower's ops (kernels/vision.cuh, kernels/vision_attention.cuh), docs/model.md
 // section 8 (the multimodal RoPE of the text model, mrope, is in attention.cu). The tower runs eagerly.
-//   layer_norm: one block per row, 32..256 threads (about 8 values each)
+//   layer_norm, layer_norm_xb: one block per row, 32..256 threads (about 8 values each)
 //   add_bias, gelu, vision_rope: one thread per element (add_bias: per 4 when aligned)
 //   vision_position_embedding: one thread per (patch, column)
 //   vision_attention: pack q, k, v to bf16 per head, then flash attention per (64-row query tile, head) for
@@ -52,7 +52,17 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float
   LILY_CHECK(R <= 0x7fffffff, "layer_norm: too many rows for the CUDA grid (", R, ")");
   const vision::LayerNormParams p{x.ptr<float>(), weight.ptr<float>(), bias.ptr<float>(), y.ptr<float>(), int(D),
                                   eps};
-  launch(vision::layer_norm_kernel, unsigned(R), row_threads(D), 0, p);
+  launch(vision::layer_norm_kernel<false>, unsigned(R), row_threads(D), 0, p);
+  LILY_CUDA_LAUNCHED();
+}
+
+void layer_norm_xb(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& xb) {
+  const int64_t R = x.dim(0), D = x.dim(1);
+  if (R == 0) return;
+  LILY_CHECK(R <= 0x7fffffff, "layer_norm_xb: too many rows for the CUDA grid (", R, ")");
+  vision::LayerNormParams p{x.ptr<float>(), weight.ptr<float>(), bias.ptr<float>(), nullptr, int(D), eps};
+  p.yb = xb.ptr<uint16_t>();
+  launch(vision::layer_norm_kernel<true>, unsigned(R), row_threads(D), 0, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -67,8 +77,7 @@ void add_bias(const Tensor& x, const Tensor& bias) {
 }
 
 void gelu(const Tensor& x, bool tanh_approx) {
-  // the constants as cpu::gelu rounds them
-  const vision::GeluParams p{x.ptr<float>(), x.numel(), std::sqrt(2.f / float(M_PI)), float(M_SQRT1_2)};
+  const vision::GeluParams p{x.ptr<float>(), x.numel(), gelu_tanh_k(), gelu_erf_c()};
   if (p.n == 0) return;
   const unsigned grid = unsigned(std::min<int64_t>(ceil_div<int64_t>(p.n, vision::kThreads), int64_t(num_sms()) * 16));
   launch(tanh_approx ? vision::gelu_kernel<true> : vision::gelu_kernel<false>, grid, vision::kThreads, 0, p);

@@ -59,6 +59,9 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
   pos_b.upload(pos.data(), pos_b.nbytes());
   starts_b.upload(starts.data(), starts_b.nbytes());
   const Tensor xs = f32_view(x, N, W), hs = f32_view(h, N, W);
+  // the MLP's hidden as bf16 in the mlp buffer (CUDA, half its bytes): fc1's output [N, I], fc2's X
+  const Tensor mlp_yb = Tensor::of(mlp.data(), DType::BF16, d, {N, I});
+  const Tensor mlp_xb = Tensor::of(mlp.data(), DType::BF16, d, {N * I});
   const Tensor pos_t = Tensor::of(pos_b.data(), DType::I32, d, {N, 2});
   const Tensor starts_t = Tensor::of(starts_b.data(), DType::I32, d, {int64_t(starts.size())});
   const VisionWeights& vw = weights_->vision;
@@ -72,18 +75,33 @@ void Engine::encode_images(const float* pixels, int64_t N, const std::vector<std
     ops::vision_position_embedding(vw.pos_embed->view(), p, grids[i][1], grids[i][2], rows);
   }
   for (const VisionBlockWeights& B : vw.blocks) {
+    // Where qkv, fc1 and fc2 run on the dense wgmma GEMM (CUDA), their inputs are handed over as bf16 with
+    // the bits the GEMM's own conversion would give: the norms write it into ws, fc1's epilogue into the
+    // mlp buffer (mlp_yb), and the products read it there
+    const bool handover = ops::linear_bias_xb_supported(d, *B.qkv.w, N) &&
+                          ops::linear_bias_xb_supported(d, *B.fc1.w, N) && ops::linear_bias_xb_supported(d, *B.fc2.w, N);
     // x += proj(attention(rope(qkv(norm1(x)))))
-    ops::layer_norm(xs, B.norm1.weight->view(), B.norm1.bias->view(), eps, hs);
-    biased_linear(B.qkv, hs, f32_view(qkv, N, 3 * W), ws);
+    if (handover) {
+      ops::layer_norm_xb(xs, B.norm1.weight->view(), B.norm1.bias->view(), eps, ws);
+      ops::linear_bias_xb(*B.qkv.w, ws, B.qkv.b->view(), f32_view(qkv, N, 3 * W));
+    } else {
+      ops::layer_norm(xs, B.norm1.weight->view(), B.norm1.bias->view(), eps, hs);
+      biased_linear(B.qkv, hs, f32_view(qkv, N, 3 * W), ws);
+    }
     ops::vision_rope(f32_view(qkv, N, 3 * W), pos_t, v.num_heads, v.rope_theta);
     ops::vision_attention(f32_view(qkv, N, 3 * W), f32_view(o, N, W), starts_t, v.num_heads, attn_work);
     biased_linear(B.proj, f32_view(o, N, W), hs, ws);
     ops::add(xs, hs);
     // x += fc2(gelu_tanh(fc1(norm2(x))))
-    ops::layer_norm(xs, B.norm2.weight->view(), B.norm2.bias->view(), eps, hs);
-    biased_linear(B.fc1, hs, f32_view(mlp, N, I), ws);
-    ops::gelu(f32_view(mlp, N, I), true);
-    biased_linear(B.fc2, f32_view(mlp, N, I), hs, ws);
+    if (handover) {
+      ops::layer_norm_xb(xs, B.norm2.weight->view(), B.norm2.bias->view(), eps, ws);
+      ops::linear_bias_gelu_xb(*B.fc1.w, ws, B.fc1.b->view(), mlp_yb);
+      ops::linear_bias_xb(*B.fc2.w, mlp_xb, B.fc2.b->view(), hs);
+    } else {
+      ops::layer_norm(xs, B.norm2.weight->view(), B.norm2.bias->view(), eps, hs);
+      ops::linear_bias_gelu(*B.fc1.w, hs, B.fc1.b->view(), f32_view(mlp, N, I), ws);
+      biased_linear(B.fc2, f32_view(mlp, N, I), hs, ws);
+    }
     ops::add(xs, hs);
   }
   // merger: LayerNorm per patch, then each m x m block's patches side by side [N/m^2, m^2 W] -> MLP

@@ -123,6 +123,74 @@ void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Te
   no_backend(op, x.device);
 }
 
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
+  const char* op = "linear_bias_gelu";
+  const OpSpan span(op);
+  check_linear(op, w, 0, x, y, workspace);
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "bias", bias, 0, w.rows);
+  LILY_CHECK(y.data != x.data, op, ": x and y must not alias");
+  check_same_device(op, {x, bias});
+  if (x.device == Device::CPU) {  // the three ops, literally
+    cpu::linear(w, 0, x, y);
+    cpu::add_bias(y, bias);
+    return cpu::gelu(y, true);
+  }
+  LILY_CUDA_CASE(x.device, linear_bias_gelu(w, x, bias, y, workspace));
+  no_backend(op, x.device);
+}
+
+bool linear_bias_xb_supported(Device d, const QMatrix& w, int64_t T) {
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA && w.weight.device() == d) return cuda::linear_bias_xb_supported(w, T);
+#endif
+  (void)w, (void)T;
+  return false;
+}
+
+static void check_xb(const char* op, const Tensor& xb, int64_t rows, int64_t cols) {
+  check_tensor(op, "xb", xb, DType::BF16, 1);
+  LILY_CHECK(xb.numel() >= rows * cols, op, ": xb ", xb.shape_str(), " is too small for ", rows, " x ", cols,
+             " (", rows * cols, " elements)");
+}
+
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb) {
+  const char* op = "linear_bias_gelu_xb";
+  const OpSpan span(op);
+  check_tensor(op, "yb", yb, DType::BF16, 2);
+  check_shape(op, "yb", yb, 1, w.rows);
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "bias", bias, 0, w.rows);
+  check_xb(op, xb, yb.dim(0), w.cols);
+  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
+  check_same_device(op, {xb, bias, yb});
+  const auto* x0 = static_cast<const uint8_t*>(xb.data);
+  const auto* y0 = static_cast<const uint8_t*>(yb.data);
+  LILY_CHECK(y0 + yb.numel() * 2 <= x0 || x0 + xb.numel() * 2 <= y0, op,
+             ": yb overlaps xb (the product reads its X from xb while yb is written)");
+  LILY_CHECK(linear_bias_xb_supported(yb.device, w, yb.dim(0)), op, ": ", yb.dim(0), " rows of this ", w.rows, "x",
+             w.cols, " matrix on ", device_name(yb.device), " do not run on the dense wgmma GEMM "
+             "(linear_bias_xb_supported)");
+  LILY_CUDA_CASE(yb.device, linear_bias_gelu_xb(w, xb, bias, yb));
+  no_backend(op, yb.device);
+}
+
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {
+  const char* op = "linear_bias_xb";
+  const OpSpan span(op);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "y", y, 1, w.rows);
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "bias", bias, 0, w.rows);
+  check_xb(op, xb, y.dim(0), w.cols);
+  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
+  check_same_device(op, {xb, bias, y});
+  LILY_CHECK(linear_bias_xb_supported(y.device, w, y.dim(0)), op, ": ", y.dim(0), " rows of this ", w.rows, "x",
+             w.cols, " matrix on ", device_name(y.device), " take no bf16 X (linear_bias_xb_supported)");
+  LILY_CUDA_CASE(y.device, linear_bias_xb(w, xb, bias, y));
+  no_backend(op, y.device);
+}
+
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& res, const Tensor& weight, const Tensor& h) {
 #ifdef LILY_WITH_CUDA
   if (res.device == Device::CUDA) return cuda::linear_rms_normed_supported(w, res, weight, h);

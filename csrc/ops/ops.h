@@ -44,6 +44,20 @@ void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tens
 // add_bias(y, bias), bit for bit on each backend (CUDA, dense BF16 weights on the dense wgmma GEMM: one
 // kernel, the add in its epilogue). x [T, in]; bias [out] F32; y [T, out]; workspace as linear's.
 void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+// y = gelu_tanh(x W^T + bias): the vision tower's fc1 and its activation. Equal to linear_bias(w, x, bias,
+// y, workspace) then gelu(y, true), bit for bit on each backend (CUDA, dense BF16 weights on the dense
+// wgmma GEMM: one kernel, the GELU in its epilogue). Arguments as linear_bias's.
+void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace);
+// The tower's bf16 hand-overs (docs/cuda.md, "The dense BF16 GEMM"): X given as bf16 in xb's first T x in
+// elements (BF16 [>= T*in], row-major [T, in]: the dense GEMM's X, natural k order; written by
+// layer_norm_xb or by linear_bias_gelu_xb), read without the GEMM's conversion of an fp32 x, which would
+// round to the same bits. linear_bias_xb(w, xb, bias, y) is linear_bias(w, x, bias, y, ws), y [T, out] F32;
+// linear_bias_gelu_xb(w, xb, bias, yb) is linear_bias_gelu(w, x, bias, y, ws) with y stored as bf16_rn into
+// yb [T, out] BF16 (the next product's xb; yb must not overlap xb). Only where linear_bias_xb_supported(
+// device, w, T) holds (CUDA, the dense wgmma GEMM takes w for T rows; xb 16-byte aligned); elsewhere an error.
+bool linear_bias_xb_supported(Device device, const QMatrix& w, int64_t T);
+void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb);
+void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y);
 // X handed over as bf16 (docs/cuda.md, "Xb hand-over"): linear(w, x, y, workspace) where x's producer has
 // already written x into the workspace's first T x in elements in the prefill GEMM's bf16 layout (Xb; on
 // CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where
@@ -253,6 +267,10 @@ void advance_position(int32_t* pos_device, Device device, int64_t T);
 // y[r, :] = (x[r, :] - mean(x[r, :])) / sqrt(var(x[r, :]) + eps) * weight + bias, var the biased
 // (population) variance.  x, y [R, D] (y may alias x); weight, bias [D].
 void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
+// layer_norm with y written as the dense GEMM's X instead (linear_bias_xb, linear_bias_gelu_xb read it):
+// xb [>= R*D] BF16 holds bf16_rn(y) row-major [R, D], the bits the GEMM's own conversion of y would give.
+// CUDA only.
+void layer_norm_xb(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& xb);
 
 // x[r, :] += bias.  x [R, D]; bias [D].
 void add_bias(const Tensor& x, const Tensor& bias);

@@ -40,6 +40,21 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float
   no_backend(op, x.device);
 }
 
+void layer_norm_xb(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& xb) {
+  const char* op = "layer_norm_xb";
+  const OpSpan span(op);
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_tensor(op, "xb", xb, DType::BF16, 1);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, x.dim(1));
+  check_shape(op, "bias", bias, 0, x.dim(1));
+  LILY_CHECK(xb.numel() >= x.numel(), op, ": xb ", xb.shape_str(), " is smaller than x ", x.shape_str());
+  check_same_device(op, {x, xb, weight, bias});
+  LILY_CUDA_CASE(x.device, layer_norm_xb(x, weight, bias, eps, xb));
+  no_backend(op, x.device);
+}
+
 void add_bias(const Tensor& x, const Tensor& bias) {
   const char* op = "add_bias";
   const OpSpan span(op);

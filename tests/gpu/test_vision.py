@@ -62,6 +62,76 @@ def test_gelu(shape, tanh_approx, gpu_tol):
     check(*both(ops.gelu, x, tanh_approx), gpu_tol["gelu"])
 
 
+def dense_bf16(rng, rows, cols):
+    """A dense BF16 matrix (weights ~ U(-1, 1) / sqrt(cols): pre-activations of order one) on both backends."""
+    w = (rng.uniform(-1, 1, (1, rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    m = dict(weight=(w.view(np.uint32) >> 16).astype(np.uint16), dtype="BF16", num_stack=1, rows=rows, cols=cols)
+    return ops.QMatrix("cpu", **m), ops.QMatrix("cuda", **m)
+
+
+# linear_bias_gelu: the GELU in the dense wgmma GEMM's epilogue (T >= 128) gives the bits of linear_bias then
+# gelu on the GPU (kernels/gelu.cuh: one function, no FMA contraction); below 128 rows it is those two ops.
+@pytest.mark.parametrize("T, rows, cols", [(9, 19, 8), (127, 4304, 1152), (128, 64, 64), (1031, 4304, 1152),
+                                           (1024, 4608, 4608)])
+def test_linear_bias_gelu_is_linear_bias_then_gelu(T, rows, cols, gpu_tol):
+    rng = np.random.default_rng(T + rows)
+    wc, wg = dense_bf16(rng, rows, cols)
+    x = (rng.standard_normal((T, cols)) * 3).astype(np.float32)
+    b = rng.standard_normal(rows).astype(np.float32)
+    got = ops.linear_bias_gelu(wg, x, b)
+    np.testing.assert_array_equal(got, ops.gelu("cuda", ops.linear_bias(wg, x, b), True))
+    check(got, ops.linear_bias_gelu(wc, x, b), gpu_tol["linear_wgmma"], "linear_bias_gelu vs the CPU")
+
+
+def norm_params(rng, T, W):
+    x = (rng.standard_normal((T, W)) * 3 + 1).astype(np.float32)
+    return x, (1 + 0.3 * rng.standard_normal(W)).astype(np.float32), rng.standard_normal(W).astype(np.float32)
+
+
+# The tower's block inputs handed over as bf16 (engine/vision.cpp): layer_norm_xb writes the products' X,
+# fc1's epilogue writes gelu's output as fc2's X, and the products read them without a conversion. Bit for
+# bit the unfused ops on the GPU (layer_norm, linear_bias, gelu, linear_bias), at the tower's shapes (hidden
+# 1152, qkv 3456, intermediate 4304 = 67 x 64 + 16: a zero-filled k tail in fc2), 0.25 MP and 1 MP row
+# counts, an odd one and the least the dense GEMM takes.
+@pytest.mark.parametrize("T", [128, 1024, 1031, 4096])
+def test_mlp_bf16_hand_over_is_bitwise_the_unfused_ops(T):
+    rng = np.random.default_rng(T)
+    W, I = 1152, 4304
+    _, fc1 = dense_bf16(rng, I, W)
+    _, fc2 = dense_bf16(rng, W, I)
+    x, nw, nb = norm_params(rng, T, W)
+    b1, b2 = rng.standard_normal(I).astype(np.float32), rng.standard_normal(W).astype(np.float32)
+    assert ops.linear_bias_xb_supported(fc1, T) and ops.linear_bias_xb_supported(fc2, T)
+    got = ops.layer_norm_mlp_xb(x, nw, nb, 1e-6, fc1, b1, fc2, b2)
+    h = ops.layer_norm("cuda", x, nw, nb, 1e-6)
+    ref = ops.linear_bias(fc2, ops.gelu("cuda", ops.linear_bias(fc1, h, b1), True), b2)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("T", [128, 1031, 4096])
+def test_qkv_bf16_hand_over_is_bitwise_the_unfused_ops(T):
+    rng = np.random.default_rng(T + 1)
+    W = 1152
+    _, qkv = dense_bf16(rng, 3 * W, W)
+    x, nw, nb = norm_params(rng, T, W)
+    b = rng.standard_normal(3 * W).astype(np.float32)
+    got = ops.layer_norm_linear_bias_xb(qkv, x, nw, nb, 1e-6, b)
+    np.testing.assert_array_equal(got, ops.linear_bias(qkv, ops.layer_norm("cuda", x, nw, nb, 1e-6), b))
+
+
+def test_bf16_hand_over_needs_the_dense_wgmma_gemm():
+    rng = np.random.default_rng(0)
+    wc, wg = dense_bf16(rng, 64, 64)
+    assert not ops.linear_bias_xb_supported(wg, 127) and ops.linear_bias_xb_supported(wg, 128)
+    assert not ops.linear_bias_xb_supported(wc, 1024)
+    x, nw, nb = norm_params(rng, 127, 64)
+    z = np.zeros(64, np.float32)
+    with pytest.raises(LilyError, match="linear_bias_gelu_xb: 127 rows .* do not run on the dense wgmma GEMM"):
+        ops.layer_norm_mlp_xb(x, nw, nb, 1e-6, wg, z, wg, z)
+    with pytest.raises(LilyError, match="linear_bias_xb: 127 rows .* take no bf16 X"):
+        ops.layer_norm_linear_bias_xb(wg, x, nw, nb, 1e-6, z)
+
+
 def merge_order(gh, gw, m=2):
     """(row, col) of the patches of a gh x gw grid in merge-block order (engine/vision.cpp)."""
     return np.array([(br * m + r, bc * m + c) for br in range(gh // m) for bc in range(gw // m)

@@ -89,6 +89,26 @@ def test_linear_bias_is_linear_then_add_bias():
         ops.linear_bias(w, x, b[:8])
 
 
+def test_linear_bias_gelu_is_linear_bias_then_gelu():
+    """linear_bias_gelu(w, x, b) = gelu_tanh(x W^T + b): on the CPU the ops literally, so the same bits. The
+    bf16 hand-over (linear_bias_gelu_xb, linear_bias_xb) is CUDA's only."""
+    rng = np.random.default_rng(6)
+    storage, W = float_weight(rng, 1, 9, 24, "BF16")
+    w = ops.QMatrix("cpu", **storage)
+    x = (rng.standard_normal((5, 24)) * 3).astype(np.float32)
+    b = rng.standard_normal(9).astype(np.float32)
+    y = ops.linear_bias_gelu(w, x, b)
+    np.testing.assert_array_equal(y, ops.gelu("cpu", ops.linear_bias(w, x, b), True))
+    u = x.astype(np.float64) @ W[0].T + b
+    np.testing.assert_allclose(y, 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3))), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(Exception, match="bias"):
+        ops.linear_bias_gelu(w, x, b[:8])
+    assert not ops.linear_bias_xb_supported(w, 1024)
+    with pytest.raises(Exception, match="layer_norm_xb: no cpu implementation"):
+        ops.layer_norm_mlp_xb(x, np.ones(24, np.float32), np.zeros(24, np.float32), 1e-6, w, b, w, b)
+
+
 def test_embedding_is_a_dequantized_row():
     """y[t, :] = dequant(table)[ids[t], :]."""
     rng = np.random.default_rng(3)

@@ -1,10 +1,13 @@
 // Prefill linear over dense BF16 weights (the vision tower's) on Hopper warpgroup tensor cores (wgmma,
 // sm_90a), both operands loaded by TMA:
-//   Y[r, o] = sum_k W[o, k] * bf16(X[r, k]) (+ bias[o]), fp32 accumulation.
+//   Y[r, o] = sum_k W[o, k] * bf16(X[r, k]) (+ bias[o]), fp32 accumulation; with a GELU epilogue
+//   (linear_bias_gelu) Y[r, o] = gelu_tanh(that + bias[o]) (kernels/gelu.cuh), stored as fp32 (WGD_GELU)
+//   or as bf16_rn into Yb [M, N] row-major (WGD_GELU_XB: the next product's Xb, natural k order).
 // Shapes: W [N, K] BF16 as stored (one stack entry), K % 8 == 0 (TMA: rows of whole 16 bytes); X [M, K]
 // F32 converted once per product into Xb [M, K] BF16 in natural k order (wgx_bf16_kernel<true>; the
 // 4-bit GEMM's k permutation, wg_phys_k, only serves its register dequantization and is not used here);
-// bias [N] F32 or null.
+// bias [N] F32 or null. X may come as Xb already (written by its producer: layer_norm_xb, or another
+// product's WGD_GELU_XB epilogue; linear_bias_xb, linear_bias_gelu_xb): no conversion then.
 // Two kernels:
 //   wgx_bf16_kernel<true>      (linear_wgmma_tma.cuh) X [M, ldx] F32 -> Xb [M, K] BF16, natural order.
 //   linear_wgmma_dense_kernel  the GEMM: the 4-bit GEMM's structure (kernels/linear_wgmma_tma.cuh:
@@ -26,20 +29,26 @@
 // Precision: bf16 x bf16 products exact in fp32, fp32 accumulation in wgmma's order (k-tiles ascending,
 //   4 k16 steps each): ~1e-3 relative to the fp32 product, deterministic (fixed order per output), not
 //   bit-identical to the mma.sync dense GEMM (GEMM_DENSE_BF16: another summation order). The bias is one
-//   fp32 add after the sum: the bits of linear then add_bias on this kernel.
+//   fp32 add after the sum: the bits of linear then add_bias on this kernel; the GELU epilogue then applies
+//   the gelu op's function (the same bits as the gelu op after it) and WGD_GELU_XB rounds as wg_bf16 does
+//   (the bits wgx_bf16_kernel<true> would write converting that fp32 output).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
 #include <cstdint>
 
+#include "gelu.cuh"
 #include "linear_common.cuh"
 #include "linear_wgmma_tma.cuh"  // WG_BN, WG_BK, WGX_THREADS, wg_swz
 #include "wgmma.cuh"
+#include "xb_layout.cuh"  // wg_bf16
 
 namespace lily::cuda {
 
 // CTA: 1 producer warpgroup (one thread issues the TMA loads) + 2 consumer warpgroups.
 constexpr int WGD_THREADS = 384, WGD_PRODUCER_REGS = 40, WGD_CONSUMER_REGS = 232;
+// Epilogues: y = acc (+ bias); y = gelu_tanh(acc + bias); yb = bf16_rn(gelu_tanh(acc + bias)).
+enum WgdEpilogue { WGD_PLAIN = 0, WGD_GELU = 1, WGD_GELU_XB = 2 };
 __host__ __device__ constexpr int wgd_x_bytes(int bm) { return bm * WG_BK * 2; }
 __host__ __device__ constexpr int wgd_stage_bytes(int bm) { return wgd_x_bytes(bm) + WG_BN * WG_BK * 2; }
 __host__ __device__ constexpr int wgd_stages(int bm) { return bm == 128 ? 4 : 5; }  // 192 KB / 200 KB
@@ -87,10 +96,12 @@ __host__ __device__ constexpr int wgd_acc_r(int ct, int i) { return 8 * (i >> 2)
 #ifdef __CUDACC__
 
 // Epilogue of one consumer thread: y[row0 + r, n0 + o] = acc (+ bias[n0 + o]) for its (o, r) pairs
-// (wgd_acc_o / wgd_acc_r) inside M and N. One bias load per weight row per tile.
-template <int BM>
-__device__ __forceinline__ void wgd_store_tile(const LinearArgs& a, const float* bias, WgdTile tile, int ct,
-                                               const float (&acc)[2][BM / 2]) {
+// (wgd_acc_o / wgd_acc_r) inside M and N. One bias load per weight row per tile. GELU epilogues (bias
+// given): y = gelu_tanh(acc + bias, gelu_k) as fp32 (WGD_GELU) or as bf16 into a.yb [M, N] (WGD_GELU_XB:
+// 2-byte stores, a warp's eight consecutive outputs of four rows per store).
+template <int BM, int EPI>
+__device__ __forceinline__ void wgd_store_tile(const LinearArgs& a, const float* bias, float gelu_k, WgdTile tile,
+                                               int ct, const float (&acc)[2][BM / 2]) {
   const int64_t N = a.w.rows, rows = a.tiles.M - tile.row0;
   float bv[2][2];
   bool col[2][2];
@@ -107,14 +118,27 @@ __device__ __forceinline__ void wgd_store_tile(const LinearArgs& a, const float*
   for (int i = 0; i < BM / 2; ++i) {
     const int r = wgd_acc_r(ct, i), h = (i >> 1) & 1;
     if (r >= rows) continue;
-    float* y = a.y + (tile.row0 + r) * a.ldy + o0;
+    if constexpr (EPI == WGD_PLAIN) {
+      float* y = a.y + (tile.row0 + r) * a.ldy + o0;
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
-      if (col[b][h]) y[b * 64 + 8 * h] = bias != nullptr ? acc[b][i] + bv[b][h] : acc[b][i];
+      for (int b = 0; b < 2; ++b)
+        if (col[b][h]) y[b * 64 + 8 * h] = bias != nullptr ? acc[b][i] + bv[b][h] : acc[b][i];
+    } else if constexpr (EPI == WGD_GELU) {
+      float* y = a.y + (tile.row0 + r) * a.ldy + o0;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        if (col[b][h]) y[b * 64 + 8 * h] = gelu_tanh(acc[b][i] + bv[b][h], gelu_k);
+    } else {
+      uint16_t* yb = a.yb + (tile.row0 + r) * N + o0;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        if (col[b][h]) yb[b * 64 + 8 * h] = wg_bf16(gelu_tanh(acc[b][i] + bv[b][h], gelu_k));
+    }
   }
 }
 
-// linear_wgmma_dense_kernel<BM>: Y = W . X^T (+ bias) over 256-output x BM-row tiles, persistent.
+// linear_wgmma_dense_kernel<BM, EPI>: Y = W . X^T (+ bias) over 256-output x BM-row tiles, persistent, the
+// epilogue EPI (WgdEpilogue; gelu_k: the tanh form's constant, read by the GELU epilogues).
 // Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... (wgd_tile).
 // Shared memory: a ring of S = wgd_stages(BM) stages of wgd_stage_bytes(BM), then full[S] and empty[S].
 // Warpgroup 0 = producer (setmaxnreg 40), thread 0 only: per k-tile of every unit it waits empty[s],
@@ -125,10 +149,10 @@ __device__ __forceinline__ void wgd_store_tile(const LinearArgs& a, const float*
 //   previous k-tile's group (wait_group 1) and release its stage (one arrival per consumer warp: empty
 //   counts 8). Accumulators: 2 x BM/2 fp32 per thread. Epilogue straight from the accumulators
 //   (wgd_store_tile) while the producer already fills the ring with the next unit.
-template <int BM>
+template <int BM, int EPI>
 __global__ void __launch_bounds__(WGD_THREADS, 1)
-    linear_wgmma_dense_kernel(const LinearArgs a, const float* bias, const __grid_constant__ CUtensorMap tmap_x,
-                              const __grid_constant__ CUtensorMap tmap_w) {
+    linear_wgmma_dense_kernel(const LinearArgs a, const float* bias, float gelu_k,
+                              const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w) {
   constexpr int S = wgd_stages(BM);
   constexpr uint32_t STAGE = wgd_stage_bytes(BM), XBYTES = wgd_x_bytes(BM);
   pdl_wait();
@@ -212,7 +236,7 @@ __global__ void __launch_bounds__(WGD_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(empty(prev));
-    wgd_store_tile<BM>(a, bias, tile, ct, acc);
+    wgd_store_tile<BM, EPI>(a, bias, gelu_k, tile, ct, acc);
   }
 }
 

@@ -1,7 +1,8 @@
 // The vision tower's row and elementwise kernels (device code only; launchers in vision.cu), docs/model.md
 // section 8. All fp32, matching cpu/vision.cpp up to summation order (layer_norm) and the device's
 // sincosf / tanhf / erff (a few ulps):
-//   layer_norm:                y[r, i] = (x[r, i] - mu_r) / sqrt(var_r + eps) * w[i] + b[i] (population var)
+//   layer_norm:                y[r, i] = (x[r, i] - mu_r) / sqrt(var_r + eps) * w[i] + b[i] (population var);
+//                              layer_norm_xb: bf16_rn(y) into yb [R, D] (the dense GEMM's Xb, wg_bf16)
 //   add_bias:                  x[r, c] += bias[c]
 //   gelu:                      x = 0.5 x (1 + tanh(k (x + 0.044715 x^3))) or 0.5 x (1 + erf(x / sqrt 2))
 //   vision_position_embedding: y[i, :] += the table resampled bilinearly (align corners) at patch i's (row, col)
@@ -9,6 +10,8 @@
 // Rows are row-major f32 [R, D]; pos [n, 2] I32 (row, column) per patch.
 #pragma once
 #include "common.cuh"
+#include "gelu.cuh"
+#include "xb_layout.cuh"  // wg_bf16
 
 namespace lily::cuda::vision {
 
@@ -18,16 +21,18 @@ constexpr int kMaxRopeFreqs = 128;    // D / 4 bound of the vision_rope table (h
 // layer_norm: one block of blockDim.x (a multiple of 32, <= 256) threads per row. Thread t sums x[t],
 // x[t + nt], ... (then block_sum) for the mean, the same elements' squared deviations for the variance,
 // then writes those elements: y may alias x (each thread reads only what it later writes, after both
-// reductions of the row have read everything).
+// reductions of the row have read everything). XB: the values go to yb as bf16 (wg_bf16) instead of y.
 struct LayerNormParams {
   const float* x;  // [R, D]
   const float* w;  // [D]
   const float* b;  // [D]
-  float* y;        // [R, D]
+  float* y;        // [R, D] (not XB)
   int D;
   float eps;
+  uint16_t* yb = nullptr;  // [R, D] BF16 (XB)
 };
 
+template <bool XB>
 __global__ void layer_norm_kernel(const LayerNormParams p) {
   pdl_wait();
   pdl_trigger();
@@ -41,7 +46,11 @@ __global__ void layer_norm_kernel(const LayerNormParams p) {
   float v = 0.f;
   for (int i = tid; i < p.D; i += nt) v += (x[i] - mean) * (x[i] - mean);
   const float inv = 1.f / sqrtf(block_sum(v, red) / float(p.D) + p.eps);
-  for (int i = tid; i < p.D; i += nt) p.y[off + i] = (x[i] - mean) * inv * p.w[i] + p.b[i];
+  for (int i = tid; i < p.D; i += nt) {
+    const float y = (x[i] - mean) * inv * p.w[i] + p.b[i];
+    if constexpr (XB) p.yb[off + i] = wg_bf16(y);
+    else p.y[off + i] = y;
+  }
 }
 
 // add_bias and gelu: one thread per element (VEC4: per four, C % 4 == 0 and 16-byte aligned x and bias).
@@ -77,8 +86,8 @@ struct GeluParams {
 
 template <bool TANH>
 __device__ __forceinline__ float gelu(float u, const GeluParams& p) {
-  if constexpr (TANH) return 0.5f * u * (1.f + tanhf(p.k * (u + 0.044715f * u * u * u)));
-  return 0.5f * u * (1.f + erff(u * p.inv_sqrt2));
+  if constexpr (TANH) return gelu_tanh(u, p.k);  // kernels/gelu.cuh: the dense GEMM's GELU epilogue's bits
+  return gelu_erf(u, p.inv_sqrt2);
 }
 
 template <bool TANH>
