@@ -763,9 +763,10 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
-  // the 8-bit router, shared-expert gate and both stacked (old = what the engine ran them on)
+  // the 8-bit router, shared-expert gate and both stacked (old = what the engine ran them on); copies as
+  // the 4-bit rows (160 MB), at most 300 (the 2 KB gate would take 77,000: it is read from L2 then)
   for (const int64_t n : {257, 256, 1}) {
-    Stack w(1, n, 2048, 64, int(std::max<int64_t>(2, (160ll << 20) / (n * 2048 * 17 / 16))), 8);
+    Stack w(1, n, 2048, 64, int(std::clamp<int64_t>((160ll << 20) / (n * 2048 * 17 / 16), 2, 300)), 8);
     const char* names[3] = {"8-bit router+shared gate 257x2048", "8-bit router 256x2048", "8-bit shared gate 1x2048"};
     Problem p = dense(names[n == 257 ? 0 : n == 256 ? 1 : 2], &w, T);
     row(p, true);
