@@ -701,8 +701,8 @@ int main(int argc, char** argv) {
   g_sms = prop.multiProcessorCount;
   if (header) {
     std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B (BM 128 / 64)\n\n",
-                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128, 4), tma_smem_bytes(64, 4),
-                tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true));
+                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128, 4),
+                tma_smem_bytes(64, 4), tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }

@@ -89,20 +89,24 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
          gemv_smem_bytes(gemv_tokens(T), w.cols, w.bits) <= GEMV_MAX_SMEM;
 }
 
-// The wgmma GEMM: 4-bit weights, or 8-bit ones of grouped (MoE) products and of dense products above
-// GEMV_BLOCKED_MAX_TOKENS rows (below, the blocked GEMV and the mma.sync GEMM keep them, as before the
-// 8-bit instances), k-tiles of 64 wholly inside K, one or two scale groups per k-tile (a power-of-two
-// group: the kernel shifts, it does not divide), scale indices in 32 bits, 16-byte aligned X rows
-// (wgx_bf16_kernel's float4 loads) and W (its TMA map: rows of K*bits/8 bytes, a multiple of 32); X given
-// as Xb (a.xb): 16-byte aligned (its TMA map).
-static bool use_wgmma_gemm(const LinearArgs& a) {
+// The wgmma GEMM's operands: 4- or 8-bit weights, k-tiles of 64 wholly inside K, one or two scale groups
+// per k-tile (a power-of-two group: the kernel shifts, it does not divide), scale indices in 32 bits,
+// 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its TMA map: rows of K*bits/8 bytes, a
+// multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
+static bool wgmma_operands(const LinearArgs& a) {
   const int gs = a.w.group_size;
-  const bool bits_ok = a.w.bits == 4 || (a.w.bits == 8 && (a.tiles.tile_expert != nullptr ||
-                                                          a.tiles.M > GEMV_BLOCKED_MAX_TOKENS));
-  return bits_ok && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
+  return (a.w.bits == 4 || a.w.bits == 8) && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
          (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
          a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
          (a.xb != nullptr ? is_aligned16(a.xb) : a.ldx % 4 == 0 && is_aligned16(a.x));
+}
+
+// The wgmma GEMM runs a product with wgmma_operands: 4-bit weights at any rows, 8-bit ones in grouped
+// (MoE) products and in dense products above GEMV_BLOCKED_MAX_TOKENS rows (up to there the blocked GEMV,
+// or where it does not fit the mma.sync GEMM, keeps them, as before the 8-bit instances).
+static bool use_wgmma_gemm(const LinearArgs& a) {
+  return wgmma_operands(a) &&
+         (a.w.bits == 4 || a.tiles.tile_expert != nullptr || a.tiles.M > GEMV_BLOCKED_MAX_TOKENS);
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
@@ -569,9 +573,11 @@ bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_
 
 bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
 
+// a as a grouped product (moe.cu asks before it builds the map): the wgmma GEMM takes it, 4- or 8-bit,
+// with a 128-row instance (no 32-wide groups).
 bool linear_wide_tiles(const LinearArgs& a) {
   if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
-  return use_wgmma_gemm(a) && a.w.group_size != 32;
+  return wgmma_operands(a) && a.w.group_size != 32;
 }
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {

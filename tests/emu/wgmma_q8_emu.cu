@@ -80,7 +80,8 @@ static void check_product(int BM, int gs) {
   std::vector<uint32_t> W(N * K / 4);
   for (auto& w : W) w = rng();
   std::vector<uint16_t> S(N * K / gs), B(N * K / gs);
-  for (size_t i = 0; i < S.size(); ++i) S[i] = bf16_rn(0.002f + 0.001f * U(rng)), B[i] = bf16_rn(-0.25f + 0.01f * U(rng));
+  for (size_t i = 0; i < S.size(); ++i)
+    S[i] = bf16_rn(0.002f + 0.001f * U(rng)), B[i] = bf16_rn(-0.25f + 0.01f * U(rng));
   std::vector<float> X(BM * K);
   for (auto& x : X) x = U(rng);
   std::vector<uint16_t> Xb(BM * K);  // wgx_bf16_kernel's layout

@@ -42,8 +42,9 @@
 //   4s, 4s+1 (k 0..7: a0a1, a2a3) and 4s+2, 4s+3 (k 8..15: a4a5, a6a7), one 16-byte load per row.
 // Precision: bf16 operands (w rounded once, x rounded once, round to nearest even), fp32 accumulation in
 //   a fixed order (k-tiles ascending, 4 k16 steps each; the same for both BITS): ~1e-3 relative to the
-//   fp32 product, deterministic; 4-bit bit-identical to the retired one-kernel wgmma GEMM (benchmarks/gemm_lab_wgmma.cuh,
-//   same operands and wgmma sequence; checked on the H200 by benchmarks/gemm_lab.sh). GATED computes
+//   fp32 product, deterministic; 4-bit bit-identical to the retired one-kernel wgmma GEMM
+//   (benchmarks/gemm_lab_wgmma.cuh, same operands and wgmma sequence; checked on the H200 by
+//   benchmarks/gemm_lab.sh). GATED computes
 //   every G and U value with the same operands and wgmma sequence as the plain gate and up products
 //   (an output row sits at the same row of the same m64 block: tiles start at multiples of 128) and
 //   the SwiGLU with store_output's expression: bit-identical to the two products (gemm_lab checks).
