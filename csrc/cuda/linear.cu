@@ -672,6 +672,12 @@ static LinearArgs linear_args(const QMatrix& w, int64_t e, const Tensor& x, cons
 }
 
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
+  linear_with_xb(w, e, x, y, workspace, xb);
+}
+
+void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace,
+                    XbCopy& xb) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
@@ -694,7 +700,6 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
                " x ", w.rows, " exceeds the grid");
     return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
   }
-  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 
