@@ -20,9 +20,9 @@
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
 // The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the router,
-// the shared-expert gate and the gate/up products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
-// (moe_xb_elems' layout, hand_over_xb) where the kernels on both sides take it, else converted from the
-// F32 rows by each down product (routed, then shared).
+// the shared-expert gate and the gate/up products over it; the activation rows written there as bf16 by
+// the GATED gate/up products themselves (moe_xb_elems' layout, hand_over_xb) where the kernels on both
+// sides take it, else converted from the F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
