@@ -1,4 +1,5 @@
-// gemm_lab: the prefill GEMM over 4-bit MLX-affine weights, self-checking, one table row per kernel:
+// gemm_lab: the prefill GEMM over 4-bit (and, for the 8-bit rows, 8-bit) MLX-affine weights, self-checking,
+// one table row per kernel:
 //   old         kernels/linear_gemm.cuh (mma.sync; the library's 8-bit prefill GEMM)
 //   wgmma       benchmarks/gemm_lab_wgmma.cuh (the retired one-kernel wgmma GEMM, X fp32 converted per
 //               k-tile): the reference
@@ -22,6 +23,10 @@
 // must stay <= 1e-6 there (same operands, same order) or FAIL. Its time includes the X -> bf16 kernel,
 // whose time alone is the "X->bf16 us" column.
 // Also checks (not timed): partial row/col tiles, T = 9..300, group sizes 32/128, SwiGLU epilogue.
+// 8-bit rows ("8-bit ..."; old and tma only: the retired wgmma GEMM is 4-bit): the router (256 x 2048), the
+// shared-expert gate (1 x 2048) and both stacked (257 x 2048) at T = GEMM_LAB_T, old (linear_gemm_kernel<8>,
+// what the engine ran them on) against wgmma-tma with BITS = 8; "vs wgmma (time)" is then old's time over
+// the row's, and the output column is empty (no bitwise reference).
 // Gated rows (gated_row; tma only): the GATED kernel computing y = row_scale * silu(X Wg^T) * (X Wu^T) in
 // one product, against the two-product TMA run on the same inputs (the gate product into y, then the
 // up product with the SwiGLU epilogue: linear.cu's fallback). "wgmma-tma 2 products" is that run;
@@ -82,24 +87,25 @@ static double bf16_val(uint16_t h) {
   return f;
 }
 
-// A stack [E, N, K] of 4-bit affine matrices, `copies` copies on the device; copy 0 also on the host.
+// A stack [E, N, K] of 4- or 8-bit affine matrices, `copies` copies on the device; copy 0 also on the host.
 struct Stack {
   int64_t E, N, K;
-  int gs, copies;
+  int gs, copies, bits;
   std::vector<uint32_t> hw;
   std::vector<uint16_t> hs, hb;
   std::vector<uint32_t*> dw;
   std::vector<uint16_t*> ds, db;
-  Stack(int64_t E_, int64_t N_, int64_t K_, int gs_, int copies_) : E(E_), N(N_), K(K_), gs(gs_), copies(copies_) {
-    const int64_t words = E * N * K / 8, groups = E * N * K / gs;
+  Stack(int64_t E_, int64_t N_, int64_t K_, int gs_, int copies_, int bits_ = 4)
+      : E(E_), N(N_), K(K_), gs(gs_), copies(copies_), bits(bits_) {
+    const int64_t words = E * N * K * bits / 32, groups = E * N * K / gs;
     hw.resize(words);
     hs.resize(groups);
     hb.resize(groups);
     for (auto& w : hw) w = rnd32();
     for (int64_t i = 0; i < groups; ++i) {
-      const float s = 0.004f + 0.02f * rndu();
+      const float s = (0.004f + 0.02f * rndu()) * (bits == 8 ? 1.f / 16 : 1.f);  // the same weight range
       hs[i] = bf16_bits(s);
-      hb[i] = bf16_bits(-8.f * s + 0.02f * (rndu() - 0.5f));
+      hb[i] = bf16_bits(-float(1 << (bits - 1)) * s + 0.02f * (rndu() - 0.5f));
     }
     for (int c = 0; c < copies; ++c) {
       uint32_t* w;
@@ -118,8 +124,9 @@ struct Stack {
   }
   double w(int64_t e, int64_t o, int64_t k) const {  // dequantized, as cpu::linear
     const int64_t row = e * N + o;
-    const uint32_t word = hw[row * (K / 8) + k / 8];
-    const double q = (word >> (4 * (k % 8))) & 15u;
+    const int per = 32 / bits;  // values per word
+    const uint32_t word = hw[row * (K / per) + k / per];
+    const double q = (word >> (bits * (k % per))) & ((1u << bits) - 1);
     const int64_t g = row * (K / gs) + k / gs;
     return bf16_val(hs[g]) * q + bf16_val(hb[g]);
   }
@@ -131,12 +138,12 @@ struct Stack {
     v.num_stack = E;
     v.rows = N;
     v.cols = K;
-    v.bits = 4;
+    v.bits = bits;
     v.group_size = gs;
     v.scale_dtype = DType::BF16;
     return v;
   }
-  size_t bytes() const { return size_t(E * N * K / 2 + 2 * 2 * E * N * K / gs); }
+  size_t bytes() const { return size_t(E * N * K * bits / 8 + 2 * 2 * E * N * K / gs); }
 };
 
 // One product: LinearArgs on the device plus what the host reference needs.
@@ -317,11 +324,11 @@ static void launch_x_bf16(const Problem& p) {
 }
 
 // mu: the up matrix's map (GATED), else unread.
-template <int BM, bool GS32, bool GATHER, bool GATED = false>
+template <int BM, bool GS32, bool GATHER, bool GATED = false, int BITS = 4>
 static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
                               const CUtensorMap& mu, int64_t tiles_ub) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, false, GATED>;
-  constexpr int smem = tma_smem_bytes(BM, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, false, GATED, BITS>;
+  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -332,15 +339,17 @@ static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUt
   kernel<<<grid, TMA_THREADS, smem>>>(a, xb, mx, mw, mu);
 }
 
-// Tensor maps, cached by (address, shape): Xb per problem and BM (rows: the box rows), W per weight copy
-// and box rows (256, or 128 for a gated product).
-static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int rows) {
-  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, rows);
+// Tensor maps, cached by (address, shape): Xb per problem and BM (rows: the box rows), W per weight copy,
+// bits and box rows (256, or 128 for a gated product).
+static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int rows,
+                                     int bits = 4) {
+  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, rows, bits);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   CUtensorMap m;
-  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, rows) : make_w4_tensor_map(m, ptr, d0, d1, d2, rows);
+  const CUresult r =
+      is_x ? make_xb_tensor_map(m, ptr, d0, d1, rows) : make_w_tensor_map(m, ptr, d0, d1, d2, bits, rows);
   if (r != CUDA_SUCCESS) {
     std::printf("FAIL: wgmma-tma: cuTensorMapEncodeTiled (%s) returned %d\n", is_x ? "Xb" : "W", int(r));
     std::fflush(stdout);
@@ -349,10 +358,11 @@ static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int
   return cache.emplace(key, m).first->second;
 }
 
-// The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy).
-static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
+// The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy), BITS = a.w.bits.
+template <int BITS>
+static void launch_tma_bits(const Problem& p, const LinearArgs& a, int bm) {
   const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, bm);
-  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN);
+  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN, BITS);
   const bool gather = p.dx_rows != nullptr, gs32 = a.w.group_size == 32;
   if (bm == 128) {
     if (gs32) {
@@ -360,15 +370,20 @@ static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
       std::exit(1);
     }
     const int64_t tiles = p.grouped ? p.max_tiles64 : (p.M + 127) / 128;
-    if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, mw, tiles);
-    else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, mw, tiles);
+    if (gather) launch_tma_kernel<128, false, true, false, BITS>(a, p.dxb, mx, mw, mw, tiles);
+    else launch_tma_kernel<128, false, false, false, BITS>(a, p.dxb, mx, mw, mw, tiles);
   } else if (gather) {
-    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, true, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, true, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   } else {
-    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, false, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, false, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   }
+}
+
+static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
+  if (a.w.bits == 8) return launch_tma_bits<8>(p, a, bm);
+  launch_tma_bits<4>(p, a, bm);
 }
 
 // BM of the gated product as linear.cu's run_wgmma picks it: the map's rows, or dense 128 when
@@ -420,11 +435,17 @@ static void launch(Kernel k, const Problem& p, int copy) {
     static bool configured = false;
     if (!configured) {
       CK(cudaFuncSetAttribute(linear_gemm_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, GEMM_SMEM_BYTES));
+      CK(cudaFuncSetAttribute(linear_gemm_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, GEMM_SMEM_BYTES));
       configured = true;
     }
     const dim3 grid(unsigned(p.max_tiles64), unsigned((p.w->N + GEMM_BN - 1) / GEMM_BN));
-    linear_gemm_kernel<4><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
+    if (p.w->bits == 8) linear_gemm_kernel<8><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
+    else linear_gemm_kernel<4><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
   } else if (k == NEW) {
+    if (p.w->bits != 4) {
+      std::printf("FAIL: %s: the retired wgmma GEMM takes 4-bit weights only\n", p.name);
+      std::exit(1);
+    }
     if (bm == 128) launch_new<128, false>(a, tiles);
     else if (p.w->gs == 32) launch_new<64, true>(a, tiles);
     else launch_new<64, false>(a, tiles);
@@ -471,7 +492,7 @@ static double check(Kernel k, Problem& p, bool& ok, double& vs_wgmma) {
   ok = bad == 0 && err <= 1e-2 && std::isfinite(err);
   vs_wgmma = 0;
   if (k == NEW) p.hy_wgmma = y;
-  if (k == TMA) {
+  if (k == TMA && p.w->bits == 4) {
     if (p.hy_wgmma.empty()) run_once(NEW, p.hy_wgmma);
     double dmax = 0, rmax = 0;
     bool same = true;
@@ -519,29 +540,31 @@ static double time_us(Kernel k, const Problem& p) {
   return time_launches(p.w->copies, [&](int c) { launch(k, p, c); });
 }
 
-// One row per requested kernel. Timed rows also time wgmma (not printed unless requested) for "vs wgmma".
+// One row per requested kernel. Timed rows also time wgmma (not printed unless requested) for "vs wgmma";
+// 8-bit rows (no wgmma) time old for it instead, and print no wgmma row.
 static void row(Problem& p, bool timed) {
   const double flop = 2.0 * p.M * p.w->N * p.w->K;
+  const Kernel ref = p.w->bits == 8 ? OLD : NEW;
   double t_ref = 0, t_conv = 0;
-  if (timed && (g_run[TMA] || g_run[OLD])) t_ref = time_us(NEW, p);
+  if (timed && (g_run[TMA] || g_run[OLD])) t_ref = time_us(ref, p);
   if (timed && g_run[TMA]) {
     t_conv = time_launches(1, [&](int) { launch_x_bf16(p); });
     CK(cudaGetLastError());
   }
   for (int k = 0; k < NUM_KERNELS; ++k) {
-    if (!g_run[k]) continue;
+    if (!g_run[k] || (k == NEW && ref != NEW)) continue;
     bool ok;
     double vs;
     const double err = check(Kernel(k), p, ok, vs);
     char vsbuf[32] = "";
-    if (k == TMA) {
+    if (k == TMA && ref == NEW) {
       if (vs < 0) std::snprintf(vsbuf, sizeof vsbuf, "bit-identical");
       else std::snprintf(vsbuf, sizeof vsbuf, "%.1e", vs);
     }
     const int bm = k == OLD ? GEMM_BM : k == TMA ? tma_bm(p) : new_bm(p);
     if (timed) {
-      const double t = k == NEW && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
-      if (k == NEW) t_ref = t;
+      const double t = k == ref && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
+      if (k == ref) t_ref = t;
       char conv[32] = "";
       if (k == TMA) std::snprintf(conv, sizeof conv, "%.1f", t_conv);
       std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %s | %.1e %s | %s |\n", p.name,
@@ -678,8 +701,8 @@ int main(int argc, char** argv) {
   g_sms = prop.multiProcessorCount;
   if (header) {
     std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B (BM 128 / 64)\n\n",
-                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128), tma_smem_bytes(64),
-                tma_smem_bytes(128, true), tma_smem_bytes(64, true));
+                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128, 4),
+                tma_smem_bytes(64, 4), tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }
@@ -740,6 +763,15 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
+  // the 8-bit router, shared-expert gate and both stacked (old = what the engine ran them on); copies as
+  // the 4-bit rows (160 MB), at most 300 (the 2 KB gate would take 77,000: it is read from L2 then)
+  for (const int64_t n : {257, 256, 1}) {
+    Stack w(1, n, 2048, 64, int(std::clamp<int64_t>((160ll << 20) / (n * 2048 * 17 / 16), 2, 300)), 8);
+    const char* names[3] = {"8-bit router+shared gate 257x2048", "8-bit router 256x2048", "8-bit shared gate 1x2048"};
+    Problem p = dense(names[n == 257 ? 0 : n == 256 ? 1 : 2], &w, T);
+    row(p, true);
+    free_problem(p);
+  }
   {  // the MoE up product as the engine's fallback runs it: y holds the gate product, SwiGLU epilogue.
      // Checked, not timed: a timed loop would rewrite y in place from its last value (running to inf,
      // where silu's division is slow); the gated rows below time the gate + SwiGLU-up pair instead.
@@ -784,6 +816,18 @@ int main(int argc, char** argv) {
   {
     Stack w(1, 768, 1024, 128, 1);
     Problem p = dense("check group 128", &w, 200);
+    row(p, false);
+    free_problem(p);
+  }
+  {  // 8-bit: groups 32 and 128, 128-row tiles, split-free small T, a partial column tile
+    Stack w32(1, 300, 1024, 32, 1, 8), w128(1, 768, 1024, 128, 1, 8), w2k(1, 2048, 2048, 64, 1, 8);
+    Problem p = dense("check 8-bit group 32, N=300", &w32, 200);
+    row(p, false);
+    free_problem(p);
+    p = dense("check 8-bit group 128", &w128, 77);
+    row(p, false);
+    free_problem(p);
+    p = dense("check 8-bit 128-row tiles, T=4000", &w2k, 4000);
     row(p, false);
     free_problem(p);
   }

@@ -19,10 +19,10 @@
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
 //   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
-// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
-// products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
-// (moe_xb_elems' layout, hand_over_xb) where the kernels on both sides take it, else converted from the
-// F32 rows by each down product (routed, then shared).
+// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the router,
+// the shared-expert gate and the gate/up products over it; the activation rows written there as bf16 by
+// the GATED gate/up products themselves (moe_xb_elems' layout, hand_over_xb) where the kernels on both
+// sides take it, else converted from the F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
@@ -354,6 +354,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
   const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
+  // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
+  // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
+  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
@@ -363,8 +366,8 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (stacked) {
       linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
     } else {
-      linear(*w.router, 0, h, logits, s.xb);
-      linear(*w.shared_expert_gate, 0, h, sg, s.xb);
+      linear_with_xb(*w.router, 0, h, logits, s.xb, xb);
+      linear_with_xb(*w.shared_expert_gate, 0, h, sg, s.xb, xb);
     }
     MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
     const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
@@ -425,7 +428,6 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
   // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
   // neither pair hands over)
-  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
     const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
     uint16_t* routed_xb = xb.data + copy;

@@ -79,7 +79,7 @@ def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
     moe_vs_cpu(cpu, gpu, h, top_k, 0.05, path_of(T, bits, sdt), gpu_tol)
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 16, 300])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 16, 146, 300])  # 146, 300: the 8-bit router on the wgmma GEMM
 def test_moe_real_dims(T, gpu_tol):
     rng = np.random.default_rng(256 + T)
     cpu, gpu = moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
@@ -135,6 +135,18 @@ def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     cpu, gpu = moe_weights(rng, 8, 256, 128, 192, 4, 64, "BF16", 4)
     h = rng.standard_normal((T, 256)).astype(np.float32)
     moe_vs_cpu(cpu, gpu, h, 2, 0.05, path_of(T, 4, "BF16"), gpu_tol)
+
+
+@pytest.mark.parametrize("T", [40, 300])
+def test_moe_8bit_on_wgmma(T, gpu_tol):
+    # 8-bit experts, router and shared expert (quantize=8) on the wgmma GEMM's BITS = 8 instances: at T = 300
+    # (T * top_k >= 64 rows an expert) the routed products run over 128-row tile maps (linear_wide_tiles),
+    # at T = 40 over 64-row ones; gate and up as two products (no 8-bit GATED instance), the shared expert as
+    # dense products; against the CPU on the tokens with a clear top-k margin
+    rng = np.random.default_rng(800 + T)
+    cpu, gpu = moe_weights(rng, 4, 256, 128, 128, 8, 64, "BF16", 8)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    moe_vs_cpu(cpu, gpu, h, 2, 0.05, path_of(T, 8, "BF16"), gpu_tol)
 
 
 @pytest.mark.parametrize("group", [64, 32])
