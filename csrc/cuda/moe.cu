@@ -286,9 +286,6 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
 // decode chain) up to MOE_SMALL_MAX_TOKENS: an estimate (docs/perf-notes.md, 2026-12-02), to be tuned by
 // measurement (benchmarks/gemm_lab.cu, GEMM_LAB_T).
 constexpr int64_t MOE_SMALL_MAX_TOKENS = 512;
-// Average rows per expert up to which a pass takes 16 rows (NT = 2 n8 tiles), else 32 (NT = 4): fewer
-// passes over the weights for the busier experts, at 133 KB of staged rows (K = 2048) instead of 66 KB.
-constexpr int64_t MOE_SMALL_WIDE_ROWS = 8;
 // The dims it is built and measured for first (Qwen3.6-35B-A3B): hidden, expert intermediate, experts,
 // top-k. Other configurations keep the wgmma GEMM (tests/gpu/test_moe.py says so).
 constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
@@ -339,7 +336,7 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
 
 template <bool GATED>
 static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  if (T * top_k <= MOE_SMALL_WIDE_ROWS * E) return launch_moe_small<GATED, 2>(a, E);
+  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
   launch_moe_small<GATED, 4>(a, E);
 }
 

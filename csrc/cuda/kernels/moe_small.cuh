@@ -53,6 +53,12 @@ constexpr int MS_THREADS = 256, MS_WARPS = MS_THREADS / 32;
 constexpr int MS_SPU = 2;  // segments per pipeline unit
 constexpr int MS_SEG_VALS = 128;
 
+// n8 tiles a pass takes (NT) for `rows` routed rows over E experts: 2 (16 rows, 66 KB staged at K = 2048) up
+// to MS_WIDE_ROWS average rows an expert, else 4 (32 rows, 133 KB): fewer passes over the weights for the
+// busier experts of longer prompts. An estimate, to be tuned by measurement (benchmarks/gemm_lab.cu).
+constexpr int64_t MS_WIDE_ROWS = 8;
+__host__ __device__ constexpr int ms_pass_tiles(int64_t rows, int64_t E) { return rows <= MS_WIDE_ROWS * E ? 2 : 4; }
+
 // Output rows of one CTA (8 warps x 2 tiles x 16, gated: the two tiles are G and U of the same 16 rows).
 __host__ __device__ constexpr int ms_slice_rows(bool gated) { return gated ? MS_WARPS * 16 : MS_WARPS * 32; }
 // Bytes of one staged Xb row of K values, and of a CTA's rows (NT n8 tiles).
@@ -154,11 +160,12 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
   }
 }
 
-// Stages rows [r0, r0 + rows) of the pass (NT*8 slots; slots past `rows` zero) as Xb at shared address xs0.
-template <bool GATED, int NT>
+// Stages rows [r0, r0 + rows) of the pass as Xb at shared address xs0, up to the end of the last n8 tile they
+// touch (those slots zero: their products are computed, never stored).
+template <bool GATED>
 __device__ __forceinline__ void ms_stage(const LinearArgs& a, int64_t r0, int rows, int64_t K, uint32_t xs0) {
-  const int chunks = int(K / 8), stride = ms_row_bytes(K);
-  for (int i = threadIdx.x; i < NT * 8 * chunks; i += MS_THREADS) {
+  const int chunks = int(K / 8), stride = ms_row_bytes(K), slots = (rows + 7) / 8 * 8;
+  for (int i = threadIdx.x; i < slots * chunks; i += MS_THREADS) {
     const int j = i / chunks, J = i - j * chunks;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (j < rows) {
@@ -248,7 +255,7 @@ __global__ void __launch_bounds__(MS_THREADS, 1) moe_small_kernel(const LinearAr
       __syncthreads();  // every warp is done with the previous pass's rows
       if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
     }
-    ms_stage<GATED, NT>(a, r0, rows, K, xs0);
+    ms_stage<GATED>(a, r0, rows, K, xs0);
     __syncthreads();
     if (!live) continue;
     float acc[2][NT][4];
