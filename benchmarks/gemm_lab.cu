@@ -663,10 +663,11 @@ static void gated_row(Problem& p, bool timed) {
 // row_scale * silu(gate) * up; else the down product) on moe_small_kernel with moe.cu's pass size, from a
 // NaN-poisoned y on copy 0: every output finite, sampled error vs fp64 <= 1e-2, and against wgmma-tma on the
 // same launch (gated: the GATED product) "vs tma" = max |y - y_tma| / max |y_tma| <= 1e-2 (same bf16 operands,
-// another summation order), else FAIL. Also, not timed: the gated kernel's Xb output (a.yb) must hold
-// wg_bf16 of its F32 output at wg_xb_pos, and the down kernel reading X as Xb (a.xb, wgx_bf16_kernel's) the
-// same floats as from the F32 rows. Timed: us per call and GB/s of the weights of experts with rows (each
-// read once), against wgmma-tma (its time includes the X -> bf16 conversion, as in the engine for gate/up).
+// another summation order), else FAIL. Also, not timed: X read as Xb (a.xb, wgx_bf16_kernel's copy; gated:
+// rows gathered from it) must give the same floats as from the F32 rows, and the gated kernel's Xb output
+// (a.yb) must hold wg_bf16 of its F32 output at wg_xb_pos. Timed: us per call (X -> bf16 + the product from
+// Xb, as wgmma-tma's time includes its conversion) and GB/s of the weights of experts with rows (each read
+// once), against wgmma-tma.
 static bool g_small = false;
 
 template <bool GATED, int NT>
@@ -689,10 +690,10 @@ static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, con
   if (p.up) {
     a.up = p.up->view(copy);
     if (two) launch_small_nt<true, 2>(a, p.w->E);
-    else launch_small_nt<true, 4>(a, p.w->E);
+    else launch_small_nt<true, 3>(a, p.w->E);
   } else {
     if (two) launch_small_nt<false, 2>(a, p.w->E);
-    else launch_small_nt<false, 4>(a, p.w->E);
+    else launch_small_nt<false, 3>(a, p.w->E);
   }
   CK(cudaGetLastError());
 }
@@ -736,8 +737,18 @@ static void small_row(Problem& p, bool timed) {
     rmax = std::max(rmax, std::fabs(double(yt[i])));
   }
   const double vs = dmax / std::max(rmax, 1e-300);
-  // the bf16 hand-over on both sides: gated Xb out, down Xb in
+  // the bf16 hand-overs: X read as Xb (wgx_bf16_kernel's copy; the gated product gathering its rows from
+  // it) gives the same floats as from the F32 rows; the gated product's Xb output is wg_bf16 of its F32 one
   int64_t io_differ = 0;
+  {
+    launch_x_bf16(p);
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    launch_small(p, 0, nullptr, p.dxb);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> yx(MN);
+    CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
+  }
   if (gated) {
     uint16_t* dyb = nullptr;
     CK(cudaMalloc(&dyb, MN * 2));
@@ -749,14 +760,6 @@ static void small_row(Problem& p, bool timed) {
     CK(cudaFree(dyb));
     for (int64_t r = 0; r < p.M; ++r)
       for (int64_t o = 0; o < N; ++o) io_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
-  } else {
-    launch_x_bf16(p);
-    CK(cudaMemset(p.dy, 0xFF, MN * 4));
-    launch_small(p, 0, nullptr, p.dxb);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> yx(MN);
-    CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
   }
   const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && vs <= 1e-2 && io_differ == 0;
   if (!ok) {
@@ -774,7 +777,10 @@ static void small_row(Problem& p, bool timed) {
   int64_t live = 0;  // experts with rows: their weights are read
   for (int64_t e = 0; e < p.w->E; ++e) live += std::count(p.hrow_expert.begin(), p.hrow_expert.end(), int32_t(e)) > 0;
   const double bytes = double(live) * (double(p.w->bytes()) / p.w->E) * (gated ? 2 : 1);
-  const double t_small = time_launches(p.w->copies, [&](int c) { launch_small(p, c); });
+  const double t_small = time_launches(p.w->copies, [&](int c) {  // as wgmma-tma: X -> bf16, then the product
+    launch_x_bf16(p);
+    launch_small(p, c, nullptr, p.dxb);
+  });
   const double t_tma = time_launches(p.w->copies, [&](int c) {
     if (gated) launch_gated(p, c, false);
     else launch(TMA, p, c);

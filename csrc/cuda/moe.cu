@@ -317,7 +317,7 @@ static bool use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t T, i
 }
 
 // One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
-// from the routing tables (a.tiles.row_end), NT n8 tiles a pass.
+// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
 template <bool GATED, int NT>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
   const auto kernel = moe_small_kernel<GATED, NT>;
@@ -337,7 +337,7 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
 template <bool GATED>
 static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
   if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
-  launch_moe_small<GATED, 4>(a, E);
+  launch_moe_small<GATED, 3>(a, E);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
@@ -498,8 +498,11 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (routed || shared) xb.capacity = copy;
   }
   if (use_moe_small(routed_up, routed_down, T, E, top_k, s)) {
-    run_moe_small<true>(routed_up, T, E, top_k);
+    // the shared gate/up first: its wgmma products leave h's Xb in the XbCopy, which the gated kernel
+    // then gathers its rows from (else it converts h's F32 rows itself)
     linear_tiles(shared_up, shared_tiles, T, xb);
+    if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
+    run_moe_small<true>(routed_up, T, E, top_k);
     run_moe_small<false>(routed_down, T, E, top_k);
   } else {
     linear_tiles(routed_up, r.max_tiles, T, xb);

@@ -7,7 +7,7 @@
 //                            (the gated gate/up product, linear_common.cuh's store_output expression)
 // for every grouped row r of expert e: rows [row_end[e-1], row_end[e]) of the routing tables
 // (moe_routing.cuh; row_end[-1] = 0). The arguments are the LinearArgs of the grouped products that
-// linear_tiles would run (a.w, a.up, a.x/ldx/x_rows or a.xb, a.y/ldy or a.yb, a.row_scale,
+// linear_tiles would run (a.w, a.up, a.x/ldx or a.xb, a.x_rows, a.y/ldy or a.yb, a.row_scale,
 // a.tiles.row_end), with the same outputs: F32 y rows, or (a.yb) the next product's Xb rows (BF16,
 // xb_layout.cuh's k permutation, wg_xb_pos), written with wg_bf16 as the GATED wgmma epilogue writes them.
 // Weights: 4-bit MLX affine [E, N, K/8] U32, BF16 scales/biases [E, N, K/gs], gs a power of two >= 32,
@@ -27,11 +27,12 @@
 // 16 * ms_slot(J): inside a segment chunk 4c + m sits at slot 4m + c, so the 4 lanes of a quad read 64
 // contiguous bytes (a quarter warp: two rows x 64 bytes, conflict-free).
 //
-// Work. Grid (slices, E), MS_THREADS = 8 warps. Warp w of slice s owns two 16-row A tiles: gated, rows
-// i0 = (8s + w) * 16 of G and of U (so gate and up of an output sit in the same lane and register: the
-// SwiGLU is in registers); plain, rows o0 = (8s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
-// expert: stage the rows as Xb (from F32 x through x_rows, converted with wgx_bf16_kernel's rounding, or
-// copied from a.xb), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
+// Work. Grid (slices, E), MS_THREADS = 4 warps, two CTAs an SM (one stages its rows while the other streams
+// weights). Warp w of slice s owns two 16-row A tiles: gated, rows
+// i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane and register: the
+// SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
+// expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows gathered through
+// x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
 // loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the
 // first pass is loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped
 // (warp-uniform). Rows past N: the warp loads none and stores none (the host keeps N % 16 == 0 gated,
@@ -49,17 +50,18 @@
 
 namespace lily::cuda {
 
-constexpr int MS_THREADS = 256, MS_WARPS = MS_THREADS / 32;
+constexpr int MS_THREADS = 128, MS_WARPS = MS_THREADS / 32;
 constexpr int MS_SPU = 2;  // segments per pipeline unit
 constexpr int MS_SEG_VALS = 128;
 
 // n8 tiles a pass takes (NT) for `rows` routed rows over E experts: 2 (16 rows, 66 KB staged at K = 2048) up
-// to MS_WIDE_ROWS average rows an expert, else 4 (32 rows, 133 KB): fewer passes over the weights for the
-// busier experts of longer prompts. An estimate, to be tuned by measurement (benchmarks/gemm_lab.cu).
+// to MS_WIDE_ROWS average rows an expert, else 3 (24 rows, 100 KB; two CTAs an SM still fit): fewer passes
+// over the weights for the busier experts of longer prompts. An estimate, to be tuned by measurement
+// (benchmarks/gemm_lab.cu).
 constexpr int64_t MS_WIDE_ROWS = 8;
-__host__ __device__ constexpr int ms_pass_tiles(int64_t rows, int64_t E) { return rows <= MS_WIDE_ROWS * E ? 2 : 4; }
+__host__ __device__ constexpr int ms_pass_tiles(int64_t rows, int64_t E) { return rows <= MS_WIDE_ROWS * E ? 2 : 3; }
 
-// Output rows of one CTA (8 warps x 2 tiles x 16, gated: the two tiles are G and U of the same 16 rows).
+// Output rows of one CTA (4 warps x 2 tiles x 16, gated: the two tiles are G and U of the same 16 rows).
 __host__ __device__ constexpr int ms_slice_rows(bool gated) { return gated ? MS_WARPS * 16 : MS_WARPS * 32; }
 // Bytes of one staged Xb row of K values, and of a CTA's rows (NT n8 tiles).
 __host__ __device__ constexpr int ms_row_bytes(int64_t K) { return int(2 * K + 64); }
@@ -161,29 +163,46 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
 }
 
 // Stages rows [r0, r0 + rows) of the pass as Xb at shared address xs0, up to the end of the last n8 tile they
-// touch (those slots zero: their products are computed, never stored).
+// touch (those slots zero: their products are computed, never stored). Source row of product row r: x_rows[r]
+// (GATED) or r. From a.xb (bf16, already in Xb's order): cp.async, all of a thread's chunks in flight at once.
+// From F32 a.x: MS_STAGE_BATCH chunks a thread loaded before any is converted (wgx_bf16_kernel's permutation
+// and rounding) and stored, so their loads overlap.
+constexpr int MS_STAGE_BATCH = 8;
 template <bool GATED>
 __device__ __forceinline__ void ms_stage(const LinearArgs& a, int64_t r0, int rows, int64_t K, uint32_t xs0) {
-  const int chunks = int(K / 8), stride = ms_row_bytes(K), slots = (rows + 7) / 8 * 8;
-  for (int i = threadIdx.x; i < slots * chunks; i += MS_THREADS) {
-    const int j = i / chunks, J = i - j * chunks;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (j < rows) {
-      const int64_t r = r0 + j;
-      if (!GATED && a.xb != nullptr) {
-        v = *reinterpret_cast<const uint4*>(a.xb + r * K + 8 * J);
-      } else {
-        const float* src = a.x + (GATED ? int64_t(a.x_rows[r]) : r) * a.ldx + 8 * J;
-        const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-        v.x = wg_pack_bf16x2(lo.x, hi.x);  // wgx_bf16_kernel's k permutation and rounding
-        v.y = wg_pack_bf16x2(lo.y, hi.y);
-        v.z = wg_pack_bf16x2(lo.z, hi.z);
-        v.w = wg_pack_bf16x2(lo.w, hi.w);
+  const int chunks = int(K / 8), stride = ms_row_bytes(K), total = (rows + 7) / 8 * 8 * chunks;
+  auto src_row = [&](int j) { return GATED ? int64_t(a.x_rows[r0 + j]) : r0 + j; };
+  if (a.xb != nullptr) {
+    for (int i = threadIdx.x; i < total; i += MS_THREADS) {
+      const int j = i / chunks, J = i - j * chunks;
+      const bool real = j < rows;
+      cp_async16(xs0 + j * stride + 16 * ms_slot(J), real ? a.xb + src_row(j) * K + 8 * J : a.xb, real ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    return;
+  }
+  for (int i0 = threadIdx.x; i0 < total; i0 += MS_STAGE_BATCH * MS_THREADS) {
+    float4 lo[MS_STAGE_BATCH], hi[MS_STAGE_BATCH];
+#pragma unroll
+    for (int b = 0; b < MS_STAGE_BATCH; ++b) {
+      const int i = i0 + b * MS_THREADS, j = i / chunks, J = i - j * chunks;
+      lo[b] = hi[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (i < total && j < rows) {
+        const float* src = a.x + src_row(j) * a.ldx + 8 * J;
+        lo[b] = *reinterpret_cast<const float4*>(src);
+        hi[b] = *reinterpret_cast<const float4*>(src + 4);
       }
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * stride + 16 * ms_slot(J)), "r"(v.x),
-                 "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
+#pragma unroll
+    for (int b = 0; b < MS_STAGE_BATCH; ++b) {
+      const int i = i0 + b * MS_THREADS, j = i / chunks, J = i - j * chunks;
+      if (i >= total) break;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * stride + 16 * ms_slot(J)),
+                   "r"(wg_pack_bf16x2(lo[b].x, hi[b].x)), "r"(wg_pack_bf16x2(lo[b].y, hi[b].y)),
+                   "r"(wg_pack_bf16x2(lo[b].z, hi[b].z)), "r"(wg_pack_bf16x2(lo[b].w, hi[b].w))
+                   : "memory");
+    }
   }
 }
 
@@ -219,7 +238,7 @@ __device__ __forceinline__ void ms_store(const LinearArgs& a, int64_t r0, int ro
 }
 
 template <bool GATED, int NT>
-__global__ void __launch_bounds__(MS_THREADS, 1) moe_small_kernel(const LinearArgs a) {
+__global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
   extern __shared__ uint4 ms_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int64_t e = blockIdx.y, N = a.w.rows, K = a.w.cols;
