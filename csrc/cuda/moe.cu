@@ -283,9 +283,11 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
 // Medium prompts: the routed gate/up and down products on the few-rows kernels (kernels/moe_small.cuh, the
 // tokens as the MMA's N) instead of the wgmma GEMM, whose 64-row expert tiles are mostly padding there (at
 // T = 146, top-8 of 256 experts: ~4.6 rows an expert). From MOE_DECODE_MAX_TOKENS + 1 tokens (below, the
-// decode chain) up to MOE_SMALL_MAX_TOKENS: an estimate (docs/perf-notes.md, 2026-12-02), to be tuned by
-// measurement (benchmarks/gemm_lab.cu, GEMM_LAB_T).
-constexpr int64_t MOE_SMALL_MAX_TOKENS = 512;
+// decode chain) up to MOE_SMALL_MAX_TOKENS (gate/up) and MOE_SMALL_DOWN_MAX_TOKENS (down): estimates
+// (docs/perf-notes.md, 2026-12-02), to be tuned by measurement (benchmarks/gemm_lab.cu, GEMM_LAB_T). The down
+// product's wgmma run is near its byte floor already at T = 146 (27 us for 128 MB): its bound is separate, so
+// the lab's numbers can keep it on the wgmma GEMM (16: never) without touching gate/up.
+constexpr int64_t MOE_SMALL_MAX_TOKENS = 512, MOE_SMALL_DOWN_MAX_TOKENS = 512;
 // The dims it is built and measured for first (Qwen3.6-35B-A3B): hidden, expert intermediate, experts,
 // top-k. Other configurations keep the wgmma GEMM (tests/gpu/test_moe.py says so).
 constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
@@ -300,20 +302,26 @@ static bool moe_small_matrix(const WeightView& w, bool gated) {
          w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32);
 }
 
-// Whether the routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of
-// T tokens run on moe_small_kernel: s.moe_small, a medium T, the real dims, both matrices of g alike, and X
-// readable as the kernel stages it (F32 rows 16-byte aligned, or d's Xb).
-static bool use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t T, int64_t E, int top_k,
-                          const ops::MoeScratch& s) {
-  if (!s.moe_small || T <= MOE_DECODE_MAX_TOKENS || T > MOE_SMALL_MAX_TOKENS) return false;
+// Which routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of T tokens
+// run on moe_small_kernel: s.moe_small, T in the product's range, the real dims (both products' shapes checked
+// for either), both matrices of g alike, and X readable as the kernel stages it (F32 rows 16-byte aligned,
+// or Xb).
+struct MoeSmall {
+  bool up = false, down = false;
+};
+static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t T, int64_t E, int top_k,
+                              const ops::MoeScratch& s) {
+  if (!s.moe_small || T <= MOE_DECODE_MAX_TOKENS) return {};
   if (E != MOE_SMALL_E || top_k != MOE_SMALL_TOP_K || g.w.cols != MOE_SMALL_H || g.w.rows != MOE_SMALL_I ||
       d.w.cols != MOE_SMALL_I || d.w.rows != MOE_SMALL_H)
-    return false;
-  if (!moe_small_matrix(g.w, true) || !moe_small_matrix(g.up, true) || !moe_small_matrix(d.w, false)) return false;
-  if (g.up.rows != g.w.rows || g.up.cols != g.w.cols || g.up.group_size != g.w.group_size) return false;
-  const bool gx = is_aligned16(g.x) && g.ldx % 4 == 0;
-  const bool dx = d.xb != nullptr ? is_aligned16(d.xb) : is_aligned16(d.x) && d.ldx % 4 == 0;
-  return gx && dx;
+    return {};
+  MoeSmall m;
+  m.up = T <= MOE_SMALL_MAX_TOKENS && moe_small_matrix(g.w, true) && moe_small_matrix(g.up, true) &&
+         g.up.rows == g.w.rows && g.up.cols == g.w.cols && g.up.group_size == g.w.group_size &&
+         is_aligned16(g.x) && g.ldx % 4 == 0;
+  m.down = T <= MOE_SMALL_DOWN_MAX_TOKENS && moe_small_matrix(d.w, false) &&
+           (d.xb != nullptr ? is_aligned16(d.xb) : is_aligned16(d.x) && d.ldx % 4 == 0);
+  return m;
 }
 
 // One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
@@ -497,18 +505,19 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
     if (routed || shared) xb.capacity = copy;
   }
-  if (use_moe_small(routed_up, routed_down, T, E, top_k, s)) {
+  const MoeSmall small = use_moe_small(routed_up, routed_down, T, E, top_k, s);
+  if (small.up) {
     // the shared gate/up first: its wgmma products leave h's Xb in the XbCopy, which the gated kernel
     // then gathers its rows from (else it converts h's F32 rows itself)
     linear_tiles(shared_up, shared_tiles, T, xb);
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
     run_moe_small<true>(routed_up, T, E, top_k);
-    run_moe_small<false>(routed_down, T, E, top_k);
   } else {
     linear_tiles(routed_up, r.max_tiles, T, xb);
     linear_tiles(shared_up, shared_tiles, T, xb);
-    linear_tiles(routed_down, r.max_tiles, TK, xb);
   }
+  if (small.down) run_moe_small<false>(routed_down, T, E, top_k);
+  else linear_tiles(routed_down, r.max_tiles, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
