@@ -6,8 +6,10 @@
 //   wgmma-tma   the library's prefill GEMM, kernels/linear_wgmma_tma.cuh: X -> bf16 once
 //               (wgx_bf16_kernel) + linear_wgmma_tma_kernel (TMA, mbarriers, producer/consumer
 //               warpgroups, persistent), launched as linear.cu's run_wgmma does
+//   small       kernels/moe_small.cuh, the few-rows MoE expert kernels (tokens as the mma's N) of medium
+//               prompts: moe rows only (small_row), timed against wgmma-tma on the same routing
 //   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
-//   by hand: gemm_lab [-n] [old] [wgmma] [tma]   (-n: no table header; no kernel names: all).
+//   by hand: gemm_lab [-n] [old] [wgmma] [tma] [small]   (-n: no table header; no kernel names: all).
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = GEMM_LAB_T (default 2048) and
 // its MoE grouped products (T tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row
 // tiles built like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up;
@@ -50,6 +52,7 @@
 
 #include "cuda/kernels/linear_gemm.cuh"
 #include "cuda/kernels/linear_wgmma_tma.cuh"
+#include "cuda/kernels/moe_small.cuh"
 #include "cuda/tensor_map.h"
 #include "gemm_lab_wgmma.cuh"
 
@@ -679,6 +682,144 @@ static void gated_row(Problem& p, bool timed) {
   std::fflush(stdout);
 }
 
+// The few-rows expert kernels (kernels/moe_small.cuh, small only): p's routed product (gated: p.up set, y =
+// row_scale * silu(gate) * up; else the down product) on moe_small_kernel with moe.cu's pass size, from a
+// NaN-poisoned y on copy 0: every output finite, sampled error vs fp64 <= 1e-2, and against wgmma-tma on the
+// same launch (gated: the GATED product) "vs tma" = max |y - y_tma| / max |y_tma| <= 1e-2 (same bf16 operands,
+// another summation order), else FAIL. Also, not timed: X read as Xb (a.xb, wgx_bf16_kernel's copy; gated:
+// rows gathered from it) must give the same floats as from the F32 rows, and the gated kernel's Xb output
+// (a.yb) must hold wg_bf16 of its F32 output at wg_xb_pos. Timed: us per call (X -> bf16 + the product from
+// Xb, as wgmma-tma's time includes its conversion) and GB/s of the weights of experts with rows (each read
+// once; printed in the X->bf16 column), against wgmma-tma: two rows, wgmma-tma (the ref) then moe_small (its
+// BM column: the rows a pass).
+static bool g_small = false;
+
+template <bool GATED, int NT>
+static void launch_small_nt(const LinearArgs& a, int64_t E) {
+  const auto kernel = moe_small_kernel<GATED, NT>;
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));
+    configured = true;
+  }
+  const dim3 grid(unsigned((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED)), unsigned(E));
+  kernel<<<grid, MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
+}
+
+static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
+  LinearArgs a = p.args(copy);
+  a.yb = yb;
+  a.xb = xb;
+  const bool two = ms_pass_tiles(p.M, p.w->E) == 2;
+  if (p.up) {
+    a.up = p.up->view(copy);
+    if (two) launch_small_nt<true, 2>(a, p.w->E);
+    else launch_small_nt<true, 3>(a, p.w->E);
+  } else {
+    if (two) launch_small_nt<false, 2>(a, p.w->E);
+    else launch_small_nt<false, 3>(a, p.w->E);
+  }
+  CK(cudaGetLastError());
+}
+
+static void small_row(Problem& p, bool timed) {
+  if (!g_small) return;
+  const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
+  const bool gated = p.up != nullptr;
+  auto run_once = [&](bool small, std::vector<float>& y) {
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    if (small) launch_small(p, 0);
+    else if (gated) launch_gated(p, 0, false);
+    else launch(TMA, p, 0);
+    CK(cudaDeviceSynchronize());
+    y.resize(MN);
+    CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  };
+  std::vector<float> y, yt;
+  run_once(true, y);
+  run_once(false, yt);
+  int64_t bad = 0;
+  for (float v : y) bad += !std::isfinite(v);
+  double num = 0, den = 0;
+  for (int i = 0; i < 4096; ++i) {
+    const int64_t r = rnd32() % p.M, o = rnd32() % N;
+    const int64_t xr = p.hx_rows.empty() ? r : p.hx_rows[r], e = p.hrow_expert[r];
+    const float* x = p.hx.data() + xr * K;
+    double g = 0, u = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      g += p.w->w(e, o, k) * double(x[k]);
+      if (gated) u += p.up->w(e, o, k) * double(x[k]);
+    }
+    const double ref = gated ? double(p.hrow_scale[r]) * (g / (1.0 + std::exp(-g))) * u : g;
+    num += (double(y[r * N + o]) - ref) * (double(y[r * N + o]) - ref);
+    den += ref * ref;
+  }
+  const double err = std::sqrt(num / std::max(den, 1e-300));
+  double dmax = 0, rmax = 0;
+  for (int64_t i = 0; i < MN; ++i) {
+    dmax = std::max(dmax, std::fabs(double(y[i]) - double(yt[i])));
+    rmax = std::max(rmax, std::fabs(double(yt[i])));
+  }
+  const double vs = dmax / std::max(rmax, 1e-300);
+  // the bf16 hand-overs: X read as Xb (wgx_bf16_kernel's copy; the gated product gathering its rows from
+  // it) gives the same floats as from the F32 rows; the gated product's Xb output is wg_bf16 of its F32 one
+  int64_t io_differ = 0;
+  {
+    launch_x_bf16(p);
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    launch_small(p, 0, nullptr, p.dxb);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> yx(MN);
+    CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
+  }
+  if (gated) {
+    uint16_t* dyb = nullptr;
+    CK(cudaMalloc(&dyb, MN * 2));
+    CK(cudaMemset(dyb, 0xFF, MN * 2));
+    launch_small(p, 0, dyb);
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> yb(MN);
+    CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+    CK(cudaFree(dyb));
+    for (int64_t r = 0; r < p.M; ++r)
+      for (int64_t o = 0; o < N; ++o) io_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
+  }
+  const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && vs <= 1e-2 && io_differ == 0;
+  if (!ok) {
+    std::printf("FAIL: %s small: %lld non-finite of %lld, sampled rel err %.3e, vs tma %.3e, %lld Xb in/out differ\n",
+                p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ);
+    ++g_failures;
+  }
+  const int nt = ms_pass_tiles(p.M, p.w->E);
+  if (!timed) {
+    std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s |\n", p.name,
+                (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs, io_differ ? "FAIL" : "ok");
+    std::fflush(stdout);
+    return;
+  }
+  int64_t live = 0;  // experts with rows: their weights are read
+  for (int64_t e = 0; e < p.w->E; ++e) live += std::count(p.hrow_expert.begin(), p.hrow_expert.end(), int32_t(e)) > 0;
+  const double bytes = double(live) * (double(p.w->bytes()) / p.w->E) * (gated ? 2 : 1);
+  const double t_small = time_launches(p.w->copies, [&](int c) {  // as wgmma-tma: X -> bf16, then the product
+    launch_x_bf16(p);
+    launch_small(p, c, nullptr, p.dxb);
+  });
+  const double t_tma = time_launches(p.w->copies, [&](int c) {
+    if (gated) launch_gated(p, c, false);
+    else launch(TMA, p, c);
+  });
+  const double flop = 2.0 * (gated ? 2 : 1) * p.M * N * K;
+  for (int v = 0; v < 2; ++v) {
+    const double t = v ? t_small : t_tma;
+    std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %.0f GB/s | %.1e %s | %s |\n", p.name,
+                (long long)p.M, (long long)N, (long long)K, v ? "moe_small" : (gated ? "wgmma-tma gated" : "wgmma-tma"),
+                v ? nt * 8 : 64, t, flop / t * 1e-6, t_tma / t, bytes / t * 1e-3, v ? err : 0.0, v ? (ok ? "ok" : "FAIL") : "",
+                v ? "vs tma (ref)" : "(ref)");
+  }
+  std::fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   bool header = true, any = false;
   for (int i = 1; i < argc; ++i) {
@@ -689,13 +830,16 @@ int main(int argc, char** argv) {
     bool known = false;
     for (int k = 0; k < NUM_KERNELS; ++k)
       if (std::strcmp(argv[i], kArgs[k]) == 0) g_run[k] = known = any = true;
+    if (std::strcmp(argv[i], "small") == 0) g_small = known = any = true;
     if (!known) {
-      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma; -n: no header)\n", argv[i]);
+      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma small; -n: no header)\n", argv[i]);
       return 2;
     }
   }
-  if (!any)
+  if (!any) {
     for (bool& r : g_run) r = true;
+    g_small = true;
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
@@ -708,6 +852,53 @@ int main(int argc, char** argv) {
   }
   const char* t_env = std::getenv("GEMM_LAB_T");  // prefill rows per product (the engine's chunk); default 2048
   const int64_t T = t_env ? std::atoll(t_env) : 2048;
+  if (g_small) {  // moe_small at T, the wgmma-tma products on the same routing; then checks at other T, skew
+    {
+      Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1);
+      Problem p = moe("moe gate+up [256,512,2048], gated", &wg, T, 8, true, 0, false, 64, &wu);
+      small_row(p, true);
+      free_problem(p);
+      for (int64_t t : {17, 64, 146, 300, 512}) {
+        p = moe("check moe_small gate+up", &wg, t, 8, true, 0, false, 64, &wu);
+        small_row(p, false);
+        free_problem(p);
+      }
+      p = moe("check moe_small gate+up, 250 empty experts", &wg, 146, 6, true, 250, false, 64, &wu);
+      small_row(p, false);  // top-6 of the last 6 experts: 146 rows each, 10 passes of 16 rows
+      free_problem(p);
+    }
+    {
+      Stack w(256, 2048, 512, 64, 1);
+      Problem p = moe("moe down [256,2048,512]", &w, T, 8, false);
+      small_row(p, true);
+      free_problem(p);
+      for (int64_t t : {17, 64, 146, 300, 512}) {
+        p = moe("check moe_small down", &w, t, 8, false);
+        small_row(p, false);
+        free_problem(p);
+      }
+      p = moe("check moe_small down, 250 empty experts", &w, 146, 6, false, 250);
+      small_row(p, false);
+      free_problem(p);
+    }
+    {  // (group 32 on the gated side: the GATED wgmma reference has no 32-wide instance)
+      Stack w(16, 512, 1024, 128, 1), wu(16, 512, 1024, 128, 1);
+      Problem p = moe("check moe_small gate+up group 128, K 1024", &w, 40, 4, true, 0, false, 64, &wu);
+      small_row(p, false);
+      free_problem(p);
+    }
+    {
+      Stack w(16, 1024, 512, 32, 1);
+      Problem p = moe("check moe_small down group 32", &w, 40, 4, false);
+      small_row(p, false);
+      free_problem(p);
+    }
+  }
+  if (!(g_run[OLD] || g_run[NEW] || g_run[TMA])) {  // small alone: its rows only
+    CK(cudaDeviceSynchronize());
+    if (g_failures) std::printf("\ngemm_lab ( small): %d FAIL\n", g_failures);
+    return g_failures ? 1 : 0;
+  }
   auto copies_for = [](int64_t N, int64_t K) { return int(std::max<int64_t>(2, (160ll << 20) / (N * K * 9 / 16))); };
   {
     Stack w(1, 8192, 2048, 64, copies_for(8192, 2048));
@@ -892,8 +1083,8 @@ int main(int argc, char** argv) {
   }
   CK(cudaDeviceSynchronize());
   if (g_failures) {
-    std::printf("\ngemm_lab (%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
-                g_run[TMA] ? " tma" : "", g_failures);
+    std::printf("\ngemm_lab (%s%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
+                g_run[TMA] ? " tma" : "", g_small ? " small" : "", g_failures);
     return 1;
   }
   return 0;
