@@ -1,12 +1,15 @@
-// gemm_lab: the prefill GEMM over 4-bit MLX-affine weights, self-checking, one table row per kernel:
+// gemm_lab: the prefill GEMM over 4-bit (and, for the 8-bit rows, 8-bit) MLX-affine weights, self-checking,
+// one table row per kernel:
 //   old         kernels/linear_gemm.cuh (mma.sync; the library's 8-bit prefill GEMM)
 //   wgmma       benchmarks/gemm_lab_wgmma.cuh (the retired one-kernel wgmma GEMM, X fp32 converted per
 //               k-tile): the reference
 //   wgmma-tma   the library's prefill GEMM, kernels/linear_wgmma_tma.cuh: X -> bf16 once
 //               (wgx_bf16_kernel) + linear_wgmma_tma_kernel (TMA, mbarriers, producer/consumer
 //               warpgroups, persistent), launched as linear.cu's run_wgmma does
+//   small       kernels/moe_small.cuh, the few-rows MoE expert kernels (tokens as the mma's N) of medium
+//               prompts: moe rows only (small_row), timed against wgmma-tma on the same routing
 //   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
-//   by hand: gemm_lab [-n] [old] [wgmma] [tma]   (-n: no table header; no kernel names: all).
+//   by hand: gemm_lab [-n] [old] [wgmma] [tma] [small]   (-n: no table header; no kernel names: all).
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = GEMM_LAB_T (default 2048) and
 // its MoE grouped products (T tokens x top-8 over 256 experts, uniform random routing, tile map of 64-row
 // tiles built like moe_routing.cuh: rows grouped by expert, ascending tokens, x_rows gather for gate/up;
@@ -22,6 +25,10 @@
 // must stay <= 1e-6 there (same operands, same order) or FAIL. Its time includes the X -> bf16 kernel,
 // whose time alone is the "X->bf16 us" column.
 // Also checks (not timed): partial row/col tiles, T = 9..300, group sizes 32/128, SwiGLU epilogue.
+// 8-bit rows ("8-bit ..."; old and tma only: the retired wgmma GEMM is 4-bit): the router (256 x 2048), the
+// shared-expert gate (1 x 2048) and both stacked (257 x 2048) at T = GEMM_LAB_T, old (linear_gemm_kernel<8>,
+// what the engine ran them on) against wgmma-tma with BITS = 8; "vs wgmma (time)" is then old's time over
+// the row's, and the output column is empty (no bitwise reference).
 // Gated rows (gated_row; tma only): the GATED kernel computing y = row_scale * silu(X Wg^T) * (X Wu^T) in
 // one product, against the two-product TMA run on the same inputs (the gate product into y, then the
 // up product with the SwiGLU epilogue: linear.cu's fallback). "wgmma-tma 2 products" is that run;
@@ -45,6 +52,7 @@
 
 #include "cuda/kernels/linear_gemm.cuh"
 #include "cuda/kernels/linear_wgmma_tma.cuh"
+#include "cuda/kernels/moe_small.cuh"
 #include "cuda/tensor_map.h"
 #include "gemm_lab_wgmma.cuh"
 
@@ -82,24 +90,25 @@ static double bf16_val(uint16_t h) {
   return f;
 }
 
-// A stack [E, N, K] of 4-bit affine matrices, `copies` copies on the device; copy 0 also on the host.
+// A stack [E, N, K] of 4- or 8-bit affine matrices, `copies` copies on the device; copy 0 also on the host.
 struct Stack {
   int64_t E, N, K;
-  int gs, copies;
+  int gs, copies, bits;
   std::vector<uint32_t> hw;
   std::vector<uint16_t> hs, hb;
   std::vector<uint32_t*> dw;
   std::vector<uint16_t*> ds, db;
-  Stack(int64_t E_, int64_t N_, int64_t K_, int gs_, int copies_) : E(E_), N(N_), K(K_), gs(gs_), copies(copies_) {
-    const int64_t words = E * N * K / 8, groups = E * N * K / gs;
+  Stack(int64_t E_, int64_t N_, int64_t K_, int gs_, int copies_, int bits_ = 4)
+      : E(E_), N(N_), K(K_), gs(gs_), copies(copies_), bits(bits_) {
+    const int64_t words = E * N * K * bits / 32, groups = E * N * K / gs;
     hw.resize(words);
     hs.resize(groups);
     hb.resize(groups);
     for (auto& w : hw) w = rnd32();
     for (int64_t i = 0; i < groups; ++i) {
-      const float s = 0.004f + 0.02f * rndu();
+      const float s = (0.004f + 0.02f * rndu()) * (bits == 8 ? 1.f / 16 : 1.f);  // the same weight range
       hs[i] = bf16_bits(s);
-      hb[i] = bf16_bits(-8.f * s + 0.02f * (rndu() - 0.5f));
+      hb[i] = bf16_bits(-float(1 << (bits - 1)) * s + 0.02f * (rndu() - 0.5f));
     }
     for (int c = 0; c < copies; ++c) {
       uint32_t* w;
@@ -118,8 +127,9 @@ struct Stack {
   }
   double w(int64_t e, int64_t o, int64_t k) const {  // dequantized, as cpu::linear
     const int64_t row = e * N + o;
-    const uint32_t word = hw[row * (K / 8) + k / 8];
-    const double q = (word >> (4 * (k % 8))) & 15u;
+    const int per = 32 / bits;  // values per word
+    const uint32_t word = hw[row * (K / per) + k / per];
+    const double q = (word >> (bits * (k % per))) & ((1u << bits) - 1);
     const int64_t g = row * (K / gs) + k / gs;
     return bf16_val(hs[g]) * q + bf16_val(hb[g]);
   }
@@ -131,12 +141,12 @@ struct Stack {
     v.num_stack = E;
     v.rows = N;
     v.cols = K;
-    v.bits = 4;
+    v.bits = bits;
     v.group_size = gs;
     v.scale_dtype = DType::BF16;
     return v;
   }
-  size_t bytes() const { return size_t(E * N * K / 2 + 2 * 2 * E * N * K / gs); }
+  size_t bytes() const { return size_t(E * N * K * bits / 8 + 2 * 2 * E * N * K / gs); }
 };
 
 // One product: LinearArgs on the device plus what the host reference needs.
@@ -317,11 +327,11 @@ static void launch_x_bf16(const Problem& p) {
 }
 
 // mu: the up matrix's map (GATED), else unread.
-template <int BM, bool GS32, bool GATHER, bool GATED = false>
+template <int BM, bool GS32, bool GATHER, bool GATED = false, int BITS = 4>
 static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
                               const CUtensorMap& mu, int64_t tiles_ub) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, false, GATED>;
-  constexpr int smem = tma_smem_bytes(BM, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, false, GATED, BITS>;
+  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -332,15 +342,17 @@ static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUt
   kernel<<<grid, TMA_THREADS, smem>>>(a, xb, mx, mw, mu);
 }
 
-// Tensor maps, cached by (address, shape): Xb per problem and BM (rows: the box rows), W per weight copy
-// and box rows (256, or 128 for a gated product).
-static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int rows) {
-  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, rows);
+// Tensor maps, cached by (address, shape): Xb per problem and BM (rows: the box rows), W per weight copy,
+// bits and box rows (256, or 128 for a gated product).
+static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int64_t d1, int64_t d2, int rows,
+                                     int bits = 4) {
+  static std::map<std::tuple<bool, const void*, int64_t, int64_t, int64_t, int, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(is_x, ptr, d0, d1, d2, rows, bits);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   CUtensorMap m;
-  const CUresult r = is_x ? make_xb_tensor_map(m, ptr, d0, d1, rows) : make_w4_tensor_map(m, ptr, d0, d1, d2, rows);
+  const CUresult r =
+      is_x ? make_xb_tensor_map(m, ptr, d0, d1, rows) : make_w_tensor_map(m, ptr, d0, d1, d2, bits, rows);
   if (r != CUDA_SUCCESS) {
     std::printf("FAIL: wgmma-tma: cuTensorMapEncodeTiled (%s) returned %d\n", is_x ? "Xb" : "W", int(r));
     std::fflush(stdout);
@@ -349,10 +361,11 @@ static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int
   return cache.emplace(key, m).first->second;
 }
 
-// The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy).
-static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
+// The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy), BITS = a.w.bits.
+template <int BITS>
+static void launch_tma_bits(const Problem& p, const LinearArgs& a, int bm) {
   const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, bm);
-  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN);
+  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN, BITS);
   const bool gather = p.dx_rows != nullptr, gs32 = a.w.group_size == 32;
   if (bm == 128) {
     if (gs32) {
@@ -360,15 +373,20 @@ static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
       std::exit(1);
     }
     const int64_t tiles = p.grouped ? p.max_tiles64 : (p.M + 127) / 128;
-    if (gather) launch_tma_kernel<128, false, true>(a, p.dxb, mx, mw, mw, tiles);
-    else launch_tma_kernel<128, false, false>(a, p.dxb, mx, mw, mw, tiles);
+    if (gather) launch_tma_kernel<128, false, true, false, BITS>(a, p.dxb, mx, mw, mw, tiles);
+    else launch_tma_kernel<128, false, false, false, BITS>(a, p.dxb, mx, mw, mw, tiles);
   } else if (gather) {
-    if (gs32) launch_tma_kernel<64, true, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, true>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, true, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, true, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   } else {
-    if (gs32) launch_tma_kernel<64, true, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
-    else launch_tma_kernel<64, false, false>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    if (gs32) launch_tma_kernel<64, true, false, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
+    else launch_tma_kernel<64, false, false, false, BITS>(a, p.dxb, mx, mw, mw, p.max_tiles64);
   }
+}
+
+static void launch_tma(const Problem& p, const LinearArgs& a, int bm) {
+  if (a.w.bits == 8) return launch_tma_bits<8>(p, a, bm);
+  launch_tma_bits<4>(p, a, bm);
 }
 
 // BM of the gated product as linear.cu's run_wgmma picks it: the map's rows, or dense 128 when
@@ -420,11 +438,17 @@ static void launch(Kernel k, const Problem& p, int copy) {
     static bool configured = false;
     if (!configured) {
       CK(cudaFuncSetAttribute(linear_gemm_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, GEMM_SMEM_BYTES));
+      CK(cudaFuncSetAttribute(linear_gemm_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, GEMM_SMEM_BYTES));
       configured = true;
     }
     const dim3 grid(unsigned(p.max_tiles64), unsigned((p.w->N + GEMM_BN - 1) / GEMM_BN));
-    linear_gemm_kernel<4><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
+    if (p.w->bits == 8) linear_gemm_kernel<8><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
+    else linear_gemm_kernel<4><<<grid, GEMM_THREADS, GEMM_SMEM_BYTES>>>(a);
   } else if (k == NEW) {
+    if (p.w->bits != 4) {
+      std::printf("FAIL: %s: the retired wgmma GEMM takes 4-bit weights only\n", p.name);
+      std::exit(1);
+    }
     if (bm == 128) launch_new<128, false>(a, tiles);
     else if (p.w->gs == 32) launch_new<64, true>(a, tiles);
     else launch_new<64, false>(a, tiles);
@@ -471,7 +495,7 @@ static double check(Kernel k, Problem& p, bool& ok, double& vs_wgmma) {
   ok = bad == 0 && err <= 1e-2 && std::isfinite(err);
   vs_wgmma = 0;
   if (k == NEW) p.hy_wgmma = y;
-  if (k == TMA) {
+  if (k == TMA && p.w->bits == 4) {
     if (p.hy_wgmma.empty()) run_once(NEW, p.hy_wgmma);
     double dmax = 0, rmax = 0;
     bool same = true;
@@ -519,29 +543,31 @@ static double time_us(Kernel k, const Problem& p) {
   return time_launches(p.w->copies, [&](int c) { launch(k, p, c); });
 }
 
-// One row per requested kernel. Timed rows also time wgmma (not printed unless requested) for "vs wgmma".
+// One row per requested kernel. Timed rows also time wgmma (not printed unless requested) for "vs wgmma";
+// 8-bit rows (no wgmma) time old for it instead, and print no wgmma row.
 static void row(Problem& p, bool timed) {
   const double flop = 2.0 * p.M * p.w->N * p.w->K;
+  const Kernel ref = p.w->bits == 8 ? OLD : NEW;
   double t_ref = 0, t_conv = 0;
-  if (timed && (g_run[TMA] || g_run[OLD])) t_ref = time_us(NEW, p);
+  if (timed && (g_run[TMA] || g_run[OLD])) t_ref = time_us(ref, p);
   if (timed && g_run[TMA]) {
     t_conv = time_launches(1, [&](int) { launch_x_bf16(p); });
     CK(cudaGetLastError());
   }
   for (int k = 0; k < NUM_KERNELS; ++k) {
-    if (!g_run[k]) continue;
+    if (!g_run[k] || (k == NEW && ref != NEW)) continue;
     bool ok;
     double vs;
     const double err = check(Kernel(k), p, ok, vs);
     char vsbuf[32] = "";
-    if (k == TMA) {
+    if (k == TMA && ref == NEW) {
       if (vs < 0) std::snprintf(vsbuf, sizeof vsbuf, "bit-identical");
       else std::snprintf(vsbuf, sizeof vsbuf, "%.1e", vs);
     }
     const int bm = k == OLD ? GEMM_BM : k == TMA ? tma_bm(p) : new_bm(p);
     if (timed) {
-      const double t = k == NEW && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
-      if (k == NEW) t_ref = t;
+      const double t = k == ref && t_ref > 0 ? t_ref : time_us(Kernel(k), p);
+      if (k == ref) t_ref = t;
       char conv[32] = "";
       if (k == TMA) std::snprintf(conv, sizeof conv, "%.1f", t_conv);
       std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %s | %.1e %s | %s |\n", p.name,
@@ -656,6 +682,144 @@ static void gated_row(Problem& p, bool timed) {
   std::fflush(stdout);
 }
 
+// The few-rows expert kernels (kernels/moe_small.cuh, small only): p's routed product (gated: p.up set, y =
+// row_scale * silu(gate) * up; else the down product) on moe_small_kernel with moe.cu's pass size, from a
+// NaN-poisoned y on copy 0: every output finite, sampled error vs fp64 <= 1e-2, and against wgmma-tma on the
+// same launch (gated: the GATED product) "vs tma" = max |y - y_tma| / max |y_tma| <= 1e-2 (same bf16 operands,
+// another summation order), else FAIL. Also, not timed: X read as Xb (a.xb, wgx_bf16_kernel's copy; gated:
+// rows gathered from it) must give the same floats as from the F32 rows, and the gated kernel's Xb output
+// (a.yb) must hold wg_bf16 of its F32 output at wg_xb_pos. Timed: us per call (X -> bf16 + the product from
+// Xb, as wgmma-tma's time includes its conversion) and GB/s of the weights of experts with rows (each read
+// once; printed in the X->bf16 column), against wgmma-tma: two rows, wgmma-tma (the ref) then moe_small (its
+// BM column: the rows a pass).
+static bool g_small = false;
+
+template <bool GATED, int NT>
+static void launch_small_nt(const LinearArgs& a, int64_t E) {
+  const auto kernel = moe_small_kernel<GATED, NT>;
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));
+    configured = true;
+  }
+  const dim3 grid(unsigned((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED)), unsigned(E));
+  kernel<<<grid, MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
+}
+
+static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
+  LinearArgs a = p.args(copy);
+  a.yb = yb;
+  a.xb = xb;
+  const bool two = ms_pass_tiles(p.M, p.w->E) == 2;
+  if (p.up) {
+    a.up = p.up->view(copy);
+    if (two) launch_small_nt<true, 2>(a, p.w->E);
+    else launch_small_nt<true, 3>(a, p.w->E);
+  } else {
+    if (two) launch_small_nt<false, 2>(a, p.w->E);
+    else launch_small_nt<false, 3>(a, p.w->E);
+  }
+  CK(cudaGetLastError());
+}
+
+static void small_row(Problem& p, bool timed) {
+  if (!g_small) return;
+  const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
+  const bool gated = p.up != nullptr;
+  auto run_once = [&](bool small, std::vector<float>& y) {
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    if (small) launch_small(p, 0);
+    else if (gated) launch_gated(p, 0, false);
+    else launch(TMA, p, 0);
+    CK(cudaDeviceSynchronize());
+    y.resize(MN);
+    CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  };
+  std::vector<float> y, yt;
+  run_once(true, y);
+  run_once(false, yt);
+  int64_t bad = 0;
+  for (float v : y) bad += !std::isfinite(v);
+  double num = 0, den = 0;
+  for (int i = 0; i < 4096; ++i) {
+    const int64_t r = rnd32() % p.M, o = rnd32() % N;
+    const int64_t xr = p.hx_rows.empty() ? r : p.hx_rows[r], e = p.hrow_expert[r];
+    const float* x = p.hx.data() + xr * K;
+    double g = 0, u = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      g += p.w->w(e, o, k) * double(x[k]);
+      if (gated) u += p.up->w(e, o, k) * double(x[k]);
+    }
+    const double ref = gated ? double(p.hrow_scale[r]) * (g / (1.0 + std::exp(-g))) * u : g;
+    num += (double(y[r * N + o]) - ref) * (double(y[r * N + o]) - ref);
+    den += ref * ref;
+  }
+  const double err = std::sqrt(num / std::max(den, 1e-300));
+  double dmax = 0, rmax = 0;
+  for (int64_t i = 0; i < MN; ++i) {
+    dmax = std::max(dmax, std::fabs(double(y[i]) - double(yt[i])));
+    rmax = std::max(rmax, std::fabs(double(yt[i])));
+  }
+  const double vs = dmax / std::max(rmax, 1e-300);
+  // the bf16 hand-overs: X read as Xb (wgx_bf16_kernel's copy; the gated product gathering its rows from
+  // it) gives the same floats as from the F32 rows; the gated product's Xb output is wg_bf16 of its F32 one
+  int64_t io_differ = 0;
+  {
+    launch_x_bf16(p);
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    launch_small(p, 0, nullptr, p.dxb);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> yx(MN);
+    CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
+  }
+  if (gated) {
+    uint16_t* dyb = nullptr;
+    CK(cudaMalloc(&dyb, MN * 2));
+    CK(cudaMemset(dyb, 0xFF, MN * 2));
+    launch_small(p, 0, dyb);
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> yb(MN);
+    CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+    CK(cudaFree(dyb));
+    for (int64_t r = 0; r < p.M; ++r)
+      for (int64_t o = 0; o < N; ++o) io_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
+  }
+  const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && vs <= 1e-2 && io_differ == 0;
+  if (!ok) {
+    std::printf("FAIL: %s small: %lld non-finite of %lld, sampled rel err %.3e, vs tma %.3e, %lld Xb in/out differ\n",
+                p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ);
+    ++g_failures;
+  }
+  const int nt = ms_pass_tiles(p.M, p.w->E);
+  if (!timed) {
+    std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s |\n", p.name,
+                (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs, io_differ ? "FAIL" : "ok");
+    std::fflush(stdout);
+    return;
+  }
+  int64_t live = 0;  // experts with rows: their weights are read
+  for (int64_t e = 0; e < p.w->E; ++e) live += std::count(p.hrow_expert.begin(), p.hrow_expert.end(), int32_t(e)) > 0;
+  const double bytes = double(live) * (double(p.w->bytes()) / p.w->E) * (gated ? 2 : 1);
+  const double t_small = time_launches(p.w->copies, [&](int c) {  // as wgmma-tma: X -> bf16, then the product
+    launch_x_bf16(p);
+    launch_small(p, c, nullptr, p.dxb);
+  });
+  const double t_tma = time_launches(p.w->copies, [&](int c) {
+    if (gated) launch_gated(p, c, false);
+    else launch(TMA, p, c);
+  });
+  const double flop = 2.0 * (gated ? 2 : 1) * p.M * N * K;
+  for (int v = 0; v < 2; ++v) {
+    const double t = v ? t_small : t_tma;
+    std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %.0f GB/s | %.1e %s | %s |\n", p.name,
+                (long long)p.M, (long long)N, (long long)K, v ? "moe_small" : (gated ? "wgmma-tma gated" : "wgmma-tma"),
+                v ? nt * 8 : 64, t, flop / t * 1e-6, t_tma / t, bytes / t * 1e-3, v ? err : 0.0, v ? (ok ? "ok" : "FAIL") : "",
+                v ? "vs tma (ref)" : "(ref)");
+  }
+  std::fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   bool header = true, any = false;
   for (int i = 1; i < argc; ++i) {
@@ -666,25 +830,75 @@ int main(int argc, char** argv) {
     bool known = false;
     for (int k = 0; k < NUM_KERNELS; ++k)
       if (std::strcmp(argv[i], kArgs[k]) == 0) g_run[k] = known = any = true;
+    if (std::strcmp(argv[i], "small") == 0) g_small = known = any = true;
     if (!known) {
-      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma; -n: no header)\n", argv[i]);
+      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma small; -n: no header)\n", argv[i]);
       return 2;
     }
   }
-  if (!any)
+  if (!any) {
     for (bool& r : g_run) r = true;
+    g_small = true;
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   if (header) {
     std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B (BM 128 / 64)\n\n",
-                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128), tma_smem_bytes(64),
-                tma_smem_bytes(128, true), tma_smem_bytes(64, true));
+                prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128, 4),
+                tma_smem_bytes(64, 4), tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }
   const char* t_env = std::getenv("GEMM_LAB_T");  // prefill rows per product (the engine's chunk); default 2048
   const int64_t T = t_env ? std::atoll(t_env) : 2048;
+  if (g_small) {  // moe_small at T, the wgmma-tma products on the same routing; then checks at other T, skew
+    {
+      Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1);
+      Problem p = moe("moe gate+up [256,512,2048], gated", &wg, T, 8, true, 0, false, 64, &wu);
+      small_row(p, true);
+      free_problem(p);
+      for (int64_t t : {17, 64, 146, 300, 512}) {
+        p = moe("check moe_small gate+up", &wg, t, 8, true, 0, false, 64, &wu);
+        small_row(p, false);
+        free_problem(p);
+      }
+      p = moe("check moe_small gate+up, 250 empty experts", &wg, 146, 6, true, 250, false, 64, &wu);
+      small_row(p, false);  // top-6 of the last 6 experts: 146 rows each, 10 passes of 16 rows
+      free_problem(p);
+    }
+    {
+      Stack w(256, 2048, 512, 64, 1);
+      Problem p = moe("moe down [256,2048,512]", &w, T, 8, false);
+      small_row(p, true);
+      free_problem(p);
+      for (int64_t t : {17, 64, 146, 300, 512}) {
+        p = moe("check moe_small down", &w, t, 8, false);
+        small_row(p, false);
+        free_problem(p);
+      }
+      p = moe("check moe_small down, 250 empty experts", &w, 146, 6, false, 250);
+      small_row(p, false);
+      free_problem(p);
+    }
+    {  // (group 32 on the gated side: the GATED wgmma reference has no 32-wide instance)
+      Stack w(16, 512, 1024, 128, 1), wu(16, 512, 1024, 128, 1);
+      Problem p = moe("check moe_small gate+up group 128, K 1024", &w, 40, 4, true, 0, false, 64, &wu);
+      small_row(p, false);
+      free_problem(p);
+    }
+    {
+      Stack w(16, 1024, 512, 32, 1);
+      Problem p = moe("check moe_small down group 32", &w, 40, 4, false);
+      small_row(p, false);
+      free_problem(p);
+    }
+  }
+  if (!(g_run[OLD] || g_run[NEW] || g_run[TMA])) {  // small alone: its rows only
+    CK(cudaDeviceSynchronize());
+    if (g_failures) std::printf("\ngemm_lab ( small): %d FAIL\n", g_failures);
+    return g_failures ? 1 : 0;
+  }
   auto copies_for = [](int64_t N, int64_t K) { return int(std::max<int64_t>(2, (160ll << 20) / (N * K * 9 / 16))); };
   {
     Stack w(1, 8192, 2048, 64, copies_for(8192, 2048));
@@ -740,6 +954,15 @@ int main(int argc, char** argv) {
     row(p, true);
     free_problem(p);
   }
+  // the 8-bit router, shared-expert gate and both stacked (old = what the engine ran them on); copies as
+  // the 4-bit rows (160 MB), at most 300 (the 2 KB gate would take 77,000: it is read from L2 then)
+  for (const int64_t n : {257, 256, 1}) {
+    Stack w(1, n, 2048, 64, int(std::clamp<int64_t>((160ll << 20) / (n * 2048 * 17 / 16), 2, 300)), 8);
+    const char* names[3] = {"8-bit router+shared gate 257x2048", "8-bit router 256x2048", "8-bit shared gate 1x2048"};
+    Problem p = dense(names[n == 257 ? 0 : n == 256 ? 1 : 2], &w, T);
+    row(p, true);
+    free_problem(p);
+  }
   {  // the MoE up product as the engine's fallback runs it: y holds the gate product, SwiGLU epilogue.
      // Checked, not timed: a timed loop would rewrite y in place from its last value (running to inf,
      // where silu's division is slow); the gated rows below time the gate + SwiGLU-up pair instead.
@@ -784,6 +1007,18 @@ int main(int argc, char** argv) {
   {
     Stack w(1, 768, 1024, 128, 1);
     Problem p = dense("check group 128", &w, 200);
+    row(p, false);
+    free_problem(p);
+  }
+  {  // 8-bit: groups 32 and 128, 128-row tiles, split-free small T, a partial column tile
+    Stack w32(1, 300, 1024, 32, 1, 8), w128(1, 768, 1024, 128, 1, 8), w2k(1, 2048, 2048, 64, 1, 8);
+    Problem p = dense("check 8-bit group 32, N=300", &w32, 200);
+    row(p, false);
+    free_problem(p);
+    p = dense("check 8-bit group 128", &w128, 77);
+    row(p, false);
+    free_problem(p);
+    p = dense("check 8-bit 128-row tiles, T=4000", &w2k, 4000);
     row(p, false);
     free_problem(p);
   }
@@ -848,8 +1083,8 @@ int main(int argc, char** argv) {
   }
   CK(cudaDeviceSynchronize());
   if (g_failures) {
-    std::printf("\ngemm_lab (%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
-                g_run[TMA] ? " tma" : "", g_failures);
+    std::printf("\ngemm_lab (%s%s%s%s): %d FAIL\n", g_run[OLD] ? " old" : "", g_run[NEW] ? " wgmma" : "",
+                g_run[TMA] ? " tma" : "", g_small ? " small" : "", g_failures);
     return 1;
   }
   return 0;

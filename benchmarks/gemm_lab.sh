@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prefill GEMM lab (benchmarks/gemm_lab.cu): the mma.sync GEMM, the retired wgmma GEMM and the library's
-# TMA GEMM, timed and self-checked. Builds it (~15 s on 2 cores) and runs it on the H200, one process per kernel group
+# Prefill GEMM lab (benchmarks/gemm_lab.cu): the mma.sync GEMM, the retired wgmma GEMM, the library's
+# TMA GEMM and the few-rows MoE expert kernels (small), timed and self-checked. Builds it (~15 s on 2 cores) and runs it on the H200, one process per kernel group
 # (a crash or hang in one variant is reported and the others still run; each group has a time limit).
 # Exit status 1 on any FAIL, CUDA error or time-out. With OUT set it also writes $OUT/gemm_lab.md.
 # Flags as CMakeLists.txt's CUDA ones. GEMM_LAB_GROUPS overrides the groups ("old,wgmma tma").
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 BIN="${TMPDIR:-/tmp}/gemm_lab"
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=-warn-spills \
   -I csrc -o "$BIN" benchmarks/gemm_lab.cu || exit 1
-GROUPS_="${GEMM_LAB_GROUPS:-old,wgmma tma}"
+GROUPS_="${GEMM_LAB_GROUPS:-old,wgmma tma small}"
 run_all() {
   local status=0 first=1 g
   for g in $GROUPS_; do

@@ -2,6 +2,8 @@
 own name (not conftest) so that `from checks import ...` is unambiguous next to tests/gpu/conftest.py."""
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +77,12 @@ def nan_norm_checkpoint(dest: Path) -> Path:
     a[...] = 0x7FC0 if dtype == "BF16" else np.nan
     save_file(dest / "model.safetensors", tensors)
     return dest
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height and holds almost no pixel data (a decompression bomb's
+    shape without its bytes)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")

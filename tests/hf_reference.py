@@ -6,6 +6,7 @@ dt_bias varied, router logits spread. Built in float32 with eager attention and 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,43 @@ def multimodal_reference_logits(model, prompt: list[int], pixels: np.ndarray, gr
             rows.append(out.logits[0])
             past = out.cache
     return torch.cat(rows).float().numpy()
+
+
+def mlx_to_torch_state(path: Path, text_prefix: str = "model.") -> dict:
+    """Dequantized float32 weights of an MLX-layout checkpoint under transformers' parameter names: the text
+    model's under ``text_prefix`` (``model.`` for Qwen3_5MoeForCausalLM, ``model.language_model.`` for the
+    multimodal class), other tensors (``model.visual.*``) under their stored names."""
+    from lily.checkpoint import quant
+    from lily.checkpoint.dtypes import decode_float
+    from lily.checkpoint.safetensors_io import SafetensorsFile, find_shards
+
+    raw, infos = {}, {}
+    for f in find_shards(path):
+        st = SafetensorsFile(f)
+        for n in st.names():
+            raw[n], infos[n] = np.array(st.get(n)), st.info(n).dtype
+    state = {}
+    for n in raw:
+        if n.endswith((".scales", ".biases")):
+            continue
+        if infos[n] == "U32":
+            m = n[: -len(".weight")]
+            s = decode_float(infos[m + ".scales"], raw[m + ".scales"])
+            b = decode_float(infos[m + ".biases"], raw[m + ".biases"])
+            cfg = json.loads((path / "config.json").read_text())["quantization"]
+            q = cfg.get(m, {"bits": cfg["bits"], "group_size": cfg["group_size"]})
+            a = quant.dequantize(raw[n], s, b, q["bits"], q["group_size"])
+        else:
+            a = decode_float(infos[n], raw[n])
+        name = n.replace("language_model.model.", text_prefix, 1).replace("language_model.lm_head", "lm_head", 1)
+        if name.endswith("conv1d.weight"):
+            a = a.transpose(0, 2, 1)  # MLX [C, K, 1] -> HF [C, 1, K]
+        if re.search(r"(model\.norm|input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$", name):
+            a = a - 1.0  # MLX stores 1 + w
+        state[name] = a
+    for n in [k for k in state if ".switch_mlp.gate_proj" in k]:
+        layer = n.split(".switch_mlp.")[0]
+        state[layer + ".experts.gate_up_proj"] = np.concatenate(
+            [state.pop(n), state.pop(layer + ".switch_mlp.up_proj.weight")], axis=1)
+        state[layer + ".experts.down_proj"] = state.pop(layer + ".switch_mlp.down_proj.weight")
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 
 import numpy as np
 import pytest
 
 import lily
 from checks import TOL, assert_logits_close
-from hf_reference import build_model, reference_logits, save_hf
+from hf_reference import build_model, mlx_to_torch_state, reference_logits, save_hf
 from lily.checkpoint.safetensors_io import LazyTensor, save_sharded
 
 # Odd sizes on purpose: prompts cross the 64-token GDN chunk of the reference, several attention
@@ -72,46 +71,6 @@ def test_hf_layout_fused_experts_sharded(case, tmp_path):
     assert len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
     ours = run_lily(path, case["prompt"], case["decode"], prefill_chunk=16)
     assert_logits_close(ours, case["ref"], TOL["cpu_vs_hf_fp32"])
-
-
-def mlx_to_torch_state(path) -> dict:
-    """Dequantized float32 weights of an MLX-layout checkpoint under transformers' parameter names."""
-    import torch
-
-    from lily.checkpoint import quant
-    from lily.checkpoint.dtypes import decode_float
-    from lily.checkpoint.safetensors_io import SafetensorsFile, find_shards
-
-    raw, infos = {}, {}
-    for f in find_shards(path):
-        st = SafetensorsFile(f)
-        for n in st.names():
-            raw[n], infos[n] = np.array(st.get(n)), st.info(n).dtype
-    state = {}
-    for n in raw:
-        if n.endswith((".scales", ".biases")):
-            continue
-        if infos[n] == "U32":
-            m = n[: -len(".weight")]
-            s = decode_float(infos[m + ".scales"], raw[m + ".scales"])
-            b = decode_float(infos[m + ".biases"], raw[m + ".biases"])
-            cfg = json.loads((path / "config.json").read_text())["quantization"]
-            q = cfg.get(m, {"bits": cfg["bits"], "group_size": cfg["group_size"]})
-            a = quant.dequantize(raw[n], s, b, q["bits"], q["group_size"])
-        else:
-            a = decode_float(infos[n], raw[n])
-        name = n.replace("language_model.model.", "model.", 1).replace("language_model.lm_head", "lm_head", 1)
-        if name.endswith("conv1d.weight"):
-            a = a.transpose(0, 2, 1)  # MLX [C, K, 1] -> HF [C, 1, K]
-        if re.search(r"(model\.norm|input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$", name):
-            a = a - 1.0  # MLX stores 1 + w
-        state[name] = a
-    for n in [k for k in state if ".switch_mlp.gate_proj" in k]:
-        layer = n.split(".switch_mlp.")[0]
-        state[layer + ".experts.gate_up_proj"] = np.concatenate(
-            [state.pop(n), state.pop(layer + ".switch_mlp.up_proj.weight")], axis=1)
-        state[layer + ".experts.down_proj"] = state.pop(layer + ".switch_mlp.down_proj.weight")
-    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in state.items()}
 
 
 @pytest.mark.parametrize("quantize, bits, group", [(False, 0, 0), (True, 4, 32), (True, 8, 64)])

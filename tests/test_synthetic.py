@@ -227,6 +227,14 @@ def test_cli(tmp_path, capsys):
     assert "model.language_model.layers.7.self_attn.q_proj.weight" in read_dir(tmp_path / "out")
 
 
+def test_cli_vision(tmp_path):
+    parser = argparse.ArgumentParser()
+    synthetic.add_cli_arguments(parser)
+    assert synthetic.run_cli(parser.parse_args([str(tmp_path / "v"), "--layout", "hf", "--no-tokenizer", "--vision"])) == 0
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["vision_config"]["depth"] == 2
+    assert "model.visual.merger.linear_fc2.weight" in read_dir(tmp_path / "v")
+
+
 def test_unknown_config_and_layout(tmp_path):
     with pytest.raises(errors.ConfigError, match="nope"):
         synthetic.make_checkpoint(tmp_path, "nope")

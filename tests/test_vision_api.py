@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import lily
+from checks import png_header_only
 from lily.checkpoint import synthetic
 from lily.errors import LilyError
 from lily.images import ImageError
@@ -156,6 +157,10 @@ def test_snapshot_file_keeps_image_spans(model, tmp_path):
     ([{"type": "image", "image": b"not an image"}], "cannot decode the image"),
     ([{"type": "image", "image": "/no/such/file.png"}], "cannot read image"),
     ([{"type": "image", "image": np.zeros((1, 3000, 3), np.uint8)}], "aspect ratio"),
+    ([{"type": "image", "image": png_header_only(20000, 20000)}], "too large to decode"),
+    ([{"type": "image", "image": b"<svg xmlns='http://www.w3.org/2000/svg'/>"}], "cannot decode the image"),
+    ([{"type": "image", "image": np.full((256, 256, 3), 200, np.uint8)}] * 9,  # 9 x 64 tokens: over 512
+     r"-token prompt exceeds the session's max_context of 512|the session's max_context is 512"),
 ])
 def test_bad_images_are_named(model, content, words):
     with pytest.raises(LilyError, match=words):
@@ -210,6 +215,21 @@ def test_cli_generate_and_chat_with_images(model, ckpt, tmp_path):
                  stdin=f"/image {tmp_path / 'missing.png'}\n/image {a}\nDescribe.\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "no such file" in r.stderr and "a.png attached" in r.stderr and "prompt tokens" in r.stderr
+
+
+def test_vision_example_runs():
+    """examples/vision.py (the name issue 17 and docs/vision.md give) on its tiny random model: an answer,
+    a follow-up turn that reuses the image's prefix, and the same question through the server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "vision.py"
+    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reused = re.search(r"reused (\d+) of (\d+) prompt tokens", r.stdout)
+    assert reused and 0 < int(reused[1]) < int(reused[2]), r.stdout
+    assert "answer:" in r.stdout and "server:" in r.stdout, r.stdout
 
 
 # --- the server --------------------------------------------------------------------------------------
@@ -281,6 +301,10 @@ def test_server_refusals_are_400s_and_it_keeps_serving(served, tmp_path):
         ([image_part("data:image/png;base64,%%%")], "not valid base64"),
         ([image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())], "cannot decode the image"),
         ([image_part("gopher://x")], "unsupported image URL scheme"),
+        ([image_part("data:image/svg+xml;base64," + base64.b64encode(b"<svg xmlns='http://www.w3.org/2000/svg'/>")
+                     .decode())], "cannot decode the image"),  # a format Pillow does not read
+        ([image_part("data:image/png;base64," + base64.b64encode(png_header_only(20000, 20000)).decode())],
+         "too large to decode"),  # 20000 x 20000: refused from its header, never decoded
     ]
     for parts, words in bad:
         with pytest.raises(openai.BadRequestError) as e:
@@ -293,6 +317,11 @@ def test_server_refusals_are_400s_and_it_keeps_serving(served, tmp_path):
     ok = client.chat.completions.create(model="vision", messages=ask(image_part((folder / "a.png").as_uri())),
                                         max_tokens=1)
     assert ok.choices[0].finish_reason in ("length", "stop")
+    # A 1 x 1 image is valid: resized up to min_pixels (32 x 32 here: one merged token), as transformers does.
+    one_pixel = image_part(data_url(np.zeros((1, 1, 3), np.uint8)))
+    dot = client.chat.completions.create(model="vision", messages=ask(one_pixel), max_tokens=1)
+    text = client.chat.completions.create(model="vision", messages=ask(), max_tokens=1)
+    assert dot.usage.prompt_tokens - text.usage.prompt_tokens == 3  # vision_start, one image pad, vision_end
     assert s.worker.stats()["totals"]["error"] == 0
 
 
@@ -377,6 +406,59 @@ def test_http_fetch_when_allowed_with_limits(tmp_path):
             read_url(data_url(A), URLPolicy(max_bytes=100))
     finally:
         httpd.shutdown()
+
+
+def test_http_fetch_time_limit_holds_against_a_trickle():
+    import http.server
+    import threading
+    import time
+
+    from lily.multimodal import URLPolicy, read_url
+
+    class Trickle(http.server.BaseHTTPRequestHandler):  # 1000 bytes, one every 50 ms: 50 s in all
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ImageError, match="took more than 0.5 s"):
+            read_url(f"http://127.0.0.1:{httpd.server_port}/a.png", URLPolicy(allow_http=True, timeout=0.5))
+        assert time.monotonic() - t0 < 5  # each read returns what arrived; before, one read waited for 64 KiB
+    finally:
+        httpd.shutdown()
+
+
+def test_file_urls_need_an_allowed_dir(tmp_path):
+    from lily.multimodal import PYTHON_API_POLICY, URLPolicy, extract_images, read_url
+
+    (tmp_path / "a.png").write_bytes(png(A))
+    url = (tmp_path / "a.png").as_uri()
+    for policy in (URLPolicy(), URLPolicy(allow_http=True)):  # the server's default, and with http allowed
+        with pytest.raises(ImageError, match="local image files are refused .*--allow-image-dir"):
+            read_url(url, policy)
+        with pytest.raises(ImageError, match="local image files are refused"):  # a plain path in an image part
+            extract_images([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")}]}],
+                           policy)
+    assert read_url(url, URLPolicy(allowed_dir=tmp_path)) == png(A)
+    with pytest.raises(ImageError, match="outside the allowed image directory"):
+        read_url((tmp_path / ".." / "x.png").as_uri(), URLPolicy(allowed_dir=tmp_path))
+    with pytest.raises(ImageError, match="must name a local file"):
+        read_url("file://example.com/a.png", URLPolicy(allowed_dir=tmp_path))
+    assert read_url(url, PYTHON_API_POLICY) == png(A)  # the Python API's caller reads what they like
 
 
 def test_serve_image_flags(tmp_path):

@@ -1,7 +1,10 @@
 """Prompts with images on the CPU backend equal transformers' Qwen3_5MoeForConditionalGeneration (fp32,
 eager) on a tiny random multimodal config: the multimodal RoPE positions, and the logits of prompts with
-one and with two images of different sizes (prefill across chunk boundaries + 8 cached decode steps)."""
+one and with two images of different sizes (prefill across chunk boundaries + 8 cached decode steps), from
+the float checkpoint and quantized at load (against transformers holding the dequantized text weights)."""
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -9,7 +12,8 @@ import torch
 
 import lily
 from checks import TOL, assert_logits_close
-from hf_reference import MM_TOKEN_IDS, build_multimodal_model, multimodal_reference_logits, save_multimodal
+from hf_reference import (MM_TOKEN_IDS, build_multimodal_model, mlx_to_torch_state, multimodal_reference_logits,
+                          save_multimodal)
 from lily import _core
 from lily.images import ImageError, prompt_layout
 
@@ -28,7 +32,7 @@ def mm(tmp_path_factory):
     m = lily.Model.load(path, device="cpu", prefill_chunk=16)
     images = m.prepare_images([picture(48, 64, 1), picture(90, 40, 2)])
     assert [im.grid for im in images] == [(1, 6, 8), (1, 12, 4)]
-    return dict(model=model, lily=m, images=images)
+    return dict(model=model, lily=m, images=images, path=path)
 
 
 def prompt_with(images, text=((5, 17), (40, 41), (50, 51, 52))):
@@ -65,6 +69,32 @@ def test_logits_equal_transformers(mm, n):
     rows = [s.prefill(ids, images=images)] + [s.decode_step(t) for t in DECODE]
     assert s._core.rope_delta < 0
     assert_logits_close(np.stack(rows), ref, TOL["cpu_vs_hf_fp32"])
+
+
+def test_logits_quantized_at_load_equal_transformers(mm, tmp_path):
+    """Model.load(float checkpoint, quantize=4): the text matrices 4-bit, the tower float. The reference holds
+    the weights that quantization gives (`lily convert`'s output is the same tensors: test_convert.py),
+    dequantized, and the original tower."""
+    from lily.checkpoint.convert import convert_hf_to_mlx
+
+    mlx = convert_hf_to_mlx(mm["path"], tmp_path / "mlx")
+    ref_model = copy.deepcopy(mm["model"])
+    missing, unexpected = ref_model.load_state_dict(mlx_to_torch_state(mlx, "model.language_model."), strict=False)
+    assert not unexpected and not [k for k in missing if not k.endswith("inv_freq")], (missing, unexpected)
+    q = lily.Model.load(mm["path"], device="cpu", quantize=4, prefill_chunk=16)
+    assert any("affine 4-bit" in line for line in q._engine.weight_signature().splitlines())
+    for n in (1, 2):
+        images = mm["images"][:n]
+        ids = prompt_with(images)
+        pixels = np.concatenate([im.pixels for im in images])
+        grids = [list(im.grid) for im in images]
+        ref = multimodal_reference_logits(ref_model, ids, pixels, grids, DECODE)
+        float_ref = multimodal_reference_logits(mm["model"], ids, pixels, grids, DECODE)
+        # really 4-bit: the float model's logits would fail the comparison below by a margin
+        assert np.abs(ref - float_ref).max() > 3 * TOL["cpu_vs_hf_fp32"] * np.abs(ref).max()
+        s = q.new_session()
+        rows = [s.prefill(ids, images=images)] + [s.decode_step(t) for t in DECODE]
+        assert_logits_close(np.stack(rows), ref, TOL["cpu_vs_hf_fp32"])
 
 
 def test_a_snapshot_keeps_the_rope_offset(mm, tmp_path):

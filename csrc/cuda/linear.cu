@@ -12,10 +12,11 @@
 //                    linear_add_rms_norm as that + rms_norm
 //   use_gemv:        decode (T <= 8), 4/8-bit affine with BF16 scales -> kernels/linear_gemv.cuh; also
 //                    T <= 32 in blocks of 8 rows where the wgmma GEMM does not apply (8-bit products)
-//   use_wgmma_gemm:  larger T, 4-bit affine, BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
+//   use_wgmma_gemm:  larger T, 4-bit affine (8-bit from GEMV_BLOCKED_MAX_TOKENS + 1 dense rows, any grouped
+//                    product), BF16 scales, K % 64 == 0, group 32 or a power of two >= 64,
 //                    16-byte aligned operands -> kernels/linear_wgmma_tma.cuh (Hopper wgmma + TMA;
 //                    X converted to bf16 into the op's workspace first, unless its producer wrote it so:
-//                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds,
+//                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds (4-bit),
 //                    else as its gate and up products; a GATED product may store its output as the next
 //                    product's bf16 X (a.yb, linear_writes_xb)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
@@ -49,9 +50,10 @@ static_assert(LINEAR_TILE_ROWS == GEMM_BM && LINEAR_TILE_ROWS == GENERIC_TILE_RO
               "MoE tile maps assume one tile height for every linear kernel");
 
 constexpr int GEMV_MAX_TOKENS = 8;
-// Short prompts whose product has no wgmma kernel (the 8-bit router and shared-expert gate) run the
-// GEMV over blocks of GEMV_MAX_TOKENS rows up to this many rows: the mma.sync GEMM costs ~42 us a call
-// at any T on those 0.5 MB matrices, a GEMV block a few us (docs/perf-notes.md, "Short prompts").
+// Short prompts of 8-bit products (the router and shared-expert gate) run the GEMV over blocks of
+// GEMV_MAX_TOKENS rows up to this many rows: the mma.sync GEMM costs ~42 us a call at any T on those 0.5
+// MB matrices, a GEMV block a few us (docs/perf-notes.md, "Short prompts"); the wgmma GEMM takes them
+// above it (use_wgmma_gemm).
 constexpr int GEMV_BLOCKED_MAX_TOKENS = 32;
 
 bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -87,16 +89,24 @@ static bool use_gemv(const WeightView& w, const Tensor& x) {
          gemv_smem_bytes(gemv_tokens(T), w.cols, w.bits) <= GEMV_MAX_SMEM;
 }
 
-// The wgmma GEMM: 4-bit weights only (the 8-bit router/gate matrices are tiny), k-tiles of 64 wholly
-// inside K, one or two scale groups per k-tile (a power-of-two group: the kernel shifts, it does not
-// divide), scale indices in 32 bits, 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its
-// TMA map: rows of K/2 bytes, a multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
-static bool use_wgmma_gemm(const LinearArgs& a) {
+// The wgmma GEMM's operands: 4- or 8-bit weights, k-tiles of 64 wholly inside K, one or two scale groups
+// per k-tile (a power-of-two group: the kernel shifts, it does not divide), scale indices in 32 bits,
+// 16-byte aligned X rows (wgx_bf16_kernel's float4 loads) and W (its TMA map: rows of K*bits/8 bytes, a
+// multiple of 32); X given as Xb (a.xb): 16-byte aligned (its TMA map).
+static bool wgmma_operands(const LinearArgs& a) {
   const int gs = a.w.group_size;
-  return a.w.bits == 4 && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
+  return (a.w.bits == 4 || a.w.bits == 8) && a.w.scale_dtype == DType::BF16 && a.w.cols % WG_BK == 0 && gs > 0 &&
          (gs & (gs - 1)) == 0 && (gs == 32 || gs % WG_BK == 0) && a.w.cols % gs == 0 &&
          a.w.num_stack * a.w.rows * (a.w.cols / gs) <= int64_t(UINT32_MAX) && is_aligned16(a.w.w) &&
          (a.xb != nullptr ? is_aligned16(a.xb) : a.ldx % 4 == 0 && is_aligned16(a.x));
+}
+
+// The wgmma GEMM runs a product with wgmma_operands: 4-bit weights at any rows, 8-bit ones in grouped
+// (MoE) products and in dense products above GEMV_BLOCKED_MAX_TOKENS rows (up to there the blocked GEMV,
+// or where it does not fit the mma.sync GEMM, keeps them, as before the 8-bit instances).
+static bool use_wgmma_gemm(const LinearArgs& a) {
+  return wgmma_operands(a) &&
+         (a.w.bits == 4 || a.tiles.tile_expert != nullptr || a.tiles.M > GEMV_BLOCKED_MAX_TOKENS);
 }
 
 static bool use_tensor_gemm(const LinearArgs& a) {
@@ -470,12 +480,14 @@ static LinearArgs up_of(const LinearArgs& a) {
   return u;
 }
 
-// A gated product as one GATED product: both matrices take the wgmma GEMM with the same shape and group
-// size (one tile covers the same rows of both, one scale index serves both), groups of 64 or more (no
-// 32-wide GATED instance), and no split-K for dense products (short prompts keep the two split
-// products: a gated tile would run all K on few CTAs).
+// A gated product as one GATED product: both matrices 4-bit (no 8-bit GATED instance: its ring and exchange
+// area do not fit) and on the wgmma GEMM with the same shape and group size (one tile covers the same
+// rows of both, one scale index serves both), groups of 64 or more (no 32-wide GATED instance), and no
+// split-K for dense products (short prompts keep the two split products: a gated tile would run all K
+// on few CTAs).
 static bool use_gated_wgmma(const LinearArgs& a) {
-  return use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) && a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
+  return a.w.bits == 4 && a.up.bits == 4 && use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) &&
+         a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
          a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
          (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
 }
@@ -488,10 +500,10 @@ static int64_t wgmma_col_tiles(const LinearArgs& a) {
 // The persistent GEMM over row_tiles x column tiles: min(tiles, SMs) CTAs. Tensor maps are encoded per
 // launch (host only, cheap) and passed as __grid_constant__ parameters (tmap_u: GATED's up matrix, else
 // the W map again, unread).
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
+template <int BITS, int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
 static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED>;
-  constexpr int smem = tma_smem_bytes(BM, GATED), box_rows = GATED ? WG_BN / 2 : WG_BN;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>;
+  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), box_rows = GATED ? WG_BN / 2 : WG_BN;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
@@ -499,8 +511,9 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   (void)configured;
   CUtensorMap mx, mw, mu;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
-  check_tensor_map(make_w4_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, box_rows), "W");
-  if (GATED) check_tensor_map(make_w4_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, box_rows), "up");
+  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "W");
+  if (GATED)
+    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "up");
   else mu = mw;
   const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
   launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);
@@ -510,8 +523,10 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 // Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
-// A gated product (use_gated_wgmma: no 32-wide groups, no split-K) takes the GATED instances, same rules.
-static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
+// A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
+// rules. BITS: the weights' (4 or 8), the same choices for both.
+template <int BITS>
+static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
   const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
   const int64_t col_tiles = wgmma_col_tiles(a);
@@ -520,39 +535,49 @@ static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, X
              a.w.cols, " exceed the 32-bit chunk index");
   LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
-  if (a.up.w != nullptr) {
-    const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS
-                              : ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms();
-    const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
-    if (wide) return gather ? launch_wgmma<128, false, true, false, true>(a, xb, x_count, row_tiles)
-                            : launch_wgmma<128, false, false, false, true>(a, xb, x_count, row_tiles);
-    return gather ? launch_wgmma<64, false, true, false, true>(a, xb, x_count, row_tiles)
-                  : launch_wgmma<64, false, false, false, true>(a, xb, x_count, row_tiles);
+  if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
+    if (a.up.w != nullptr) {
+      const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS
+                                : ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms();
+      const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
+      if (wide) return gather ? launch_wgmma<4, 128, false, true, false, true>(a, xb, x_count, row_tiles)
+                              : launch_wgmma<4, 128, false, false, false, true>(a, xb, x_count, row_tiles);
+      return gather ? launch_wgmma<4, 64, false, true, false, true>(a, xb, x_count, row_tiles)
+                    : launch_wgmma<4, 64, false, false, false, true>(a, xb, x_count, row_tiles);
+    }
   }
   if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
     LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");
-    return gather ? launch_wgmma<128, false, true>(a, xb, x_count, max_tiles)
-                  : launch_wgmma<128, false, false>(a, xb, x_count, max_tiles);
+    return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
+                  : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
   }
   if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
-    return launch_wgmma<128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
-  if (gather) return gs32 ? launch_wgmma<64, true, true>(a, xb, x_count, max_tiles)
-                          : launch_wgmma<64, false, true>(a, xb, x_count, max_tiles);
+    return launch_wgmma<BITS, 128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
+  if (gather) return gs32 ? launch_wgmma<BITS, 64, true, true>(a, xb, x_count, max_tiles)
+                          : launch_wgmma<BITS, 64, false, true>(a, xb, x_count, max_tiles);
   const LinearArgs as = with_split_k(a, max_tiles * col_tiles, xb_copy);
   if (as.k_splits > 1)  // split-K in its own instances: the unsplit kernel's loop stays as it was
-    return gs32 ? launch_wgmma<64, true, false, true>(as, xb, x_count, max_tiles)
-                : launch_wgmma<64, false, false, true>(as, xb, x_count, max_tiles);
-  return gs32 ? launch_wgmma<64, true, false>(a, xb, x_count, max_tiles)
-              : launch_wgmma<64, false, false>(a, xb, x_count, max_tiles);
+    return gs32 ? launch_wgmma<BITS, 64, true, false, true>(as, xb, x_count, max_tiles)
+                : launch_wgmma<BITS, 64, false, false, true>(as, xb, x_count, max_tiles);
+  return gs32 ? launch_wgmma<BITS, 64, true, false>(a, xb, x_count, max_tiles)
+              : launch_wgmma<BITS, 64, false, false>(a, xb, x_count, max_tiles);
+}
+
+static void run_wgmma(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
+  LILY_CHECK(a.up.w == nullptr || a.w.bits == 4, "linear: no GATED wgmma instance for ", a.w.bits, "-bit weights");
+  if (a.w.bits == 8) return run_wgmma_bits<8>(a, max_tiles, x_count, xb_copy);
+  run_wgmma_bits<4>(a, max_tiles, x_count, xb_copy);
 }
 
 bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_gemm(a); }
 
 bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
 
+// a as a grouped product (moe.cu asks before it builds the map): the wgmma GEMM takes it, 4- or 8-bit,
+// with a 128-row instance (no 32-wide groups).
 bool linear_wide_tiles(const LinearArgs& a) {
   if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
-  return use_wgmma_gemm(a) && a.w.group_size != 32;
+  return wgmma_operands(a) && a.w.group_size != 32;
 }
 
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
@@ -647,6 +672,12 @@ static LinearArgs linear_args(const QMatrix& w, int64_t e, const Tensor& x, cons
 }
 
 void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace) {
+  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
+  linear_with_xb(w, e, x, y, workspace, xb);
+}
+
+void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace,
+                    XbCopy& xb) {
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
@@ -669,7 +700,6 @@ void linear(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const
                " x ", w.rows, " exceeds the grid");
     return launch_gemm<GEMM_DENSE_BF16>(a, ceil_div<int64_t>(T, GEMM_BM));
   }
-  XbCopy xb{workspace.ptr<uint16_t>(), workspace.numel()};
   linear_tiles(a, ceil_div<int64_t>(T, LINEAR_TILE_ROWS), T, xb);
 }
 

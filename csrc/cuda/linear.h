@@ -29,6 +29,12 @@ struct XbCopy {
 // instances take it, else as the gate product into a.y, then the up product with swiglu.
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb);
 
+// ops::linear (y = x W_e^T, every kernel choice the same) with the caller's XbCopy, whose data lies in
+// `workspace`: products of one op over the same x share one bf16 conversion (moe.cu: the router, the
+// shared-expert gate and the expert products over h). ops::linear is this with a fresh XbCopy.
+void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, const Tensor& workspace,
+                    XbCopy& xb);
+
 // X handed over as bf16 (LinearArgs::xb, ::yb; docs/cuda.md, "Xb hand-over"): linear_reads_xb(a) holds
 // when a, with a.xb set, runs on the wgmma GEMM (the only kernel reading a.xb); linear_writes_xb(a) when
 // the gated product a runs as one GATED wgmma product (the only kernel writing a.yb). linear_tiles fails on

@@ -17,12 +17,15 @@
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
 //      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
-//   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order).
+//   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order);
+//   medium prompts (use_moe_small: T in (MOE_DECODE_MAX_TOKENS, MOE_SMALL_MAX_TOKENS], the real dims) run the
+//   routed gate/up and down products on kernels/moe_small.cuh (the tokens as the MMA's N, n8 tiles instead
+//   of 64-row tiles), same inputs and outputs; the shared expert's stay on the wgmma GEMM.
 // Scratch rows (moe_work_rows = C*(K+1)): grouped routed rows [0, T*K), shared rows [T*K, T*K+T).
-// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the gate/up
-// products over it; the activation rows written there as bf16 by the GATED gate/up products themselves
-// (moe_xb_elems' layout, hand_over_xb) where the kernels on both sides take it, else converted from the
-// F32 rows by each down product (routed, then shared).
+// The wgmma GEMMs read their X as bf16 from s.xb (linear.h's XbCopy): h converted once for the router,
+// the shared-expert gate and the gate/up products over it; the activation rows written there as bf16 by
+// the GATED gate/up products themselves (moe_xb_elems' layout, hand_over_xb) where the kernels on both
+// sides take it, else converted from the F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
 #include <algorithm>
 #include <array>
@@ -32,6 +35,7 @@
 #include "kernels/moe_mma.cuh"
 #include "kernels/moe_router.cuh"
 #include "kernels/moe_routing.cuh"
+#include "kernels/moe_small.cuh"
 #include "linear.h"
 #include "../runtime/cuda_device.h"
 
@@ -276,6 +280,74 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   LILY_CUDA_LAUNCHED();
 }
 
+// Medium prompts: the routed gate/up and down products on the few-rows kernels (kernels/moe_small.cuh, the
+// tokens as the MMA's N) instead of the wgmma GEMM, whose 64-row expert tiles are mostly padding there (at
+// T = 146, top-8 of 256 experts: ~4.6 rows an expert). From MOE_DECODE_MAX_TOKENS + 1 tokens (below, the
+// decode chain) up to MOE_SMALL_MAX_TOKENS (gate/up) and MOE_SMALL_DOWN_MAX_TOKENS (down): estimates
+// (docs/perf-notes.md, 2026-12-02), to be tuned by measurement (benchmarks/gemm_lab.cu, GEMM_LAB_T). The down
+// product's wgmma run is near its byte floor already at T = 146 (27 us for 128 MB): its bound is separate, so
+// the lab's numbers can keep it on the wgmma GEMM (16: never) without touching gate/up.
+constexpr int64_t MOE_SMALL_MAX_TOKENS = 512, MOE_SMALL_DOWN_MAX_TOKENS = 512;
+// The dims it is built and measured for first (Qwen3.6-35B-A3B): hidden, expert intermediate, experts,
+// top-k. Other configurations keep the wgmma GEMM (tests/gpu/test_moe.py says so).
+constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
+constexpr int MOE_SMALL_TOP_K = 8;
+
+// One product's matrix on moe_small_kernel: 4-bit affine, BF16 scales, whole 128-value segments, a power-of-two
+// group of 32 or more values, rows in whole warp tiles (gated 16, plain 32), scale indices within 32 bits.
+static bool moe_small_matrix(const WeightView& w, bool gated) {
+  const int64_t gs = w.group_size;
+  return is_fast_affine(w) && w.bits == 4 && w.cols % MS_SEG_VALS == 0 && gs >= 32 && (gs & (gs - 1)) == 0 &&
+         w.cols % gs == 0 && w.rows % (gated ? 16 : 32) == 0 &&
+         w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32);
+}
+
+// Which routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of T tokens
+// run on moe_small_kernel: s.moe_small, T in the product's range, the real dims (both products' shapes checked
+// for either), both matrices of g alike, and X readable as the kernel stages it (F32 rows 16-byte aligned,
+// or Xb).
+struct MoeSmall {
+  bool up = false, down = false;
+};
+static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t T, int64_t E, int top_k,
+                              const ops::MoeScratch& s) {
+  if (!s.moe_small || T <= MOE_DECODE_MAX_TOKENS) return {};
+  if (E != MOE_SMALL_E || top_k != MOE_SMALL_TOP_K || g.w.cols != MOE_SMALL_H || g.w.rows != MOE_SMALL_I ||
+      d.w.cols != MOE_SMALL_I || d.w.rows != MOE_SMALL_H)
+    return {};
+  MoeSmall m;
+  m.up = T <= MOE_SMALL_MAX_TOKENS && moe_small_matrix(g.w, true) && moe_small_matrix(g.up, true) &&
+         g.up.rows == g.w.rows && g.up.cols == g.w.cols && g.up.group_size == g.w.group_size &&
+         is_aligned16(g.x) && g.ldx % 4 == 0;
+  m.down = T <= MOE_SMALL_DOWN_MAX_TOKENS && moe_small_matrix(d.w, false) &&
+           (d.xb != nullptr ? is_aligned16(d.xb) : is_aligned16(d.x) && d.ldx % 4 == 0);
+  return m;
+}
+
+// One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
+// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
+template <bool GATED, int NT>
+static void launch_moe_small(const LinearArgs& a, int64_t E) {
+  const auto kernel = moe_small_kernel<GATED, NT>;
+  constexpr size_t most = ms_smem_bytes(MOE_SMALL_H, NT);  // K <= H: use_moe_small's dims
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)));
+    return true;
+  }();
+  (void)configured;
+  const size_t smem = ms_smem_bytes(a.w.cols, NT);
+  LILY_CHECK(smem <= most, "moe: ", a.w.cols, " inputs exceed the few-rows expert kernel's staging");
+  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_slice_rows(GATED))), unsigned(E));
+  launch(kernel, grid, MS_THREADS, smem, a);
+  LILY_CUDA_LAUNCHED();
+}
+
+template <bool GATED>
+static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
+  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
+  launch_moe_small<GATED, 3>(a, E);
+}
+
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
 static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
 
@@ -354,6 +426,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
   const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
+  // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
+  // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
+  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
@@ -363,8 +438,8 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (stacked) {
       linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
     } else {
-      linear(*w.router, 0, h, logits, s.xb);
-      linear(*w.shared_expert_gate, 0, h, sg, s.xb);
+      linear_with_xb(*w.router, 0, h, logits, s.xb, xb);
+      linear_with_xb(*w.shared_expert_gate, 0, h, sg, s.xb, xb);
     }
     MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
     const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
@@ -425,7 +500,6 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
   // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
   // neither pair hands over)
-  XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
   if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
     const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
     uint16_t* routed_xb = xb.data + copy;
@@ -433,9 +507,19 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
     if (routed || shared) xb.capacity = copy;
   }
-  linear_tiles(routed_up, r.max_tiles, T, xb);
-  linear_tiles(shared_up, shared_tiles, T, xb);
-  linear_tiles(routed_down, r.max_tiles, TK, xb);
+  const MoeSmall small = use_moe_small(routed_up, routed_down, T, E, top_k, s);
+  if (small.up) {
+    // the shared gate/up first: its wgmma products leave h's Xb in the XbCopy, which the gated kernel
+    // then gathers its rows from (else it converts h's F32 rows itself)
+    linear_tiles(shared_up, shared_tiles, T, xb);
+    if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
+    run_moe_small<true>(routed_up, T, E, top_k);
+  } else {
+    linear_tiles(routed_up, r.max_tiles, T, xb);
+    linear_tiles(shared_up, shared_tiles, T, xb);
+  }
+  if (small.down) run_moe_small<false>(routed_down, T, E, top_k);
+  else linear_tiles(routed_down, r.max_tiles, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};

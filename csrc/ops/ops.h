@@ -185,6 +185,8 @@ struct MoeScratch {
   Tensor routing;        // [moe_routing_words(C, E, K)] I32 device routing tables (GPU only)
   Tensor xb;             // [moe_xb_elems(C, H, I, Is, K)] BF16 the expert GEMMs' inputs as bf16 (GPU only;
                          // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
+  bool moe_small = true;  // CUDA: medium prompts may take the few-rows expert kernels (kernels/moe_small.cuh);
+                          // false keeps the wgmma GEMM (tests and benchmarks compare the two)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for

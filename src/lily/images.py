@@ -142,12 +142,17 @@ def to_pil(image):
             data = bytes(image)
         else:
             raise ImageError(f"an image is a path, bytes, a PIL image or a numpy array, got {type(image).__name__}")
+        # Pillow refuses above 2 x MAX_IMAGE_PIXELS (and only warns above MAX_IMAGE_PIXELS), so the size
+        # its header declares is checked here too, before any pixel is decoded.
         Image.MAX_IMAGE_PIXELS = MAX_DECODED_PIXELS
+        too_large = f"image too large to decode (over {MAX_DECODED_PIXELS} pixels)"
         try:
             img = Image.open(io.BytesIO(data))
+            if img.width * img.height > MAX_DECODED_PIXELS:
+                raise ImageError(f"{too_large}: its header says {img.width}x{img.height}")
             img.load()
         except Image.DecompressionBombError:
-            raise ImageError(f"image too large to decode (over {MAX_DECODED_PIXELS} pixels)") from None
+            raise ImageError(too_large) from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise ImageError(f"cannot decode the image ({type(e).__name__}: {str(e)[:200]}); lily reads PNG, "
                              f"JPEG, WebP and the other formats Pillow decodes") from None

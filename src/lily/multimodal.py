@@ -155,13 +155,15 @@ def read_file(path: Path, policy: URLPolicy, where: str) -> bytes:
 
 
 def fetch(url: str, policy: URLPolicy, where: str) -> bytes:
-    """GET ``url``: at most ``policy.max_bytes``, all of it within ``policy.timeout`` seconds."""
+    """GET ``url``: at most ``policy.max_bytes``, the body within ``policy.timeout`` seconds of the request
+    (checked after each read; ``read1`` returns what one socket read brought, so a server that trickles
+    bytes cannot keep one call waiting past it; each socket wait is itself at most ``policy.timeout``)."""
     deadline = time.monotonic() + policy.timeout
     try:
         with urllib.request.urlopen(url, timeout=policy.timeout) as r:  # noqa: S310 - http(s) only, checked above
             chunks, size = [], 0
             while True:
-                chunk = r.read(1 << 16)
+                chunk = r.read1(1 << 16)
                 if not chunk:
                     return b"".join(chunks)
                 size += len(chunk)

@@ -82,7 +82,8 @@ def path_of(m: dict, T: int) -> str:
     if T <= 8 and staged <= 96 * 1024:
         return "linear_gemv"
     group = m["group_size"]
-    wgmma = m["bits"] == 4 and m["cols"] % 64 == 0 and (group == 32 or group % 64 == 0)
+    # use_wgmma_gemm: 4-bit, or 8-bit above 32 rows (below, the blocked GEMV and the mma.sync GEMM keep them)
+    wgmma = (m["bits"] == 4 or T > 32) and m["cols"] % 64 == 0 and (group == 32 or group % 64 == 0)
     if not wgmma and T <= 32 and staged <= 96 * 1024:  # the GEMV in blocks of 8 rows
         return "linear_gemv"
     return "linear_wgmma" if wgmma else "linear_gemm"
@@ -206,6 +207,28 @@ def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
     assert path_of(m, T) == "linear_wgmma"
     for e in (0, 1):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
+
+
+# 8-bit weights on the wgmma GEMM (BITS = 8: 64-byte W rows, bytes made bf16 through fp32 2^23): the router and
+# shared-expert gate (256 and 1 outputs over 2048) and both stacked (257: a partial second column tile), at the
+# prompt sizes that profile them (146, 4096), split-K (33..64 rows), 64- and 128-row tiles (2048 outputs at 4096
+# rows fill the SMs), groups of 32 (two a k-tile), 64 and 128 (one over two k-tiles), both stack entries (the
+# W map's expert coordinate); and the 32-row boundary, at and below which the blocked GEMV keeps them.
+@pytest.mark.parametrize("rows,cols,group,T", [
+    (256, 2048, 64, 146), (1, 2048, 64, 146), (257, 2048, 64, 146), (257, 2048, 64, 4096),
+    (256, 2048, 64, 33), (257, 2048, 32, 64), (257, 2048, 128, 65), (2048, 2048, 64, 4096),
+    (300, 512, 32, 300), (40, 256, 128, 77), (257, 2048, 64, 32),
+])
+def test_linear_wgmma_8bit(rows, cols, group, T, gpu_tol):
+    rng = np.random.default_rng(8 * rows + cols + group + T)
+    m = random_matrix(rng, 2, rows, cols, 8, group, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    assert path_of(m, T) == ("linear_wgmma" if T > 32 else "linear_gemv")
+    for e in (0, 1):
+        out = ops.linear(wg, e, x)
+        check(out, ops.linear(wc, e, x), path_of(m, T), gpu_tol)
+        assert np.array_equal(out, ops.linear(wg, e, x))  # deterministic (split-K reduces in split order)
 
 
 REAL = [(4, 64, 2048, 8192), (4, 64, 8192, 2048), (8, 64, 256, 2048), (8, 64, 1, 2048), (4, 64, 2048, 4096),
@@ -373,19 +396,21 @@ def test_embedding_clamps_ids():
     assert np.array_equal(out, ref)
 
 
-@pytest.mark.parametrize("T,heads,D,out,group", [
-    (4096, 32, 128, 2048, 64),  # GDN out_proj at a 4K prefill: 128-row tiles
-    (300, 32, 128, 2048, 64),   # 64-row tiles, a partial last tile
-    (40, 32, 128, 2048, 64),    # T <= 64: split-K, its partials after X in the workspace
-    (9, 4, 128, 320, 32),       # the fewest rows the GEMM takes; group 32, a partial column tile
-    (100, 4, 24, 256, 32),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
+@pytest.mark.parametrize("T,heads,D,out,group,bits", [
+    (4096, 32, 128, 2048, 64, 4),  # GDN out_proj at a 4K prefill: 128-row tiles
+    (300, 32, 128, 2048, 64, 4),   # 64-row tiles, a partial last tile
+    (40, 32, 128, 2048, 64, 4),    # T <= 64: split-K, its partials after X in the workspace
+    (9, 4, 128, 320, 32, 4),       # the fewest rows the GEMM takes; group 32, a partial column tile
+    (100, 4, 24, 256, 32, 4),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
+    (300, 32, 128, 2048, 64, 8),   # 8-bit weights read the same Xb
+    (40, 32, 128, 2048, 32, 8),    # 8-bit, split-K, group 32
 ])
-def test_gated_rms_norm_linear_xb(T, heads, D, out, group):
+def test_gated_rms_norm_linear_xb(T, heads, D, out, group, bits):
     # The GDN hand-over (engine.cpp gdn_layer): gated_rms_norm_xb writes out_proj's bf16 X into the linear
     # workspace and linear_xb reads it; the same bits as gated_rms_norm's F32 rows converted by linear.
     K = heads * D
-    rng = np.random.default_rng(T + K)
-    m = random_matrix(rng, 1, out, K, 4, group, "BF16")
+    rng = np.random.default_rng(T + K + bits)
+    m = random_matrix(rng, 1, out, K, bits, group, "BF16")
     w = ops.QMatrix("cuda", **m)
     x = rng.standard_normal((T * heads, D)).astype(np.float32)
     z = rng.standard_normal((T * heads, D)).astype(np.float32)

@@ -79,12 +79,77 @@ def test_moe_small(E, top_k, H, I, Is, bits, group, sdt, rbits, T, gpu_tol):
     moe_vs_cpu(cpu, gpu, h, top_k, 0.05, path_of(T, bits, sdt), gpu_tol)
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 16, 300])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 16, 146, 300])  # 146, 300: the 8-bit router on the wgmma GEMM
 def test_moe_real_dims(T, gpu_tol):
     rng = np.random.default_rng(256 + T)
     cpu, gpu = moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
     h = rng.standard_normal((T, 2048)).astype(np.float32)
     moe_vs_cpu(cpu, gpu, h, 8, 0.25, path_of(T, 4, "BF16"), gpu_tol)
+
+
+# moe.cu's use_moe_small: T in (16, MOE_SMALL_MAX_TOKENS = 512] with the real dims runs the routed products on
+# kernels/moe_small.cuh; small=False keeps them on the wgmma GEMM.
+@pytest.fixture(scope="module")
+def real_moe():
+    rng = np.random.default_rng(4096)
+    return moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
+
+
+@pytest.mark.parametrize("T", [17, 64, 146, 300])
+def test_moe_small_real_dims(real_moe, T, gpu_tol):
+    # the few-rows kernels against the CPU and against the wgmma path (the same bf16 operands, another
+    # summation order: close, not equal, which also shows that the new path ran); deterministic
+    cpu, gpu = real_moe
+    rng = np.random.default_rng(3000 + T)
+    h = rng.standard_normal((T, 2048)).astype(np.float32)
+    out = moe_vs_cpu(cpu, gpu, h, 8, 0.25, "moe", gpu_tol)
+    old = ops.moe("cuda", *gpu, h, 8, small=False)
+    check(out, old, "moe", gpu_tol)
+    assert not np.array_equal(out, old)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 8))
+
+
+@pytest.mark.parametrize("T,same", [(146, 100), (300, 40), (64, 64)])
+def test_moe_small_skewed(real_moe, T, same, gpu_tol):
+    # `same` identical tokens: their 8 experts get >= `same` rows each (100 rows: 7 passes of 16 rows, 40 rows
+    # at T = 300: 2 passes of 32), most other experts none (T = 64: only 8 experts have rows at all)
+    cpu, gpu = real_moe
+    rng = np.random.default_rng(5000 + T)
+    h = rng.standard_normal((T, 2048)).astype(np.float32)
+    logits = np.sort(ops.linear(cpu[0], 0, h), axis=1)[:, ::-1]
+    h[:same] = h[np.argmax(logits[:, 7] - logits[:, 8])].copy()  # the clearest top-8 margin: the rows stay checkable
+    out = moe_vs_cpu(cpu, gpu, h, 8, 0.25, "moe", gpu_tol)
+    check(out, ops.moe("cuda", *gpu, h, 8, small=False), "moe", gpu_tol)
+
+
+@pytest.mark.parametrize("T", [146, 300, 512])
+def test_moe_small_xb_room(real_moe, T, gpu_tol):
+    # without moe_xb_elems' room the gated kernel stores F32 rows and the down kernel converts them with the
+    # rounding of the bf16 hand-over: the same bits; T = 512 (the top of the range, 24-row passes) also
+    # against the wgmma path
+    _, gpu = real_moe
+    h = np.random.default_rng(6000 + T).standard_normal((T, 2048)).astype(np.float32)
+    least = T * max(2048, 8 * 512, 512)
+    out = ops.moe("cuda", *gpu, h, 8)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 8, xb_elems=least))
+    check(out, ops.moe("cuda", *gpu, h, 8, small=False), "moe", gpu_tol)
+
+
+@pytest.mark.parametrize("case,T", [
+    ((256, 8, 2048, 512, 512, 4, 64), 16),    # the decode chain's last T
+    ((256, 8, 2048, 512, 512, 4, 64), 513),   # past MOE_SMALL_MAX_TOKENS
+    ((256, 8, 2048, 512, 512, 8, 64), 146),   # 8-bit experts
+    ((128, 8, 2048, 512, 512, 4, 64), 146),   # other expert count
+    ((256, 4, 2048, 512, 512, 4, 64), 146),   # other top-k
+    ((8, 2, 256, 128, 128, 4, 64), 146),      # other dims
+])
+def test_moe_small_other_configs_keep_wgmma(case, T):
+    # outside use_moe_small the small flag changes nothing: today's path, bit for bit
+    E, top_k, H, I, Is, bits, group = case
+    rng = np.random.default_rng(E + T + bits)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k), ops.moe("cuda", *gpu, h, top_k, small=False))
 
 
 @pytest.mark.parametrize("E,top_k,group", [(16, 8, 64), (40, 4, 32), (129, 8, 128), (256, 8, 64), (256, 1, 64)])
@@ -135,6 +200,18 @@ def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     cpu, gpu = moe_weights(rng, 8, 256, 128, 192, 4, 64, "BF16", 4)
     h = rng.standard_normal((T, 256)).astype(np.float32)
     moe_vs_cpu(cpu, gpu, h, 2, 0.05, path_of(T, 4, "BF16"), gpu_tol)
+
+
+@pytest.mark.parametrize("T", [40, 300])
+def test_moe_8bit_on_wgmma(T, gpu_tol):
+    # 8-bit experts, router and shared expert (quantize=8) on the wgmma GEMM's BITS = 8 instances: at T = 300
+    # (T * top_k >= 64 rows an expert) the routed products run over 128-row tile maps (linear_wide_tiles),
+    # at T = 40 over 64-row ones; gate and up as two products (no 8-bit GATED instance), the shared expert as
+    # dense products; against the CPU on the tokens with a clear top-k margin
+    rng = np.random.default_rng(800 + T)
+    cpu, gpu = moe_weights(rng, 4, 256, 128, 128, 8, 64, "BF16", 8)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    moe_vs_cpu(cpu, gpu, h, 2, 0.05, path_of(T, 8, "BF16"), gpu_tol)
 
 
 @pytest.mark.parametrize("group", [64, 32])

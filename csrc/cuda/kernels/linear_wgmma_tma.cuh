@@ -1,9 +1,9 @@
-// Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4-bit MLX-affine weights:
+// Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4- or 8-bit MLX-affine weights (BITS):
 //   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
 //   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE), or (GATED) the gate and
 //   up products of a SwiGLU at once: y[r, o] = row_scale[r] * silu(G[r, o]) * U[r, o], stored as F32 y
 //   or (LinearArgs::yb) as the next product's Xb rows.
-// Shapes: W [E, N, K/8] U32 (4-bit, K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
+// Shapes: W [E, N, K*BITS/32] U32 (K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
 // product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
 // BM = the map's tile_rows, 64 or 128).
@@ -23,8 +23,9 @@
 // outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix:
 // warpgroup 0 accumulates G and warpgroup 1 U of the same 128 outputs.
 //   A (weights) from registers: each thread dequantizes its own fragment straight from the packed words
-//     (w = scale*q + bias rounded once to bf16: q is exact as bf16 0x4300|q minus 128, then one bf16x2
-//     fma with the bf16 scale and bias; wg_dequant_pair). No dequantized weight goes to memory.
+//     (w = scale*q + bias rounded once to bf16: q made exact in bf16 first, 4-bit as 0x4300|q minus 128
+//     (wg_dequant_pair), 8-bit through fp32 2^23 + q minus 2^23 (wg_q8_pair); then one bf16x2 fma with
+//     the bf16 scale and bias). No dequantized weight goes to memory.
 //   B (activations) from shared memory: Xb rows in a 128B-swizzled K-major tile [BM][64] (wgmma
 //     descriptor: SBO = 1024 B, layout SWIZZLE_128B, k16 steps advance the start by 32 B), written by
 //     TMA with SWIZZLE_128B (the same layout: address bits 4-6 XOR bits 7-9 of a 1024-aligned stage,
@@ -33,14 +34,17 @@
 //   c+4e (c = 0..3, e = 0..1; wg_phys_k). A and B use the same permutation, so the sum is unchanged; it
 //   makes the A fragment of thread (lane%4 == c) nibbles c and c+4 of each packed word (one shift and
 //   one lop3 per bf16 pair: (w >> 4c) & 0x000F000F | 0x43004300), and Xb's 16-byte chunk j of a row the
-//   pairs (x_{8j+c}, x_{8j+c+4}).
+//   pairs (x_{8j+c}, x_{8j+c+4}). 8-bit: a block of 8 k is two words, and the pair is byte c of each
+//   (wg_q8_pair); Xb is the same, so one Xb serves 4- and 8-bit products of the same X.
 //   wgmma's A fragment (per warp, rows 16w..16w+15 of the m64 block, g = lane/4):
 //   a0a1 (row g, k 2c..2c+1), a2a3 (row g+8, same k), a4a5 (row g, k 2c+8..), a6a7 (row g+8, k 2c+8..);
-//   k16 step s of a k-tile covers packed words 2s (k 0..7 of the step) and 2s+1 (k 8..15).
+//   k16 step s of a k-tile covers packed words 2s (k 0..7 of the step) and 2s+1 (k 8..15); 8-bit: words
+//   4s, 4s+1 (k 0..7: a0a1, a2a3) and 4s+2, 4s+3 (k 8..15: a4a5, a6a7), one 16-byte load per row.
 // Precision: bf16 operands (w rounded once, x rounded once, round to nearest even), fp32 accumulation in
-//   a fixed order (k-tiles ascending, 4 k16 steps each): ~1e-3 relative to the fp32 product,
-//   deterministic, bit-identical to the retired one-kernel wgmma GEMM (benchmarks/gemm_lab_wgmma.cuh,
-//   same operands and wgmma sequence; checked on the H200 by benchmarks/gemm_lab.sh). GATED computes
+//   a fixed order (k-tiles ascending, 4 k16 steps each; the same for both BITS): ~1e-3 relative to the
+//   fp32 product, deterministic; 4-bit bit-identical to the retired one-kernel wgmma GEMM
+//   (benchmarks/gemm_lab_wgmma.cuh, same operands and wgmma sequence; checked on the H200 by
+//   benchmarks/gemm_lab.sh). GATED computes
 //   every G and U value with the same operands and wgmma sequence as the plain gate and up products
 //   (an output row sits at the same row of the same m64 block: tiles start at multiples of 128) and
 //   the SwiGLU with store_output's expression: bit-identical to the two products (gemm_lab checks).
@@ -48,6 +52,7 @@
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
 #include <cstdint>
+#include <cstring>  // memcpy (wg_f32_of, wg_bits_of on the host)
 
 #include "linear_common.cuh"
 #include "wgmma.cuh"
@@ -67,20 +72,71 @@ __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ 
 constexpr int WGX_THREADS = 256;
 
 // The GEMM's CTA: 1 producer + 2 consumer warpgroups. Shared memory: 1024 B alignment slack, a ring of
-// tma_stages(BM) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x 32 B], then the
-// full[S] and empty[S] mbarriers, then (GATED) the epilogue's exchange area of tma_xchg_bytes(BM):
-// 2 x 128 threads x BM/2 fp32 (BM 128: 64 KB, 209 KB in all; BM 64: 161 KB).
+// tma_stages(BM) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x tma_w_row_bytes(BITS)
+// (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers, then (GATED, 4-bit only) the
+// epilogue's exchange area of tma_xchg_bytes(BM): 2 x 128 threads x BM/2 fp32 (BM 128: 64 KB, 209 KB in
+// all; BM 64: 161 KB). 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
 constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
-constexpr int TMA_W_BYTES = WG_BN * WG_BK / 2;
+__host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
+__host__ __device__ constexpr int tma_w_bytes(int bits) { return WG_BN * tma_w_row_bytes(bits); }
 __host__ __device__ constexpr int tma_stages(int bm) { return bm == 128 ? 6 : 8; }
-__host__ __device__ constexpr int tma_stage_bytes(int bm) { return bm * WG_BK * 2 + TMA_W_BYTES; }
+__host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits); }
 __host__ __device__ constexpr int tma_xchg_bytes(int bm) { return 2 * 128 * (bm / 2) * 4; }
-__host__ __device__ constexpr int tma_smem_bytes(int bm, bool gated = false) {
-  return 1024 + tma_stages(bm) * tma_stage_bytes(bm) + 2 * tma_stages(bm) * 8 + (gated ? tma_xchg_bytes(bm) : 0);
+__host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
+  return 1024 + tma_stages(bm) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm) * 8 + (gated ? tma_xchg_bytes(bm) : 0);
 }
-static_assert(tma_smem_bytes(128, true) <= 227 * 1024 && tma_smem_bytes(64, true) <= 227 * 1024,
+static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4, true) <= 227 * 1024,
               "the GATED ring and exchange area exceed the 227 KB opt-in shared memory");
+static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
+              "the 8-bit ring exceeds the 227 KB opt-in shared memory");
+
+// __byte_perm (PRMT) without the sign-replicate modes, on the host too (the CPU emulator runs wg_q8_pair):
+// byte i of the result is byte (sel >> 4i) & 7 of {b:a} (a's bytes 0-3, b's 4-7).
+__host__ __device__ __forceinline__ uint32_t wg_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t v = uint64_t(b) << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t(v >> (8 * ((sel >> (4 * i)) & 7)) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+__host__ __device__ __forceinline__ float wg_f32_of(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t wg_bits_of(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+// 8-bit weights: byte c of the words lo and hi (physical k c and c + 4 of a block of 8: the A pair of
+// logical k 2c, 2c+1, wg_phys_k) as the bf16x2 pair (q_lo, q_hi), exact. Each byte goes into the low
+// mantissa bits of fp32 2^23 (PRMT with 0x4B000000: 0x4B0000qq = 2^23 + q), 2^23 is subtracted (exact:
+// FADD), and the upper halves of the two fp32 values are the pair (PRMT 0x7632): q <= 255 has at most 8
+// significant bits, so the lower 16 bits are zero and the truncation is exact. bf16's 7 stored mantissa
+// bits hold only 128 consecutive integers at one exponent, so the 4-bit 0x4300|q trick cannot hold a byte.
+// Five instructions (PRMT, PRMT, FADD, FADD, PRMT); sel = 0x7540 | c, once per thread.
+__host__ __device__ __forceinline__ uint32_t wg_q8_sel(int c) { return 0x7540u | uint32_t(c); }
+__host__ __device__ __forceinline__ uint32_t wg_q8_pair(uint32_t lo, uint32_t hi, uint32_t sel) {
+  const float f0 = wg_f32_of(wg_prmt(lo, 0x4B000000u, sel)) - 8388608.f;
+  const float f1 = wg_f32_of(wg_prmt(hi, 0x4B000000u, sel)) - 8388608.f;
+  return wg_prmt(wg_bits_of(f0), wg_bits_of(f1), 0x7632);
+}
 
 #ifdef __CUDACC__
 
@@ -155,24 +211,40 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
   }
 }
 
-// Half k-tiles (k16 steps 2H, 2H+1 = packed words 4H..4H+3 of each row, the 16-byte chunk H of the
-// row's 32 bytes): the consumers pipeline at this grain so that only two half sets of A
+// Half k-tiles (k16 steps 2H, 2H+1): the consumers pipeline at this grain so that only two half sets of A
 // registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
 // fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
-// ws: shared address of this thread's W row rbase in the stage (rows of 32 B: row rbase + b*64 + 8h at
-// ws + (b*64 + 8h)*32); words read by ld.shared on 32-bit addresses.
-template <int H, bool GS32>
+// ws: shared address of this thread's W row rbase in the stage (rows of R = tma_w_row_bytes(BITS) bytes:
+// row rbase + b*64 + 8h at ws + (b*64 + 8h)*R); words read by ld.shared.v4 on 32-bit addresses.
+//   4-bit: the half is the 16-byte chunk H of the row (packed words 4H..4H+3): word m is step m/2,
+//          register (m%2)*2 + h, nibbles c and c+4 (wg_dequant_pair).
+//   8-bit: the half is 32 bytes at 32H, one 16-byte load per k16 step s (words x, y, z, w = k 0-3, 4-7,
+//          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
+//          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
+template <int H, bool GS32, int BITS>
 __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
+  constexpr int R = tma_w_row_bytes(BITS);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 w = ld_shared_v4(ws + (b * 64 + 8 * h) * 32 + 16 * H);
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      const uint32_t row = ws + (b * 64 + 8 * h) * R;
       const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
       const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
+      if constexpr (BITS == 4) {
+        const uint4 w = ld_shared_v4(row + 16 * H);
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int m = 0; m < 4; ++m) A[b][m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
+        for (int m = 0; m < 4; ++m) A[b][m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
+      } else {
+        const uint32_t sel = wg_q8_sel(c);
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          const uint4 w = ld_shared_v4(row + 32 * H + 16 * st);
+          A[b][st][h] = fma_bf16x2(wg_q8_pair(w.x, w.y, sel), s2, b2);
+          A[b][st][2 + h] = fma_bf16x2(wg_q8_pair(w.z, w.w, sel), s2, b2);
+        }
+      }
     }
 }
 
@@ -328,8 +400,8 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
 }
 
 // Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
-// partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][ct][BM], fence, count the
-// unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
+// partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][BM][ct] (coalesced), fence,
+// count the unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
 // splits in split order (0 + p0 + p1 + ..., a fixed order whichever CTA is last: deterministic) into
 // acc, resets the counter and returns true: its caller stores the tile. L2 reads (ld.cg): the partials
 // come from other SMs.
@@ -337,13 +409,15 @@ template <int BM>
 __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile& tile, int64_t t, int sp, int ct,
                                                 int c, float (&acc)[2][BM / 2], uint32_t& split_last) {
   const int splits = a.k_splits;
-  auto slot = [&](int k) { return a.partial + ((t * splits + k) * 256 + ct) * int64_t(BM); };
+  // element-major: accumulator j of consumer thread ct at [j][ct], so a warp's store or load of one j
+  // is 128 contiguous bytes (thread-major rows of BM floats made every warp access touch 32 sectors)
+  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };
   float* mine = slot(sp);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
-      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[b * (BM / 2) + i] = acc[b][i];
+      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[(b * (BM / 2) + i) * 256] = acc[b][i];
   __threadfence();
   asm volatile("bar.sync 1, 256;" ::: "memory");
   if (ct == 0) split_last = atomicAdd(a.split_done + t, 1u) == uint32_t(splits - 1);
@@ -362,14 +436,14 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i)
-        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + b * (BM / 2) + i);
+        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + (b * (BM / 2) + i) * 256);
   }
   if (ct == 0) a.split_done[t] = 0;
   return true;
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED>: Y = W . X^T over 256-output x BM-row tiles
+// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row tiles
 // (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T), persistent.
 // Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
@@ -383,7 +457,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // then (GATED) the exchange area (wg_store_gated).
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
 //   !GATHER: one thread arms full[s] with the stage's bytes and issues the W and Xb TMA loads: W box
-//            {8 words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K/8] U32; rows >= N read as zero) or
+//            {2*BITS words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K*BITS/32] U32; rows >= N read as
+//            zero) or
 //            (GATED) box {8, 128, 1} of tmap_w into W rows 0-127 and the same rows of tmap_u (the up
 //            matrix, the same shape) into rows 128-255, and Xb box {64, BM} of tmap_x (2-D [rows][K]
 //            bf16) at row tile.row0 (rows past the end read zero; rows of the next expert in a MoE tile
@@ -411,13 +486,16 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   fills the ring with the next tile (the exchange area is outside the ring).
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
 // consumers 232, producer 40; no spills (ptxas -v).
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
                             const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_u) {
   static_assert(!(GATED && SPLIT), "a gated product has no split-K");
+  static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for its "
+                                                    "exchange area next to the 8-bit ring)");
   constexpr int S = tma_stages(BM), BN = GATED ? WG_BN / 2 : WG_BN;  // BN: outputs per column tile
-  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM);
+  constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS);
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -448,10 +526,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // the W rows of k-tile kt of column tile n0 into stage st, counted on mbarrier bar
   auto load_w = [&](uint32_t st, uint32_t bar, int kt, int n0, int expert) {
     if constexpr (GATED) {
-      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * 8, n0, expert);
-      tma_load_3d(st + XBYTES + TMA_W_BYTES / 2, &tmap_u, bar, kt * 8, n0, expert);
+      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * KW, n0, expert);
+      tma_load_3d(st + XBYTES + WBYTES / 2, &tmap_u, bar, kt * KW, n0, expert);
     } else {
-      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * 8, n0, expert);
+      tma_load_3d(st + XBYTES, &tmap_w, bar, kt * KW, n0, expert);
     }
   };
 
@@ -541,7 +619,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // this thread's W row in it (ws), full[s] (fb) and the previous k-tile's empty[] (eb_prev). Computed
   // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
   // SR_CgaCtaId) and the W row (from tid) every time.
-  uint32_t s = 0, ph = 0, xs = ring_s, ws = ring_s + XBYTES + rbase * 32, fb = full(0), eb_prev = 0;
+  uint32_t s = 0, ph = 0, xs = ring_s, ws = ring_s + XBYTES + rbase * tma_w_row_bytes(BITS), fb = full(0), eb_prev = 0;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t t = u / splits;
     Tile tile;
@@ -567,11 +645,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       if (kt + 1 < ke) wg_load_scales(nxt, sc, bi, rows, gshift, kt + 1);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0>(ws, c, cur, H0);
+      wg_dequant_half<0, GS32, BITS>(ws, c, cur, H0);
       wg_issue_half<BM, 0>(acc, H0, xd);
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1>(ws, c, cur, H1);
+      wg_dequant_half<1, GS32, BITS>(ws, c, cur, H1);
       wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]

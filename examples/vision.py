@@ -1,7 +1,7 @@
 """Chat about images (on CUDA when lily has it, else the CPU): image parts in the messages, a follow-up
 turn that reuses the image's prefix, and the same request through `lily serve` with a data: URL (docs/vision.md).
 
-    python examples/image_chat.py [CHECKPOINT] [IMAGE]   # default: a tiny random model with a vision tower
+    python examples/vision.py [CHECKPOINT] [IMAGE]   # default: a tiny random model with a vision tower
 """
 import base64
 import io

@@ -1,0 +1,308 @@
+// MoE expert products for few rows per expert (medium prompts: moe.cu, use_moe_small) with the TOKENS as
+// the MMA's N ("swap AB"): the weights are the A operand of mma.sync m16n8k16 BF16 (16 output rows), an
+// expert's grouped rows the B operand (n8 tiles of 8 rows), so an expert with 5 rows costs one n8 tile
+// instead of a 64-row wgmma tile, and each weight byte is read once per pass over an expert's rows.
+//   moe_small_kernel<false>: Y[r, o] = sum_k W_e[o, k] X[r, k]                   (the down product)
+//   moe_small_kernel<true>:  Y[r, i] = row_scale[r] * silu(G_e[i, :] . X[x_rows[r]]) * (U_e[i, :] . X[x_rows[r]])
+//                            (the gated gate/up product, linear_common.cuh's store_output expression)
+// for every grouped row r of expert e: rows [row_end[e-1], row_end[e]) of the routing tables
+// (moe_routing.cuh; row_end[-1] = 0). The arguments are the LinearArgs of the grouped products that
+// linear_tiles would run (a.w, a.up, a.x/ldx or a.xb, a.x_rows, a.y/ldy or a.yb, a.row_scale,
+// a.tiles.row_end), with the same outputs: F32 y rows, or (a.yb) the next product's Xb rows (BF16,
+// xb_layout.cuh's k permutation, wg_xb_pos), written with wg_bf16 as the GATED wgmma epilogue writes them.
+// Weights: 4-bit MLX affine [E, N, K/8] U32, BF16 scales/biases [E, N, K/gs], gs a power of two >= 32,
+// K % 128 == 0 (host: use_moe_small).
+//
+// Layout. A row segment = 64 bytes (128 values); lane (g = lane/4, c = lane%4) loads bytes [16c, 16c+16)
+// of the segment in rows g and g+8 of a 16-row tile (words m = 0..3: chunk J = 4c + m of the segment,
+// values 8J..8J+7; one weight group: gs >= 32). Word m gives two mmas j = 2m + h (h = 0, 1): with
+// p = 2h, the A registers are the bf16 pairs (nibbles p, p+4) and (p+1, p+5) of rows g and g+8:
+//   a0 = row g pair p, a1 = row g+8 pair p, a2 = row g pair p+1, a3 = row g+8 pair p+1
+// (ms_a_bits, dequantized by wg_dequant_pair: w = s*q + b rounded once to bf16, as the wgmma GEMM).
+// So mma k position 2c+e holds value 8J + p + 4e and 2c+8+e holds 8J + p + 1 + 4e: in Xb's permuted
+// order (position 2q+e of a chunk holds value q+4e) these are words p and p+1 of Xb's chunk J, and the
+// B registers of lane (g, c) are words 2h, 2h+1 of the 16-byte chunk J of row g of the n8 tile (ms_b_frag).
+// Shared memory: the pass's X rows as Xb (bf16, k permuted), row stride ms_row_bytes(K) = 2K + 64 bytes
+// (2K % 128 == 0, so rows g and g+1 of a quarter warp fall in different bank halves), chunk J of a row at
+// 16 * ms_slot(J): inside a segment chunk 4c + m sits at slot 4m + c, so the 4 lanes of a quad read 64
+// contiguous bytes (a quarter warp: two rows x 64 bytes, conflict-free).
+//
+// Work. Grid (slices, E), MS_THREADS = 4 warps, two CTAs an SM (one stages its rows while the other streams
+// weights). Warp w of slice s owns two 16-row A tiles: gated, rows
+// i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane and register: the
+// SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
+// expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows gathered through
+// x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
+// loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the
+// first pass is loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped
+// (warp-uniform). Rows past N: the warp loads none and stores none (the host keeps N % 16 == 0 gated,
+// N % 32 == 0 plain).
+// Precision: bf16 operands (w rounded once, x rounded once), fp32 accumulation in the mma; the sum order
+// differs from the wgmma GEMM's (not bit-identical; ~1e-3 relative, the same operands).
+#pragma once
+#include <cstdint>
+
+#include "linear_common.cuh"
+#include "xb_layout.cuh"
+#ifdef __CUDACC__
+#include "wgmma.cuh"
+#endif
+
+namespace lily::cuda {
+
+constexpr int MS_THREADS = 128, MS_WARPS = MS_THREADS / 32;
+constexpr int MS_SPU = 2;  // segments per pipeline unit
+constexpr int MS_SEG_VALS = 128;
+
+// n8 tiles a pass takes (NT) for `rows` routed rows over E experts: 2 (16 rows, 66 KB staged at K = 2048) up
+// to MS_WIDE_ROWS average rows an expert, else 3 (24 rows, 100 KB; two CTAs an SM still fit): fewer passes
+// over the weights for the busier experts of longer prompts. An estimate, to be tuned by measurement
+// (benchmarks/gemm_lab.cu).
+constexpr int64_t MS_WIDE_ROWS = 8;
+__host__ __device__ constexpr int ms_pass_tiles(int64_t rows, int64_t E) { return rows <= MS_WIDE_ROWS * E ? 2 : 3; }
+
+// Output rows of one CTA (4 warps x 2 tiles x 16, gated: the two tiles are G and U of the same 16 rows).
+__host__ __device__ constexpr int ms_slice_rows(bool gated) { return gated ? MS_WARPS * 16 : MS_WARPS * 32; }
+// Bytes of one staged Xb row of K values, and of a CTA's rows (NT n8 tiles).
+__host__ __device__ constexpr int ms_row_bytes(int64_t K) { return int(2 * K + 64); }
+__host__ __device__ constexpr size_t ms_smem_bytes(int64_t K, int nt) { return size_t(nt) * 8 * ms_row_bytes(K); }
+// Slot (16-byte unit) of Xb chunk J (values 8J..8J+7) in a staged row: chunk 4c + m of a segment at 4m + c.
+__host__ __device__ constexpr int ms_slot(int J) { return (J & ~15) | ((J & 3) << 2) | ((J >> 2) & 3); }
+// The A registers of mma h of word m, before dequantization: rows g (w0) and g+8 (w1) shifted so that the
+// pair (nibbles p, p+4), p = 2h (registers 0, 1) or 2h+1 (registers 2, 3), sits at bits 0..3 and 16..19
+// (wg_dequant_pair masks the rest).
+__host__ __device__ inline void ms_a_bits(const uint4& w0, const uint4& w1, int m, int h, uint32_t (&q)[4]) {
+  const uint32_t x0 = m == 0 ? w0.x : m == 1 ? w0.y : m == 2 ? w0.z : w0.w;
+  const uint32_t x1 = m == 0 ? w1.x : m == 1 ? w1.y : m == 2 ? w1.z : w1.w;
+  q[0] = x0 >> (8 * h), q[1] = x1 >> (8 * h), q[2] = x0 >> (8 * h + 4), q[3] = x1 >> (8 * h + 4);
+}
+// The B registers of mma h of a word from the 16-byte Xb chunk q: its words 2h, 2h+1.
+__host__ __device__ inline void ms_b_frag(const uint4& q, int h, uint32_t& b0, uint32_t& b1) {
+  b0 = h ? q.z : q.x;
+  b1 = h ? q.w : q.y;
+}
+// Weight group of lane c's 32 values in segment seg (gshift = log2 group size >= 5).
+__host__ __device__ constexpr int ms_group(int seg, int c, int gshift) { return (seg * MS_SEG_VALS + 32 * c) >> gshift; }
+
+#ifdef __CUDACC__
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One unit of a lane's loads: per segment and A tile, 16 bytes of rows g and g+8 and their scale | bias << 16.
+struct MsStage {
+  uint4 w[MS_SPU][2][2];     // [segment][tile][row g / g+8]
+  uint32_t sb[MS_SPU][2][2];
+};
+
+// Where a lane reads: per tile and row (g, g+8), the row's words as uint4 (at the lane's chunk c) and its
+// scale/bias index at group 0.
+struct MsRows {
+  const uint4* w[2][2];
+  uint32_t sbi[2][2];
+  const uint16_t* sc[2];
+  const uint16_t* bi[2];
+};
+
+__device__ __forceinline__ void ms_load(MsStage& st, const MsRows& r, int seg0, int nseg, int c, int gshift) {
+#pragma unroll
+  for (int s = 0; s < MS_SPU; ++s) {
+    const int seg = min(seg0 + s, nseg - 1);  // past the end: a real segment, not computed
+    const int g = ms_group(seg, c, gshift);
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        st.w[s][t][h] = ld_stream(r.w[t][h] + seg * 4);
+        const uint32_t i = r.sbi[t][h] + uint32_t(g);
+        st.sb[s][t][h] = uint32_t(__ldg(r.sc[t] + i)) | (uint32_t(__ldg(r.bi[t] + i)) << 16);
+      }
+  }
+}
+
+// The products of one segment: A tiles t from the lane's words, B from the staged rows (xs: shared address of
+// row g of n8 tile 0 at the segment, row stride `stride`), into acc[t][n8 tile] for the `ntiles` live tiles.
+template <int NT>
+__device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_t (&sb)[2][2], uint32_t xs,
+                                           uint32_t stride, int c, int ntiles, float (&acc)[2][NT][4]) {
+  uint32_t s2[2][2], b2[2][2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) s2[t][h] = __byte_perm(sb[t][h], 0, 0x1010), b2[t][h] = __byte_perm(sb[t][h], 0, 0x3232);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    uint4 q[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      if (n < ntiles) q[n] = ld_shared_v4(xs + n * 8 * stride + 16 * (4 * m + c));
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        uint32_t q[4];
+        ms_a_bits(w[t][0], w[t][1], m, hh, q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[t][i] = wg_dequant_pair(q[i], s2[t][i & 1], b2[t][i & 1]);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (n >= ntiles) continue;
+        uint32_t b0, b1;
+        ms_b_frag(q[n], hh, b0, b1);
+        mma_bf16_16816(acc[0][n], a[0], b0, b1);
+        mma_bf16_16816(acc[1][n], a[1], b0, b1);
+      }
+    }
+  }
+}
+
+// Stages rows [r0, r0 + rows) of the pass as Xb at shared address xs0, up to the end of the last n8 tile they
+// touch (those slots zero: their products are computed, never stored). Source row of product row r: x_rows[r]
+// (GATED) or r. From a.xb (bf16, already in Xb's order): cp.async, all of a thread's chunks in flight at once.
+// From F32 a.x: MS_STAGE_BATCH chunks a thread loaded before any is converted (wgx_bf16_kernel's permutation
+// and rounding) and stored, so their loads overlap.
+constexpr int MS_STAGE_BATCH = 8;
+template <bool GATED>
+__device__ __forceinline__ void ms_stage(const LinearArgs& a, int64_t r0, int rows, int64_t K, uint32_t xs0) {
+  const int chunks = int(K / 8), stride = ms_row_bytes(K), total = (rows + 7) / 8 * 8 * chunks;
+  auto src_row = [&](int j) { return GATED ? int64_t(a.x_rows[r0 + j]) : r0 + j; };
+  if (a.xb != nullptr) {
+    for (int i = threadIdx.x; i < total; i += MS_THREADS) {
+      const int j = i / chunks, J = i - j * chunks;
+      const bool real = j < rows;
+      cp_async16(xs0 + j * stride + 16 * ms_slot(J), real ? a.xb + src_row(j) * K + 8 * J : a.xb, real ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    return;
+  }
+  for (int i0 = threadIdx.x; i0 < total; i0 += MS_STAGE_BATCH * MS_THREADS) {
+    float4 lo[MS_STAGE_BATCH], hi[MS_STAGE_BATCH];
+#pragma unroll
+    for (int b = 0; b < MS_STAGE_BATCH; ++b) {
+      const int i = i0 + b * MS_THREADS, j = i / chunks, J = i - j * chunks;
+      lo[b] = hi[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (i < total && j < rows) {
+        const float* src = a.x + src_row(j) * a.ldx + 8 * J;
+        lo[b] = *reinterpret_cast<const float4*>(src);
+        hi[b] = *reinterpret_cast<const float4*>(src + 4);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < MS_STAGE_BATCH; ++b) {
+      const int i = i0 + b * MS_THREADS, j = i / chunks, J = i - j * chunks;
+      if (i >= total) break;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * stride + 16 * ms_slot(J)),
+                   "r"(wg_pack_bf16x2(lo[b].x, hi[b].x)), "r"(wg_pack_bf16x2(lo[b].y, hi[b].y)),
+                   "r"(wg_pack_bf16x2(lo[b].z, hi[b].z)), "r"(wg_pack_bf16x2(lo[b].w, hi[b].w))
+                   : "memory");
+    }
+  }
+}
+
+// The epilogue of a warp for the pass's rows [r0, r0 + rows): acc[t][n][2e' + e] is output o = o0 + 16t + g
+// + 8e' (plain; gated: t = 0 the gate, 1 the up of o = o0 + g + 8e') for row r0 + 8n + 2c + e.
+template <bool GATED, int NT>
+__device__ __forceinline__ void ms_store(const LinearArgs& a, int64_t r0, int rows, int64_t o0, int g, int c,
+                                         const float (&acc)[2][NT][4]) {
+  const int64_t N = a.w.rows;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int j = 8 * n + 2 * c + e;
+      if (j >= rows) continue;
+      const int64_t r = r0 + j;
+      if constexpr (GATED) {
+        const float rs = a.row_scale ? a.row_scale[r] : 1.f;
+#pragma unroll
+        for (int eh = 0; eh < 2; ++eh) {
+          const int64_t o = o0 + g + 8 * eh;
+          const float v = rs * silu(acc[0][n][2 * eh + e]) * acc[1][n][2 * eh + e];
+          if (a.yb) a.yb[r * N + wg_xb_pos(o)] = wg_bf16(v);
+          else a.y[r * a.ldy + o] = v;
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int eh = 0; eh < 2; ++eh) a.y[r * a.ldy + o0 + 16 * t + g + 8 * eh] = acc[t][n][2 * eh + e];
+      }
+    }
+}
+
+template <bool GATED, int NT>
+__global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
+  extern __shared__ uint4 ms_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int64_t e = blockIdx.y, N = a.w.rows, K = a.w.cols;
+  const int nseg = int(K / MS_SEG_VALS), gshift = __ffs(a.w.group_size) - 1;
+  const int64_t o0 = (int64_t(blockIdx.x) * MS_WARPS + warp) * (GATED ? 16 : 32);
+  const bool live = o0 < N;  // the host keeps whole tiles: a warp's rows are all real or all past N
+  MsRows rr;
+  {
+    const int64_t wpr = K / 8, gpr = K / a.w.group_size;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const WeightView& m = GATED && t == 1 ? a.up : a.w;
+      rr.sc[t] = static_cast<const uint16_t*>(m.scales);
+      rr.bi[t] = static_cast<const uint16_t*>(m.biases);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0);
+        rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(m.w) + row * wpr) + c;
+        rr.sbi[t][h] = uint32_t(row * gpr);
+      }
+    }
+  }
+  MsStage st[2];
+  if (live) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
+  pdl_wait();
+  pdl_trigger();
+  const int64_t row0 = e > 0 ? a.tiles.row_end[e - 1] : 0, row1 = a.tiles.row_end[e];
+  const uint32_t xs0 = smem_u32(ms_smem), stride = uint32_t(ms_row_bytes(K));
+  const int units = (nseg + MS_SPU - 1) / MS_SPU;
+  for (int64_t r0 = row0; r0 < row1; r0 += NT * 8) {
+    const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
+    if (r0 > row0) {
+      __syncthreads();  // every warp is done with the previous pass's rows
+      if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+    }
+    ms_stage<GATED>(a, r0, rows, K, xs0);
+    __syncthreads();
+    if (!live) continue;
+    float acc[2][NT][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
+    const uint32_t xs = xs0 + uint32_t(g) * stride;
+#pragma unroll 1
+    for (int u = 0; u < units; u += 2) {
+      if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
+#pragma unroll
+      for (int s = 0; s < MS_SPU; ++s)
+        if (u * MS_SPU + s < nseg)
+          ms_segment<NT>(st[0].w[s], st[0].sb[s], xs + (u * MS_SPU + s) * 256, stride, c, ntiles, acc);
+      if (u + 1 >= units) break;
+      if (u + 2 < units) ms_load(st[0], rr, (u + 2) * MS_SPU, nseg, c, gshift);
+#pragma unroll
+      for (int s = 0; s < MS_SPU; ++s)
+        if ((u + 1) * MS_SPU + s < nseg)
+          ms_segment<NT>(st[1].w[s], st[1].sb[s], xs + ((u + 1) * MS_SPU + s) * 256, stride, c, ntiles, acc);
+    }
+    ms_store<GATED, NT>(a, r0, rows, o0, g, c, acc);
+  }
+}
+
+#endif  // __CUDACC__
+
+}  // namespace lily::cuda

@@ -1,0 +1,25 @@
+"""The 8-bit weights on the prefill wgmma GEMM on the CPU (tests/emu/wgmma_q8_emu.cu): the kernel's byte -> bf16
+conversion (wg_q8_pair) over every byte pair, and its 8-bit stage layout (W box {16 words, 256 rows} into
+64-byte rows), each consumer thread's A fragments (wg_dequant_half's 8-bit mapping) bit for bit against a
+scalar dequantisation, and an emulated wgmma over 4 k-tiles against an fp64 product, BM 64 and 128, groups
+of 64 and 32. Needs nvcc (host compilation only; no GPU)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_wgmma_q8_emulator(tmp_path):
+    exe = tmp_path / "wgmma_q8_emu"
+    subprocess.run(["nvcc", "-O2", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-I", str(ROOT / "csrc"),
+                    "-o", str(exe), str(ROOT / "tests/emu/wgmma_q8_emu.cu")], check=True, capture_output=True,
+                   timeout=300)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "all passed" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("ok  ") == 5
