@@ -328,7 +328,7 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
 }
 
 // Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
-// partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][ct][BM], fence, count the
+// partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][BM][ct] (coalesced), fence, count the
 // unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
 // splits in split order (0 + p0 + p1 + ..., a fixed order whichever CTA is last: deterministic) into
 // acc, resets the counter and returns true: its caller stores the tile. L2 reads (ld.cg): the partials
@@ -337,13 +337,15 @@ template <int BM>
 __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile& tile, int64_t t, int sp, int ct,
                                                 int c, float (&acc)[2][BM / 2], uint32_t& split_last) {
   const int splits = a.k_splits;
-  auto slot = [&](int k) { return a.partial + ((t * splits + k) * 256 + ct) * int64_t(BM); };
+  // element-major: accumulator j of consumer thread ct at [j][ct], so a warp's store or load of one j
+  // is 128 contiguous bytes (thread-major rows of BM floats made every warp access touch 32 sectors)
+  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };
   float* mine = slot(sp);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
-      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[b * (BM / 2) + i] = acc[b][i];
+      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[(b * (BM / 2) + i) * 256] = acc[b][i];
   __threadfence();
   asm volatile("bar.sync 1, 256;" ::: "memory");
   if (ct == 0) split_last = atomicAdd(a.split_done + t, 1u) == uint32_t(splits - 1);
@@ -362,7 +364,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i)
-        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + b * (BM / 2) + i);
+        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + (b * (BM / 2) + i) * 256);
   }
   if (ct == 0) a.split_done[t] = 0;
   return true;
