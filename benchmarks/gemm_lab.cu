@@ -7,7 +7,8 @@
 //               (wgx_bf16_kernel) + linear_wgmma_tma_kernel (TMA, mbarriers, producer/consumer
 //               warpgroups, persistent), launched as linear.cu's run_wgmma does
 //   small       kernels/moe_small.cuh, the few-rows MoE expert kernels (tokens as the mma's N) of medium
-//               prompts: moe rows only (small_row), timed against wgmma-tma on the same routing
+//               prompts, first and persistent form: moe rows only (small_row), timed against wgmma-tma on the
+//               same routing
 //   Run: bash benchmarks/gemm_lab.sh (one process per kernel group, so a crash costs one group only);
 //   by hand: gemm_lab [-n] [old] [wgmma] [tma] [small]   (-n: no table header; no kernel names: all).
 // Shapes (N outputs x K, T rows): the engine's dense prefill products at T = GEMM_LAB_T (default 2048) and
@@ -690,22 +691,30 @@ static void gated_row(Problem& p, bool timed) {
 // rows gathered from it) must give the same floats as from the F32 rows, and the gated kernel's Xb output
 // (a.yb) must hold wg_bf16 of its F32 output at wg_xb_pos. Timed: us per call (X -> bf16 + the product from
 // Xb, as wgmma-tma's time includes its conversion) and GB/s of the weights of experts with rows (each read
-// once; printed in the X->bf16 column), against wgmma-tma: two rows, wgmma-tma (the ref) then moe_small (its
-// BM column: the rows a pass).
+// once; printed in the X->bf16 column), against wgmma-tma: three rows, wgmma-tma (the ref), moe_small (its
+// BM column: the rows a pass) and moe_small persistent (moe_small_kernel<.., PERS = true>, launched as moe.cu
+// does). The persistent form must give the same bits as the first one on every output (F32 y, from Xb, and
+// the gated Xb output), on every row and check, else FAIL.
 static bool g_small = false;
 
-template <bool GATED, int NT>
+template <bool GATED, int NT, bool PERS>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
-  static bool configured = false;
-  if (!configured) {
+  const auto kernel = moe_small_kernel<GATED, NT, PERS>;
+  static int per_sm = 0;
+  if (per_sm == 0) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));
-    configured = true;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, ms_smem_bytes(a.w.cols, NT)));
+    per_sm = std::max(per_sm, 1);
   }
-  const dim3 grid(unsigned((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED)), unsigned(E));
-  kernel<<<grid, MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
+  const int slices = int((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED));
+  if (PERS)  // moe.cu's launch: the resident CTAs, at most one per item (per_sm from the first K seen)
+    kernel<<<unsigned(std::min<int64_t>(int64_t(g_sms) * per_sm, ms_items(E, slices))), MS_THREADS,
+             ms_smem_bytes(a.w.cols, NT)>>>(a);
+  else
+    kernel<<<dim3(unsigned(slices), unsigned(E)), MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
 }
 
+template <bool PERS>
 static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
   LinearArgs a = p.args(copy);
   a.yb = yb;
@@ -713,11 +722,11 @@ static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, con
   const bool two = ms_pass_tiles(p.M, p.w->E) == 2;
   if (p.up) {
     a.up = p.up->view(copy);
-    if (two) launch_small_nt<true, 2>(a, p.w->E);
-    else launch_small_nt<true, 3>(a, p.w->E);
+    if (two) launch_small_nt<true, 2, PERS>(a, p.w->E);
+    else launch_small_nt<true, 3, PERS>(a, p.w->E);
   } else {
-    if (two) launch_small_nt<false, 2>(a, p.w->E);
-    else launch_small_nt<false, 3>(a, p.w->E);
+    if (two) launch_small_nt<false, 2, PERS>(a, p.w->E);
+    else launch_small_nt<false, 3, PERS>(a, p.w->E);
   }
   CK(cudaGetLastError());
 }
@@ -726,18 +735,22 @@ static void small_row(Problem& p, bool timed) {
   if (!g_small) return;
   const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
   const bool gated = p.up != nullptr;
-  auto run_once = [&](bool small, std::vector<float>& y) {
+  auto run_once = [&](int small, std::vector<float>& y) {  // 0: wgmma-tma, 1: moe_small, 2: its persistent form
     CK(cudaMemset(p.dy, 0xFF, MN * 4));
-    if (small) launch_small(p, 0);
+    if (small == 2) launch_small<true>(p, 0);
+    else if (small) launch_small<false>(p, 0);
     else if (gated) launch_gated(p, 0, false);
     else launch(TMA, p, 0);
     CK(cudaDeviceSynchronize());
     y.resize(MN);
     CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
   };
-  std::vector<float> y, yt;
-  run_once(true, y);
-  run_once(false, yt);
+  std::vector<float> y, yt, yp;
+  run_once(1, y);
+  run_once(0, yt);
+  run_once(2, yp);
+  int64_t pers_differ = 0;  // the persistent form: the same bits as the first one
+  for (int64_t i = 0; i < MN; ++i) pers_differ += std::memcmp(&yp[i], &y[i], 4) != 0;
   int64_t bad = 0;
   for (float v : y) bad += !std::isfinite(v);
   double num = 0, den = 0;
@@ -767,34 +780,43 @@ static void small_row(Problem& p, bool timed) {
   {
     launch_x_bf16(p);
     CK(cudaMemset(p.dy, 0xFF, MN * 4));
-    launch_small(p, 0, nullptr, p.dxb);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> yx(MN);
-    CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
+    for (int pers = 0; pers < 2; ++pers) {
+      CK(cudaMemset(p.dy, 0xFF, MN * 4));
+      if (pers) launch_small<true>(p, 0, nullptr, p.dxb);
+      else launch_small<false>(p, 0, nullptr, p.dxb);
+      CK(cudaDeviceSynchronize());
+      std::vector<float> yx(MN);
+      CK(cudaMemcpy(yx.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < MN; ++i) io_differ += std::memcmp(&yx[i], &y[i], 4) != 0;
+    }
   }
   if (gated) {
     uint16_t* dyb = nullptr;
     CK(cudaMalloc(&dyb, MN * 2));
-    CK(cudaMemset(dyb, 0xFF, MN * 2));
-    launch_small(p, 0, dyb);
-    CK(cudaDeviceSynchronize());
-    std::vector<uint16_t> yb(MN);
-    CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+    for (int pers = 0; pers < 2; ++pers) {
+      CK(cudaMemset(dyb, 0xFF, MN * 2));
+      if (pers) launch_small<true>(p, 0, dyb);
+      else launch_small<false>(p, 0, dyb);
+      CK(cudaDeviceSynchronize());
+      std::vector<uint16_t> yb(MN);
+      CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+      for (int64_t r = 0; r < p.M; ++r)
+        for (int64_t o = 0; o < N; ++o) io_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
+    }
     CK(cudaFree(dyb));
-    for (int64_t r = 0; r < p.M; ++r)
-      for (int64_t o = 0; o < N; ++o) io_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
   }
-  const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && vs <= 1e-2 && io_differ == 0;
+  const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && vs <= 1e-2 && io_differ == 0 && pers_differ == 0;
   if (!ok) {
-    std::printf("FAIL: %s small: %lld non-finite of %lld, sampled rel err %.3e, vs tma %.3e, %lld Xb in/out differ\n",
-                p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ);
+    std::printf("FAIL: %s small: %lld non-finite of %lld, sampled rel err %.3e, vs tma %.3e, %lld Xb in/out differ, "
+                "%lld persistent differ\n", p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ,
+                (long long)pers_differ);
     ++g_failures;
   }
   const int nt = ms_pass_tiles(p.M, p.w->E);
   if (!timed) {
-    std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s |\n", p.name,
-                (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs, io_differ ? "FAIL" : "ok");
+    std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s, "
+                "persistent %s |\n", p.name, (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs,
+                io_differ ? "FAIL" : "ok", pers_differ ? "FAIL" : "bit-identical");
     std::fflush(stdout);
     return;
   }
@@ -803,19 +825,26 @@ static void small_row(Problem& p, bool timed) {
   const double bytes = double(live) * (double(p.w->bytes()) / p.w->E) * (gated ? 2 : 1);
   const double t_small = time_launches(p.w->copies, [&](int c) {  // as wgmma-tma: X -> bf16, then the product
     launch_x_bf16(p);
-    launch_small(p, c, nullptr, p.dxb);
+    launch_small<false>(p, c, nullptr, p.dxb);
+  });
+  const double t_pers = time_launches(p.w->copies, [&](int c) {
+    launch_x_bf16(p);
+    launch_small<true>(p, c, nullptr, p.dxb);
   });
   const double t_tma = time_launches(p.w->copies, [&](int c) {
     if (gated) launch_gated(p, c, false);
     else launch(TMA, p, c);
   });
   const double flop = 2.0 * (gated ? 2 : 1) * p.M * N * K;
-  for (int v = 0; v < 2; ++v) {
-    const double t = v ? t_small : t_tma;
+  const char* names[3] = {gated ? "wgmma-tma gated" : "wgmma-tma", "moe_small", "moe_small persistent"};
+  for (int v = 0; v < 3; ++v) {
+    const double t = v == 2 ? t_pers : v ? t_small : t_tma;
     std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | %.0f GB/s | %.1e %s | %s |\n", p.name,
-                (long long)p.M, (long long)N, (long long)K, v ? "moe_small" : (gated ? "wgmma-tma gated" : "wgmma-tma"),
-                v ? nt * 8 : 64, t, flop / t * 1e-6, t_tma / t, bytes / t * 1e-3, v ? err : 0.0, v ? (ok ? "ok" : "FAIL") : "",
-                v ? "vs tma (ref)" : "(ref)");
+                (long long)p.M, (long long)N, (long long)K, names[v], v ? nt * 8 : 64, t, flop / t * 1e-6, t_tma / t,
+                bytes / t * 1e-3, v ? err : 0.0, v ? (ok ? "ok" : "FAIL") : "",
+                v == 2   ? (pers_differ ? "vs moe_small FAIL" : "bit-identical to moe_small")
+                : v      ? "vs tma (ref)"
+                         : "(ref)");
   }
   std::fflush(stdout);
 }

@@ -1,7 +1,7 @@
 """moe_small_kernel's fragments on the CPU (tests/emu/moe_small_emu.cu): the A registers dequantized from a
 lane's 16-byte weight loads and the B registers from the staged Xb rows, assembled by the PTX layout of
 mma.m16n8k16, against a scalar reference product; the staging slot permutation and conflict-free shared
-loads. Needs nvcc (host compilation only; no GPU)."""
+loads; the persistent form's work-item walk. Needs nvcc (host compilation only; no GPU)."""
 from __future__ import annotations
 
 import shutil
@@ -21,4 +21,4 @@ def test_moe_small_emulator(tmp_path):
                    timeout=300)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "all passed" in r.stdout, r.stdout + r.stderr
-    assert r.stdout.count("ok  ") == 8
+    assert r.stdout.count("ok  ") == 9

@@ -357,7 +357,8 @@ void init_ops(nb::module_& parent) {
   });
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small) {
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small,
+                  bool small_persistent) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -367,15 +368,16 @@ void init_ops(nb::module_& parent) {
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
     const int64_t xn = xb_elems > 0 ? xb_elems : ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k);
     Dev xb(d, DType::BF16, {std::max<int64_t>(1, xn)});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small, small_persistent};
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
   }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
      nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
-     nb::arg("xb_elems") = 0, nb::arg("small") = true,
+     nb::arg("xb_elems") = 0, nb::arg("small") = true, nb::arg("small_persistent") = true,
      "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
      "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in); "
-     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small).");
+     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small); "
+     "small_persistent = False runs them in their first, one-CTA-an-item form (MoeScratch::moe_small_persistent).");
   m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                       const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                       const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {

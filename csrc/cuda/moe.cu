@@ -313,7 +313,7 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
                               const ops::MoeScratch& s) {
   if (!s.moe_small || T <= MOE_DECODE_MAX_TOKENS) return {};
   if (E != MOE_SMALL_E || top_k != MOE_SMALL_TOP_K || g.w.cols != MOE_SMALL_H || g.w.rows != MOE_SMALL_I ||
-      d.w.cols != MOE_SMALL_I || d.w.rows != MOE_SMALL_H)
+      d.w.cols != MOE_SMALL_I || d.w.rows != MOE_SMALL_H || g.w.num_stack != E || d.w.num_stack != E)
     return {};
   MoeSmall m;
   m.up = T <= MOE_SMALL_MAX_TOKENS && moe_small_matrix(g.w, true) && moe_small_matrix(g.up, true) &&
@@ -324,11 +324,12 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
   return m;
 }
 
-// One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
-// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
-template <bool GATED, int NT>
+// One routed product on moe_small_kernel, the rows of each expert from the routing tables (a.tiles.row_end),
+// NT n8 tiles a pass (ms_pass_tiles). PERS (MoeScratch::moe_small_persistent): the persistent form, as many
+// CTAs as are resident (at most one per work item) walking the (expert, slice) items; else grid (slices, E).
+template <bool GATED, int NT, bool PERS>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
+  const auto kernel = moe_small_kernel<GATED, NT, PERS>;
   constexpr size_t most = ms_smem_bytes(MOE_SMALL_H, NT);  // K <= H: use_moe_small's dims
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)));
@@ -337,15 +338,28 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
   (void)configured;
   const size_t smem = ms_smem_bytes(a.w.cols, NT);
   LILY_CHECK(smem <= most, "moe: ", a.w.cols, " inputs exceed the few-rows expert kernel's staging");
-  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_slice_rows(GATED))), unsigned(E));
-  launch(kernel, grid, MS_THREADS, smem, a);
+  const int slices = int(ceil_div<int64_t>(a.w.rows, ms_slice_rows(GATED)));
+  if constexpr (PERS) {
+    int per_sm = 0;
+    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, smem));
+    const int64_t resident = int64_t(num_sms()) * std::max(per_sm, 1);
+    launch(kernel, unsigned(std::min(resident, ms_items(E, slices))), MS_THREADS, smem, a);
+  } else {
+    launch(kernel, dim3(unsigned(slices), unsigned(E)), MS_THREADS, smem, a);
+  }
   LILY_CUDA_LAUNCHED();
 }
 
-template <bool GATED>
+template <bool GATED, bool PERS>
 static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
-  launch_moe_small<GATED, 3>(a, E);
+  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2, PERS>(a, E);
+  launch_moe_small<GATED, 3, PERS>(a, E);
+}
+
+template <bool GATED>
+static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k, bool persistent) {
+  if (persistent) return run_moe_small<GATED, true>(a, T, E, top_k);
+  run_moe_small<GATED, false>(a, T, E, top_k);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
@@ -513,12 +527,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     // then gathers its rows from (else it converts h's F32 rows itself)
     linear_tiles(shared_up, shared_tiles, T, xb);
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
-    run_moe_small<true>(routed_up, T, E, top_k);
+    run_moe_small<true>(routed_up, T, E, top_k, s.moe_small_persistent);
   } else {
     linear_tiles(routed_up, r.max_tiles, T, xb);
     linear_tiles(shared_up, shared_tiles, T, xb);
   }
-  if (small.down) run_moe_small<false>(routed_down, T, E, top_k);
+  if (small.down) run_moe_small<false>(routed_down, T, E, top_k, s.moe_small_persistent);
   else linear_tiles(routed_down, r.max_tiles, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 

@@ -187,6 +187,8 @@ struct MoeScratch {
                          // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
   bool moe_small = true;  // CUDA: medium prompts may take the few-rows expert kernels (kernels/moe_small.cuh);
                           // false keeps the wgmma GEMM (tests and benchmarks compare the two)
+  bool moe_small_persistent = true;  // CUDA: those kernels in their persistent form (a CTA walks work items);
+                                    // false: one CTA an item (the first form; tests compare the two bitwise)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for

@@ -10,11 +10,14 @@
 //          for K = 512 and 2048, groups of 32, 64 and 128, 1..8 rows per n8 tile;
 //   slot:  ms_slot permutes the 16 chunks of each segment;
 //   banks: the 8 lanes of each quarter warp read 16-byte units in 8 different 128-byte bank positions
-//          (conflict-free ld.shared.v4) for every m.
+//          (conflict-free ld.shared.v4) for every m;
+//   items: the persistent form's item walk (ms_next_item, ms_item_expert, ms_item_slice) visits every item
+//          of an expert with rows exactly once over the grid, none of an empty expert, each CTA ascending.
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -147,6 +150,53 @@ int main() {
         }
       }
   std::printf("ok  banks\n");
+  // items: the persistent form's walk. CTA b of a grid of `grid` visits ms_next_item(b), then
+  // ms_next_item(previous + grid), ... (moe_small_kernel<.., PERS = true>): over all CTAs every item of an
+  // expert with rows exactly once, none of an expert without, each CTA in ascending order; the item's
+  // expert and slice (ms_item_expert, ms_item_slice) cover (E x slices) once. Routings: uniform random rows,
+  // all rows on a few experts (first, last, middle), no rows at all; grids 1, 7, 264 (2 an SM), >= items.
+  {
+    bool items_ok = true;
+    for (int E : {1, 5, 256})
+      for (int slices : {1, 8, 16})
+        for (int kind = 0; kind < 4; ++kind) {
+          std::vector<int32_t> row_end(E);
+          int32_t total = 0;
+          for (int e = 0; e < E; ++e) {
+            int rows = 0;
+            if (kind == 0) rows = int(rng() % 7) == 0 ? 0 : int(rng() % 9);
+            if (kind == 1) rows = (e == 0 || e == E - 1 || e == E / 2) ? 40 : 0;
+            if (kind == 3) rows = e % 3 == 1 ? 3 : 0;
+            row_end[e] = total += rows;
+          }
+          const int64_t items = ms_items(E, slices);
+          for (int64_t grid : {int64_t(1), int64_t(7), int64_t(264), items}) {
+            grid = std::min(grid, items);
+            std::vector<int> seen(size_t(items), 0);
+            for (int64_t b = 0; b < grid; ++b) {
+              int64_t prev = -1;
+              for (int64_t it = ms_next_item(row_end.data(), b, grid, items, slices); it < items;
+                   it = ms_next_item(row_end.data(), it + grid, grid, items, slices)) {
+                items_ok &= it > prev && it % grid == b;
+                prev = it;
+                ++seen[size_t(it)];
+              }
+            }
+            std::vector<int> covered(size_t(items), 0);
+            for (int64_t it = 0; it < items; ++it) {
+              const int64_t e = ms_item_expert(it, slices);
+              const int sl = ms_item_slice(it, slices);
+              items_ok &= e >= 0 && e < E && sl >= 0 && sl < slices;
+              if (e >= 0 && e < E && sl >= 0 && sl < slices) ++covered[size_t(e * slices + sl)];
+              const bool busy = (e > 0 ? row_end[size_t(e - 1)] : 0) < row_end[size_t(e)];
+              items_ok &= seen[size_t(it)] == (busy ? 1 : 0);
+            }
+            for (int v : covered) items_ok &= v == 1;
+          }
+        }
+    expect(items_ok, "persistent item walk", 0, 0);
+  }
+  std::printf("ok  items\n");
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;

@@ -135,6 +135,23 @@ def test_moe_small_xb_room(real_moe, T, gpu_tol):
     check(out, ops.moe("cuda", *gpu, h, 8, small=False), "moe", gpu_tol)
 
 
+@pytest.mark.parametrize("T,same", [(17, 0), (146, 0), (300, 0), (512, 0), (146, 100), (300, 40), (64, 64), (17, 17)])
+@pytest.mark.parametrize("xb_room", [True, False])
+def test_moe_small_persistent_bitwise(real_moe, T, same, xb_room):
+    # moe_small_kernel's persistent form (the default) against its first form (one CTA a work item): the same
+    # warp code per output, so the same bits. `same` identical tokens: skewed routing (their 8 experts get
+    # >= `same` rows, several passes); T = same: every token alike, only 8 of 256 experts have rows (the
+    # CTAs skip the empty ones). xb_room False: F32 hand-over rows (the kernels convert X themselves).
+    _, gpu = real_moe
+    h = np.random.default_rng(7000 + T + same).standard_normal((T, 2048)).astype(np.float32)
+    h[:same] = h[0]
+    kw = {} if xb_room else {"xb_elems": T * max(2048, 8 * 512, 512)}
+    out = ops.moe("cuda", *gpu, h, 8, **kw)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, ops.moe("cuda", *gpu, h, 8, small_persistent=False, **kw))
+    np.testing.assert_array_equal(out, ops.moe("cuda", *gpu, h, 8, **kw))  # deterministic
+
+
 @pytest.mark.parametrize("case,T", [
     ((256, 8, 2048, 512, 512, 4, 64), 16),    # the decode chain's last T
     ((256, 8, 2048, 512, 512, 4, 64), 513),   # past MOE_SMALL_MAX_TOKENS
@@ -144,12 +161,14 @@ def test_moe_small_xb_room(real_moe, T, gpu_tol):
     ((8, 2, 256, 128, 128, 4, 64), 146),      # other dims
 ])
 def test_moe_small_other_configs_keep_wgmma(case, T):
-    # outside use_moe_small the small flag changes nothing: today's path, bit for bit
+    # outside use_moe_small the small flags change nothing: today's path, bit for bit
     E, top_k, H, I, Is, bits, group = case
     rng = np.random.default_rng(E + T + bits)
     _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
     h = rng.standard_normal((T, H)).astype(np.float32)
-    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k), ops.moe("cuda", *gpu, h, top_k, small=False))
+    out = ops.moe("cuda", *gpu, h, top_k)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, small=False))
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, small_persistent=False))
 
 
 @pytest.mark.parametrize("E,top_k,group", [(16, 8, 64), (40, 4, 32), (129, 8, 128), (256, 8, 64), (256, 1, 64)])

@@ -27,10 +27,13 @@
 // 16 * ms_slot(J): inside a segment chunk 4c + m sits at slot 4m + c, so the 4 lanes of a quad read 64
 // contiguous bytes (a quarter warp: two rows x 64 bytes, conflict-free).
 //
-// Work. Grid (slices, E), MS_THREADS = 4 warps, two CTAs an SM (one stages its rows while the other streams
-// weights). Warp w of slice s owns two 16-row A tiles: gated, rows
-// i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane and register: the
-// SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
+// Work. A work item = one output slice of one expert; MS_THREADS = 4 warps a CTA, two CTAs an SM (one stages
+// its rows while the other streams weights). First form (PERS = false): grid (slices, E), one item a CTA.
+// Persistent form (PERS = true, moe.cu's default): a 1-D grid of the resident CTAs, each walking its items
+// (ms_next_item: every gridDim.x-th, empty experts skipped by row_end) with the next item's first weight unit
+// loaded before the current item's stores (see moe_small_kernel). Warp w of slice s owns two 16-row A
+// tiles: gated, rows i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane
+// and register: the SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
 // expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows gathered through
 // x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
 // loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the
@@ -83,6 +86,22 @@ __host__ __device__ inline void ms_b_frag(const uint4& q, int h, uint32_t& b0, u
 }
 // Weight group of lane c's 32 values in segment seg (gshift = log2 group size >= 5).
 __host__ __device__ constexpr int ms_group(int seg, int c, int gshift) { return (seg * MS_SEG_VALS + 32 * c) >> gshift; }
+
+// The persistent form's work items (moe_small_kernel<.., PERS = true>): item i = (expert i / slices, slice
+// i % slices), slices = output slices of ms_slice_rows a product, so consecutive CTAs share an expert's
+// staged rows in L2. ms_next_item: the first item from `item` on in steps of `stride` (the grid) whose
+// expert has rows (row_end[e-1] < row_end[e], row_end[-1] = 0); >= items: none left.
+__host__ __device__ constexpr int64_t ms_items(int64_t E, int slices) { return E * slices; }
+__host__ __device__ constexpr int64_t ms_item_expert(int64_t item, int slices) { return item / slices; }
+__host__ __device__ constexpr int ms_item_slice(int64_t item, int slices) { return int(item % slices); }
+__host__ __device__ inline int64_t ms_next_item(const int32_t* row_end, int64_t item, int64_t stride, int64_t items,
+                                                int slices) {
+  for (; item < items; item += stride) {
+    const int64_t e = ms_item_expert(item, slices);
+    if ((e > 0 ? row_end[e - 1] : 0) < row_end[e]) break;
+  }
+  return item;
+}
 
 #ifdef __CUDACC__
 
@@ -237,69 +256,117 @@ __device__ __forceinline__ void ms_store(const LinearArgs& a, int64_t r0, int ro
     }
 }
 
-template <bool GATED, int NT>
+// Where lane (g, c) of warp `warp` in slice `slice` of expert e reads its A tiles (rows past N: row 0 of
+// the expert, loaded when !live never).
+template <bool GATED>
+__device__ __forceinline__ MsRows ms_rows(const LinearArgs& a, int64_t e, int64_t o0, bool live, int g, int c) {
+  MsRows rr;
+  const int64_t N = a.w.rows, K = a.w.cols, wpr = K / 8, gpr = K / a.w.group_size;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const WeightView& m = GATED && t == 1 ? a.up : a.w;
+    rr.sc[t] = static_cast<const uint16_t*>(m.scales);
+    rr.bi[t] = static_cast<const uint16_t*>(m.biases);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0);
+      rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(m.w) + row * wpr) + c;
+      rr.sbi[t][h] = uint32_t(row * gpr);
+    }
+  }
+  return rr;
+}
+
+// Grid and work. PERS = false (the first form): grid (slices, E), one work item (expert blockIdx.y, slice
+// blockIdx.x) a CTA. PERS = true (persistent): a 1-D grid of as many CTAs as are resident (moe.cu), CTA b
+// walking items b, b + gridDim.x, ... of item i = (expert i / slices, slice i % slices) (ms_item_expert),
+// experts without rows skipped by their row_end (ms_next_item); the first weight unit of the CTA's next item
+// is loaded before the current item's epilogue (the weights do not depend on the activations), so its
+// stream is in flight across the stores, the barrier and the next staging. Each output is computed by the
+// same warp code in both forms (same fragments, k order, epilogue): the results are bit-identical.
+template <bool GATED, int NT, bool PERS>
 __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
   extern __shared__ uint4 ms_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int64_t e = blockIdx.y, N = a.w.rows, K = a.w.cols;
+  const int64_t N = a.w.rows, K = a.w.cols;
   const int nseg = int(K / MS_SEG_VALS), gshift = __ffs(a.w.group_size) - 1;
-  const int64_t o0 = (int64_t(blockIdx.x) * MS_WARPS + warp) * (GATED ? 16 : 32);
-  const bool live = o0 < N;  // the host keeps whole tiles: a warp's rows are all real or all past N
-  MsRows rr;
-  {
-    const int64_t wpr = K / 8, gpr = K / a.w.group_size;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const WeightView& m = GATED && t == 1 ? a.up : a.w;
-      rr.sc[t] = static_cast<const uint16_t*>(m.scales);
-      rr.bi[t] = static_cast<const uint16_t*>(m.biases);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0);
-        rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(m.w) + row * wpr) + c;
-        rr.sbi[t][h] = uint32_t(row * gpr);
-      }
-    }
-  }
+  const int slices = int((N + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED));
+  const int64_t items = PERS ? ms_items(a.w.num_stack, slices) : 1, stride = PERS ? gridDim.x : 1;
+  int64_t item = PERS ? blockIdx.x : 0;
+  auto expert = [&](int64_t i) { return PERS ? ms_item_expert(i, slices) : int64_t(blockIdx.y); };
+  auto out_row = [&](int64_t i) {
+    return (int64_t(PERS ? ms_item_slice(i, slices) : blockIdx.x) * MS_WARPS + warp) * (GATED ? 16 : 32);
+  };
+  int64_t o0 = out_row(item);
+  bool live = o0 < N;  // the host keeps whole tiles: a warp's rows are all real or all past N
+  MsRows rr = ms_rows<GATED>(a, expert(item), o0, live, g, c);
   MsStage st[2];
-  if (live) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
+  if (live && item < items) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
   pdl_wait();
   pdl_trigger();
-  const int64_t row0 = e > 0 ? a.tiles.row_end[e - 1] : 0, row1 = a.tiles.row_end[e];
-  const uint32_t xs0 = smem_u32(ms_smem), stride = uint32_t(ms_row_bytes(K));
+  if (PERS) {  // the first item with rows (the routing is known only now)
+    const int64_t first = ms_next_item(a.tiles.row_end, item, stride, items, slices);
+    if (first != item) {
+      item = first, o0 = out_row(item), live = o0 < N;
+      rr = ms_rows<GATED>(a, expert(item), o0, live, g, c);
+      if (live && item < items) ms_load(st[0], rr, 0, nseg, c, gshift);
+    }
+  }
+  const uint32_t xs0 = smem_u32(ms_smem), sstride = uint32_t(ms_row_bytes(K));
   const int units = (nseg + MS_SPU - 1) / MS_SPU;
-  for (int64_t r0 = row0; r0 < row1; r0 += NT * 8) {
-    const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
-    if (r0 > row0) {
-      __syncthreads();  // every warp is done with the previous pass's rows
-      if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
-    }
-    ms_stage<GATED>(a, r0, rows, K, xs0);
-    __syncthreads();
-    if (!live) continue;
-    float acc[2][NT][4];
+  bool first_item = true;
+  while (item < items) {
+    const int64_t e = expert(item);
+    const int64_t row0 = e > 0 ? a.tiles.row_end[e - 1] : 0, row1 = a.tiles.row_end[e];
+    int64_t next = items;  // the CTA's next item with rows (PERS), found at the item's last pass
+    for (int64_t r0 = row0; r0 < row1; r0 += NT * 8) {
+      const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
+      if (r0 > row0) {
+        __syncthreads();  // every warp is done with the previous pass's rows
+        if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+      } else if (!first_item) {
+        __syncthreads();  // every warp is done with the previous item's rows (its first unit is in flight)
+      }
+      ms_stage<GATED>(a, r0, rows, K, xs0);
+      __syncthreads();
+      float acc[2][NT][4];
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
-    const uint32_t xs = xs0 + uint32_t(g) * stride;
+          for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
+      if (live) {
+        const uint32_t xs = xs0 + uint32_t(g) * sstride;
 #pragma unroll 1
-    for (int u = 0; u < units; u += 2) {
-      if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
+        for (int u = 0; u < units; u += 2) {
+          if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
 #pragma unroll
-      for (int s = 0; s < MS_SPU; ++s)
-        if (u * MS_SPU + s < nseg)
-          ms_segment<NT>(st[0].w[s], st[0].sb[s], xs + (u * MS_SPU + s) * 256, stride, c, ntiles, acc);
-      if (u + 1 >= units) break;
-      if (u + 2 < units) ms_load(st[0], rr, (u + 2) * MS_SPU, nseg, c, gshift);
+          for (int s = 0; s < MS_SPU; ++s)
+            if (u * MS_SPU + s < nseg)
+              ms_segment<NT>(st[0].w[s], st[0].sb[s], xs + (u * MS_SPU + s) * 256, sstride, c, ntiles, acc);
+          if (u + 1 >= units) break;
+          if (u + 2 < units) ms_load(st[0], rr, (u + 2) * MS_SPU, nseg, c, gshift);
 #pragma unroll
-      for (int s = 0; s < MS_SPU; ++s)
-        if ((u + 1) * MS_SPU + s < nseg)
-          ms_segment<NT>(st[1].w[s], st[1].sb[s], xs + ((u + 1) * MS_SPU + s) * 256, stride, c, ntiles, acc);
+          for (int s = 0; s < MS_SPU; ++s)
+            if ((u + 1) * MS_SPU + s < nseg)
+              ms_segment<NT>(st[1].w[s], st[1].sb[s], xs + ((u + 1) * MS_SPU + s) * 256, sstride, c, ntiles, acc);
+        }
+      }
+      const int64_t o0_cur = o0;
+      const bool live_cur = live;
+      if (PERS && r0 + NT * 8 >= row1) {  // the last pass: the next item's first unit before the stores
+        next = ms_next_item(a.tiles.row_end, item + stride, stride, items, slices);
+        if (next < items) {
+          o0 = out_row(next), live = o0 < N;
+          rr = ms_rows<GATED>(a, expert(next), o0, live, g, c);
+          if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+        }
+      }
+      if (live_cur) ms_store<GATED, NT>(a, r0, rows, o0_cur, g, c, acc);
     }
-    ms_store<GATED, NT>(a, r0, rows, o0, g, c, acc);
+    item = next;
+    first_item = false;
   }
 }
 
