@@ -30,14 +30,15 @@
 // Work. A work item = one output slice of one expert; MS_THREADS = 4 warps a CTA, two CTAs an SM (one stages
 // its rows while the other streams weights). First form (PERS = false): grid (slices, E), one item a CTA.
 // Persistent form (PERS = true, moe.cu's default): a 1-D grid of the resident CTAs, each walking its items
-// (ms_next_item: every gridDim.x-th, empty experts skipped by row_end) with the next item's first weight unit
-// loaded before the current item's stores (see moe_small_kernel). Warp w of slice s owns two 16-row A
-// tiles: gated, rows i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane
-// and register: the SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
-// expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows gathered through
-// x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
-// loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the
-// first pass is loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped
+// (ms_next_item: every gridDim.x-th, empty experts skipped by row_end) with the next item's first two
+// weight units loaded before the current item's stores (see moe_small_kernel). Warp w of slice s owns two
+// 16-row A tiles: gated, rows i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same
+// lane and register: the SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes
+// of NT*8 rows of the expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows
+// gathered through x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in
+// units of MS_SPU segments, the loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double
+// buffer); a pass's first unit (PERS: two) is loaded before its staging, the CTA's first before pdl_wait
+// (constant weights). n8 tiles past the pass's rows are skipped
 // (warp-uniform). Rows past N: the warp loads none and stores none (the host keeps N % 16 == 0 gated,
 // N % 32 == 0 plain).
 // Precision: bf16 operands (w rounded once, x rounded once), fp32 accumulation in the mma; the sum order
@@ -281,8 +282,9 @@ __device__ __forceinline__ MsRows ms_rows(const LinearArgs& a, int64_t e, int64_
 // blockIdx.x) a CTA. PERS = true (persistent): a 1-D grid of as many CTAs as are resident (moe.cu), CTA b
 // walking items b, b + gridDim.x, ... of item i = (expert i / slices, slice i % slices) (ms_item_expert),
 // experts without rows skipped by their row_end (ms_next_item); the first weight unit of the CTA's next item
-// is loaded before the current item's epilogue (the weights do not depend on the activations), so its
-// stream is in flight across the stores, the barrier and the next staging. Each output is computed by the
+// and second weight units are loaded before the current item's epilogue (the weights do not depend on the
+// activations), so its stream is in flight across the stores, the barrier and the next staging (also each
+// pass's first two units before its staging). Each output is computed by the
 // same warp code in both forms (same fragments, k order, epilogue): the results are bit-identical.
 template <bool GATED, int NT, bool PERS>
 __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
@@ -300,8 +302,16 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
   int64_t o0 = out_row(item);
   bool live = o0 < N;  // the host keeps whole tiles: a warp's rows are all real or all past N
   MsRows rr = ms_rows<GATED>(a, expert(item), o0, live, g, c);
+  const int units = (nseg + MS_SPU - 1) / MS_SPU;
+  // An item's (or pass's) first loads, issued ahead of its staging: unit 0 into st[0]; PERS also unit 1 into
+  // st[1] (twice the bytes in flight across the stores, the barrier and the staging; the unit loop then
+  // skips its first load).
   MsStage st[2];
-  if (live && item < items) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
+  auto first_units = [&] {
+    ms_load(st[0], rr, 0, nseg, c, gshift);
+    if (PERS && units > 1) ms_load(st[1], rr, MS_SPU, nseg, c, gshift);
+  };
+  if (live && item < items) first_units();  // constant weights: before pdl_wait
   pdl_wait();
   pdl_trigger();
   if (PERS) {  // the first item with rows (the routing is known only now)
@@ -309,11 +319,10 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
     if (first != item) {
       item = first, o0 = out_row(item), live = o0 < N;
       rr = ms_rows<GATED>(a, expert(item), o0, live, g, c);
-      if (live && item < items) ms_load(st[0], rr, 0, nseg, c, gshift);
+      if (live && item < items) first_units();
     }
   }
   const uint32_t xs0 = smem_u32(ms_smem), sstride = uint32_t(ms_row_bytes(K));
-  const int units = (nseg + MS_SPU - 1) / MS_SPU;
   bool first_item = true;
   while (item < items) {
     const int64_t e = expert(item);
@@ -323,7 +332,7 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
       const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
       if (r0 > row0) {
         __syncthreads();  // every warp is done with the previous pass's rows
-        if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+        if (live) first_units();
       } else if (!first_item) {
         __syncthreads();  // every warp is done with the previous item's rows (its first unit is in flight)
       }
@@ -340,7 +349,7 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
         const uint32_t xs = xs0 + uint32_t(g) * sstride;
 #pragma unroll 1
         for (int u = 0; u < units; u += 2) {
-          if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
+          if (u + 1 < units && (!PERS || u > 0)) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
 #pragma unroll
           for (int s = 0; s < MS_SPU; ++s)
             if (u * MS_SPU + s < nseg)
@@ -355,12 +364,12 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
       }
       const int64_t o0_cur = o0;
       const bool live_cur = live;
-      if (PERS && r0 + NT * 8 >= row1) {  // the last pass: the next item's first unit before the stores
+      if (PERS && r0 + NT * 8 >= row1) {  // the last pass: the next item's first units before the stores
         next = ms_next_item(a.tiles.row_end, item + stride, stride, items, slices);
         if (next < items) {
           o0 = out_row(next), live = o0 < N;
           rr = ms_rows<GATED>(a, expert(next), o0, live, g, c);
-          if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+          if (live) first_units();
         }
       }
       if (live_cur) ms_store<GATED, NT>(a, r0, rows, o0_cur, g, c, acc);
