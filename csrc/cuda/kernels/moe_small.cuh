@@ -281,11 +281,11 @@ __device__ __forceinline__ MsRows ms_rows(const LinearArgs& a, int64_t e, int64_
 // Grid and work. PERS = false (the first form): grid (slices, E), one work item (expert blockIdx.y, slice
 // blockIdx.x) a CTA. PERS = true (persistent): a 1-D grid of as many CTAs as are resident (moe.cu), CTA b
 // walking items b, b + gridDim.x, ... of item i = (expert i / slices, slice i % slices) (ms_item_expert),
-// experts without rows skipped by their row_end (ms_next_item); the first weight unit of the CTA's next item
-// and second weight units are loaded before the current item's epilogue (the weights do not depend on the
-// activations), so its stream is in flight across the stores, the barrier and the next staging (also each
-// pass's first two units before its staging). Each output is computed by the
-// same warp code in both forms (same fragments, k order, epilogue): the results are bit-identical.
+// experts without rows skipped by their row_end (ms_next_item); the first two weight units of the CTA's next
+// item are loaded before the current item's epilogue (the weights do not depend on the activations), so its
+// stream is in flight across the stores, the barrier and the next staging (a later pass of an item: its
+// first two units before its staging). Each output is computed by the same warp code in both forms (same
+// fragments, k order, epilogue): the results are bit-identical.
 template <bool GATED, int NT, bool PERS>
 __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
   extern __shared__ uint4 ms_smem[];
