@@ -86,3 +86,19 @@ def png_header_only(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def run_emulator(tmp_path: Path, name: str, *flags: str) -> str:
+    """Builds tests/emu/<name>.cu with nvcc (host code only: it runs without a GPU; `flags` such as
+    -arch=sm_90a for headers with Hopper instructions), runs it, asserts it exits 0 saying "all passed",
+    and returns its output (the callers count their "ok" lines)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / name
+    subprocess.run(["nvcc", "-O2", "-std=c++17", *flags, "--expt-relaxed-constexpr", "-I", str(root / "csrc"), "-o",
+                    str(exe), str(root / "tests/emu" / f"{name}.cu")], check=True, capture_output=True, timeout=300)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "all passed" in r.stdout, r.stdout + r.stderr
+    return r.stdout
+

@@ -6,20 +6,11 @@ of 64 and 32. Needs nvcc (host compilation only; no GPU)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from checks import run_emulator
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_wgmma_q8_emulator(tmp_path):
-    exe = tmp_path / "wgmma_q8_emu"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-I", str(ROOT / "csrc"),
-                    "-o", str(exe), str(ROOT / "tests/emu/wgmma_q8_emu.cu")], check=True, capture_output=True,
-                   timeout=300)
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "all passed" in r.stdout, r.stdout + r.stderr
-    assert r.stdout.count("ok  ") == 5
+    assert run_emulator(tmp_path, "wgmma_q8_emu", "-arch=sm_90a").count("ok  ") == 5

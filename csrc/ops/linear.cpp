@@ -107,12 +107,16 @@ void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tens
   no_backend(op, x.device);
 }
 
+static void check_bias(const char* op, const Tensor& bias, const QMatrix& w) {
+  check_tensor(op, "bias", bias, DType::F32, 1);
+  check_shape(op, "bias", bias, 0, w.rows);
+}
+
 void linear_bias(const QMatrix& w, const Tensor& x, const Tensor& bias, const Tensor& y, const Tensor& workspace) {
   const char* op = "linear_bias";
   const OpSpan span(op);
   check_linear(op, w, 0, x, y, workspace);
-  check_tensor(op, "bias", bias, DType::F32, 1);
-  check_shape(op, "bias", bias, 0, w.rows);
+  check_bias(op, bias, w);
   LILY_CHECK(y.data != x.data, op, ": x and y must not alias");
   check_same_device(op, {x, bias});
   if (x.device == Device::CPU) {  // the two ops, literally
@@ -127,8 +131,7 @@ void linear_bias_gelu(const QMatrix& w, const Tensor& x, const Tensor& bias, con
   const char* op = "linear_bias_gelu";
   const OpSpan span(op);
   check_linear(op, w, 0, x, y, workspace);
-  check_tensor(op, "bias", bias, DType::F32, 1);
-  check_shape(op, "bias", bias, 0, w.rows);
+  check_bias(op, bias, w);
   LILY_CHECK(y.data != x.data, op, ": x and y must not alias");
   check_same_device(op, {x, bias});
   if (x.device == Device::CPU) {  // the three ops, literally
@@ -148,29 +151,32 @@ bool linear_bias_xb_supported(Device d, const QMatrix& w, int64_t T) {
   return false;
 }
 
-static void check_xb(const char* op, const Tensor& xb, int64_t rows, int64_t cols) {
+// The checks of a product reading its X as bf16 (xb, [>= rows x w.cols]) into `out` [rows, w.rows] of
+// dtype `dt` (name `out_name`), with a bias: shapes, devices, and the dense wgmma GEMM taking it.
+static void check_xb_product(const char* op, const QMatrix& w, const Tensor& xb, const Tensor& bias,
+                             const char* out_name, const Tensor& out, DType dt) {
+  check_tensor(op, out_name, out, dt, 2);
+  check_shape(op, out_name, out, 1, w.rows);
+  check_bias(op, bias, w);
+  const int64_t rows = out.dim(0);
   check_tensor(op, "xb", xb, DType::BF16, 1);
-  LILY_CHECK(xb.numel() >= rows * cols, op, ": xb ", xb.shape_str(), " is too small for ", rows, " x ", cols,
-             " (", rows * cols, " elements)");
+  LILY_CHECK(xb.numel() >= rows * w.cols, op, ": xb ", xb.shape_str(), " is too small for ", rows, " x ", w.cols,
+             " (", rows * w.cols, " elements)");
+  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
+  check_same_device(op, {xb, bias, out});
+  LILY_CHECK(linear_bias_xb_supported(out.device, w, rows), op, ": ", rows, " rows of this ", w.rows, "x", w.cols,
+             " matrix on ", device_name(out.device), " do not run on the dense wgmma GEMM: they take no bf16 X ",
+             "(linear_bias_xb_supported)");
 }
 
 void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& yb) {
   const char* op = "linear_bias_gelu_xb";
   const OpSpan span(op);
-  check_tensor(op, "yb", yb, DType::BF16, 2);
-  check_shape(op, "yb", yb, 1, w.rows);
-  check_tensor(op, "bias", bias, DType::F32, 1);
-  check_shape(op, "bias", bias, 0, w.rows);
-  check_xb(op, xb, yb.dim(0), w.cols);
-  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
-  check_same_device(op, {xb, bias, yb});
+  check_xb_product(op, w, xb, bias, "yb", yb, DType::BF16);
   const auto* x0 = static_cast<const uint8_t*>(xb.data);
   const auto* y0 = static_cast<const uint8_t*>(yb.data);
   LILY_CHECK(y0 + yb.numel() * 2 <= x0 || x0 + xb.numel() * 2 <= y0, op,
              ": yb overlaps xb (the product reads its X from xb while yb is written)");
-  LILY_CHECK(linear_bias_xb_supported(yb.device, w, yb.dim(0)), op, ": ", yb.dim(0), " rows of this ", w.rows, "x",
-             w.cols, " matrix on ", device_name(yb.device), " do not run on the dense wgmma GEMM "
-             "(linear_bias_xb_supported)");
   LILY_CUDA_CASE(yb.device, linear_bias_gelu_xb(w, xb, bias, yb));
   no_backend(op, yb.device);
 }
@@ -178,15 +184,7 @@ void linear_bias_gelu_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias,
 void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, const Tensor& y) {
   const char* op = "linear_bias_xb";
   const OpSpan span(op);
-  check_tensor(op, "y", y, DType::F32, 2);
-  check_shape(op, "y", y, 1, w.rows);
-  check_tensor(op, "bias", bias, DType::F32, 1);
-  check_shape(op, "bias", bias, 0, w.rows);
-  check_xb(op, xb, y.dim(0), w.cols);
-  LILY_CHECK(xb.device == w.weight.device(), op, ": weight and xb live on different devices");
-  check_same_device(op, {xb, bias, y});
-  LILY_CHECK(linear_bias_xb_supported(y.device, w, y.dim(0)), op, ": ", y.dim(0), " rows of this ", w.rows, "x",
-             w.cols, " matrix on ", device_name(y.device), " take no bf16 X (linear_bias_xb_supported)");
+  check_xb_product(op, w, xb, bias, "y", y, DType::F32);
   LILY_CUDA_CASE(y.device, linear_bias_xb(w, xb, bias, y));
   no_backend(op, y.device);
 }

@@ -104,24 +104,16 @@ __host__ __device__ __forceinline__ uint32_t wg_prmt(uint32_t a, uint32_t b, uin
 #endif
 }
 
+// Bit casts on host and device (a 4-byte memcpy is one register move on the device).
 __host__ __device__ __forceinline__ float wg_f32_of(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
   float f;
   memcpy(&f, &u, 4);
   return f;
-#endif
 }
-
 __host__ __device__ __forceinline__ uint32_t wg_bits_of(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
   uint32_t u;
   memcpy(&u, &f, 4);
   return u;
-#endif
 }
 
 // 8-bit weights: byte c of the words lo and hi (physical k c and c + 4 of a block of 8: the A pair of
