@@ -436,14 +436,16 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
 // Split-K counters of linear_wgmma_tma_kernel (one per tile; zero between launches: the last unit of a
 // tile resets its own). A process-wide scratch like the decode attention's partials: products run one
 // at a time on the device's stream.
-constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 64;
+constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 512;
 constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 threads x BM 64
 __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 
-// Split-K for dense products of short prompts (T <= 64: one 64-row tile per column tile) with fewer
+// Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
 // tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
 // and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
-// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1).
+// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1). Above 64 rows
+// (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit)
+// measured in docs/perf-notes.md (seventh session).
 static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
   if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS || tiles * 2 > sms ||
@@ -485,11 +487,12 @@ static LinearArgs up_of(const LinearArgs& a) {
 // rows of both, one scale index serves both), groups of 64 or more (no 32-wide GATED instance), and no
 // split-K for dense products (short prompts keep the two split products: a gated tile would run all K
 // on few CTAs).
+constexpr int64_t WG_GATED_MIN_DENSE_ROWS = 65;  // below: the two split products
 static bool use_gated_wgmma(const LinearArgs& a) {
   return a.w.bits == 4 && a.up.bits == 4 && use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) &&
          a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
          a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
-         (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
+         (a.tiles.tile_expert != nullptr || a.tiles.M >= WG_GATED_MIN_DENSE_ROWS);
 }
 
 // Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.

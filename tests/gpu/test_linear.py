@@ -369,11 +369,24 @@ def test_linear_gemv_mma_tokens_nonfinite():
 
 def test_linear_deterministic():
     rng = np.random.default_rng(3)
-    for T in (1, 4, 37, 300):  # 37: split-K (two units per column tile, reduced in split order)
+    for T in (1, 4, 37, 146, 300, 520):  # 37-300: split-K (units per tile reduced in split order); 520: unsplit
         m = random_matrix(rng, 1, 300, 512, 4, 64, "BF16")
         wg = ops.QMatrix("cuda", **m)
         x = rng.standard_normal((T, 512)).astype(np.float32)
         assert np.array_equal(ops.linear(wg, 0, x), ops.linear(wg, 0, x))
+
+
+@pytest.mark.parametrize("T", [65, 146, 300, 512])
+@pytest.mark.parametrize("N,K", [(2048, 4096), (2048, 512), (300, 2048)])
+def test_linear_split_k_several_row_tiles(T, N, K, gpu_tol):
+    # Medium prompts: dense products with fewer tiles than half the SMs split K over several 64-row tiles
+    # (linear.cu with_split_k, T <= 512): the out_proj / o_proj shape, the shared expert's down product
+    # (K = 512: two splits) and a partial column tile; against the CPU
+    rng = np.random.default_rng(T + N + K)
+    m = random_matrix(rng, 1, N, K, 4, 64, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), "linear_wgmma", gpu_tol)
 
 
 @pytest.mark.parametrize("bits,group,sdt", [(0, 0, "F32"), (0, 0, "BF16"), (4, 64, "BF16"), (8, 32, "F16"), (2, 128, "F32")])
