@@ -305,8 +305,10 @@ static bool g_run[NUM_KERNELS] = {};
 
 // BM exactly as linear.cu's run_wgmma picks it (the reference uses the same rule).
 static int new_bm(const Problem& p) {
-  const int64_t col_tiles = (p.w->N + WG_BN - 1) / WG_BN;
-  return (!p.grouped && p.w->gs != 32 && (p.M + 127) / 128 * col_tiles >= g_sms) ? 128 : 64;
+  const int64_t col_tiles = (p.w->N + WG_BN - 1) / WG_BN, sms = g_sms;
+  const int64_t t128 = (p.M + 127) / 128 * col_tiles, t64 = (p.M + 63) / 64 * col_tiles;  // linear.cu's dense_wide
+  const bool wide = t128 >= sms || 10 * ((t64 + sms - 1) / sms) > 13 * ((t128 + sms - 1) / sms);
+  return (!p.grouped && p.w->gs != 32 && wide) ? 128 : 64;
 }
 // BM of the tma kernel: new_bm, or the grouped map's rows (moe.cu picks 128 by rows per expert).
 static int tma_bm(const Problem& p) { return p.grouped ? p.tma_rows : new_bm(p); }

@@ -528,6 +528,15 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
 // rules. BITS: the weights' (4 or 8), the same choices for both.
+// 128-row tiles for a dense product (unsplit, groups of 64 or more) when they fill the SMs, or when
+// 64-row tiles would take more rounds of the SMs by more than a 128-row k-tile's extra cost: ~1.3x a
+// 64-row one (~1.0 us at 4K prefill, ~0.8 us at T = 146; docs/perf-notes.md, eighth session). At T = 146
+// in_proj's 147 64-row tiles take two rounds of 132 SMs (51 us), its 98 128-row tiles one.
+static bool dense_wide(int64_t M, int64_t col_tiles, int64_t sms) {
+  const int64_t t128 = ceil_div<int64_t>(M, 128) * col_tiles, t64 = ceil_div<int64_t>(M, 64) * col_tiles;
+  return t128 >= sms || 10 * ceil_div(t64, sms) > 13 * ceil_div(t128, sms);
+}
+
 template <int BITS>
 static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
   const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
@@ -554,7 +563,7 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
   }
-  if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
+  if (!grouped && !gather && !gs32 && dense_wide(a.tiles.M, col_tiles, num_sms()))
     return launch_wgmma<BITS, 128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<BITS, 64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<BITS, 64, false, true>(a, xb, x_count, max_tiles);
