@@ -70,6 +70,15 @@ __host__ __device__ constexpr int ds_splits(int64_t N, int64_t K, int64_t gs, in
 // Element i of a CTA's partials handled in the reduction: token j = i / 128, slice row o' = i % 128; CTA kz
 // takes i in [kz * per, (kz + 1) * per), per = 8 NT * 128 / ks.
 __host__ __device__ constexpr int ds_elems(int nt) { return nt * 8 * DS_SLICE_ROWS; }
+// Where K-part kz (Kp values, nseg segments) starts in a weight row: its first segment and its first group.
+__host__ __device__ constexpr int64_t ds_seg0(int kz, int nseg) { return int64_t(kz) * nseg; }
+__host__ __device__ constexpr int64_t ds_group0(int kz, int64_t Kp, int gshift) { return (int64_t(kz) * Kp) >> gshift; }
+// The partial (float index in P) of token j and slice row o'; a lane's acc[t][n][i] is token 8n + 2c + (i & 1),
+// slice row 32 warp + 16t + g + 8 (i >> 1) (ms_store's mapping).
+__host__ __device__ constexpr int ds_p_at(int j, int ol) { return j * DS_P_STRIDE + ol; }
+__host__ __device__ constexpr int ds_p_lane(int warp, int t, int n, int i, int g, int c) {
+  return ds_p_at(8 * n + 2 * c + (i & 1), warp * 32 + 16 * t + g + 8 * (i >> 1));
+}
 
 #ifdef __CUDACC__
 
@@ -96,8 +105,8 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
         const int64_t row = live ? o0 + 16 * t + g + 8 * h : 0;
         // the K-part's first segment (4 uint4) and group of the row
         rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(a.w.w) + row * wpr) + c +
-                     int64_t(kz) * nseg * 4;
-        rr.sbi[t][h] = uint32_t(row * gpr + ((kz * Kp) >> gshift));
+                     ds_seg0(kz, nseg) * 4;
+        rr.sbi[t][h] = uint32_t(row * gpr + ds_group0(kz, Kp, gshift));
       }
     }
   }
@@ -120,14 +129,13 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
     ms_units<NT>(st, rr, nseg, c, gshift, xs0 + uint32_t(g) * stride, stride, NT, acc);
-    // acc[t][n][2 eh + e]: output o0 + 16t + g + 8eh, token 8n + 2c + e (ms_store's mapping)
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          P[(8 * n + 2 * c + (i & 1)) * DS_P_STRIDE + warp * 32 + 16 * t + g + 8 * (i >> 1)] = acc[t][n][i];
+          P[ds_p_lane(warp, t, n, i, g, c)] = acc[t][n][i];
   }
   cg::cluster_group cluster = cg::this_cluster();
   if (ks > 1) cluster.sync();
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
     const int j = i / DS_SLICE_ROWS, ol = i % DS_SLICE_ROWS;
     const int64_t o = slice0 + ol;
     if (j >= T || o >= N) continue;
-    const int at = j * DS_P_STRIDE + ol;
+    const int at = ds_p_at(j, ol);
     float v = ks > 1 ? cluster.map_shared_rank(P, 0)[at] : P[at];
     for (int q = 1; q < ks; ++q) v += cluster.map_shared_rank(P, q)[at];
     float* y = a.y + j * a.ldy + o;
