@@ -675,8 +675,13 @@ void launch_dense_small(const Affine& W, int c, const float* x, float* y, int T)
   }
   void (*kernels[])(LinearArgs, bool) = {dense_small_kernel<1>, dense_small_kernel<2>, dense_small_kernel<3>,
                                          dense_small_kernel<4>};
+  static const bool configured = [&] {  // at the first (checking) launch, before any graph capture
+    for (const auto k : kernels)
+      CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
   const auto kernel = kernels[nt - 1];
-  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
