@@ -19,7 +19,13 @@
 //   Variants: today (linear_gemv_mma_kernel at mma_plan_for's plan), bulk late (copies issued before the
 //   wait, trigger after it), bulk early (trigger before the wait as well), mixed, and bulk with the copies
 //   after the wait (moe_up's case: its rows are known only after the router).
-//   Run: bash benchmarks/chain_lab.sh
+//   Persistent (one kernel for the chain, below): with and without the dependency waits, 8 warps a tile or a
+//   warp a tile, and the consumer math (chain_lab_math.cuh): today's integer digits, (a) the digits with 2 / 4
+//   segments a step, (b) x as three bf16 terms on m16n8k16. Then a table of errors (the last layer against
+//   today's kernel and against fp64), and the timeline rows: per phase kind, medians and 90th percentiles
+//   over CTAs of hand-over, x staging, math, store + fence and count (%globaltimer stamps; separate
+//   instances, the timed rows have none).
+//   Run: bash benchmarks/chain_lab.sh (CPU check of the math policies: tests/test_chain_lab_emu.py)
 #include <cuda_runtime.h>
 
 #include <algorithm>

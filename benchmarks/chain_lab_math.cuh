@@ -200,8 +200,17 @@ struct PsBf3 {
       }
     }
   };
-  // BF16 pair (128 + nibble 0, 128 + nibble 4) of w: exact.
-  __host__ __device__ static uint32_t a_pair(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
+  // BF16 pair (128 + nibble 0, 128 + nibble 4) of w: exact. One LOP3 (written out: from C, ptxas split it
+  // into two, an AND and an OR, both with immediates).
+  __host__ __device__ static uint32_t a_pair(uint32_t w) {
+#ifdef __CUDA_ARCH__
+    uint32_t v;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(v) : "r"(w));
+    return v;
+#else
+    return (w & 0x000F000Fu) | 0x43004300u;
+#endif
+  }
   // Octet o of x (values v) into the staged terms.
   __host__ __device__ static void store_octet(const float (&v)[8], int o, uint8_t* xs) {
     uint32_t t[3][8];  // the terms' BF16 bits
