@@ -40,6 +40,7 @@
 #include "cuda/kernels/gemv_mma.cuh"
 #include "cuda/kernels/wgmma.cuh"
 #include "chain_lab_math.cuh"
+#include "chain_lab_timeline.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -184,7 +185,6 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) bulk_gemv_kernel(const BulkPar
 // chunks (warp w takes segments 2w, 2w + 1 of each chunk; a warp frees a slot as soon as it has read it),
 // the 8 warps' row sums in ascending order, y; at the end of the phase, fence and count the phase done.
 constexpr int PS_SLOTS = 10, PS_SLOT_BYTES = 18 * 1024, PS_THREADS = PS_CONSUMERS + 32;  // chain_lab_math.cuh: items
-constexpr int PS_TL_STAMPS = 5;  // timeline stamps a CTA and phase (persist_chain_kernel, TL)
 
 struct PsPhase {
   const uint32_t* w;
@@ -197,7 +197,7 @@ struct PsParams {
   const PsPhase* ph;
   int phases;
   unsigned* done;          // [phases], zeroed before the launch
-  unsigned long long* tl;  // TL only: [phases][grid][PS_TL_STAMPS] %globaltimer ns
+  PsStamp* tl;       // TL only: [phases][grid][PS_TL_STAMPS]
 };
 
 __device__ __forceinline__ unsigned ps_ld_acquire(const unsigned* p) {
@@ -209,16 +209,17 @@ __device__ __forceinline__ void mbar_arrive_n(uint32_t bar, uint32_t n) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
 }
 __device__ __forceinline__ void ps_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-__device__ __forceinline__ unsigned long long ps_now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  return t;
+__device__ __forceinline__ PsStamp ps_now() {
+  PsStamp s;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(s.clk)::"memory");
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(s.gt)::"memory");
+  return s;
 }
 
 // NO_MATH: consumers only await and free the slots (the ring's own stream rate). SLOTS: ring slots (10 at
 // one CTA a SM, 5 at two). WARP_TILES: one-chunk phases (K = 2,048) take a warp a tile (y from the warp, no
 // barrier) instead of 8 warps a tile's K-parts. M: the consumer math (PsDigits<1>: today's).
-// TL (timeline; with the dependency waits): thread 0 stamps %globaltimer per phase into p.tl: [0] its poll
+// TL (timeline; with the dependency waits): thread 0 stamps (ps_now) per phase into p.tl: [0] its poll
 // done (dependency satisfied), [1] x staged (after the barrier), [2] the CTA's last math done (the latest of
 // the warps' stamps after their last tile's math), [3] y stored and fenced (after the barrier that follows
 // the fences), [4] the phase counted (after the atomic returned). The untimed instances have no stamps.
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
   extern __shared__ __align__(128) uint8_t sm[];
   __shared__ __align__(8) uint64_t full[SLOTS], empty[SLOTS];
   __shared__ float red[2][MMA_WARPS][16];  // by tile parity: one barrier a tile
-  __shared__ unsigned long long math_done[TL ? MMA_WARPS : 1];
+  __shared__ PsStamp math_done[TL ? MMA_WARPS : 1];
   uint8_t* ring = sm;
   uint8_t* xs = sm + SLOTS * PS_SLOT_BYTES;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, G = int(gridDim.x), c = int(blockIdx.x);
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
     const PsPhase ph = p.ph[ph_i];
     int t0;
     const int nt = my_tiles(ph, t0), chunks = ph.cols / PS_CHUNK_VALS;
-    unsigned long long stamp[PS_TL_STAMPS] = {}, tmath = 0;
+    PsStamp stamp[PS_TL_STAMPS] = {}, tmath = {};
     if (!NO_DEP && ph_i > 0 && tid == 0)
       while (ps_ld_acquire(&p.done[ph_i - 1]) < unsigned(G)) {
       }
@@ -344,9 +345,10 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
           const unsigned before = atomicAdd(&p.done[ph_i], 1u);
           if (before >= unsigned(G)) __trap();  // counted twice: a protocol bug (the stamp waits for the atomic)
           stamp[4] = ps_now();
-          for (int w = 0; w < MMA_WARPS; ++w) stamp[2] = max(stamp[2], math_done[w]);
-          if (stamp[2] == 0) stamp[2] = stamp[1];  // no tiles this phase
-          unsigned long long* out = p.tl + (size_t(ph_i) * G + c) * PS_TL_STAMPS;
+          stamp[2] = stamp[1];  // the latest warp (clock64: one SM), or x staged if no warp had a tile
+          for (int w = 0; w < MMA_WARPS; ++w)
+            if (math_done[w].clk > stamp[2].clk) stamp[2] = math_done[w];
+          PsStamp* out = p.tl + (size_t(ph_i) * G + c) * PS_TL_STAMPS;
           for (int k = 0; k < PS_TL_STAMPS; ++k) out[k] = stamp[k];
         }
       }
@@ -586,37 +588,15 @@ double rel_diff64(const std::vector<float>& a, const std::vector<double>& ref) {
   return d / m;
 }
 
-// Timeline rows of one run (stamps [phases][G][PS_TL_STAMPS], persist_chain_kernel TL): per phase kind (A:
-// even phases, B: odd; phase 0 left out), median / 90th percentile over CTAs and phases of each interval:
-// hand-over = dependency satisfied - the previous phase's last count (over all CTAs), then stage x, math,
-// store + fence, count; phase = last count - the previous phase's last count. Also the smallest step
-// seen between distinct stamps (the timer's resolution, if coarse).
-void print_timeline(const char* name, const std::vector<unsigned long long>& st, int phases, int G) {
-  auto at = [&](int p, int c, int k) { return double(st[(size_t(p) * G + c) * PS_TL_STAMPS + k]); };
-  std::vector<unsigned long long> all(st);
-  std::sort(all.begin(), all.end());
-  unsigned long long step = ~0ull;
-  for (size_t i = 1; i < all.size(); ++i)
-    if (all[i] > all[i - 1] && all[i - 1] > 0) step = std::min(step, all[i] - all[i - 1]);
+// Timeline rows of one run (chain_lab_timeline.h: what each column is).
+void print_timeline(const char* name, const std::vector<PsStamp>& st, int phases, int G) {
+  const PsTimeline r = ps_timeline(st, phases, G);
   for (int kind = 0; kind < 2; ++kind) {
-    std::vector<double> iv[6];
-    for (int p = kind == 0 ? 2 : 1; p < phases; p += 2) {
-      double prev = 0, last = 0;
-      for (int c = 0; c < G; ++c) prev = std::max(prev, at(p - 1, c, 4)), last = std::max(last, at(p, c, 4));
-      for (int c = 0; c < G; ++c) {
-        iv[0].push_back(at(p, c, 0) - prev);
-        for (int k = 1; k < PS_TL_STAMPS; ++k) iv[k].push_back(at(p, c, k) - at(p, c, k - 1));
-      }
-      iv[5].push_back(last - prev);
-    }
     std::printf("| persistent%s | %s", name, kind == 0 ? "A" : "B");
-    for (std::vector<double>& v : iv) {
-      std::sort(v.begin(), v.end());
-      std::printf(" | %.0f / %.0f", v[v.size() / 2], v[v.size() * 9 / 10]);
-    }
+    for (int i = 0; i < 6; ++i) std::printf(" | %.0f / %.0f", r.med[kind][i], r.p90[kind][i]);
     std::printf(" |\n");
   }
-  std::printf("(%s: the smallest step between distinct stamps: %llu ns)\n", name, step);
+  std::printf("(%s: fit %.3f GHz, rms residual %.0f ns; %%globaltimer step %llu ns)\n", name, r.ghz, r.rms, r.step);
 }
 
 int main_lab() {
@@ -697,7 +677,7 @@ int main_lab() {
     const int phases = int(hp.size());
     PsPhase* dp = dalloc<PsPhase>(hp.size());
     unsigned* done = dalloc<unsigned>(hp.size());
-    unsigned long long* tl = dalloc<unsigned long long>(size_t(phases) * g_sms * PS_TL_STAMPS);
+    PsStamp* tl = dalloc<PsStamp>(size_t(phases) * g_sms * PS_TL_STAMPS);
     CK(cudaMemcpy(dp, hp.data(), hp.size() * sizeof(PsPhase), cudaMemcpyHostToDevice));
     const PsParams pp{dp, phases, done, tl};
     std::vector<PsVariant> vs = ps_variants();
@@ -739,13 +719,13 @@ int main_lab() {
     std::printf("\ntimeline (ns, median / p90 over CTAs and phases of a kind; hand-over from the previous phase's last"
                 " count):\n\n| variant | kind | hand-over | stage x | math | store + fence | count | phase |\n"
                 "|---|---|---:|---:|---:|---:|---:|---:|\n");
-    std::vector<unsigned long long> st(size_t(phases) * g_sms * PS_TL_STAMPS);
+    std::vector<PsStamp> st(size_t(phases) * g_sms * PS_TL_STAMPS);
     for (const PsVariant& v : vs) {
       if (!v.timeline) continue;
       launch(v);  // warm
       launch(v);
       CK(cudaStreamSynchronize(g_stream));
-      CK(cudaMemcpy(st.data(), tl, st.size() * 8, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(st.data(), tl, st.size() * sizeof(PsStamp), cudaMemcpyDeviceToHost));
       print_timeline(v.name, st, phases, g_sms);
     }
   }

@@ -7,7 +7,10 @@
 //   2 (the 8-warp loop), three seeds: max |y - y64| / max |y64| <= 1e-6 (PsDigits), 5e-6 (PsBf3: its fp32
 //   sums carry the 128 offset; each emulated mma rounds once);
 //   PsBf3's staged B reads: the 8 lanes of each quarter warp read 16-byte units at distinct bank positions
-//   (or the same unit), the zero units included, for every segment and m: conflict-free ld.shared.v4.
+//   (or the same unit), the zero units included, for every segment and m: conflict-free ld.shared.v4;
+//   the timeline's reduction (chain_lab_timeline.h) on synthetic stamps: 8 CTAs x 128 phases with known
+//   intervals, each SM's clock64 at its own rate and origin, %globaltimer ticking at 1 us from ~1.7e18 ns:
+//   every median within 30 ns of the truth, the fitted clock within 0.1%.
 // The staged x is written as the policies' stage() writes it (PsDigits: gemv_mma's mma_block_scale /
 // mma_octet_digits / mma_xd_store; PsBf3: store_octet), with the same octet sum tree. Host code only (nvcc,
 // -std=c++20); exits non-zero and prints FAIL on any mismatch.
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "../../benchmarks/chain_lab_math.cuh"
+#include "../../benchmarks/chain_lab_timeline.h"
 
 using namespace lily::cuda;
 using namespace lily::cuda::lab;
@@ -232,6 +236,44 @@ static void check_bf3_banks() {
   std::printf("%s PsBf3 staged B reads conflict-free per quarter warp\n", ok ? "ok  " : "FAIL");
 }
 
+// Synthetic run: phase p of CTA c waits hand-over + 10c ns after the previous phase's last count, then the
+// stage, math, store and count intervals of its kind (A or B, + 5c ns each); clock64 of CTA c runs at
+// 1.9 + 0.01c GHz from its own origin; %globaltimer = the true time floored to 1 us, plus 1.7e18.
+static void check_timeline() {
+  const int G = 8, phases = 128;
+  const double iv[2][5] = {{700, 900, 3300, 300, 400}, {650, 1300, 1000, 250, 450}};
+  std::vector<PsStamp> st(size_t(phases) * G * PS_TL_STAMPS);
+  double last = 5e5;
+  for (int p = 0; p < phases; ++p) {
+    double next = 0;
+    for (int c = 0; c < G; ++c) {
+      double t = last;
+      for (int k = 0; k < PS_TL_STAMPS; ++k) {
+        t += iv[p % 2][k] + (k == 0 ? 10.0 * c : 5.0 * c);
+        const double ghz = 1.9 + 0.01 * c;
+        st[(size_t(p) * G + c) * PS_TL_STAMPS + k] = {1700000000000000000ull + uint64_t(std::floor(t / 1000.0)) * 1000ull,
+                                                      uint64_t(1e9 * (c + 1) + t * ghz)};
+      }
+      next = std::max(next, t);
+    }
+    last = next;
+  }
+  const PsTimeline r = ps_timeline(st, phases, G);
+  bool ok = std::fabs(r.ghz / 1.94 - 1.0) < 1e-3 && r.step == 1000;  // the upper median CTA: c = 4, 1.94 GHz
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int k = 0; k < 5; ++k) {  // the median CTA: c = 4 (of 0..7, the upper median)
+      const double want = iv[kind][k] + (k == 0 ? 40.0 : 20.0);
+      if (std::fabs(r.med[kind][k] - want) > 30.0) ok = false, std::printf("  kind %d interval %d: %.0f, want %.0f\n", kind, k, r.med[kind][k], want);
+    }
+    double span = 0;  // phase: the last CTA's (c = 7) five intervals
+    for (int k = 0; k < 5; ++k) span += iv[kind][k] + (k == 0 ? 70.0 : 35.0);
+    if (std::fabs(r.med[kind][5] - span) > 30.0) ok = false, std::printf("  kind %d phase: %.0f, want %.0f\n", kind, r.med[kind][5], span);
+  }
+  if (!ok) ++failures;
+  std::printf("%s timeline from synthetic stamps (fit %.3f GHz, rms %.0f ns, step %llu ns)\n", ok ? "ok  " : "FAIL", r.ghz,
+              r.rms, r.step);
+}
+
 int main() {
   std::mt19937 rng(7);
   for (int rep = 0; rep < 3; ++rep) {
@@ -243,6 +285,7 @@ int main() {
     check_case<PsBf3, 1>("PsBf3", 5e-6, rng);
   }
   check_bf3_banks();
+  check_timeline();
   if (failures) return 1;
   std::printf("all passed\n");
   return 0;
