@@ -1,6 +1,6 @@
 // chain_lab's consumer math (benchmarks/chain_lab.cu, persist_chain_kernel's policy M): how x is staged in
 // shared memory, and a step of N segments of a ring item into a lane's row partials. Lab code, not the
-// engine's; the step functions and the staged layouts are host-callable so that benchmarks/chain_lab_emu.cu
+// engine's; the step functions and the staged layouts are host-callable so that tests/emu/chain_lab_emu.cu
 // checks the fragment mapping on the CPU (mma.sync emulated through the Mma parameter).
 //
 // An item in a ring slot: W [16 rows][1 KB] (row r at r * PS_CHUNK_W, segment ls at 64 ls: 128 4-bit values,
@@ -55,8 +55,9 @@ __host__ __device__ __forceinline__ uint32_t ps_word(const uint4& v, int m) {
 //   SPS = 1: gemv_mma's segment step as is (the rows measured before; device only).
 //   SPS = 2, 4 (variant a): a step's N segments each into their own partials (N independent IMMA -> epilogue
 //   chains, summed at the end, instead of one FFMA chain through acc); the two rows' scales and biases of
-//   the N segments in one 8- or 16-byte load per row (one 4-byte load per row and segment before, 4-way bank
-//   conflicted); lanes without a digit column read the zero block (no predicated loads, no register zeroing).
+//   the N segments in one 8- or 16-byte load per row (SPS = 1 loads 4 bytes per row and segment, which
+//   ptxas merges only where it unrolls 4 segments); lanes without a digit column read the zero block (no
+//   predicated loads, no register zeroing).
 template <int SPS>
 struct PsDigits {
   static_assert(SPS == 1 || SPS == 2 || SPS == 4, "1, 2 or 4 segments a step");
