@@ -520,7 +520,8 @@ def test_embedding_clamps_ids():
     (4096, 32, 128, 2048, 64, 4),  # GDN out_proj at a 4K prefill: 128-row tiles
     (300, 32, 128, 2048, 64, 4),   # 64-row tiles, a partial last tile
     (40, 32, 128, 2048, 64, 4),    # T <= 64: split-K, its partials after X in the workspace
-    (9, 4, 128, 320, 32, 4),       # the fewest rows the GEMM takes; group 32, a partial column tile
+    (33, 4, 128, 320, 32, 4),      # the fewest rows the GEMM takes at 4 bits (T <= 32: dense_small); group 32,
+                                   # a partial column tile
     (100, 4, 24, 256, 32, 4),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
     (300, 32, 128, 2048, 64, 8),   # 8-bit weights read the same Xb
     (40, 32, 128, 2048, 32, 8),    # 8-bit, split-K, group 32
