@@ -519,7 +519,8 @@ static double check(Kernel k, Problem& p, bool& ok, double& vs_wgmma) {
       rmax = std::max(rmax, std::fabs(double(p.hy_wgmma[i])));
     }
     vs_wgmma = same ? -1.0 : dmax / std::max(rmax, 1e-300);
-    if (!(same || vs_wgmma <= 1e-6)) ok = false;  // NaN lands here too
+    // split-K rows sum the k-slices in another order: ~sqrt(K) fp32 roundings, up to ~4e-6 at K = 4096
+    if (!(same || vs_wgmma <= (g_split > 1 ? 1e-5 : 1e-6))) ok = false;  // NaN lands here too
   }
   if (!ok) {
     std::printf("FAIL: %s %s: %lld non-finite outputs of %lld, sampled rel err %.3e, vs wgmma %.3e\n", p.name,
