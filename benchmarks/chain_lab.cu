@@ -19,19 +19,28 @@
 //   Variants: today (linear_gemv_mma_kernel at mma_plan_for's plan), bulk late (copies issued before the
 //   wait, trigger after it), bulk early (trigger before the wait as well), mixed, and bulk with the copies
 //   after the wait (moe_up's case: its rows are known only after the router).
-//   Run: bash benchmarks/chain_lab.sh
+//   Persistent (one kernel for the chain, below): with and without the dependency waits, 8 warps a tile or a
+//   warp a tile, and the consumer math (chain_lab_math.cuh): today's integer digits, (a) the digits with 2 / 4
+//   segments a step, (b) x as three bf16 terms on m16n8k16. Then a table of errors (the last layer against
+//   today's kernel and against fp64), and the timeline rows: per phase kind, medians and 90th percentiles
+//   over CTAs of hand-over, x staging, math, store + fence and count (%globaltimer stamps; separate
+//   instances, the timed rows have none).
+//   Run: bash benchmarks/chain_lab.sh (CPU check of the math policies: tests/test_chain_lab_emu.py)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "cuda/gemv_plan.h"
 #include "cuda/kernels/gemv_mma.cuh"
 #include "cuda/kernels/wgmma.cuh"
+#include "chain_lab_math.cuh"
+#include "chain_lab_timeline.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -172,11 +181,10 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) bulk_gemv_kernel(const BulkPar
 // into the next free slot of a PS_SLOTS ring (full: tx bytes; empty: one arrival per consumer warp), never
 // waiting for activations: later phases' weights stream while the consumers wait for the phase before.
 // Consumers, per phase: wait until every CTA has counted phase p - 1 done (thread 0 polls an acquire
-// load; PS_NO_DEP skips it: the stream's own ceiling), stage x, then per tile its chunks (warp w takes
-// segments 2w, 2w + 1 of each chunk; a warp frees a slot as soon as it has read it), the 8 warps' row sums
-// in ascending order, y; at the end of the phase, fence and count the phase done.
-constexpr int PS_SLOTS = 10, PS_SLOT_BYTES = 18 * 1024, PS_CONSUMERS = 256, PS_THREADS = PS_CONSUMERS + 32;
-constexpr int PS_CHUNK_VALS = 2048, PS_CHUNK_W = PS_CHUNK_VALS / 2, PS_CHUNK_G = PS_CHUNK_VALS / 64 * 2;  // bytes a row
+// load; PS_NO_DEP skips it: the stream's own ceiling), stage x (the math policy's form), then per tile its
+// chunks (warp w takes segments 2w, 2w + 1 of each chunk; a warp frees a slot as soon as it has read it),
+// the 8 warps' row sums in ascending order, y; at the end of the phase, fence and count the phase done.
+constexpr int PS_SLOTS = 10, PS_SLOT_BYTES = 18 * 1024, PS_THREADS = PS_CONSUMERS + 32;  // chain_lab_math.cuh: items
 
 struct PsPhase {
   const uint32_t* w;
@@ -188,7 +196,8 @@ struct PsPhase {
 struct PsParams {
   const PsPhase* ph;
   int phases;
-  unsigned* done;  // [phases], zeroed before the launch
+  unsigned* done;          // [phases], zeroed before the launch
+  PsStamp* tl;       // TL only: [phases][grid][PS_TL_STAMPS]
 };
 
 __device__ __forceinline__ unsigned ps_ld_acquire(const unsigned* p) {
@@ -196,25 +205,37 @@ __device__ __forceinline__ unsigned ps_ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-#define SLOT_BYTES_(S) PS_SLOT_BYTES
 __device__ __forceinline__ void mbar_arrive_n(uint32_t bar, uint32_t n) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
 }
 __device__ __forceinline__ void ps_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ PsStamp ps_now() {
+  PsStamp s;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(s.clk)::"memory");
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(s.gt)::"memory");
+  return s;
+}
 
 // NO_MATH: consumers only await and free the slots (the ring's own stream rate). SLOTS: ring slots (10 at
-// one CTA a SM, 5 at two).
-// WARP_TILES: one-chunk phases (K = 2,048) take a warp a tile (y from the warp, no barrier) instead of 8 warps
-// a tile's K-parts.
-template <bool NO_DEP, bool NO_MATH = false, int SLOTS = PS_SLOTS, bool WARP_TILES = false>
+// one CTA a SM, 5 at two). WARP_TILES: one-chunk phases (K = 2,048) take a warp a tile (y from the warp, no
+// barrier) instead of 8 warps a tile's K-parts. M: the consumer math (PsDigits<1>: today's).
+// TL (timeline; with the dependency waits): thread 0 stamps (ps_now) per phase into p.tl: [0] its poll
+// done (dependency satisfied), [1] x staged (after the barrier), [2] the CTA's last math done (the latest of
+// the warps' stamps after their last tile's math), [3] y stored and fenced (after the barrier that follows
+// the fences), [4] the phase counted (after the atomic returned). The untimed instances have no stamps.
+template <bool NO_DEP, bool NO_MATH = false, int SLOTS = PS_SLOTS, bool WARP_TILES = false, class M = PsDigits<1>,
+          bool TL = false>
 __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsParams p) {
-  constexpr int BITS = 4, NG = 2, VB = MmaSeg<BITS>::VALS / NG, CSEG = PS_CHUNK_VALS / MmaSeg<BITS>::VALS;
-  constexpr int WB = 16 * PS_CHUNK_W, SB = 16 * PS_CHUNK_G;  // an item's weight and scale bytes
+  static_assert(!TL || !NO_DEP, "the timeline stamps the dependency hand-overs");
+  constexpr int SPW = PS_CSEG / MMA_WARPS;                 // segments a warp takes of a chunk (8 warps a tile)
+  constexpr int NS = M::STEP < SPW ? M::STEP : SPW;        // ... in steps of NS
+  constexpr int WT_UNROLL = M::STEP == 1 ? 4 : 1;          // warp-a-tile loop: today's unroll
   extern __shared__ __align__(128) uint8_t sm[];
   __shared__ __align__(8) uint64_t full[SLOTS], empty[SLOTS];
   __shared__ float red[2][MMA_WARPS][16];  // by tile parity: one barrier a tile
+  __shared__ PsStamp math_done[TL ? MMA_WARPS : 1];
   uint8_t* ring = sm;
-  uint2* xd = reinterpret_cast<uint2*>(sm + SLOTS * PS_SLOT_BYTES);
+  uint8_t* xs = sm + SLOTS * PS_SLOT_BYTES;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, G = int(gridDim.x), c = int(blockIdx.x);
   if (tid == 0) {
     for (int i = 0; i < SLOTS; ++i) mbar_init(smem_u32(&full[i]), 1), mbar_init(smem_u32(&empty[i]), MMA_WARPS);
@@ -238,105 +259,99 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
         if (round > 0) mbar_wait(smem_u32(&empty[slot]), (round - 1) & 1);
         const uint32_t bar = smem_u32(&full[slot]), dst = smem_u32(ring + slot * PS_SLOT_BYTES);
         const int64_t item = int64_t(t0) * chunks + i;  // chunk-major: items of a tile are consecutive
-        mbar_arrive_expect_tx(bar, uint32_t(WB + 2 * SB));
-        bulk_copy(dst, reinterpret_cast<const uint8_t*>(ph.w) + item * WB, WB, bar);
-        bulk_copy(dst + WB, reinterpret_cast<const uint8_t*>(ph.s) + item * SB, SB, bar);
-        bulk_copy(dst + WB + SB, reinterpret_cast<const uint8_t*>(ph.b) + item * SB, SB, bar);
+        mbar_arrive_expect_tx(bar, uint32_t(PS_ITEM_W + 2 * PS_ITEM_S));
+        bulk_copy(dst, reinterpret_cast<const uint8_t*>(ph.w) + item * PS_ITEM_W, PS_ITEM_W, bar);
+        bulk_copy(dst + PS_ITEM_W, reinterpret_cast<const uint8_t*>(ph.s) + item * PS_ITEM_S, PS_ITEM_S, bar);
+        bulk_copy(dst + PS_ITEM_W + PS_ITEM_S, reinterpret_cast<const uint8_t*>(ph.b) + item * PS_ITEM_S, PS_ITEM_S, bar);
       }
     }
     return;
   }
-  const MmaLane<BITS, NG> L(lane);
+  const typename M::Lane ln(lane);
+  const int g = lane >> 2, t = lane & 3;
   int it = 0;
   for (int ph_i = 0; ph_i < p.phases; ++ph_i) {
     const PsPhase ph = p.ph[ph_i];
     int t0;
     const int nt = my_tiles(ph, t0), chunks = ph.cols / PS_CHUNK_VALS;
-    float* xe = reinterpret_cast<float*>(xd + ph.cols / 8 * 3);
-    float* xsum = xe + ph.cols / VB;
+    PsStamp stamp[PS_TL_STAMPS] = {}, tmath = {};
     if (!NO_DEP && ph_i > 0 && tid == 0)
       while (ps_ld_acquire(&p.done[ph_i - 1]) < unsigned(G)) {
       }
+    if (TL && tid == 0) stamp[0] = ps_now();
     ps_consumer_sync();
-    {  // stage x: octet o by thread o (+ 256): whole warps call mma_stage_octet
-      const int octets = ph.cols / 8;
-      for (int base = 0; base < octets; base += PS_CONSUMERS) {
-        const int o = base + tid;
-        float v[8] = {};
-        if (o < octets) {
-          const float4* q = reinterpret_cast<const float4*>(ph.x) + 2 * o;
-          const float4 a = q[0], b = q[1];
-          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        }
-        mma_stage_octet<BITS, VB>(v, o, octets, xd, xe, xsum);
-      }
-    }
+    M::stage(ph.x, ph.cols, xs, tid);
     ps_consumer_sync();
+    if (TL && tid == 0) stamp[1] = ps_now();
     bool stored = false;
-    auto segment = [&](const uint8_t* base, int ls, int h, float (&acc)[2]) {
-      const uint8_t* w0 = base + L.g * PS_CHUNK_W + L.t * 16;
-      const uint8_t* s0 = base + WB + L.g * PS_CHUNK_G;
-      const uint8_t* b0 = base + WB + SB + L.g * PS_CHUNK_G;
-      MmaStage st;
-      st.w[0][0] = *reinterpret_cast<const uint4*>(w0 + ls * 64);
-      st.w[0][1] = *reinterpret_cast<const uint4*>(w0 + 8 * PS_CHUNK_W + ls * 64);
-      st.s[0][0] = *reinterpret_cast<const uint32_t*>(s0 + ls * 4);
-      st.s[0][1] = *reinterpret_cast<const uint32_t*>(s0 + 8 * PS_CHUNK_G + ls * 4);
-      st.b[0][0] = *reinterpret_cast<const uint32_t*>(b0 + ls * 4);
-      st.b[0][1] = *reinterpret_cast<const uint32_t*>(b0 + 8 * PS_CHUNK_G + ls * 4);
-      mma_segment<BITS, NG>(L, st, 0, h * CSEG + ls, xd, xe, xsum, acc);
-    };
     auto quad_sum = [&](float (&acc)[2]) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
         acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
       }
+      if (TL) tmath = ps_now();
     };
     if (WARP_TILES && chunks == 1) {  // a warp a tile: its 16 segments alone, no CTA barrier
       for (int j = warp; j < nt; j += MMA_WARPS) {
         const int i = it + j, slot = i % SLOTS, round = i / SLOTS;
         mbar_wait(smem_u32(&full[slot]), round & 1);
-        const uint8_t* base = ring + slot * SLOT_BYTES_(SLOTS);
+        const uint8_t* base = ring + slot * PS_SLOT_BYTES;
         float acc[2] = {0.f, 0.f};
         if (!NO_MATH)
-#pragma unroll 4
-          for (int ls = 0; ls < CSEG; ++ls) segment(base, ls, 0, acc);
+#pragma unroll WT_UNROLL
+          for (int ls = 0; ls < PS_CSEG; ls += M::STEP) M::template step<M::STEP>(ln, base, ls, ls, xs, ph.cols, acc);
         __syncwarp();
         if (lane == 0) mbar_arrive_n(smem_u32(&empty[slot]), MMA_WARPS);
         quad_sum(acc);
-        if (L.t == 0) ph.y[int64_t(t0 + j) * 16 + L.g] = acc[0], ph.y[int64_t(t0 + j) * 16 + L.g + 8] = acc[1];
-        stored = L.t == 0;
+        if (t == 0) ph.y[int64_t(t0 + j) * 16 + g] = acc[0], ph.y[int64_t(t0 + j) * 16 + g + 8] = acc[1];
+        stored = t == 0;
       }
       it += nt;
     } else {
-    for (int j = 0; j < nt; ++j) {
-      float acc[2] = {0.f, 0.f};
-      for (int h = 0; h < chunks; ++h, ++it) {
-        const int slot = it % SLOTS, round = it / SLOTS;
-        mbar_wait(smem_u32(&full[slot]), round & 1);
-        const uint8_t* base = ring + slot * SLOT_BYTES_(SLOTS);
+      for (int j = 0; j < nt; ++j) {
+        float acc[2] = {0.f, 0.f};
+        for (int h = 0; h < chunks; ++h, ++it) {
+          const int slot = it % SLOTS, round = it / SLOTS;
+          mbar_wait(smem_u32(&full[slot]), round & 1);
+          const uint8_t* base = ring + slot * PS_SLOT_BYTES;
 #pragma unroll
-        for (int q = 0; q < (NO_MATH ? 0 : CSEG / MMA_WARPS); ++q) segment(base, warp * (CSEG / MMA_WARPS) + q, h, acc);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_u32(&empty[slot]));
-      }
-      quad_sum(acc);
-      float(*rd)[16] = red[j & 1];
-      if (L.t == 0) rd[warp][L.g] = acc[0], rd[warp][L.g + 8] = acc[1];
-      ps_consumer_sync();  // rd written by every warp (red[other] read before: the previous tile's barrier)
-      if (tid < 16) {
-        float v = 0.f;
-        for (int k = 0; k < MMA_WARPS; ++k) v += rd[k][tid];
-        ph.y[int64_t(t0 + j) * 16 + tid] = v;
-        stored = true;
+          for (int q = 0; q < (NO_MATH ? 0 : SPW); q += NS)
+            M::template step<NS>(ln, base, warp * SPW + q, h * PS_CSEG + warp * SPW + q, xs, ph.cols, acc);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(smem_u32(&empty[slot]));
+        }
+        quad_sum(acc);
+        float(*rd)[16] = red[j & 1];
+        if (t == 0) rd[warp][g] = acc[0], rd[warp][g + 8] = acc[1];
+        ps_consumer_sync();  // rd written by every warp (red[other] read before: the previous tile's barrier)
+        if (tid < 16) {
+          float v = 0.f;
+          for (int k = 0; k < MMA_WARPS; ++k) v += rd[k][tid];
+          ph.y[int64_t(t0 + j) * 16 + tid] = v;
+          stored = true;
+        }
       }
     }
-    }
+    if (TL && lane == 0) math_done[warp] = tmath;
     if (!NO_DEP) {  // the storing threads fence their y, then thread 0 counts the phase done
       if (stored) __threadfence();
       ps_consumer_sync();
-      if (tid == 0) atomicAdd(&p.done[ph_i], 1u);
+      if (tid == 0) {
+        if constexpr (!TL) {
+          atomicAdd(&p.done[ph_i], 1u);
+        } else {
+          stamp[3] = ps_now();
+          const unsigned before = atomicAdd(&p.done[ph_i], 1u);
+          if (before >= unsigned(G)) __trap();  // counted twice: a protocol bug (the stamp waits for the atomic)
+          stamp[4] = ps_now();
+          stamp[2] = stamp[1];  // the latest warp (clock64: one SM), or x staged if no warp had a tile
+          for (int w = 0; w < MMA_WARPS; ++w)
+            if (math_done[w].clk > stamp[2].clk) stamp[2] = math_done[w];
+          PsStamp* out = p.tl + (size_t(ph_i) * G + c) * PS_TL_STAMPS;
+          for (int k = 0; k < PS_TL_STAMPS; ++k) out[k] = stamp[k];
+        }
+      }
     }
   }
 }
@@ -494,6 +509,96 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& ref) {
   return d / m;
 }
 
+// ---- persistent variants, their errors and timelines (host) -------------------------------------------------
+struct PsVariant {
+  const char* name;
+  void (*k)(PsParams);
+  int slots, per_sm;
+  bool no_dep, no_math, timeline;
+  size_t (*x_bytes)(int);
+  size_t smem;
+};
+template <bool ND, bool NM, int SL, bool WT, class M, bool TL = false>
+PsVariant ps_variant(const char* name, int per_sm = 1) {
+  return {name, persist_chain_kernel<ND, NM, SL, WT, M, TL>, SL, per_sm, ND, NM, TL, M::x_bytes, 0};
+}
+std::vector<PsVariant> ps_variants() {
+  using D1 = PsDigits<1>;
+  constexpr int S = PS_SLOTS, S2 = PS_SLOTS / 2;
+  return {ps_variant<false, false, S, false, D1>(""),
+          ps_variant<true, false, S, false, D1>(", no dependency waits"),
+          ps_variant<true, true, S, false, D1>(", no dependency waits, no math"),
+          ps_variant<false, false, S2, false, D1>(", 2 CTAs a SM", 2),
+          ps_variant<true, false, S2, false, D1>(", 2 CTAs a SM, no dependency waits", 2),
+          ps_variant<false, false, S, true, D1>(", A a warp a tile"),
+          ps_variant<true, false, S, true, D1>(", A a warp a tile, no dependency waits"),
+          ps_variant<false, false, S, false, PsDigits<2>>(", (a) digits 2 segments a step"),
+          ps_variant<true, false, S, false, PsDigits<2>>(", (a) digits 2 segments a step, no dependency waits"),
+          ps_variant<false, false, S, true, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step"),
+          ps_variant<true, false, S, true, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step, no dependency waits"),
+          ps_variant<false, false, S, false, PsBf3>(", (b) bf16 x 3 terms"),
+          ps_variant<true, false, S, false, PsBf3>(", (b) bf16 x 3 terms, no dependency waits"),
+          ps_variant<false, false, S, true, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms"),
+          ps_variant<true, false, S, true, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms, no dependency waits"),
+          ps_variant<false, false, S, false, D1, true>(" (today's math)"),
+          ps_variant<false, false, S, true, D1, true>(", A a warp a tile (today's math)"),
+          ps_variant<false, false, S, true, PsDigits<4>, true>(", (a) A a warp a tile, digits 4 segments a step"),
+          ps_variant<false, false, S, false, PsBf3, true>(", (b) bf16 x 3 terms"),
+          ps_variant<false, false, S, true, PsBf3, true>(", (b) A a warp a tile, bf16 x 3 terms")};
+}
+
+// y = W x in fp64 for a matrix's weights as the engine stores them (row-major) or as the persistent kernel
+// reads them (chunk_major: [tile][2,048-value chunk][16 rows]).
+std::vector<double> ref_fp64(const Mat& m, const std::vector<float>& x, bool chunk_major) {
+  const int R = m.rows, K = m.cols, G = K / 64, chunks = K / PS_CHUNK_VALS;
+  std::vector<uint32_t> w(size_t(R) * K / 8);
+  std::vector<uint16_t> s(size_t(R) * G), b(size_t(R) * G);
+  CK(cudaStreamSynchronize(g_stream));
+  CK(cudaMemcpy(w.data(), m.w, w.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(s.data(), m.s, s.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(b.data(), m.b, b.size() * 2, cudaMemcpyDeviceToHost));
+  auto bf = [](uint16_t v) {
+    const uint32_t u = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return double(f);
+  };
+  std::vector<double> y(R);
+  for (int o = 0; o < R; ++o) {
+    double acc = 0;
+    for (int k = 0; k < K; ++k) {
+      size_t wi = size_t(o) * (K / 8) + k / 8, gi = size_t(o) * G + k / 64;
+      if (chunk_major) {
+        const size_t row = (size_t(o / 16) * chunks + k / PS_CHUNK_VALS) * 16 + o % 16, kk = k % PS_CHUNK_VALS;
+        wi = row * (PS_CHUNK_VALS / 8) + kk / 8, gi = row * (PS_CHUNK_VALS / 64) + kk / 64;
+      }
+      const int q = int(w[wi] >> (4 * (k % 8))) & 15;
+      acc += (bf(s[gi]) * q + bf(b[gi])) * double(x[k]);
+    }
+    y[o] = acc;
+  }
+  return y;
+}
+double rel_diff64(const std::vector<float>& a, const std::vector<double>& ref) {
+  double d = 0, m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    d = std::max(d, std::abs(double(a[i]) - ref[i])), m = std::max(m, std::abs(ref[i]));
+  }
+  return d / m;
+}
+
+// Timeline rows of one run (chain_lab_timeline.h: what each column is).
+void print_timeline(const char* name, const std::vector<PsStamp>& st, int phases, int G) {
+  const PsTimeline r = ps_timeline(st, phases, G);
+  for (int kind = 0; kind < 2; ++kind) {
+    std::printf("| persistent%s | %s", name, kind == 0 ? "A" : "B");
+    for (int i = 0; i < 6; ++i) std::printf(" | %.0f / %.0f", r.med[kind][i], r.p90[kind][i]);
+    std::printf(" |\n");
+  }
+  std::printf("(%s: fit %.3f GHz, rms residual %.0f ns; %%globaltimer step %llu ns)\n", name, r.ghz, r.rms, r.step);
+}
+
 int main_lab() {
   CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -569,48 +674,61 @@ int main_lab() {
         hp.push_back(PsPhase{A[l]->w, A[l]->s, A[l]->b, xa, ya, HA, KA});
         hp.push_back(PsPhase{B[l]->w, B[l]->s, B[l]->b, xb, yb, HB, KB});
       }
+    const int phases = int(hp.size());
     PsPhase* dp = dalloc<PsPhase>(hp.size());
     unsigned* done = dalloc<unsigned>(hp.size());
+    PsStamp* tl = dalloc<PsStamp>(size_t(phases) * g_sms * PS_TL_STAMPS);
     CK(cudaMemcpy(dp, hp.data(), hp.size() * sizeof(PsPhase), cudaMemcpyHostToDevice));
-    const size_t smem = size_t(PS_SLOTS) * PS_SLOT_BYTES + mma_x_bytes(KB, MmaSeg<4>::VALS / 2);  // B's x at most
-    const size_t smem2 = size_t(PS_SLOTS / 2) * PS_SLOT_BYTES + mma_x_bytes(KB, MmaSeg<4>::VALS / 2);
-    for (auto k : {persist_chain_kernel<false>, persist_chain_kernel<true>, persist_chain_kernel<true, true>,
-                   persist_chain_kernel<false, false, PS_SLOTS, true>, persist_chain_kernel<true, false, PS_SLOTS, true>})
-      CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    for (auto k : {persist_chain_kernel<false, false, PS_SLOTS / 2>, persist_chain_kernel<true, false, PS_SLOTS / 2>})
-      CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem2)));
-    const PsParams pp{dp, int(hp.size()), done};
-    // mode 0: dependencies; 1: none; 2: none and no math; 3, 4: as 0, 1 at two CTAs a SM (half the ring each)
-    auto launch = [&](int mode) {
+    const PsParams pp{dp, phases, done, tl};
+    std::vector<PsVariant> vs = ps_variants();
+    for (PsVariant& v : vs) {
+      v.smem = size_t(v.slots) * PS_SLOT_BYTES + v.x_bytes(KB);  // B's x at most
+      CK(cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(v.smem)));
+    }
+    auto launch = [&](const PsVariant& v) {
       CK(cudaMemsetAsync(done, 0, hp.size() * 4, g_stream));
-      if (mode == 0) persist_chain_kernel<false><<<g_sms, PS_THREADS, smem, g_stream>>>(pp);
-      if (mode == 1) persist_chain_kernel<true><<<g_sms, PS_THREADS, smem, g_stream>>>(pp);
-      if (mode == 2) persist_chain_kernel<true, true><<<g_sms, PS_THREADS, smem, g_stream>>>(pp);
-      if (mode == 3) persist_chain_kernel<false, false, PS_SLOTS / 2><<<2 * g_sms, PS_THREADS, smem2, g_stream>>>(pp);
-      if (mode == 4) persist_chain_kernel<true, false, PS_SLOTS / 2><<<2 * g_sms, PS_THREADS, smem2, g_stream>>>(pp);
-      if (mode == 5) persist_chain_kernel<false, false, PS_SLOTS, true><<<g_sms, PS_THREADS, smem, g_stream>>>(pp);
-      if (mode == 6) persist_chain_kernel<true, false, PS_SLOTS, true><<<g_sms, PS_THREADS, smem, g_stream>>>(pp);
+      v.k<<<g_sms * v.per_sm, PS_THREADS, v.smem, g_stream>>>(pp);
     };
-    CK(cudaMemset(ya, 0xff, HA * 4));
-    CK(cudaMemset(yb, 0xff, HB * 4));
-    launch(5);
-    const std::vector<float> pa5 = to_host(ya, HA);
-    launch(0);
-    const std::vector<float> pa = to_host(ya, HA), pb = to_host(yb, HB);
+    for (const PsVariant& v : vs) {
+      if (v.timeline) continue;
+      const double us = time_us([&](int) { launch(v); }, 1, 1) / (LAYERS * ROUNDS);
+      std::printf("| persistent, %d x %d KB ring%s | %.2f | %.2f |\n", v.slots, PS_SLOT_BYTES / 1024, v.name, us, mb / us);
+    }
+    std::printf("| floor at 4.8 TB/s | %.2f | 4.80 |\n", mb / 4.8e6 * 1e6);
+    // errors: the last layer's outputs (A: the engine's layout, B: chunk-major) against today's kernel, the
+    // persistent kernel with today's math (B) and the fp64 reference
+    const std::vector<double> ra64 = ref_fp64(*A[LAYERS - 1], hx, false), rb64 = ref_fp64(*B[LAYERS - 1], hx, true);
+    const std::vector<double> rbt64 = ref_fp64(*B[LAYERS - 1], hx, false);  // today's B (row-major)
     run_today(opa[LAYERS - 1]);
     run_today(opb[LAYERS - 1]);
-    const std::vector<float> ta = to_host(ya, HA);
-    std::printf("persistent, A a warp a tile: err A %.1e\n", rel_diff(pa5, ta));
-    const double e1 = rel_diff(pa, ta), e2 = pb[0] == pb[0] ? 0.0 : INFINITY;  // B: chunk-major here
-    const char* names[] = {"", ", no dependency waits", ", no dependency waits, no math", ", 2 CTAs a SM",
-                           ", 2 CTAs a SM, no dependency waits", ", A a warp a tile", ", A a warp a tile, no dependency waits"};
-    for (int mode = 0; mode < 7; ++mode) {
-      const double us = time_us([&](int) { launch(mode); }, 1, 1) / (LAYERS * ROUNDS);
-      std::printf("| persistent, %d x %d KB ring%s (err A %.1e, B finite %.0f) | %.2f | %.2f |\n",
-                  mode == 3 || mode == 4 ? PS_SLOTS / 2 : PS_SLOTS, PS_SLOT_BYTES / 1024, names[mode], e1, e2, us, mb / us);
+    const std::vector<float> ta = to_host(ya, HA), tb = to_host(yb, HB);
+    std::printf("\n| variant | err A vs today | err B vs persistent (today's math) | err A vs fp64 | err B vs fp64 |\n"
+                "|---|---:|---:|---:|---:|\n| today (mma_gemv) | 0 | | %.1e | %.1e |\n",
+                rel_diff64(ta, ra64), rel_diff64(tb, rbt64));
+    std::vector<float> pb0;
+    for (const PsVariant& v : vs) {
+      if (v.no_math || v.no_dep || v.timeline || v.per_sm != 1) continue;
+      CK(cudaMemset(ya, 0xff, HA * 4));
+      CK(cudaMemset(yb, 0xff, HB * 4));
+      launch(v);
+      const std::vector<float> pa = to_host(ya, HA), pb = to_host(yb, HB);
+      if (pb0.empty()) pb0 = pb;  // the first variant: today's math
+      std::printf("| persistent%s | %.1e | %.1e | %.1e | %.1e |\n", v.name, rel_diff(pa, ta), rel_diff(pb, pb0),
+                  rel_diff64(pa, ra64), rel_diff64(pb, rb64));
+    }
+    std::printf("\ntimeline (ns, median / p90 over CTAs and phases of a kind; hand-over from the previous phase's last"
+                " count):\n\n| variant | kind | hand-over | stage x | math | store + fence | count | phase |\n"
+                "|---|---|---:|---:|---:|---:|---:|---:|\n");
+    std::vector<PsStamp> st(size_t(phases) * g_sms * PS_TL_STAMPS);
+    for (const PsVariant& v : vs) {
+      if (!v.timeline) continue;
+      launch(v);  // warm
+      launch(v);
+      CK(cudaStreamSynchronize(g_stream));
+      CK(cudaMemcpy(st.data(), tl, st.size() * sizeof(PsStamp), cudaMemcpyDeviceToHost));
+      print_timeline(v.name, st, phases, g_sms);
     }
   }
-  std::printf("| floor at 4.8 TB/s | %.2f | 4.80 |\n", mb / 4.8e6 * 1e6);
   return 0;
 }
 

@@ -27,6 +27,9 @@
 // launches it (kernels/gemv_mma_tokens.cuh; one token: the one-token kernel), us per product; err there =
 // rows differing bitwise from n one-token products ("0 of N" expected). The split-K wgmma GEMM that short
 // prompts took before is not in the lab: 25.4 us a call at T = 11 (kernel_profile, /work/.device/4).
+// "small T=n": the same product on the dense short-prompt kernel (kernels/dense_small.cuh) as linear.cu's
+// run_dense_small launches it (ds_splits' K-parts as a cluster, PDL); err = max|y - y_mma| / max|y_mma| against
+// the multi-token GEMV's product of the same copy (bf16 operands against exact digits: ~1e-3 expected).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/dense_small.cuh"
 #include "cuda/kernels/gemv_mma_tokens.cuh"
 #include "cuda/kernels/linear_gemv.cuh"
 #include "cuda/kernels/moe_decode.cuh"
@@ -646,13 +650,54 @@ void bench_linear(const char* name, int rows, int cols) {
     CK(cudaFree(p));
 }
 
-// Short prompts: products of T = 1, 2, 4, 8, 11, 16 tokens on the multi-token integer GEMV, sized as
+// Short prompts: products of T = 1, 2, 4, 8, 11, 16, 32 tokens on the multi-token integer GEMV, sized as
 // linear.cu's run_gemv_mma_tokens (ks from the one-token kernel's plan, launches of at most
 // mma_tokens_per_launch tokens balanced, a one-token launch on the one-token kernel), PDL launches.
+// dense_small_kernel over T tokens of copy c, as linear.cu's launch_dense_small (4-bit, group 64).
+void launch_dense_small(const Affine& W, int c, const float* x, float* y, int T) {
+  LinearArgs a;
+  a.w.w = W.w(c);
+  a.w.scales = W.s(c);
+  a.w.biases = W.b(c);
+  a.w.rows = W.rows;
+  a.w.cols = W.cols;
+  a.w.bits = 4;
+  a.w.group_size = 64;
+  a.x = x;
+  a.ldx = W.cols;
+  a.y = y;
+  a.ldy = W.rows;
+  a.tiles.M = T;
+  const int ks = ds_splits(W.rows, W.cols, 64, T, int64_t(g_sms) * DS_CTAS_PER_SM), nt = ds_tiles(T);
+  if (ks <= 0) {
+    std::fprintf(stderr, "gemv_lab: %d tokens of %dx%d do not fit the dense short-prompt kernel\n", T, W.rows, W.cols);
+    std::exit(1);
+  }
+  void (*kernels[])(LinearArgs, bool) = {dense_small_kernel<1>, dense_small_kernel<2>, dense_small_kernel<3>,
+                                         dense_small_kernel<4>};
+  static const bool configured = [&] {  // at the first (checking) launch, before any graph capture
+    for (const auto k : kernels)
+      CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
+  const auto kernel = kernels[nt - 1];
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = 1;
+  attr[1].val.clusterDim.y = unsigned(ks);
+  attr[1].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{dim3(unsigned(cdiv(W.rows, DS_SLICE_ROWS)), unsigned(ks)), dim3(MS_THREADS),
+                         ds_smem_bytes(W.cols / ks, nt), g_stream, attr, ks > 1 ? 2u : 1u};
+  CK(cudaLaunchKernelEx(&cfg, kernel, a, false));
+}
+
 template <int BITS>
 void bench_tokens(const char* name, int rows, int cols) {
   constexpr int NG = BITS == 4 ? 2 : 1, VB = MmaSeg<BITS>::VALS / NG;  // group 64 (Affine's)
-  constexpr int TMAX = 16;
+  constexpr int TMAX = DS_MAX_TOKENS;
   std::fprintf(stderr, "gemv_lab: %s (tokens)\n", name);
   const int copies = std::max<int>(2, cdiv(ROTATE_BYTES, Affine::entry_bytes(rows, cols, BITS)));
   const Affine W(copies, rows, cols, BITS, 777);
@@ -693,7 +738,7 @@ void bench_tokens(const char* name, int rows, int cols) {
       t0 += k;
     }
   };
-  for (int T : {1, 2, 4, 8, 11, 16}) {
+  for (int T : {1, 2, 4, 8, 11, 16, 32}) {
     desc = "ks " + std::to_string(plan.ks) + "; ";
     product(0, T, yv, true);
     const double us = time_us([&](int i) { product(i % copies, T, yv, false); }, n);
@@ -710,6 +755,19 @@ void bench_tokens(const char* name, int rows, int cols) {
     }
     const std::string label = "mma T=" + std::to_string(T);
     push_row({name, label, us, W.mb(), std::to_string(differ) + " of " + std::to_string(T * rows), desc});
+    if (BITS != 4 || T < 2 || rows % 32 != 0) continue;
+    // the dense short-prompt kernel: y (copy 0) is the multi-token GEMV's product, its reference
+    float* ys = dalloc<float>(size_t(T) * rows);
+    launch_dense_small(W, 0, x, ys, T);
+    const std::vector<float> got = to_host(ys, size_t(T) * rows);
+    std::vector<double> ref(y.begin(), y.end());
+    const double us_s = time_us([&](int i) { launch_dense_small(W, i % copies, x, ys, T); }, n);
+    const int ks = ds_splits(rows, cols, 64, T, int64_t(g_sms) * DS_CTAS_PER_SM);
+    push_row({name, "small T=" + std::to_string(T), us_s, W.mb(), fmt("%.1e", rel_err(got, ref)),
+              "grid " + std::to_string(cdiv(rows, DS_SLICE_ROWS)) + " x " + std::to_string(ks) + " (cluster " +
+                  std::to_string(ks) + "), smem " + std::to_string(ds_smem_bytes(cols / ks, ds_tiles(T)))});
+    CK(cudaStreamSynchronize(g_stream));
+    CK(cudaFree(ys));
   }
   CK(cudaStreamSynchronize(g_stream));
   for (void* p : {(void*)W.base, (void*)x, (void*)yv})
@@ -927,6 +985,7 @@ int run() {
   bench_tokens<4>("in_proj_b 32x2048", 32, 2048);
   bench_tokens<4>("out_proj 2048x4096", 2048, 4096);
   bench_tokens<4>("k_proj 512x2048", 512, 2048);
+  bench_tokens<4>("shared down 2048x512", 2048, 512);
   bench_tokens<4>("in_proj 12352x2048", 12352, 2048);
 
   std::string md;

@@ -1,12 +1,16 @@
-// Launchers of linear and embedding. Five kernels, chosen by named predicates:
+// Launchers of linear and embedding. The kernels, chosen by named predicates:
 //   use_gemv_mma:    one token, 4/8-bit affine with BF16 scales, whole 64-byte row segments
 //                    -> kernels/gemv_mma.cuh (integer tensor cores); linear_add_rms_norm there in one
 //                    kernel (the add in its epilogue, the norm by its last CTA), else linear + add_rms_norm;
 //                    linear_add there in one kernel (the add in its epilogue), else linear + add;
 //                    linear_rms_normed there in one kernel where linear_rms_normed_supported (every CTA
 //                    normalises the input while staging it), else rms_norm + linear
-//   use_gemv_mma_tokens: 2..16 tokens, the same matrices (8-bit ones from 1024 rows), up to 2^28
-//                    multiply-adds (gemv_plan.h's mma_tokens_shape: not the vocabulary head)
+//   use_dense_small: 2..32 tokens (DS_MAX_TOKENS), 4-bit affine layer matrices (not the vocabulary head)
+//                    -> kernels/dense_small.cuh (bf16 mma.sync, tokens as N, K split over a cluster);
+//                    linear_add there (the add in its epilogue), linear_add_rms_norm as that + rms_norm
+//   use_gemv_mma_tokens: 2..16 tokens of the matrices use_dense_small does not take, the same matrices
+//                    (8-bit ones from 1024 rows), up to 2^28 multiply-adds (gemv_plan.h's
+//                    mma_tokens_shape: not the vocabulary head)
 //                    -> kernels/gemv_mma_tokens.cuh in launches of at most 8 tokens, each token's row bit
 //                    for bit the one-token kernel's; linear_add there (the add in its epilogue),
 //                    linear_add_rms_norm as that + rms_norm
@@ -32,6 +36,7 @@
 #include <cstdint>
 
 #include "cuda_ops.h"
+#include "kernels/dense_small.cuh"
 #include "kernels/gelu.cuh"
 #include "kernels/gemv_mma.cuh"
 #include "kernels/gemv_mma_tokens.cuh"
@@ -249,6 +254,64 @@ static bool use_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x) {
   return is_aligned16(x.data) && gemv_mma_tokens_matrix(w, e, x.dim(0));
 }
 
+// Short prompts' dense 4-bit products with the tokens as the MMA's N (kernels/dense_small.cuh): T = 2..
+// DS_MAX_TOKENS tokens of a layer matrix (up to DS_MAX_ROWS rows: not the vocabulary head, whose blocks of
+// rows keep the fp32 GEMV / wgmma GEMM), 4-bit MLX affine with BF16 scales, groups a power of two >= 32,
+// whole segments, rows in whole 32-row warp tiles, 16-byte aligned weights, and a K split (ds_splits) whose
+// staged X fits. Replaces the multi-token integer GEMV (T <= 16: its work grows with T) and the split-K wgmma
+// GEMM (T = 17..32: ~25 us a call at any size) for those matrices; other matrices keep those paths.
+static bool dense_small_matrix(const QMatrix& w, int64_t e, int64_t T) {
+  const int64_t gs = w.group_size;
+  return T >= 2 && T <= DS_MAX_TOKENS && w.bits == 4 && w.scale_dtype == DType::BF16 && gs >= 32 &&
+         (gs & (gs - 1)) == 0 && w.rows % 32 == 0 && w.rows <= DS_MAX_ROWS && w.cols % MS_SEG_VALS == 0 &&
+         is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
+         ds_splits(w.rows, w.cols, gs, T, int64_t(num_sms()) * DS_CTAS_PER_SM) > 0;
+}
+
+static bool use_dense_small(const QMatrix& w, int64_t e, const Tensor& x) {
+  return is_aligned16(x.data) && dense_small_matrix(w, e, x.dim(0));
+}
+
+template <int NT>
+static void launch_dense_small(const LinearArgs& a, int ks, bool accumulate) {
+  const auto kernel = dense_small_kernel<NT>;
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, DS_SLICE_ROWS)), unsigned(ks));
+  launch_clustered(kernel, grid, MS_THREADS, dim3(1, unsigned(ks), 1), ds_smem_bytes(a.w.cols / ks, NT), a,
+                   accumulate);
+  LILY_CUDA_LAUNCHED();
+}
+
+// y = x W_e^T (or y += it: accumulate) for x [T, cols], y [T, rows] on dense_small_kernel (use_dense_small).
+static void run_dense_small(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate) {
+  const int64_t T = x.dim(0);
+  LinearArgs a;
+  a.w = weight_view(w);
+  a.w.num_stack = 1;
+  a.w.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
+  a.w.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  a.w.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  a.x = x.ptr<float>();
+  a.ldx = w.cols;
+  a.y = y.ptr<float>();
+  a.ldy = w.rows;
+  a.tiles.M = T;
+  const int ks = ds_splits(w.rows, w.cols, w.group_size, T, int64_t(num_sms()) * DS_CTAS_PER_SM);
+  LILY_CHECK(ks > 0, "linear: ", T, " tokens of a ", w.rows, "x", w.cols,
+             " matrix do not fit the dense short-prompt kernel");
+  switch (ds_tiles(T)) {
+    case 1: return launch_dense_small<1>(a, ks, accumulate);
+    case 2: return launch_dense_small<2>(a, ks, accumulate);
+    case 3: return launch_dense_small<3>(a, ks, accumulate);
+    case 4: return launch_dense_small<4>(a, ks, accumulate);
+    default: fail("linear: ", T, " tokens exceed the dense short-prompt kernel's ", DS_MAX_TOKENS);
+  }
+}
+
 // The plan is the plain kernel's for both instances, so a normed input splits K as linear of the
 // normalised row does (the same sums); both are held to MMA_MIN_CTAS CTAs per SM by their registers.
 template <int BITS, int NG>
@@ -436,14 +499,16 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
 // Split-K counters of linear_wgmma_tma_kernel (one per tile; zero between launches: the last unit of a
 // tile resets its own). A process-wide scratch like the decode attention's partials: products run one
 // at a time on the device's stream.
-constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 64;
+constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 512;
 constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 threads x BM 64
 __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 
-// Split-K for dense products of short prompts (T <= 64: one 64-row tile per column tile) with fewer
+// Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
 // tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
 // and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
-// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1).
+// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1). Above 64 rows
+// (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit)
+// measured in docs/perf-notes.md (seventh session).
 static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
   if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS || tiles * 2 > sms ||
@@ -485,11 +550,12 @@ static LinearArgs up_of(const LinearArgs& a) {
 // rows of both, one scale index serves both), groups of 64 or more (no 32-wide GATED instance), and no
 // split-K for dense products (short prompts keep the two split products: a gated tile would run all K
 // on few CTAs).
+constexpr int64_t WG_GATED_MIN_DENSE_ROWS = 65;  // below: the two split products
 static bool use_gated_wgmma(const LinearArgs& a) {
   return a.w.bits == 4 && a.up.bits == 4 && use_wgmma_gemm(a) && use_wgmma_gemm(up_of(a)) &&
          a.up.num_stack == a.w.num_stack && a.up.rows == a.w.rows &&
          a.up.cols == a.w.cols && a.up.group_size == a.w.group_size && a.w.group_size != 32 &&
-         (a.tiles.tile_expert != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS);
+         (a.tiles.tile_expert != nullptr || a.tiles.M >= WG_GATED_MIN_DENSE_ROWS);
 }
 
 // Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.
@@ -525,6 +591,15 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
 // rules. BITS: the weights' (4 or 8), the same choices for both.
+// 128-row tiles for a dense product (unsplit, groups of 64 or more) when they fill the SMs, or when
+// 64-row tiles would take more rounds of the SMs by more than a 128-row k-tile's extra cost: ~1.3x a
+// 64-row one (~1.0 us at 4K prefill, ~0.8 us at T = 146; docs/perf-notes.md, eighth session). At T = 146
+// in_proj's 147 64-row tiles take two rounds of 132 SMs (51 us), its 98 128-row tiles one.
+static bool dense_wide(int64_t M, int64_t col_tiles, int64_t sms) {
+  const int64_t t128 = ceil_div<int64_t>(M, 128) * col_tiles, t64 = ceil_div<int64_t>(M, 64) * col_tiles;
+  return t128 >= sms || 10 * ceil_div(t64, sms) > 13 * ceil_div(t128, sms);
+}
+
 template <int BITS>
 static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb_copy) {
   const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
@@ -551,7 +626,7 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
   }
-  if (!grouped && !gather && !gs32 && ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms())
+  if (!grouped && !gather && !gs32 && dense_wide(a.tiles.M, col_tiles, num_sms()))
     return launch_wgmma<BITS, 128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<BITS, 64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<BITS, 64, false, true>(a, xb, x_count, max_tiles);
@@ -619,6 +694,10 @@ int64_t linear_workspace_elems(int64_t T, int64_t in) {
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {
   if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true, norm_tail(res, weight, eps, y, sync));
+  if (use_dense_small(w, 0, x)) {
+    run_dense_small(w, 0, x, res, true);
+    return rms_norm(res, weight, eps, y);
+  }
   if (use_gemv_mma_tokens(w, 0, x)) {
     run_gemv_mma_tokens(w, 0, x, res, true);
     return rms_norm(res, weight, eps, y);
@@ -627,10 +706,11 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
   add_rms_norm(res, tmp, weight, eps, y);
 }
 
-// One token or a short prompt on the tensor-core GEMV: its epilogue adds into res (y[o] += the row's sum,
-// no tail). Otherwise linear into tmp, then add.
+// One token or a short prompt on the tensor-core GEMV, or a short prompt on the dense short-prompt kernel:
+// its epilogue adds into res (y[o] += the row's sum, no tail). Otherwise linear into tmp, then add.
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {
   if (use_gemv_mma(w, 0, x)) return run_gemv_mma(w, 0, x, res, true);
+  if (use_dense_small(w, 0, x)) return run_dense_small(w, 0, x, res, true);
   if (use_gemv_mma_tokens(w, 0, x)) return run_gemv_mma_tokens(w, 0, x, res, true);
   linear(w, 0, x, tmp, workspace);
   add(res, tmp);
@@ -681,6 +761,7 @@ void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& 
   const int64_t T = x.dim(0);
   if (T == 0 || w.rows == 0) return;
   if (use_gemv_mma(w, e, x)) return run_gemv_mma(w, e, x, y);
+  if (use_dense_small(w, e, x)) return run_dense_small(w, e, x, y, false);
   if (use_gemv_mma_tokens(w, e, x)) return run_gemv_mma_tokens(w, e, x, y, false);
   const WeightView v = weight_view(w);
   const bool w_aligned = is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row());
@@ -778,12 +859,14 @@ static LinearArgs xb_product(const QMatrix& w, const uint16_t* xb, float* y, int
 }
 
 // linear takes T rows over w on the wgmma GEMM whenever x is 16-byte aligned: more rows than the GEMVs
-// take (T > GEMV_MAX_TOKENS and not the multi-token GEMV's; the blocked GEMV below 32 rows only where the
+// take (T > GEMV_MAX_TOKENS and neither the multi-token GEMV's nor the dense short-prompt kernel's; the
+// blocked GEMV below 32 rows only where the
 // GEMM does not apply) and use_wgmma_gemm's conditions on w. An aligned stand-in for the workspace: only
 // its alignment is read.
 bool linear_xb_supported(const QMatrix& w, int64_t T) {
   alignas(16) static const uint16_t aligned[8] = {};
-  return T > GEMV_MAX_TOKENS && !gemv_mma_tokens_matrix(w, 0, T) && w.num_stack == 1 &&
+  return T > GEMV_MAX_TOKENS && !gemv_mma_tokens_matrix(w, 0, T) && !dense_small_matrix(w, 0, T) &&
+         w.num_stack == 1 &&
          linear_reads_xb(xb_product(w, aligned, nullptr, T));
 }
 

@@ -67,6 +67,27 @@ def gemv_mma_tokens(m: dict, T: int) -> bool:
     return cols // 8 * 24 + cols // min(group, vals) * 8 <= 96 * 1024
 
 
+DS_MAX_TOKENS = 32  # kernels/dense_small.cuh
+
+
+def dense_small(m: dict, T: int) -> bool:
+    """Whether T tokens of m take the dense short-prompt kernel (linear.cu's dense_small_matrix): T = 2..32,
+    4-bit with BF16 scales, a power-of-two group >= 32, rows a multiple of 32 up to 16384 (not the vocabulary
+    head), whole 128-value segments, and a K split (dense_small.cuh's ds_splits: up to 8 parts of whole
+    segments and groups) whose staged X (8 rows a started n8 tile, 2 Kp + 64 bytes a row) and partials
+    (8 rows a tile x 132 floats) fit 110 KB."""
+    rows, cols, group = m["rows"], m["cols"], m.get("group_size", 0)
+    if not (2 <= T <= DS_MAX_TOKENS and m.get("bits", 0) == 4 and m.get("scale_dtype") == "BF16"):
+        return False
+    if group < 32 or group & (group - 1) or rows % 32 or rows > 16384 or cols % 128:
+        return False
+    ks = 1
+    while 2 * ks <= 8 and cols % (2 * ks * 128) == 0 and (cols // (2 * ks)) % group == 0:
+        ks *= 2
+    nt = (T + 7) // 8
+    return nt * 8 * (2 * cols // ks + 64) + nt * 8 * 132 * 4 <= 110 * 1024
+
+
 def path_of(m: dict, T: int) -> str:
     """Which CUDA kernel runs (linear.cu's predicates) and so which tolerance applies."""
     fast = m.get("bits", 0) in (4, 8) and m.get("scale_dtype") == "BF16"
@@ -75,6 +96,8 @@ def path_of(m: dict, T: int) -> str:
         return "linear_wgmma" if T >= 128 else "linear_gemm"
     if not fast:
         return "linear_generic"
+    if dense_small(m, T):
+        return "linear_dense_small"
     if gemv_mma_tokens(m, T):
         return "linear_gemv"  # the multi-token integer GEMV (use_gemv_mma_tokens)
     nt = 1 if T <= 1 else 2 if T <= 2 else 4 if T <= 4 else 8
@@ -198,6 +221,7 @@ def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
     (300, 128, 64, 17), (300, 128, 64, 65), (300, 128, 64, 300),  # 64-row tiles, two k-tiles, partial tiles
     (40, 256, 32, 77),  # fewer outputs than the 256-row weight box of the TMA loads, group 32
     (1, 128, 64, 20),  # one output (the shared-expert gate's shape), fewer rows than one tile
+    (12352, 2048, 64, 146), (8192, 2048, 64, 300),  # 128-row tiles short of one CTA an SM (dense_wide: fewer rounds)
 ])
 def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
     rng = np.random.default_rng(rows + cols + group + T)
@@ -298,15 +322,16 @@ def test_linear_gemv_mma_tokens_bitwise(bits, group, rows, segs, T, gpu_tol):
         check(y, ops.linear(wc, e, x), "linear_gemv", gpu_tol)
 
 
-# 4-bit matrices with fewer rows than one token's integer GEMV takes (GDN's 32-row in_proj_b / in_proj_a,
-# one row, a partial tile) and the model's dense shapes: the multi-token GEMV against the CPU, deterministic.
-@pytest.mark.parametrize("rows,cols", [(32, 2048), (1, 256), (37, 384), (600, 2048), (8192, 2048), (2048, 4096),
-                                       (512, 2048)])
+# 4-bit matrices with fewer rows than one token's integer GEMV takes (one row, a partial tile, rows that are
+# not whole 32-row warp tiles: the dense short-prompt kernel leaves them here) and a group of 32 (a half
+# segment): the multi-token GEMV against the CPU, deterministic.
+@pytest.mark.parametrize("rows,cols,group", [(1, 256, 64), (37, 384, 64), (600, 2048, 64), (1040, 2048, 64),
+                                             (4112, 2048, 64)])
 @pytest.mark.parametrize("T", [2, 4, 9, 11, 16])
-def test_linear_gemv_mma_tokens_small(rows, cols, T, gpu_tol):
+def test_linear_gemv_mma_tokens_small(rows, cols, group, T, gpu_tol):
     rng = np.random.default_rng(rows + cols + T)
-    m = random_matrix(rng, 1, rows, cols, 4, 64, "BF16")
-    assert path_of(m, T) == "linear_gemv"
+    m = random_matrix(rng, 1, rows, cols, 4, group, "BF16")
+    assert not dense_small(m, T) and path_of(m, T) == "linear_gemv"
     wc, wg = both(m)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     y = ops.linear(wg, 0, x)
@@ -317,27 +342,109 @@ def test_linear_gemv_mma_tokens_small(rows, cols, T, gpu_tol):
 @pytest.mark.parametrize("rows, T, taken", [(8192, 16, True), (8192, 9, True), (16400, 9, False), (16400, 16, False)])
 def test_linear_tokens_work_cap(rows, T, taken, gpu_tol):
     # Past 2^28 multiply-adds (T x rows x cols; the 248,320-row lm_head's blocks of 16 rows, and any T of
-    # it) a short prompt keeps the wgmma GEMM (gemv_plan.h's mma_tokens_shape): linear_xb_supported, which
-    # refuses the multi-token GEMV's products, says which kernel runs.
+    # it) a short prompt keeps the wgmma GEMM (gemv_plan.h's mma_tokens_shape; above 16384 rows the dense
+    # short-prompt kernel does not take it either): linear_xb_supported, which refuses the multi-token GEMV's
+    # and the dense short-prompt kernel's products, says which kernel runs.
     rng = np.random.default_rng(rows + T)
     m = random_matrix(rng, 1, rows, 2048, 4, 64, "BF16")
-    assert gemv_mma_tokens(m, T) == taken
+    assert (gemv_mma_tokens(m, T) or dense_small(m, T)) == taken
     wc, wg = both(m)
     assert ops.linear_xb_supported(wg, T) == (not taken)
     x = rng.standard_normal((T, 2048)).astype(np.float32)
     check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), path_of(m, T), gpu_tol)
 
 
-@pytest.mark.parametrize("T", [2, 7, 11])
+@pytest.mark.parametrize("T", [2, 7, 11, 17, 32])
 def test_linear_add_tokens(T):
-    # linear_add of a short prompt: the multi-token GEMV adds into res in its epilogue, the same fp32 add
-    # as linear then add
+    # linear_add of a short prompt: the dense short-prompt kernel adds into res in its epilogue, the same
+    # fp32 add as linear then add
     rng = np.random.default_rng(50 + T)
     m = random_matrix(rng, 1, 2048, 4096, 4, 64, "BF16")
     w = ops.QMatrix("cuda", **m)
     x = rng.standard_normal((T, 4096)).astype(np.float32)
     res = rng.standard_normal((T, 2048)).astype(np.float32)
     assert np.array_equal(ops.linear_add(w, x, res), res + ops.linear(w, 0, x))
+
+
+# Short prompts' dense 4-bit products with the tokens as the MMA's N (kernels/dense_small.cuh): the model's
+# dense shapes (in_proj_qkv / q 8192 x 2048, the stacked in_proj 12352 x 2048, in_proj_z 4096 x 2048,
+# out_proj / o_proj 2048 x 4096, k / v and the shared expert's gate / up 512 x 2048, its down 2048 x 512,
+# GDN's in_proj_b / in_proj_a 32 x 2048) and K = 8192 at T = 2..32 (one to four n8 tiles, partial ones;
+# K split 1..8 ways over a cluster), groups 32 / 64 / 128, both stack entries: against the CPU (bf16
+# operands, as the wgmma GEMM) and deterministic (the K-parts summed in rank order).
+DS_SHAPES = [(8192, 2048), (12352, 2048), (4096, 2048), (2048, 4096), (512, 2048), (2048, 512), (32, 2048),
+             (2048, 8192)]
+
+
+@pytest.mark.parametrize("rows,cols", DS_SHAPES)
+@pytest.mark.parametrize("T", [2, 3, 8, 11, 16, 17, 32])
+def test_linear_dense_small(rows, cols, T, gpu_tol):
+    rng = np.random.default_rng(rows * 3 + cols + T)
+    stack = 2 if rows * cols <= 1 << 22 else 1
+    m = random_matrix(rng, stack, rows, cols, 4, 64, "BF16")
+    assert dense_small(m, T) and path_of(m, T) == "linear_dense_small"
+    wc, wg = both(m)
+    assert not ops.linear_xb_supported(wg, T)  # GDN's out_proj then reads F32 rows (linear_xb refuses)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for e in range(stack):
+        y = ops.linear(wg, e, x)
+        check(y, ops.linear(wc, e, x), "linear_dense_small", gpu_tol)
+        assert np.array_equal(y, ops.linear(wg, e, x))
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("T", [5, 24])
+def test_linear_dense_small_groups(group, T, gpu_tol):
+    rng = np.random.default_rng(group + T)
+    m = random_matrix(rng, 2, 1024, 1024, 4, group, "BF16")
+    assert dense_small(m, T)
+    wc, wg = both(m)
+    x = rng.standard_normal((T, 1024)).astype(np.float32) * np.exp2(rng.integers(-6, 7, (T, 1024)))
+    for e in (0, 1):
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_dense_small", gpu_tol)
+
+
+# The routing's boundaries: T = 1 (the one-token integer GEMV), 33 (the wgmma GEMM), rows that are not whole
+# 32-row warp tiles (2..16: the multi-token GEMV bit for bit, 17..32: the wgmma GEMM), 8-bit weights (their
+# paths), and the 248,320-row head (dense_small refuses it: its blocks keep the fp32 GEMV / wgmma GEMM).
+@pytest.mark.parametrize("bits,rows,T,path", [
+    (4, 2048, 1, "linear_gemv"), (4, 2048, 2, "linear_dense_small"), (4, 2048, 32, "linear_dense_small"),
+    (4, 2048, 33, "linear_wgmma"), (4, 2064, 2, "linear_gemv"), (4, 2064, 16, "linear_gemv"),
+    (4, 2064, 17, "linear_wgmma"), (8, 2048, 2, "linear_gemv"), (8, 2048, 20, "linear_gemv"),
+    (8, 2048, 33, "linear_wgmma"),
+])
+def test_linear_dense_small_boundaries(bits, rows, T, path, gpu_tol):
+    rng = np.random.default_rng(bits * rows + T)
+    m = random_matrix(rng, 1, rows, 2048, bits, 64, "BF16")
+    assert path_of(m, T) == path
+    wc, wg = both(m)
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    y = ops.linear(wg, 0, x)
+    check(y, ops.linear(wc, 0, x), path, gpu_tol)
+    if path == "linear_gemv" and T > 1 and bits == 4:  # the multi-token GEMV: each row its one-token product
+        assert np.array_equal(y[:1], ops.linear(wg, 0, x[:1]))
+    assert ops.linear_xb_supported(wg, T) == (path == "linear_wgmma")
+
+
+def test_linear_dense_small_lm_head(gpu_tol):
+    rng = np.random.default_rng(248320 + 16)
+    m = random_words_matrix(rng, 248320, 2048)
+    assert not dense_small(m, 16)
+    wg = ops.QMatrix("cuda", **m)
+    assert ops.linear_xb_supported(wg, 16)  # the wgmma GEMM, as before
+
+
+def test_linear_dense_small_nonfinite():
+    # NaN / Inf in one token reach that token's outputs only (the padding rows of its n8 tile are zeros)
+    rng = np.random.default_rng(22)
+    m = random_matrix(rng, 1, 2048, 2048, 4, 64, "BF16")
+    wg = ops.QMatrix("cuda", **m)
+    for bad in (np.nan, np.inf):
+        x = rng.standard_normal((11, 2048)).astype(np.float32)
+        x[3, 700] = bad
+        y = ops.linear(wg, 0, x)
+        assert not np.isfinite(y[3]).any()
+        assert np.isfinite(np.delete(y, 3, axis=0)).all()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -369,11 +476,24 @@ def test_linear_gemv_mma_tokens_nonfinite():
 
 def test_linear_deterministic():
     rng = np.random.default_rng(3)
-    for T in (1, 4, 37, 300):  # 37: split-K (two units per column tile, reduced in split order)
+    for T in (1, 4, 37, 146, 300, 520):  # 37-300: split-K (units per tile reduced in split order); 520: unsplit
         m = random_matrix(rng, 1, 300, 512, 4, 64, "BF16")
         wg = ops.QMatrix("cuda", **m)
         x = rng.standard_normal((T, 512)).astype(np.float32)
         assert np.array_equal(ops.linear(wg, 0, x), ops.linear(wg, 0, x))
+
+
+@pytest.mark.parametrize("T", [65, 146, 300, 512])
+@pytest.mark.parametrize("N,K", [(2048, 4096), (2048, 512), (300, 2048)])
+def test_linear_split_k_several_row_tiles(T, N, K, gpu_tol):
+    # Medium prompts: dense products with fewer tiles than half the SMs split K over several 64-row tiles
+    # (linear.cu with_split_k, T <= 512): the out_proj / o_proj shape, the shared expert's down product
+    # (K = 512: two splits) and a partial column tile; against the CPU
+    rng = np.random.default_rng(T + N + K)
+    m = random_matrix(rng, 1, N, K, 4, 64, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), "linear_wgmma", gpu_tol)
 
 
 @pytest.mark.parametrize("bits,group,sdt", [(0, 0, "F32"), (0, 0, "BF16"), (4, 64, "BF16"), (8, 32, "F16"), (2, 128, "F32")])
@@ -400,7 +520,8 @@ def test_embedding_clamps_ids():
     (4096, 32, 128, 2048, 64, 4),  # GDN out_proj at a 4K prefill: 128-row tiles
     (300, 32, 128, 2048, 64, 4),   # 64-row tiles, a partial last tile
     (40, 32, 128, 2048, 64, 4),    # T <= 64: split-K, its partials after X in the workspace
-    (9, 4, 128, 320, 32, 4),       # the fewest rows the GEMM takes; group 32, a partial column tile
+    (33, 4, 128, 320, 32, 4),      # the fewest rows the GEMM takes at 4 bits (T <= 32: dense_small); group 32,
+                                   # a partial column tile
     (100, 4, 24, 256, 32, 4),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
     (300, 32, 128, 2048, 64, 8),   # 8-bit weights read the same Xb
     (40, 32, 128, 2048, 32, 8),    # 8-bit, split-K, group 32

@@ -32,9 +32,9 @@
 // i0 = (4s + w) * 16 of G and of U (so gate and up of an output sit in the same lane and register: the
 // SwiGLU is in registers); plain, rows o0 = (4s + w) * 32 and o0 + 16 of W. Passes of NT*8 rows of the
 // expert: stage the rows as Xb (ms_stage: copied from a.xb, the gated product's rows gathered through
-// x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments in units of MS_SPU segments, the
-// loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the
-// first pass is loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped
+// x_rows; or converted from F32 a.x), __syncthreads, then each warp runs the K segments (ms_units) in units
+// of MS_SPU segments, the loads of unit u+1 in flight while unit u computes (gemv_mma.cuh's double
+// buffer); the first unit of the first pass is loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped
 // (warp-uniform). Rows past N: the warp loads none and stores none (the host keeps N % 16 == 0 gated,
 // N % 32 == 0 plain).
 // Precision: bf16 operands (w rounded once, x rounded once), fp32 accumulation in the mma; the sum order
@@ -162,6 +162,29 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
   }
 }
 
+// A warp's products over `nseg` segments in units of MS_SPU, the loads of unit u+1 in flight while unit u
+// computes (gemv_mma.cuh's double buffer): st[0] holds unit 0 on entry (loaded before pdl_wait where the
+// weights are constant); xs: shared address of the lane's row g of n8 tile 0 at segment 0.
+template <int NT>
+__device__ __forceinline__ void ms_units(MsStage (&st)[2], const MsRows& rr, int nseg, int c, int gshift, uint32_t xs,
+                                         uint32_t stride, int ntiles, float (&acc)[2][NT][4]) {
+  const int units = (nseg + MS_SPU - 1) / MS_SPU;
+#pragma unroll 1
+  for (int u = 0; u < units; u += 2) {
+    if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
+#pragma unroll
+    for (int s = 0; s < MS_SPU; ++s)
+      if (u * MS_SPU + s < nseg)
+        ms_segment<NT>(st[0].w[s], st[0].sb[s], xs + (u * MS_SPU + s) * 256, stride, c, ntiles, acc);
+    if (u + 1 >= units) break;
+    if (u + 2 < units) ms_load(st[0], rr, (u + 2) * MS_SPU, nseg, c, gshift);
+#pragma unroll
+    for (int s = 0; s < MS_SPU; ++s)
+      if ((u + 1) * MS_SPU + s < nseg)
+        ms_segment<NT>(st[1].w[s], st[1].sb[s], xs + ((u + 1) * MS_SPU + s) * 256, stride, c, ntiles, acc);
+  }
+}
+
 // Stages rows [r0, r0 + rows) of the pass as Xb at shared address xs0, up to the end of the last n8 tile they
 // touch (those slots zero: their products are computed, never stored). Source row of product row r: x_rows[r]
 // (GATED) or r. From a.xb (bf16, already in Xb's order): cp.async, all of a thread's chunks in flight at once.
@@ -267,7 +290,6 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
   pdl_trigger();
   const int64_t row0 = e > 0 ? a.tiles.row_end[e - 1] : 0, row1 = a.tiles.row_end[e];
   const uint32_t xs0 = smem_u32(ms_smem), stride = uint32_t(ms_row_bytes(K));
-  const int units = (nseg + MS_SPU - 1) / MS_SPU;
   for (int64_t r0 = row0; r0 < row1; r0 += NT * 8) {
     const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
     if (r0 > row0) {
@@ -285,20 +307,7 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
     const uint32_t xs = xs0 + uint32_t(g) * stride;
-#pragma unroll 1
-    for (int u = 0; u < units; u += 2) {
-      if (u + 1 < units) ms_load(st[1], rr, (u + 1) * MS_SPU, nseg, c, gshift);
-#pragma unroll
-      for (int s = 0; s < MS_SPU; ++s)
-        if (u * MS_SPU + s < nseg)
-          ms_segment<NT>(st[0].w[s], st[0].sb[s], xs + (u * MS_SPU + s) * 256, stride, c, ntiles, acc);
-      if (u + 1 >= units) break;
-      if (u + 2 < units) ms_load(st[0], rr, (u + 2) * MS_SPU, nseg, c, gshift);
-#pragma unroll
-      for (int s = 0; s < MS_SPU; ++s)
-        if ((u + 1) * MS_SPU + s < nseg)
-          ms_segment<NT>(st[1].w[s], st[1].sb[s], xs + ((u + 1) * MS_SPU + s) * 256, stride, c, ntiles, acc);
-    }
+    ms_units<NT>(st, rr, nseg, c, gshift, xs, stride, ntiles, acc);
     ms_store<GATED, NT>(a, r0, rows, o0, g, c, acc);
   }
 }

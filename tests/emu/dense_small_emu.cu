@@ -1,0 +1,207 @@
+// CPU emulator of dense_small_kernel (kernels/dense_small.cuh) over whole products, with the header's own
+// host-callable pieces: the plan (ds_splits, ds_tiles, ds_smem_bytes), a K-part's weight addresses
+// (ds_seg0, ds_group0 on top of moe_small.cuh's ms_group / ms_a_bits), the staged X of a K-part (ms_slot,
+// ms_row_bytes, wg_pack_bf16x2), the B registers (ms_b_frag), the partials' places (ds_p_lane, ds_p_at) and
+// the reduction's element ranges (ds_elems). Checked:
+//   product: every CTA (slice, kz) and warp of the grid, the A / B registers assembled by the PTX layout of
+//            mma.m16n8k16 (written out independently) and accumulated in double per K-part into P, then
+//            y[j, o] = sum over the ks ranks of P at ds_p_at(j, o') for each rank's element range: must equal
+//            sum_k bf16(W[o, k]) bf16(X[j, k]) (double) for T = 2..32, K = 384..8192, groups 32..128, K
+//            split 1..8 ways; every (j < T, o < N) stored exactly once;
+//   partials: in a CTA each (token, slice row) written by exactly one (warp, lane, t, n, i), and for each
+//            (t, n, i) the 32 lanes of a warp write 32 different banks (conflict-free st.shared);
+//   plan:    ds_splits of the model's dense shapes at 132 SMs (2 CTAs an SM), staged bytes within
+//            DS_MAX_SMEM for T = 2..32, 0 where no split fits (K = 16384 at T = 32).
+// Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/kernels/dense_small.cuh"
+
+using namespace lily::cuda;
+
+static int failures = 0;
+static void expect(bool ok, const char* what, double a, double b) {
+  if (!ok && failures++ < 10) std::printf("FAIL %s (%g, %g)\n", what, a, b);
+}
+
+static float bf16_to_f(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t f_to_bf16(double v) {
+  const float f = float(v);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static float dequant(uint32_t qbits, int half, uint16_t s, uint16_t b) {
+  const int q = int((qbits >> (16 * half)) & 0xF);
+  return bf16_to_f(f_to_bf16(double(bf16_to_f(s)) * q + double(bf16_to_f(b))));
+}
+
+constexpr int64_t RESIDENT = 132 * DS_CTAS_PER_SM;
+
+static void run_case(int N, int K, int gs, int T, std::mt19937& rng) {
+  const int ks = ds_splits(N, K, gs, T, RESIDENT), nt = ds_tiles(T), gshift = __builtin_ctz(gs);
+  expect(ks > 0 && ds_smem_bytes(K / ks, nt) <= DS_MAX_SMEM, "plan fits", ks, K);
+  if (ks <= 0) return;
+  const int words = K / 8, gpr = K / gs, Kp = K / ks, nseg = Kp / MS_SEG_VALS;
+  std::vector<uint32_t> W(size_t(N) * words);
+  std::vector<uint16_t> S(size_t(N) * gpr), B(size_t(N) * gpr);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto& w : W) w = bits(rng);
+  for (size_t i = 0; i < S.size(); ++i) S[i] = f_to_bf16(normal(rng) * 0.02f), B[i] = f_to_bf16(normal(rng) * 0.1f);
+  std::vector<float> X(size_t(T) * K);
+  for (auto& x : X) x = normal(rng);
+  std::vector<double> Y(size_t(T) * N, 0.0);
+  std::vector<int> stores(size_t(T) * N, 0);
+  const int slices = (N + DS_SLICE_ROWS - 1) / DS_SLICE_ROWS, stride = ms_row_bytes(Kp);
+  for (int sl = 0; sl < slices; ++sl) {
+    std::vector<std::vector<double>> P(ks, std::vector<double>(size_t(nt) * 8 * DS_P_STRIDE, 0.0));
+    for (int kz = 0; kz < ks; ++kz) {
+      // the K-part's staged rows, as ms_stage writes them from X + kz * Kp (padding rows zero)
+      std::vector<uint8_t> smem(size_t(nt) * 8 * stride, 0);
+      for (int j = 0; j < T; ++j)
+        for (int J = 0; J < Kp / 8; ++J) {
+          const float* x = &X[size_t(j) * K + kz * Kp + 8 * J];
+          const uint32_t v[4] = {wg_pack_bf16x2(x[0], x[4]), wg_pack_bf16x2(x[1], x[5]), wg_pack_bf16x2(x[2], x[6]),
+                                 wg_pack_bf16x2(x[3], x[7])};
+          std::memcpy(&smem[size_t(j) * stride + 16 * ms_slot(J)], v, 16);
+        }
+      std::vector<int> written(size_t(nt) * 8 * DS_P_STRIDE, 0);
+      for (int warp = 0; warp < MS_WARPS; ++warp) {
+        const int o0 = sl * DS_SLICE_ROWS + warp * 32;
+        if (o0 >= N) continue;  // not live
+        for (int t = 0; t < 2; ++t) {
+          std::vector<double> D(size_t(16) * nt * 8, 0.0);  // D[row of the tile][token]
+          for (int seg = 0; seg < nseg; ++seg)
+            for (int m = 0; m < 4; ++m)
+              for (int h = 0; h < 2; ++h) {
+                double A[16][16], Bm[16][32];
+                for (int lane = 0; lane < 32; ++lane) {
+                  const int g = lane / 4, c = lane % 4;
+                  const int64_t r0 = o0 + 16 * t + g, r1 = r0 + 8;
+                  // the kernel's addresses: rr.w = row + c (uint4) + ds_seg0 * 4, then + seg * 4
+                  const int64_t wo = (ds_seg0(kz, nseg) + seg) * 16 + 4 * c;
+                  uint4 w0, w1;
+                  std::memcpy(&w0, &W[size_t(r0) * words + wo], 16);
+                  std::memcpy(&w1, &W[size_t(r1) * words + wo], 16);
+                  uint32_t q[4];
+                  ms_a_bits(w0, w1, m, h, q);
+                  const int64_t grp = ds_group0(kz, Kp, gshift) + ms_group(seg, c, gshift);
+                  for (int i = 0; i < 4; ++i) {
+                    const int row = g + 8 * (i & 1), kb = 2 * c + 8 * (i >> 1);
+                    const int64_t wr = i & 1 ? r1 : r0;
+                    for (int e = 0; e < 2; ++e)
+                      A[row][kb + e] = dequant(q[i], e, S[size_t(wr) * gpr + grp], B[size_t(wr) * gpr + grp]);
+                  }
+                  for (int n = 0; n < nt; ++n) {
+                    uint4 chunk;
+                    std::memcpy(&chunk, &smem[size_t(n * 8 + g) * stride + seg * 256 + 16 * (4 * m + c)], 16);
+                    uint32_t b[2];
+                    ms_b_frag(chunk, h, b[0], b[1]);
+                    for (int i = 0; i < 2; ++i)
+                      for (int e = 0; e < 2; ++e)
+                        Bm[2 * c + 8 * i + e][n * 8 + g] = bf16_to_f(uint16_t(b[i] >> (16 * e)));
+                  }
+                }
+                for (int r = 0; r < 16; ++r)
+                  for (int col = 0; col < nt * 8; ++col) {
+                    double acc = 0;
+                    for (int k = 0; k < 16; ++k) acc += A[r][k] * Bm[k][col];
+                    D[size_t(r) * nt * 8 + col] += acc;
+                  }
+              }
+          // the accumulator layout: acc[t][n][i] of lane (g, c) is D[g + 8 (i >> 1)][8n + 2c + (i & 1)]
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, c = lane % 4;
+            for (int n = 0; n < nt; ++n)
+              for (int i = 0; i < 4; ++i) {
+                const int at = ds_p_lane(warp, t, n, i, g, c);
+                P[kz][at] = D[size_t(g + 8 * (i >> 1)) * nt * 8 + 8 * n + 2 * c + (i & 1)];
+                ++written[at];
+              }
+          }
+          // banks of the partial stores: for each (n, i) the warp's 32 lanes on 32 banks
+          for (int n = 0; n < nt; ++n)
+            for (int i = 0; i < 4; ++i) {
+              unsigned seen = 0;
+              for (int lane = 0; lane < 32; ++lane) seen |= 1u << (ds_p_lane(warp, t, n, i, lane / 4, lane % 4) % 32);
+              expect(seen == 0xFFFFFFFFu, "partial stores conflict-free", n, i);
+            }
+        }
+      }
+      for (int j = 0; j < nt * 8; ++j)
+        for (int ol = 0; ol < DS_SLICE_ROWS; ++ol)
+          if (sl * DS_SLICE_ROWS + ol < N) expect(written[ds_p_at(j, ol)] == 1, "partial written once", j, ol);
+    }
+    // the reduction: rank kz sums its element range over ranks 0..ks-1
+    const int per = ds_elems(nt) / ks;
+    expect(per * ks == ds_elems(nt), "element ranges whole", per, ks);
+    for (int kz = 0; kz < ks; ++kz)
+      for (int i = kz * per; i < (kz + 1) * per; ++i) {
+        const int j = i / DS_SLICE_ROWS, ol = i % DS_SLICE_ROWS;
+        const int64_t o = int64_t(sl) * DS_SLICE_ROWS + ol;
+        if (j >= T || o >= N) continue;
+        double v = 0;
+        for (int q = 0; q < ks; ++q) v += P[q][ds_p_at(j, ol)];
+        Y[size_t(j) * N + o] = v;
+        ++stores[size_t(j) * N + o];
+      }
+  }
+  // reference
+  for (int o = 0; o < N; ++o)
+    for (int j = 0; j < T; ++j) {
+      double ref = 0, mag = 0;
+      for (int k = 0; k < K; ++k) {
+        const uint32_t word = W[size_t(o) * words + k / 8];
+        const int q = int((word >> (4 * (k % 8))) & 0xF), grp = k / gs;
+        const double w = bf16_to_f(f_to_bf16(double(bf16_to_f(S[size_t(o) * gpr + grp])) * q +
+                                             double(bf16_to_f(B[size_t(o) * gpr + grp]))));
+        const double x = bf16_to_f(uint16_t(wg_pack_bf16x2(X[size_t(j) * K + k], 0.f)));
+        ref += w * x, mag += std::fabs(w * x);
+      }
+      const double got = Y[size_t(j) * N + o];
+      expect(stores[size_t(j) * N + o] == 1, "stored once", j, o);
+      expect(std::fabs(got - ref) <= 1e-9 * (mag + 1e-30), "y vs reference", got, ref);
+    }
+  std::printf("ok  product N=%d K=%d gs=%d T=%d ks=%d\n", N, K, gs, T, ks);
+}
+
+int main() {
+  std::mt19937 rng(29);
+  // N, K, group, T: K split 8 / 4 / 2 / 1 ways (8704 rows: 68 slices, 2 parts), one to four n8 tiles (partial
+  // ones), dead warps (N = 32, 160)
+  const int cases[][4] = {{32, 2048, 64, 2},  {160, 1024, 32, 11}, {256, 2048, 128, 17}, {128, 4096, 64, 32},
+                          {96, 384, 64, 8},   {64, 8192, 64, 3},   {512, 512, 32, 24},  {8704, 256, 64, 5}};
+  for (const auto& cs : cases) run_case(cs[0], cs[1], cs[2], cs[3], rng);
+  // the plan at 132 SMs: the model's dense shapes
+  struct Plan {
+    int64_t N, K;
+    int ks;
+  };
+  const Plan plans[] = {{8192, 2048, 4}, {12352, 2048, 2}, {4096, 2048, 8}, {2048, 4096, 8},
+                        {512, 2048, 8},  {32, 2048, 8},    {2048, 512, 4}};
+  for (const auto& p : plans)
+    for (int T = 2; T <= DS_MAX_TOKENS; ++T) {
+      const int ks = ds_splits(p.N, p.K, 64, T, RESIDENT);
+      expect(ks == p.ks, "plan of a model shape", double(p.N), ks);
+      expect(ds_smem_bytes(p.K / ks, ds_tiles(T)) <= DS_MAX_SMEM, "plan's shared memory", double(p.N), T);
+    }
+  expect(ds_splits(2048, 16384, 64, 32, RESIDENT) == 0, "no split fits K = 16384 at T = 32", 0, 0);
+  expect(ds_splits(2048, 384, 64, 32, RESIDENT) == 1, "three segments: one part", 0, 0);
+  std::printf("ok  plan\n");
+  if (failures) {
+    std::printf("%d failures\n", failures);
+    return 1;
+  }
+  std::printf("all passed\n");
+  return 0;
+}
