@@ -1,0 +1,139 @@
+// chain_lab's per-phase protocol pieces (benchmarks/chain_lab.cu, persist_chain_kernel; part 3): the count by
+// one release, x staged by the producing phase (the consumers copy it), and A's segments dealt evenly over the
+// 8 warps ("flat"). Lab code, not the engine's. The index logic (ps_flat_*, ps_block_rows) is host-callable:
+// tests/emu/chain_lab_emu.cu checks it on the CPU.
+#pragma once
+#include <cstdint>
+
+#include "chain_lab_math.cuh"
+
+namespace lily::cuda::lab {
+
+// ---- the count: y stores, one CTA barrier, one release by thread 0 (flag PS_REL) -------------------------------
+// Why it is correct (PTX ISA, "Memory Consistency Model"): the storing threads' y (and staged-y) stores precede
+// the CTA barrier (bar.sync) in program order; the barrier synchronizes its participants ("Causality Order":
+// base causality order includes synchronizes-with of barrier operations at CTA scope), so the stores precede
+// thread 0's red.release.gpu in causality order. A release is cumulative ("Release and Acquire Patterns":
+// every write that precedes the release in causality order is visible to an acquire that observes it), and
+// the consumer's ld.acquire.gpu poll that reads the final count observes it (and the other CTAs' releases:
+// "Atomicity" makes the count's sum of releases a release sequence, each add morally strong at gpu scope);
+// the consumer's own bar.sync after the poll extends the order to its other threads ("Causality" axiom).
+// Hence no per-thread fence: the release itself orders the CTA's stores before the count. (Today's form, a
+// fence.sc by every storing thread, then the barrier, then a relaxed atomicAdd, orders the same writes with
+// one fence per storing thread.)
+__device__ __forceinline__ void ps_red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ps_atom_release_add(unsigned* p, unsigned v) {  // timeline: waits for the old value
+  unsigned old;
+  asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned ps_atom_acq_rel_add(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// ---- x staged by the producers (flag PS_XST) ----------------------------------------------------------------------
+// The consumers' staged x (PsDigits: gemv_mma's digits) depends, per 64-value block u, on the block's max |x|
+// (its exponent e_u: the digits are rint(x 2^(22 - E_u))) and on its sum xsum_u (mma_stage_octet's tree).
+// Both are reductions over 64 consecutive rows of the producing phase's y, i.e. 4 of its 16-row tiles, and
+// the tiles are dealt to CTAs as contiguous ranges (A: ~6 a CTA, so about two of a CTA's blocks straddle a
+// neighbour; B: one tile a CTA, so every block is 4 CTAs'). No reduction over all of y is needed, but one
+// over 4 tiles is: the cheapest correct form found is per block, "the last contributor stages it":
+//   after its y stores and the CTA barrier, warp 0 of the producing CTA takes the (at most 3) blocks its rows
+//   [r0, r1) touch; a block wholly inside is staged at once; for a shared block lane k adds its row count to
+//   the block's counter with one atom.acq_rel.gpu (release: publishes this CTA's y rows, ordered before it by
+//   the barrier; acquire: the last adder sees every other CTA's rows), and the adder that completes 64 rows
+//   stages it. Staging: lanes 8k .. 8k + 7 the k-th staged block's octets (mma_stage_octet: the consumers'
+//   own code, same lanes-per-block tree, so the bytes equal the consumers' staging bit for bit), own rows
+//   from the CTA's shared copy of its y, other CTAs' rows from L2 (ld.global.cg), into the phase's staged
+//   output (the consumers' shared-memory layout, PsDigits::x_bytes, its zero block left zero).
+// The consumers of the next phase copy x_bytes(K) bytes instead of converting (ps_copy_x) after their poll.
+// Cost moved onto the producer's critical path for a shared block: one L2 atomic round trip, then (the
+// completing CTA) one L2 load round trip; counters zeroed per launch.
+
+// Rows of 64-row block b inside [r0, r1).
+__host__ __device__ inline int ps_block_rows(int r0, int r1, int b) {
+  const int lo = r0 > 64 * b ? r0 : 64 * b, hi = r1 < 64 * b + 64 ? r1 : 64 * b + 64;
+  return hi > lo ? hi - lo : 0;
+}
+
+#ifdef __CUDACC__
+// Warp 0 of a producing CTA (all 32 lanes): stages the blocks it completes of y (rows [r0, r1) its own, also in
+// yown [r1 - r0] in shared memory; y [rows] global) into yst (PsDigits<1>'s layout for K = rows); blk: the
+// phase's block counters. fence: the staging lanes fence their stores (today's count protocol).
+__device__ inline void ps_stage_y(const float* yown, const float* y, int rows, int r0, int r1, uint8_t* yst,
+                                  unsigned* blk, int lane, bool fence) {
+  if (r1 <= r0) return;  // a CTA without tiles (uniform over the warp)
+  const int b0 = r0 / 64, nb = (r1 + 63) / 64 - b0;  // <= 3 blocks (r1 - r0 <= 128)
+  bool mine = false;
+  if (lane < nb) {
+    const int b = b0 + lane, n = ps_block_rows(r0, r1, b);
+    mine = n == 64 || ps_atom_acq_rel_add(&blk[b], unsigned(n)) + unsigned(n) == 64u;
+  }
+  __syncwarp();  // memory order among the lanes: lane k's acquire before the others' loads
+  const unsigned m = __ballot_sync(0xffffffffu, mine);
+  const int k = lane >> 3, j = lane & 7, octets = rows / 8;
+  int b = -1;
+  for (int i = 0, seen = 0; i < nb; ++i)
+    if (m >> i & 1u) {
+      if (seen == k) b = b0 + i;
+      ++seen;
+    }
+  float v[8] = {};
+  int o = octets;  // no block: mma_stage_octet stores nothing
+  if (b >= 0) {
+    const int row = 64 * b + 8 * j;  // an octet is all own rows or all another CTA's (tiles are 16 rows)
+    const float4* q = row >= r0 && row < r1 ? reinterpret_cast<const float4*>(yown + (row - r0))
+                                            : reinterpret_cast<const float4*>(y + row);
+    const float4 a = row >= r0 && row < r1 ? q[0] : __ldcg(q), c = row >= r0 && row < r1 ? q[1] : __ldcg(q + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+    o = 8 * b + j;
+  }
+  const auto view = PsDigits<1>::view(yst, rows);
+  mma_stage_octet<4, 64>(v, o, octets, const_cast<uint2*>(view.xd), const_cast<float*>(view.xe),
+                         const_cast<float*>(view.xsum));
+  if (fence && b >= 0) __threadfence();
+  __syncwarp();  // the staging stores before lane 0's count
+}
+
+// The consumers (all PS_CONSUMERS threads; the caller synchronises after): copy the staged x, n16 16-byte units,
+// all loads of a thread in flight together (4 a thread covers K <= 4,096 in one round trip).
+__device__ inline void ps_copy_x(const uint8_t* src, uint8_t* dst, int n16, int tid) {
+  constexpr int R = 4;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  for (int base = 0; base < n16; base += R * PS_CONSUMERS) {
+    uint4 v[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = base + r * PS_CONSUMERS + tid;
+      if (i < n16) v[r] = __ldcg(s + i);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = base + r * PS_CONSUMERS + tid;
+      if (i < n16) d[i] = v[r];
+    }
+  }
+}
+#endif
+
+// ---- flat dealing (PS_FLAT): a CTA's segments split evenly over its 8 warps ----------------------------------------
+// A phase of nt tiles x C chunks has 16 nt C segments (items of 16 in ring order, a tile's C items consecutive);
+// warp w takes [2 nt C w, 2 nt C (w + 1)): A (C = 1) at nt = 6 gives every warp 12 segments (a warp a tile:
+// 16 for six warps, none for two; 8 warps a tile: 2 a tile with a barrier each). With nt <= 8 a warp's range
+// is at most a tile long, so it touches at most 2 tiles: it writes a partial per tile touched (slot 0: its
+// first tile, 1: the next), and after one CTA barrier row r of tile j sums the partials of the warps
+// ps_flat_first(j) .. ps_flat_last(j) in ascending order (deterministic). A slot is released by segments:
+// the empty barrier counts PS_CSEG arrivals an item, each warp arrives with the segments it read there.
+__host__ __device__ inline int ps_flat_lo(int nt, int C, int w) { return 2 * nt * C * w; }
+__host__ __device__ inline int ps_flat_tile_of(int nt, int C, int w) { return ps_flat_lo(nt, C, w) / (16 * C); }
+__host__ __device__ inline int ps_flat_first(int nt, int C, int j) { return 16 * C * j / (2 * nt * C); }
+__host__ __device__ inline int ps_flat_last(int nt, int C, int j) { return (16 * C * (j + 1) - 1) / (2 * nt * C); }
+// The partial slot of warp w for tile j (w in ps_flat_first(j) .. ps_flat_last(j)).
+__host__ __device__ inline int ps_flat_slot(int nt, int C, int w, int j) { return j == ps_flat_tile_of(nt, C, w) ? 0 : 1; }
+
+}  // namespace lily::cuda::lab
