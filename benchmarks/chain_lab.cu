@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
       }
     if (TL && tid == 0) stamp[0] = ps_now();
     ps_consumer_sync();
-    if constexpr (XST) ps_copy_x(ph.xst, xs, int((16 + mma_x_bytes(ph.cols, 64)) / 16), tid);
+    if constexpr (XST) ps_copy_x(ph.xst, xs, ps_x_units(ph.cols), tid);
     else M::stage(ph.x, ph.cols, xs, tid);
     ps_consumer_sync();
     if (TL && tid == 0) stamp[1] = ps_now();
@@ -319,27 +320,24 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
       if (TL) tmath = ps_now();
     };
     if constexpr (FLAT) {  // segments [lo, hi) of the CTA's items, a partial per tile touched
-      const int lo = ps_flat_lo(nt, chunks, warp), hi = lo + 2 * nt * chunks, tf = ps_flat_tile_of(nt, chunks, warp);
+      const int tf = ps_flat_tile_of(nt, chunks, warp);
       float acc[2] = {0.f, 0.f};
-      for (int s0 = lo; s0 < hi;) {
-        const int i = s0 / PS_CSEG, end = min(hi, PS_CSEG * (i + 1)), slot = (it + i) % SLOTS, round = (it + i) / SLOTS;
+      ps_flat_walk(nt, chunks, warp, [&](int i, int l0, int l1, bool done) {
+        const int slot = (it + i) % SLOTS, round = (it + i) / SLOTS, h = i % chunks;
         mbar_wait(smem_u32(&full[slot]), round & 1);
         const uint8_t* base = ring + slot * PS_SLOT_BYTES;
-        const int h = i % chunks;
         if (!NO_MATH)
 #pragma unroll 4
-          for (int ls = s0 - PS_CSEG * i; ls < end - PS_CSEG * i; ++ls)
-            M::template step<1>(ln, base, ls, h * PS_CSEG + ls, xs, ph.cols, acc);
+          for (int ls = l0; ls < l1; ++ls) M::template step<1>(ln, base, ls, h * PS_CSEG + ls, xs, ph.cols, acc);
         __syncwarp();
-        if (lane == 0) mbar_arrive_n(smem_u32(&empty[slot]), uint32_t(end - s0));
-        s0 = end;
-        if (s0 == hi || s0 % (PS_CSEG * chunks) == 0) {  // the warp's part of tile i / chunks done
+        if (lane == 0) mbar_arrive_n(smem_u32(&empty[slot]), uint32_t(l1 - l0));
+        if (done) {
           quad_sum(acc);
-          const int j = i / chunks;
-          if (t == 0) redf[warp][j == tf ? 0 : 1][g] = acc[0], redf[warp][j == tf ? 0 : 1][g + 8] = acc[1];
+          const int ps = i / chunks == tf ? 0 : 1;
+          if (t == 0) redf[warp][ps][g] = acc[0], redf[warp][ps][g + 8] = acc[1];
           acc[0] = acc[1] = 0.f;
         }
-      }
+      });
       it += nt * chunks;
       ps_consumer_sync();  // redf written (read before this phase's x-staging barriers)
       if (tid < 16 * nt) {
@@ -749,8 +747,7 @@ int main_lab() {
   {  // persistent: the same chain as one kernel
     // PS_XST: x staged once from the fixed vectors (the consumers copy these bytes, so their y equal today's
     // math bit for bit); the producers stage their y into ysa / ysb (checked below against staging y).
-    const size_t sxa = PsDigits<1>::x_bytes(KA), sxb = PsDigits<1>::x_bytes(KB);
-    const size_t sya = PsDigits<1>::x_bytes(HA), syb = PsDigits<1>::x_bytes(HB);
+    const size_t sxa = 16 * ps_x_units(KA), sxb = 16 * ps_x_units(KB), sya = 16 * ps_x_units(HA), syb = 16 * ps_x_units(HB);
     uint8_t *xsa = dalloc<uint8_t>(sxa), *xsb = dalloc<uint8_t>(sxb), *ysa = dalloc<uint8_t>(sya), *ysb = dalloc<uint8_t>(syb);
     ps_stage_global_kernel<<<1, PS_CONSUMERS, 0, g_stream>>>(xa, KA, xsa);
     ps_stage_global_kernel<<<1, PS_CONSUMERS, 0, g_stream>>>(xb, KB, xsb);
@@ -766,11 +763,15 @@ int main_lab() {
         hp.push_back(PsPhase{B[l]->w, B[l]->s, B[l]->b, xb, yb, HB, KB, xsb, ysb, blk});
         blk += HB / 64;
       }
-    for (int rows : {HA, HB})  // PS_FLAT and PS_XST: at most PS_MAX_TILES tiles a CTA (A, B: K <= 2 chunks)
-      if (cdiv(rows / 16, g_sms) > PS_MAX_TILES) {
-        std::fprintf(stderr, "chain_lab: %d rows on %d SMs: more than %d tiles a CTA\n", rows, g_sms, PS_MAX_TILES);
+    for (const std::array<int, 2> rk : {std::array<int, 2>{HA, KA}, std::array<int, 2>{HB, KB}}) {
+      // PS_FLAT and PS_XST: at most PS_MAX_TILES tiles a CTA, and a CTA's items of a phase fit the ring
+      const int64_t nt = cdiv(rk[0] / 16, g_sms), items = nt * (rk[1] / PS_CHUNK_VALS);
+      if (nt > PS_MAX_TILES || items > PS_SLOTS) {
+        std::fprintf(stderr, "chain_lab: %d x %d on %d SMs: %lld tiles, %lld items a CTA (at most %d, %d)\n", rk[0],
+                     rk[1], g_sms, (long long)nt, (long long)items, PS_MAX_TILES, PS_SLOTS);
         return 1;
       }
+    }
     PsPhase* dp = dalloc<PsPhase>(hp.size());
     unsigned* done = cnt;
     PsStamp* tl = dalloc<PsStamp>(size_t(phases) * g_sms * PS_TL_STAMPS);
@@ -778,7 +779,7 @@ int main_lab() {
     const PsParams pp{dp, phases, done, tl};
     std::vector<PsVariant> vs = ps_variants();
     for (PsVariant& v : vs) {
-      v.smem = size_t(v.slots) * PS_SLOT_BYTES + v.x_bytes(KB);  // B's x at most
+      v.smem = size_t(v.slots) * PS_SLOT_BYTES + (v.x_bytes(KB) + 15) / 16 * 16;  // B's x at most (PS_XST: whole units)
       CK(cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(v.smem)));
     }
     auto launch = [&](const PsVariant& v) {
@@ -812,7 +813,7 @@ int main_lab() {
       CK(cudaMemcpy(b.data(), ref, n, cudaMemcpyDeviceToHost));
       CK(cudaFree(ref));
       size_t d = 0;
-      for (size_t i = 0; i < n; ++i) d += a[i] != b[i];
+      for (size_t i = 0; i < PsDigits<1>::x_bytes(rows); ++i) d += a[i] != b[i];  // not the unit's padding
       return d;
     };
     std::vector<float> pb0;

@@ -60,14 +60,32 @@ __host__ __device__ inline int ps_block_rows(int r0, int r1, int b) {
   return hi > lo ? hi - lo : 0;
 }
 
+// The blocks a CTA's rows [r0, r1) touch: [ps_block_first, + ps_block_count), at most 3 (r1 - r0 <= 128).
+__host__ __device__ inline int ps_block_first(int r0) { return r0 / 64; }
+__host__ __device__ inline int ps_block_count(int r0, int r1) { return r1 > r0 ? (r1 + 63) / 64 - r0 / 64 : 0; }
+// Which of them lane group k (lanes 8k .. 8k + 7) stages: the k-th set bit of mine (bit i: block first + i is
+// this CTA's to stage), or -1.
+__host__ __device__ inline int ps_stage_pick(unsigned mine, int nb, int k) {
+  for (int i = 0, seen = 0; i < nb; ++i)
+    if (mine >> i & 1u) {
+      if (seen == k) return i;
+      ++seen;
+    }
+  return -1;
+}
+
+// 16-byte units of a staged x of K values (PsDigits' x_bytes, rounded up: K / 64 odd leaves 8 bytes over;
+// buffers and shared memory for a copied x are allocated in whole units).
+__host__ __device__ constexpr int ps_x_units(int K) { return int((16 + mma_x_bytes(K, 64) + 15) / 16); }
+
 #ifdef __CUDACC__
 // Warp 0 of a producing CTA (all 32 lanes): stages the blocks it completes of y (rows [r0, r1) its own, also in
 // yown [r1 - r0] in shared memory; y [rows] global) into yst (PsDigits<1>'s layout for K = rows); blk: the
 // phase's block counters. fence: the staging lanes fence their stores (today's count protocol).
 __device__ inline void ps_stage_y(const float* yown, const float* y, int rows, int r0, int r1, uint8_t* yst,
                                   unsigned* blk, int lane, bool fence) {
-  if (r1 <= r0) return;  // a CTA without tiles (uniform over the warp)
-  const int b0 = r0 / 64, nb = (r1 + 63) / 64 - b0;  // <= 3 blocks (r1 - r0 <= 128)
+  const int b0 = ps_block_first(r0), nb = ps_block_count(r0, r1);
+  if (nb == 0) return;  // a CTA without tiles (uniform over the warp)
   bool mine = false;
   if (lane < nb) {
     const int b = b0 + lane, n = ps_block_rows(r0, r1, b);
@@ -75,20 +93,14 @@ __device__ inline void ps_stage_y(const float* yown, const float* y, int rows, i
   }
   __syncwarp();  // memory order among the lanes: lane k's acquire before the others' loads
   const unsigned m = __ballot_sync(0xffffffffu, mine);
-  const int k = lane >> 3, j = lane & 7, octets = rows / 8;
-  int b = -1;
-  for (int i = 0, seen = 0; i < nb; ++i)
-    if (m >> i & 1u) {
-      if (seen == k) b = b0 + i;
-      ++seen;
-    }
+  const int pick = ps_stage_pick(m, nb, lane >> 3), b = pick < 0 ? -1 : b0 + pick, j = lane & 7, octets = rows / 8;
   float v[8] = {};
   int o = octets;  // no block: mma_stage_octet stores nothing
   if (b >= 0) {
     const int row = 64 * b + 8 * j;  // an octet is all own rows or all another CTA's (tiles are 16 rows)
-    const float4* q = row >= r0 && row < r1 ? reinterpret_cast<const float4*>(yown + (row - r0))
-                                            : reinterpret_cast<const float4*>(y + row);
-    const float4 a = row >= r0 && row < r1 ? q[0] : __ldcg(q), c = row >= r0 && row < r1 ? q[1] : __ldcg(q + 1);
+    const bool own = row >= r0 && row < r1;
+    const float4* q = reinterpret_cast<const float4*>(own ? yown + (row - r0) : y + row);
+    const float4 a = own ? q[0] : __ldcg(q), c = own ? q[1] : __ldcg(q + 1);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
     o = 8 * b + j;
   }
@@ -99,7 +111,7 @@ __device__ inline void ps_stage_y(const float* yown, const float* y, int rows, i
   __syncwarp();  // the staging stores before lane 0's count
 }
 
-// The consumers (all PS_CONSUMERS threads; the caller synchronises after): copy the staged x, n16 16-byte units,
+// The consumers (all PS_CONSUMERS threads; the caller synchronises after): copy the staged x, n16 (ps_x_units) units,
 // all loads of a thread in flight together (4 a thread covers K <= 4,096 in one round trip).
 __device__ inline void ps_copy_x(const uint8_t* src, uint8_t* dst, int n16, int tid) {
   constexpr int R = 4;
@@ -135,5 +147,17 @@ __host__ __device__ inline int ps_flat_first(int nt, int C, int j) { return 16 *
 __host__ __device__ inline int ps_flat_last(int nt, int C, int j) { return (16 * C * (j + 1) - 1) / (2 * nt * C); }
 // The partial slot of warp w for tile j (w in ps_flat_first(j) .. ps_flat_last(j)).
 __host__ __device__ inline int ps_flat_slot(int nt, int C, int w, int j) { return j == ps_flat_tile_of(nt, C, w) ? 0 : 1; }
+
+// Warp w's pieces in ring order: f(i, l0, l1, done) for item i (of the phase's nt C), its segments [l0, l1) of
+// the item, done: the warp's part of tile i / C ends with it (its partial goes to slot ps_flat_slot).
+template <class F>
+__host__ __device__ inline void ps_flat_walk(int nt, int C, int w, F&& f) {
+  const int lo = ps_flat_lo(nt, C, w), hi = lo + 2 * nt * C;
+  for (int s0 = lo; s0 < hi;) {
+    const int i = s0 / PS_CSEG, end = hi < PS_CSEG * (i + 1) ? hi : PS_CSEG * (i + 1);
+    f(i, s0 - PS_CSEG * i, end - PS_CSEG * i, end == hi || end % (PS_CSEG * C) == 0);
+    s0 = end;
+  }
+}
 
 }  // namespace lily::cuda::lab

@@ -22,4 +22,4 @@ def test_chain_lab_math_emulator(tmp_path):
                     str(ROOT / "tests/emu/chain_lab_emu.cu")], check=True, capture_output=True, timeout=300)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "all passed" in r.stdout, r.stdout + r.stderr
-    assert r.stdout.count("ok  ") == 3 * 6 + 2
+    assert r.stdout.count("ok  ") == 3 * 6 + 4
