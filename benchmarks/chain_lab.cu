@@ -21,8 +21,13 @@
 //   after the wait (moe_up's case: its rows are known only after the router).
 //   Persistent (one kernel for the chain, below): with and without the dependency waits, 8 warps a tile or a
 //   warp a tile, and the consumer math (chain_lab_math.cuh): today's integer digits, (a) the digits with 2 / 4
-//   segments a step, (b) x as three bf16 terms on m16n8k16. Then a table of errors (the last layer against
-//   today's kernel and against fp64), and the timeline rows: per phase kind, medians and 90th percentiles
+//   segments a step, (b) x as three bf16 terms on m16n8k16; part 3 (chain_lab_phase.cuh): (1) the phase
+//   counted by one release after the CTA barrier (no per-thread fence), (2) x staged by the producing phase
+//   (the consumers copy bytes; the producers stage their y, shared 64-row blocks by their last contributor),
+//   (3) "flat": a CTA's segments split evenly over its 8 warps (A: 12 a warp instead of a warp's 16-segment
+//   tile with two warps idle). Then a table of errors (the last layer against today's kernel and against
+//   fp64; (2): the producers' staged y against staging y, byte for byte), and the timeline rows: per phase
+//   kind, medians and 90th percentiles
 //   over CTAs of hand-over, x staging, math, store + fence and count (%globaltimer stamps; separate
 //   instances, the timed rows have none).
 //   Run: bash benchmarks/chain_lab.sh (CPU check of the math policies: tests/test_chain_lab_emu.py)

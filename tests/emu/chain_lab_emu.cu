@@ -10,7 +10,9 @@
 //   (or the same unit), the zero units included, for every segment and m: conflict-free ld.shared.v4;
 //   the timeline's reduction (chain_lab_timeline.h) on synthetic stamps: 8 CTAs x 128 phases with known
 //   intervals, each SM's clock64 at its own rate and origin, %globaltimer ticking at 1 us from ~1.7e18 ns:
-//   every median within 30 ns of the truth, the fitted clock within 0.1%.
+//   every median within 30 ns of the truth, the fitted clock within 0.1%;
+//   part 3 (chain_lab_phase.cuh): the flat dealing's walks (check_flat) and the producers' staging protocol
+//   (check_producer_staging: every 64-row block staged once by its last contributor, bytes = staging y whole).
 // The staged x is written as the policies' stage() writes it (PsDigits: gemv_mma's mma_block_scale /
 // mma_octet_digits / mma_xd_store; PsBf3: store_octet), with the same octet sum tree. Host code only (nvcc,
 // -std=c++20); exits non-zero and prints FAIL on any mismatch.
