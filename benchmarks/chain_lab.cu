@@ -25,9 +25,9 @@
 //   counted by one release after the CTA barrier (no per-thread fence), (2) x staged by the producing phase
 //   (the consumers copy bytes; the producers stage their y, shared 64-row blocks by their last contributor),
 //   (3) "flat": a CTA's segments split evenly over its 8 warps (A: 12 a warp instead of a warp's 16-segment
-//   tile with two warps idle). Then a table of errors (the last layer against today's kernel and against
-//   fp64; (2): the producers' staged y against staging y, byte for byte), and the timeline rows: per phase
-//   kind, medians and 90th percentiles
+//   tile with two warps idle); (2b) the consumers' x loads all issued before converting. Then a table of
+//   errors (the last layer against today's kernel and against fp64; (2): the producers' staged y against
+//   staging y, byte for byte), and the timeline rows: per phase kind, medians and 90th percentiles
 //   over CTAs of hand-over, x staging, math, store + fence and count (%globaltimer stamps; separate
 //   instances, the timed rows have none).
 //   Run: bash benchmarks/chain_lab.sh (CPU check of the math policies: tests/test_chain_lab_emu.py)
@@ -199,9 +199,10 @@ constexpr int PS_SLOTS = 10, PS_SLOT_BYTES = 18 * 1024, PS_THREADS = PS_CONSUMER
 // barrier a tile), PS_WT a warp a tile (one-chunk phases; no barrier), PS_FLAT the CTA's segments split
 // evenly (chain_lab_phase.cuh; one barrier a phase). Flags (part 3, chain_lab_phase.cuh): PS_REL counts the
 // phase with one release by thread 0 after the barrier (no fences); PS_XST x is staged by the producing
-// phase (the consumers copy it; the producers stage their y).
+// phase (the consumers copy it; the producers stage their y); PS_XB the consumers stage x with all their loads
+// issued first (ps_stage_x_batched).
 enum PsDeal { PS_8W, PS_WT, PS_FLAT };
-enum PsFlag { PS_REL = 1, PS_XST = 2 };
+enum PsFlag { PS_REL = 1, PS_XST = 2, PS_XB = 4 };
 constexpr int PS_MAX_TILES = 8;  // tiles of a CTA a phase (PS_FLAT, PS_XST: A has 6 at 132 CTAs)
 
 struct PsPhase {
@@ -248,8 +249,9 @@ template <bool NO_DEP, bool NO_MATH = false, int SLOTS = PS_SLOTS, int DEAL = PS
           bool TL = false, int F = 0>
 __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsParams p) {
   static_assert(!TL || !NO_DEP, "the timeline stamps the dependency hand-overs");
-  constexpr bool REL = F & PS_REL, XST = F & PS_XST, FLAT = DEAL == PS_FLAT;
-  static_assert(!XST || std::is_same_v<M, PsDigits<M::STEP>>, "x staged by the producers: the digits' layout");
+  constexpr bool REL = F & PS_REL, XST = F & PS_XST, XB = F & PS_XB, FLAT = DEAL == PS_FLAT;
+  static_assert(!(XST || XB) || std::is_same_v<M, PsDigits<M::STEP>>, "PS_XST, PS_XB: the digits' layout");
+  static_assert(!(XST && XB), "x copied or staged, not both");
   constexpr int SPW = PS_CSEG / MMA_WARPS;                 // segments a warp takes of a chunk (8 warps a tile)
   constexpr int NS = M::STEP < SPW ? M::STEP : SPW;        // ... in steps of NS
   constexpr int WT_UNROLL = M::STEP == 1 ? 4 : 1;          // warp-a-tile loop: today's unroll
@@ -307,6 +309,7 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
     if (TL && tid == 0) stamp[0] = ps_now();
     ps_consumer_sync();
     if constexpr (XST) ps_copy_x(ph.xst, xs, ps_x_units(ph.cols), tid);
+    else if constexpr (XB) ps_stage_x_batched(ph.x, ph.cols, xs, tid);
     else M::stage(ph.x, ph.cols, xs, tid);
     ps_consumer_sync();
     if (TL && tid == 0) stamp[1] = ps_now();
@@ -595,7 +598,8 @@ PsVariant ps_variant(const char* name, int per_sm = 1) {
 // (a) and (b), measured in part 2, are dropped).
 std::vector<PsVariant> ps_variants() {
   using D1 = PsDigits<1>;
-  constexpr int S = PS_SLOTS, S2 = PS_SLOTS / 2, R = PS_REL, X = PS_XST, RX = PS_REL | PS_XST;
+  constexpr int S = PS_SLOTS, S2 = PS_SLOTS / 2, R = PS_REL, X = PS_XST, RX = PS_REL | PS_XST, XB = PS_XB,
+                RB = PS_REL | PS_XB;
   return {ps_variant<false, false, S, PS_8W, D1>(""),
           ps_variant<true, false, S, PS_8W, D1>(", no dependency waits"),
           ps_variant<true, true, S, PS_8W, D1>(", no dependency waits, no math"),
@@ -615,18 +619,21 @@ std::vector<PsVariant> ps_variants() {
           ps_variant<false, false, S, PS_WT, D1, false, R>(", (1) A a warp a tile, release count"),
           ps_variant<false, false, S, PS_8W, D1, false, X>(", (2) x staged by the producers"),
           ps_variant<true, false, S, PS_8W, D1, false, X>(", (2) x staged by the producers, no dependency waits"),
+          ps_variant<false, false, S, PS_8W, D1, false, XB>(", (2b) x loads batched"),
           ps_variant<false, false, S, PS_FLAT, D1>(", (3) flat"),
           ps_variant<true, false, S, PS_FLAT, D1>(", (3) flat, no dependency waits"),
           ps_variant<false, false, S, PS_FLAT, D1, false, R>(", (3) flat, (1) release count"),
           ps_variant<false, false, S, PS_FLAT, D1, false, RX>(", (3) flat, (1) release count, (2) x staged"),
           ps_variant<true, false, S, PS_FLAT, D1, false, RX>(", (3) flat, (2) x staged, no dependency waits"),
+          ps_variant<false, false, S, PS_FLAT, D1, false, RB>(", (3) flat, (1) release count, (2b) x loads batched"),
           ps_variant<false, false, S, PS_8W, D1, true>(" (today's math)"),
           ps_variant<false, false, S, PS_WT, D1, true>(", A a warp a tile (today's math)"),
           ps_variant<false, false, S, PS_8W, D1, true, R>(", (1) release count"),
           ps_variant<false, false, S, PS_WT, D1, true, R>(", (1) A a warp a tile, release count"),
           ps_variant<false, false, S, PS_8W, D1, true, RX>(", (1) release count, (2) x staged"),
           ps_variant<false, false, S, PS_FLAT, D1, true, R>(", (3) flat, (1) release count"),
-          ps_variant<false, false, S, PS_FLAT, D1, true, RX>(", (3) flat, (1) release count, (2) x staged")};
+          ps_variant<false, false, S, PS_FLAT, D1, true, RX>(", (3) flat, (1) release count, (2) x staged"),
+          ps_variant<false, false, S, PS_FLAT, D1, true, RB>(", (3) flat, (1) release count, (2b) x loads batched")};
 }
 
 // y = W x in fp64 for a matrix's weights as the engine stores them (row-major) or as the persistent kernel

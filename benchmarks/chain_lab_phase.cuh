@@ -1,6 +1,6 @@
 // chain_lab's per-phase protocol pieces (benchmarks/chain_lab.cu, persist_chain_kernel; part 3): the count by
-// one release, x staged by the producing phase (the consumers copy it), and A's segments dealt evenly over the
-// 8 warps ("flat"). Lab code, not the engine's. The index logic (ps_flat_*, ps_block_rows) is host-callable:
+// one release, x staged by the producing phase (the consumers copy it) or by the consumers with every load in
+// flight at once, and A's segments dealt evenly over the 8 warps ("flat"). Lab code, not the engine's. The index logic (ps_flat_*, ps_block_rows) is host-callable:
 // tests/emu/chain_lab_emu.cu checks it on the CPU.
 #pragma once
 #include <cstdint>
@@ -128,6 +128,33 @@ __device__ inline void ps_copy_x(const uint8_t* src, uint8_t* dst, int n16, int 
     for (int r = 0; r < R; ++r) {
       const int i = base + r * PS_CONSUMERS + tid;
       if (i < n16) d[i] = v[r];
+    }
+  }
+}
+
+// The alternative (flag PS_XB): the consumers stage x themselves as PsDigits::stage does (octet o by thread o,
+// + 256 a round, mma_stage_octet: the same bytes), but issue every round's loads before converting (the
+// engine's mma_stage_x does; PsDigits::stage converts round by round: two L2 round trips at K = 4,096).
+template <int NR = 2>
+__device__ inline void ps_stage_x_batched(const float* x, int K, uint8_t* xs, int tid) {
+  const auto view = PsDigits<1>::view(xs, K);
+  if (tid == 0) *reinterpret_cast<uint4*>(xs) = make_uint4(0u, 0u, 0u, 0u);
+  const int octets = K / 8;
+  for (int base = 0; base < octets; base += NR * PS_CONSUMERS) {  // one pass for K <= 4,096
+    float4 raw[NR][2];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const int o = base + r * PS_CONSUMERS + tid;
+      raw[r][0] = raw[r][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (o < octets) raw[r][0] = reinterpret_cast<const float4*>(x)[2 * o], raw[r][1] = reinterpret_cast<const float4*>(x)[2 * o + 1];
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (base + r * PS_CONSUMERS >= octets) break;  // uniform
+      const float v[8] = {raw[r][0].x, raw[r][0].y, raw[r][0].z, raw[r][0].w,
+                          raw[r][1].x, raw[r][1].y, raw[r][1].z, raw[r][1].w};
+      mma_stage_octet<4, 64>(v, base + r * PS_CONSUMERS + tid, octets, const_cast<uint2*>(view.xd),
+                             const_cast<float*>(view.xe), const_cast<float*>(view.xsum));
     }
   }
 }
