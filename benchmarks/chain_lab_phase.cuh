@@ -10,17 +10,19 @@
 namespace lily::cuda::lab {
 
 // ---- the count: y stores, one CTA barrier, one release by thread 0 (flag PS_REL) -------------------------------
-// Why it is correct (PTX ISA, "Memory Consistency Model"): the storing threads' y (and staged-y) stores precede
-// the CTA barrier (bar.sync) in program order; the barrier synchronizes its participants ("Causality Order":
-// base causality order includes synchronizes-with of barrier operations at CTA scope), so the stores precede
-// thread 0's red.release.gpu in causality order. A release is cumulative ("Release and Acquire Patterns":
-// every write that precedes the release in causality order is visible to an acquire that observes it), and
-// the consumer's ld.acquire.gpu poll that reads the final count observes it (and the other CTAs' releases:
-// "Atomicity" makes the count's sum of releases a release sequence, each add morally strong at gpu scope);
-// the consumer's own bar.sync after the poll extends the order to its other threads ("Causality" axiom).
-// Hence no per-thread fence: the release itself orders the CTA's stores before the count. (Today's form, a
-// fence.sc by every storing thread, then the barrier, then a relaxed atomicAdd, orders the same writes with
-// one fence per storing thread.)
+// Why it is correct (PTX ISA, chapter "Memory Consistency Model"): the storing threads' y (and staged-y)
+// stores precede the CTA barrier (bar.sync) in program order, and the barrier synchronizes its participants at
+// CTA scope, so in "Causality Order" (base causality order) those stores precede thread 0's
+// red.release.gpu. "Release and Acquire Patterns": the red is a release pattern; the consumer's
+// ld.acquire.gpu poll is an acquire pattern; both are morally strong (gpu scope, global memory). The poll
+// reads the count's final value, which was written by a chain of atomic adds, one per CTA: in "Observation
+// Order" each CTA's add precedes the read through that chain of atomics, so every CTA's release
+// synchronizes with the poll, and by the "Causality" axiom every store that precedes a release in causality
+// order is visible to the poll's thread; the consumer's bar.sync after the poll extends that to its other
+// threads. Hence no per-thread fence: the release orders the whole CTA's stores (it is cumulative over the
+// barrier). Today's form (a fence.sc.gpu by every storing thread, the barrier, a relaxed atomicAdd) orders the
+// same writes with one SC fence per storing thread. SASS (nvcc 13, sm_90a): red.release.gpu is
+// MEMBAR.ALL.GPU + REDG by thread 0; today's is MEMBAR.SC.GPU + CCTL.IVALL in each storing warp + ATOMG.
 __device__ __forceinline__ void ps_red_release_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
