@@ -223,7 +223,10 @@ def test_prefix_lookup_hashes_the_prompt_once_whatever_the_entries(monkeypatch):
     monkeypatch.setattr(cache_module, "prefix_hashes", lambda t: calls.append(len(t)) or real(t))
     for _ in range(3):
         assert cache.longest_prefix(ids).tokens == tuple(hist)
-    assert calls == [len(ids)] * 3
+    assert calls == [len(hist)] * 3  # no hash beyond the longest candidate (7,000 of the 7,150 ids)
+    # the caller's int32 array gives the same answer (the worker passes Prompt.array: no list conversion)
+    assert cache.longest_prefix(ids, array=np.asarray(ids, dtype=np.int32)).tokens == tuple(hist)
+    assert cache.longest_prefix(ids, longer_than=7000, array=np.asarray(ids, dtype=np.int32)) is None
 
 
 # --- through the server ------------------------------------------------------------------------------------

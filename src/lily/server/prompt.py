@@ -24,7 +24,10 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from ..errors import LilyError
 from ..tokenizer import Tokenizer
@@ -201,6 +204,12 @@ class Prompt:
     boundaries: tuple[int, ...] = ()
     thinking: bool = False
     images: tuple = ()  # lily.images.PreparedImage, one per run of image tokens in ids
+
+    @cached_property
+    def array(self) -> np.ndarray:
+        """``ids`` as int32, converted once: the worker's prefix lookup and the engine call share it
+        (a 7,000-id list costs ~0.15 ms a conversion on the host)."""
+        return np.asarray(self.ids, dtype=np.int32)
 
 
 def opens_think(text: str) -> bool:
