@@ -2,7 +2,9 @@
 time to first token: the same bytes as the eager split made, reused by the next turn, never seen half
 made, and the session left where the request ended. The first three failed before the change (the
 snapshot was taken before the first token); the last two guard a cancelled request and a prompt that
-continues the session's own tokens (no saved starting state: still split before the first token)."""
+continues the session's own tokens (no saved starting state: still split before the first token).
+The ninth session's: the end-state copy skipped for a waiting job of another conversation (kept for one
+that continues the session), and the engine given the prompt as one int32 array."""
 from __future__ import annotations
 
 import threading
