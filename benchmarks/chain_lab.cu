@@ -21,25 +21,33 @@
 //   after the wait (moe_up's case: its rows are known only after the router).
 //   Persistent (one kernel for the chain, below): with and without the dependency waits, 8 warps a tile or a
 //   warp a tile, and the consumer math (chain_lab_math.cuh): today's integer digits, (a) the digits with 2 / 4
-//   segments a step, (b) x as three bf16 terms on m16n8k16. Then a table of errors (the last layer against
-//   today's kernel and against fp64), and the timeline rows: per phase kind, medians and 90th percentiles
+//   segments a step, (b) x as three bf16 terms on m16n8k16; part 3 (chain_lab_phase.cuh): (1) the phase
+//   counted by one release after the CTA barrier (no per-thread fence), (2) x staged by the producing phase
+//   (the consumers copy bytes; the producers stage their y, shared 64-row blocks by their last contributor),
+//   (3) "flat": a CTA's segments split evenly over its 8 warps (A: 12 a warp instead of a warp's 16-segment
+//   tile with two warps idle); (2b) the consumers' x loads all issued before converting. Then a table of
+//   errors (the last layer against today's kernel and against fp64; (2): the producers' staged y against
+//   staging y, byte for byte), and the timeline rows: per phase kind, medians and 90th percentiles
 //   over CTAs of hand-over, x staging, math, store + fence and count (%globaltimer stamps; separate
 //   instances, the timed rows have none).
 //   Run: bash benchmarks/chain_lab.sh (CPU check of the math policies: tests/test_chain_lab_emu.py)
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/gemv_plan.h"
 #include "cuda/kernels/gemv_mma.cuh"
 #include "cuda/kernels/wgmma.cuh"
 #include "chain_lab_math.cuh"
+#include "chain_lab_phase.cuh"
 #include "chain_lab_timeline.h"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
@@ -178,20 +186,34 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) bulk_gemv_kernel(const BulkPar
 // contiguous: the weights are stored chunk-major, [tile][chunk][16 rows][1 KB] (for K = 2,048 that is the
 // row-major layout; B's K = 4,096 products use it as their layout in this lab, so B is not compared with
 // `today`). The producer walks the CTA's items (its tiles of phase p, phases in order) and bulk-copies each
-// into the next free slot of a PS_SLOTS ring (full: tx bytes; empty: one arrival per consumer warp), never
-// waiting for activations: later phases' weights stream while the consumers wait for the phase before.
+// into the next free slot of a PS_SLOTS ring (full: tx bytes; empty: one arrival per consumer warp, or per
+// segment when dealt flat), never waiting for activations: later phases' weights stream while the
+// consumers wait for the phase before.
 // Consumers, per phase: wait until every CTA has counted phase p - 1 done (thread 0 polls an acquire
 // load; PS_NO_DEP skips it: the stream's own ceiling), stage x (the math policy's form), then per tile its
 // chunks (warp w takes segments 2w, 2w + 1 of each chunk; a warp frees a slot as soon as it has read it),
 // the 8 warps' row sums in ascending order, y; at the end of the phase, fence and count the phase done.
 constexpr int PS_SLOTS = 10, PS_SLOT_BYTES = 18 * 1024, PS_THREADS = PS_CONSUMERS + 32;  // chain_lab_math.cuh: items
 
+// How a phase's segments go to the consumer warps: PS_8W 8 warps a tile (2 segments of each chunk a warp, a
+// barrier a tile), PS_WT a warp a tile (one-chunk phases; no barrier), PS_FLAT the CTA's segments split
+// evenly (chain_lab_phase.cuh; one barrier a phase). Flags (part 3, chain_lab_phase.cuh): PS_REL counts the
+// phase with one release by thread 0 after the barrier (no fences); PS_XST x is staged by the producing
+// phase (the consumers copy it; the producers stage their y); PS_XB the consumers stage x with all their loads
+// issued first (ps_stage_x_batched).
+enum PsDeal { PS_8W, PS_WT, PS_FLAT };
+enum PsFlag { PS_REL = 1, PS_XST = 2, PS_XB = 4 };
+constexpr int PS_MAX_TILES = 8;  // tiles of a CTA a phase (PS_FLAT, PS_XST: A has 6 at 132 CTAs)
+
 struct PsPhase {
   const uint32_t* w;
   const uint16_t *s, *b;
   const float* x;
   float* y;
-  int rows, cols;  // cols % 2048 == 0
+  int rows, cols;      // cols % 2048 == 0
+  const uint8_t* xst;  // PS_XST: x as staged (PsDigits' layout, K = cols), copied by the consumers
+  uint8_t* yst;        // PS_XST: y as staged by the producers (K = rows)
+  unsigned* blk;       // PS_XST: [rows / 64] block counters, zeroed before the launch
 };
 struct PsParams {
   const PsPhase* ph;
@@ -217,28 +239,34 @@ __device__ __forceinline__ PsStamp ps_now() {
 }
 
 // NO_MATH: consumers only await and free the slots (the ring's own stream rate). SLOTS: ring slots (10 at
-// one CTA a SM, 5 at two). WARP_TILES: one-chunk phases (K = 2,048) take a warp a tile (y from the warp, no
-// barrier) instead of 8 warps a tile's K-parts. M: the consumer math (PsDigits<1>: today's).
+// one CTA a SM, 5 at two). DEAL: PsDeal. M: the consumer math (PsDigits<1>: today's). F: PsFlag bits.
 // TL (timeline; with the dependency waits): thread 0 stamps (ps_now) per phase into p.tl: [0] its poll
 // done (dependency satisfied), [1] x staged (after the barrier), [2] the CTA's last math done (the latest of
 // the warps' stamps after their last tile's math), [3] y stored and fenced (after the barrier that follows
-// the fences), [4] the phase counted (after the atomic returned). The untimed instances have no stamps.
-template <bool NO_DEP, bool NO_MATH = false, int SLOTS = PS_SLOTS, bool WARP_TILES = false, class M = PsDigits<1>,
-          bool TL = false>
+// the fences; PS_XST: and the producer's staging of its y by warp 0), [4] the phase counted (after the
+// atomic returned; PS_REL: the release atom's return). The untimed instances have no stamps.
+template <bool NO_DEP, bool NO_MATH = false, int SLOTS = PS_SLOTS, int DEAL = PS_8W, class M = PsDigits<1>,
+          bool TL = false, int F = 0>
 __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsParams p) {
   static_assert(!TL || !NO_DEP, "the timeline stamps the dependency hand-overs");
+  constexpr bool REL = F & PS_REL, XST = F & PS_XST, XB = F & PS_XB, FLAT = DEAL == PS_FLAT;
+  static_assert(!(XST || XB) || std::is_same_v<M, PsDigits<M::STEP>>, "PS_XST, PS_XB: the digits' layout");
+  static_assert(!(XST && XB), "x copied or staged, not both");
   constexpr int SPW = PS_CSEG / MMA_WARPS;                 // segments a warp takes of a chunk (8 warps a tile)
   constexpr int NS = M::STEP < SPW ? M::STEP : SPW;        // ... in steps of NS
   constexpr int WT_UNROLL = M::STEP == 1 ? 4 : 1;          // warp-a-tile loop: today's unroll
   extern __shared__ __align__(128) uint8_t sm[];
   __shared__ __align__(8) uint64_t full[SLOTS], empty[SLOTS];
   __shared__ float red[2][MMA_WARPS][16];  // by tile parity: one barrier a tile
+  __shared__ float redf[FLAT ? MMA_WARPS : 1][2][16];          // PS_FLAT: [warp][its first / next tile][row]
+  __shared__ __align__(16) float yown[XST ? PS_MAX_TILES * 16 : 4];  // PS_XST: the CTA's y rows
   __shared__ PsStamp math_done[TL ? MMA_WARPS : 1];
   uint8_t* ring = sm;
   uint8_t* xs = sm + SLOTS * PS_SLOT_BYTES;
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, G = int(gridDim.x), c = int(blockIdx.x);
   if (tid == 0) {
-    for (int i = 0; i < SLOTS; ++i) mbar_init(smem_u32(&full[i]), 1), mbar_init(smem_u32(&empty[i]), MMA_WARPS);
+    for (int i = 0; i < SLOTS; ++i)
+      mbar_init(smem_u32(&full[i]), 1), mbar_init(smem_u32(&empty[i]), FLAT ? PS_CSEG : MMA_WARPS);
     mbar_init_fence();
   }
   __syncthreads();
@@ -273,17 +301,24 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
   for (int ph_i = 0; ph_i < p.phases; ++ph_i) {
     const PsPhase ph = p.ph[ph_i];
     int t0;
-    const int nt = my_tiles(ph, t0), chunks = ph.cols / PS_CHUNK_VALS;
+    const int nt = my_tiles(ph, t0), chunks = ph.cols / PS_CHUNK_VALS, r0 = 16 * t0;
     PsStamp stamp[PS_TL_STAMPS] = {}, tmath = {};
     if (!NO_DEP && ph_i > 0 && tid == 0)
       while (ps_ld_acquire(&p.done[ph_i - 1]) < unsigned(G)) {
       }
     if (TL && tid == 0) stamp[0] = ps_now();
     ps_consumer_sync();
-    M::stage(ph.x, ph.cols, xs, tid);
+    if constexpr (XST) ps_copy_x(ph.xst, xs, ps_x_units(ph.cols), tid);
+    else if constexpr (XB) ps_stage_x_batched(ph.x, ph.cols, xs, tid);
+    else M::stage(ph.x, ph.cols, xs, tid);
     ps_consumer_sync();
     if (TL && tid == 0) stamp[1] = ps_now();
     bool stored = false;
+    auto store_y = [&](int row, float v) {
+      ph.y[row] = v;
+      if constexpr (XST) yown[row - r0] = v;
+      stored = true;
+    };
     auto quad_sum = [&](float (&acc)[2]) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -292,7 +327,35 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
       }
       if (TL) tmath = ps_now();
     };
-    if (WARP_TILES && chunks == 1) {  // a warp a tile: its 16 segments alone, no CTA barrier
+    if constexpr (FLAT) {  // segments [lo, hi) of the CTA's items, a partial per tile touched
+      const int tf = ps_flat_tile_of(nt, chunks, warp);
+      float acc[2] = {0.f, 0.f};
+      ps_flat_walk(nt, chunks, warp, [&](int i, int l0, int l1, bool done) {
+        const int slot = (it + i) % SLOTS, round = (it + i) / SLOTS, h = i % chunks;
+        mbar_wait(smem_u32(&full[slot]), round & 1);
+        const uint8_t* base = ring + slot * PS_SLOT_BYTES;
+        if (!NO_MATH)
+#pragma unroll 4
+          for (int ls = l0; ls < l1; ++ls) M::template step<1>(ln, base, ls, h * PS_CSEG + ls, xs, ph.cols, acc);
+        __syncwarp();
+        if (lane == 0) mbar_arrive_n(smem_u32(&empty[slot]), uint32_t(l1 - l0));
+        if (done) {
+          quad_sum(acc);
+          const int ps = i / chunks == tf ? 0 : 1;
+          if (t == 0) redf[warp][ps][g] = acc[0], redf[warp][ps][g + 8] = acc[1];
+          acc[0] = acc[1] = 0.f;
+        }
+      });
+      it += nt * chunks;
+      ps_consumer_sync();  // redf written (read before this phase's x-staging barriers)
+      if (tid < 16 * nt) {
+        const int j = tid / 16, r = tid % 16;
+        float v = 0.f;
+        for (int w = ps_flat_first(nt, chunks, j); w <= ps_flat_last(nt, chunks, j); ++w)
+          v += redf[w][ps_flat_slot(nt, chunks, w, j)][r];
+        store_y(r0 + tid, v);
+      }
+    } else if (DEAL == PS_WT && chunks == 1) {  // a warp a tile: its 16 segments alone, no CTA barrier
       for (int j = warp; j < nt; j += MMA_WARPS) {
         const int i = it + j, slot = i % SLOTS, round = i / SLOTS;
         mbar_wait(smem_u32(&full[slot]), round & 1);
@@ -304,8 +367,7 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
         __syncwarp();
         if (lane == 0) mbar_arrive_n(smem_u32(&empty[slot]), MMA_WARPS);
         quad_sum(acc);
-        if (t == 0) ph.y[int64_t(t0 + j) * 16 + g] = acc[0], ph.y[int64_t(t0 + j) * 16 + g + 8] = acc[1];
-        stored = t == 0;
+        if (t == 0) store_y(r0 + 16 * j + g, acc[0]), store_y(r0 + 16 * j + g + 8, acc[1]);
       }
       it += nt;
     } else {
@@ -328,32 +390,42 @@ __global__ void __launch_bounds__(PS_THREADS, 1) persist_chain_kernel(const PsPa
         if (tid < 16) {
           float v = 0.f;
           for (int k = 0; k < MMA_WARPS; ++k) v += rd[k][tid];
-          ph.y[int64_t(t0 + j) * 16 + tid] = v;
-          stored = true;
+          store_y(r0 + 16 * j + tid, v);
         }
       }
     }
     if (TL && lane == 0) math_done[warp] = tmath;
-    if (!NO_DEP) {  // the storing threads fence their y, then thread 0 counts the phase done
-      if (stored) __threadfence();
+    // the storing threads fence their y (today's protocol; PS_REL: no fence, the release below orders them),
+    // the CTA barrier, PS_XST: warp 0 stages the CTA's y blocks, then thread 0 counts the phase done
+    if (!NO_DEP || XST) {
+      if (!NO_DEP && !REL && stored) __threadfence();
       ps_consumer_sync();
-      if (tid == 0) {
-        if constexpr (!TL) {
-          atomicAdd(&p.done[ph_i], 1u);
-        } else {
-          stamp[3] = ps_now();
-          const unsigned before = atomicAdd(&p.done[ph_i], 1u);
-          if (before >= unsigned(G)) __trap();  // counted twice: a protocol bug (the stamp waits for the atomic)
-          stamp[4] = ps_now();
-          stamp[2] = stamp[1];  // the latest warp (clock64: one SM), or x staged if no warp had a tile
-          for (int w = 0; w < MMA_WARPS; ++w)
-            if (math_done[w].clk > stamp[2].clk) stamp[2] = math_done[w];
-          PsStamp* out = p.tl + (size_t(ph_i) * G + c) * PS_TL_STAMPS;
-          for (int k = 0; k < PS_TL_STAMPS; ++k) out[k] = stamp[k];
-        }
+    }
+    if constexpr (XST)
+      if (warp == 0) ps_stage_y(yown, ph.y, ph.rows, r0, r0 + 16 * nt, ph.yst, ph.blk, lane, !NO_DEP && !REL);
+    if (!NO_DEP && tid == 0) {
+      if constexpr (!TL) {
+        if constexpr (REL) ps_red_release_add(&p.done[ph_i], 1u);
+        else atomicAdd(&p.done[ph_i], 1u);
+      } else {
+        stamp[3] = ps_now();
+        const unsigned before = REL ? ps_atom_release_add(&p.done[ph_i], 1u) : atomicAdd(&p.done[ph_i], 1u);
+        if (before >= unsigned(G)) __trap();  // counted twice: a protocol bug (the stamp waits for the atomic)
+        stamp[4] = ps_now();
+        stamp[2] = stamp[1];  // the latest warp (clock64: one SM), or x staged if no warp had a tile
+        for (int w = 0; w < MMA_WARPS; ++w)
+          if (math_done[w].clk > stamp[2].clk) stamp[2] = math_done[w];
+        PsStamp* out = p.tl + (size_t(ph_i) * G + c) * PS_TL_STAMPS;
+        for (int k = 0; k < PS_TL_STAMPS; ++k) out[k] = stamp[k];
       }
     }
   }
+}
+
+// Stages x [K] into global memory as the consumers stage it (PsDigits<1>::stage, one CTA of PS_CONSUMERS
+// threads): PS_XST's copied x, and the reference for the producers' staged y.
+__global__ void __launch_bounds__(PS_CONSUMERS) ps_stage_global_kernel(const float* x, int K, uint8_t* out) {
+  PsDigits<1>::stage(x, K, out, int(threadIdx.x));
 }
 
 // The launch floor of a dependent chain: wait, trigger, one store.
@@ -514,37 +586,54 @@ struct PsVariant {
   const char* name;
   void (*k)(PsParams);
   int slots, per_sm;
-  bool no_dep, no_math, timeline;
+  bool no_dep, no_math, timeline, xst;
   size_t (*x_bytes)(int);
   size_t smem;
 };
-template <bool ND, bool NM, int SL, bool WT, class M, bool TL = false>
+template <bool ND, bool NM, int SL, int DEAL, class M, bool TL = false, int F = 0>
 PsVariant ps_variant(const char* name, int per_sm = 1) {
-  return {name, persist_chain_kernel<ND, NM, SL, WT, M, TL>, SL, per_sm, ND, NM, TL, M::x_bytes, 0};
+  return {name, persist_chain_kernel<ND, NM, SL, DEAL, M, TL, F>, SL, per_sm, ND, NM, TL, (F & PS_XST) != 0, M::x_bytes, 0};
 }
+// Rows (part 3 adds the release count, x staged by the producers and the flat dealing; the timeline rows of
+// (a) and (b), measured in part 2, are dropped).
 std::vector<PsVariant> ps_variants() {
   using D1 = PsDigits<1>;
-  constexpr int S = PS_SLOTS, S2 = PS_SLOTS / 2;
-  return {ps_variant<false, false, S, false, D1>(""),
-          ps_variant<true, false, S, false, D1>(", no dependency waits"),
-          ps_variant<true, true, S, false, D1>(", no dependency waits, no math"),
-          ps_variant<false, false, S2, false, D1>(", 2 CTAs a SM", 2),
-          ps_variant<true, false, S2, false, D1>(", 2 CTAs a SM, no dependency waits", 2),
-          ps_variant<false, false, S, true, D1>(", A a warp a tile"),
-          ps_variant<true, false, S, true, D1>(", A a warp a tile, no dependency waits"),
-          ps_variant<false, false, S, false, PsDigits<2>>(", (a) digits 2 segments a step"),
-          ps_variant<true, false, S, false, PsDigits<2>>(", (a) digits 2 segments a step, no dependency waits"),
-          ps_variant<false, false, S, true, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step"),
-          ps_variant<true, false, S, true, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step, no dependency waits"),
-          ps_variant<false, false, S, false, PsBf3>(", (b) bf16 x 3 terms"),
-          ps_variant<true, false, S, false, PsBf3>(", (b) bf16 x 3 terms, no dependency waits"),
-          ps_variant<false, false, S, true, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms"),
-          ps_variant<true, false, S, true, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms, no dependency waits"),
-          ps_variant<false, false, S, false, D1, true>(" (today's math)"),
-          ps_variant<false, false, S, true, D1, true>(", A a warp a tile (today's math)"),
-          ps_variant<false, false, S, true, PsDigits<4>, true>(", (a) A a warp a tile, digits 4 segments a step"),
-          ps_variant<false, false, S, false, PsBf3, true>(", (b) bf16 x 3 terms"),
-          ps_variant<false, false, S, true, PsBf3, true>(", (b) A a warp a tile, bf16 x 3 terms")};
+  constexpr int S = PS_SLOTS, S2 = PS_SLOTS / 2, R = PS_REL, X = PS_XST, RX = PS_REL | PS_XST, XB = PS_XB,
+                RB = PS_REL | PS_XB;
+  return {ps_variant<false, false, S, PS_8W, D1>(""),
+          ps_variant<true, false, S, PS_8W, D1>(", no dependency waits"),
+          ps_variant<true, true, S, PS_8W, D1>(", no dependency waits, no math"),
+          ps_variant<false, false, S2, PS_8W, D1>(", 2 CTAs a SM", 2),
+          ps_variant<true, false, S2, PS_8W, D1>(", 2 CTAs a SM, no dependency waits", 2),
+          ps_variant<false, false, S, PS_WT, D1>(", A a warp a tile"),
+          ps_variant<true, false, S, PS_WT, D1>(", A a warp a tile, no dependency waits"),
+          ps_variant<false, false, S, PS_8W, PsDigits<2>>(", (a) digits 2 segments a step"),
+          ps_variant<true, false, S, PS_8W, PsDigits<2>>(", (a) digits 2 segments a step, no dependency waits"),
+          ps_variant<false, false, S, PS_WT, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step"),
+          ps_variant<true, false, S, PS_WT, PsDigits<4>>(", (a) A a warp a tile, digits 4 segments a step, no dependency waits"),
+          ps_variant<false, false, S, PS_8W, PsBf3>(", (b) bf16 x 3 terms"),
+          ps_variant<true, false, S, PS_8W, PsBf3>(", (b) bf16 x 3 terms, no dependency waits"),
+          ps_variant<false, false, S, PS_WT, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms"),
+          ps_variant<true, false, S, PS_WT, PsBf3>(", (b) A a warp a tile, bf16 x 3 terms, no dependency waits"),
+          ps_variant<false, false, S, PS_8W, D1, false, R>(", (1) release count"),
+          ps_variant<false, false, S, PS_WT, D1, false, R>(", (1) A a warp a tile, release count"),
+          ps_variant<false, false, S, PS_8W, D1, false, X>(", (2) x staged by the producers"),
+          ps_variant<true, false, S, PS_8W, D1, false, X>(", (2) x staged by the producers, no dependency waits"),
+          ps_variant<false, false, S, PS_8W, D1, false, XB>(", (2b) x loads batched"),
+          ps_variant<false, false, S, PS_FLAT, D1>(", (3) flat"),
+          ps_variant<true, false, S, PS_FLAT, D1>(", (3) flat, no dependency waits"),
+          ps_variant<false, false, S, PS_FLAT, D1, false, R>(", (3) flat, (1) release count"),
+          ps_variant<false, false, S, PS_FLAT, D1, false, RX>(", (3) flat, (1) release count, (2) x staged"),
+          ps_variant<true, false, S, PS_FLAT, D1, false, RX>(", (3) flat, (2) x staged, no dependency waits"),
+          ps_variant<false, false, S, PS_FLAT, D1, false, RB>(", (3) flat, (1) release count, (2b) x loads batched"),
+          ps_variant<false, false, S, PS_8W, D1, true>(" (today's math)"),
+          ps_variant<false, false, S, PS_WT, D1, true>(", A a warp a tile (today's math)"),
+          ps_variant<false, false, S, PS_8W, D1, true, R>(", (1) release count"),
+          ps_variant<false, false, S, PS_WT, D1, true, R>(", (1) A a warp a tile, release count"),
+          ps_variant<false, false, S, PS_8W, D1, true, RX>(", (1) release count, (2) x staged"),
+          ps_variant<false, false, S, PS_FLAT, D1, true, R>(", (3) flat, (1) release count"),
+          ps_variant<false, false, S, PS_FLAT, D1, true, RX>(", (3) flat, (1) release count, (2) x staged"),
+          ps_variant<false, false, S, PS_FLAT, D1, true, RB>(", (3) flat, (1) release count, (2b) x loads batched")};
 }
 
 // y = W x in fp64 for a matrix's weights as the engine stores them (row-major) or as the persistent kernel
@@ -668,25 +757,45 @@ int main_lab() {
   }
 
   {  // persistent: the same chain as one kernel
+    // PS_XST: x staged once from the fixed vectors (the consumers copy these bytes, so their y equal today's
+    // math bit for bit); the producers stage their y into ysa / ysb (checked below against staging y).
+    const size_t sxa = 16 * ps_x_units(KA), sxb = 16 * ps_x_units(KB), sya = 16 * ps_x_units(HA), syb = 16 * ps_x_units(HB);
+    uint8_t *xsa = dalloc<uint8_t>(sxa), *xsb = dalloc<uint8_t>(sxb), *ysa = dalloc<uint8_t>(sya), *ysb = dalloc<uint8_t>(syb);
+    ps_stage_global_kernel<<<1, PS_CONSUMERS, 0, g_stream>>>(xa, KA, xsa);
+    ps_stage_global_kernel<<<1, PS_CONSUMERS, 0, g_stream>>>(xb, KB, xsb);
+    CK(cudaGetLastError());
+    const int phases = 2 * ROUNDS * LAYERS, cnt_n = phases + ROUNDS * LAYERS * (HA / 64 + HB / 64);
+    unsigned* cnt = dalloc<unsigned>(cnt_n);  // [phases] phase counts, then each phase's block counters
     std::vector<PsPhase> hp;
+    unsigned* blk = cnt + phases;
     for (int r = 0; r < ROUNDS; ++r)
       for (int l = 0; l < LAYERS; ++l) {
-        hp.push_back(PsPhase{A[l]->w, A[l]->s, A[l]->b, xa, ya, HA, KA});
-        hp.push_back(PsPhase{B[l]->w, B[l]->s, B[l]->b, xb, yb, HB, KB});
+        hp.push_back(PsPhase{A[l]->w, A[l]->s, A[l]->b, xa, ya, HA, KA, xsa, ysa, blk});
+        blk += HA / 64;
+        hp.push_back(PsPhase{B[l]->w, B[l]->s, B[l]->b, xb, yb, HB, KB, xsb, ysb, blk});
+        blk += HB / 64;
       }
-    const int phases = int(hp.size());
+    for (const std::array<int, 2> rk : {std::array<int, 2>{HA, KA}, std::array<int, 2>{HB, KB}}) {
+      // PS_FLAT and PS_XST: at most PS_MAX_TILES tiles a CTA, and a CTA's items of a phase fit the ring
+      const int64_t nt = cdiv(rk[0] / 16, g_sms), items = nt * (rk[1] / PS_CHUNK_VALS);
+      if (nt > PS_MAX_TILES || items > PS_SLOTS) {
+        std::fprintf(stderr, "chain_lab: %d x %d on %d SMs: %lld tiles, %lld items a CTA (at most %d, %d)\n", rk[0],
+                     rk[1], g_sms, (long long)nt, (long long)items, PS_MAX_TILES, PS_SLOTS);
+        return 1;
+      }
+    }
     PsPhase* dp = dalloc<PsPhase>(hp.size());
-    unsigned* done = dalloc<unsigned>(hp.size());
+    unsigned* done = cnt;
     PsStamp* tl = dalloc<PsStamp>(size_t(phases) * g_sms * PS_TL_STAMPS);
     CK(cudaMemcpy(dp, hp.data(), hp.size() * sizeof(PsPhase), cudaMemcpyHostToDevice));
     const PsParams pp{dp, phases, done, tl};
     std::vector<PsVariant> vs = ps_variants();
     for (PsVariant& v : vs) {
-      v.smem = size_t(v.slots) * PS_SLOT_BYTES + v.x_bytes(KB);  // B's x at most
+      v.smem = size_t(v.slots) * PS_SLOT_BYTES + (v.x_bytes(KB) + 15) / 16 * 16;  // B's x at most (PS_XST: whole units)
       CK(cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(v.smem)));
     }
     auto launch = [&](const PsVariant& v) {
-      CK(cudaMemsetAsync(done, 0, hp.size() * 4, g_stream));
+      CK(cudaMemsetAsync(cnt, 0, size_t(cnt_n) * 4, g_stream));
       v.k<<<g_sms * v.per_sm, PS_THREADS, v.smem, g_stream>>>(pp);
     };
     for (const PsVariant& v : vs) {
@@ -702,19 +811,39 @@ int main_lab() {
     run_today(opa[LAYERS - 1]);
     run_today(opb[LAYERS - 1]);
     const std::vector<float> ta = to_host(ya, HA), tb = to_host(yb, HB);
-    std::printf("\n| variant | err A vs today | err B vs persistent (today's math) | err A vs fp64 | err B vs fp64 |\n"
-                "|---|---:|---:|---:|---:|\n| today (mma_gemv) | 0 | | %.1e | %.1e |\n",
+    std::printf("\n| variant | err A vs today | err B vs persistent (today's math) | err A vs fp64 | err B vs fp64 |"
+                " staged y bytes differing (A / B) |\n|---|---:|---:|---:|---:|---:|\n| today (mma_gemv) | 0 | | %.1e | %.1e | |\n",
                 rel_diff64(ta, ra64), rel_diff64(tb, rbt64));
+    // staged y: the producers' bytes against staging the same y as the consumers do, byte for byte
+    auto staged_diff = [&](const float* y, int rows, const uint8_t* ys, size_t n) {
+      uint8_t* ref = dalloc<uint8_t>(n);
+      CK(cudaMemsetAsync(ref, 0, n, g_stream));
+      ps_stage_global_kernel<<<1, PS_CONSUMERS, 0, g_stream>>>(y, rows, ref);
+      std::vector<uint8_t> a(n), b(n);
+      CK(cudaStreamSynchronize(g_stream));
+      CK(cudaMemcpy(a.data(), ys, n, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data(), ref, n, cudaMemcpyDeviceToHost));
+      CK(cudaFree(ref));
+      size_t d = 0;
+      for (size_t i = 0; i < PsDigits<1>::x_bytes(rows); ++i) d += a[i] != b[i];  // not the unit's padding
+      return d;
+    };
     std::vector<float> pb0;
     for (const PsVariant& v : vs) {
       if (v.no_math || v.no_dep || v.timeline || v.per_sm != 1) continue;
       CK(cudaMemset(ya, 0xff, HA * 4));
       CK(cudaMemset(yb, 0xff, HB * 4));
+      CK(cudaMemsetAsync(ysa, 0xee, sya, g_stream));  // all but the zero block (never written by the producers)
+      CK(cudaMemsetAsync(ysb, 0xee, syb, g_stream));
+      CK(cudaMemsetAsync(ysa, 0, 16, g_stream));
+      CK(cudaMemsetAsync(ysb, 0, 16, g_stream));
       launch(v);
       const std::vector<float> pa = to_host(ya, HA), pb = to_host(yb, HB);
       if (pb0.empty()) pb0 = pb;  // the first variant: today's math
-      std::printf("| persistent%s | %.1e | %.1e | %.1e | %.1e |\n", v.name, rel_diff(pa, ta), rel_diff(pb, pb0),
+      std::printf("| persistent%s | %.1e | %.1e | %.1e | %.1e |", v.name, rel_diff(pa, ta), rel_diff(pb, pb0),
                   rel_diff64(pa, ra64), rel_diff64(pb, rb64));
+      if (v.xst) std::printf(" %zu / %zu |\n", staged_diff(ya, HA, ysa, sya), staged_diff(yb, HB, ysb, syb));
+      else std::printf(" |\n");
     }
     std::printf("\ntimeline (ns, median / p90 over CTAs and phases of a kind; hand-over from the previous phase's last"
                 " count):\n\n| variant | kind | hand-over | stage x | math | store + fence | count | phase |\n"

@@ -2,7 +2,9 @@
 time to first token: the same bytes as the eager split made, reused by the next turn, never seen half
 made, and the session left where the request ended. The first three failed before the change (the
 snapshot was taken before the first token); the last two guard a cancelled request and a prompt that
-continues the session's own tokens (no saved starting state: still split before the first token)."""
+continues the session's own tokens (no saved starting state: still split before the first token).
+The ninth session's: the end-state copy skipped for a waiting job of another conversation (kept for one
+that continues the session), and the engine given the prompt as one int32 array."""
 from __future__ import annotations
 
 import threading
@@ -238,3 +240,104 @@ def test_a_long_prompt_snapshots_before_its_first_token(model, worker):
     wait_idle(worker)
     assert kind == "done" and seen and seen[0]
     assert worker.session.tokens[:len(ids)] == tuple(ids)
+
+
+def count_calls(monkeypatch, session, names=("snapshot", "restore")) -> dict:
+    calls = {n: 0 for n in names}
+    for n in names:
+        real = getattr(session, n)
+
+        def counted(*a, _real=real, _n=n, **k):
+            calls[_n] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(session, n, counted)
+    return calls
+
+
+def held_deferred(worker):
+    """Hold the worker's deferred work until release is set (so that a second job can queue behind it)."""
+    started, release = threading.Event(), threading.Event()
+    deferred = worker._snapshot_boundaries
+
+    def held(d):
+        started.set()
+        assert release.wait(60)
+        deferred(d)
+
+    worker._snapshot_boundaries = held
+    return started, release
+
+
+def test_a_waiting_job_of_another_conversation_skips_the_end_state_copy(model, worker, tmp_path, monkeypatch):
+    """The end state is copied and put back only for a prompt that may continue it: with another
+    conversation already waiting (it restores or resets the session first), the deferred work makes the
+    boundary snapshot alone: one copy and one restore fewer, the same snapshot, the same output."""
+    first = prompt_of(model, FIRST)
+    other = prompt_of(model, [{"role": "user", "content": "Something else entirely"}])
+    b = first.boundaries[-1]
+    started, release = held_deferred(worker)
+    a = Job("a", first, PARAMS)
+    worker.submit(a)
+    assert started.wait(60) and finish(a)[0] == "done"
+    calls = count_calls(monkeypatch, worker.session)
+    c = Job("c", other, PARAMS)
+    worker.submit(c)  # waits behind a's deferred work
+    release.set()
+    kind, result = finish(c)
+    wait_idle(worker)
+    assert kind == "done"
+    # a's deferred work: restore/reset + one snapshot (the boundary); no copy of a's end, no restore of it.
+    # c: reset (no snapshot restored) and its own deferred boundary snapshot, whose end copy is kept
+    # (nothing waits behind c): snapshots = a's boundary + c's end + c's boundary, restores = c's end.
+    assert calls == {"snapshot": 3, "restore": 1}
+    assert same_bytes(worker.cache.get(first.ids[:b]), eager_snapshot(model, first.ids, b), tmp_path)
+    cold = model.generate(other.ids, PARAMS)
+    assert result.token_ids == cold.token_ids and result.text == cold.text
+
+
+def test_a_waiting_job_that_continues_the_session_keeps_the_end_state(model, worker, monkeypatch):
+    """A waiting prompt that continues the finished request's tokens (prompt + output) still resumes from
+    them: the end state is copied and put back as before."""
+    first = prompt_of(model, FIRST)
+    started, release = held_deferred(worker)
+    a = Job("a", first, PARAMS)
+    worker.submit(a)
+    assert started.wait(60)
+    kind, result = finish(a)
+    assert kind == "done"
+    held = first.ids + result.token_ids[:-1]  # the last sampled token is not fed (the session's own tokens)
+    assert worker.session.tokens == tuple(held)
+    calls = count_calls(monkeypatch, worker.session)
+    cont = Prompt(held + [model.tokenizer.encode(" more")[0]])
+    c = Job("c", cont, PARAMS)
+    worker.submit(c)
+    release.set()
+    kind, result_c = finish(c)
+    wait_idle(worker)
+    assert kind == "done" and result_c.usage.cached_tokens == len(held)  # resumed from the session's own tokens
+    # a's deferred work: its end copied, reset, the boundary snapshot, its end put back; c resumes from the
+    # session's own tokens and splits at no boundary of its own (a completion-style prompt has none)
+    assert calls == {"snapshot": 2, "restore": 1}
+    cold = model.generate(cont.ids, PARAMS)
+    assert result_c.token_ids == cold.token_ids
+
+
+def test_the_engine_gets_the_prompt_as_one_int32_array(model, worker, monkeypatch):
+    """The worker converts the prompt's id list once (Prompt.array) and hands that array to the engine
+    call and the prefix lookup; a 7,000-id list costs ~0.15 ms a conversion on the host."""
+    seen = []
+    real = model.generate
+
+    def spy(prompt, *a, **k):
+        seen.append(prompt)
+        return real(prompt, *a, **k)
+
+    monkeypatch.setattr(model, "generate", spy)
+    prompt = prompt_of(model, FIRST)
+    kind, result = finish_job(worker, Job("a", prompt, PARAMS))
+    assert kind == "done" and len(seen) == 1
+    assert isinstance(seen[0], np.ndarray) and seen[0].dtype == np.int32 and seen[0] is prompt.array
+    assert seen[0].tolist() == prompt.ids
+    monkeypatch.undo()
+    assert result.token_ids == model.generate(prompt.ids, PARAMS).token_ids

@@ -223,7 +223,10 @@ def test_prefix_lookup_hashes_the_prompt_once_whatever_the_entries(monkeypatch):
     monkeypatch.setattr(cache_module, "prefix_hashes", lambda t: calls.append(len(t)) or real(t))
     for _ in range(3):
         assert cache.longest_prefix(ids).tokens == tuple(hist)
-    assert calls == [len(ids)] * 3
+    assert calls == [len(hist)] * 3  # no hash beyond the longest candidate (7,000 of the 7,150 ids)
+    # the caller's int32 array gives the same answer (the worker passes Prompt.array: no list conversion)
+    assert cache.longest_prefix(ids, array=np.asarray(ids, dtype=np.int32)).tokens == tuple(hist)
+    assert cache.longest_prefix(ids, longer_than=7000, array=np.asarray(ids, dtype=np.int32)) is None
 
 
 # --- through the server ------------------------------------------------------------------------------------
@@ -266,3 +269,21 @@ def test_the_boundary_of_a_chat_costs_no_second_render(monkeypatch):
         p = chat_prompt(TOK, msgs, None, kwargs, 1000, enc)
         assert len(calls) - before == (2 if i in (0, 2) else 1), i  # a new set of arguments renders twice once
         assert p.boundaries == (len(TOK.encode(render(msgs, add_generation_prompt=False, **kwargs))),)
+
+
+def test_the_boundary_of_a_chat_costs_no_second_encoding(monkeypatch):
+    """The last boundary is the prompt's token count less the generation prompt's (it starts at a
+    separator): the conversation is encoded once, and the boundary equals the head's own encoding."""
+    enc = SegmentEncoder(TOK)
+    msgs = [{"role": "user", "content": "lorem ipsum dolor " * 200}, {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "And then?"}]
+    chat_prompt(TOK, msgs[:1], None, {}, 16384, enc)  # the generation prompt's suffix is known from here on
+    encoded: list[int] = []
+    real = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda text: encoded.append(len(text)) or real(text))
+    p = chat_prompt(TOK, msgs, None, {}, 16384, enc)
+    monkeypatch.undo()
+    text = TOK.apply_chat_template(msgs)
+    assert encoded[0] == len(text) and all(n < 40 for n in encoded[1:])  # then only the generation prompt
+    assert p.boundaries == (len(TOK.encode(TOK.apply_chat_template(msgs, add_generation_prompt=False))),)
+    assert p.ids == TOK.encode(text)

@@ -36,3 +36,18 @@ def test_server_ttft_start_failure(tmp_path):
                         "--max-seconds", "60"], capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 1
     assert "lily serve exited with status" in r.stderr and "server stderr" in r.stderr
+
+
+def test_bench_server_host_small():
+    """benchmarks/bench_server_host.py: the host's steps of a streamed chat in order, both cases."""
+    script = SCRIPT.parent / "bench_server_host.py"
+    for case in ("short", "follow-up"):
+        r = subprocess.run([sys.executable, str(script), "--requests", "6", "--case", case],
+                           capture_output=True, text=True, timeout=180, env=ENV)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = dict(line.strip("|").split("|") for line in r.stdout.strip().splitlines()[-10:])
+        ms = {k.strip(): float(v) for k, v in rows.items()}
+        assert list(ms) == ["read", "app", "prepare", "submit", "start", "role", "event", "first",
+                            "client: role chunk", "client: first token chunk"], r.stdout
+        assert 0 < ms["read"] < ms["app"] < ms["prepare"] < ms["submit"] < ms["role"] < ms["first"]
+        assert ms["submit"] < ms["event"] and ms["role"] <= ms["client: role chunk"]

@@ -284,10 +284,10 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
 // tokens as the MMA's N) instead of the wgmma GEMM, whose 64-row expert tiles are mostly padding there (at
 // T = 146, top-8 of 256 experts: ~4.6 rows an expert). From MOE_DECODE_MAX_TOKENS + 1 tokens (below, the
 // decode chain) up to MOE_SMALL_MAX_TOKENS (gate/up) and MOE_SMALL_DOWN_MAX_TOKENS (down): estimates
-// (docs/perf-notes.md, 2026-12-02), to be tuned by measurement (benchmarks/gemm_lab.cu, GEMM_LAB_T). The down
-// product's wgmma run is near its byte floor already at T = 146 (27 us for 128 MB): its bound is separate, so
-// the lab's numbers can keep it on the wgmma GEMM (16: never) without touching gate/up.
-constexpr int64_t MOE_SMALL_MAX_TOKENS = 512, MOE_SMALL_DOWN_MAX_TOKENS = 512;
+// measured (benchmarks/gemm_lab.cu, GEMM_LAB_T; docs/perf-notes.md, ninth session): gate/up 202 against the
+// wgmma GEMM's 210 us at T = 300 and 239 against 215 at T = 512, crossing at ~350; down 103 against 116 at
+// T = 300 and 119 against 121 at T = 512, so its bound stays at the top of the range.
+constexpr int64_t MOE_SMALL_MAX_TOKENS = 352, MOE_SMALL_DOWN_MAX_TOKENS = 512;
 // The dims it is built and measured for first (Qwen3.6-35B-A3B): hidden, expert intermediate, experts,
 // top-k. Other configurations keep the wgmma GEMM (tests/gpu/test_moe.py says so).
 constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;

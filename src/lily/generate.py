@@ -250,9 +250,9 @@ def resume(session: "Session", ids: list[int], spans: Sequence = ()) -> int:
     it holds the same images at the same places (ids alone do not say which images they stood for)."""
     from .multimodal import same_images
 
-    held = session.tokens
-    if len(held) < len(ids) and common_prefix_length(held, ids) == len(held) \
-            and same_images(session.image_spans, spans, len(held)):
+    held = session._tokens
+    # a list comparison at C speed (two numpy conversions of a 7,000-id prompt cost ~0.3 ms)
+    if len(held) < len(ids) and list(ids[:len(held)]) == held and same_images(session.image_spans, spans, len(held)):
         return len(held)
     best = None
     for snap in session.prefix_snapshots:
@@ -285,19 +285,20 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
     try:
         t0 = time.perf_counter()
         cached = start = resume(session, ids, spans)
+        array = np.asarray(ids, dtype=np.int32)  # once: the parts below are views of it
         if boundary is not None:
             boundary = safe_cut(spans, boundary)
         if boundary is not None and cached < boundary < len(ids):
-            part = np.asarray(ids[cached:boundary], dtype=np.int32)
+            part = array[cached:boundary]
             extra, new = session._core_images(part, split_at(spans, images, cached, boundary))
             with lock:
                 core.prefill(part, False, *extra)
-            session._advance(part, new)
+            session._advance(ids[cached:boundary], new)
             session.remember_prefix(session._snapshot())
             start = boundary
         params = params.with_seed()
         num_logprobs = params.num_logprobs
-        rest = np.asarray(ids[start:], dtype=np.int32)
+        rest = array[start:]
         extra, new = session._core_images(rest, split_at(spans, images, start, len(ids)))
         with lock:
             core.set_sampler(temperature=float(params.temperature), top_k=int(params.top_k),
@@ -305,9 +306,9 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
                              presence_penalty=float(params.presence_penalty),
                              frequency_penalty=float(params.frequency_penalty),
                              repetition_penalty=float(params.repetition_penalty), seed=int(params.seed),
-                             num_logprobs=num_logprobs, prompt_ids=np.asarray(ids, dtype=np.int32))
+                             num_logprobs=num_logprobs, prompt_ids=array)
             token = core.prefill_sample(rest, None if guide is None else guide.mask(), *extra)
-        session._advance(rest, new)
+        session._advance(ids[start:], new)
         usage = result.usage
         usage.prompt_tokens, usage.cached_tokens = len(ids), cached
         t1 = time.perf_counter()

@@ -10,10 +10,13 @@
 //   (or the same unit), the zero units included, for every segment and m: conflict-free ld.shared.v4;
 //   the timeline's reduction (chain_lab_timeline.h) on synthetic stamps: 8 CTAs x 128 phases with known
 //   intervals, each SM's clock64 at its own rate and origin, %globaltimer ticking at 1 us from ~1.7e18 ns:
-//   every median within 30 ns of the truth, the fitted clock within 0.1%.
+//   every median within 30 ns of the truth, the fitted clock within 0.1%;
+//   part 3 (chain_lab_phase.cuh): the flat dealing's walks (check_flat) and the producers' staging protocol
+//   (check_producer_staging: every 64-row block staged once by its last contributor, bytes = staging y whole).
 // The staged x is written as the policies' stage() writes it (PsDigits: gemv_mma's mma_block_scale /
 // mma_octet_digits / mma_xd_store; PsBf3: store_octet), with the same octet sum tree. Host code only (nvcc,
 // -std=c++20); exits non-zero and prints FAIL on any mismatch.
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +26,7 @@
 #include <vector>
 
 #include "../../benchmarks/chain_lab_math.cuh"
+#include "../../benchmarks/chain_lab_phase.cuh"
 #include "../../benchmarks/chain_lab_timeline.h"
 
 using namespace lily::cuda;
@@ -107,28 +111,29 @@ static float block_sum(const float* s) {
   return t[0];
 }
 
+// Block u (values v[64]) of x staged as PsDigits stages it (K: the staged vector's length).
+static void stage_block_host(const float* v, int u, int K, uint8_t* xs) {
+  const auto view = PsDigits<1>::view(xs, K);
+  uint2* xd = const_cast<uint2*>(view.xd);
+  float *xe = const_cast<float*>(view.xe), *xsum = const_cast<float*>(view.xsum);
+  float m = 0.f, s[8];
+  for (int k = 0; k < 64; ++k) m = std::fmax(m, std::fabs(v[k]));
+  float e;
+  const float inv = mma_block_scale(m, e);
+  for (int j = 0; j < 8; ++j) {
+    float oct[8];
+    for (int k = 0; k < 8; ++k) oct[k] = v[8 * j + k];
+    uint2 dg[3];
+    mma_octet_digits<4>(oct, inv, dg);
+    for (int d = 0; d < 3; ++d) mma_xd_store<4>(reinterpret_cast<uint32_t*>(xd), 8 * u + j, d, dg[d]);
+    s[j] = octet_sum(oct);
+  }
+  xe[u] = e, xsum[u] = block_sum(s);
+}
 template <int S>
 static void stage_host(PsDigits<S>*, const std::vector<float>& x, int K, std::vector<uint8_t>& xs) {
   xs.assign(PsDigits<S>::x_bytes(K), 0);
-  const auto v = PsDigits<S>::view(xs.data(), K);
-  uint2* xd = const_cast<uint2*>(v.xd);
-  float *xe = const_cast<float*>(v.xe), *xsum = const_cast<float*>(v.xsum);
-  for (int u = 0; u < K / 64; ++u) {
-    float m = 0.f, s[8];
-    for (int k = 0; k < 64; ++k) m = std::fmax(m, std::fabs(x[64 * u + k]));
-    float e;
-    const float inv = mma_block_scale(m, e);
-    for (int j = 0; j < 8; ++j) {
-      const int o = 8 * u + j;
-      float oct[8];
-      for (int k = 0; k < 8; ++k) oct[k] = x[8 * o + k];
-      uint2 dg[3];
-      mma_octet_digits<4>(oct, inv, dg);
-      for (int d = 0; d < 3; ++d) mma_xd_store<4>(reinterpret_cast<uint32_t*>(xd), o, d, dg[d]);
-      s[j] = octet_sum(oct);
-    }
-    xe[u] = e, xsum[u] = block_sum(s);
-  }
+  for (int u = 0; u < K / 64; ++u) stage_block_host(x.data() + 64 * u, u, K, xs.data());
 }
 static void stage_host(PsBf3*, const std::vector<float>& x, int K, std::vector<uint8_t>& xs) {
   xs.assign(PsBf3::x_bytes(K), 0);
@@ -274,6 +279,128 @@ static void check_timeline() {
               r.rms, r.step);
 }
 
+// PS_FLAT (chain_lab_phase.cuh): for nt = 1..8 tiles of C = 1, 2 chunks, the 8 warps' walks (ps_flat_walk)
+// cover every segment of every tile once; each item's slot gets PS_CSEG arrivals; a warp's partials (per tile
+// it touches, slot ps_flat_slot) are exactly what the reduction of each tile reads (warps ps_flat_first ..
+// ps_flat_last), every slot read was written for that tile, and a phase's items fit the ring where the lab uses
+// it (nt C <= PS_SLOTS is checked by chain_lab's host).
+static void check_flat() {
+  bool ok = true;
+  for (int C = 1; C <= 2; ++C)
+    for (int nt = 1; nt <= 8; ++nt) {
+      const int segs = PS_CSEG * C;  // a tile's
+      std::vector<int> cover(size_t(nt) * segs, 0), arrivals(size_t(nt) * C, 0);
+      std::vector<int> part_tile(MMA_WARPS * 2, -1);           // [warp][slot]: the tile of the partial
+      std::vector<std::vector<int>> part_segs(MMA_WARPS * 2);  // its segments (tile-local)
+      for (int w = 0; w < MMA_WARPS; ++w) {
+        std::vector<int> cur;
+        ps_flat_walk(nt, C, w, [&](int i, int l0, int l1, bool done) {
+          if (i < 0 || i >= nt * C || l0 < 0 || l1 > PS_CSEG || l0 >= l1) ok = false;
+          arrivals[i] += l1 - l0;
+          for (int ls = l0; ls < l1; ++ls) {
+            const int seg = (i % C) * PS_CSEG + ls;
+            ++cover[size_t(i / C) * segs + seg];
+            cur.push_back(seg);
+          }
+          if (done) {
+            const int j = i / C, sl = j == ps_flat_tile_of(nt, C, w) ? 0 : 1;
+            if (part_tile[2 * w + sl] != -1) ok = false;  // a slot written twice
+            part_tile[2 * w + sl] = j, part_segs[2 * w + sl] = cur, cur.clear();
+          }
+        });
+        if (!cur.empty()) ok = false;  // segments never written to a partial
+      }
+      for (int v : cover) ok = ok && v == 1;
+      for (int a : arrivals) ok = ok && a == PS_CSEG;
+      int reads = 0, written = 0;
+      for (int t : part_tile) written += t >= 0;
+      for (int j = 0; j < nt; ++j) {
+        std::vector<int> seen(segs, 0);
+        for (int w = ps_flat_first(nt, C, j); w <= ps_flat_last(nt, C, j); ++w) {
+          const int sl = ps_flat_slot(nt, C, w, j);
+          ++reads;
+          if (w < 0 || w >= MMA_WARPS || part_tile[2 * w + sl] != j) {
+            ok = false;
+            continue;
+          }
+          for (int seg : part_segs[2 * w + sl]) ++seen[seg];
+        }
+        for (int v : seen) ok = ok && v == 1;
+      }
+      if (reads != written) ok = false;
+      if (!ok) {
+        std::printf("  flat dealing wrong at nt %d, C %d\n", nt, C);
+        break;
+      }
+    }
+  if (!ok) ++failures;
+  std::printf("%s PS_FLAT: 8 warps' walks cover each segment once, partials = the reduction's reads\n", ok ? "ok  " : "FAIL");
+}
+
+// PS_XST (chain_lab_phase.cuh): producers of rows x G CTAs (tiles dealt as the kernel deals them) in a random
+// order, each storing its rows, then its warp 0's protocol: blocks wholly its own staged at once, a shared
+// block's rows added to its counter, the adder completing 64 stages it (ps_block_* and ps_stage_pick as
+// ps_stage_y uses them, lane group k the k-th block of the ballot); a staged octet reads own rows from the
+// CTA's copy and the others' from "global" y (NaN until stored: a read before its producer fails). Every block
+// staged exactly once, the staged bytes equal staging y whole (stage_host), and the consumers' copy
+// (ps_x_units 16-byte units) covers them.
+static void check_producer_staging(std::mt19937& rng) {
+  bool ok = true;
+  const int cases[][2] = {{12352, 132}, {2048, 132}, {4096, 132}, {12352, 114}, {2048, 60}, {1024, 9}};
+  for (const auto& cs : cases) {
+    const int rows = cs[0], G = cs[1], tiles = rows / 16;
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::uniform_real_distribution<float> unit(0.f, 1.f);
+    std::vector<float> y(rows), gy(rows, NAN);
+    for (float& v : y) v = normal(rng) * std::exp2(std::floor(8.f * unit(rng)) - 4.f);
+    std::vector<int> order(G), staged(rows / 64, 0);
+    std::vector<unsigned> blk(rows / 64, 0);
+    for (int c = 0; c < G; ++c) order[c] = c;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<uint8_t> ys(PsDigits<1>::x_bytes(rows), 0), ref;
+    for (int c : order) {
+      const int t0 = int(int64_t(tiles) * c / G), nt = int(int64_t(tiles) * (c + 1) / G) - t0;
+      const int r0 = 16 * t0, r1 = r0 + 16 * nt;
+      if (nt > 8) ok = false;
+      const std::vector<float> own(y.begin() + r0, y.begin() + r1);
+      for (int r = r0; r < r1; ++r) gy[r] = y[r];
+      const int b0 = ps_block_first(r0), nb = ps_block_count(r0, r1);
+      if (nb > 3) ok = false;
+      unsigned mine = 0;
+      for (int lane = 0; lane < nb; ++lane) {
+        const int b = b0 + lane, n = ps_block_rows(r0, r1, b);
+        bool last = n == 64;
+        if (!last) last = (blk[b] += unsigned(n)) == 64u;
+        if (last) mine |= 1u << lane;
+      }
+      for (int k = 0; k < 4; ++k) {
+        const int pick = ps_stage_pick(mine, nb, k);
+        if (pick < 0) continue;
+        const int b = b0 + pick;
+        ++staged[b];
+        float v[64];
+        for (int j = 0; j < 8; ++j) {
+          const int row = 64 * b + 8 * j;
+          const bool is_own = row >= r0 && row < r1;
+          for (int q = 0; q < 8; ++q) v[8 * j + q] = is_own ? own[row - r0 + q] : gy[row + q];
+        }
+        for (float f : v) ok = ok && !std::isnan(f);
+        stage_block_host(v, b, rows, ys.data());
+      }
+    }
+    for (int s : staged) ok = ok && s == 1;
+    stage_host(static_cast<PsDigits<1>*>(nullptr), y, rows, ref);
+    const size_t units = size_t(ps_x_units(rows)) * 16;  // the consumers' copy: whole units, at most 15 bytes over
+    ok = ok && ref == ys && units >= ys.size() && units < ys.size() + 16;
+    if (!ok) {
+      std::printf("  producer staging wrong at %d rows, %d CTAs\n", rows, G);
+      break;
+    }
+  }
+  if (!ok) ++failures;
+  std::printf("%s PS_XST: producers stage every block once, bytes equal staging y whole\n", ok ? "ok  " : "FAIL");
+}
+
 int main() {
   std::mt19937 rng(7);
   for (int rep = 0; rep < 3; ++rep) {
@@ -286,6 +413,8 @@ int main() {
   }
   check_bf3_banks();
   check_timeline();
+  check_flat();
+  check_producer_staging(rng);
   if (failures) return 1;
   std::printf("all passed\n");
   return 0;

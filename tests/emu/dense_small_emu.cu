@@ -21,29 +21,9 @@
 
 #include "cuda/kernels/dense_small.cuh"
 
+#include "emu_common.h"
+
 using namespace lily::cuda;
-
-static int failures = 0;
-static void expect(bool ok, const char* what, double a, double b) {
-  if (!ok && failures++ < 10) std::printf("FAIL %s (%g, %g)\n", what, a, b);
-}
-
-static float bf16_to_f(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static uint16_t f_to_bf16(double v) {
-  const float f = float(v);
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static float dequant(uint32_t qbits, int half, uint16_t s, uint16_t b) {
-  const int q = int((qbits >> (16 * half)) & 0xF);
-  return bf16_to_f(f_to_bf16(double(bf16_to_f(s)) * q + double(bf16_to_f(b))));
-}
 
 constexpr int64_t RESIDENT = 132 * DS_CTAS_PER_SM;
 

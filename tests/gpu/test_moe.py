@@ -87,15 +87,16 @@ def test_moe_real_dims(T, gpu_tol):
     moe_vs_cpu(cpu, gpu, h, 8, 0.25, path_of(T, 4, "BF16"), gpu_tol)
 
 
-# moe.cu's use_moe_small: T in (16, MOE_SMALL_MAX_TOKENS = 512] with the real dims runs the routed products on
-# kernels/moe_small.cuh; small=False keeps them on the wgmma GEMM.
+# moe.cu's use_moe_small: T in (16, MOE_SMALL_MAX_TOKENS = 352] with the real dims runs the routed gate/up
+# products on kernels/moe_small.cuh, and the down products up to MOE_SMALL_DOWN_MAX_TOKENS = 512 (T = 400:
+# gate/up on the wgmma GEMM, down on moe_small); small=False keeps them on the wgmma GEMM.
 @pytest.fixture(scope="module")
 def real_moe():
     rng = np.random.default_rng(4096)
     return moe_weights(rng, 256, 2048, 512, 512, 4, 64, "BF16", 8)
 
 
-@pytest.mark.parametrize("T", [17, 64, 146, 300])
+@pytest.mark.parametrize("T", [17, 64, 146, 300, 400])
 def test_moe_small_real_dims(real_moe, T, gpu_tol):
     # the few-rows kernels against the CPU and against the wgmma path (the same bf16 operands, another
     # summation order: close, not equal, which also shows that the new path ran); deterministic
@@ -125,7 +126,8 @@ def test_moe_small_skewed(real_moe, T, same, gpu_tol):
 @pytest.mark.parametrize("T", [146, 300, 512])
 def test_moe_small_xb_room(real_moe, T, gpu_tol):
     # without moe_xb_elems' room the gated kernel stores F32 rows and the down kernel converts them with the
-    # rounding of the bf16 hand-over: the same bits; T = 512 (the top of the range, 24-row passes) also
+    # rounding of the bf16 hand-over: the same bits; T = 512 (the top of the down product's range, 24-row
+    # passes; gate/up on the wgmma GEMM there) also
     # against the wgmma path. One block short of the room: no hand-over, and the same split-K choices (the
     # router's split depends on the workspace's room, and the bf16 rounding of the activations turns its
     # ~1e-7 into ~1e-4); at the least room the splits may differ: within tolerance.

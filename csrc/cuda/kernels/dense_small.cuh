@@ -122,12 +122,6 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
   float* P = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ds_smem) + ms_smem_bytes(Kp, NT));
   if (live) {
     float acc[2][NT][4];
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
     ms_units<NT>(st, rr, nseg, c, gshift, xs0 + uint32_t(g) * stride, stride, NT, acc);
 #pragma unroll
     for (int t = 0; t < 2; ++t)

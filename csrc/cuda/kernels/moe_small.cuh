@@ -164,10 +164,17 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
 
 // A warp's products over `nseg` segments in units of MS_SPU, the loads of unit u+1 in flight while unit u
 // computes (gemv_mma.cuh's double buffer): st[0] holds unit 0 on entry (loaded before pdl_wait where the
-// weights are constant); xs: shared address of the lane's row g of n8 tile 0 at segment 0.
+// weights are constant); xs: shared address of the lane's row g of n8 tile 0 at segment 0; acc: the
+// products, zeroed first.
 template <int NT>
 __device__ __forceinline__ void ms_units(MsStage (&st)[2], const MsRows& rr, int nseg, int c, int gshift, uint32_t xs,
                                          uint32_t stride, int ntiles, float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
   const int units = (nseg + MS_SPU - 1) / MS_SPU;
 #pragma unroll 1
   for (int u = 0; u < units; u += 2) {
@@ -300,12 +307,6 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
     __syncthreads();
     if (!live) continue;
     float acc[2][NT][4];
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
     const uint32_t xs = xs0 + uint32_t(g) * stride;
     ms_units<NT>(st, rr, nseg, c, gshift, xs, stride, ntiles, acc);
     ms_store<GATED, NT>(a, r0, rows, o0, g, c, acc);

@@ -22,7 +22,7 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: every power is a distinct od
 _powers = np.ones(1, dtype=np.uint64)
 
 
-def prefix_hashes(ids: Sequence[int]) -> np.ndarray:
+def prefix_hashes(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """[len(ids) + 1] uint64: element n is a polynomial hash of ``ids[:n]`` (sum of (id + 1) * M^j,
     mod 2^64), so equal prefixes have equal hashes (unequal ones rarely do)."""
     global _powers
@@ -33,7 +33,7 @@ def prefix_hashes(ids: Sequence[int]) -> np.ndarray:
         _powers = powers = np.cumprod(p, out=p)  # wraps mod 2^64, as meant
     out = np.zeros(n + 1, dtype=np.uint64)
     if n:
-        terms = np.asarray(ids, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+        terms = np.asarray(ids).astype(np.uint64) + np.uint64(1)  # ids >= 0: the same value for any int dtype
         np.cumsum(terms * powers[:n], out=out[1:])
     return out
 
@@ -75,16 +75,20 @@ class PrefixCache:
         with self._lock:
             return self._entries.get(tuple(tokens))
 
-    def longest_prefix(self, ids: Sequence[int], longer_than: int = 0, accept=None) -> SnapshotLike | None:
+    def longest_prefix(self, ids: Sequence[int], longer_than: int = 0, accept=None, *,
+                       array: np.ndarray | None = None) -> SnapshotLike | None:
         """The snapshot of the longest proper prefix of ``ids`` (at least one id is left to run) with
         more than ``longer_than`` tokens and, when given, ``accept(snapshot)`` true (e.g. the same
-        images behind its image tokens), marked as recently used; None when there is none."""
+        images behind its image tokens), marked as recently used; None when there is none.
+        ``array``: the same ids as an integer array, when the caller has one (the hashes are computed
+        from it without converting the list again)."""
         ids = tuple(ids)
         best: tuple[int, ...] | None = None
         with self._lock:
             fits = [(len(k), h, k) for k, h in self._hashes.items() if longer_than < len(k) < len(ids)]
             if fits:
-                hashes = prefix_hashes(ids)
+                longest = max(f[0] for f in fits)  # no hash beyond the longest candidate is needed
+                hashes = prefix_hashes(ids[:longest] if array is None else array[:longest])
                 for n, h, key in sorted(fits, key=lambda f: f[0], reverse=True):
                     # the hash picks, the comparison decides
                     if int(hashes[n]) == h and ids[:n] == key and (accept is None or accept(self._entries[key])):

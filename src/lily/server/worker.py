@@ -33,6 +33,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from ..constraints import Constraint
 from ..errors import LilyError
 from ..generate import Generation, GenerationStream
@@ -251,7 +253,7 @@ class Worker:
         t0 = time.perf_counter()
         session, ids, images = self.session, job.prompt.ids, list(job.prompt.images)
         spans = tuple(image_spans(ids, images, self.model.config.image_token_id)) if images else ()
-        cached, start = self._resume(ids, spans)
+        cached, start = self._resume(ids, spans, job.prompt.array)
         cuts, pos = [], cached
         for b in job.prompt.boundaries:
             b = safe_cut(spans, b)
@@ -265,8 +267,9 @@ class Worker:
             else:  # a long prompt, or no saved copy of the starting state to go back to: split it now
                 self._prefill_boundaries(cached, cuts, ids, images, spans)
         constraint = job.constraint.with_think(job.prompt.thinking) if job.constraint is not None else None
-        stream = self.model.generate(ids, job.params, stream=True, session=session, constraint=constraint,
-                                     images=images or None)
+        # The int32 array, not the list: the engine call converts no list (docs/server.md, the host's share).
+        stream = self.model.generate(job.prompt.array, job.params, stream=True, session=session,
+                                     constraint=constraint, images=images or None)
         return stream, cached, time.perf_counter() - t0, deferred
 
     def _lacks(self, prefix: list[int], spans) -> bool:
@@ -297,11 +300,12 @@ class Worker:
         if self._closed:
             return
         session = self.session
-        try:
-            end = session.snapshot()
-        except Exception as e:  # noqa: BLE001 - the boundaries matter more than the end state
-            end = None
-            print(f"lily serve: the session's end state was not kept ({type(e).__name__}: {e})", file=sys.stderr)
+        end = None
+        if self._next_continues(session.tokens):
+            try:
+                end = session.snapshot()
+            except Exception as e:  # noqa: BLE001 - the boundaries matter more than the end state
+                print(f"lily serve: the session's end state was not kept ({type(e).__name__}: {e})", file=sys.stderr)
         try:
             if d.start is None:
                 session.reset()
@@ -320,6 +324,18 @@ class Worker:
         except Exception:  # noqa: BLE001 - then the next request starts from an empty session
             self._recover()
 
+    def _next_continues(self, held: tuple[int, ...]) -> bool:
+        """Whether the session's end state (its tokens ``held``) may still be resumed from: true unless
+        the next job is already waiting and its prompt does not continue ``held`` (that job restores
+        or resets the session first, so copying the end state and putting it back, two copies of the
+        whole state, would be thrown away: docs/server.md)."""
+        with self._queue.mutex:
+            job = self._queue.queue[0] if self._queue.queue else None
+        if job is None or job.cancelled:  # nothing waiting (or it will be skipped): keep the end state
+            return True
+        ids = job.prompt.ids
+        return len(held) < len(ids) and tuple(ids[:len(held)]) == held
+
     def _keep_snapshot(self) -> None:
         """Add the session's state to the prefix cache; a failed copy (e.g. out of device memory)
         empties the cache instead of failing the request."""
@@ -329,15 +345,16 @@ class Worker:
             self.cache.clear()
             print(f"lily serve: prefix snapshot failed ({type(e).__name__}: {e}); cache cleared", file=sys.stderr)
 
-    def _resume(self, ids: list[int], spans=()) -> tuple[int, SnapshotLike | None]:
+    def _resume(self, ids: list[int], spans=(), array: np.ndarray | None = None) -> tuple[int, SnapshotLike | None]:
         """Bring the session to the longest reusable prefix of ``ids`` (whose images are ``spans``:
-        a prefix is reused only with the same images behind its image tokens); its length, and the
-        cache's snapshot restored (None: the session's own tokens, or an empty session)."""
+        a prefix is reused only with the same images behind its image tokens; ``array``: ids as an
+        int32 array, when there is one); its length, and the cache's snapshot restored (None: the
+        session's own tokens, or an empty session)."""
         session = self.session
         held = session.tokens
         own = len(held) if len(held) < len(ids) and tuple(ids[:len(held)]) == held \
             and same_images(session.image_spans, spans, len(held)) else -1
-        snap = self.cache.longest_prefix(ids, longer_than=max(own, 0),
+        snap = self.cache.longest_prefix(ids, longer_than=max(own, 0), array=array,
                                          accept=lambda s: same_images(getattr(s, "images", ()), spans, len(s.tokens)))
         if snap is not None:
             session.restore(snap)
