@@ -104,15 +104,7 @@ def test_a_request_waiting_on_the_deferred_job_reuses_it_and_equals_a_cold_run(m
     first, second = prompt_of(model, FIRST), prompt_of(model, SECOND)
     b1 = first.boundaries[-1]
     assert second.ids[:b1] == first.ids[:b1] and second.boundaries[-1] > b1
-    started, release = threading.Event(), threading.Event()
-    deferred = worker._snapshot_boundaries
-
-    def held(d):
-        started.set()
-        assert release.wait(60)
-        deferred(d)
-
-    worker._snapshot_boundaries = held
+    started, release = held_deferred(worker)
     a = Job("a", first, PARAMS)
     worker.submit(a)
     assert started.wait(60)

@@ -139,15 +139,9 @@ static void run_case(int N, int K, int gs, int T, std::mt19937& rng) {
   // reference
   for (int o = 0; o < N; ++o)
     for (int j = 0; j < T; ++j) {
-      double ref = 0, mag = 0;
-      for (int k = 0; k < K; ++k) {
-        const uint32_t word = W[size_t(o) * words + k / 8];
-        const int q = int((word >> (4 * (k % 8))) & 0xF), grp = k / gs;
-        const double w = bf16_to_f(f_to_bf16(double(bf16_to_f(S[size_t(o) * gpr + grp])) * q +
-                                             double(bf16_to_f(B[size_t(o) * gpr + grp]))));
-        const double x = bf16_to_f(uint16_t(wg_pack_bf16x2(X[size_t(j) * K + k], 0.f)));
-        ref += w * x, mag += std::fabs(w * x);
-      }
+      double mag;
+      const double ref = q4_row_dot(&W[size_t(o) * words], &S[size_t(o) * gpr], &B[size_t(o) * gpr], &X[size_t(j) * K],
+                                    K, gs, mag);
       const double got = Y[size_t(j) * N + o];
       expect(stores[size_t(j) * N + o] == 1, "stored once", j, o);
       expect(std::fabs(got - ref) <= 1e-9 * (mag + 1e-30), "y vs reference", got, ref);

@@ -83,15 +83,9 @@ static void run_case(int K, int gs, int rows, std::mt19937& rng) {
   // reference
   for (int o = 0; o < 16; ++o)
     for (int j = 0; j < rows; ++j) {
-      double ref = 0, mag = 0;
-      for (int k = 0; k < K; ++k) {
-        const uint32_t word = W[size_t(o) * words + k / 8];
-        const int q = int((word >> (4 * (k % 8))) & 0xF), grp = k / gs;
-        const double w = bf16_to_f(f_to_bf16(double(bf16_to_f(S[size_t(o) * gpr + grp])) * q +
-                                             double(bf16_to_f(B[size_t(o) * gpr + grp]))));
-        const double x = bf16_to_f(uint16_t(wg_pack_bf16x2(X[size_t(j) * K + k], 0.f)));
-        ref += w * x, mag += std::fabs(w * x);
-      }
+      double mag;
+      const double ref = q4_row_dot(&W[size_t(o) * words], &S[size_t(o) * gpr], &B[size_t(o) * gpr], &X[size_t(j) * K],
+                                    K, gs, mag);
       const double got = D[size_t(o) * nt * 8 + j];
       expect(std::fabs(got - ref) <= 1e-9 * (mag + 1e-30), "frag D vs reference", got, ref);
     }
