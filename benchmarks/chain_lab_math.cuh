@@ -34,6 +34,16 @@ struct PsMmaDevice {
   }
 };
 
+// x's octet o (8 floats, 32-byte aligned) into v, zeros past the last octet (o >= octets).
+__device__ __forceinline__ void ps_load_octet(const float* x, int o, int octets, float (&v)[8]) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+  if (o < octets) {
+    const float4* q = reinterpret_cast<const float4*>(x) + 2 * o;
+    a = q[0], b = q[1];
+  }
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 template <int N>
 __host__ __device__ __forceinline__ void ps_words(const uint8_t* p, uint32_t (&w)[N]) {  // N words, one load
   if constexpr (N == 2) {
@@ -89,12 +99,8 @@ struct PsDigits {
     const int octets = K / 8;
     for (int base = 0; base < octets; base += PS_CONSUMERS) {
       const int o = base + tid;
-      float v[8] = {};
-      if (o < octets) {
-        const float4* q = reinterpret_cast<const float4*>(x) + 2 * o;
-        const float4 a = q[0], b = q[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      }
+      float v[8];
+      ps_load_octet(x, o, octets, v);
       mma_stage_octet<4, VB>(v, o, octets, xd, xe, const_cast<float*>(v0.xsum));
     }
   }
@@ -239,12 +245,8 @@ struct PsBf3 {
     const int octets = K / 8;
     for (int base = 0; base < octets; base += PS_CONSUMERS) {  // uniform: whole warps shuffle
       const int o = base + tid;
-      float v[8] = {};
-      if (o < octets) {
-        const float4* q = reinterpret_cast<const float4*>(x) + 2 * o;
-        const float4 a = q[0], b = q[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      }
+      float v[8];
+      ps_load_octet(x, o, octets, v);
       float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 #pragma unroll
       for (int off = 1; off < 8; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);

@@ -88,6 +88,17 @@ static size_t gemv_smem_bytes(int num_tokens, int64_t cols, int bits) {
 
 static int gemv_tokens(int64_t T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
 
+// Stack entry e of a 4/8-bit affine matrix with 2-byte (BF16) scales and biases as a one-entry view: its
+// words, scales and biases from entry e's first row (group_size > 0: not for dense weights).
+static WeightView affine_entry(const QMatrix& w, int64_t e) {
+  WeightView v = weight_view(w);
+  v.num_stack = 1;
+  v.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
+  v.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
+  v.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  return v;
+}
+
 static bool use_gemv(const WeightView& w, const Tensor& x) {
   const int64_t T = x.dim(0);
   return T <= GEMV_MAX_TOKENS && is_fast_affine(w) && is_aligned16(x.data) &&
@@ -187,10 +198,11 @@ static void dispatch_gemv_tokens(const GemvParams& p) {
 }
 
 static void run_gemv(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y) {
+  const WeightView v = affine_entry(w, e);
   GemvParams p;
-  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
-  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
-  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  p.w = static_cast<const uint32_t*>(v.w);
+  p.scales = static_cast<const uint16_t*>(v.scales);
+  p.biases = static_cast<const uint16_t*>(v.biases);
   p.x = x.ptr<float>();
   p.y = y.ptr<float>();
   p.T = int(x.dim(0));
@@ -232,11 +244,10 @@ static bool gemv_mma_matrix(const QMatrix& w, int64_t e) {
   if (!is_fast_affine(weight_view(w))) return false;
   const int halves = mma_group_halves(w.bits, w.group_size);
   const int64_t vals = 512 / w.bits;
-  const uint16_t* scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
-  const uint16_t* biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
-  return halves != 0 && w.cols % vals == 0 &&
-         is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
-         (halves == 1 || (reinterpret_cast<uintptr_t>(scales) % 4 == 0 && reinterpret_cast<uintptr_t>(biases) % 4 == 0)) &&
+  const WeightView v = affine_entry(w, e);
+  return halves != 0 && w.cols % vals == 0 && is_aligned16(v.w) &&
+         (halves == 1 ||
+          (reinterpret_cast<uintptr_t>(v.scales) % 4 == 0 && reinterpret_cast<uintptr_t>(v.biases) % 4 == 0)) &&
          mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
 }
 
@@ -264,7 +275,7 @@ static bool dense_small_matrix(const QMatrix& w, int64_t e, int64_t T) {
   const int64_t gs = w.group_size;
   return T >= 2 && T <= DS_MAX_TOKENS && w.bits == 4 && w.scale_dtype == DType::BF16 && gs >= 32 &&
          (gs & (gs - 1)) == 0 && w.rows % 32 == 0 && w.rows <= DS_MAX_ROWS && w.cols % MS_SEG_VALS == 0 &&
-         is_aligned16(static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row()) &&
+         is_aligned16(affine_entry(w, e).w) &&
          ds_splits(w.rows, w.cols, gs, T, int64_t(num_sms()) * DS_CTAS_PER_SM) > 0;
 }
 
@@ -290,11 +301,7 @@ static void launch_dense_small(const LinearArgs& a, int ks, bool accumulate) {
 static void run_dense_small(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate) {
   const int64_t T = x.dim(0);
   LinearArgs a;
-  a.w = weight_view(w);
-  a.w.num_stack = 1;
-  a.w.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
-  a.w.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
-  a.w.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  a.w = affine_entry(w, e);
   a.x = x.ptr<float>();
   a.ldx = w.cols;
   a.y = y.ptr<float>();
@@ -338,9 +345,10 @@ static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Ten
   p.accumulate = accumulate;
   p.tail = tail;
   p.norm_in = norm_in;
-  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
-  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
-  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  const WeightView v = affine_entry(w, e);
+  p.w = static_cast<const uint32_t*>(v.w);
+  p.scales = static_cast<const uint16_t*>(v.scales);
+  p.biases = static_cast<const uint16_t*>(v.biases);
   p.x = x.ptr<float>();
   p.y = y.ptr<float>();
   p.rows = int(w.rows);
@@ -395,9 +403,10 @@ static void launch_gemv_mma_tokens(const MmaLinearParams& p0, int tokens) {
 static void run_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate) {
   MmaLinearParams p{};
   p.accumulate = accumulate;
-  p.w = static_cast<const uint32_t*>(w.weight.data()) + e * w.rows * w.words_per_row();
-  p.scales = static_cast<const uint16_t*>(w.scales.data()) + e * w.rows * w.groups_per_row();
-  p.biases = static_cast<const uint16_t*>(w.biases.data()) + e * w.rows * w.groups_per_row();
+  const WeightView v = affine_entry(w, e);
+  p.w = static_cast<const uint32_t*>(v.w);
+  p.scales = static_cast<const uint16_t*>(v.scales);
+  p.biases = static_cast<const uint16_t*>(v.biases);
   p.rows = int(w.rows);
   p.cols = int(w.cols);
   p.group_shift = log2_of(w.group_size);
@@ -507,8 +516,8 @@ __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 // tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
 // and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
 // room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1). Above 64 rows
-// (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit)
-// measured in docs/perf-notes.md (seventh session).
+// (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit:
+// 54.4 -> 24.4 us split 5 ways; docs/perf-notes.md, ninth session).
 static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
   if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS || tiles * 2 > sms ||

@@ -22,6 +22,7 @@
 #include "cuda/kernels/dense_small.cuh"
 
 #include "emu_common.h"
+#include "ms_emu.h"
 
 using namespace lily::cuda;
 
@@ -73,24 +74,10 @@ static void run_case(int N, int K, int gs, int T, std::mt19937& rng) {
                   uint4 w0, w1;
                   std::memcpy(&w0, &W[size_t(r0) * words + wo], 16);
                   std::memcpy(&w1, &W[size_t(r1) * words + wo], 16);
-                  uint32_t q[4];
-                  ms_a_bits(w0, w1, m, h, q);
                   const int64_t grp = ds_group0(kz, Kp, gshift) + ms_group(seg, c, gshift);
-                  for (int i = 0; i < 4; ++i) {
-                    const int row = g + 8 * (i & 1), kb = 2 * c + 8 * (i >> 1);
-                    const int64_t wr = i & 1 ? r1 : r0;
-                    for (int e = 0; e < 2; ++e)
-                      A[row][kb + e] = dequant(q[i], e, S[size_t(wr) * gpr + grp], B[size_t(wr) * gpr + grp]);
-                  }
-                  for (int n = 0; n < nt; ++n) {
-                    uint4 chunk;
-                    std::memcpy(&chunk, &smem[size_t(n * 8 + g) * stride + seg * 256 + 16 * (4 * m + c)], 16);
-                    uint32_t b[2];
-                    ms_b_frag(chunk, h, b[0], b[1]);
-                    for (int i = 0; i < 2; ++i)
-                      for (int e = 0; e < 2; ++e)
-                        Bm[2 * c + 8 * i + e][n * 8 + g] = bf16_to_f(uint16_t(b[i] >> (16 * e)));
-                  }
+                  const uint16_t* const sc[2] = {&S[size_t(r0) * gpr], &S[size_t(r1) * gpr]};
+                  const uint16_t* const bi[2] = {&B[size_t(r0) * gpr], &B[size_t(r1) * gpr]};
+                  ms_emu_lane(w0, w1, sc, bi, grp, smem, stride, seg, m, h, g, c, nt, A, Bm);
                 }
                 for (int r = 0; r < 16; ++r)
                   for (int col = 0; col < nt * 8; ++col) {

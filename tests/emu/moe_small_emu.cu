@@ -21,6 +21,7 @@
 #include "cuda/kernels/moe_small.cuh"
 
 #include "emu_common.h"
+#include "ms_emu.h"
 
 using namespace lily::cuda;
 
@@ -56,22 +57,9 @@ static void run_case(int K, int gs, int rows, std::mt19937& rng) {
           uint4 w0, w1;
           std::memcpy(&w0, &W[size_t(g) * words + seg * 16 + 4 * c], 16);
           std::memcpy(&w1, &W[size_t(g + 8) * words + seg * 16 + 4 * c], 16);
-          uint32_t q[4];
-          ms_a_bits(w0, w1, m, h, q);
-          const int grp = ms_group(seg, c, gshift);
-          for (int i = 0; i < 4; ++i) {
-            const int row = g + 8 * (i & 1), kb = 2 * c + 8 * (i >> 1);  // PTX A layout: a0a1, a2a3, a4a5, a6a7
-            for (int e = 0; e < 2; ++e)
-              A[row][kb + e] = dequant(q[i], e, S[size_t(row) * gpr + grp], B[size_t(row) * gpr + grp]);
-          }
-          for (int n = 0; n < nt; ++n) {
-            uint4 chunk;
-            std::memcpy(&chunk, &smem[size_t(n * 8 + g) * stride + seg * 256 + 16 * (4 * m + c)], 16);
-            uint32_t b[2];
-            ms_b_frag(chunk, h, b[0], b[1]);
-            for (int i = 0; i < 2; ++i)  // PTX B layout: b0b1 (k 2c, 2c+1), b2b3 (k 2c+8, 2c+9), column g
-              for (int e = 0; e < 2; ++e) Bm[2 * c + 8 * i + e][n * 8 + g] = bf16_to_f(uint16_t(b[i] >> (16 * e)));
-          }
+          const uint16_t* const sc[2] = {&S[size_t(g) * gpr], &S[size_t(g + 8) * gpr]};
+          const uint16_t* const bi[2] = {&B[size_t(g) * gpr], &B[size_t(g + 8) * gpr]};
+          ms_emu_lane(w0, w1, sc, bi, ms_group(seg, c, gshift), smem, stride, seg, m, h, g, c, nt, A, Bm);
         }
         for (int r = 0; r < 16; ++r)
           for (int col = 0; col < nt * 8; ++col) {

@@ -23,19 +23,9 @@
 
 #include "cuda/kernels/linear_wgmma_dense.cuh"
 
+#include "emu_common.h"
+
 using namespace lily::cuda;
-
-static int failures = 0;
-static void expect(bool ok, const char* what, long a, long b) {
-  if (!ok && failures++ < 10) std::printf("FAIL %s (%ld, %ld)\n", what, a, b);
-}
-
-static float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // SWIZZLE_128B on a shared byte address (the ring is 1024-aligned: address = offset in it).
 static uint32_t swizzle128(uint32_t addr) { return addr ^ (((addr >> 7) & 7) << 4); }
@@ -57,7 +47,7 @@ static float desc_elem(const std::vector<uint8_t>& smem, uint64_t d, int row, in
   expect((d >> 62) == 1 && sbo == 1024, "descriptor layout / SBO", long(d >> 62), long(sbo));
   uint16_t v;
   std::memcpy(&v, &smem[swizzle128(start + (row / 8) * sbo + (row % 8) * 128 + 2 * k)], 2);
-  return bf16_value(v);
+  return bf16_to_f(v);
 }
 
 template <int BM>
@@ -111,7 +101,7 @@ static bool run(int64_t M, int64_t N, int64_t K, std::mt19937& rng) {
     for (int64_t o = 0; o < N; ++o) {
       double ref = 0;
       for (int64_t k = 0; k < K; ++k)
-        ref += double(bf16_value(w[size_t(o * K + k)])) * bf16_value(xb[size_t(r * K + k)]);
+        ref += double(bf16_to_f(w[size_t(o * K + k)])) * bf16_to_f(xb[size_t(r * K + k)]);
       const float v = y[size_t(r * N + o)];
       const bool ok = stores[size_t(r * N + o)] == 1 && std::fabs(v - ref) <= 1e-5 * (std::fabs(ref) + 1.0);
       if (!ok) ++bad;

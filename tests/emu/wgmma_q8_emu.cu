@@ -25,19 +25,9 @@
 #include "cuda/kernels/linear_wgmma_tma.cuh"
 #include "cuda/kernels/xb_layout.cuh"
 
+#include "emu_common.h"
+
 using namespace lily::cuda;
-
-static int failures = 0;
-static void expect(bool ok, const char* what, long a, long b) {
-  if (!ok && failures++ < 10) std::printf("FAIL %s (%ld, %ld)\n", what, a, b);
-}
-
-static float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // d rounded once to bf16 (8 significant bits, ties to even), normal range: fma.rn.bf16x2's rounding of
 // an exact s*q + b.
@@ -63,7 +53,7 @@ static void check_pairs() {
         const uint32_t keep = ~(0xFFu << (8 * c));
         const uint32_t lo = (rng() & keep) | uint32_t(q0) << (8 * c), hi = (rng() & keep) | uint32_t(q1) << (8 * c);
         const uint32_t v = wg_q8_pair(lo, hi, wg_q8_sel(c));
-        const bool ok = bf16_value(uint16_t(v)) == float(q0) && bf16_value(uint16_t(v >> 16)) == float(q1);
+        const bool ok = bf16_to_f(uint16_t(v)) == float(q0) && bf16_to_f(uint16_t(v >> 16)) == float(q1);
         bad += !ok;
         expect(ok, "wg_q8_pair (c, q0 * 256 + q1)", c, q0 * 256 + q1);
       }
@@ -90,7 +80,7 @@ static void check_product(int BM, int gs) {
   auto q_at = [&](int o, int k) { return int((W[o * (K / 4) + k / 4] >> (8 * (k % 4))) & 0xFF); };
   auto w_at = [&](int o, int k) {  // scalar dequantisation: one rounding of s*q + b
     const int g = o * (K / gs) + k / gs;
-    return bf16_of(double(bf16_value(S[g])) * q_at(o, k) + double(bf16_value(B[g])));
+    return bf16_of(double(bf16_to_f(S[g])) * q_at(o, k) + double(bf16_to_f(B[g])));
   };
   const int gshift = gs == 32 ? 5 : 6;
   std::vector<double> D(N * BM, 0.0);  // [o][r]
@@ -115,20 +105,20 @@ static void check_product(int BM, int gs) {
                 const int o = rbase + b * 64 + 8 * h;
                 // wg_load_scales: group (kt*64 + half*32) >> gshift, half = H when GS32
                 const int grp = o * (K / gs) + ((kt * WG_BK + (gs == 32 ? H : 0) * 32) >> gshift);
-                const double s = bf16_value(S[grp]), bias = bf16_value(B[grp]);
+                const double s = bf16_to_f(S[grp]), bias = bf16_to_f(B[grp]);
                 uint32_t w[4];
                 std::memcpy(w, &wsm[ws + (b * 64 + 8 * h) * R + 32 * H + 16 * st], 16);
                 const uint32_t sel = wg_q8_sel(c), pr[2] = {wg_q8_pair(w[0], w[1], sel), wg_q8_pair(w[2], w[3], sel)};
                 for (int p = 0; p < 2; ++p) {  // register h (p = 0) or 2 + h (p = 1)
                   const int reg = 2 * p + h;
                   for (int e = 0; e < 2; ++e) {
-                    const uint16_t v = bf16_of(s * bf16_value(uint16_t(pr[p] >> (16 * e))) + bias);
+                    const uint16_t v = bf16_of(s * bf16_to_f(uint16_t(pr[p] >> (16 * e))) + bias);
                     const int row = 16 * w4 + g + 8 * (reg & 1), lk = 2 * c + e + 8 * (reg >> 1);
                     expect(row + cw * 128 + b * 64 == o, "fragment row", o, row);
                     const uint16_t want = w_at(o, kt * WG_BK + wg_phys_k(16 * step + lk));
                     frag_bad += v != want;
                     expect(v == want, "A fragment (output, k)", o, kt * WG_BK + 16 * step + lk);
-                    Am[row][lk] = bf16_value(v);
+                    Am[row][lk] = bf16_to_f(v);
                   }
                 }
               }
@@ -139,7 +129,7 @@ static void check_product(int BM, int gs) {
                 const uint32_t addr = step * 32 + (n / 8) * 1024 + (n % 8) * 128 + kk * 2;
                 uint16_t bv;
                 std::memcpy(&bv, &xs[addr ^ (((addr >> 7) & 7) << 4)], 2);
-                for (int m = 0; m < 64; ++m) D[(cw * 128 + b * 64 + m) * BM + n] += double(Am[m][kk]) * bf16_value(bv);
+                for (int m = 0; m < 64; ++m) D[(cw * 128 + b * 64 + m) * BM + n] += double(Am[m][kk]) * bf16_to_f(bv);
               }
           }
   }
@@ -147,7 +137,7 @@ static void check_product(int BM, int gs) {
   for (int o = 0; o < N; ++o)
     for (int r = 0; r < BM; ++r) {
       double ref = 0;
-      for (int k = 0; k < K; ++k) ref += double(bf16_value(w_at(o, k))) * bf16_value(bf16_rn(X[r * K + k]));
+      for (int k = 0; k < K; ++k) ref += double(bf16_to_f(w_at(o, k))) * bf16_to_f(bf16_rn(X[r * K + k]));
       max_err = std::max(max_err, std::fabs(D[o * BM + r] - ref) / (1e-3 + std::fabs(ref)));
     }
   expect(max_err < 1e-9, "product relative error x 1e12 (BM, gs)", long(max_err * 1e12), BM * 1000 + gs);
