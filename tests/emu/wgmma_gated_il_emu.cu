@@ -1,0 +1,135 @@
+// CPU walk of the gated prefill GEMM's row mappings (kernels/linear_wgmma_tma.cuh): GATED (gate rows in
+// consumer warpgroup 0, up rows in warpgroup 1, an exchange area in the epilogue) and GATED_IL (gate and up
+// rows of the same outputs in one 16-row warp slice, SwiGLU in registers). With the kernel header's own
+// host-callable pieces (wg_row_base, wg_row_step, wg_orow, wg_out_step, tma_smem_bytes, tma_stages) it
+// checks, for both layouts, BM 64 and 128:
+//   1. The stage the producer fills (both layouts: W box {8, 128, 1} of the gate matrix into stage rows
+//      0-127, the same rows of the up matrix into 128-255): every consumer thread (cw, w4, g, c) and
+//      accumulator row (b, h) reads stage row wg_row_base + wg_row_step, whose (matrix, output) must be
+//      the one its scales and biases come from (wg_orow + wg_out_step; matrix cw for GATED, h for
+//      GATED_IL); each stage row is read by exactly the 4 threads of one g quad; rows of consecutive g
+//      are consecutive stage rows (a quarter warp's 16-byte loads on distinct banks). Both layouts
+//      dequantize output o's gate from stage row o and its up from 128 + o: the same A operands.
+//   2. GATED_IL only: wgmma rows 0-7 of every 16-row warp slice are gate rows and rows 8-15 up rows;
+//      from synthetic accumulators D[matrix][output][r] placed by the m16n8 layout
+//      (acc[b][4j + 2h + e] = row (b, h), column r = 8j + 2c + e), the epilogue's reads (G =
+//      acc[b][4j + e], U = acc[b][4j + 2 + e], output wg_orow + wg_out_step(b, 0)) must be the gate and
+//      up of that one output at that column, and every (output, column) of the 128 x BM tile is stored
+//      exactly once.
+//   3. Shared memory: GATED_IL has two more stages than GATED and no exchange area, within 227 KB.
+// Built with nvcc as host code; prints "ok" per case, exits non-zero and prints FAIL on any mismatch.
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/kernels/linear_wgmma_tma.cuh"
+
+using namespace lily::cuda;
+
+static int failures = 0;
+static void expect(bool ok, const char* what, long a, long b) {
+  if (!ok && failures++ < 10) std::printf("FAIL %s (%ld, %ld)\n", what, a, b);
+}
+
+// 1. stage rows -> (matrix, output), every thread's accumulator rows
+static void check_rows(bool il) {
+  const int f0 = failures;
+  int stage_matrix[256], stage_out[256], reads[256] = {};
+  for (int box = 0; box < 2; ++box)  // load_w: box 0 = tmap_w (gate) rows n0..n0+127, box 1 = tmap_u (up)
+    for (int i = 0; i < 128; ++i) stage_matrix[box * 128 + i] = box, stage_out[box * 128 + i] = i;
+  for (int cw = 0; cw < 2; ++cw)
+    for (int w4 = 0; w4 < 4; ++w4)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, orow = wg_orow(true, il, cw, w4, g), base = wg_row_base(il, cw, w4, g);
+        if (g < 7) expect(wg_row_base(il, cw, w4, g + 1) == base + 1, "consecutive g: consecutive stage rows", cw, g);
+        for (int b = 0; b < 2; ++b)
+          for (int h = 0; h < 2; ++h) {
+            const int srow = base + wg_row_step(il, b, h);
+            if (srow < 0 || srow >= 256) {
+              expect(false, "stage row out of range", srow, lane);
+              continue;
+            }
+            ++reads[srow];
+            const int matrix = il ? h : cw, out = orow + wg_out_step(il, b, h);
+            expect(stage_matrix[srow] == matrix, "stage row's matrix = the scales' matrix", srow, matrix);
+            expect(stage_out[srow] == out, "stage row's output = the scales' output", srow, out);
+            expect(srow == 128 * matrix + out, "output o's gate at stage row o, up at 128 + o", srow, out);
+            if (il) {  // wgmma row 16*w4 + g + 8h of block b: slice rows 0-7 gate, 8-15 up
+              const int m = 16 * w4 + g + 8 * h;
+              expect((m % 16) / 8 == matrix, "slice rows 0-7 gate, 8-15 up", m, matrix);
+            }
+          }
+      }
+  for (int r = 0; r < 256; ++r) expect(reads[r] == 4, "each stage row read by one g quad (4 threads)", r, reads[r]);
+  std::printf("%s %s: stage rows, scale rows and fragment rows of 256 threads agree\n",
+              failures == f0 ? "ok  " : "FAIL", il ? "GATED_IL" : "GATED   ");
+}
+
+// 2. GATED_IL: each thread's G and U of one output, every (output, column) stored once
+static void check_il_epilogue(int BM) {
+  const int f0 = failures;
+  auto D = [&](int matrix, int o, int r) { return float(matrix * 1000000 + o * 1000 + r); };  // distinct values
+  std::vector<int> stored(128 * BM, 0);
+  for (int cw = 0; cw < 2; ++cw)
+    for (int w4 = 0; w4 < 4; ++w4)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4, orow = wg_orow(true, true, cw, w4, g);
+        const int base = wg_row_base(true, cw, w4, g);
+        std::vector<float> acc[2] = {std::vector<float>(BM / 2), std::vector<float>(BM / 2)};
+        for (int b = 0; b < 2; ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
+          for (int j = 0; j < BM / 8; ++j)
+            for (int h = 0; h < 2; ++h)
+              for (int e = 0; e < 2; ++e) {
+                const int srow = base + wg_row_step(true, b, h);
+                acc[b][4 * j + 2 * h + e] = D(srow >> 7, srow & 127, 8 * j + 2 * c + e);
+              }
+        for (int j = 0; j < BM / 8; ++j)  // wg_store_gated_il's reads
+          for (int e = 0; e < 2; ++e)
+            for (int b = 0; b < 2; ++b) {
+              const int r = 8 * j + 2 * c + e, o = orow + wg_out_step(true, b, 0);
+              if (o < 0 || o >= 128) {
+                expect(false, "output out of the tile", o, lane);
+                continue;
+              }
+              expect(acc[b][4 * j + e] == D(0, o, r), "G of the stored output", o, r);
+              expect(acc[b][4 * j + 2 + e] == D(1, o, r), "U of the stored output", o, r);
+              ++stored[o * BM + r];
+            }
+      }
+  long wrong = 0;
+  for (int i = 0; i < 128 * BM; ++i) wrong += stored[i] != 1;
+  expect(wrong == 0, "every (output, column) stored once", BM, wrong);
+  std::printf("%s GATED_IL BM %3d: G and U of each output in one thread, 128 x %d outputs stored once (%ld not)\n",
+              failures == f0 ? "ok  " : "FAIL", BM, BM, wrong);
+}
+
+// 3. shared memory of the two layouts
+static void check_smem() {
+  const int f0 = failures;
+  for (int bm : {64, 128}) {
+    expect(tma_stages(bm, true) == tma_stages(bm) + 2, "two more stages", bm, tma_stages(bm, true));
+    expect(tma_smem_bytes(bm, 4, true, true) <= 227 * 1024, "GATED_IL within 227 KB", bm,
+           tma_smem_bytes(bm, 4, true, true));
+    expect(tma_smem_bytes(bm, 4, true, true) ==
+               1024 + tma_stages(bm, true) * (tma_stage_bytes(bm, 4) + 16),
+           "GATED_IL: ring and mbarriers only", bm, tma_smem_bytes(bm, 4, true, true));
+  }
+  std::printf("%s smem: GATED %d / %d B, GATED_IL %d / %d B (BM 128 / 64; %d / %d stages)\n",
+              failures == f0 ? "ok  " : "FAIL", tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true),
+              tma_smem_bytes(128, 4, true, true), tma_smem_bytes(64, 4, true, true), tma_stages(128, true),
+              tma_stages(64, true));
+}
+
+int main() {
+  check_rows(false);
+  check_rows(true);
+  check_il_epilogue(64);
+  check_il_epilogue(128);
+  check_smem();
+  if (failures) {
+    std::printf("FAIL: %d mismatches\n", failures);
+    return 1;
+  }
+  std::printf("all passed\n");
+  return 0;
+}
