@@ -40,7 +40,7 @@ static void check_rows(bool il) {
   for (int cw = 0; cw < 2; ++cw)
     for (int w4 = 0; w4 < 4; ++w4)
       for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, orow = wg_orow(true, il, cw, w4, g), base = wg_row_base(il, cw, w4, g);
+        const int g = lane / 4, base = wg_row_base(il, cw, w4, g), orow = wg_orow(true, il, base, cw);
         if (g < 7) expect(wg_row_base(il, cw, w4, g + 1) == base + 1, "consecutive g: consecutive stage rows", cw, g);
         for (int b = 0; b < 2; ++b)
           for (int h = 0; h < 2; ++h) {
@@ -73,8 +73,7 @@ static void check_il_epilogue(int BM) {
   for (int cw = 0; cw < 2; ++cw)
     for (int w4 = 0; w4 < 4; ++w4)
       for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4, orow = wg_orow(true, true, cw, w4, g);
-        const int base = wg_row_base(true, cw, w4, g);
+        const int g = lane / 4, c = lane % 4, base = wg_row_base(true, cw, w4, g), orow = wg_orow(true, true, base, cw);
         std::vector<float> acc[2] = {std::vector<float>(BM / 2), std::vector<float>(BM / 2)};
         for (int b = 0; b < 2; ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
           for (int j = 0; j < BM / 8; ++j)

@@ -118,9 +118,10 @@ __host__ __device__ constexpr int wg_row_base(bool il, int cw, int w4, int g) {
 }
 __host__ __device__ constexpr int wg_row_step(bool il, int b, int h) { return il ? h * 128 + b * 32 : b * 64 + 8 * h; }
 // Accumulator row (b, h) of the thread is output n0 + wg_orow + wg_out_step(b, h) of its matrix (plain: W;
-// GATED: the gate for cw = 0, up for cw = 1; GATED_IL: the gate for h = 0, up for h = 1).
-__host__ __device__ constexpr int wg_orow(bool gated, bool il, int cw, int w4, int g) {
-  return gated && !il ? wg_row_base(false, cw, w4, g) - cw * 128 : wg_row_base(il, cw, w4, g);
+// GATED: the gate for cw = 0, up for cw = 1; GATED_IL: the gate for h = 0, up for h = 1); rbase =
+// wg_row_base(il, cw, w4, g).
+__host__ __device__ constexpr int wg_orow(bool gated, bool il, int rbase, int cw) {
+  return gated && !il ? rbase - cw * 128 : rbase;
 }
 __host__ __device__ constexpr int wg_out_step(bool il, int b, int h) { return il ? b * 32 : b * 64 + 8 * h; }
 
@@ -688,7 +689,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // ---------------- consumer warpgroups ----------------
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = wg_row_base(GATED_IL, cw, w4, g), orow = wg_orow(GATED, GATED_IL, cw, w4, g);
+  const int rbase = wg_row_base(GATED_IL, cw, w4, g), orow = wg_orow(GATED, GATED_IL, rbase, cw);
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
   const uint32_t xchg = bars + 16 * S;  // GATED (not GATED_IL): the exchange area, after the mbarriers
   const bool up = GATED && !GATED_IL && cw == 1;  // this warpgroup's matrix is a.up (its scales and biases)
