@@ -36,10 +36,7 @@
 // be bit-identical (every float) or FAIL. Both times include one X -> bf16 conversion. Two more rows per
 // gated problem time the Xb hand-over (docs/cuda.md): the GATED product then wgx_bf16_kernel of its F32
 // output (what the down product converted), against the GATED product storing that Xb itself (a.yb),
-// whose bits must equal the conversion's (FAIL otherwise). "wgmma-tma gated, interleaved" is the GATED_IL
-// layout (gate and up rows of the same outputs in one warp slice, SwiGLU in registers, no exchange area,
-// two more ring stages): its F32 output and its Xb output must equal the GATED product's bit for bit
-// (FAIL otherwise); its "vs wgmma (time)" is the GATED product's time over its own.
+// whose bits must equal the conversion's (FAIL otherwise).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -257,8 +254,9 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
     const int64_t start = row;
     for (int32_t t : tokens[e]) p.hx_rows.push_back(t), p.hrow_expert.push_back(int32_t(e)), ++row;
     row_end[e] = int32_t(row);
-    for (int64_t r0 = start; r0 < row; r0 += 64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
-    for (int64_t r0 = start; r0 < row; r0 += 128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
+    const int n = int(row - start), span64 = tile_span(n, 64), span128 = tile_span(n, 128);  // find_tile's rule
+    for (int64_t r0 = start; r0 < row; r0 += span64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
+    for (int64_t r0 = start; r0 < row; r0 += span128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
   }
   p.M = row;
   p.max_tiles64 = (p.M + 63) / 64 + std::min<int64_t>(E, p.M);
@@ -332,12 +330,12 @@ static void launch_x_bf16(const Problem& p) {
   wgx_bf16_kernel<<<unsigned(p.X_rows), WGX_THREADS>>>(p.dx, p.w->K, p.w->K, p.dxb);
 }
 
-// mu: the up matrix's map (GATED), else unread. IL: the GATED_IL layout.
-template <int BM, bool GS32, bool GATHER, bool GATED = false, int BITS = 4, bool SPLIT = false, bool IL = false>
+// mu: the up matrix's map (GATED), else unread.
+template <int BM, bool GS32, bool GATHER, bool GATED = false, int BITS = 4, bool SPLIT = false>
 static void launch_tma_kernel(const LinearArgs& a, const uint16_t* xb, const CUtensorMap& mx, const CUtensorMap& mw,
                               const CUtensorMap& mu, int64_t tiles_ub) {
-  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS, IL>;
-  constexpr int smem = tma_smem_bytes(BM, BITS, GATED, IL), BN = GATED ? WG_BN / 2 : WG_BN;
+  const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>;
+  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), BN = GATED ? WG_BN / 2 : WG_BN;
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -415,8 +413,8 @@ static int gated_bm(const Problem& p) {
 
 // A gated problem on copy `copy`: X -> bf16, then the GATED product, or (two) the gate product into y
 // and the up product with SwiGLU, as linear.cu's fallback runs them. yb (GATED only): the output as the
-// next product's Xb there instead of y (LinearArgs::yb, moe.cu's hand-over). il: the GATED_IL layout.
-static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nullptr, bool il = false) {
+// next product's Xb there instead of y (LinearArgs::yb, moe.cu's hand-over).
+static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nullptr) {
   launch_x_bf16(p);
   LinearArgs a = p.args(copy, true);
   a.yb = yb;
@@ -437,15 +435,7 @@ static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nu
   const CUtensorMap& mu = tensor_map(false, p.up->dw[copy], p.up->E, p.up->N, p.up->K, WG_BN / 2);
   const bool gather = p.dx_rows != nullptr;
   const int64_t tiles = p.grouped || bm == 64 ? p.max_tiles64 : (p.M + 127) / 128;
-  if (il) {
-    if (bm == 128) {
-      if (gather) launch_tma_kernel<128, false, true, true, 4, false, true>(a, p.dxb, mx, mw, mu, tiles);
-      else launch_tma_kernel<128, false, false, true, 4, false, true>(a, p.dxb, mx, mw, mu, tiles);
-    } else {
-      if (gather) launch_tma_kernel<64, false, true, true, 4, false, true>(a, p.dxb, mx, mw, mu, tiles);
-      else launch_tma_kernel<64, false, false, true, 4, false, true>(a, p.dxb, mx, mw, mu, tiles);
-    }
-  } else if (bm == 128) {
+  if (bm == 128) {
     if (gather) launch_tma_kernel<128, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
     else launch_tma_kernel<128, false, false, true>(a, p.dxb, mx, mw, mu, tiles);
   } else {
@@ -628,10 +618,7 @@ static void row(Problem& p, bool timed) {
 
 // A gated problem (tma only): the two-product run and the GATED product from NaN-poisoned outputs on
 // copy 0, each all finite with a sampled error vs the fp64 reference (rs * silu(g) * u) <= 1e-2; the
-// gated output must equal the two-product one in every float. Timed: both, one X -> bf16 each. Then the
-// GATED_IL product (il_row): its F32 and Xb outputs against the GATED product's, every bit.
-static void il_row(Problem& p, bool timed, const std::vector<float>& y_gated, const std::vector<uint16_t>& yb_gated,
-                   double t_gated);
+// gated output must equal the two-product one in every float. Timed: both, one X -> bf16 each.
 static void gated_row(Problem& p, bool timed) {
   if (!g_run[TMA]) return;
   const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
@@ -726,47 +713,6 @@ static void gated_row(Problem& p, bool timed) {
     else if (v == 1)
       std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | | %s |\n", p.name, (long long)p.M, (long long)N,
                   (long long)K, xb_names[v], bms[1], xb_differ ? "FAIL" : "bits = wgx of y");
-  }
-  std::fflush(stdout);
-  il_row(p, timed, y[1], yb, t[1]);
-}
-
-static void il_row(Problem& p, bool timed, const std::vector<float>& y_gated, const std::vector<uint16_t>& yb_gated,
-                   double t_gated) {
-  const int64_t MN = p.M * p.w->N;
-  CK(cudaMemset(p.dy, 0xFF, MN * 4));
-  launch_gated(p, 0, false, nullptr, true);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> y(MN);
-  CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
-  uint16_t* dyb = nullptr;
-  CK(cudaMalloc(&dyb, MN * 2));
-  CK(cudaMemset(dyb, 0xFF, MN * 2));
-  launch_gated(p, 0, false, dyb, true);
-  CK(cudaDeviceSynchronize());
-  std::vector<uint16_t> yb(MN);
-  CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
-  int64_t differ = 0, xb_differ = 0;
-  for (int64_t i = 0; i < MN; ++i) differ += std::memcmp(&y[i], &y_gated[i], 4) != 0;
-  for (int64_t i = 0; i < MN; ++i) xb_differ += yb[i] != yb_gated[i];
-  const double t = timed ? time_launches(p.w->copies, [&](int c) { launch_gated(p, c, false, nullptr, true); }) : 0;
-  CK(cudaFree(dyb));
-  const bool ok = differ == 0 && xb_differ == 0;
-  char vs[64];
-  if (ok) std::snprintf(vs, sizeof vs, "bit-identical to gated (y, Xb)");
-  else std::snprintf(vs, sizeof vs, "%lld floats, %lld Xb values differ", (long long)differ, (long long)xb_differ);
-  const char* name = "wgmma-tma gated, interleaved";
-  if (timed)
-    std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | | %s | %s |\n", p.name, (long long)p.M,
-                (long long)p.w->N, (long long)p.w->K, name, gated_bm(p), t, 4.0 * p.M * p.w->N * p.w->K / t * 1e-6,
-                t_gated / t, ok ? "ok" : "FAIL", vs);
-  else
-    std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | %s | %s |\n", p.name, (long long)p.M, (long long)p.w->N,
-                (long long)p.w->K, name, gated_bm(p), ok ? "ok" : "FAIL", vs);
-  if (!ok) {
-    std::printf("FAIL: %s %s: %lld of %lld floats and %lld Xb values differ from the gated product's\n", p.name, name,
-                (long long)differ, (long long)MN, (long long)xb_differ);
-    ++g_failures;
   }
   std::fflush(stdout);
 }
@@ -933,11 +879,10 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   if (header) {
-    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B, "
-                "interleaved %d / %d B (BM 128 / 64)\n\n",
+    std::printf("gemm_lab on %s (%d SMs); smem: wgmma %d / %d B, tma %d / %d B, tma gated %d / %d B "
+                "(BM 128 / 64)\n\n",
                 prop.name, g_sms, wg_smem_bytes(128), wg_smem_bytes(64), tma_smem_bytes(128, 4),
-                tma_smem_bytes(64, 4), tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true),
-                tma_smem_bytes(128, 4, true, true), tma_smem_bytes(64, 4, true, true));
+                tma_smem_bytes(64, 4), tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true));
     std::printf("| product | M x N x K | kernel | BM | us | TFLOP/s | vs wgmma (time) | X->bf16 us | err vs fp64 | vs wgmma (output) |\n");
     std::printf("|---|---|---|---:|---:|---:|---:|---:|---|---|\n");
   }

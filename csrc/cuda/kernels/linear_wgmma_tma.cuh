@@ -20,11 +20,10 @@
 // 128): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
 // Tile: 256 weight rows x BM rows, k-tiles of 64. Consumer warpgroup cw owns weight rows [cw*128, +128)
 // of the tile as two m64 blocks; each thread holds 2 x BM/2 fp32 accumulators. The weight rows are 256
-// outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix:
-// warpgroup 0 accumulates G and warpgroup 1 U of the same 128 outputs; or (GATED_IL, the interleaved
-// gated layout: gemm_lab only so far) the same stage, but each 16-row warp slice of an m64 block holds
-// 8 gate rows (rows g) and the up rows of the same 8 outputs (rows g + 8), so each thread holds G and U
-// of its outputs and computes the SwiGLU in registers (no exchange area; wg_row_base, wg_row_step).
+// outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix,
+// interleaved: each 16-row warp slice of an m64 block holds 8 gate rows (rows g) and the up rows of the
+// same 8 outputs (rows g + 8), so each thread holds G and U of its outputs and computes the SwiGLU in
+// registers (wg_row_base, wg_row_step).
 //   A (weights) from registers: each thread dequantizes its own fragment straight from the packed words
 //     (w = scale*q + bias rounded once to bf16: q made exact in bf16 first, 4-bit as 0x4300|q minus 128
 //     (wg_dequant_pair), 8-bit through fp32 2^23 + q minus 2^23 (wg_q8_pair); then one bf16x2 fma with
@@ -51,8 +50,6 @@
 //   every G and U value with the same operands and wgmma sequence as the plain gate and up products
 //   (an output row sits at the same row of the same m64 block: tiles start at multiples of 128) and
 //   the SwiGLU with store_output's expression: bit-identical to the two products (gemm_lab checks).
-//   GATED_IL feeds each G and U value the same operands in the same wgmma sequence at another row of
-//   an m64 block, with the same SwiGLU expression: bit-identical to GATED (gemm_lab checks every float).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
@@ -77,53 +74,43 @@ __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ 
 constexpr int WGX_THREADS = 256;
 
 // The GEMM's CTA: 1 producer + 2 consumer warpgroups. Shared memory: 1024 B alignment slack, a ring of
-// tma_stages(BM, il) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x tma_w_row_bytes(BITS)
-// (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers, then (GATED, 4-bit only) the
-// epilogue's exchange area of tma_xchg_bytes(BM): 2 x 128 threads x BM/2 fp32 (BM 128: 64 KB, 209 KB in
-// all; BM 64: 161 KB). 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB). GATED_IL has no exchange
-// area: its ring takes two more stages instead (BM 128: 8 x 24 KB, 193 KB in all; BM 64: 10 x 16 KB,
-// 161 KB).
+// tma_stages(BM, GATED) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x
+// tma_w_row_bytes(BITS) (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers. 4-bit rings:
+// 6 x 24 KB (BM 128) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB / 161 KB.
+// 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
 constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits) { return WG_BN * tma_w_row_bytes(bits); }
-__host__ __device__ constexpr int tma_stages(int bm, bool il = false) { return (bm == 128 ? 6 : 8) + (il ? 2 : 0); }
+__host__ __device__ constexpr int tma_stages(int bm, bool gated = false) { return (bm == 128 ? 6 : 8) + (gated ? 2 : 0); }
 __host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits); }
-__host__ __device__ constexpr int tma_xchg_bytes(int bm) { return 2 * 128 * (bm / 2) * 4; }
-// il: the GATED_IL layout (gated too; no exchange area, tma_stages(bm, true) stages)
-__host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false, bool il = false) {
-  return 1024 + tma_stages(bm, il) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm, il) * 8 +
-         (gated && !il ? tma_xchg_bytes(bm) : 0);
+__host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
+  return 1024 + tma_stages(bm, gated) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm, gated) * 8;
 }
 static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4, true) <= 227 * 1024,
-              "the GATED ring and exchange area exceed the 227 KB opt-in shared memory");
+              "the GATED ring exceeds the 227 KB opt-in shared memory");
 static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
               "the 8-bit ring exceeds the 227 KB opt-in shared memory");
-static_assert(tma_smem_bytes(128, 4, true, true) <= 227 * 1024 && tma_smem_bytes(64, 4, true, true) <= 227 * 1024,
-              "the GATED_IL ring exceeds the 227 KB opt-in shared memory");
 
 // Which weight row each accumulator row of a consumer thread is. Thread (cw, w4, g) (consumer warpgroup
 // cw, its warp w4, g = lane/4) holds, for m64 block b and h = 0, 1, wgmma row 16*w4 + g + 8h of block b
 // (acc[b][4j + 2h + e], the m16n8 layout), dequantized from stage row wg_row_base + wg_row_step(b, h):
-//   plain, GATED:  cw*128 + 16*w4 + g  +  b*64 + 8h
-//   GATED_IL:      cw*64 + 8*w4 + g    +  h*128 + b*32
-// A GATED stage (both layouts: the same two W boxes) holds gate row n0 + i at stage row i and up row
-// n0 + i at stage row 128 + i (i < 128). So a GATED_IL thread's rows h = 0 (slice rows 0-7) are gate
-// rows and h = 1 (slice rows 8-15) the up rows of the same outputs: tile output wg_row_base +
-// wg_out_step(b) (< 128) for both h. Rows of consecutive g are consecutive stage rows in both layouts
-// (a quarter warp's 16-byte loads hit distinct banks). tests/emu/wgmma_gated_il_emu.cu walks every
-// thread through these.
-__host__ __device__ constexpr int wg_row_base(bool il, int cw, int w4, int g) {
-  return il ? cw * 64 + 8 * w4 + g : cw * 128 + 16 * w4 + g;
+//   plain:  cw*128 + 16*w4 + g  +  b*64 + 8h
+//   GATED:  cw*64 + 8*w4 + g    +  h*128 + b*32
+// A GATED stage holds gate row n0 + i at stage row i and up row n0 + i at stage row 128 + i (i < 128),
+// so a GATED thread's rows h = 0 (slice rows 0-7) are gate rows and h = 1 (slice rows 8-15) the up rows
+// of the same outputs: tile output wg_row_base + wg_out_step(b) (< 128) for both h. Rows of consecutive
+// g are consecutive stage rows in both layouts (a quarter warp's 16-byte loads hit distinct banks).
+// tests/emu/wgmma_gated_il_emu.cu walks every thread through these.
+__host__ __device__ constexpr int wg_row_base(bool gated, int cw, int w4, int g) {
+  return gated ? cw * 64 + 8 * w4 + g : cw * 128 + 16 * w4 + g;
 }
-__host__ __device__ constexpr int wg_row_step(bool il, int b, int h) { return il ? h * 128 + b * 32 : b * 64 + 8 * h; }
-// Accumulator row (b, h) of the thread is output n0 + wg_orow + wg_out_step(b, h) of its matrix (plain: W;
-// GATED: the gate for cw = 0, up for cw = 1; GATED_IL: the gate for h = 0, up for h = 1); rbase =
-// wg_row_base(il, cw, w4, g).
-__host__ __device__ constexpr int wg_orow(bool gated, bool il, int rbase, int cw) {
-  return gated && !il ? rbase - cw * 128 : rbase;
+__host__ __device__ constexpr int wg_row_step(bool gated, int b, int h) {
+  return gated ? h * 128 + b * 32 : b * 64 + 8 * h;
 }
-__host__ __device__ constexpr int wg_out_step(bool il, int b, int h) { return il ? b * 32 : b * 64 + 8 * h; }
+// Accumulator row (b, h) of the thread is output n0 + wg_row_base + wg_out_step(b, h) of its matrix
+// (plain: W; GATED: the gate for h = 0, up for h = 1).
+__host__ __device__ constexpr int wg_out_step(bool gated, int b, int h) { return gated ? b * 32 : b * 64 + 8 * h; }
 
 // __byte_perm (PRMT) without the sign-replicate modes, on the host too (the CPU emulator runs wg_q8_pair):
 // byte i of the result is byte (sel >> 4i) & 7 of {b:a} (a's bytes 0-3, b's 4-7).
@@ -202,12 +189,12 @@ struct WgScalesP {
   uint32_t sb[2][2][GS32 ? 2 : 1];
 };
 
-// Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(IL, b, h) (b*64 + 8h;
-// GATED_IL b*32, of the gate matrix for h = 0 and of the up matrix, the same shape, for h = 1) at group 0
+// Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(GATED, b, h) (b*64 + 8h;
+// GATED b*32, of the gate matrix for h = 0 and of the up matrix, the same shape, for h = 1) at group 0
 // of the tile's expert, set once per tile (rows past N read row N - 1: computed, never stored). 32 bits:
 // the host keeps the scale tensor below 2^32 elements, so a k-tile's index is one 32-bit add and its
 // address one IMAD.WIDE from the kernel's scales/biases pointers.
-template <bool IL = false>
+template <bool GATED = false>
 __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const WeightView& w, int64_t expert, int64_t n0,
                                               int orow) {
   const int64_t N = w.rows, gpr = w.cols / w.group_size;
@@ -215,15 +202,15 @@ __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const Weigh
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t o = n0 + orow + wg_out_step(IL, b, h);
+      const int64_t o = n0 + orow + wg_out_step(GATED, b, h);
       row[b][h] = uint32_t((expert * N + (o < N ? o : N - 1)) * gpr);
     }
 }
 
-// Loads the packed scales/biases (sc, bi: the thread's matrix; IL: rows h = 1 from sc_u, bi_u, the up
+// Loads the packed scales/biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
 // matrix's) of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a shift (gshift = log2
 // group_size: the host takes only power-of-two groups to this kernel).
-template <bool GS32, bool IL = false>
+template <bool GS32, bool GATED = false>
 __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_t* sc, const uint16_t* bi,
                                                const uint32_t (&row)[2][2], int gshift, int kt,
                                                const uint16_t* sc_u = nullptr, const uint16_t* bi_u = nullptr) {
@@ -235,7 +222,7 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t gi = row[b][h] + g;
-        const uint16_t *scp = IL && h ? sc_u : sc, *bip = IL && h ? bi_u : bi;
+        const uint16_t *scp = GATED && h ? sc_u : sc, *bip = GATED && h ? bi_u : bi;
         s.sb[b][h][half] = uint32_t(__ldg(scp + gi)) | (uint32_t(__ldg(bip + gi)) << 16);
       }
   }
@@ -245,21 +232,21 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
 // registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
 // fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
 // ws: shared address of this thread's W row rbase in the stage (rows of R = tma_w_row_bytes(BITS) bytes:
-// row rbase + wg_row_step(IL, b, h) at ws + wg_row_step(IL, b, h)*R); words read by ld.shared.v4 on
+// row rbase + wg_row_step(GATED, b, h) at ws + wg_row_step(GATED, b, h)*R); words read by ld.shared.v4 on
 // 32-bit addresses.
 //   4-bit: the half is the 16-byte chunk H of the row (packed words 4H..4H+3): word m is step m/2,
 //          register (m%2)*2 + h, nibbles c and c+4 (wg_dequant_pair).
 //   8-bit: the half is 32 bytes at 32H, one 16-byte load per k16 step s (words x, y, z, w = k 0-3, 4-7,
 //          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
 //          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
-template <int H, bool GS32, int BITS, bool IL = false>
+template <int H, bool GS32, int BITS, bool GATED = false>
 __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
   constexpr int R = tma_w_row_bytes(BITS);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t row = ws + wg_row_step(IL, b, h) * R;
+      const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
       const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
       const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
       if constexpr (BITS == 4) {
@@ -279,20 +266,42 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
     }
 }
 
+// The wgmma N of a tile of `rows` real rows (<= bm): the rows rounded up to 32 (32, 64, 96 or bm). A MoE
+// expert's tiles (find_tile, tile_span) are short where its rows run out; the rows past `rows` in the
+// stage are zero or another expert's, multiplied only up to N and never stored.
+__host__ __device__ constexpr int wg_tile_n(int rows, int bm) { return rows >= bm ? bm : (rows + 31) / 32 * 32; }
+template <int N>
+struct WgN {
+  static constexpr int value = N;
+};
+
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
-// low 6 bits zero, so adding 2j <= 6 carries nowhere.
+// low 6 bits zero, so adding 2j <= 6 carries nowhere. nn: the wgmma's N (wg_tile_n; a uniform branch
+// a half: ptxas puts a warpgroup.arrive before each branch's wgmmas, C7519), the first nn/2 accumulators
+// of each block.
 template <int BM, int H>
-__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd) {
+__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd, int nn) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
   wgmma_fence();
+  auto issue = [&](auto n) {
 #pragma unroll
-  for (int s = 0; s < 2; ++s)
+    for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+      for (int b = 0; b < 2; ++b) wgmma_rows<decltype(n)::value>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+  };
+  if constexpr (BM == 128) {
+    if (nn > 96) issue(WgN<128>{});
+    else if (nn > 64) issue(WgN<96>{});
+    else if (nn > 32) issue(WgN<64>{});
+    else issue(WgN<32>{});
+  } else {
+    if (nn > 32) issue(WgN<64>{});
+    else issue(WgN<32>{});
+  }
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -364,80 +373,15 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
   }
 }
 
-// GATED epilogue of consumer warpgroup cw: warpgroups 0 and 1 hold G and U of the same outputs,
-// acc[b][4j + 2h + e] of consumer threads t and t + 128 both at o = n0 + orow + b*64 + 8h
-// (orow = 16*w4 + g), r = 8j + 2c + e. Each warpgroup finishes block b = cw: it sends its other block
-// acc[1 - cw] to the partner through its half of the exchange area xchg ([2 senders][BM/8 quads][128
-// threads][4 fp32]: quad j = acc[b][4j..4j+3], one conflict-free 16-byte store or load a thread), then
-// stores y = row_scale * silu(G) * U for its block with store_output's expression. Named barrier 1
-// over the 256 consumers: before the sends (the partner has read the previous tile's block) and
-// between the sends and the reads. Row group j's partner quad and 2 row scales are loaded before group
-// j-1 is computed and stored, as in wg_store_tile. With a.yb (the output as the next product's Xb) each
-// value goes there instead, as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32
-// value rounded as wgx_bf16_kernel rounds it (a 2-byte store; the 8 lanes of one c fill a row's 16-byte
-// chunk). a.yb is uniform: a branch on it is not a branch on cw. The warpgroups' roles are selects on cw, not
-// branches: a branch on cw here (an if/else join in the tile loop) costs the k-tile loop its uniform
-// datapath, ~25 instructions a k-tile (SASS).
+// GATED epilogue of one consumer thread: acc[b][4j + e] is G and acc[b][4j + 2 + e] is U of the same
+// output o = n0 + orow + wg_out_step(true, b, 0) (orow = wg_row_base(true, cw, w4, g)), r = 8j + 2c + e;
+// y = row_scale * silu(G) * U with store_output's expression, as F32 y or (a.yb, the output as the next
+// product's Xb) as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32 value rounded
+// as wgx_bf16_kernel rounds it. No shared memory, no barrier. Row group j + 1's 2 row scales are loaded
+// before group j is computed and stored, as in wg_store_tile. A warp's store of one (j, e, b) is 4 rows x
+// 8 consecutive outputs (32 B each).
 template <int BM>
 __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
-                                               int cw, uint32_t xchg, int t, const float (&acc)[2][BM / 2]) {
-  constexpr uint32_t HALF = tma_xchg_bytes(BM) / 2, QUAD = 128 * 16;
-  const uint32_t send = xchg + cw * HALF + 16 * t, recv = xchg + (1 - cw) * HALF + 16 * t;
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-#pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    float v[4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) v[m] = cw ? acc[0][4 * j + m] : acc[1][4 * j + m];
-    st_shared_v4(send + j * QUAD, v[0], v[1], v[2], v[3]);
-  }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  const int64_t o0 = n0 + orow + cw * 64;
-  bool col[2];  // output o0 + 8h is a real row of the matrices
-#pragma unroll
-  for (int h = 0; h < 2; ++h) col[h] = o0 + 8 * h < a.w.rows;
-  uint4 other[2];  // [group parity]: the partner's quad
-  float rs[2][2];  // [group parity][e]
-  auto load = [&](int j) {
-    other[j & 1] = ld_shared_v4(recv + j * QUAD);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      rs[j & 1][e] = r < tile.rows && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
-    }
-  };
-  load(0);
-#pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    if (j + 1 < BM / 8) load(j + 1);
-    const uint4 q = other[j & 1];
-    const float part[4] = {__uint_as_float(q.x), __uint_as_float(q.y), __uint_as_float(q.z), __uint_as_float(q.w)};
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      if (r >= tile.rows) continue;
-      float* y = a.y + (tile.row0 + r) * a.ldy + o0;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * h + e;
-        const float g = cw ? part[i] : acc[0][4 * j + i], u = cw ? acc[1][4 * j + i] : part[i];
-        if (!col[h]) continue;
-        const float v = rs[j & 1][e] * silu(g) * u;
-        if (a.yb) a.yb[(tile.row0 + r) * a.w.rows + wg_xb_pos(o0 + 8 * h)] = wg_bf16(v);
-        else y[8 * h] = v;
-      }
-    }
-  }
-}
-
-// GATED_IL epilogue of one consumer thread: acc[b][4j + e] is G and acc[b][4j + 2 + e] is U of the same
-// output o = n0 + orow + wg_out_step(true, b, 0) (orow = wg_row_base(true, cw, w4, g)), r = 8j + 2c + e;
-// y = row_scale * silu(G) * U with wg_store_gated's expression, as F32 y or (a.yb) as the next
-// product's Xb (wg_bf16 at wg_xb_pos(o), as wg_store_gated). No shared memory, no barrier. Row group
-// j + 1's 2 row scales are loaded before group j is computed and stored, as in wg_store_tile. A warp's
-// store of one (j, e, b) is 4 rows x 8 consecutive outputs (32 B each), as wg_store_gated's.
-template <int BM>
-__device__ __forceinline__ void wg_store_gated_il(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
                                                   const float (&acc)[2][BM / 2]) {
   const int64_t o0 = n0 + orow;
   bool col[2];  // output o0 + wg_out_step(true, b, 0) is a real row of the matrices
@@ -517,9 +461,9 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS, GATED_IL>: Y = W . X^T over 256-output x
-// BM-row tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T; GATED_IL: the
-// same tiles, each thread's accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
+// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row
+// tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
+// accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
 // Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
@@ -527,14 +471,13 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
 // Column tiles: ceil(N / 256), GATED ceil(N / 128) (no split-K).
-// Shared memory: a ring of S = tma_stages(BM, GATED_IL) stages, each [Xb tile BM x 64 bf16, 128B-swizzled
-// as TMA SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers,
-// then (GATED, not GATED_IL) the exchange area (wg_store_gated).
+// Shared memory: a ring of S = tma_stages(BM, GATED) stages, each [Xb tile BM x 64 bf16, 128B-swizzled
+// as TMA SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
 //   !GATHER: one thread arms full[s] with the stage's bytes and issues the W and Xb TMA loads: W box
 //            {2*BITS words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K*BITS/32] U32; rows >= N read as
 //            zero) or
-//            (GATED, both layouts) box {8, 128, 1} of tmap_w into W rows 0-127 and the same rows of tmap_u
+//            (GATED) box {8, 128, 1} of tmap_w into W rows 0-127 and the same rows of tmap_u
 //            (the up matrix, the same shape) into rows 128-255: 3 TMAs a stage with the Xb box {64, BM}
 //            of tmap_x (2-D [rows][K]
 //            bf16) at row tile.row0 (rows past the end read zero; rows of the next expert in a MoE tile
@@ -547,10 +490,10 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg 232), weight rows [cw*128, +128) of the tile as two m64 blocks,
 //   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + orow
-//   (+ b*64 + 8h) of its matrix, orow = rbase (GATED: 16*w4 + g; scales and biases of W for warpgroup 0,
-//   of the up matrix for warpgroup 1; GATED_IL: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 + b*32),
-//   outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
-//   Per k-tile: wait full[s]; for
+//   (+ b*64 + 8h) of its matrix, orow = rbase (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
+//   b*32), outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
+//   The wgmma's N is the tile's rows rounded up to 32 (wg_tile_n: a MoE expert's last, short tile
+//   multiplies only its rows; the k-tile loop is instantiated once per N). Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
 //   into its own register set (scales/biases from global, one k-tile ahead: per-tile 32-bit row
 //   indices plus the k-tile's group, a shift), queue its 4 wgmmas on B = the stage's Xb tile, retire
@@ -559,21 +502,18 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   carried from k-tile to k-tile, all 32-bit shared addresses. SASS at BM = 128: ~233 instructions
 //   per k-tile per thread, 128 of them the dequantization (4 per bf16 pair); two consumer warps per
 //   scheduler: ~470 issue slots against ~1,024 cycles of wgmma (docs/perf-notes.md, 2026-12-01).
-//   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, the two
-//   warpgroups exchange half their accumulators through shared memory; GATED_IL: wg_store_gated_il,
-//   from each thread's own G and U) while the producer already
-//   fills the ring with the next tile (the exchange area is outside the ring).
+//   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
+//   thread's own G and U) while the producer already fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
 // consumers 232, producer 40; no spills (ptxas -v).
-template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4, bool GATED_IL = false>
+template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
                             const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_u) {
   static_assert(!(GATED && SPLIT), "a gated product has no split-K");
-  static_assert(GATED || !GATED_IL, "GATED_IL is a layout of the GATED product");
-  static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for its "
-                                                    "exchange area next to the 8-bit ring)");
-  constexpr int S = tma_stages(BM, GATED_IL), BN = GATED ? WG_BN / 2 : WG_BN;  // BN: outputs per column tile
+  static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for "
+                                                    "its two extra stages of the 8-bit ring)");
+  constexpr int S = tma_stages(BM, GATED), BN = GATED ? WG_BN / 2 : WG_BN;  // BN: outputs per column tile
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS);
   pdl_wait();
@@ -689,12 +629,13 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // ---------------- consumer warpgroups ----------------
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = wg_row_base(GATED_IL, cw, w4, g), orow = wg_orow(GATED, GATED_IL, rbase, cw);
+  const int rbase = wg_row_base(GATED, cw, w4, g), orow = rbase;
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
-  const uint32_t xchg = bars + 16 * S;  // GATED (not GATED_IL): the exchange area, after the mbarriers
-  const bool up = GATED && !GATED_IL && cw == 1;  // this warpgroup's matrix is a.up (its scales and biases)
-  const uint16_t* sc = static_cast<const uint16_t*>(up ? a.up.scales : a.w.scales);
-  const uint16_t* bi = static_cast<const uint16_t*>(up ? a.up.biases : a.w.biases);
+  const uint16_t* sc = static_cast<const uint16_t*>(a.w.scales);
+  const uint16_t* bi = static_cast<const uint16_t*>(a.w.biases);
+  // GATED: rows h = 1 take the up matrix's scales and biases (kernel parameters, no registers held)
+  const uint16_t* sc_u = GATED ? static_cast<const uint16_t*>(a.up.scales) : nullptr;
+  const uint16_t* bi_u = GATED ? static_cast<const uint16_t*>(a.up.biases) : nullptr;
   // The ring position, carried from k-tile to k-tile: stage s and its parity, the stage's Xb tile (xs),
   // this thread's W row in it (ws), full[s] (fb) and the previous k-tile's empty[] (eb_prev). Computed
   // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
@@ -711,29 +652,28 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
-    uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     uint32_t rows[2][2];
-    wg_scale_rows<GATED_IL>(rows, a.w, tile.expert, n0, orow);
+    wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, orow);
+    uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     WgScalesP<GS32> cur, nxt;
-    // GATED_IL: rows h = 1 take the up matrix's scales and biases (kernel parameters, no registers held)
-    const uint16_t* sc_u = GATED_IL ? static_cast<const uint16_t*>(a.up.scales) : nullptr;
-    const uint16_t* bi_u = GATED_IL ? static_cast<const uint16_t*>(a.up.biases) : nullptr;
-    wg_load_scales<GS32, GATED_IL>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
-    // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
-    // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
-    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+    wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
+    // wgmmas of nn rows (the accumulators' first nn/2 columns; the others stay zero and belong to rows
+    // past the tile, never stored). k-tile kt: two groups (half 0, half 1), each queued while the previous
+    // group runs, then the previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's
+    // stage. Every iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+    const int nn = wg_tile_n(int(tile.rows), BM);
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED_IL>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+      if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED_IL>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd);
+      wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
+      wg_issue_half<BM, 0>(acc, H0, xd, nn);
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED_IL>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd);
+      wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
+      wg_issue_half<BM, 1>(acc, H1, xd, nn);
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]
       const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
@@ -746,10 +686,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(eb_prev);
-    if constexpr (GATED_IL) {
-      wg_store_gated_il<BM>(a, tile, n0, orow, c, acc);
-    } else if constexpr (GATED) {
-      wg_store_gated<BM>(a, tile, n0, orow, c, cw, xchg, ct & 127, acc);
+    if constexpr (GATED) {
+      wg_store_gated<BM>(a, tile, n0, orow, c, acc);
     } else if (splits == 1) {
       wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
     } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {

@@ -1,0 +1,155 @@
+// CPU walk of the prefill GEMM's tile shapes and the gated row mapping (kernels/linear_wgmma_tma.cuh,
+// linear_common.cuh), with the headers' own host-callable pieces:
+//   1. GATED (gate and up rows of the same outputs in one 16-row warp slice, SwiGLU in registers): the
+//      producer fills stage rows 0-127 with W box {8, 128, 1} of the gate matrix and 128-255 with the same
+//      rows of the up matrix; every consumer thread (cw, w4, g) and accumulator row (b, h) reads stage
+//      row wg_row_base + wg_row_step, whose (matrix, output) must be the one its scales and biases come
+//      from (h, wg_row_base + wg_out_step); each stage row is read by exactly the 4 threads of one g quad;
+//      rows of consecutive g are consecutive stage rows (a quarter warp's 16-byte loads on distinct
+//      banks); wgmma rows 0-7 of every 16-row warp slice are gate rows and rows 8-15 up rows.
+//   2. The gated epilogue: from synthetic accumulators D[matrix][output][r] placed by the m16n8 layout
+//      (acc[b][4j + 2h + e] = row (b, h), column r = 8j + 2c + e), wg_store_gated's reads (G =
+//      acc[b][4j + e], U = acc[b][4j + 2 + e], output wg_row_base + wg_out_step(b, 0)) must be the gate and
+//      up of that one output at that column, and every (output, column) of the 128 x BM tile is stored
+//      exactly once (BM 64 and 128).
+//   3. Shared memory: GATED has two more stages than the plain product, ring and mbarriers only, within
+//      227 KB.
+//   4. MoE tile spans (tile_span, moe_scatter_kernel's placement start + i * span, find_tile's rows
+//      min(span, end - row0)) for every expert size n = 1..1000 at tile rows 64 and 128: ceil(n / tile_rows)
+//      tiles cover the expert's rows exactly once, each with 1..tile_rows rows, and the wgmma N of each
+//      (wg_tile_n) is a multiple of 32 in [rows, tile_rows]; the summed N is never above the old
+//      tile_rows-a-tile rule's.
+// Built with nvcc as host code; prints "ok" per case, exits non-zero and prints FAIL on any mismatch.
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/kernels/linear_wgmma_tma.cuh"
+
+using namespace lily::cuda;
+
+static int failures = 0;
+static void expect(bool ok, const char* what, long a, long b) {
+  if (!ok && failures++ < 10) std::printf("FAIL %s (%ld, %ld)\n", what, a, b);
+}
+
+// 1. stage rows -> (matrix, output), every thread's accumulator rows
+static void check_rows() {
+  const int f0 = failures;
+  int stage_matrix[256], stage_out[256], reads[256] = {};
+  for (int box = 0; box < 2; ++box)  // load_w: box 0 = tmap_w (gate) rows n0..n0+127, box 1 = tmap_u (up)
+    for (int i = 0; i < 128; ++i) stage_matrix[box * 128 + i] = box, stage_out[box * 128 + i] = i;
+  for (int cw = 0; cw < 2; ++cw)
+    for (int w4 = 0; w4 < 4; ++w4)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, base = wg_row_base(true, cw, w4, g);
+        if (g < 7) expect(wg_row_base(true, cw, w4, g + 1) == base + 1, "consecutive g: consecutive stage rows", cw, g);
+        for (int b = 0; b < 2; ++b)
+          for (int h = 0; h < 2; ++h) {
+            const int srow = base + wg_row_step(true, b, h);
+            if (srow < 0 || srow >= 256) {
+              expect(false, "stage row out of range", srow, lane);
+              continue;
+            }
+            ++reads[srow];
+            const int matrix = h, out = base + wg_out_step(true, b, h);
+            expect(stage_matrix[srow] == matrix, "stage row's matrix = the scales' matrix", srow, matrix);
+            expect(stage_out[srow] == out, "stage row's output = the scales' output", srow, out);
+            const int m = 16 * w4 + g + 8 * h;  // wgmma row of block b: slice rows 0-7 gate, 8-15 up
+            expect((m % 16) / 8 == matrix, "slice rows 0-7 gate, 8-15 up", m, matrix);
+          }
+      }
+  for (int r = 0; r < 256; ++r) expect(reads[r] == 4, "each stage row read by one g quad (4 threads)", r, reads[r]);
+  std::printf("%s GATED: stage rows, scale rows and fragment rows of 256 threads agree\n",
+              failures == f0 ? "ok  " : "FAIL");
+}
+
+// 2. each thread's G and U of one output, every (output, column) stored once
+static void check_epilogue(int BM) {
+  const int f0 = failures;
+  auto D = [&](int matrix, int o, int r) { return float(matrix * 1000000 + o * 1000 + r); };  // distinct values
+  std::vector<int> stored(128 * BM, 0);
+  for (int cw = 0; cw < 2; ++cw)
+    for (int w4 = 0; w4 < 4; ++w4)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4, base = wg_row_base(true, cw, w4, g);
+        std::vector<float> acc[2] = {std::vector<float>(BM / 2), std::vector<float>(BM / 2)};
+        for (int b = 0; b < 2; ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
+          for (int j = 0; j < BM / 8; ++j)
+            for (int h = 0; h < 2; ++h)
+              for (int e = 0; e < 2; ++e) {
+                const int srow = base + wg_row_step(true, b, h);
+                acc[b][4 * j + 2 * h + e] = D(srow >> 7, srow & 127, 8 * j + 2 * c + e);
+              }
+        for (int j = 0; j < BM / 8; ++j)  // wg_store_gated's reads
+          for (int e = 0; e < 2; ++e)
+            for (int b = 0; b < 2; ++b) {
+              const int r = 8 * j + 2 * c + e, o = base + wg_out_step(true, b, 0);
+              if (o < 0 || o >= 128) {
+                expect(false, "output out of the tile", o, lane);
+                continue;
+              }
+              expect(acc[b][4 * j + e] == D(0, o, r), "G of the stored output", o, r);
+              expect(acc[b][4 * j + 2 + e] == D(1, o, r), "U of the stored output", o, r);
+              ++stored[o * BM + r];
+            }
+      }
+  long wrong = 0;
+  for (int i = 0; i < 128 * BM; ++i) wrong += stored[i] != 1;
+  expect(wrong == 0, "every (output, column) stored once", BM, wrong);
+  std::printf("%s GATED BM %3d: G and U of each output in one thread, 128 x %d outputs stored once (%ld not)\n",
+              failures == f0 ? "ok  " : "FAIL", BM, BM, wrong);
+}
+
+// 3. shared memory
+static void check_smem() {
+  const int f0 = failures;
+  for (int bm : {64, 128}) {
+    expect(tma_stages(bm, true) == tma_stages(bm) + 2, "two more stages", bm, tma_stages(bm, true));
+    expect(tma_smem_bytes(bm, 4, true) <= 227 * 1024, "GATED within 227 KB", bm, tma_smem_bytes(bm, 4, true));
+    expect(tma_smem_bytes(bm, 4, true) == 1024 + tma_stages(bm, true) * (tma_stage_bytes(bm, 4) + 16),
+           "GATED: ring and mbarriers only", bm, tma_smem_bytes(bm, 4, true));
+  }
+  std::printf("%s smem: plain %d / %d B, GATED %d / %d B (BM 128 / 64; %d / %d stages)\n",
+              failures == f0 ? "ok  " : "FAIL", tma_smem_bytes(128, 4), tma_smem_bytes(64, 4),
+              tma_smem_bytes(128, 4, true), tma_smem_bytes(64, 4, true), tma_stages(128, true), tma_stages(64, true));
+}
+
+// 4. tile spans and wgmma N of an expert's tiles
+static void check_spans(int tile_rows) {
+  const int f0 = failures;
+  long n_new = 0, n_old = 0;
+  for (int n = 1; n <= 1000; ++n) {
+    const int nt = (n + tile_rows - 1) / tile_rows, span = tile_span(n, tile_rows), start = 7;  // any start
+    const int end = start + n;
+    std::vector<int> covered(n, 0);
+    for (int i = 0; i < nt; ++i) {
+      const int row0 = start + i * span, rows = std::min(span, end - row0);  // scatter's place, find_tile's rows
+      expect(rows >= 1 && rows <= tile_rows, "tile rows in 1..tile_rows", n, rows);
+      for (int r = 0; r < rows; ++r) covered[row0 - start + r] += 1;
+      const int nn = wg_tile_n(rows, tile_rows);
+      expect(nn % 32 == 0 && nn >= rows && nn <= tile_rows, "wgmma N a multiple of 32 in [rows, tile_rows]", n, nn);
+      n_new += nn;
+    }
+    for (int r = 0; r < n; ++r) expect(covered[r] == 1, "each row in exactly one tile", n, r);
+    n_old += long(nt) * tile_rows;
+  }
+  expect(n_new <= n_old, "summed N not above tile_rows a tile", n_new, n_old);
+  std::printf("%s tile spans at %d rows: experts of 1..1000 rows covered once; summed wgmma N %ld (%ld at %d a "
+              "tile)\n", failures == f0 ? "ok  " : "FAIL", tile_rows, n_new, n_old, tile_rows);
+}
+
+int main() {
+  check_rows();
+  check_epilogue(64);
+  check_epilogue(128);
+  check_smem();
+  check_spans(64);
+  check_spans(128);
+  if (failures) {
+    std::printf("FAIL: %d mismatches\n", failures);
+    return 1;
+  }
+  std::printf("all passed\n");
+  return 0;
+}
