@@ -254,9 +254,8 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
     const int64_t start = row;
     for (int32_t t : tokens[e]) p.hx_rows.push_back(t), p.hrow_expert.push_back(int32_t(e)), ++row;
     row_end[e] = int32_t(row);
-    const int n = int(row - start), span64 = tile_span(n, 64), span128 = tile_span(n, 128);  // find_tile's rule
-    for (int64_t r0 = start; r0 < row; r0 += span64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
-    for (int64_t r0 = start; r0 < row; r0 += span128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
+    for (int64_t r0 = start; r0 < row; r0 += 64) te.push_back(int32_t(e)), tr.push_back(int32_t(r0));
+    for (int64_t r0 = start; r0 < row; r0 += 128) te128.push_back(int32_t(e)), tr128.push_back(int32_t(r0));
   }
   p.M = row;
   p.max_tiles64 = (p.M + 63) / 64 + std::min<int64_t>(E, p.M);

@@ -1,7 +1,7 @@
 // gemm_wgmma_emu: CPU emulation of the retired wgmma kernel's index logic (benchmarks/gemm_lab_wgmma.cuh) for
 //   one k-tile of a 256-output x BM-row CTA.
 //   Also checks the library's kernels/linear_wgmma_tma.cuh: the Xb tile (wgx_bf16_kernel + copy to wg_swz) and the half-tile A fragments
-//   (the gated row mapping and the MoE tile spans: tests/emu/wgmma_tiles_emu.cu).
+//   (the gated row mapping: tests/emu/wgmma_gated_emu.cu).
 //   Build and run (no GPU needed): nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o "${TMPDIR:-/tmp}/gemm_emu" benchmarks/gemm_wgmma_emu.cu && "${TMPDIR:-/tmp}/gemm_emu"
 // Uses the kernel's own wg_phys_k / wg_swz and repeats its thread mappings (convert_x, dequant_w, the
 // epilogue), then emulates wgmma as the PTX ISA describes it: the A register fragment of m64nNk16 (per warp

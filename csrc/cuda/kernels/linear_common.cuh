@@ -53,19 +53,8 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 
 // Which product rows a CTA's tile covers. Dense (tile_expert == nullptr): tile m is rows
 // [m*BM, min(M, (m+1)*BM)) of stack entry `expert`. Grouped (MoE, tables built on the device):
-// tile m is rows [tile_row0[m], min(row_end[e], tile_row0[m] + tile_span(n_e, BM))) of expert
-// e = tile_expert[m], n_e its rows (row_end[e] - row_end[e - 1]); tiles m >= *num_tiles are empty (the
-// grid is an upper bound).
-// Rows per tile of an expert with n grouped rows in a map of tile_rows-row tiles: its ceil(n / tile_rows)
-// tiles take an even share each, rounded up to 32 (the wgmma kernel's N grain, wg_tile_n), the last tile
-// the rest: 139 rows at 128 are tiles of 96 and 43, not 128 and 11. tile_rows not a multiple of 32: no
-// change (tile_rows each). moe_scatter_kernel places the tiles, find_tile reads them, with this rule.
-__host__ __device__ constexpr int tile_span(int n, int tile_rows) {
-  if (tile_rows % 32 != 0 || n <= 0) return tile_rows;
-  const int nt = (n + tile_rows - 1) / tile_rows, share = (n + nt - 1) / nt;
-  return (share + 31) / 32 * 32;
-}
-
+// tile m is rows [tile_row0[m], min(row_end[e], tile_row0[m] + BM)) of expert e = tile_expert[m];
+// tiles m >= *num_tiles are empty (the grid is an upper bound).
 struct RowTiles {
   const int32_t* tile_expert = nullptr;  // [max_tiles]
   const int32_t* tile_row0 = nullptr;    // [max_tiles]
@@ -90,8 +79,7 @@ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM,
   if (m >= *rt.num_tiles) return false;
   tile.expert = rt.tile_expert[m];
   tile.row0 = rt.tile_row0[m];
-  const int64_t end = rt.row_end[tile.expert], start = tile.expert > 0 ? rt.row_end[tile.expert - 1] : 0;
-  tile.rows = min(int64_t(tile_span(int(end - start), BM)), end - tile.row0);
+  tile.rows = min(int64_t(BM), int64_t(rt.row_end[tile.expert]) - tile.row0);
   return tile.rows > 0;
 }
 

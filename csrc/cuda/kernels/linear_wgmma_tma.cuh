@@ -266,42 +266,20 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
     }
 }
 
-// The wgmma N of a tile of `rows` real rows (<= bm): the rows rounded up to 32 (32, 64, 96 or bm). A MoE
-// expert's tiles (find_tile, tile_span) are short where its rows run out; the rows past `rows` in the
-// stage are zero or another expert's, multiplied only up to N and never stored.
-__host__ __device__ constexpr int wg_tile_n(int rows, int bm) { return rows >= bm ? bm : (rows + 31) / 32 * 32; }
-template <int N>
-struct WgN {
-  static constexpr int value = N;
-};
-
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
-// low 6 bits zero, so adding 2j <= 6 carries nowhere. nn: the wgmma's N (wg_tile_n; a uniform branch
-// a half: ptxas puts a warpgroup.arrive before each branch's wgmmas, C7519), the first nn/2 accumulators
-// of each block.
+// low 6 bits zero, so adding 2j <= 6 carries nowhere.
 template <int BM, int H>
-__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd, int nn) {
+__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd) {
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
   wgmma_fence();
-  auto issue = [&](auto n) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < 2; ++s)
 #pragma unroll
-      for (int b = 0; b < 2; ++b) wgmma_rows<decltype(n)::value>(acc[b], A[b][s], xd + (2 * H + s) * 2);
-  };
-  if constexpr (BM == 128) {
-    if (nn > 96) issue(WgN<128>{});
-    else if (nn > 64) issue(WgN<96>{});
-    else if (nn > 32) issue(WgN<64>{});
-    else issue(WgN<32>{});
-  } else {
-    if (nn > 32) issue(WgN<64>{});
-    else issue(WgN<32>{});
-  }
+    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -492,8 +470,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + orow
 //   (+ b*64 + 8h) of its matrix, orow = rbase (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
 //   b*32), outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
-//   The wgmma's N is the tile's rows rounded up to 32 (wg_tile_n: a MoE expert's last, short tile
-//   multiplies only its rows; the k-tile loop is instantiated once per N). Per k-tile: wait full[s]; for
+//   Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
 //   into its own register set (scales/biases from global, one k-tile ahead: per-tile 32-bit row
 //   indices plus the k-tile's group, a shift), queue its 4 wgmmas on B = the stage's Xb tile, retire
@@ -657,11 +634,9 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     WgScalesP<GS32> cur, nxt;
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
-    // wgmmas of nn rows (the accumulators' first nn/2 columns; the others stay zero and belong to rows
-    // past the tile, never stored). k-tile kt: two groups (half 0, half 1), each queued while the previous
-    // group runs, then the previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's
-    // stage. Every iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
-    const int nn = wg_tile_n(int(tile.rows), BM);
+    // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
+    // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
+    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
@@ -669,11 +644,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
       wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd, nn);
+      wg_issue_half<BM, 0>(acc, H0, xd);
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
       wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd, nn);
+      wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]
       const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0

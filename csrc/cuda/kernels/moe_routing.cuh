@@ -4,7 +4,6 @@
 // Layout of the routing words is RoutingTables in moe.cu.
 #pragma once
 #include "common.cuh"
-#include "linear_common.cuh"  // tile_span
 
 namespace lily::cuda {
 
@@ -160,7 +159,7 @@ struct MoeScatterParams {
 
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
 // start_e = sum_{e' < e} n_e', its tokens in ascending order; its ceil(n_e / tile_rows) tiles follow
-// those of lower experts, tile_span(n_e, tile_rows) rows apart. A token's K experts are distinct (moe_topk's choice).
+// those of lower experts. A token's K experts are distinct (moe_topk's choice).
 // Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
 // Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
 // mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
@@ -210,8 +209,7 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
       base[e] += start;
       if (e % int(gridDim.x) == c) {
         p.row_end[e] = start + n;
-        const int span = tile_span(n, p.tile_rows);  // find_tile's rule
-        for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * span;
+        for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
       }
       start += n, tile += nt;
     }

@@ -50,26 +50,7 @@ __host__ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// m64nNk16 with A from registers (4 bf16x2 a thread, wgmma's register fragment) and B by descriptor,
-// accumulating into the first N/2 of a thread's M accumulators (the m64nN layout's are a prefix of any
-// wider N's: accumulator 4j + 2h + e is row g + 8h, column 8j + 2c + e).
-template <int M>
-__device__ __forceinline__ void wgmma_m64n32k16_rA(float (&d)[M], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(M >= 16, "m64n32: 16 accumulators a thread");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-template <int M>
-__device__ __forceinline__ void wgmma_m64n64k16_rA(float (&d)[M], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(M >= 32, "m64n64: 32 accumulators a thread");
+__device__ __forceinline__ void wgmma_m64n64k16_rA(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -82,25 +63,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rA(float (&d)[M], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-template <int M>
-__device__ __forceinline__ void wgmma_m64n96k16_rA(float (&d)[M], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(M >= 48, "m64n96: 48 accumulators a thread");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
-      "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-template <int M>
-__device__ __forceinline__ void wgmma_m64n128k16_rA(float (&d)[M], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(M >= 64, "m64n128: 64 accumulators a thread");
+__device__ __forceinline__ void wgmma_m64n128k16_rA(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -115,14 +78,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_rA(float (&d)[M], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// One m64 x NN x k16 wgmma (NN = 32, 64, 96 or 128 rows of B) accumulating into d's first NN/2 values.
-template <int NN, int M>
-__device__ __forceinline__ void wgmma_rows(float (&d)[M], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(NN == 32 || NN == 64 || NN == 96 || NN == 128, "wgmma_rows: N of 32, 64, 96 or 128");
-  if constexpr (NN == 128) wgmma_m64n128k16_rA(d, a, desc);
-  else if constexpr (NN == 96) wgmma_m64n96k16_rA(d, a, desc);
-  else if constexpr (NN == 64) wgmma_m64n64k16_rA(d, a, desc);
-  else wgmma_m64n32k16_rA(d, a, desc);
+// One m64 x BM x k16 wgmma (BM = 64 or 128 rows of B) accumulating into d.
+template <int BM>
+__device__ __forceinline__ void wgmma_rows(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (BM == 128) wgmma_m64n128k16_rA(d, a, desc);
+  else wgmma_m64n64k16_rA(d, a, desc);
 }
 
 // The same products with A from shared memory too (both operands K-major by descriptor, no transpose):
