@@ -3,6 +3,7 @@ failed on f946c8c. Servers run in-process on loopback (a scripted engine where t
 does not matter, the tiny model where it does)."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import uvloop
 
 import lily
 from lily.checkpoint.tiny import tiny_checkpoint
@@ -588,6 +590,9 @@ def test_small_plain_requests_are_prepared_on_the_event_loop_others_in_a_thread(
         return prepare(*a, **k)
 
     monkeypatch.setattr(app, "_prepare_chat", recorded)
+    loops = []
+    monkeypatch.setattr(app, "_inline", lambda body, inline=app._inline: loops.append(asyncio.get_running_loop())
+                        or inline(body))
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for body in [{"messages": USER, "max_tokens": 2},  # small and plain: on the loop
                  {"messages": USER, "max_tokens": 2, "response_format": {"type": "json_object"}},
@@ -597,5 +602,74 @@ def test_small_plain_requests_are_prepared_on_the_event_loop_others_in_a_thread(
         status, raw = request(scripted, "/v1/chat/completions", body)
         assert status in (200, 400), raw
     assert threads[0] == "lily-http" and all(t != "lily-http" for t in threads[1:]), threads
+    assert isinstance(loops[0], uvloop.Loop)  # the server's event loop is uvloop's
     status, raw = request(scripted, "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]})
     assert status == 400 and json.loads(raw)["error"]["param"] == "messages[0].content"  # refused on the loop too
+
+
+# --- a stream's headers and the worker's preparation (one GIL): the worker goes first when it is idle -----------
+
+class Preparing(Slow):
+    """Slow, after ``setup`` seconds of preparation in the worker (its work before the engine's first step)."""
+
+    def __init__(self, setup: float, **kw):
+        super().__init__(**kw)
+        self.setup = setup
+
+    def __call__(self, job):
+        time.sleep(self.setup)
+        return super().__call__(job)
+
+
+def stamp_headers_and_starts(monkeypatch) -> dict:
+    """perf_counter stamps: each response's headers sent, each job's first engine step reached."""
+    from lily.server import app, worker
+
+    stamps = {"headers": [], "started": []}
+    call, mark = app._App.__call__, worker.Job.mark_started
+
+    async def app_call(self, scope, receive, send):
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                stamps["headers"].append(time.perf_counter())
+            await send(message)
+        return await call(self, scope, receive, stamped)
+
+    def marked(job):
+        stamps["started"].append(time.perf_counter())
+        mark(job)
+
+    monkeypatch.setattr(app._App, "__call__", app_call)
+    monkeypatch.setattr(worker.Job, "mark_started", marked)
+    return stamps
+
+
+def test_a_stream_waits_for_an_idle_worker_to_reach_the_engine_not_for_a_busy_one(model, monkeypatch):
+    from lily.server import app
+
+    monkeypatch.setattr(app, "START_WAIT_SECONDS", 5.0)
+    stamps = stamp_headers_and_starts(monkeypatch)
+    stream = {"prompt": "Hi", "max_tokens": 2, "stream": True}
+    with Server(model, port=0, model_name="tiny", source=Preparing(0.3, n=2)) as s:
+        status, raw = request(s, "/v1/completions", stream)  # the worker is idle: headers after its start
+        assert status == 200 and parse(raw)[-1] == "[DONE]"
+        assert stamps["headers"][0] > stamps["started"][0]
+        stamps["headers"].clear(), stamps["started"].clear()
+        first = threading.Thread(target=request, args=(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+        first.start()
+        time.sleep(0.1)
+        status, raw = request(s, "/v1/completions", stream)  # queued behind the first: headers at once
+        first.join()
+    assert status == 200 and parse(raw)[-1] == "[DONE]"
+    assert stamps["headers"][0] < stamps["started"][0]  # before even the first job started
+
+
+def test_the_wait_for_the_engine_is_bounded(model, monkeypatch):
+    from lily.server.app import START_WAIT_SECONDS
+
+    stamps = stamp_headers_and_starts(monkeypatch)
+    with Server(model, port=0, model_name="tiny", source=Preparing(0.5, n=2)) as s:
+        t0 = time.perf_counter()
+        status, raw = request(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert status == 200 and parse(raw)[-1] == "[DONE]"
+    assert stamps["headers"][0] < stamps["started"][0] and stamps["headers"][0] - t0 < START_WAIT_SECONDS + 0.3

@@ -1,12 +1,13 @@
 """The HTTP layer: uvicorn (httptools) and Starlette in front of one ``Worker``.
 
-``Server`` binds its socket at once and serves from one asyncio event loop (uvicorn, with
+``Server`` binds its socket at once and serves from one asyncio event loop (uvloop's; uvicorn, with
 httptools' strict HTTP/1.1 parser, llhttp) in a background thread. A request's body is read within
 a deadline; its JSON is validated and its prompt tokenized (on the event loop for a small request
 without images or structured output, where the hop to a thread and back would cost more than the
 work; in a worker thread otherwise), and the job is submitted to the engine's FIFO queue. The
 response relays the job's events: as one JSON object, or as ``text/event-stream`` chunks ending in
-``data: [DONE]``. The worker thread wakes the
+``data: [DONE]``; a stream's headers wait (briefly) for an idle worker to reach the engine, whose
+pass then runs without the GIL while they are written. The worker thread wakes the
 event loop after each item (``Job.notify``). While a response waits, a task listens for the
 client's disconnect (uvicorn's ``http.disconnect``); when it comes, the job is cancelled, which
 frees the engine at the next token.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import httptools
 import uvicorn
+import uvloop
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -56,6 +58,7 @@ from .schema import openapi
 MAX_BODY_BYTES = 32 << 20
 INLINE_BODY_BYTES = 4096  # a request body up to this size may be prepared on the event loop (_inline)
 POLL_SECONDS = 0.1  # how often a half-closed client's non-streamed answer is probed (see _relay)
+START_WAIT_SECONDS = 0.01  # the longest a stream's headers wait for an idle worker to reach the engine
 RETRY_AFTER_SECONDS = 1
 MAX_CHARS_PER_TOKEN = 32  # default prompt-character limit per token of context (max_prompt_chars)
 # Limits of the HTTP layer (docs/server.md lists them all with their defaults).
@@ -348,7 +351,7 @@ class Server:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+            uvloop.run(self._uvicorn.serve(sockets=[self._sock]))
         finally:
             self._stopped.set()
 
@@ -811,6 +814,7 @@ async def _completion_endpoint(s: Server, request: HTTPRequest, prepare) -> Resp
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
+    idle = s.worker.running is None and s.worker.queued == 0  # the job will run at once
     try:
         raw = await _read_body(s, request)
         body = _json(raw) if len(raw) <= INLINE_BODY_BYTES else None
@@ -821,7 +825,7 @@ async def _completion_endpoint(s: Server, request: HTTPRequest, prepare) -> Resp
                                                                     notify))
     except _Gone:
         return _Nothing()
-    return _JobResponse(s, job, renderer, wake)
+    return _JobResponse(s, job, renderer, wake, idle)
 
 
 class _Nothing(Response):
@@ -839,9 +843,10 @@ class _JobResponse(Response):
     the client disconnects (a task waits for uvicorn's http.disconnect), when a write blocks past
     the write timeout, or when the response ends early for any reason."""
 
-    def __init__(self, s: Server, job: Job, renderer, wake: asyncio.Event):
+    def __init__(self, s: Server, job: Job, renderer, wake: asyncio.Event, idle: bool):
         super().__init__()
         self.s, self.job, self.renderer, self.wake = s, job, renderer, wake
+        self.idle = idle  # the worker was idle: the job runs at once
 
     async def __call__(self, scope, receive, send) -> None:
         conn = scope.get(CONNECTION)
@@ -877,6 +882,8 @@ class _JobResponse(Response):
         try:
             try:
                 if stream:
+                    if self.idle:
+                        await self._until_started(gone)
                     await write({"type": "http.response.start", "status": 200, "headers": [
                         (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no")]})
@@ -940,6 +947,20 @@ class _JobResponse(Response):
             # A no-op once the job has ended; frees the engine otherwise (which logs the reason).
             job.cancel(reason or (DISCONNECTED if gone else "the response ended early"))
             job.notify = None
+
+    async def _until_started(self, gone: list) -> None:
+        """Wait (at most START_WAIT_SECONDS) until the worker reaches the job's first engine step, or the
+        job ends, or the client goes. The worker's preparation and the writes of the headers and the role
+        chunk are Python in two threads under one GIL: the worker's first puts the engine to work ~0.3 ms
+        sooner, and the writes then run during the engine's pass (docs/perf-notes.md, tenth session)."""
+        job, wake = self.job, self.wake
+        deadline = asyncio.get_running_loop().time() + START_WAIT_SECONDS
+        while not (job.started or job.pending or gone):
+            try:
+                await asyncio.wait_for(wake.wait(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return
+            wake.clear()
 
     async def _beat(self, write, state) -> None:
         """A half-closed client's non-streamed answer starts at once (200, chunked) and gets a space
