@@ -12,7 +12,8 @@ Each request carries its send time in a header; the server stamps its steps agai
   prepare    _prepare_chat starts (routing, body, JSON; on the event loop for a small plain request,
              else after a hand-off to the thread pool)
   submit     the job enters the worker's queue (validation, template, token ids)
-  start      the response starts on the event loop (after a hand-off back, from the thread pool)
+  start      the response starts on the event loop (after the hand-off back from the thread pool, if
+             any; for an idle worker, once it has reached the engine: the source's first step)
   role       the role-only chunk is written
   event      the worker puts the first token's event
   first      the first token's chunk is written
