@@ -8,16 +8,22 @@ do not share a GIL; both stamp with time.perf_counter (CLOCK_MONOTONIC on Linux:
 Each request carries its send time in a header; the server stamps its steps against it:
 
   read       the event loop reads the request's first bytes
-  app        the ASGI application is called (h11 parse, uvicorn's request cycle)
-  prepare    _prepare_chat starts in the thread pool (routing, body, hand-off)
-  submit     the job enters the worker's queue (JSON, validation, template, token ids)
-  start      the response starts on the event loop (hand-off back)
+  app        the ASGI application is called (httptools parse, uvicorn's request cycle)
+  prepare    _prepare_chat starts (routing, body, JSON; on the event loop for a small plain request,
+             else after a hand-off to the thread pool)
+  submit     the job enters the worker's queue (validation, template, token ids)
+  start      the response starts on the event loop (after the hand-off back from the thread pool, if
+             any; for an idle worker, once it has reached the engine: the source's first step)
   role       the role-only chunk is written
   event      the worker puts the first token's event
   first      the first token's chunk is written
   client     the client reads the role chunk / the first token's chunk
 
-    python benchmarks/bench_server_host.py [--requests 200] [--case short|follow-up]
+    python benchmarks/bench_server_host.py [--requests 200] [--case short|follow-up] [--engine-ms 7]
+
+--engine-ms: the scripted source sleeps that long before its token (the GIL released, as during the
+engine's pass), so the role chunk is written while it waits, as on the GPU host; the first token's
+chunk less that time is then the host's share of the time to first token. Default 0: the token at once.
 
 follow-up: a 7,000-token first message (sent once, so its pieces are in the token cache), a reply and
 a new 132-word question, as benchmarks/server_ttft.py's follow-up. Medians over the requests after 3
@@ -128,26 +134,31 @@ def instrument(stamps: dict, rows: list) -> None:
     app._prepare_chat, app._submit, worker.Job.put = prepare_chat, submit_job, put_item
 
 
-def one_token(job):
-    """A scripted source: one token at once."""
+def one_token(engine_s: float):
+    """A scripted source: one token after ``engine_s`` seconds (at once for 0)."""
     from lily import Generation, GenerationEvent, GenerationStream
 
-    result = Generation(text="x", thinking=job.prompt.thinking)
-    result.usage.prompt_tokens = len(job.prompt.ids)
+    def source(job):
+        result = Generation(text="x", thinking=job.prompt.thinking)
+        result.usage.prompt_tokens = len(job.prompt.ids)
+        return GenerationStream(events(result), result)
 
-    def events():
+    def events(result):
+        if engine_s:
+            time.sleep(engine_s)
         result.token_ids.append(0)
         result.usage.completion_tokens = 1
         result.finish_reason = "length"
         yield GenerationEvent("x", 0, None, "length")
 
-    return GenerationStream(events(), result)
+    return source
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--case", choices=["short", "follow-up"], default="short")
+    ap.add_argument("--engine-ms", type=float, default=0.0, help="the scripted source's wait before its token")
     ap.add_argument("--client-port", type=int, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.client_port:
@@ -160,7 +171,7 @@ def main() -> None:
     rows: list[dict] = []
     instrument(stamps, rows)
     model = lily.load("tiny", device="cpu")
-    with Server(model, port=0, source=one_token, max_context=16384) as server:
+    with Server(model, port=0, source=one_token(args.engine_ms / 1e3), max_context=16384) as server:
         proc = subprocess.Popen([sys.executable, __file__, "--client-port", str(server.port), "--requests",
                                  str(args.requests), "--case", args.case], stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate()
@@ -168,7 +179,8 @@ def main() -> None:
         raise SystemExit(f"the client failed (exit {proc.returncode})")
     client_times = json.loads(out)
     rows, client_times = rows[-len(client_times):][3:], client_times[3:]  # the timed requests less 3 warm-up
-    print(f"\n{args.case}: {len(client_times)} streamed chats, scripted one-token source (no engine), "
+    wait = f" after {args.engine_ms:g} ms" if args.engine_ms else ""
+    print(f"\n{args.case}: {len(client_times)} streamed chats, scripted one-token source{wait} (no engine), "
           f"medians, ms after the client's send\n")
     print("| step | ms |\n|---|---:|")
     for k in STEPS:
@@ -177,6 +189,9 @@ def main() -> None:
             print(f"| {k} | {statistics.median(values):.3f} |")
     print(f"| client: role chunk | {statistics.median(c[0] for c in client_times):.3f} |")
     print(f"| client: first token chunk | {statistics.median(c[1] for c in client_times):.3f} |")
+    if args.engine_ms:
+        print(f"| host share of the TTFT (first token chunk less {args.engine_ms:g} ms) | "
+              f"{statistics.median(c[1] for c in client_times) - args.engine_ms:.3f} |")
 
 
 if __name__ == "__main__":

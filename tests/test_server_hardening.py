@@ -3,6 +3,7 @@ failed on f946c8c. Servers run in-process on loopback (a scripted engine where t
 does not matter, the tiny model where it does)."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import uvloop
 
 import lily
 from lily.checkpoint.tiny import tiny_checkpoint
@@ -413,7 +415,7 @@ def test_a_runaway_chat_template_fails_within_its_budget(monkeypatch):
         assert time.monotonic() - t0 < 5
 
 
-# --- the HTTP layer (uvicorn + h11): pipelining, the refusal at the cap, the request log ----------------------
+# --- the HTTP layer (uvicorn + httptools): pipelining, the refusal at the cap, the request log ------------------
 
 def test_pipelined_requests_are_answered_in_order(scripted):
     body = json.dumps({"prompt": "Hi", "max_tokens": 3}).encode()
@@ -463,3 +465,211 @@ def test_a_client_that_does_not_read_is_cut_after_the_write_timeout(model):
         c.close()
         assert s.worker.records[-1]["outcome"] == "cancelled"  # the worker was freed
         assert health_ok(s)
+
+
+# --- the HTTP layer: what lily's protocol adds to httptools (head limit, Host, version, pipelined errors) --------
+
+def read_all(c: socket.socket) -> bytes:
+    c.settimeout(10)
+    data = b""
+    while True:
+        try:
+            part = c.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    return data
+
+
+def completion_request(stream=False, close=False) -> bytes:
+    body = json.dumps({"prompt": "Hi", "max_tokens": 3, "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n%s" % (b"Connection: close\r\n" if close else b"", len(body), body))
+
+
+@pytest.mark.parametrize("pieces", [1, 20])
+def test_a_head_over_64_kib_is_refused_in_one_read_or_many(scripted, pieces):
+    from lily.server.app import MAX_HEAD_BYTES
+
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 100)  # never finished
+    c = socket.create_connection((scripted.host, scripted.port))
+    step = -(-len(head) // pieces)
+    try:
+        for i in range(0, len(head), step):
+            c.sendall(head[i:i + step])
+            time.sleep(0.01 if pieces > 1 else 0)
+    except OSError:  # refused before the last piece
+        pass
+    data = read_all(c)
+    c.close()
+    assert data.startswith(b"HTTP/1.1 400") and b"invalid_http_request" in data and b"65536 bytes" in data
+
+
+def test_a_head_under_the_limit_is_served(scripted):
+    c = socket.create_connection((scripted.host, scripted.port))
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * 60000 + b"\r\n\r\n")
+    data = read_all(c)
+    c.close()
+    assert data.startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("request_line, headers, reason", [
+    (b"GET /health HTTP/1.1", b"", b"Missing mandatory Host"),
+    (b"GET /health HTTP/1.1", b"Host: x\r\nHost: y\r\n", b"multiple Host"),
+    (b"GET /health HTTP/2.0", b"Host: x\r\n", b"HTTP/2.0 is not supported"),
+])
+def test_host_and_version_are_checked(scripted, request_line, headers, reason):
+    c = socket.create_connection((scripted.host, scripted.port))
+    c.sendall(request_line + b"\r\n" + headers + b"\r\n")
+    data = read_all(c)
+    c.close()
+    assert data.startswith(b"HTTP/1.1 400") and reason in data
+
+
+def test_an_upgrade_request_is_answered_as_http_and_refused_with_a_body(scripted):
+    c = socket.create_connection((scripted.host, scripted.port))  # h2c, as curl --http2 asks
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+              b"HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\nConnection: close\r\n\r\n")
+    assert read_all(c).startswith(b"HTTP/1.1 200")
+    c.close()
+    c = socket.create_connection((scripted.host, scripted.port))
+    c.sendall(completion_request().replace(b"Host: x\r\n", b"Host: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n"))
+    data = read_all(c)
+    c.close()
+    assert data.startswith(b"HTTP/1.1 400") and b"protocol upgrade" in data
+
+
+def test_http_1_0_needs_no_host(scripted):
+    c = socket.create_connection((scripted.host, scripted.port))
+    c.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+    assert read_all(c).startswith(b"HTTP/1.1 200")
+    c.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_malformed_pipelined_request_is_answered_after_the_one_before_it(model, stream):
+    with Server(model, port=0, model_name="tiny", source=Slow(n=3, delay=0.1)) as s:
+        c = socket.create_connection((s.host, s.port))
+        c.sendall(completion_request(stream) + b"GET /health HTTP/1.1\r\nHost x\r\n\r\n")  # no colon
+        data = read_all(c)
+        c.close()
+    first = data.index(b"HTTP/1.1 200")
+    second = data.index(b"HTTP/1.1 400")
+    assert first == 0 and second > first and b"invalid_http_request" in data[second:]
+    assert (b"[DONE]" if stream else b'"text": "xxx"') in data[first:second]
+
+
+def test_a_pipelined_head_over_the_limit_is_refused_after_the_answer_before_it(model):
+    from lily.server.app import MAX_HEAD_BYTES
+
+    with Server(model, port=0, model_name="tiny", source=Slow(n=3, delay=0.1)) as s:
+        c = socket.create_connection((s.host, s.port))
+        c.sendall(completion_request() + b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            for _ in range(MAX_HEAD_BYTES // 8192 + 3):  # the pipelined head grows in later reads
+                time.sleep(0.01)
+                c.sendall(b"a" * 8192)
+        except OSError:
+            pass
+        data = read_all(c)
+        c.close()
+    assert data.startswith(b"HTTP/1.1 200") and b'"text": "xxx"' in data
+    assert data.count(b"HTTP/1.1 400") == 1 and b"65536 bytes" in data
+
+
+def test_small_plain_requests_are_prepared_on_the_event_loop_others_in_a_thread(scripted, monkeypatch):
+    from lily.server import app
+
+    threads = []
+    prepare = app._prepare_chat
+
+    def recorded(*a, **k):
+        threads.append(threading.current_thread().name)
+        return prepare(*a, **k)
+
+    monkeypatch.setattr(app, "_prepare_chat", recorded)
+    loops = []
+    monkeypatch.setattr(app, "_inline", lambda body, inline=app._inline: loops.append(asyncio.get_running_loop())
+                        or inline(body))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for body in [{"messages": USER, "max_tokens": 2},  # small and plain: on the loop
+                 {"messages": USER, "max_tokens": 2, "response_format": {"type": "json_object"}},
+                 {"messages": USER, "max_tokens": 2, "tool_choice": "none"},
+                 {"messages": [{"role": "user", "content": [image]}], "max_tokens": 2},
+                 {"messages": [{"role": "user", "content": "Hi " * 2000}], "max_tokens": 2}]:  # over 4 KiB
+        status, raw = request(scripted, "/v1/chat/completions", body)
+        assert status in (200, 400), raw
+    assert threads[0] == "lily-http" and all(t != "lily-http" for t in threads[1:]), threads
+    assert isinstance(loops[0], uvloop.Loop)  # the server's event loop is uvloop's
+    status, raw = request(scripted, "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "messages[0].content"  # refused on the loop too
+
+
+# --- a stream's headers and the worker's preparation (one GIL): the worker goes first when it is idle -----------
+
+class Preparing(Slow):
+    """Slow, after ``setup`` seconds of preparation in the worker (its work before the engine's first step)."""
+
+    def __init__(self, setup: float, **kw):
+        super().__init__(**kw)
+        self.setup = setup
+
+    def __call__(self, job):
+        time.sleep(self.setup)
+        return super().__call__(job)
+
+
+def stamp_headers_and_starts(monkeypatch) -> dict:
+    """perf_counter stamps: each response's headers sent, each job's first engine step reached."""
+    from lily.server import app, worker
+
+    stamps = {"headers": [], "started": []}
+    call, mark = app._App.__call__, worker.Job.mark_started
+
+    async def app_call(self, scope, receive, send):
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                stamps["headers"].append(time.perf_counter())
+            await send(message)
+        return await call(self, scope, receive, stamped)
+
+    def marked(job):
+        stamps["started"].append(time.perf_counter())
+        mark(job)
+
+    monkeypatch.setattr(app._App, "__call__", app_call)
+    monkeypatch.setattr(worker.Job, "mark_started", marked)
+    return stamps
+
+
+def test_a_stream_waits_for_an_idle_worker_to_reach_the_engine_not_for_a_busy_one(model, monkeypatch):
+    from lily.server import app
+
+    monkeypatch.setattr(app, "START_WAIT_SECONDS", 5.0)
+    stamps = stamp_headers_and_starts(monkeypatch)
+    stream = {"prompt": "Hi", "max_tokens": 2, "stream": True}
+    with Server(model, port=0, model_name="tiny", source=Preparing(0.3, n=2)) as s:
+        status, raw = request(s, "/v1/completions", stream)  # the worker is idle: headers after its start
+        assert status == 200 and parse(raw)[-1] == "[DONE]"
+        assert stamps["headers"][0] > stamps["started"][0]
+        stamps["headers"].clear(), stamps["started"].clear()
+        first = threading.Thread(target=request, args=(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+        first.start()
+        time.sleep(0.1)
+        status, raw = request(s, "/v1/completions", stream)  # queued behind the first: headers at once
+        first.join()
+    assert status == 200 and parse(raw)[-1] == "[DONE]"
+    assert stamps["headers"][0] < stamps["started"][0]  # before even the first job started
+
+
+def test_the_wait_for_the_engine_is_bounded(model, monkeypatch):
+    from lily.server.app import START_WAIT_SECONDS
+
+    stamps = stamp_headers_and_starts(monkeypatch)
+    with Server(model, port=0, model_name="tiny", source=Preparing(0.5, n=2)) as s:
+        t0 = time.perf_counter()
+        status, raw = request(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert status == 200 and parse(raw)[-1] == "[DONE]"
+    assert stamps["headers"][0] < stamps["started"][0] and stamps["headers"][0] - t0 < START_WAIT_SECONDS + 0.3

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "server_ttft.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # the server inherits it: no OpenMP spinning on shared cores
 
@@ -51,3 +53,11 @@ def test_bench_server_host_small():
                             "client: role chunk", "client: first token chunk"], r.stdout
         assert 0 < ms["read"] < ms["app"] < ms["prepare"] < ms["submit"] < ms["role"] < ms["first"]
         assert ms["submit"] < ms["event"] and ms["role"] <= ms["client: role chunk"]
+    r = subprocess.run([sys.executable, str(script), "--requests", "6", "--engine-ms", "5"],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = dict(line.strip("|").split("|") for line in r.stdout.strip().splitlines()[-11:])
+    ms = {k.strip(): float(v) for k, v in rows.items()}
+    assert ms["role"] < ms["event"] and ms["client: first token chunk"] > 5  # the token after the role chunk
+    assert ms["host share of the TTFT (first token chunk less 5 ms)"] == pytest.approx(
+        ms["client: first token chunk"] - 5, abs=2e-3)

@@ -1,19 +1,24 @@
-"""The HTTP layer: uvicorn (h11) and Starlette in front of one ``Worker``.
+"""The HTTP layer: uvicorn (httptools) and Starlette in front of one ``Worker``.
 
-``Server`` binds its socket at once and serves from one asyncio event loop (uvicorn, with h11's
-strict HTTP/1.1 parser) in a background thread. A request's body is read within a deadline; its
-JSON is validated and its prompt tokenized in a worker thread (never on the event loop), and the
-job is submitted to the engine's FIFO queue. The response relays the job's events: as one JSON
-object, or as ``text/event-stream`` chunks ending in ``data: [DONE]``. The worker thread wakes the
+``Server`` binds its socket at once and serves from one asyncio event loop (uvloop's; uvicorn, with
+httptools' strict HTTP/1.1 parser, llhttp) in a background thread. A request's body is read within
+a deadline; its JSON is validated and its prompt tokenized (on the event loop for a small request
+without images or structured output, where the hop to a thread and back would cost more than the
+work; in a worker thread otherwise), and the job is submitted to the engine's FIFO queue. The
+response relays the job's events: as one JSON object, or as ``text/event-stream`` chunks ending in
+``data: [DONE]``; a stream's headers wait (briefly) for an idle worker to reach the engine, whose
+pass then runs without the GIL while they are written. The worker thread wakes the
 event loop after each item (``Job.notify``). While a response waits, a task listens for the
 client's disconnect (uvicorn's ``http.disconnect``); when it comes, the job is cancelled, which
 frees the engine at the next token.
 
-``_Protocol`` adds to uvicorn's h11 protocol what uvicorn lacks: a cap on open connections
+``_Protocol`` adds to uvicorn's httptools protocol what uvicorn lacks: a cap on open connections
 (refused at accept with a JSON 503), a deadline for a request's line, headers and body from its
-first byte, a keep-alive timeout from the moment a connection opens, half-close support (an end of
-stream after a complete request is not a disconnect), JSON 400s for malformed HTTP, and request
-lines logged with control characters escaped.
+first byte, a keep-alive timeout from the moment a connection opens, a size limit on a request's
+line and headers, the checks h11 made that llhttp does not (exactly one ``Host`` on HTTP/1.1; HTTP/1.0
+or 1.1 only), half-close support (an end of stream after a complete request is not a disconnect),
+JSON 400s for malformed HTTP (a pipelined request's after the answers before it), and request lines
+logged with control characters escaped.
 """
 from __future__ import annotations
 
@@ -30,15 +35,16 @@ import time
 import uuid
 from pathlib import Path
 
-import h11
+import httptools
 import uvicorn
+import uvloop
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import LilyError
 from ..multimodal import URLPolicy, expand_image_pads, extract_images, has_image_parts
@@ -50,7 +56,9 @@ from .prompt import DEFAULT_SEGMENT_CACHE_MIB, Prompt, PromptTooLong, SegmentEnc
 from .schema import openapi
 
 MAX_BODY_BYTES = 32 << 20
+INLINE_BODY_BYTES = 4096  # a request body up to this size may be prepared on the event loop (_inline)
 POLL_SECONDS = 0.1  # how often a half-closed client's non-streamed answer is probed (see _relay)
+START_WAIT_SECONDS = 0.01  # the longest a stream's headers wait for an idle worker to reach the engine
 RETRY_AFTER_SECONDS = 1
 MAX_CHARS_PER_TOKEN = 32  # default prompt-character limit per token of context (max_prompt_chars)
 # Limits of the HTTP layer (docs/server.md lists them all with their defaults).
@@ -59,7 +67,7 @@ REQUEST_TIMEOUT = 30.0      # seconds to receive a request's line, headers and b
 KEEPALIVE_TIMEOUT = 15.0    # seconds an idle connection (new, or between requests) waits for a request
 WRITE_TIMEOUT = 60.0        # seconds one write to a client that does not read may block
 SHUTDOWN_GRACE = 10.0       # seconds close() waits for running responses to end
-MAX_HEAD_BYTES = 64 << 10   # request line + headers (h11's limit on an incomplete event)
+MAX_HEAD_BYTES = 64 << 10   # request line + headers (counted by _Protocol)
 CONNECTION = "lily.connection"  # the scope key of the request's _Protocol
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -74,9 +82,9 @@ def _error_bytes(status: int, message: str, code: str) -> bytes:
     return _dumps(APIError(status, message, code=code).body())
 
 
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol with lily's connection limits (see the module docstring). ``lily`` is
-    set on the per-server subclass that ``Server`` makes."""
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with lily's connection limits (see the module docstring). ``lily``
+    is set on the per-server subclass that ``Server`` makes."""
 
     lily: "Server"
 
@@ -86,19 +94,12 @@ class _Protocol(H11Protocol):
         self.deadline: float | None = None  # loop time by which the current request must have arrived
         self._timer: asyncio.TimerHandle | None = None
         self._idle = True             # no request bytes since the last response (or since the start)
-        self._awaiting_head = False   # a request has begun but its line and headers are not complete
+        self._awaiting_head = False   # the current request has begun but its line and headers are not complete
         self._head = b""              # the first bytes of the current request, for the log
-        self._h11_error: Exception | None = None
-        next_event = self.conn.next_event
-
-        def checked_next_event():
-            try:
-                return next_event()
-            except h11.RemoteProtocolError as e:
-                self._h11_error = e
-                raise
-
-        self.conn.next_event = checked_next_event
+        self._in_head = False         # the parser is inside a head (the current request's or a pipelined one's)
+        self._head_bytes = 0          # the bytes of that head so far (see data_received)
+        self._heads_begun = 0         # requests begun in the read being parsed
+        self._invalid: str | None = None  # a parse error found while an earlier response runs: answered after it
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -120,25 +121,67 @@ class _Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle:  # the first bytes of a request: its deadline starts now
+        if self._invalid is not None:
+            return  # the parser has failed; its 400 waits for the running response
+        started = self._idle  # the first bytes of a request: its deadline starts now
+        if started:
             self._idle = False
             self._awaiting_head = True
             self._head = data[:200]
             self.deadline = self.loop.time() + self.lily.request_timeout
             self._cancel_timer()
             self._timer = self.loop.call_at(self.deadline, self._request_timeout)
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        self._heads_begun = 0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # no WebSockets here (ws="none"): answered as plain HTTP
+            return
+        except httptools.HttpParserError as e:  # an error raised in a callback (the Host check) is the context
+            cause = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else None
+            self._refuse(str(cause or e))
+            return
+        if self._in_head:  # the head limit: what an incomplete head has received so far
+            if self._heads_begun == 0:  # it began in an earlier read
+                self._head_bytes += len(data)
+            elif started and self._heads_begun == 1:  # it began with this read
+                self._head_bytes = len(data)
+            # else a pipelined head began inside this read: it is counted from the next read on
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
-    def handle_events(self) -> None:
-        before = self.cycle
-        super().handle_events()
-        if self.cycle is not before:  # a request's line and headers are complete
-            self._awaiting_head = False
-            if self._idle:  # a pipelined request, buffered during the previous response: its deadline starts now
-                self._idle = False
-                self.deadline = self.loop.time() + self.lily.request_timeout
-        if self.scope is not None and CONNECTION not in self.scope:
-            self.scope[CONNECTION] = self  # read by the app (the task has not started yet)
+    def _refuse(self, reason: str) -> None:
+        """A 400 for what the parser refused: at once, or, when the error is in a later (pipelined)
+        request, after the answers to the requests before it."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.more_body and not cycle.response_complete:
+            self._invalid = reason
+            self.flow.pause_reading()
+        else:
+            self.send_400_response(reason)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+        self._heads_begun += 1
+        self.scope[CONNECTION] = self  # read by the app
+
+    def on_headers_complete(self) -> None:
+        self._in_head = self._awaiting_head = False
+        version = self.parser.get_http_version()
+        if version not in ("1.0", "1.1"):
+            raise httptools.HttpParserError(f"HTTP/{version} is not supported")
+        hosts = sum(name == b"host" for name, _ in self.headers)
+        if version == "1.1" and hosts != 1:  # RFC 9112: exactly one
+            raise httptools.HttpParserError("Missing mandatory Host: header" if not hosts
+                                            else "Found multiple Host: headers")
+        body = any(name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0"))
+                   for name, value in self.headers)
+        if body and self.parser.should_upgrade():
+            # httptools skips the body of an upgrade request (h2c from curl --http2, say): refused, not misread
+            raise httptools.HttpParserError("a request that asks for a protocol upgrade (Connection: upgrade) "
+                                            "cannot have a body here; send it without the upgrade")
+        super().on_headers_complete()
 
     def _request_timeout(self) -> None:
         self._timer = None
@@ -153,11 +196,17 @@ class _Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._cancel_timer()
-        self._idle = True  # super() may start a pipelined request at once (handle_events sees it)
+        self._idle = True
         if self.eof and not self.transport.is_closing():
             self.transport.close()  # a half-closed client sends nothing more
             return
-        super().on_response_complete()
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()  # starts a pipelined request, if one is waiting
+        if pipelined:  # buffered during the previous response: its deadline starts now
+            self._idle = False
+            self.deadline = self.loop.time() + self.lily.request_timeout
+        elif self._invalid is not None and not self.transport.is_closing():
+            self.send_400_response(self._invalid)
 
     def eof_received(self):
         """The client shut its write side. Between requests (or mid-headers) that ends the connection;
@@ -170,9 +219,9 @@ class _Protocol(H11Protocol):
         return True
 
     def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse (malformed line or headers, ambiguous framing, a head over the
-        limit): a JSON 400, the connection closed."""
-        reason = printable(str(self._h11_error or msg))[:200]
+        """A request the parser refuses (malformed line or headers, ambiguous framing, no Host, a head
+        over the limit): a JSON 400, the connection closed."""
+        reason = printable(msg)[:200]
         if self.lily.log:
             client = "%s:%d" % self.client if self.client else "-"
             line = self._head.split(b"\r\n", 1)[0][:160].decode("latin-1")
@@ -183,6 +232,7 @@ class _Protocol(H11Protocol):
                                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         finally:
             self.transport.close()
+
 
 class Server:
     """An OpenAI-compatible server for one loaded ``lily.Model``.
@@ -252,10 +302,10 @@ class Server:
         self.max_prompt_chars = max_prompt_chars or self.worker.max_context * MAX_CHARS_PER_TOKEN
         protocol = type("_ServerProtocol", (_Protocol,), {"lily": self})
         self.config = uvicorn.Config(
-            _App(self, _routes(self)), http=protocol, lifespan="off", interface="asgi3", log_config=None,
+            _App(self, _routes(self)), http=protocol, ws="none", lifespan="off", interface="asgi3", log_config=None,
             log_level="error", access_log=False, proxy_headers=False, server_header=False,
             timeout_keep_alive=keepalive_timeout,
-            timeout_graceful_shutdown=int(SHUTDOWN_GRACE), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE),
             headers=[("server", "lily")])
         self._uvicorn = uvicorn.Server(self.config)
         self._thread: threading.Thread | None = None
@@ -301,7 +351,7 @@ class Server:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
+            uvloop.run(self._uvicorn.serve(sockets=[self._sock]))
         finally:
             self._stopped.set()
 
@@ -518,7 +568,7 @@ def _routes(server: Server) -> Starlette:
 
 async def _read_body(s: Server, request: HTTPRequest) -> bytes:
     """The request body, within the request deadline and the size limit; Content-Length framing only
-    (h11 has already refused conflicting or malformed lengths)."""
+    (the parser has already refused conflicting or malformed lengths)."""
     scope = request.scope
     close = {"Connection": "close"}
     if _header(scope, b"transfer-encoding"):
@@ -671,9 +721,21 @@ class _CompletionRenderer:
         return chunks
 
 
-def _prepare_chat(s: Server, raw: bytes, notify):
-    """Validate, render and tokenize a chat request and submit its job (runs in a worker thread)."""
-    req = parse_chat(_json(raw), s.defaults)
+def _inline(body: dict) -> bool:
+    """Whether a small request (at most INLINE_BODY_BYTES) is prepared on the event loop: not when it
+    has structured output (a grammar to compile) or a message content of parts (images to decode or
+    fetch); its template render and tokenizing take well under a millisecond."""
+    if "response_format" in body or "tool_choice" in body:
+        return False
+    messages = body.get("messages", [])
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("content"), (str, type(None))) for m in messages)
+
+
+def _prepare_chat(s: Server, body: dict, notify):
+    """Validate, render and tokenize a chat request and submit its job (see _completion_endpoint for
+    the thread it runs in)."""
+    req = parse_chat(body, s.defaults)
     s.check_model(req.model)
     s.check_chars(sum(len(content_text(m.get("content"))) + len(m.get("reasoning_content") or "")
                       for m in req.messages), "messages")
@@ -726,8 +788,8 @@ def _read_images(s: Server, messages: list[dict], pixels: tuple[int | None, int 
         raise bad_request(str(e), "messages", "invalid_image") from None
 
 
-def _prepare_completion(s: Server, raw: bytes, notify):
-    req = parse_completion(_json(raw), s.defaults)
+def _prepare_completion(s: Server, body: dict, notify):
+    req = parse_completion(body, s.defaults)
     s.check_model(req.model)
     if isinstance(req.prompt, str):
         s.check_chars(len(req.prompt), "prompt")
@@ -752,12 +814,18 @@ async def _completion_endpoint(s: Server, request: HTTPRequest, prepare) -> Resp
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
+    idle = s.worker.running is None and s.worker.queued == 0  # the job will run at once
     try:
         raw = await _read_body(s, request)
-        job, renderer = await run_in_threadpool(prepare, s, raw, notify)
+        body = _json(raw) if len(raw) <= INLINE_BODY_BYTES else None
+        if body is not None and _inline(body):  # cheaper here than a hop to a thread and back
+            job, renderer = prepare(s, body, notify)
+        else:
+            job, renderer = await run_in_threadpool(lambda: prepare(s, body if body is not None else _json(raw),
+                                                                    notify))
     except _Gone:
         return _Nothing()
-    return _JobResponse(s, job, renderer, wake)
+    return _JobResponse(s, job, renderer, wake, idle)
 
 
 class _Nothing(Response):
@@ -775,9 +843,10 @@ class _JobResponse(Response):
     the client disconnects (a task waits for uvicorn's http.disconnect), when a write blocks past
     the write timeout, or when the response ends early for any reason."""
 
-    def __init__(self, s: Server, job: Job, renderer, wake: asyncio.Event):
+    def __init__(self, s: Server, job: Job, renderer, wake: asyncio.Event, idle: bool):
         super().__init__()
         self.s, self.job, self.renderer, self.wake = s, job, renderer, wake
+        self.idle = idle  # the worker was idle: the job runs at once
 
     async def __call__(self, scope, receive, send) -> None:
         conn = scope.get(CONNECTION)
@@ -813,6 +882,8 @@ class _JobResponse(Response):
         try:
             try:
                 if stream:
+                    if self.idle:
+                        await self._until_started(gone)
                     await write({"type": "http.response.start", "status": 200, "headers": [
                         (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no")]})
@@ -876,6 +947,20 @@ class _JobResponse(Response):
             # A no-op once the job has ended; frees the engine otherwise (which logs the reason).
             job.cancel(reason or (DISCONNECTED if gone else "the response ended early"))
             job.notify = None
+
+    async def _until_started(self, gone: list) -> None:
+        """Wait (at most START_WAIT_SECONDS) until the worker reaches the job's first engine step, or the
+        job ends, or the client goes. The worker's preparation and the writes of the headers and the role
+        chunk are Python in two threads under one GIL: the worker's first puts the engine to work ~0.3 ms
+        sooner, and the writes then run during the engine's pass (docs/perf-notes.md, tenth session)."""
+        job, wake = self.job, self.wake
+        deadline = asyncio.get_running_loop().time() + START_WAIT_SECONDS
+        while not (job.started or job.pending or gone):
+            try:
+                await asyncio.wait_for(wake.wait(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return
+            wake.clear()
 
     async def _beat(self, write, state) -> None:
         """A half-closed client's non-streamed answer starts at once (200, chunked) and gets a space

@@ -67,6 +67,7 @@ class Job:
         self.id, self.prompt, self.params = request_id, prompt, params
         self.constraint = constraint  # structured output; it applies after </think> when the prompt opens one
         self.seq: int | None = None
+        self.started = False  # the worker has reached the job's first engine step (mark_started)
         self.accepted = time.perf_counter()  # for the time to first token (metrics)
         self.first_token: float | None = None
         self._items: queue.SimpleQueue = queue.SimpleQueue()
@@ -84,6 +85,19 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    def mark_started(self) -> None:
+        """Called by the worker just before the job's first engine step (which runs without the GIL):
+        wakes the handler, which writes a stream's headers then (see app._JobResponse)."""
+        self.started = True
+        notify = self.notify
+        if notify is not None:
+            notify()
+
+    @property
+    def pending(self) -> bool:
+        """Whether an item waits to be read."""
+        return not self._items.empty()
 
     def put(self, kind: str, payload=None) -> None:
         self._items.put((kind, payload))
@@ -227,6 +241,7 @@ class Worker:
             stream, cached, setup = self.source(job), 0, 0.0
         else:
             stream, cached, setup, deferred = self._start(job)
+        job.mark_started()
         try:
             while not job.cancelled:  # checked before every token, the first one included
                 event = next(stream, None)
