@@ -2,8 +2,10 @@
 // self-checking, one table row per (kernel, chunk):
 //   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (what attention.cu runs)
 //   wgmma      kernels/attention_wgmma.cuh: attention_q_bf16_kernel (q -> bf16, its time alone is the
-//              "q->bf16 us" column) + attention_prefill_wgmma_kernel (TMA, mbarriers, wgmma); its "us"
-//              includes the conversion
+//              "q->bf16 us" column) + attention_prefill_wgmma_kernel<false> (TMA, mbarriers, wgmma; each
+//              warpgroup's S, softmax and P V in sequence); its "us" includes the conversion
+//   wgmma-ovl  the same with attention_prefill_wgmma_kernel<true>: a warpgroup's softmax of key tile i
+//              overlaps its own P V of tile i - 1 (FlashAttention-3's intra-warpgroup overlap)
 // Chunks: T = 4096 at pos0 = 0 (a 4K prompt) and T = 4096 at pos0 = 28672 (the last chunk of a 32K
 // prompt), timed; T = 1000 at pos0 = 77 (ragged: a partial CTA tile, a warpgroup with no rows, a V tile
 // past pos0 + T), checked only. The cache holds maxT = 32768 rows; rows >= pos0 + T are poisoned with
@@ -15,8 +17,11 @@
 // Check (before timing, per kernel): o poisoned with NaN, one launch, then every output must be finite;
 // "err" = max |o - o_ref| / max |o_ref| over 32 sampled (head, row) pairs, o_ref in fp64 on the host from
 // the f32 q and the bf16 k, v (no rounding of q or p); "vs mma.sync" = max |o - o_mma| / max |o_mma| over
-// all outputs. FAIL (exit 1) when wgmma's err exceeds 2 x mma.sync's or 1e-2, or on a non-finite output.
-// Run: bash benchmarks/attn_lab.sh (builds and runs it under a time-out).
+// all outputs. FAIL (exit 1) when a wgmma variant's err exceeds 2 x mma.sync's or 1e-2, or on a non-finite
+// output.
+// Run: bash benchmarks/attn_lab.sh (builds it, runs one process per wgmma variant under a time-out, so a
+// hang in one still shows the other); by hand: attn_lab [-n] [wgmma] [wgmma-ovl] (-n: no header and no
+// mma.sync rows, which still run as the reference; no variant named: both).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +29,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "cuda/kernels/common.cuh"  // before attention_prefill.cuh, which uses pdl_wait
@@ -43,6 +50,8 @@ using namespace lily::cuda::attn;
 
 constexpr int kNH = 16, kNKV = 2, kD = 256, kMaxT = 32768;
 static int g_failures = 0;
+static bool g_quiet = false;               // -n: no header, no mma.sync rows
+static std::vector<std::string> g_variants;  // the wgmma variants to run (none named: both)
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd32() {
@@ -84,71 +93,18 @@ static double time_us(Fn fn) {
   return ms[ms.size() / 2] * 1000.0 / 5;
 }
 
-struct Chunk {
-  int T, pos0;
-  bool timed;
+// Sampled fp64 reference outputs: o_ref[(t, h), :] for 32 (head, row) pairs.
+struct Reference {
+  std::vector<int64_t> base;  // (t * nH + h) * D of each pair
+  std::vector<double> o;      // [pairs][D]
+  double max_abs = 0;
 };
 
-static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std::vector<uint16_t>& hv,
-                      const uint16_t* dk, const uint16_t* dv) {
-  const int T = c.T, pos0 = c.pos0;
-  const int64_t qn = int64_t(T) * kNH * kD;
-  std::vector<float> hq(qn);
-  for (auto& x : hq) x = 4.f * rndu() - 2.f;
-  float *dq, *d_old, *d_new;
-  uint16_t* dqb;
-  int32_t* dpos;
-  CK(cudaMalloc(&dq, qn * 4));
-  CK(cudaMalloc(&d_old, qn * 4));
-  CK(cudaMalloc(&d_new, qn * 4));
-  CK(cudaMalloc(&dqb, qn * 2));
-  CK(cudaMalloc(&dpos, 4));
-  CK(cudaMemcpy(dq, hq.data(), qn * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dpos, &pos0, 4, cudaMemcpyHostToDevice));
-  // The cache rows this chunk may not see, NaN (restored at the end for the next chunk).
-  const int64_t row_elems = int64_t(kNKV) * kD, poison0 = int64_t(pos0 + T) * row_elems;
-  const int64_t poison_n = int64_t(kMaxT) * row_elems - poison0;
-  CK(cudaMemset(const_cast<uint16_t*>(dk) + poison0, 0xFF, poison_n * 2));  // 0xFFFF: a bf16 NaN
-  CK(cudaMemset(const_cast<uint16_t*>(dv) + poison0, 0xFF, poison_n * 2));
-
-  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(kD)));
-  const PrefillParams pp{dq, reinterpret_cast<const bf16*>(dk), reinterpret_cast<const bf16*>(dv), d_old, dpos,
-                         T, kNH, kNKV, kNH / kNKV, scale_log2};
-  const AwgParams ap{d_new, dpos, T, kNH, kNKV, kNH / kNKV, scale_log2};
-  CUtensorMap map_q, map_k, map_v;
-  if (make_xb_tensor_map(map_q, dqb, T, int64_t(kNH) * kD, 64) != CUDA_SUCCESS ||
-      make_xb_tensor_map(map_k, dk, kMaxT, row_elems, 64) != CUDA_SUCCESS ||
-      make_xb_tensor_map(map_v, dv, kMaxT, row_elems, 64) != CUDA_SUCCESS) {
-    std::fprintf(stderr, "attn_lab: cuTensorMapEncodeTiled failed\n");
-    std::exit(1);
-  }
-  const dim3 old_grid(unsigned((T + kPrefillRows - 1) / kPrefillRows), unsigned(kNH));
-  auto run_old = [&] {
-    attention_prefill_kernel<kD><<<old_grid, kPrefillThreads, prefill_smem_bytes<kD>()>>>(pp);
-  };
-  auto run_cvt = [&] { attention_q_bf16_kernel<<<unsigned((qn / 8 + 255) / 256), 256>>>(dq, dqb, qn); };
-  auto run_new = [&] {
-    run_cvt();
-    attention_prefill_wgmma_kernel<<<unsigned(awg_q_tiles(T) * kNH), AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k,
-                                                                                                  map_v);
-  };
-
-  // One checked launch each on NaN-poisoned outputs.
-  std::vector<float> h_old(qn), h_new(qn);
-  CK(cudaMemset(d_old, 0xFF, qn * 4));
-  CK(cudaMemset(d_new, 0xFF, qn * 4));
-  run_old();
-  CK(cudaGetLastError());
-  run_new();
-  CK(cudaGetLastError());
-  CK(cudaDeviceSynchronize());
-  CK(cudaMemcpy(h_old.data(), d_old, qn * 4, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(h_new.data(), d_new, qn * 4, cudaMemcpyDeviceToHost));
-
-  // fp64 reference on 32 sampled (head, row) pairs: the first and last rows, CTA tile edges, random rows.
-  const int fixed_rows[] = {0, 1, 63, 64, 127, 128, T / 2, T - 1};
-  double ref_max = 0, err_old = 0, err_new = 0;
-  std::vector<double> ref(kD), s(size_t(pos0 + T));
+static Reference reference(const std::vector<float>& hq, int T, int pos0, const std::vector<uint16_t>& hk,
+                           const std::vector<uint16_t>& hv) {
+  Reference ref;
+  const int fixed_rows[] = {0, 1, 63, 64, 127, 128, T / 2, T - 1};  // first/last rows, CTA tile edges
+  std::vector<double> s(size_t(pos0 + T)), acc(kD);
   for (int n = 0; n < 32; ++n) {
     const int h = n % kNH, t = n < 8 ? std::min(fixed_rows[n], T - 1) : int(rnd32() % uint32_t(T));
     const int kvh = h / (kNH / kNKV), keys = pos0 + t + 1;
@@ -160,64 +116,140 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
       s[j] = d / std::sqrt(double(kD));
       mx = std::max(mx, s[j]);
     }
-    std::fill(ref.begin(), ref.end(), 0.0);
+    std::fill(acc.begin(), acc.end(), 0.0);
     for (int j = 0; j < keys; ++j) {
       const double p = std::exp(s[j] - mx);
       sum += p;
-      for (int e = 0; e < kD; ++e) ref[e] += p * bf16_val(hv[(int64_t(j) * kNKV + kvh) * kD + e]);
+      for (int e = 0; e < kD; ++e) acc[e] += p * bf16_val(hv[(int64_t(j) * kNKV + kvh) * kD + e]);
     }
+    ref.base.push_back((int64_t(t) * kNH + h) * kD);
     for (int e = 0; e < kD; ++e) {
-      const double r = ref[e] / sum;
-      const int64_t i = (int64_t(t) * kNH + h) * kD + e;
-      ref_max = std::max(ref_max, std::fabs(r));
-      err_old = std::max(err_old, std::fabs(h_old[i] - r));
-      err_new = std::max(err_new, std::isfinite(h_new[i]) ? std::fabs(h_new[i] - r) : INFINITY);
+      ref.o.push_back(acc[e] / sum);
+      ref.max_abs = std::max(ref.max_abs, std::fabs(acc[e] / sum));
     }
   }
-  err_old /= ref_max, err_new /= ref_max;
-  double vs_max = 0, vs = 0;
-  int64_t bad_old = 0, bad_new = 0;
-  for (int64_t i = 0; i < qn; ++i) {
-    bad_old += !std::isfinite(h_old[i]);
-    bad_new += !std::isfinite(h_new[i]);
-    vs_max = std::max(vs_max, double(std::fabs(h_old[i])));
-    vs = std::max(vs, double(std::fabs(h_new[i] - h_old[i])));
-  }
-  vs = bad_new ? INFINITY : vs / vs_max;
-  const bool fail = bad_new != 0 || !(err_new <= 2 * err_old) || !(err_new <= 1e-2);
-  if (bad_old) std::printf("attn_lab: mma.sync wrote %lld non-finite outputs (the reference kernel!)\n", (long long)bad_old);
-  g_failures += fail;
+  return ref;
+}
 
-  double us_old = 0, us_new = 0, us_cvt = 0;
-  if (c.timed) {
-    us_old = time_us(run_old);
-    us_new = time_us(run_new);
-    us_cvt = time_us(run_cvt);
+struct Chunk {
+  int T, pos0;
+  bool timed;
+};
+
+static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std::vector<uint16_t>& hv,
+                      uint16_t* dk, uint16_t* dv) {
+  const int T = c.T, pos0 = c.pos0;
+  const int64_t qn = int64_t(T) * kNH * kD;
+  std::vector<float> hq(qn);
+  for (auto& x : hq) x = 4.f * rndu() - 2.f;
+  float *dq, *d_o;
+  uint16_t* dqb;
+  int32_t* dpos;
+  CK(cudaMalloc(&dq, qn * 4));
+  CK(cudaMalloc(&d_o, qn * 4));
+  CK(cudaMalloc(&dqb, qn * 2));
+  CK(cudaMalloc(&dpos, 4));
+  CK(cudaMemcpy(dq, hq.data(), qn * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dpos, &pos0, 4, cudaMemcpyHostToDevice));
+  // The cache rows this chunk may not see, NaN (restored at the end for the next chunk).
+  const int64_t row_elems = int64_t(kNKV) * kD, poison0 = int64_t(pos0 + T) * row_elems;
+  const int64_t poison_n = int64_t(kMaxT) * row_elems - poison0;
+  CK(cudaMemset(dk + poison0, 0xFF, poison_n * 2));  // 0xFFFF: a bf16 NaN
+  CK(cudaMemset(dv + poison0, 0xFF, poison_n * 2));
+
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(kD)));
+  const PrefillParams pp{dq, reinterpret_cast<const bf16*>(dk), reinterpret_cast<const bf16*>(dv), d_o, dpos,
+                         T, kNH, kNKV, kNH / kNKV, scale_log2};
+  const AwgParams ap{d_o, dpos, T, kNH, kNKV, kNH / kNKV, scale_log2};
+  CUtensorMap map_q, map_k, map_v;
+  if (make_xb_tensor_map(map_q, dqb, T, int64_t(kNH) * kD, 64) != CUDA_SUCCESS ||
+      make_xb_tensor_map(map_k, dk, kMaxT, row_elems, 64) != CUDA_SUCCESS ||
+      make_xb_tensor_map(map_v, dv, kMaxT, row_elems, 64) != CUDA_SUCCESS) {
+    std::fprintf(stderr, "attn_lab: cuTensorMapEncodeTiled failed\n");
+    std::exit(1);
   }
+  const dim3 old_grid(unsigned((T + kPrefillRows - 1) / kPrefillRows), unsigned(kNH));
+  const unsigned new_grid = unsigned(awg_q_tiles(T) * kNH);
+  auto run_cvt = [&] { attention_q_bf16_kernel<<<unsigned((qn / 8 + 255) / 256), 256>>>(dq, dqb, qn); };
+  struct Variant {
+    const char* name;
+    std::function<void()> launch;
+  };
+  const Variant variants[] = {
+      {"mma.sync", [&] { attention_prefill_kernel<kD><<<old_grid, kPrefillThreads, prefill_smem_bytes<kD>()>>>(pp); }},
+      {"wgmma",
+       [&] {
+         run_cvt();
+         attention_prefill_wgmma_kernel<false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v);
+       }},
+      {"wgmma-ovl",
+       [&] {
+         run_cvt();
+         attention_prefill_wgmma_kernel<true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v);
+       }},
+  };
+  const Reference ref = reference(hq, T, pos0, hk, hv);
   double keys = 0;
   for (int t = 0; t < T; ++t) keys += pos0 + t + 1;
   const double flop = 4.0 * kD * kNH * keys;
-  auto row = [&](const char* name, double us, double err, const char* vs_col, const char* cvt, const char* verdict) {
-    char t_us[32] = "-", t_tf[32] = "-";
-    if (c.timed) std::snprintf(t_us, sizeof t_us, "%.1f", us), std::snprintf(t_tf, sizeof t_tf, "%.1f", flop / us * 1e-6);
-    std::printf("| %-9s | %5d | %6d | %9s | %8s | %9s | %9.2e | %12s | %s |\n", name, T, pos0, t_us, t_tf, cvt, err,
-                vs_col, verdict);
-  };
-  char vs_s[32], cvt_s[32] = "-";
-  std::snprintf(vs_s, sizeof vs_s, "%.2e", vs);
-  if (c.timed) std::snprintf(cvt_s, sizeof cvt_s, "%.1f", us_cvt);
-  row("mma.sync", us_old, err_old, "-", "-", bad_old ? "non-finite" : "ref");
-  row("wgmma", us_new, err_new, vs_s, cvt_s, fail ? (bad_new ? "FAIL (non-finite)" : "FAIL") : "ok");
+  const double us_cvt = c.timed ? time_us(run_cvt) : 0;
 
-  CK(cudaMemcpy(const_cast<uint16_t*>(dk) + poison0, hk.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(const_cast<uint16_t*>(dv) + poison0, hv.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
-  cudaFree(dq), cudaFree(d_old), cudaFree(d_new), cudaFree(dqb), cudaFree(dpos);
+  std::vector<float> h_o(qn), h_mma(qn);
+  double err_mma = 0;
+  for (const Variant& v : variants) {
+    const bool is_mma = &v == &variants[0];
+    if (!is_mma && !g_variants.empty() && std::find(g_variants.begin(), g_variants.end(), v.name) == g_variants.end())
+      continue;
+    CK(cudaMemset(d_o, 0xFF, qn * 4));  // NaN
+    v.launch();
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(h_o.data(), d_o, qn * 4, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (float x : h_o) bad += !std::isfinite(x);
+    double err = 0;
+    for (size_t n = 0; n < ref.base.size(); ++n)
+      for (int e = 0; e < kD; ++e) err = std::max(err, std::fabs(h_o[ref.base[n] + e] - ref.o[n * kD + e]));
+    err = bad ? INFINITY : err / ref.max_abs;
+    char vs_s[32] = "-", us_s[32] = "-", tf_s[32] = "-", cvt_s[32] = "-";
+    if (is_mma) {
+      h_mma = h_o, err_mma = err;
+    } else {
+      double vs = 0, mx = 0;
+      for (int64_t i = 0; i < qn; ++i) vs = std::max(vs, double(std::fabs(h_o[i] - h_mma[i]))), mx = std::max(mx, double(std::fabs(h_mma[i])));
+      std::snprintf(vs_s, sizeof vs_s, "%.2e", bad ? INFINITY : vs / mx);
+      if (c.timed) std::snprintf(cvt_s, sizeof cvt_s, "%.1f", us_cvt);
+    }
+    const bool fail = bad != 0 || (!is_mma && !(err <= 2 * err_mma && err <= 1e-2));
+    g_failures += fail;
+    if (c.timed && !bad) {  // a kernel that wrote garbage may also hang or fault: not timed
+      const double us = time_us(v.launch);
+      std::snprintf(us_s, sizeof us_s, "%.1f", us), std::snprintf(tf_s, sizeof tf_s, "%.1f", flop / us * 1e-6);
+    }
+    if (!is_mma || !g_quiet)
+      std::printf("| %-9s | %5d | %6d | %8s | %7s | %10s | %9.2e | %11s | %s |\n", v.name, T, pos0, us_s, tf_s, cvt_s,
+                err, vs_s, fail ? (bad ? "FAIL (non-finite)" : "FAIL") : (is_mma ? "ref" : "ok"));
+    std::fflush(stdout);
+  }
+
+  CK(cudaMemcpy(dk + poison0, hk.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dv + poison0, hv.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
+  cudaFree(dq), cudaFree(d_o), cudaFree(dqb), cudaFree(dpos);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-n") g_quiet = true;
+    else if (a == "wgmma" || a == "wgmma-ovl") g_variants.push_back(a);
+    else return std::fprintf(stderr, "usage: attn_lab [-n] [wgmma] [wgmma-ovl]\n"), 2;
+  }
   CK(cudaFuncSetAttribute(attention_prefill_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           prefill_smem_bytes<kD>()));
-  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, AWG_SMEM_BYTES));
+  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          AWG_SMEM_BYTES));
+  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          AWG_SMEM_BYTES));
   const int64_t cache_n = int64_t(kMaxT) * kNKV * kD;
   std::vector<uint16_t> hk(cache_n), hv(cache_n);
   for (auto& x : hk) x = uint16_t(wg_pack_bf16x2(2.f * rndu() - 1.f, 0.f));
@@ -228,9 +260,11 @@ int main() {
   CK(cudaMemcpy(dk, hk.data(), cache_n * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dv, hv.data(), cache_n * 2, cudaMemcpyHostToDevice));
 
-  std::printf("prefill attention, nH %d, nKV %d, D %d, cache %d rows (attn_lab)\n\n", kNH, kNKV, kD, kMaxT);
-  std::printf("| kernel    |     T |   pos0 |        us | TFLOP/s | q->bf16 us |       err | vs mma.sync  | check |\n");
-  std::printf("|-----------|-------|--------|-----------|----------|-----------|-----------|--------------|-------|\n");
+  if (!g_quiet) {
+    std::printf("prefill attention, nH %d, nKV %d, D %d, cache %d rows (attn_lab)\n\n", kNH, kNKV, kD, kMaxT);
+    std::printf("| kernel    |     T |   pos0 |       us | TFLOP/s | q->bf16 us |       err | vs mma.sync | check |\n");
+  std::printf("|-----------|-------|--------|----------|---------|------------|-----------|-------------|-------|\n");
+  }
   for (const Chunk& c : {Chunk{1000, 77, false}, Chunk{4096, 0, true}, Chunk{4096, 28672, true}}) run_chunk(c, hk, hv, dk, dv);
   cudaFree(dk), cudaFree(dv);
   if (g_failures) {

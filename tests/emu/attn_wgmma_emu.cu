@@ -1,5 +1,5 @@
 // CPU emulator of the wgmma prefill attention's data layout (kernels/attention_wgmma.cuh): with the kernel
-// header's own host-callable pieces (shared-memory offsets, awg_qk_desc, awg_v_desc, awg_cta,
+// header's own host-callable pieces (shared-memory offsets, awg_qk_desc, awg_v_desc0, awg_v_desc, awg_cta,
 // awg_key_tiles, awg_tail_row, awg_tile_crosses, awg_acc_row / awg_acc_col, and the per-thread online
 // softmax awg_mask_scale, awg_row_max, awg_exp, awg_pack_p) it runs every CTA of a small problem
 // (4 query heads, 2 KV heads, D 256) over an emulated shared memory, one key tile at a time (the
@@ -96,7 +96,7 @@ static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
     const AwgCta cta = awg_cta(b, T, NH);
     const int t0 = cta.q_tile * AWG_ROWS, kvh = cta.h / (NH / NKV);
     const int n_tiles = awg_key_tiles(pos0, std::min(t0 + AWG_ROWS, T));
-    for (int cw = 0; cw < 2; ++cw)
+    for (int cw = 0; cw < (t0 + 64 < T ? 2 : 1); ++cw)  // the warpgroups that have rows
       for (int j = 0; j < 4; ++j) tma_box(smem, awg_q_off(cw, j), qb, T, qcols, cta.h * D + 64 * j, t0 + 64 * cw);
     // Per consumer warpgroup and thread: O, running max and sum.
     std::vector<float> acc(size_t(2 * 128 * 128), 0.f), m(2 * 128 * 2, -INFINITY), l(2 * 128 * 2, 0.f);
@@ -132,7 +132,8 @@ static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
             float sum = 0.f;
             for (int j = 0; j < 4; ++j)
               for (int k16 = 0; k16 < 4; ++k16) {
-                const uint64_t qd = awg_qk_desc(awg_q_off(cw, j), k16), kd = awg_qk_desc(awg_k_off(s, j), k16);
+                const uint64_t qd = awg_qk_desc(wg_desc(awg_q_off(cw, 0)), j, k16),
+                               kd = awg_qk_desc(wg_desc(awg_k_off(s, 0)), j, k16);
                 for (int kx = 0; kx < 16; ++kx)
                   sum += kmajor_elem(smem, qd, ptx_row(t, e), kx) * kmajor_elem(smem, kd, ptx_col(t, e), kx);
               }
@@ -161,7 +162,7 @@ static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
             const int row = ptx_row(t, e), n = ptx_col(t, e);
             float sum = 0.f;
             for (int kk = 0; kk < 4; ++kk) {
-              const uint64_t vd = awg_v_desc(awg_v_off(s), kk);
+              const uint64_t vd = awg_v_desc(awg_v_desc0(awg_v_off(s)), kk);
               for (int kx = 0; kx < 16; ++kx) {
                 const int holder = 32 * (row / 16) + 4 * (row % 8) + (kx % 8) / 2, reg = (row % 16) / 8 + 2 * (kx / 8);
                 const float p = bf16_to_f(uint16_t(pa[holder][kk][reg] >> (16 * (kx % 2))));
@@ -239,7 +240,7 @@ int main() {
     const AwgCta c = awg_cta(b, 4 * AWG_ROWS, NH);
     expect(c.q_tile == 3 - b / NH && c.h == b % NH, "awg_cta", b, c.q_tile);
   }
-  const uint64_t vd = awg_v_desc(AWG_V_OFF, 1);
+  const uint64_t vd = awg_v_desc(awg_v_desc0(AWG_V_OFF), 1);
   expect((vd & 0x3FFF) == uint64_t((AWG_V_OFF + 2048) >> 4) && ((vd >> 16) & 0x3FFF) == 8192 >> 4 &&
              ((vd >> 32) & 0x3FFF) == 1024 >> 4 && (vd >> 62) == 1 && ((vd >> 49) & 7) == 0,
          "awg_v_desc fields", double(vd & 0x3FFF), double((vd >> 16) & 0x3FFF));

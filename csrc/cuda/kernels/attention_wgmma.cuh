@@ -87,16 +87,19 @@ __host__ __device__ constexpr int awg_k_off(int s, int j) { return AWG_K_OFF + s
 __host__ __device__ constexpr int awg_v_off(int s) { return AWG_V_OFF + s * AWG_TILE_BYTES; }
 
 // S = Q K^T, k16 step 4 j + s (dims 64 j + 16 s ..): K-major SWIZZLE_128B descriptors of the Q / K dim
-// block j, start + 32 s bytes (descriptor + 2 s), as the dense GEMM steps through a 64-k tile.
-__host__ __device__ inline uint64_t awg_qk_desc(uint32_t block_saddr, int s) { return wg_desc(block_saddr) + 2 * s; }
-// O += P V, k16 step kk (keys 16 kk ..): the V stage [4 dim blocks][64 keys][128 B] as an MN-major
-// SWIZZLE_128B B operand: 64-dim atoms LBO = 8192 B apart (N direction), 8-key groups SBO = 1024 B
-// apart (K direction), start + 2048 kk bytes.
-__host__ __device__ inline uint64_t awg_v_desc(uint32_t v_saddr, int kk) {
-  const uint32_t start = v_saddr + 2048u * uint32_t(kk);
-  return uint64_t((start & 0x3FFFF) >> 4) | (uint64_t(AWG_BOX_BYTES >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+// block j, start + 32 s bytes, as the dense GEMM steps through a 64-k tile; desc0 = wg_desc(dim block
+// 0), so + 512 j + 2 s on the start field (in 16 B units; no carry: shared addresses < 256 KB).
+__host__ __device__ constexpr uint64_t awg_qk_desc(uint64_t desc0, int j, int s) {
+  return desc0 + uint64_t((j * AWG_BOX_BYTES) >> 4) + 2 * s;
+}
+// O += P V: the V stage [4 dim blocks][64 keys][128 B] at v_saddr as an MN-major SWIZZLE_128B B
+// operand: 64-dim atoms LBO = 8192 B apart (N direction), 8-key groups SBO = 1024 B apart (K direction).
+__host__ __device__ constexpr uint64_t awg_v_desc0(uint32_t v_saddr) {
+  return uint64_t((v_saddr & 0x3FFFF) >> 4) | (uint64_t(AWG_BOX_BYTES >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
 }
+// k16 step kk (keys 16 kk ..): start + 2048 kk bytes.
+__host__ __device__ constexpr uint64_t awg_v_desc(uint64_t desc0, int kk) { return desc0 + uint64_t(2048 >> 4) * kk; }
 
 // m64nN f32 accumulator i of warpgroup thread wt: its row (0..63) and column.
 __host__ __device__ constexpr int awg_acc_row(int wt, int i) { return 16 * (wt >> 5) + ((wt & 31) >> 2) + 8 * ((i >> 1) & 1); }
@@ -217,6 +220,7 @@ __device__ __forceinline__ void awg_fence_acc(float (&d)[N]) {
   for (int i = 0; i < N; ++i) fence_reg(d[i]);
 }
 
+template <bool kOverlap>
 __global__ void __launch_bounds__(AWG_THREADS, 1)
     attention_prefill_wgmma_kernel(const AwgParams p, const __grid_constant__ CUtensorMap tmap_q,
                                    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
@@ -245,9 +249,10 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   if (warp < 4) {  // ---------------- producer ----------------
     setmaxnreg_dec<AWG_PRODUCER_REGS>();
     if (warp != 0) return;
-    if (lane == 0) {
-      mbar_arrive_expect_tx(base + awg_bar_q_full(), AWG_Q_BYTES);
-      for (int cw = 0; cw < 2; ++cw)
+    if (lane == 0) {  // Q rows of the warpgroups that have rows (warpgroup 0 always has)
+      const int q_wgs = t0 + AWG_WG_ROWS < p.T ? 2 : 1;
+      mbar_arrive_expect_tx(base + awg_bar_q_full(), q_wgs * AWG_TILE_BYTES);
+      for (int cw = 0; cw < q_wgs; ++cw)
         for (int j = 0; j < AWG_D / 64; ++j)
           tma_load_2d(base + awg_q_off(cw, j), &tmap_q, base + awg_bar_q_full(), cta.h * AWG_D + 64 * j,
                       t0 + AWG_WG_ROWS * cw);
@@ -294,38 +299,46 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   const uint32_t q_block = base + awg_q_off(cw, 0);
   float o[128];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's columns only
-  awg_wait(base + awg_bar_q_full(), 0);
-
-#pragma unroll 1
-  for (int i = 0; i < n_tiles; ++i) {
+  const auto phase = [](int i) { return uint32_t(i / AWG_STAGES) & 1; };
+  const auto release = [&](int bar) {
+    if (lane == 0) mbar_arrive(base + bar);
+  };
+  // Queues S = Q K_i^T into sc (one commit group) once K_i has landed.
+  const auto issue_qk = [&](int i, float (&sc)[32]) {
     const int s = i % AWG_STAGES;
-    const uint32_t ph = (i / AWG_STAGES) & 1;
-    if (i >= my_tiles) {  // no row of this warpgroup sees the tile: release it once it has landed
-      awg_wait(base + awg_bar_full_k(s), ph);
-      awg_wait(base + awg_bar_full_v(s), ph);
-      if (lane == 0) mbar_arrive(base + awg_bar_empty_k(s)), mbar_arrive(base + awg_bar_empty_v(s));
-      continue;
-    }
-    float sc[32];
 #pragma unroll
     for (int x = 0; x < 32; ++x) sc[x] = 0.f;
-    awg_wait(base + awg_bar_full_k(s), ph);
+    awg_wait(base + awg_bar_full_k(s), phase(i));
+    // The descriptor bases opaque, the steps added per instruction: hoisted out of the loop, the 32
+    // descriptors would hold 64 registers (spills in the overlapped variant).
+    uint64_t qd = wg_desc(q_block), kd = wg_desc(base + awg_k_off(s, 0));
+    asm volatile("" : "+l"(qd), "+l"(kd));
     awg_fence_acc(sc);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < AWG_D / 64; ++j)
 #pragma unroll
-      for (int k16 = 0; k16 < 4; ++k16)
-        wgmma_m64n64k16_ss(sc, awg_qk_desc(q_block + j * AWG_BOX_BYTES, k16), awg_qk_desc(base + awg_k_off(s, j), k16));
+      for (int k16 = 0; k16 < 4; ++k16) wgmma_m64n64k16_ss(sc, awg_qk_desc(qd, j, k16), awg_qk_desc(kd, j, k16));
     wgmma_commit();
-    wgmma_wait<0>();
-    awg_fence_acc(sc);
-    if (lane == 0) mbar_arrive(base + awg_bar_empty_k(s));
-
+  };
+  // Queues O += P_i V_i (one commit group) once V_i has landed.
+  const auto issue_pv = [&](int i, const uint32_t (&pa)[4][4]) {
+    const int s = i % AWG_STAGES;
+    awg_wait(base + awg_bar_full_v(s), phase(i));
+    uint64_t vd = awg_v_desc0(base + awg_v_off(s));
+    asm volatile("" : "+l"(vd));
+    awg_fence_acc(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(vd, kk));
+    wgmma_commit();
+  };
+  // The online softmax of the finished S_i: P_i into pa, the rescale factor of O into alpha.
+  const auto softmax = [&](int i, float (&sc)[32], uint32_t (&pa)[4][4], float (&alpha)[2]) {
     awg_mask_scale(sc, wt, i, qpos_g, awg_tile_crosses(i, pos0 + row0), p.scale_log2);
-    float mx[2], alpha[2];
+    float mx[2];
     awg_row_max(sc, m, mx);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -333,20 +346,78 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
     awg_exp(sc, mx, m, l, alpha);
+    awg_pack_p(sc, pa);
+  };
+  const auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int x = 0; x < 128; ++x) o[x] *= alpha[(x >> 1) & 1];
-    uint32_t pa[4][4];
-    awg_pack_p(sc, pa);
+  };
+  awg_wait(base + awg_bar_q_full(), 0);
 
-    awg_wait(base + awg_bar_full_v(s), ph);
-    awg_fence_acc(o);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(base + awg_v_off(s), kk));
-    wgmma_commit();
+  float sc[32], alpha[2];
+  uint32_t pa[4][4];
+  if constexpr (!kOverlap) {
+#pragma unroll 1
+    for (int i = 0; i < my_tiles; ++i) {
+      issue_qk(i, sc);
+      wgmma_wait<0>();
+      awg_fence_acc(sc);
+      release(awg_bar_empty_k(i % AWG_STAGES));
+      softmax(i, sc, pa, alpha);
+      rescale(alpha);
+      issue_pv(i, pa);
+      wgmma_wait<0>();
+      awg_fence_acc(o);
+      release(awg_bar_empty_v(i % AWG_STAGES));
+    }
+  } else if (my_tiles > 0) {
+    // Tile i's softmax runs while the tensor cores do P_{i-1} V_{i-1}; O is rescaled by tile i's alpha
+    // once that product is done (it is relative to the previous maximum).
+    issue_qk(0, sc);
+    wgmma_wait<0>();
+    awg_fence_acc(sc);
+    release(awg_bar_empty_k(0));
+    softmax(0, sc, pa, alpha);  // O is still zero: no rescale
+    uint32_t pb[4][4];
+    // Step i: S_i and P_{i-1} V_{i-1} queued (P_{i-1} in p_prev), the softmax of S_i into p_next while
+    // the product runs, O rescaled once it is done.
+    const auto step = [&](int i, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
+      issue_qk(i, sc);
+      issue_pv(i - 1, p_prev);
+      wgmma_wait<1>();  // S_i done (groups retire in order); P_{i-1} V_{i-1} may still run
+      awg_fence_acc(sc);
+      release(awg_bar_empty_k(i % AWG_STAGES));
+      softmax(i, sc, p_next, alpha);
+      wgmma_wait<0>();
+      awg_fence_acc(o);
+      release(awg_bar_empty_v((i - 1) % AWG_STAGES));
+      rescale(alpha);
+    };
+    // P alternates between pa and pb. A copy pb -> pa would let ptxas give the next P the registers of
+    // the one in flight, which it then serialises (C7513).
+    int i = 1;
+#pragma unroll 1
+    for (; i + 1 < my_tiles; i += 2) {
+      step(i, pa, pb);
+      step(i + 1, pb, pa);
+    }
+    if (i < my_tiles) {
+      step(i, pa, pb);
+      issue_pv(my_tiles - 1, pb);
+    } else {
+      issue_pv(my_tiles - 1, pa);
+    }
     wgmma_wait<0>();
     awg_fence_acc(o);
-    if (lane == 0) mbar_arrive(base + awg_bar_empty_v(s));
+    release(awg_bar_empty_v((my_tiles - 1) % AWG_STAGES));
+  }
+  // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal): release them once they have landed.
+#pragma unroll 1
+  for (int i = my_tiles; i < n_tiles; ++i) {
+    awg_wait(base + awg_bar_full_k(i % AWG_STAGES), phase(i));
+    awg_wait(base + awg_bar_full_v(i % AWG_STAGES), phase(i));
+    release(awg_bar_empty_k(i % AWG_STAGES));
+    release(awg_bar_empty_v(i % AWG_STAGES));
   }
 
   // o = O / l for this thread's rows g, g + 8 (l summed over the quad's columns).
