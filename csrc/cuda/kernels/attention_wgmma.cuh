@@ -21,7 +21,7 @@
 //   chunk j of row r at r*128 + ((j ^ (r & 7)) << 4) (wg_swz).
 // Warp roles:
 //   warpgroup 0, warp 0 = producer (setmaxnreg 24; the other three warps exit): loads the CTA's Q
-//     (8 boxes on q_full), then for key tile i = 0.. (64 keys each, up to pos0 + the CTA's last row)
+//     (4 boxes per warpgroup that has rows, on q_full), then for key tile i = 0.. (64 keys each, up to pos0 + the CTA's last row)
 //     waits empty_k[i%2] and loads K's 4 boxes on full_k[i%2], then waits empty_v[i%2] and loads V's 4
 //     boxes on full_v[i%2] (32768 bytes each, zero-filled box rows counted too). The one V tile that
 //     reaches past pos0 + T (when (pos0 + T) % 64 != 0) lands on v_tail instead: the warp zeroes its
@@ -34,7 +34,12 @@
 //     an MN-major SWIZZLE_128B descriptor: LBO 8192 B between dim blocks, SBO 1024 B between 8-key
 //     groups, k16 step kk at + 2048 kk bytes), wait, release V (empty_v). A warpgroup whose rows end
 //     before a key tile (warpgroup 0 of a tile on the diagonal) waits for and releases that tile
-//     without computing on it.
+//     without computing on it. The consumers wait without the time-out trap (awg_wait).
+//   kOverlap = false: each tile's S, softmax, rescale of O and P V in sequence (the two consumer
+//     warpgroups overlap each other only). kOverlap = true (FlashAttention-3's intra-warpgroup
+//     overlap): S_i and P_{i-1} V_{i-1} are queued together, the softmax of S_i runs while the tensor
+//     cores do P_{i-1} V_{i-1}, then O is rescaled by tile i's factor; P alternates between two
+//     fragment sets (P_{i-1} is read by the running wgmma while P_i is written).
 // Thread mapping (consumer thread wt = 0..127 of its warpgroup, w = wt / 32, g = (wt % 32) / 4,
 //   c = wt % 4): accumulator i of an m64nN wgmma is (row 16 w + g + 8 ((i / 2) % 2), column
 //   8 (i / 4) + 2 c + i % 2) (awg_acc_row / awg_acc_col). S: 32 floats (64 keys), O: 128 floats (256
