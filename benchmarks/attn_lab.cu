@@ -1,9 +1,10 @@
 // attn_lab: the prefill attention at the engine's shapes (16 query heads, 2 KV heads, head_dim 256),
 // self-checking, one table row per (kernel, chunk):
 //   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (what attention.cu runs)
-//   wgmma      kernels/attention_wgmma.cuh: attention_q_bf16_kernel (q -> bf16, its time alone is the
-//              "q->bf16 us" column) + attention_prefill_wgmma_kernel<false> (TMA, mbarriers, wgmma; each
-//              warpgroup's S, softmax and P V in sequence); its "us" includes the conversion
+//   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel<false> (TMA, mbarriers, wgmma;
+//              each warpgroup's S, softmax and P V in sequence) on q converted to bf16 by
+//              attention_q_bf16_kernel first; "us" and TFLOP/s are the attention kernel's, the
+//              conversion's time is the "q->bf16 us" column (the engine would pay both)
 //   wgmma-ovl  the same with attention_prefill_wgmma_kernel<true>: a warpgroup's softmax of key tile i
 //              overlaps its own P V of tile i - 1 (FlashAttention-3's intra-warpgroup overlap)
 // Chunks: T = 4096 at pos0 = 0 (a 4K prompt) and T = 4096 at pos0 = 28672 (the last chunk of a 32K
@@ -173,20 +174,14 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
   auto run_cvt = [&] { attention_q_bf16_kernel<<<unsigned((qn / 8 + 255) / 256), 256>>>(dq, dqb, qn); };
   struct Variant {
     const char* name;
-    std::function<void()> launch;
+    std::function<void()> launch;  // the wgmma variants read qb: run_cvt() first
   };
   const Variant variants[] = {
       {"mma.sync", [&] { attention_prefill_kernel<kD><<<old_grid, kPrefillThreads, prefill_smem_bytes<kD>()>>>(pp); }},
       {"wgmma",
-       [&] {
-         run_cvt();
-         attention_prefill_wgmma_kernel<false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v);
-       }},
+       [&] { attention_prefill_wgmma_kernel<false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
       {"wgmma-ovl",
-       [&] {
-         run_cvt();
-         attention_prefill_wgmma_kernel<true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v);
-       }},
+       [&] { attention_prefill_wgmma_kernel<true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
   };
   const Reference ref = reference(hq, T, pos0, hk, hv);
   double keys = 0;
@@ -201,6 +196,8 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
     if (!is_mma && !g_variants.empty() && std::find(g_variants.begin(), g_variants.end(), v.name) == g_variants.end())
       continue;
     CK(cudaMemset(d_o, 0xFF, qn * 4));  // NaN
+    CK(cudaMemset(dqb, 0xFF, qn * 2));
+    if (!is_mma) run_cvt();
     v.launch();
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
