@@ -12,7 +12,8 @@
 //   S:      m64n64k16 wgmma read through the kernel's K-major descriptors as the PTX ISA defines the
 //           128B-swizzle K-major layout (start << 4, 8-row groups SBO apart, row % 8 at + 128, element
 //           k at + 2k, then the XOR);
-//   P V:    m64n256k16 with A from the threads' registers as the PTX A fragment places them (thread
+//   P V:    m64n256k16 (and, kPvN64, m64n64k16 per 64-dim block, also read with the descriptor's LBO
+//           and SBO roles swapped, which that form must not depend on) with A from the threads' registers as the PTX A fragment places them (thread
 //           32 (row / 16) + 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8), half k % 2)
 //           and B read through awg_v_desc as the MN-major 128B-swizzle layout (element (k, n) at start +
 //           (n / 64) LBO + (k / 8) SBO + (k % 8) 128 + 2 (n % 64), then the XOR);
@@ -65,16 +66,22 @@ static float kmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int row, 
   const uint32_t start = uint32_t(d & 0x3FFF) << 4, sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
   return smem_bf16(smem, start + (row / 8) * sbo + (row % 8) * 128 + 2 * k);
 }
-// Element (k, n) of an MN-major SWIZZLE_128B B operand read through descriptor d.
-static float mnmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int k, int n) {
-  const uint32_t start = uint32_t(d & 0x3FFF) << 4, lbo = uint32_t((d >> 16) & 0x3FFF) << 4,
-                 sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
+// Element (k, n) of an MN-major SWIZZLE_128B B operand read through descriptor d; swapped: with the
+// roles of the LBO and SBO fields exchanged (the reading the n64 form must not depend on).
+static float mnmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int k, int n, bool swapped = false) {
+  uint32_t lbo = uint32_t((d >> 16) & 0x3FFF) << 4, sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
+  if (swapped) std::swap(lbo, sbo);
+  const uint32_t start = uint32_t(d & 0x3FFF) << 4;
   return smem_bf16(smem, start + (n / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + 2 * (n % 64));
 }
+// The P V forms: m64n256k16 (kPvN64 false), m64n64k16 per dim block (kPvN64 true), and the latter read
+// with the descriptor fields' roles swapped.
+enum PvForm { PV_N256, PV_N64, PV_N64_SWAPPED };
+static const char* const kPvNames[] = {"m64n256", "m64n64 x 4", "m64n64 x 4, LBO/SBO roles swapped"};
 static int ptx_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2); }
 static int ptx_col(int t, int i) { return 8 * (i / 4) + 2 * (t % 4) + i % 2; }
 
-static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
+static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   const int64_t qcols = int64_t(NH) * D, kvcols = int64_t(NKV) * D;
   std::vector<uint16_t> qb(size_t(T * qcols)), k(size_t(max_t * kvcols)), v(size_t(max_t * kvcols));
@@ -162,11 +169,14 @@ static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
             const int row = ptx_row(t, e), n = ptx_col(t, e);
             float sum = 0.f;
             for (int kk = 0; kk < 4; ++kk) {
-              const uint64_t vd = awg_v_desc(awg_v_desc0(awg_v_off(s)), kk);
+              // n64: accumulator e is element e % 32 of dim block e / 32's m64n64 fragment.
+              const uint64_t vd = pv == PV_N256 ? awg_v_desc(awg_v_desc0(awg_v_off(s)), kk)
+                                                : awg_v_desc(awg_v_desc0(awg_v_off(s), true), kk, e / 32);
+              const int bn = pv == PV_N256 ? n : ptx_col(t, e % 32);
               for (int kx = 0; kx < 16; ++kx) {
                 const int holder = 32 * (row / 16) + 4 * (row % 8) + (kx % 8) / 2, reg = (row % 16) / 8 + 2 * (kx / 8);
                 const float p = bf16_to_f(uint16_t(pa[holder][kk][reg] >> (16 * (kx % 2))));
-                sum += p * mnmajor_elem(smem, vd, kx, n);
+                sum += p * mnmajor_elem(smem, vd, kx, bn, pv == PV_N64_SWAPPED);
               }
             }
             acc[size_t((cw * 128 + t) * 128 + e)] += sum;
@@ -227,15 +237,19 @@ static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
   err /= omax;
   const bool ok = bad == 0 && err <= 1e-2;
   expect(err <= 1e-2, "max |o - ref| / max |ref|", err, 1e-2);
-  std::printf("%s T %d, pos0 %d, cache %d rows: err %.2e, %d bad, %d skipped warpgroup tiles, %d tail tiles\n",
-              ok ? "ok  " : "BAD ", T, pos0, max_t, err, bad, skipped_tiles, tail_tiles);
+  std::printf("%s T %d, pos0 %d, cache %d rows, P V %s: err %.2e, %d bad, %d skipped warpgroup tiles, %d tail tiles\n",
+              ok ? "ok  " : "BAD ", T, pos0, max_t, kPvNames[pv], err, bad, skipped_tiles, tail_tiles);
   return ok;
 }
 
 int main() {
   for (int t = 0; t < 128; ++t)  // the kernel's accumulator mapping is the PTX fragment's
-    for (int i = 0; i < 128; ++i)
+    for (int i = 0; i < 128; ++i) {
       expect(awg_acc_row(t, i) == ptx_row(t, i) && awg_acc_col(t, i) == ptx_col(t, i), "awg_acc_* (t, i)", t, i);
+      // kPvN64: accumulators 32 j .. 32 j + 31 as dim block j's m64n64 fragment are the same elements
+      expect(ptx_row(t, i % 32) == ptx_row(t, i) && 64 * (i / 32) + ptx_col(t, i % 32) == ptx_col(t, i),
+             "m64n64 slices of the m64n256 fragment (t, i)", t, i);
+    }
   for (int b = 0; b < 4 * NH; ++b) {  // heaviest q tiles first, all heads of a tile together
     const AwgCta c = awg_cta(b, 4 * AWG_ROWS, NH);
     expect(c.q_tile == 3 - b / NH && c.h == b % NH, "awg_cta", b, c.q_tile);
@@ -245,9 +259,11 @@ int main() {
              ((vd >> 32) & 0x3FFF) == 1024 >> 4 && (vd >> 62) == 1 && ((vd >> 49) & 7) == 0,
          "awg_v_desc fields", double(vd & 0x3FFF), double((vd >> 16) & 0x3FFF));
   std::mt19937 rng(13);
-  bool ok = run(200, 70, 320, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
-  ok &= run(130, 192, 384, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64
-  ok &= run(64, 0, 64, rng);         // one tile, the cache exactly full (no tail, warpgroup 1 empty)
+  bool ok = run(200, 70, 320, PV_N256, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
+  ok &= run(130, 192, 384, PV_N256, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64
+  ok &= run(64, 0, 64, PV_N256, rng);         // one tile, the cache exactly full (no tail, warpgroup 1 empty)
+  ok &= run(200, 70, 320, PV_N64, rng);
+  ok &= run(200, 70, 320, PV_N64_SWAPPED, rng);
   std::printf(ok && failures == 0 ? "all passed\n" : "FAILED\n");
   return ok && failures == 0 ? 0 : 1;
 }

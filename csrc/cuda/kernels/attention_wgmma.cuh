@@ -40,6 +40,9 @@
 //     overlap): S_i and P_{i-1} V_{i-1} are queued together, the softmax of S_i runs while the tensor
 //     cores do P_{i-1} V_{i-1}, then O is rescaled by tile i's factor; P alternates between two
 //     fragment sets (P_{i-1} is read by the running wgmma while P_i is written).
+//   kPvN64 = true: P V as 4 m64n64k16 per k16 step, one per 64-dim block (accumulators 32 j .. 32 j + 31
+//     are the m64n256 fragment's columns 64 j ..), whose B is one swizzle atom wide: it does not depend
+//     on which descriptor field holds the atom stride (awg_v_desc0). A check of the m64n256 form's LBO.
 // Thread mapping (consumer thread wt = 0..127 of its warpgroup, w = wt / 32, g = (wt % 32) / 4,
 //   c = wt % 4): accumulator i of an m64nN wgmma is (row 16 w + g + 8 ((i / 2) % 2), column
 //   8 (i / 4) + 2 c + i % 2) (awg_acc_row / awg_acc_col). S: 32 floats (64 keys), O: 128 floats (256
@@ -99,12 +102,16 @@ __host__ __device__ constexpr uint64_t awg_qk_desc(uint64_t desc0, int j, int s)
 }
 // O += P V: the V stage [4 dim blocks][64 keys][128 B] at v_saddr as an MN-major SWIZZLE_128B B
 // operand: 64-dim atoms LBO = 8192 B apart (N direction), 8-key groups SBO = 1024 B apart (K direction).
-__host__ __device__ constexpr uint64_t awg_v_desc0(uint32_t v_saddr) {
-  return uint64_t((v_saddr & 0x3FFFF) >> 4) | (uint64_t(AWG_BOX_BYTES >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
+// n64 (one m64n64k16 per dim block, kPvN64): B is one atom wide and LBO unused; it is set to 1024 like
+// SBO, so the 8-key stride is right whichever of the two fields the hardware takes for it.
+__host__ __device__ constexpr uint64_t awg_v_desc0(uint32_t v_saddr, bool n64 = false) {
+  return uint64_t((v_saddr & 0x3FFFF) >> 4) | (uint64_t((n64 ? 1024 : AWG_BOX_BYTES) >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
-// k16 step kk (keys 16 kk ..): start + 2048 kk bytes.
-__host__ __device__ constexpr uint64_t awg_v_desc(uint64_t desc0, int kk) { return desc0 + uint64_t(2048 >> 4) * kk; }
+// k16 step kk (keys 16 kk ..) of dim block j (n64; j = 0 for the m64n256 form): start + 8192 j + 2048 kk.
+__host__ __device__ constexpr uint64_t awg_v_desc(uint64_t desc0, int kk, int j = 0) {
+  return desc0 + uint64_t((j * AWG_BOX_BYTES) >> 4) + uint64_t(2048 >> 4) * kk;
+}
 
 // m64nN f32 accumulator i of warpgroup thread wt: its row (0..63) and column.
 __host__ __device__ constexpr int awg_acc_row(int wt, int i) { return 16 * (wt >> 5) + ((wt & 31) >> 2) + 8 * ((i >> 1) & 1); }
@@ -199,6 +206,23 @@ __device__ __forceinline__ void wgmma_m64n256k16_rA_tB(float (&d)[128], const ui
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
+// The same product on one 64-dim block J of O (accumulators 32 J .. 32 J + 31, the m64n256 fragment's
+// columns 64 J ..): B (16 keys x 64 dims) is one swizzle atom wide, so the descriptor's N stride (LBO)
+// is never used.
+template <int J>
+__device__ __forceinline__ void wgmma_m64n64k16_rA_tB(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[32 * J + 0]), "+f"(d[32 * J + 1]), "+f"(d[32 * J + 2]), "+f"(d[32 * J + 3]), "+f"(d[32 * J + 4]), "+f"(d[32 * J + 5]), "+f"(d[32 * J + 6]), "+f"(d[32 * J + 7]), "+f"(d[32 * J + 8]), "+f"(d[32 * J + 9]), "+f"(d[32 * J + 10]), "+f"(d[32 * J + 11]), "+f"(d[32 * J + 12]), "+f"(d[32 * J + 13]), "+f"(d[32 * J + 14]), "+f"(d[32 * J + 15]), "+f"(d[32 * J + 16]), "+f"(d[32 * J + 17]), "+f"(d[32 * J + 18]), "+f"(d[32 * J + 19]), "+f"(d[32 * J + 20]), "+f"(d[32 * J + 21]), "+f"(d[32 * J + 22]), "+f"(d[32 * J + 23]), "+f"(d[32 * J + 24]), "+f"(d[32 * J + 25]), "+f"(d[32 * J + 26]), "+f"(d[32 * J + 27]), "+f"(d[32 * J + 28]), "+f"(d[32 * J + 29]), "+f"(d[32 * J + 30]), "+f"(d[32 * J + 31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 // qb = bf16_rn(q), 8 values a thread (one 16-byte store); n % 8 == 0.
 __global__ void attention_q_bf16_kernel(const float* __restrict__ q, uint16_t* __restrict__ qb, int64_t n) {
   pdl_wait();
@@ -225,7 +249,7 @@ __device__ __forceinline__ void awg_fence_acc(float (&d)[N]) {
   for (int i = 0; i < N; ++i) fence_reg(d[i]);
 }
 
-template <bool kOverlap>
+template <bool kOverlap, bool kPvN64>
 __global__ void __launch_bounds__(AWG_THREADS, 1)
     attention_prefill_wgmma_kernel(const AwgParams p, const __grid_constant__ CUtensorMap tmap_q,
                                    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
@@ -332,12 +356,21 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   const auto issue_pv = [&](int i, const uint32_t (&pa)[4][4]) {
     const int s = i % AWG_STAGES;
     awg_wait(base + awg_bar_full_v(s), phase(i));
-    uint64_t vd = awg_v_desc0(base + awg_v_off(s));
+    uint64_t vd = awg_v_desc0(base + awg_v_off(s), kPvN64);
     asm volatile("" : "+l"(vd));
     awg_fence_acc(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(vd, kk));
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (kPvN64) {
+        wgmma_m64n64k16_rA_tB<0>(o, pa[kk], awg_v_desc(vd, kk, 0));
+        wgmma_m64n64k16_rA_tB<1>(o, pa[kk], awg_v_desc(vd, kk, 1));
+        wgmma_m64n64k16_rA_tB<2>(o, pa[kk], awg_v_desc(vd, kk, 2));
+        wgmma_m64n64k16_rA_tB<3>(o, pa[kk], awg_v_desc(vd, kk, 3));
+      } else {
+        wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(vd, kk));
+      }
+    }
     wgmma_commit();
   };
   // The online softmax of the finished S_i: P_i into pa, the rescale factor of O into alpha.
