@@ -1,7 +1,7 @@
 // CPU emulator of the wgmma prefill attention's data layout (kernels/attention_wgmma.cuh): with the kernel
 // header's own host-callable pieces (shared-memory offsets, awg_qk_desc, awg_v_desc0, awg_v_desc, awg_cta,
 // awg_key_tiles, awg_tail_row, awg_tile_crosses, awg_acc_row / awg_acc_col, and the per-thread online
-// softmax awg_mask_scale, awg_row_max, awg_exp, awg_pack_p) it runs every CTA of a small problem
+// softmax awg_mask, awg_row_max, awg_exp, awg_pack_p) it runs every CTA of a small problem
 // (4 query heads, 2 KV heads, D 256) over an emulated shared memory, one key tile at a time (the
 // pipeline's order and mbarriers are not emulated: the GPU run checks those):
 //   TMA:    the producer's boxes {64 dims, 64 rows} (Q at (h*256 + 64 j, t0 + 64 cw), K and V at
@@ -146,9 +146,8 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
               }
             sc[t][e] = sum;
           }
-          awg_mask_scale(sc[t], t, i, pos0 + row0 + awg_acc_row(t, 0), crosses, scale_log2);
-          float mm[2] = {m[(cw * 128 + t) * 2], m[(cw * 128 + t) * 2 + 1]};
-          awg_row_max(sc[t], mm, mx[t]);
+          awg_mask(sc[t], t, i, pos0 + row0 + awg_acc_row(t, 0), crosses);
+          awg_row_max(sc[t], mx[t]);
         }
         for (int t = 0; t < 128; ++t) {  // the quad's shuffles
           float q[2] = {mx[t][0], mx[t][1]};
@@ -159,7 +158,7 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
         for (int t = 0; t < 128; ++t) {
           float mm[2], ll[2], al[2];
           for (int r = 0; r < 2; ++r) mm[r] = m[(cw * 128 + t) * 2 + r], ll[r] = l[(cw * 128 + t) * 2 + r];
-          awg_exp(sc[t], red[t], mm, ll, al);
+          awg_exp(sc[t], red[t], scale_log2, mm, ll, al);
           for (int r = 0; r < 2; ++r) m[(cw * 128 + t) * 2 + r] = mm[r], l[(cw * 128 + t) * 2 + r] = ll[r];
           for (int x = 0; x < 128; ++x) acc[size_t((cw * 128 + t) * 128 + x)] *= al[(x >> 1) & 1];
           awg_pack_p(sc[t], pa[t]);

@@ -51,7 +51,8 @@
 //   8 kk + 2 r + 1 (awg_p_acc): the accumulator and A-fragment layouts coincide.
 // Precision: as attention_prefill_kernel: q and p rounded to bf16 for the products, fp32
 //   accumulation, the online softmax (running max, sum, rescale) fp32 in log2 units; o = O / l.
-//   The summation order differs (64-key tiles, wgmma's order), so results match to ~1e-3, not bitwise.
+//   The summation order differs (64-key tiles, wgmma's order), and exp2's argument is one FFMA
+//   (s * scale_log2 - m) with ex2.approx.ftz, so results match it to ~1e-3, not bitwise.
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
@@ -136,37 +137,53 @@ __host__ __device__ constexpr int awg_tail_row(int pos0, int T, int i) {
 __host__ __device__ constexpr bool awg_tile_crosses(int i, int qpos0) { return AWG_KEYS * i + AWG_KEYS - 1 > qpos0; }
 
 // ---- the online softmax of one consumer thread (host-callable: tests/emu/attn_wgmma_emu.cu runs it) ----
-// s[32]: this thread's scores of key tile `tile` (awg_acc_row / awg_acc_col); qpos_g: the position
-// (pos0 + row) of its row g (row g + 8 is qpos_g + 8). Scales by scale_log2 and masks key > qpos.
-__host__ __device__ inline void awg_mask_scale(float (&s)[32], int wt, int tile, int qpos_g, bool crosses,
-                                               float scale_log2) {
+// 2^x: MUFU.EX2 with denormal results flushed to zero on the device (exp2f adds range fix-ups; a p
+// below 2^-126 is nothing next to the row maximum's 1), exp2f on the host.
+__host__ __device__ inline float awg_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+// s[32]: this thread's raw scores of key tile `tile` (awg_acc_row / awg_acc_col); qpos_g: the position
+// (pos0 + row) of its row g (row g + 8 is qpos_g + 8). Masks key > qpos to -inf where the tile crosses
+// the diagonal; the scale is applied in awg_exp.
+__host__ __device__ inline void awg_mask(float (&s)[32], int wt, int tile, int qpos_g, bool crosses) {
+  if (!crosses) return;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     const int key = AWG_KEYS * tile + awg_acc_col(wt, i), qpos = qpos_g + 8 * ((i >> 1) & 1);
-    s[i] = crosses && key > qpos ? -INFINITY : s[i] * scale_log2;
+    if (key > qpos) s[i] = -INFINITY;
   }
 }
-// This thread's share of the row maxima (rows g, g + 8), starting from the running maxima m.
-__host__ __device__ inline void awg_row_max(const float (&s)[32], const float (&m)[2], float (&mx)[2]) {
-  mx[0] = m[0], mx[1] = m[1];
+// This thread's share of the raw row maxima (rows g, g + 8): two chains a row.
+__host__ __device__ inline void awg_row_max(const float (&s)[32], float (&mx)[2]) {
+  float c[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
 #pragma unroll
-  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  for (int i = 0; i < 32; ++i) c[(i >> 1) & 1][(i >> 2) & 1] = fmaxf(c[(i >> 1) & 1][(i >> 2) & 1], s[i]);
+  mx[0] = fmaxf(c[0][0], c[0][1]), mx[1] = fmaxf(c[1][0], c[1][1]);
 }
-// With the quad's row maxima mx (finite: key 0 is visible to every row and tile 0 comes first):
-// s = exp2(s - mx), l = l * alpha + this thread's sum, alpha = exp2(m - mx); m = mx.
-__host__ __device__ inline void awg_exp(float (&s)[32], const float (&mx)[2], float (&m)[2], float (&l)[2],
-                                        float (&alpha)[2]) {
-  float sum[2] = {0.f, 0.f};
+// With the quad's raw row maxima mx: the running maxima in log2 units m' = max(m, mx * scale_log2)
+// (finite: key 0 is visible to every row and tile 0 comes first), s = exp2(s * scale_log2 - m') in one
+// FFMA, l = l * alpha + this thread's sum, alpha = exp2(m - m'); m = m'.
+__host__ __device__ inline void awg_exp(float (&s)[32], const float (&mx)[2], float scale_log2, float (&m)[2],
+                                        float (&l)[2], float (&alpha)[2]) {
+  float mn[2], sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) mn[r] = fmaxf(m[r], mx[r] * scale_log2);
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    s[i] = exp2f(s[i] - mx[(i >> 1) & 1]);
-    sum[(i >> 1) & 1] += s[i];
+    s[i] = awg_exp2(fmaf(s[i], scale_log2, -mn[(i >> 1) & 1]));
+    sum[(i >> 1) & 1][(i >> 2) & 1] += s[i];
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    alpha[r] = exp2f(m[r] - mx[r]);
-    m[r] = mx[r];
-    l[r] = l[r] * alpha[r] + sum[r];
+    alpha[r] = awg_exp2(m[r] - mn[r]);
+    m[r] = mn[r];
+    l[r] = l[r] * alpha[r] + (sum[r][0] + sum[r][1]);
   }
 }
 // P as the A fragments of the 4 k16 steps of the P V product.
@@ -375,15 +392,15 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   };
   // The online softmax of the finished S_i: P_i into pa, the rescale factor of O into alpha.
   const auto softmax = [&](int i, float (&sc)[32], uint32_t (&pa)[4][4], float (&alpha)[2]) {
-    awg_mask_scale(sc, wt, i, qpos_g, awg_tile_crosses(i, pos0 + row0), p.scale_log2);
+    awg_mask(sc, wt, i, qpos_g, awg_tile_crosses(i, pos0 + row0));
     float mx[2];
-    awg_row_max(sc, m, mx);
+    awg_row_max(sc, mx);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
-    awg_exp(sc, mx, m, l, alpha);
+    awg_exp(sc, mx, p.scale_log2, m, l, alpha);
     awg_pack_p(sc, pa);
   };
   const auto rescale = [&](const float (&alpha)[2]) {
