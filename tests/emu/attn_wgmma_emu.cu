@@ -261,6 +261,8 @@ int main() {
   bool ok = run(200, 70, 320, PV_N256, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
   ok &= run(130, 192, 384, PV_N256, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64
   ok &= run(64, 0, 64, PV_N256, rng);         // one tile, the cache exactly full (no tail, warpgroup 1 empty)
+  ok &= run(70, 62, 192, PV_N256, rng);       // first row at position 62: a tile ending one key past it
+  ok &= run(70, 63, 192, PV_N256, rng);       // first row at position 63: the tile ends on it (no mask)
   ok &= run(200, 70, 320, PV_N64, rng);
   ok &= run(200, 70, 320, PV_N64_SWAPPED, rng);
   std::printf(ok && failures == 0 ? "all passed\n" : "FAILED\n");
