@@ -108,17 +108,17 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
     // Per consumer warpgroup and thread: O, running max and sum.
     std::vector<float> acc(size_t(2 * 128 * 128), 0.f), m(2 * 128 * 2, -INFINITY), l(2 * 128 * 2, 0.f);
     for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % AWG_STAGES;
+      const int ks = awg_k_stage(i), vs = awg_v_stage(i);
       for (int j = 0; j < 4; ++j) {
-        tma_box(smem, awg_k_off(s, j), k, max_t, kvcols, kvh * D + 64 * j, 64 * i);
-        tma_box(smem, awg_v_off(s) + j * AWG_BOX_BYTES, v, max_t, kvcols, kvh * D + 64 * j, 64 * i);
+        tma_box(smem, awg_k_off(ks, j), k, max_t, kvcols, kvh * D + 64 * j, 64 * i);
+        tma_box(smem, awg_v_off(vs) + j * AWG_BOX_BYTES, v, max_t, kvcols, kvh * D + 64 * j, 64 * i);
       }
       const int tail = awg_tail_row(pos0, T, i);
       expect(tail >= 1 && tail <= 64 && (tail < 64) == (64 * i + 64 > pos0 + T), "tail row", i, tail);
       if (tail < 64) {
         ++tail_tiles;
         for (int x = tail * 8; x < 64 * 8; ++x)
-          for (int j = 0; j < 4; ++j) std::memset(&smem[awg_v_off(s) + j * AWG_BOX_BYTES + 16 * x], 0, 16);
+          for (int j = 0; j < 4; ++j) std::memset(&smem[awg_v_off(vs) + j * AWG_BOX_BYTES + 16 * x], 0, 16);
       }
       for (int cw = 0; cw < 2; ++cw) {
         const int row0 = t0 + 64 * cw;
@@ -140,7 +140,7 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
             for (int j = 0; j < 4; ++j)
               for (int k16 = 0; k16 < 4; ++k16) {
                 const uint64_t qd = awg_qk_desc(wg_desc(awg_q_off(cw, 0)), j, k16),
-                               kd = awg_qk_desc(wg_desc(awg_k_off(s, 0)), j, k16);
+                               kd = awg_qk_desc(wg_desc(awg_k_off(ks, 0)), j, k16);
                 for (int kx = 0; kx < 16; ++kx)
                   sum += kmajor_elem(smem, qd, ptx_row(t, e), kx) * kmajor_elem(smem, kd, ptx_col(t, e), kx);
               }
@@ -169,8 +169,8 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
             float sum = 0.f;
             for (int kk = 0; kk < 4; ++kk) {
               // n64: accumulator e is element e % 32 of dim block e / 32's m64n64 fragment.
-              const uint64_t vd = pv == PV_N256 ? awg_v_desc(awg_v_desc0(awg_v_off(s)), kk)
-                                                : awg_v_desc(awg_v_desc0(awg_v_off(s), true), kk, e / 32);
+              const uint64_t vd = pv == PV_N256 ? awg_v_desc(awg_v_desc0(awg_v_off(vs)), kk)
+                                                : awg_v_desc(awg_v_desc0(awg_v_off(vs), true), kk, e / 32);
               const int bn = pv == PV_N256 ? n : ptx_col(t, e % 32);
               for (int kx = 0; kx < 16; ++kx) {
                 const int holder = 32 * (row / 16) + 4 * (row % 8) + (kx % 8) / 2, reg = (row % 16) / 8 + 2 * (kx / 8);
@@ -257,6 +257,16 @@ int main() {
   expect((vd & 0x3FFF) == uint64_t((AWG_V_OFF + 2048) >> 4) && ((vd >> 16) & 0x3FFF) == 8192 >> 4 &&
              ((vd >> 32) & 0x3FFF) == 1024 >> 4 && (vd >> 62) == 1 && ((vd >> 49) & 7) == 0,
          "awg_v_desc fields", double(vd & 0x3FFF), double((vd >> 16) & 0x3FFF));
+  {  // the mbarriers: distinct 8-byte slots after the rings, inside the shared memory
+    std::vector<int> bars = {awg_bar_q_full(), awg_bar_v_tail()};
+    for (int s = 0; s < AWG_K_STAGES; ++s) bars.push_back(awg_bar_full_k(s)), bars.push_back(awg_bar_empty_k(s));
+    for (int s = 0; s < AWG_V_STAGES; ++s) bars.push_back(awg_bar_full_v(s)), bars.push_back(awg_bar_empty_v(s));
+    std::sort(bars.begin(), bars.end());
+    expect(int(bars.size()) == AWG_NUM_BARS && bars.front() == AWG_BAR_OFF &&
+               bars.back() + 8 + 1024 <= AWG_SMEM_BYTES && std::adjacent_find(bars.begin(), bars.end()) == bars.end(),
+           "mbarrier slots", bars.front(), bars.back());
+    for (int i = 0; i + 1 < int(bars.size()); ++i) expect(bars[i + 1] - bars[i] == 8, "mbarrier slot spacing", i, bars[i]);
+  }
   std::mt19937 rng(13);
   bool ok = run(200, 70, 320, PV_N256, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
   ok &= run(130, 192, 384, PV_N256, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64

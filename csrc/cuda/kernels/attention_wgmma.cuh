@@ -15,15 +15,17 @@
 // Shared memory (1024-aligned; every part a multiple of 1024 B):
 //   Q    [2 warpgroups][4 dim blocks][64 rows][128 B]   64 KB (loaded once)
 //   K    [2 stages][4 dim blocks][64 keys][128 B]        2 x 32 KB
-//   V    [2 stages][4 dim blocks][64 keys][128 B]        2 x 32 KB
-//   mbarriers q_full, v_tail, full_k[2], empty_k[2], full_v[2], empty_v[2].
+//   V    [3 stages][4 dim blocks][64 keys][128 B]        3 x 32 KB (a warpgroup holds V_{i-1} while
+//                                                        it works on tile i in the overlapped variant)
+//   mbarriers q_full, v_tail, full_k[2], empty_k[2], full_v[3], empty_v[3]: 225 KB in all.
 //   A [64 rows][128 B] block is one TMA box {64 dims, 64 rows} as SWIZZLE_128B writes it: 16-byte
 //   chunk j of row r at r*128 + ((j ^ (r & 7)) << 4) (wg_swz).
 // Warp roles:
 //   warpgroup 0, warp 0 = producer (setmaxnreg 24; the other three warps exit): loads the CTA's Q
 //     (4 boxes per warpgroup that has rows, on q_full), then for key tile i = 0.. (64 keys each, up to pos0 + the CTA's last row)
-//     waits empty_k[i%2] and loads K's 4 boxes on full_k[i%2], then waits empty_v[i%2] and loads V's 4
-//     boxes on full_v[i%2] (32768 bytes each, zero-filled box rows counted too). The one V tile that
+//     waits empty_k[i%2] and loads K's 4 boxes on full_k[i%2], then waits empty_v[i%3] and loads V's 4
+//     boxes on full_v[i%3] (32768 bytes each, zero-filled box rows counted too). Use number i / stages
+//     of a stage has parity (i / stages) & 1 (awg_k_phase / awg_v_phase). The one V tile that
 //     reaches past pos0 + T (when (pos0 + T) % 64 != 0) lands on v_tail instead: the warp zeroes its
 //     rows >= pos0 + T (cache rows no query may see, possibly never written: NaN * 0 would poison o),
 //     fences them for the async proxy and arrives on full_v itself.
@@ -69,14 +71,15 @@ constexpr int AWG_D = 256;           // head_dim
 constexpr int AWG_ROWS = 128;        // query rows per CTA
 constexpr int AWG_WG_ROWS = 64;      // query rows per consumer warpgroup
 constexpr int AWG_KEYS = 64;         // keys per K/V tile
-constexpr int AWG_STAGES = 2;        // K and V tiles in flight (each)
+constexpr int AWG_K_STAGES = 2;      // K tiles in flight
+constexpr int AWG_V_STAGES = 3;      // V tiles in flight (a warpgroup holds V_{i-1} until tile i's softmax is done)
 constexpr int AWG_THREADS = 384, AWG_PRODUCER_REGS = 24, AWG_CONSUMER_REGS = 240;
 constexpr int AWG_BOX_BYTES = 64 * 128;                      // one TMA box {64 dims, 64 rows}
 constexpr int AWG_TILE_BYTES = (AWG_D / 64) * AWG_BOX_BYTES;  // 64 rows x 256 dims: 32768
 constexpr int AWG_Q_BYTES = 2 * AWG_TILE_BYTES;
-constexpr int AWG_K_OFF = AWG_Q_BYTES, AWG_V_OFF = AWG_K_OFF + AWG_STAGES * AWG_TILE_BYTES;
-constexpr int AWG_BAR_OFF = AWG_V_OFF + AWG_STAGES * AWG_TILE_BYTES;
-constexpr int AWG_NUM_BARS = 2 + 4 * AWG_STAGES;
+constexpr int AWG_K_OFF = AWG_Q_BYTES, AWG_V_OFF = AWG_K_OFF + AWG_K_STAGES * AWG_TILE_BYTES;
+constexpr int AWG_BAR_OFF = AWG_V_OFF + AWG_V_STAGES * AWG_TILE_BYTES;
+constexpr int AWG_NUM_BARS = 2 + 2 * AWG_K_STAGES + 2 * AWG_V_STAGES;
 constexpr int AWG_SMEM_BYTES = 1024 + AWG_BAR_OFF + 8 * AWG_NUM_BARS;  // + alignment slack
 static_assert(AWG_SMEM_BYTES <= 227 * 1024, "the attention ring exceeds the 227 KB opt-in shared memory");
 static_assert(AWG_TILE_BYTES % 1024 == 0 && AWG_K_OFF % 1024 == 0 && AWG_V_OFF % 1024 == 0,
@@ -86,9 +89,16 @@ static_assert(AWG_TILE_BYTES % 1024 == 0 && AWG_K_OFF % 1024 == 0 && AWG_V_OFF %
 __host__ __device__ constexpr int awg_bar_q_full() { return AWG_BAR_OFF; }
 __host__ __device__ constexpr int awg_bar_v_tail() { return AWG_BAR_OFF + 8; }
 __host__ __device__ constexpr int awg_bar_full_k(int s) { return AWG_BAR_OFF + 16 + 8 * s; }
-__host__ __device__ constexpr int awg_bar_empty_k(int s) { return AWG_BAR_OFF + 16 + 8 * (AWG_STAGES + s); }
-__host__ __device__ constexpr int awg_bar_full_v(int s) { return AWG_BAR_OFF + 16 + 8 * (2 * AWG_STAGES + s); }
-__host__ __device__ constexpr int awg_bar_empty_v(int s) { return AWG_BAR_OFF + 16 + 8 * (3 * AWG_STAGES + s); }
+__host__ __device__ constexpr int awg_bar_empty_k(int s) { return AWG_BAR_OFF + 16 + 8 * (AWG_K_STAGES + s); }
+__host__ __device__ constexpr int awg_bar_full_v(int s) { return AWG_BAR_OFF + 16 + 8 * (2 * AWG_K_STAGES + s); }
+__host__ __device__ constexpr int awg_bar_empty_v(int s) {
+  return AWG_BAR_OFF + 16 + 8 * (2 * AWG_K_STAGES + AWG_V_STAGES + s);
+}
+// Key tile i's K and V stages and the parity of its use of them (the ring's pass i / stages).
+__host__ __device__ constexpr int awg_k_stage(int i) { return i % AWG_K_STAGES; }
+__host__ __device__ constexpr uint32_t awg_k_phase(int i) { return uint32_t(i / AWG_K_STAGES) & 1; }
+__host__ __device__ constexpr int awg_v_stage(int i) { return i % AWG_V_STAGES; }
+__host__ __device__ constexpr uint32_t awg_v_phase(int i) { return uint32_t(i / AWG_V_STAGES) & 1; }
 
 // Byte offsets of dim block j (64 dims) of consumer cw's Q rows, and of K/V stage s.
 __host__ __device__ constexpr int awg_q_off(int cw, int j) { return cw * AWG_TILE_BYTES + j * AWG_BOX_BYTES; }
@@ -278,10 +288,12 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   if (tid == 0) {
     mbar_init(base + awg_bar_q_full(), 1);
     mbar_init(base + awg_bar_v_tail(), 1);
-    for (int s = 0; s < AWG_STAGES; ++s) {
+    for (int s = 0; s < AWG_K_STAGES; ++s) {
       mbar_init(base + awg_bar_full_k(s), 1);
-      mbar_init(base + awg_bar_full_v(s), 1);
       mbar_init(base + awg_bar_empty_k(s), 8);  // one arrival per consumer warp
+    }
+    for (int s = 0; s < AWG_V_STAGES; ++s) {
+      mbar_init(base + awg_bar_full_v(s), 1);
       mbar_init(base + awg_bar_empty_v(s), 8);
     }
     mbar_init_fence();
@@ -304,18 +316,17 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
                       t0 + AWG_WG_ROWS * cw);
     }
     for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % AWG_STAGES;
-      const uint32_t ph = (i / AWG_STAGES) & 1;
-      if (lane == 0) {
-        mbar_wait(base + awg_bar_empty_k(s), ph ^ 1);
-        mbar_arrive_expect_tx(base + awg_bar_full_k(s), AWG_TILE_BYTES);
+      const int ks = awg_k_stage(i), s = awg_v_stage(i);
+      if (lane == 0) {  // a fresh barrier's "previous" phase (parity 1) counts as complete: no wait at first
+        mbar_wait(base + awg_bar_empty_k(ks), awg_k_phase(i) ^ 1);
+        mbar_arrive_expect_tx(base + awg_bar_full_k(ks), AWG_TILE_BYTES);
         for (int j = 0; j < AWG_D / 64; ++j)
-          tma_load_2d(base + awg_k_off(s, j), &tmap_k, base + awg_bar_full_k(s), kvh * AWG_D + 64 * j, AWG_KEYS * i);
+          tma_load_2d(base + awg_k_off(ks, j), &tmap_k, base + awg_bar_full_k(ks), kvh * AWG_D + 64 * j, AWG_KEYS * i);
       }
       const int tail = awg_tail_row(pos0, p.T, i);
       const uint32_t vbar = base + (tail < AWG_KEYS ? awg_bar_v_tail() : awg_bar_full_v(s));
       if (lane == 0) {
-        mbar_wait(base + awg_bar_empty_v(s), ph ^ 1);
+        mbar_wait(base + awg_bar_empty_v(s), awg_v_phase(i) ^ 1);
         mbar_arrive_expect_tx(vbar, AWG_TILE_BYTES);
         for (int j = 0; j < AWG_D / 64; ++j)
           tma_load_2d(base + awg_v_off(s) + j * AWG_BOX_BYTES, &tmap_v, vbar, kvh * AWG_D + 64 * j, AWG_KEYS * i);
@@ -347,16 +358,15 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
 #pragma unroll
   for (int x = 0; x < 128; ++x) o[x] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this thread's columns only
-  const auto phase = [](int i) { return uint32_t(i / AWG_STAGES) & 1; };
   const auto release = [&](int bar) {
     if (lane == 0) mbar_arrive(base + bar);
   };
   // Queues S = Q K_i^T into sc (one commit group) once K_i has landed.
   const auto issue_qk = [&](int i, float (&sc)[32]) {
-    const int s = i % AWG_STAGES;
+    const int s = awg_k_stage(i);
 #pragma unroll
     for (int x = 0; x < 32; ++x) sc[x] = 0.f;
-    awg_wait(base + awg_bar_full_k(s), phase(i));
+    awg_wait(base + awg_bar_full_k(s), awg_k_phase(i));
     // The descriptor bases opaque, the steps added per instruction: hoisted out of the loop, the 32
     // descriptors would hold 64 registers (spills in the overlapped variant).
     uint64_t qd = wg_desc(q_block), kd = wg_desc(base + awg_k_off(s, 0));
@@ -371,8 +381,8 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   };
   // Queues O += P_i V_i (one commit group) once V_i has landed.
   const auto issue_pv = [&](int i, const uint32_t (&pa)[4][4]) {
-    const int s = i % AWG_STAGES;
-    awg_wait(base + awg_bar_full_v(s), phase(i));
+    const int s = awg_v_stage(i);
+    awg_wait(base + awg_bar_full_v(s), awg_v_phase(i));
     uint64_t vd = awg_v_desc0(base + awg_v_off(s), kPvN64);
     asm volatile("" : "+l"(vd));
     awg_fence_acc(o);
@@ -417,13 +427,13 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
       issue_qk(i, sc);
       wgmma_wait<0>();
       awg_fence_acc(sc);
-      release(awg_bar_empty_k(i % AWG_STAGES));
+      release(awg_bar_empty_k(awg_k_stage(i)));
       softmax(i, sc, pa, alpha);
       rescale(alpha);
       issue_pv(i, pa);
       wgmma_wait<0>();
       awg_fence_acc(o);
-      release(awg_bar_empty_v(i % AWG_STAGES));
+      release(awg_bar_empty_v(awg_v_stage(i)));
     }
   } else if (my_tiles > 0) {
     // Tile i's softmax runs while the tensor cores do P_{i-1} V_{i-1}; O is rescaled by tile i's alpha
@@ -441,11 +451,11 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
       issue_pv(i - 1, p_prev);
       wgmma_wait<1>();  // S_i done (groups retire in order); P_{i-1} V_{i-1} may still run
       awg_fence_acc(sc);
-      release(awg_bar_empty_k(i % AWG_STAGES));
+      release(awg_bar_empty_k(awg_k_stage(i)));
       softmax(i, sc, p_next, alpha);
       wgmma_wait<0>();
       awg_fence_acc(o);
-      release(awg_bar_empty_v((i - 1) % AWG_STAGES));
+      release(awg_bar_empty_v(awg_v_stage(i - 1)));
       rescale(alpha);
     };
     // P alternates between pa and pb. A copy pb -> pa would let ptxas give the next P the registers of
@@ -464,15 +474,15 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     }
     wgmma_wait<0>();
     awg_fence_acc(o);
-    release(awg_bar_empty_v((my_tiles - 1) % AWG_STAGES));
+    release(awg_bar_empty_v(awg_v_stage(my_tiles - 1)));
   }
   // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal): release them once they have landed.
 #pragma unroll 1
   for (int i = my_tiles; i < n_tiles; ++i) {
-    awg_wait(base + awg_bar_full_k(i % AWG_STAGES), phase(i));
-    awg_wait(base + awg_bar_full_v(i % AWG_STAGES), phase(i));
-    release(awg_bar_empty_k(i % AWG_STAGES));
-    release(awg_bar_empty_v(i % AWG_STAGES));
+    awg_wait(base + awg_bar_full_k(awg_k_stage(i)), awg_k_phase(i));
+    awg_wait(base + awg_bar_full_v(awg_v_stage(i)), awg_v_phase(i));
+    release(awg_bar_empty_k(awg_k_stage(i)));
+    release(awg_bar_empty_v(awg_v_stage(i)));
   }
 
   // o = O / l for this thread's rows g, g + 8 (l summed over the quad's columns).
