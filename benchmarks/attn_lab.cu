@@ -158,8 +158,10 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
   // The cache rows this chunk may not see, NaN (restored at the end for the next chunk).
   const int64_t row_elems = int64_t(kNKV) * kD, poison0 = int64_t(pos0 + T) * row_elems;
   const int64_t poison_n = int64_t(kMaxT) * row_elems - poison0;
-  CK(cudaMemset(dk + poison0, 0xFF, poison_n * 2));  // 0xFFFF: a bf16 NaN
-  CK(cudaMemset(dv + poison0, 0xFF, poison_n * 2));
+  if (poison_n > 0) {  // 0xFFFF: a bf16 NaN
+    CK(cudaMemset(dk + poison0, 0xFF, poison_n * 2));
+    CK(cudaMemset(dv + poison0, 0xFF, poison_n * 2));
+  }
 
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(kD)));
   const PrefillParams pp{dq, reinterpret_cast<const bf16*>(dk), reinterpret_cast<const bf16*>(dv), d_o, dpos,
@@ -234,8 +236,10 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
     std::fflush(stdout);
   }
 
-  CK(cudaMemcpy(dk + poison0, hk.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dv + poison0, hv.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
+  if (poison_n > 0) {
+    CK(cudaMemcpy(dk + poison0, hk.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dv + poison0, hv.data() + poison0, poison_n * 2, cudaMemcpyHostToDevice));
+  }
   cudaFree(dq), cudaFree(d_o), cudaFree(dqb), cudaFree(dpos);
 }
 
