@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 BIN="${TMPDIR:-/tmp}/attn_lab"
 rm -f "$BIN"
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=-warn-spills,-v \
-  -I csrc -o "$BIN" benchmarks/attn_lab.cu 2>&1 | grep -E "error|warning|C75|Used|spill" || true
+  -I csrc -o "$BIN" benchmarks/attn_lab.cu 2>&1 | grep -E "error|warning|C75|Compiling entry|Used|spill" || true
 [ -x "$BIN" ] || exit 1
 run() {
   local status=0 args
