@@ -212,8 +212,13 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
     int64_t bad = 0;
     for (float x : h_o) bad += !std::isfinite(x);
     double err = 0;
+    int64_t worst = -1;  // the sampled output with the largest error (printed on a FAIL)
+    size_t worst_ref = 0;
     for (size_t n = 0; n < ref.base.size(); ++n)
-      for (int e = 0; e < kD; ++e) err = std::max(err, std::fabs(h_o[ref.base[n] + e] - ref.o[n * kD + e]));
+      for (int e = 0; e < kD; ++e) {
+        const double d = std::fabs(h_o[ref.base[n] + e] - ref.o[n * kD + e]);
+        if (!(d <= err)) err = d, worst = ref.base[n] + e, worst_ref = n * kD + e;
+      }
     err = bad ? INFINITY : err / ref.max_abs;
     char vs_s[32] = "-", us_s[32] = "-", tf_s[32] = "-", cvt_s[32] = "-";
     if (is_mma) {
@@ -233,6 +238,10 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
     if (!is_mma || !g_quiet)
       std::printf("| %-9s | %5d | %6d | %8s | %7s | %10s | %9.2e | %11s | %s |\n", v.name, T, pos0, us_s, tf_s, cvt_s,
                 err, vs_s, fail ? (bad ? "FAIL (non-finite)" : "FAIL") : (is_mma ? "ref" : "ok"));
+    if (fail && worst >= 0)  // where: a layout error shows in which rows / dims go wrong
+      std::printf("  %s: worst sampled output row %lld, head %lld, dim %lld: %g, reference %g (%lld non-finite)\n",
+                  v.name, (long long)(worst / (int64_t(kNH) * kD)), (long long)(worst / kD % kNH),
+                  (long long)(worst % kD), h_o[worst], ref.o[worst_ref], (long long)bad);
     std::fflush(stdout);
   }
 
