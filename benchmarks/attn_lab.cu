@@ -1,15 +1,17 @@
 // attn_lab: the prefill attention at the engine's shapes (16 query heads, 2 KV heads, head_dim 256),
 // self-checking, one table row per (kernel, chunk):
 //   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (what attention.cu runs)
-//   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel<false, false> (TMA, mbarriers, wgmma;
+//   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel<false, false, false> (TMA, mbarriers, wgmma;
 //              each warpgroup's S, softmax and P V in sequence) on q converted to bf16 by
 //              attention_q_bf16_kernel first; "us" and TFLOP/s are the attention kernel's, the
 //              conversion's time is the "q->bf16 us" column (the engine would pay both)
-//   wgmma-ovl  attention_prefill_wgmma_kernel<true, false>: a warpgroup's softmax of key tile i overlaps
-//              its own P V of tile i - 1 (FlashAttention-3's intra-warpgroup overlap)
-//   wgmma-n64  attention_prefill_wgmma_kernel<false, true>: wgmma with P V as m64n64k16 per 64-dim block,
+//   wgmma-ovl  attention_prefill_wgmma_kernel<true, false, false>: a warpgroup's softmax of key tile i
+//              overlaps its own P V of tile i - 1 (FlashAttention-3's intra-warpgroup overlap)
+//   wgmma-n64  attention_prefill_wgmma_kernel<false, true, false>: wgmma with P V as m64n64k16 per 64-dim block,
 //              whose V descriptor does not depend on the atom-stride field (LBO): if wgmma fails and
 //              this passes, the m64n256 form's LBO/SBO reading is wrong (kernels/attention_wgmma.cuh)
+//   wgmma-pp   attention_prefill_wgmma_kernel<true, false, true>: wgmma-ovl with the two consumer
+//              warpgroups queueing their products in alternate turns (FA3's pingpong, named barriers)
 // Chunks: T = 4096 at pos0 = 0 (a 4K prompt) and T = 4096 at pos0 = 28672 (the last chunk of a 32K
 // prompt), timed; T = 1000 at pos0 = 77 (ragged: a partial CTA tile, a warpgroup with no rows, a V tile
 // past pos0 + T), checked only. The cache holds maxT = 32768 rows; rows >= pos0 + T are poisoned with
@@ -24,8 +26,8 @@
 // all outputs. FAIL (exit 1) when a wgmma variant's err exceeds 2 x mma.sync's or 1e-2, or on a non-finite
 // output.
 // Run: bash benchmarks/attn_lab.sh (builds it, runs one process per wgmma variant under a time-out, so a
-// hang in one still shows the others); by hand: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64] (-n: no
-// header and no mma.sync rows, which still run as the reference; no variant named: all).
+// hang in one still shows the others); by hand: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64] [wgmma-pp]
+// (-n: no header and no mma.sync rows, which still run as the reference; no variant named: all).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -184,11 +186,13 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
   const Variant variants[] = {
       {"mma.sync", [&] { attention_prefill_kernel<kD><<<old_grid, kPrefillThreads, prefill_smem_bytes<kD>()>>>(pp); }},
       {"wgmma",
-       [&] { attention_prefill_wgmma_kernel<false, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
+       [&] { attention_prefill_wgmma_kernel<false, false, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
       {"wgmma-ovl",
-       [&] { attention_prefill_wgmma_kernel<true, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
+       [&] { attention_prefill_wgmma_kernel<true, false, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
       {"wgmma-n64",
-       [&] { attention_prefill_wgmma_kernel<false, true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
+       [&] { attention_prefill_wgmma_kernel<false, true, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
+      {"wgmma-pp",
+       [&] { attention_prefill_wgmma_kernel<true, false, true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
   };
   const Reference ref = reference(hq, T, pos0, hk, hv);
   double keys = 0;
@@ -256,17 +260,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-n") g_quiet = true;
-    else if (a == "wgmma" || a == "wgmma-ovl" || a == "wgmma-n64") g_variants.push_back(a);
-    else return std::fprintf(stderr, "usage: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64]\n"), 2;
+    else if (a == "wgmma" || a == "wgmma-ovl" || a == "wgmma-n64" || a == "wgmma-pp") g_variants.push_back(a);
+    else return std::fprintf(stderr, "usage: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64] [wgmma-pp]\n"), 2;
   }
   CK(cudaFuncSetAttribute(attention_prefill_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           prefill_smem_bytes<kD>()));
-  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          AWG_SMEM_BYTES));
-  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          AWG_SMEM_BYTES));
-  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          AWG_SMEM_BYTES));
+  for (const void* k : {reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<false, false, false>),
+                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<true, false, false>),
+                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<false, true, false>),
+                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<true, false, true>)})
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, AWG_SMEM_BYTES));
   const int64_t cache_n = int64_t(kMaxT) * kNKV * kD;
   std::vector<uint16_t> hk(cache_n), hv(cache_n);
   for (auto& x : hk) x = uint16_t(wg_pack_bf16x2(2.f * rndu() - 1.f, 0.f));

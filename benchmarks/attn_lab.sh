@@ -15,7 +15,7 @@ nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constex
 [ -x "$BIN" ] || exit 1
 run() {
   local status=0 args
-  for args in "wgmma" "-n wgmma-ovl" "-n wgmma-n64"; do
+  for args in "wgmma" "-n wgmma-ovl" "-n wgmma-n64" "-n wgmma-pp"; do
     timeout 120 "$BIN" $args
     local rc=$?
     if [ $rc != 0 ]; then

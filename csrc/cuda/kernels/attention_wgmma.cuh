@@ -270,16 +270,29 @@ __device__ __forceinline__ void awg_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// Named barriers 1 and 2 (0 is __syncthreads'): the consumer warpgroups' turns (kPingpong). Warpgroup cw
+// waits on barrier 1 + cw with its 128 threads, the other warpgroup's 128 arrive on it.
+// Immediate ids: a barrier id in a register makes ptxas reserve all 16.
+template <int ID>
+__device__ __forceinline__ void awg_bar_sync() {
+  asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
+}
+template <int ID>
+__device__ __forceinline__ void awg_bar_arrive() {
+  asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void awg_fence_acc(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) fence_reg(d[i]);
 }
 
-template <bool kOverlap, bool kPvN64>
+template <bool kOverlap, bool kPvN64, bool kPingpong>
 __global__ void __launch_bounds__(AWG_THREADS, 1)
     attention_prefill_wgmma_kernel(const AwgParams p, const __grid_constant__ CUtensorMap tmap_q,
                                    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
+  static_assert(kOverlap || !kPingpong, "the warpgroups' turns are those of the overlapped loop");
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -361,12 +374,13 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   const auto release = [&](int bar) {
     if (lane == 0) mbar_arrive(base + bar);
   };
-  // Queues S = Q K_i^T into sc (one commit group) once K_i has landed.
+  const auto wait_k = [&](int i) { awg_wait(base + awg_bar_full_k(awg_k_stage(i)), awg_k_phase(i)); };
+  const auto wait_v = [&](int i) { awg_wait(base + awg_bar_full_v(awg_v_stage(i)), awg_v_phase(i)); };
+  // Queues S = Q K_i^T into sc (one commit group; K_i has landed: wait_k).
   const auto issue_qk = [&](int i, float (&sc)[32]) {
     const int s = awg_k_stage(i);
 #pragma unroll
     for (int x = 0; x < 32; ++x) sc[x] = 0.f;
-    awg_wait(base + awg_bar_full_k(s), awg_k_phase(i));
     // The descriptor bases opaque, the steps added per instruction: hoisted out of the loop, the 32
     // descriptors would hold 64 registers (spills in the overlapped variant).
     uint64_t qd = wg_desc(q_block), kd = wg_desc(base + awg_k_off(s, 0));
@@ -379,10 +393,9 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
       for (int k16 = 0; k16 < 4; ++k16) wgmma_m64n64k16_ss(sc, awg_qk_desc(qd, j, k16), awg_qk_desc(kd, j, k16));
     wgmma_commit();
   };
-  // Queues O += P_i V_i (one commit group) once V_i has landed.
+  // Queues O += P_i V_i (one commit group; V_i has landed: wait_v).
   const auto issue_pv = [&](int i, const uint32_t (&pa)[4][4]) {
     const int s = awg_v_stage(i);
-    awg_wait(base + awg_bar_full_v(s), awg_v_phase(i));
     uint64_t vd = awg_v_desc0(base + awg_v_off(s), kPvN64);
     asm volatile("" : "+l"(vd));
     awg_fence_acc(o);
@@ -417,6 +430,16 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
 #pragma unroll
     for (int x = 0; x < 128; ++x) o[x] *= alpha[(x >> 1) & 1];
   };
+  // kPingpong: a warpgroup queues its wgmma only in its turn, the two warpgroups alternating (warpgroup 0
+  // first), so that one's softmax runs while the other's products do. Every warpgroup takes n_tiles + 1
+  // turns (one per queueing point: the first S, each step, the last P V; the rest empty).
+  const auto turn_begin = [&] {
+    if constexpr (kPingpong) cw == 0 ? awg_bar_sync<1>() : awg_bar_sync<2>();
+  };
+  const auto turn_end = [&] {  // the other warpgroup's barrier
+    if constexpr (kPingpong) cw == 0 ? awg_bar_arrive<2>() : awg_bar_arrive<1>();
+  };
+  if (kPingpong && cw == 1) awg_bar_arrive<1>();  // warpgroup 0's first turn
   awg_wait(base + awg_bar_q_full(), 0);
 
   float sc[32], alpha[2];
@@ -424,12 +447,14 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   if constexpr (!kOverlap) {
 #pragma unroll 1
     for (int i = 0; i < my_tiles; ++i) {
+      wait_k(i);
       issue_qk(i, sc);
       wgmma_wait<0>();
       awg_fence_acc(sc);
       release(awg_bar_empty_k(awg_k_stage(i)));
       softmax(i, sc, pa, alpha);
       rescale(alpha);
+      wait_v(i);
       issue_pv(i, pa);
       wgmma_wait<0>();
       awg_fence_acc(o);
@@ -438,7 +463,10 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   } else if (my_tiles > 0) {
     // Tile i's softmax runs while the tensor cores do P_{i-1} V_{i-1}; O is rescaled by tile i's alpha
     // once that product is done (it is relative to the previous maximum).
+    wait_k(0);
+    turn_begin();
     issue_qk(0, sc);
+    turn_end();
     wgmma_wait<0>();
     awg_fence_acc(sc);
     release(awg_bar_empty_k(0));
@@ -447,8 +475,12 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     // Step i: S_i and P_{i-1} V_{i-1} queued (P_{i-1} in p_prev), the softmax of S_i into p_next while
     // the product runs, O rescaled once it is done.
     const auto step = [&](int i, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
+      wait_k(i);
+      wait_v(i - 1);
+      turn_begin();
       issue_qk(i, sc);
       issue_pv(i - 1, p_prev);
+      turn_end();
       wgmma_wait<1>();  // S_i done (groups retire in order); P_{i-1} V_{i-1} may still run
       awg_fence_acc(sc);
       release(awg_bar_empty_k(awg_k_stage(i)));
@@ -466,21 +498,30 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
       step(i, pa, pb);
       step(i + 1, pb, pa);
     }
-    if (i < my_tiles) {
-      step(i, pa, pb);
-      issue_pv(my_tiles - 1, pb);
-    } else {
-      issue_pv(my_tiles - 1, pa);
-    }
+    if (i < my_tiles) step(i, pa, pb);
+    wait_v(my_tiles - 1);
+    turn_begin();
+    if (i < my_tiles) issue_pv(my_tiles - 1, pb);
+    else issue_pv(my_tiles - 1, pa);
+    turn_end();
     wgmma_wait<0>();
     awg_fence_acc(o);
     release(awg_bar_empty_v(awg_v_stage(my_tiles - 1)));
   }
+  if constexpr (kPingpong) {  // the turns left (a warpgroup with fewer tiles, or none), then warpgroup
+                              // 0 takes up warpgroup 1's last arrival: both barriers end balanced
+#pragma unroll 1
+    for (int t = my_tiles > 0 ? my_tiles + 1 : 0; t < n_tiles + 1; ++t) {
+      turn_begin();
+      turn_end();
+    }
+    if (cw == 0) awg_bar_sync<1>();
+  }
   // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal): release them once they have landed.
 #pragma unroll 1
   for (int i = my_tiles; i < n_tiles; ++i) {
-    awg_wait(base + awg_bar_full_k(awg_k_stage(i)), awg_k_phase(i));
-    awg_wait(base + awg_bar_full_v(awg_v_stage(i)), awg_v_phase(i));
+    wait_k(i);
+    wait_v(i);
     release(awg_bar_empty_k(awg_k_stage(i)));
     release(awg_bar_empty_v(awg_v_stage(i)));
   }
