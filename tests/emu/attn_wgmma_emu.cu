@@ -21,6 +21,10 @@
 //           (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2; stated here
 //           independently of awg_acc_*, which are checked against it);
 //   store:  the epilogue's rows and columns, inside T.
+// Then the pipeline protocol (proto::): the producer, both consumer warpgroups and the TMA engine as
+// actors running each variant's operations in the kernel's order over emulated mbarriers and named
+// barriers, under random schedules (a deadlock the GPU would hang on shows here; it found one in the
+// first pingpong design, whose idle warpgroup took its turns before releasing its tiles).
 // Checks every output stored exactly once, finite, and within 1e-2 x max |o| of an fp64 reference on the
 // same bf16 q, k, v (the kernel rounds p to bf16 too), and that tiles awg_tile_crosses skips hold no
 // masked key. Cases: ragged T and pos0 (a V tile past pos0 + T, a partial warpgroup, a warpgroup with
@@ -30,6 +34,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -241,6 +246,239 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
   return ok;
 }
 
+// ---- The pipeline protocol: producer, two consumer warpgroups and the TMA engine as actors over the
+// kernel's mbarriers (count, pending arrivals, transaction bytes, phase parity) and named barriers,
+// each actor's operations in the kernel's order for a variant, run under random schedules. Checks: no
+// deadlock, every tile a consumer reads is the one it expects (zeroed past pos0 + T), no TMA write into
+// a stage a consumer is still reading, and every barrier balanced at the end.
+namespace proto {
+
+enum Kind { WAIT, ARRIVE, EXPECT_TX, TMA, ZERO, BEGIN_READ, END_READ, BAR_SYNC, BAR_ARRIVE };
+struct Op {
+  Kind kind;
+  int bar = 0, arg = 0;           // mbarrier offset / named barrier id; parity, arrivals or bytes
+  int ring = 0, stage = 0, tile = 0;  // ring 0 = K, 1 = V (TMA, ZERO, reads)
+};
+struct Mbar {
+  int count = 0, pending = 0, tx = 0, phase = 0;  // phase: the parity of the phase in progress
+};
+struct Stage {
+  int tile = -1, readers = 0;
+  bool zeroed = false;
+};
+
+struct Sim {
+  std::map<int, Mbar> bars;
+  Stage stages[2][3];
+  std::vector<Op> prog[3];  // producer, consumer warpgroups 0 and 1
+  size_t pc[3] = {0, 0, 0};
+  std::vector<Op> tma_pending;  // issued, not landed
+  int named[3] = {0, 0, 0};    // threads arrived at named barrier 1, 2 in the current generation
+  int syncing[3] = {-1, -1, -1};  // warpgroup waiting at named barrier id (-1: none)
+  int pos0 = 0, T = 0;
+  bool error = false;
+
+  void fail(const char* what, int a, int b) {
+    if (!error) expect(false, what, a, b);
+    error = true;
+  }
+  void complete_tx(int bar, int bytes) {
+    Mbar& m = bars[bar];
+    m.tx -= bytes;
+    maybe_flip(m);
+  }
+  static void maybe_flip(Mbar& m) {
+    if (m.pending == 0 && m.tx == 0) m.phase ^= 1, m.pending = m.count;
+  }
+  // try_wait.parity: the phase of that parity has completed (a fresh barrier: parity 1 has).
+  bool done(int bar, int parity) { return bars[bar].phase != parity; }
+  // Runs actor a's next operation if it can; false when it is blocked (or finished).
+  bool step(int a) {
+    if (pc[a] >= prog[a].size()) return false;
+    const Op& op = prog[a][pc[a]];
+    switch (op.kind) {
+      case WAIT:
+        if (!done(op.bar, op.arg)) return false;
+        break;
+      case ARRIVE: {
+        Mbar& m = bars[op.bar];
+        m.pending -= op.arg;
+        if (m.pending < 0) fail("mbarrier over-arrived (offset, pending)", op.bar, m.pending);
+        maybe_flip(m);
+        break;
+      }
+      case EXPECT_TX: {
+        Mbar& m = bars[op.bar];
+        m.tx += op.arg, m.pending -= 1;
+        if (m.pending < 0) fail("mbarrier over-arrived (offset, pending)", op.bar, m.pending);
+        maybe_flip(m);
+        break;
+      }
+      case TMA:
+        tma_pending.push_back(op);
+        break;
+      case ZERO: {
+        Stage& st = stages[op.ring][op.stage];
+        if (st.tile != op.tile || st.readers) fail("zeroing a stage not holding its tile (tile, stage)", op.tile, op.stage);
+        st.zeroed = true;
+        break;
+      }
+      case BEGIN_READ: {
+        Stage& st = stages[op.ring][op.stage];
+        const bool tail = op.ring == 1 && awg_tail_row(pos0, T, op.tile) < AWG_KEYS;
+        if (st.tile != op.tile || st.zeroed != tail) fail("consumer read the wrong tile (expected, found)", op.tile, st.tile);
+        ++st.readers;
+        break;
+      }
+      case END_READ:
+        --stages[op.ring][op.stage].readers;
+        break;
+      case BAR_SYNC:
+        if (syncing[op.bar] != a) {  // first visit: arrive with 128 threads, then wait for the generation
+          if (syncing[op.bar] != -1) fail("two warpgroups wait at one named barrier", op.bar, a);
+          syncing[op.bar] = a;
+          named[op.bar] += 128;
+        }
+        if (named[op.bar] < 256) return false;
+        named[op.bar] = 0, syncing[op.bar] = -1;
+        break;
+      case BAR_ARRIVE:
+        named[op.bar] += 128;
+        if (named[op.bar] == 256 && syncing[op.bar] == -1) fail("named barrier completed by arrivals alone", op.bar, a);
+        break;
+    }
+    ++pc[a];
+    return true;
+  }
+  // A landed TMA: its tile into the stage (none may be reading it), then its bytes on the mbarrier.
+  void land(size_t k) {
+    const Op op = tma_pending[k];
+    tma_pending.erase(tma_pending.begin() + long(k));
+    if (op.ring >= 0) {
+      Stage& st = stages[op.ring][op.stage];
+      if (st.readers) fail("TMA overwrote a stage being read (tile, stage)", op.tile, op.stage);
+      st.tile = op.tile, st.zeroed = false;
+    }
+    complete_tx(op.bar, op.arg);
+  }
+};
+
+// The kernel's operations for one CTA (q tile t0) and variant, in its order.
+static void build(Sim& sm, int T, int pos0, int t0, bool overlap, bool pingpong) {
+  sm.T = T, sm.pos0 = pos0;
+  auto init = [&](int bar, int count) { sm.bars[bar] = Mbar{count, count, 0, 0}; };
+  init(awg_bar_q_full(), 1), init(awg_bar_v_tail(), 1);
+  for (int s = 0; s < AWG_K_STAGES; ++s) init(awg_bar_full_k(s), 1), init(awg_bar_empty_k(s), 8);
+  for (int s = 0; s < AWG_V_STAGES; ++s) init(awg_bar_full_v(s), 1), init(awg_bar_empty_v(s), 8);
+  const int n_tiles = awg_key_tiles(pos0, std::min(t0 + AWG_ROWS, T));
+  auto& pr = sm.prog[0];
+  const int q_wgs = t0 + AWG_WG_ROWS < T ? 2 : 1;
+  pr.push_back({EXPECT_TX, awg_bar_q_full(), q_wgs * AWG_TILE_BYTES});
+  pr.push_back({TMA, awg_bar_q_full(), q_wgs * AWG_TILE_BYTES, -1});
+  for (int i = 0; i < n_tiles; ++i) {
+    const int ks = awg_k_stage(i), vs = awg_v_stage(i);
+    pr.push_back({WAIT, awg_bar_empty_k(ks), int(awg_k_phase(i) ^ 1)});
+    pr.push_back({EXPECT_TX, awg_bar_full_k(ks), AWG_TILE_BYTES});
+    pr.push_back({TMA, awg_bar_full_k(ks), AWG_TILE_BYTES, 0, ks, i});
+    pr.push_back({WAIT, awg_bar_empty_v(vs), int(awg_v_phase(i) ^ 1)});
+    if (awg_tail_row(pos0, T, i) < AWG_KEYS) {
+      pr.push_back({EXPECT_TX, awg_bar_v_tail(), AWG_TILE_BYTES});
+      pr.push_back({TMA, awg_bar_v_tail(), AWG_TILE_BYTES, 1, vs, i});
+      pr.push_back({WAIT, awg_bar_v_tail(), 0});
+      pr.push_back({ZERO, 0, 0, 1, vs, i});
+      pr.push_back({ARRIVE, awg_bar_full_v(vs), 1});
+    } else {
+      pr.push_back({EXPECT_TX, awg_bar_full_v(vs), AWG_TILE_BYTES});
+      pr.push_back({TMA, awg_bar_full_v(vs), AWG_TILE_BYTES, 1, vs, i});
+    }
+  }
+  for (int cw = 0; cw < 2; ++cw) {
+    auto& c = sm.prog[1 + cw];
+    const int row0 = t0 + AWG_WG_ROWS * cw;
+    const int my = row0 < T ? awg_key_tiles(pos0, std::min(row0 + AWG_WG_ROWS, T)) : 0;
+    const int mine = 1 + cw, other = 2 - cw;  // named barrier ids: this warpgroup's, the other's
+    auto wait_k = [&](int i) { c.push_back({WAIT, awg_bar_full_k(awg_k_stage(i)), int(awg_k_phase(i))}); };
+    auto wait_v = [&](int i) { c.push_back({WAIT, awg_bar_full_v(awg_v_stage(i)), int(awg_v_phase(i))}); };
+    auto read = [&](int ring, int i, bool begin) {
+      c.push_back({begin ? BEGIN_READ : END_READ, 0, 0, ring, ring ? awg_v_stage(i) : awg_k_stage(i), i});
+    };
+    auto rel_k = [&](int i) { c.push_back({ARRIVE, awg_bar_empty_k(awg_k_stage(i)), 4}); };  // 4 warps
+    auto rel_v = [&](int i) { c.push_back({ARRIVE, awg_bar_empty_v(awg_v_stage(i)), 4}); };
+    auto turn_begin = [&] { if (pingpong) c.push_back({BAR_SYNC, mine}); };
+    auto turn_end = [&] { if (pingpong) c.push_back({BAR_ARRIVE, other}); };
+    if (pingpong && cw == 1) c.push_back({BAR_ARRIVE, 1});
+    c.push_back({WAIT, awg_bar_q_full(), 0});
+    if (!overlap) {
+      for (int i = 0; i < my; ++i) {
+        wait_k(i), read(0, i, true), read(0, i, false), rel_k(i);
+        wait_v(i), read(1, i, true), read(1, i, false), rel_v(i);
+      }
+    } else if (my > 0) {
+      wait_k(0), turn_begin(), read(0, 0, true), turn_end(), read(0, 0, false), rel_k(0);
+      for (int i = 1; i < my; ++i) {
+        wait_k(i), wait_v(i - 1), turn_begin(), read(0, i, true), read(1, i - 1, true), turn_end();
+        read(0, i, false), rel_k(i), read(1, i - 1, false), rel_v(i - 1);
+      }
+      wait_v(my - 1), turn_begin(), read(1, my - 1, true), turn_end(), read(1, my - 1, false), rel_v(my - 1);
+    }
+    if (pingpong && my == 0) turn_begin(), turn_end();
+    for (int i = my; i < n_tiles; ++i) wait_k(i), wait_v(i), rel_k(i), rel_v(i), turn_begin(), turn_end();
+    if (pingpong && cw == 0) c.push_back({BAR_SYNC, 1});
+  }
+}
+
+// Random schedules of one CTA; false on a deadlock or a failed check.
+static bool run_cta(int T, int pos0, int t0, bool overlap, bool pingpong, int seeds, std::mt19937& rng) {
+  for (int seed = 0; seed < seeds; ++seed) {
+    Sim sm;
+    build(sm, T, pos0, t0, overlap, pingpong);
+    while (!sm.error) {
+      // Runnable: actors that can step, and each pending TMA. Pick one at random.
+      std::vector<int> choices;
+      for (int a = 0; a < 3; ++a) {
+        Sim probe = sm;  // an actor is runnable if its next operation proceeds
+        if (probe.step(a)) choices.push_back(a);
+      }
+      for (size_t k = 0; k < sm.tma_pending.size(); ++k) choices.push_back(3 + int(k));
+      if (choices.empty()) break;
+      const int pick = choices[std::uniform_int_distribution<size_t>(0, choices.size() - 1)(rng)];
+      if (pick < 3) sm.step(pick);
+      else sm.land(size_t(pick - 3));
+    }
+    bool finished = sm.tma_pending.empty();
+    for (int a = 0; a < 3; ++a) finished &= sm.pc[a] == sm.prog[a].size();
+    if (!finished) sm.fail("deadlock (actor pcs: producer, consumer 0)", int(sm.pc[0]), int(sm.pc[1]));
+    for (auto& [off, m] : sm.bars)
+      if (m.tx != 0 || m.pending != m.count) sm.fail("mbarrier left mid-phase (offset, pending)", off, m.pending);
+    if (sm.named[1] || sm.named[2]) sm.fail("named barrier left with arrivals (1, 2)", sm.named[1], sm.named[2]);
+    if (sm.error) {
+      std::printf("BAD  protocol T %d, pos0 %d, t0 %d, overlap %d, pingpong %d, seed %d\n", T, pos0, t0, overlap,
+                  pingpong, seed);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace proto
+
+// Every CTA of a few problems, each variant's protocol, under random schedules.
+static bool run_protocol(std::mt19937& rng) {
+  struct Case {
+    int T, pos0;
+  };
+  int ctas = 0;
+  bool ok = true;
+  for (const Case& c : {Case{200, 70}, Case{130, 192}, Case{64, 0}, Case{1000, 77}, Case{300, 2000}})
+    for (int v = 0; v < 3; ++v)
+      for (int q = 0; q < awg_q_tiles(c.T); ++q) {
+        ok &= proto::run_cta(c.T, c.pos0, q * AWG_ROWS, v >= 1, v == 2, 20, rng);
+        ++ctas;
+      }
+  std::printf("%s protocol: %d CTA x variant runs of 20 random schedules each\n", ok ? "ok  " : "BAD ", ctas);
+  return ok;
+}
+
 int main() {
   for (int t = 0; t < 128; ++t)  // the kernel's accumulator mapping is the PTX fragment's
     for (int i = 0; i < 128; ++i) {
@@ -275,6 +513,7 @@ int main() {
   ok &= run(70, 63, 192, PV_N256, rng);       // first row at position 63: the tile ends on it (no mask)
   ok &= run(200, 70, 320, PV_N64, rng);
   ok &= run(200, 70, 320, PV_N64_SWAPPED, rng);
+  ok &= run_protocol(rng);
   std::printf(ok && failures == 0 ? "all passed\n" : "FAILED\n");
   return ok && failures == 0 ? 0 : 1;
 }

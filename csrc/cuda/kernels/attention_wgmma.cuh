@@ -508,23 +508,21 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     awg_fence_acc(o);
     release(awg_bar_empty_v(awg_v_stage(my_tiles - 1)));
   }
-  if constexpr (kPingpong) {  // the turns left (a warpgroup with fewer tiles, or none), then warpgroup
-                              // 0 takes up warpgroup 1's last arrival: both barriers end balanced
-#pragma unroll 1
-    for (int t = my_tiles > 0 ? my_tiles + 1 : 0; t < n_tiles + 1; ++t) {
-      turn_begin();
-      turn_end();
-    }
-    if (cw == 0) awg_bar_sync<1>();
-  }
-  // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal): release them once they have landed.
+  // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal, or a warpgroup with no rows):
+  // release them once they have landed. kPingpong: one empty turn after each (and one first if the
+  // warpgroup has no rows), so that it takes its n_tiles + 1 turns in step with the other warpgroup,
+  // whose turns wait for the tiles these releases let in. Then warpgroup 0 takes up warpgroup 1's last
+  // arrival: both named barriers end balanced.
+  if (kPingpong && my_tiles == 0) turn_begin(), turn_end();
 #pragma unroll 1
   for (int i = my_tiles; i < n_tiles; ++i) {
     wait_k(i);
     wait_v(i);
     release(awg_bar_empty_k(awg_k_stage(i)));
     release(awg_bar_empty_v(awg_v_stage(i)));
+    if (kPingpong) turn_begin(), turn_end();
   }
+  if (kPingpong && cw == 0) awg_bar_sync<1>();
 
   // o = O / l for this thread's rows g, g + 8 (l summed over the quad's columns).
 #pragma unroll
