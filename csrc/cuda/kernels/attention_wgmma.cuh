@@ -45,6 +45,11 @@
 //   kPvN64 = true: P V as 4 m64n64k16 per k16 step, one per 64-dim block (accumulators 32 j .. 32 j + 31
 //     are the m64n256 fragment's columns 64 j ..), whose B is one swizzle atom wide: it does not depend
 //     on which descriptor field holds the atom stride (awg_v_desc0). A check of the m64n256 form's LBO.
+//   kPingpong = true (with kOverlap; FA3's inter-warpgroup pingpong): a warpgroup queues its wgmma
+//     groups only in its turn (named barrier 1 + cw, arrived on by the other warpgroup when its turn
+//     ends; warpgroup 0 first), so one warpgroup's softmax runs while the other's products do. Each
+//     warpgroup takes n_tiles + 1 turns; tiles it skips are released one per empty turn (taking the turns
+//     first deadlocks: the other warpgroup's turns wait for tiles those stages hold).
 // Thread mapping (consumer thread wt = 0..127 of its warpgroup, w = wt / 32, g = (wt % 32) / 4,
 //   c = wt % 4): accumulator i of an m64nN wgmma is (row 16 w + g + 8 ((i / 2) % 2), column
 //   8 (i / 4) + 2 c + i % 2) (awg_acc_row / awg_acc_col). S: 32 floats (64 keys), O: 128 floats (256
