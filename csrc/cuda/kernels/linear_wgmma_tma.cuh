@@ -467,8 +467,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //            1 + 128.
 //            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg 232), weight rows [cw*128, +128) of the tile as two m64 blocks,
-//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + orow
-//   (+ b*64 + 8h) of its matrix, orow = rbase (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
+//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
+//   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
 //   b*32), outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
 //   Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // ---------------- consumer warpgroups ----------------
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = wg_row_base(GATED, cw, w4, g), orow = rbase;
+  const int rbase = wg_row_base(GATED, cw, w4, g);
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
   const uint16_t* sc = static_cast<const uint16_t*>(a.w.scales);
   const uint16_t* bi = static_cast<const uint16_t*>(a.w.biases);
@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
     uint32_t rows[2][2];
-    wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, orow);
+    wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
     WgScalesP<GS32> cur, nxt;
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
@@ -662,7 +662,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(eb_prev);
     if constexpr (GATED) {
-      wg_store_gated<BM>(a, tile, n0, orow, c, acc);
+      wg_store_gated<BM>(a, tile, n0, rbase, c, acc);
     } else if (splits == 1) {
       wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
     } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {
