@@ -322,8 +322,9 @@ void init_ops(nb::module_& parent) {
                         int64_t pos0) {
     const Device d = parse_device(device);
     Dev qi = f32(d, q), kc = cache_in(d, k), vc = cache_in(d, v), o(d, DType::F32, shape_of(q));
+    Dev ws(d, DType::BF16, {ops::attention_workspace_elems(d, qi.t.dim(0), nH, nH > 0 ? qi.t.dim(1) / nH : 0)});
     Pos p(d, pos0);
-    ops::attention(qi.t, kc.t, vc.t, o.t, nH, nKV, p.pos);
+    ops::attention(qi.t, kc.t, vc.t, o.t, nH, nKV, p.pos, ws.t);
     return out_f32(o);
   });
   m.def("gated_attention", [](const std::string& device, const F32In& p, const F32In& k, const F32In& v,

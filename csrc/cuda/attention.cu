@@ -18,6 +18,8 @@
 #include "kernels/attention_generic.cuh"
 #include "kernels/attention_prefill.cuh"
 #include "kernels/attention_rope.cuh"
+#include "kernels/attention_wgmma.cuh"
+#include "tensor_map.h"
 #include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
@@ -93,6 +95,23 @@ void launch_decode_for_dim(const DecodeParams& p, int64_t M, int64_t D, const De
   fail("attention: unsupported head_dim ", D, " for the split-KV decode kernel");
 }
 
+// Prefill at head_dim 256 on wgmma (kernels/attention_wgmma.cuh, FlashAttention-3's structure with the
+// intra-warpgroup overlap): q -> bf16 into qb (the workspace), then the kernel with TMA maps of qb and
+// the caches, encoded here per call (kernel parameters: nothing is captured, prefill runs eagerly).
+void launch_prefill_wgmma(const float* q, uint16_t* qb, const bf16* k, const bf16* v, int64_t maxT, float* o,
+                          const int32_t* pos, int T, int nH, int nKV, int group, float scale_log2) {
+  const int64_t n = int64_t(T) * nH * AWG_D, row = int64_t(nKV) * AWG_D;
+  launch(attention_q_bf16_kernel, unsigned(ceil_div<int64_t>(n / 8, 256)), 256, 0, q, qb, n);
+  LILY_CUDA_LAUNCHED();
+  CUtensorMap mq, mk, mv;
+  check_tensor_map(make_xb_tensor_map(mq, qb, T, int64_t(nH) * AWG_D, 64), "attention", "q");
+  check_tensor_map(make_xb_tensor_map(mk, k, maxT, row, 64), "attention", "k cache");
+  check_tensor_map(make_xb_tensor_map(mv, v, maxT, row, 64), "attention", "v cache");
+  const AwgParams ap{o, pos, T, nH, nKV, group, scale_log2};
+  launch_big_smem<attention_prefill_wgmma_kernel<true, false, false>>(
+      dim3(unsigned(ceil_div<int64_t>(T, AWG_ROWS) * nH)), AWG_THREADS, AWG_SMEM_BYTES, ap, mq, mk, mv);
+}
+
 void launch_prefill_for_dim(const PrefillParams& p, int64_t D) {
   switch (D) {
     case 32: return launch_prefill<32>(p);
@@ -150,7 +169,7 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos) {
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int num_heads,
-               int num_kv_heads, const int32_t* pos) {
+               int num_kv_heads, const int32_t* pos, const Tensor& workspace) {
   const int64_t T = q.dim(0), D = q.dim(1) / num_heads, maxT = k_cache.dim(0), group = num_heads / num_kv_heads;
   if (T == 0) return;
   LILY_CHECK(maxT <= 0x7fffffff, "attention: cache of ", maxT, " rows exceeds int32 positions");
@@ -179,6 +198,9 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
     launch_decode_for_dim(dp, dp.T * dp.group, D);
     return;
   }
+  if (D == AWG_D && workspace.data != nullptr && workspace.numel() >= T * num_heads * D && aligned(workspace.data, 16))
+    return launch_prefill_wgmma(q.ptr<float>(), static_cast<uint16_t*>(workspace.data), k, v, maxT, o.ptr<float>(), pos,
+                                int(T), num_heads, num_kv_heads, int(group), scale_log2);
   const PrefillParams pp{q.ptr<float>(), k, v, o.ptr<float>(), pos, int(T), num_heads, num_kv_heads, int(group),
                          scale_log2};
   launch_prefill_for_dim(pp, D);

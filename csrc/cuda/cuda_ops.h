@@ -65,8 +65,9 @@ void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const in
 void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const std::array<int, 3>& sections,
            const Tensor& pos);  // pos [T, 3] I32 in device memory
 void kv_cache_write(const Tensor& x, const Tensor& cache, const int32_t* pos);
+// workspace: BF16, empty or of >= T * nH * D elements (then the prefill at D = 256 runs on wgmma)
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
-               int num_heads, int num_kv_heads, const int32_t* pos);
+               int num_heads, int num_kv_heads, const int32_t* pos, const Tensor& workspace);
 // gated_attention for T = 1 in two kernels (q/k prep and the cache-row write fused into the split-KV
 // decode kernel, sigmoid(gate) into its merge); _fits says whether the shapes and alignment allow it.
 bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,

@@ -444,10 +444,6 @@ static void launch_gemm(const LinearArgs& a, int64_t max_tiles) {
   LILY_CUDA_LAUNCHED();
 }
 
-static void check_tensor_map(CUresult r, const char* what) {
-  LILY_CHECK(r == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled (", what, ") returned ", int(r));
-}
-
 template <int BM, int EPI>
 static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const void* w, const uint16_t* xb) {
   const auto kernel = linear_wgmma_dense_kernel<BM, EPI>;
@@ -458,8 +454,8 @@ static void launch_dense_wgmma(const LinearArgs& a, const float* bias, const voi
   }();
   (void)configured;
   CUtensorMap mx, mw;
-  check_tensor_map(make_xb_tensor_map(mx, xb, a.tiles.M, a.w.cols, BM), "X");
-  check_tensor_map(make_xb_tensor_map(mw, w, a.w.rows, a.w.cols, WG_BN), "dense W");
+  check_tensor_map(make_xb_tensor_map(mx, xb, a.tiles.M, a.w.cols, BM), "linear", "X");
+  check_tensor_map(make_xb_tensor_map(mw, w, a.w.rows, a.w.cols, WG_BN), "linear", "dense W");
   const int64_t units = ceil_div<int64_t>(a.tiles.M, BM) * ceil_div<int64_t>(a.w.rows, WG_BN);
   launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGD_THREADS, size_t(smem), a, bias, gelu_tanh_k(),
          mx, mw);
@@ -585,10 +581,10 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   }();
   (void)configured;
   CUtensorMap mx, mw, mu;
-  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "X");
-  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "W");
+  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "linear", "X");
+  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "linear", "W");
   if (GATED)
-    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "up");
+    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "linear", "up");
   else mu = mw;
   const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
   launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);

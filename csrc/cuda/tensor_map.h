@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "../runtime/common.h"  // LILY_CHECK
+
 namespace lily::cuda {
 
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -25,6 +27,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
   }();
   return fn;
+}
+
+// An encoding failure as the op's error: "<op>: cuTensorMapEncodeTiled (<what>) returned <code>".
+inline void check_tensor_map(CUresult r, const char* op, const char* what) {
+  LILY_CHECK(r == CUDA_SUCCESS, op, ": cuTensorMapEncodeTiled (", what, ") returned ", int(r));
 }
 
 inline CUresult make_xb_tensor_map(CUtensorMap& map, const void* xb, int64_t rows, int64_t K, int bm) {

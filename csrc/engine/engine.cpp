@@ -138,7 +138,7 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
     }
     ops::kv_cache_write(k, kc, pos);
     ops::kv_cache_write(v, vc, pos);
-    ops::attention(q, kc, vc, o, int(nH), int(nKV), pos);
+    ops::attention(q, kc, vc, o, int(nH), int(nKV), pos, xb_work(x, device()));  // its q|k|v input is done
     ops::sigmoid_mul(o, gate);
   }
   return {w.o_proj, o};

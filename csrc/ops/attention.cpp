@@ -62,7 +62,7 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos) {
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o, int nH,
-               int nKV, const Position& pos) {
+               int nKV, const Position& pos, const Tensor& workspace) {
   const char* op = "attention";
   const OpSpan span(op);
   check_tensor(op, "q", q, DType::F32, 2);
@@ -78,9 +78,17 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   check_shape(op, "o", o, 1, q.dim(1));
   check_same_device(op, {q, k_cache, v_cache, o});
   check_position(op, pos, q.device, q.dim(0), k_cache.dim(0));
+  if (workspace.data != nullptr) {
+    LILY_CHECK(workspace.dtype == DType::BF16, op, ": the workspace must be BF16, not ", dtype_name(workspace.dtype));
+    check_same_device(op, {q, workspace});
+  }
   if (q.device == Device::CPU) return cpu::attention(q, k_cache, v_cache, o, nH, nKV, pos.host);
-  LILY_CUDA_CASE(q.device, attention(q, k_cache, v_cache, o, nH, nKV, pos.device));
+  LILY_CUDA_CASE(q.device, attention(q, k_cache, v_cache, o, nH, nKV, pos.device, workspace));
   no_backend(op, q.device);
+}
+
+int64_t attention_workspace_elems(Device device, int64_t T, int64_t num_heads, int64_t D) {
+  return device == Device::CPU ? 0 : T * num_heads * D;
 }
 
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,

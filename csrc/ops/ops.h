@@ -151,8 +151,12 @@ void kv_cache_write(const Tensor& x, const Tensor& cache, const Position& pos);
 
 // Causal GQA attention of T new queries over cache positions [0, pos0 + t].
 // q, o [T, nH*D] F32; k_cache, v_cache [maxT, nKV*D] F32 (CPU) or BF16 (GPU); scale = 1/sqrt(D).
+// workspace (optional, BF16, >= attention_workspace_elems): on CUDA at D = 256 the prefill runs on the
+// wgmma kernel with q as bf16 there (docs/cuda.md, the attention row); without it, the mma.sync one.
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
-               int num_heads, int num_kv_heads, const Position& pos);
+               int num_heads, int num_kv_heads, const Position& pos, const Tensor& workspace = Tensor{});
+// BF16 elements of attention's workspace for T queries of nH heads of D (0: none used on this device).
+int64_t attention_workspace_elems(Device device, int64_t T, int64_t num_heads, int64_t D);
 
 // The gated-attention core of a full-attention layer, between the q|k|v and o projections:
 //   q, gate = split_q_gate(p);  q = rope(rms_norm(q, q_norm));  k = rope(rms_norm(k, k_norm));

@@ -1,6 +1,6 @@
 // Causal GQA flash attention for a chunk of new tokens (prefill) at head_dim 256 on Hopper warpgroup
-// MMA (wgmma, sm_90a), FlashAttention-3's structure (a lab kernel: benchmarks/attn_lab.cu; not launched
-// by attention.cu yet):
+// MMA (wgmma, sm_90a), FlashAttention-3's structure (attention.cu launches <kOverlap = true> for every
+// prefill at D = 256 given a workspace; benchmarks/attn_lab.cu times all variants):
 //   o[t, h, :] = sum_{j <= pos0+t} softmax_j(q[t, h, :] . k[j, kvh, :] / sqrt(256)) v[j, kvh, :],
 //   kvh = h / group: attention_prefill_kernel<256>'s result (kernels/attention_prefill.cuh).
 // Shapes: qb [T, nH*256] bf16 (q rounded to bf16 by attention_q_bf16_kernel, as the mma.sync kernel
