@@ -108,7 +108,7 @@ void launch_prefill_wgmma(const float* q, uint16_t* qb, const bf16* k, const bf1
   check_tensor_map(make_xb_tensor_map(mk, k, maxT, row, 64), "attention", "k cache");
   check_tensor_map(make_xb_tensor_map(mv, v, maxT, row, 64), "attention", "v cache");
   const AwgParams ap{o, pos, T, nH, nKV, group, scale_log2};
-  launch_big_smem<attention_prefill_wgmma_kernel<true, false, false>>(
+  launch_big_smem<attention_prefill_wgmma_kernel>(
       dim3(unsigned(ceil_div<int64_t>(T, AWG_ROWS) * nH)), AWG_THREADS, AWG_SMEM_BYTES, ap, mq, mk, mv);
 }
 

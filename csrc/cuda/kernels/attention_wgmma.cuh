@@ -1,6 +1,6 @@
 // Causal GQA flash attention for a chunk of new tokens (prefill) at head_dim 256 on Hopper warpgroup
-// MMA (wgmma, sm_90a), FlashAttention-3's structure (attention.cu launches <kOverlap = true> for every
-// prefill at D = 256 given a workspace; benchmarks/attn_lab.cu times all variants):
+// MMA (wgmma, sm_90a), FlashAttention-3's structure (attention.cu launches it for every prefill at D = 256
+// given a workspace; benchmarks/attn_lab.cu times it against the mma.sync kernel):
 //   o[t, h, :] = sum_{j <= pos0+t} softmax_j(q[t, h, :] . k[j, kvh, :] / sqrt(256)) v[j, kvh, :],
 //   kvh = h / group: attention_prefill_kernel<256>'s result (kernels/attention_prefill.cuh).
 // Shapes: qb [T, nH*256] bf16 (q rounded to bf16 by attention_q_bf16_kernel, as the mma.sync kernel
@@ -16,7 +16,7 @@
 //   Q    [2 warpgroups][4 dim blocks][64 rows][128 B]   64 KB (loaded once)
 //   K    [2 stages][4 dim blocks][64 keys][128 B]        2 x 32 KB
 //   V    [3 stages][4 dim blocks][64 keys][128 B]        3 x 32 KB (a warpgroup holds V_{i-1} while
-//                                                        it works on tile i in the overlapped variant)
+//                                                        it works on tile i)
 //   mbarriers q_full, v_tail, full_k[2], empty_k[2], full_v[3], empty_v[3]: 225 KB in all.
 //   A [64 rows][128 B] block is one TMA box {64 dims, 64 rows} as SWIZZLE_128B writes it: 16-byte
 //   chunk j of row r at r*128 + ((j ^ (r & 7)) << 4) (wg_swz).
@@ -29,27 +29,19 @@
 //     reaches past pos0 + T (when (pos0 + T) % 64 != 0) lands on v_tail instead: the warp zeroes its
 //     rows >= pos0 + T (cache rows no query may see, possibly never written: NaN * 0 would poison o),
 //     fences them for the async proxy and arrives on full_v itself.
-//   warpgroups 1, 2 = consumers cw = 0, 1 (setmaxnreg 240), query rows t0 + 64 cw .. + 64: per key tile
-//     S = Q K^T (16 m64n64k16 wgmma, both operands by K-major SWIZZLE_128B descriptors: dim block j,
-//     k16 step s at block + 32 s bytes), wait, release K (empty_k: one arrival per warp, count 8);
-//     online softmax on S in registers; O += P V (4 m64n256k16 wgmma, P from registers as bf16, V by
-//     an MN-major SWIZZLE_128B descriptor: LBO 8192 B between dim blocks, SBO 1024 B between 8-key
-//     groups, k16 step kk at + 2048 kk bytes), wait, release V (empty_v). A warpgroup whose rows end
+//   warpgroups 1, 2 = consumers cw = 0, 1 (setmaxnreg 240), query rows t0 + 64 cw .. + 64, with
+//     FlashAttention-3's intra-warpgroup overlap: per key tile i, S_i = Q K_i^T (16 m64n64k16 wgmma,
+//     both operands by K-major SWIZZLE_128B descriptors: dim block j, k16 step s at block + 32 s bytes)
+//     and O += P_{i-1} V_{i-1} (4 m64n256k16 wgmma, P from registers as bf16, V by an MN-major
+//     SWIZZLE_128B descriptor: LBO 8192 B between dim blocks, SBO 1024 B between 8-key groups, k16 step
+//     kk at + 2048 kk bytes) are queued together; wait for S_i, release K_i (empty_k: one arrival per
+//     warp, count 8); the online softmax of S_i in registers while the tensor cores do P_{i-1} V_{i-1};
+//     wait, release V_{i-1} (empty_v); O rescaled by tile i's factor. P alternates between two fragment
+//     sets (P_{i-1} is read by the running wgmma while P_i is written). A warpgroup whose rows end
 //     before a key tile (warpgroup 0 of a tile on the diagonal) waits for and releases that tile
 //     without computing on it. The consumers wait without the time-out trap (awg_wait).
-//   kOverlap = false: each tile's S, softmax, rescale of O and P V in sequence (the two consumer
-//     warpgroups overlap each other only). kOverlap = true (FlashAttention-3's intra-warpgroup
-//     overlap): S_i and P_{i-1} V_{i-1} are queued together, the softmax of S_i runs while the tensor
-//     cores do P_{i-1} V_{i-1}, then O is rescaled by tile i's factor; P alternates between two
-//     fragment sets (P_{i-1} is read by the running wgmma while P_i is written).
-//   kPvN64 = true: P V as 4 m64n64k16 per k16 step, one per 64-dim block (accumulators 32 j .. 32 j + 31
-//     are the m64n256 fragment's columns 64 j ..), whose B is one swizzle atom wide: it does not depend
-//     on which descriptor field holds the atom stride (awg_v_desc0). A check of the m64n256 form's LBO.
-//   kPingpong = true (with kOverlap; FA3's inter-warpgroup pingpong): a warpgroup queues its wgmma
-//     groups only in its turn (named barrier 1 + cw, arrived on by the other warpgroup when its turn
-//     ends; warpgroup 0 first), so one warpgroup's softmax runs while the other's products do. Each
-//     warpgroup takes n_tiles + 1 turns; tiles it skips are released one per empty turn (taking the turns
-//     first deadlocks: the other warpgroup's turns wait for tiles those stages hold).
+//   Measured slower and removed (docs/perf-notes.md, "prefill attention on wgmma, lab"): S, softmax and
+//     P V in sequence, P V as m64n64k16 per dim block, and FA3's inter-warpgroup pingpong turns.
 // Thread mapping (consumer thread wt = 0..127 of its warpgroup, w = wt / 32, g = (wt % 32) / 4,
 //   c = wt % 4): accumulator i of an m64nN wgmma is (row 16 w + g + 8 ((i / 2) % 2), column
 //   8 (i / 4) + 2 c + i % 2) (awg_acc_row / awg_acc_col). S: 32 floats (64 keys), O: 128 floats (256
@@ -118,16 +110,12 @@ __host__ __device__ constexpr uint64_t awg_qk_desc(uint64_t desc0, int j, int s)
 }
 // O += P V: the V stage [4 dim blocks][64 keys][128 B] at v_saddr as an MN-major SWIZZLE_128B B
 // operand: 64-dim atoms LBO = 8192 B apart (N direction), 8-key groups SBO = 1024 B apart (K direction).
-// n64 (one m64n64k16 per dim block, kPvN64): B is one atom wide and LBO unused; it is set to 1024 like
-// SBO, so the 8-key stride is right whichever of the two fields the hardware takes for it.
-__host__ __device__ constexpr uint64_t awg_v_desc0(uint32_t v_saddr, bool n64 = false) {
-  return uint64_t((v_saddr & 0x3FFFF) >> 4) | (uint64_t((n64 ? 1024 : AWG_BOX_BYTES) >> 4) << 16) |
-         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+__host__ __device__ constexpr uint64_t awg_v_desc0(uint32_t v_saddr) {
+  return uint64_t((v_saddr & 0x3FFFF) >> 4) | (uint64_t(AWG_BOX_BYTES >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
 }
-// k16 step kk (keys 16 kk ..) of dim block j (n64; j = 0 for the m64n256 form): start + 8192 j + 2048 kk.
-__host__ __device__ constexpr uint64_t awg_v_desc(uint64_t desc0, int kk, int j = 0) {
-  return desc0 + uint64_t((j * AWG_BOX_BYTES) >> 4) + uint64_t(2048 >> 4) * kk;
-}
+// k16 step kk (keys 16 kk ..): start + 2048 kk.
+__host__ __device__ constexpr uint64_t awg_v_desc(uint64_t desc0, int kk) { return desc0 + uint64_t(2048 >> 4) * kk; }
 
 // m64nN f32 accumulator i of warpgroup thread wt: its row (0..63) and column.
 __host__ __device__ constexpr int awg_acc_row(int wt, int i) { return 16 * (wt >> 5) + ((wt & 31) >> 2) + 8 * ((i >> 1) & 1); }
@@ -238,22 +226,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_rA_tB(float (&d)[128], const ui
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-// The same product on one 64-dim block J of O (accumulators 32 J .. 32 J + 31, the m64n256 fragment's
-// columns 64 J ..): B (16 keys x 64 dims) is one swizzle atom wide, so the descriptor's N stride (LBO)
-// is never used.
-template <int J>
-__device__ __forceinline__ void wgmma_m64n64k16_rA_tB(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n"
-      "}\n"
-      : "+f"(d[32 * J + 0]), "+f"(d[32 * J + 1]), "+f"(d[32 * J + 2]), "+f"(d[32 * J + 3]), "+f"(d[32 * J + 4]), "+f"(d[32 * J + 5]), "+f"(d[32 * J + 6]), "+f"(d[32 * J + 7]), "+f"(d[32 * J + 8]), "+f"(d[32 * J + 9]), "+f"(d[32 * J + 10]), "+f"(d[32 * J + 11]), "+f"(d[32 * J + 12]), "+f"(d[32 * J + 13]), "+f"(d[32 * J + 14]), "+f"(d[32 * J + 15]), "+f"(d[32 * J + 16]), "+f"(d[32 * J + 17]), "+f"(d[32 * J + 18]), "+f"(d[32 * J + 19]), "+f"(d[32 * J + 20]), "+f"(d[32 * J + 21]), "+f"(d[32 * J + 22]), "+f"(d[32 * J + 23]), "+f"(d[32 * J + 24]), "+f"(d[32 * J + 25]), "+f"(d[32 * J + 26]), "+f"(d[32 * J + 27]), "+f"(d[32 * J + 28]), "+f"(d[32 * J + 29]), "+f"(d[32 * J + 30]), "+f"(d[32 * J + 31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
 
 // qb = bf16_rn(q), 8 values a thread (one 16-byte store); n % 8 == 0.
 __global__ void attention_q_bf16_kernel(const float* __restrict__ q, uint16_t* __restrict__ qb, int64_t n) {
@@ -275,29 +247,15 @@ __device__ __forceinline__ void awg_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// Named barriers 1 and 2 (0 is __syncthreads'): the consumer warpgroups' turns (kPingpong). Warpgroup cw
-// waits on barrier 1 + cw with its 128 threads, the other warpgroup's 128 arrive on it.
-// Immediate ids: a barrier id in a register makes ptxas reserve all 16.
-template <int ID>
-__device__ __forceinline__ void awg_bar_sync() {
-  asm volatile("bar.sync %0, 256;" ::"n"(ID) : "memory");
-}
-template <int ID>
-__device__ __forceinline__ void awg_bar_arrive() {
-  asm volatile("bar.arrive %0, 256;" ::"n"(ID) : "memory");
-}
-
 template <int N>
 __device__ __forceinline__ void awg_fence_acc(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) fence_reg(d[i]);
 }
 
-template <bool kOverlap, bool kPvN64, bool kPingpong>
 __global__ void __launch_bounds__(AWG_THREADS, 1)
     attention_prefill_wgmma_kernel(const AwgParams p, const __grid_constant__ CUtensorMap tmap_q,
                                    const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
-  static_assert(kOverlap || !kPingpong, "the warpgroups' turns are those of the overlapped loop");
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -387,7 +345,7 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
 #pragma unroll
     for (int x = 0; x < 32; ++x) sc[x] = 0.f;
     // The descriptor bases opaque, the steps added per instruction: hoisted out of the loop, the 32
-    // descriptors would hold 64 registers (spills in the overlapped variant).
+    // descriptors would hold 64 registers (spills).
     uint64_t qd = wg_desc(q_block), kd = wg_desc(base + awg_k_off(s, 0));
     asm volatile("" : "+l"(qd), "+l"(kd));
     awg_fence_acc(sc);
@@ -401,21 +359,12 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
   // Queues O += P_i V_i (one commit group; V_i has landed: wait_v).
   const auto issue_pv = [&](int i, const uint32_t (&pa)[4][4]) {
     const int s = awg_v_stage(i);
-    uint64_t vd = awg_v_desc0(base + awg_v_off(s), kPvN64);
+    uint64_t vd = awg_v_desc0(base + awg_v_off(s));
     asm volatile("" : "+l"(vd));
     awg_fence_acc(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      if constexpr (kPvN64) {
-        wgmma_m64n64k16_rA_tB<0>(o, pa[kk], awg_v_desc(vd, kk, 0));
-        wgmma_m64n64k16_rA_tB<1>(o, pa[kk], awg_v_desc(vd, kk, 1));
-        wgmma_m64n64k16_rA_tB<2>(o, pa[kk], awg_v_desc(vd, kk, 2));
-        wgmma_m64n64k16_rA_tB<3>(o, pa[kk], awg_v_desc(vd, kk, 3));
-      } else {
-        wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(vd, kk));
-      }
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rA_tB(o, pa[kk], awg_v_desc(vd, kk));
     wgmma_commit();
   };
   // The online softmax of the finished S_i: P_i into pa, the rescale factor of O into alpha.
@@ -435,43 +384,15 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
 #pragma unroll
     for (int x = 0; x < 128; ++x) o[x] *= alpha[(x >> 1) & 1];
   };
-  // kPingpong: a warpgroup queues its wgmma only in its turn, the two warpgroups alternating (warpgroup 0
-  // first), so that one's softmax runs while the other's products do. Every warpgroup takes n_tiles + 1
-  // turns (one per queueing point: the first S, each step, the last P V; the rest empty).
-  const auto turn_begin = [&] {
-    if constexpr (kPingpong) cw == 0 ? awg_bar_sync<1>() : awg_bar_sync<2>();
-  };
-  const auto turn_end = [&] {  // the other warpgroup's barrier
-    if constexpr (kPingpong) cw == 0 ? awg_bar_arrive<2>() : awg_bar_arrive<1>();
-  };
-  if (kPingpong && cw == 1) awg_bar_arrive<1>();  // warpgroup 0's first turn
   awg_wait(base + awg_bar_q_full(), 0);
 
   float sc[32], alpha[2];
   uint32_t pa[4][4];
-  if constexpr (!kOverlap) {
-#pragma unroll 1
-    for (int i = 0; i < my_tiles; ++i) {
-      wait_k(i);
-      issue_qk(i, sc);
-      wgmma_wait<0>();
-      awg_fence_acc(sc);
-      release(awg_bar_empty_k(awg_k_stage(i)));
-      softmax(i, sc, pa, alpha);
-      rescale(alpha);
-      wait_v(i);
-      issue_pv(i, pa);
-      wgmma_wait<0>();
-      awg_fence_acc(o);
-      release(awg_bar_empty_v(awg_v_stage(i)));
-    }
-  } else if (my_tiles > 0) {
+  if (my_tiles > 0) {
     // Tile i's softmax runs while the tensor cores do P_{i-1} V_{i-1}; O is rescaled by tile i's alpha
     // once that product is done (it is relative to the previous maximum).
     wait_k(0);
-    turn_begin();
     issue_qk(0, sc);
-    turn_end();
     wgmma_wait<0>();
     awg_fence_acc(sc);
     release(awg_bar_empty_k(0));
@@ -482,10 +403,8 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     const auto step = [&](int i, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
       wait_k(i);
       wait_v(i - 1);
-      turn_begin();
       issue_qk(i, sc);
       issue_pv(i - 1, p_prev);
-      turn_end();
       wgmma_wait<1>();  // S_i done (groups retire in order); P_{i-1} V_{i-1} may still run
       awg_fence_acc(sc);
       release(awg_bar_empty_k(awg_k_stage(i)));
@@ -505,29 +424,21 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     }
     if (i < my_tiles) step(i, pa, pb);
     wait_v(my_tiles - 1);
-    turn_begin();
     if (i < my_tiles) issue_pv(my_tiles - 1, pb);
     else issue_pv(my_tiles - 1, pa);
-    turn_end();
     wgmma_wait<0>();
     awg_fence_acc(o);
     release(awg_bar_empty_v(awg_v_stage(my_tiles - 1)));
   }
   // Tiles no row of this warpgroup sees (warpgroup 0 on the diagonal, or a warpgroup with no rows):
-  // release them once they have landed. kPingpong: one empty turn after each (and one first if the
-  // warpgroup has no rows), so that it takes its n_tiles + 1 turns in step with the other warpgroup,
-  // whose turns wait for the tiles these releases let in. Then warpgroup 0 takes up warpgroup 1's last
-  // arrival: both named barriers end balanced.
-  if (kPingpong && my_tiles == 0) turn_begin(), turn_end();
+  // release them once they have landed.
 #pragma unroll 1
   for (int i = my_tiles; i < n_tiles; ++i) {
     wait_k(i);
     wait_v(i);
     release(awg_bar_empty_k(awg_k_stage(i)));
     release(awg_bar_empty_v(awg_v_stage(i)));
-    if (kPingpong) turn_begin(), turn_end();
   }
-  if (kPingpong && cw == 0) awg_bar_sync<1>();
 
   // o = O / l for this thread's rows g, g + 8 (l summed over the quad's columns).
 #pragma unroll
