@@ -1,17 +1,11 @@
 // attn_lab: the prefill attention at the engine's shapes (16 query heads, 2 KV heads, head_dim 256),
 // self-checking, one table row per (kernel, chunk):
-//   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (what attention.cu runs)
-//   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel<false, false, false> (TMA, mbarriers, wgmma;
-//              each warpgroup's S, softmax and P V in sequence) on q converted to bf16 by
-//              attention_q_bf16_kernel first; "us" and TFLOP/s are the attention kernel's, the
-//              conversion's time is the "q->bf16 us" column (the engine would pay both)
-//   wgmma-ovl  attention_prefill_wgmma_kernel<true, false, false>: a warpgroup's softmax of key tile i
-//              overlaps its own P V of tile i - 1 (FlashAttention-3's intra-warpgroup overlap)
-//   wgmma-n64  attention_prefill_wgmma_kernel<false, true, false>: wgmma with P V as m64n64k16 per 64-dim block,
-//              whose V descriptor does not depend on the atom-stride field (LBO): if wgmma fails and
-//              this passes, the m64n256 form's LBO/SBO reading is wrong (kernels/attention_wgmma.cuh)
-//   wgmma-pp   attention_prefill_wgmma_kernel<true, false, true>: wgmma-ovl with the two consumer
-//              warpgroups queueing their products in alternate turns (FA3's pingpong, named barriers)
+//   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (attention.cu's prefill where the wgmma kernel does not apply)
+//   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel (TMA, mbarriers, wgmma, a
+//              warpgroup's softmax of key tile i overlapping its own P V of tile i - 1; what attention.cu
+//              runs at D = 256) on q converted to bf16 by attention_q_bf16_kernel first; "us" and TFLOP/s
+//              are the attention kernel's, the conversion's time is the "q->bf16 us" column (the engine
+//              pays both)
 // Chunks: T = 4096 at pos0 = 0 (a 4K prompt) and T = 4096 at pos0 = 28672 (the last chunk of a 32K
 // prompt), timed; T = 1000 at pos0 = 77 (ragged: a partial CTA tile, a warpgroup with no rows, a V tile
 // past pos0 + T), checked only. The cache holds maxT = 32768 rows; rows >= pos0 + T are poisoned with
@@ -23,11 +17,9 @@
 // Check (before timing, per kernel): o poisoned with NaN, one launch, then every output must be finite;
 // "err" = max |o - o_ref| / max |o_ref| over 32 sampled (head, row) pairs, o_ref in fp64 on the host from
 // the f32 q and the bf16 k, v (no rounding of q or p); "vs mma.sync" = max |o - o_mma| / max |o_mma| over
-// all outputs. FAIL (exit 1) when a wgmma variant's err exceeds 2 x mma.sync's or 1e-2, or on a non-finite
-// output.
-// Run: bash benchmarks/attn_lab.sh (builds it, runs one process per wgmma variant under a time-out, so a
-// hang in one still shows the others); by hand: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64] [wgmma-pp]
-// (-n: no header and no mma.sync rows, which still run as the reference; no variant named: all).
+// all outputs. FAIL (exit 1) when the wgmma kernel's err exceeds 2 x mma.sync's or 1e-2, or on a
+// non-finite output.
+// Run: bash benchmarks/attn_lab.sh (builds it, runs it under a time-out); by hand: attn_lab.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,7 +28,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <string>
 #include <vector>
 
 #include "cuda/kernels/common.cuh"  // before attention_prefill.cuh, which uses pdl_wait
@@ -56,8 +47,6 @@ using namespace lily::cuda::attn;
 
 constexpr int kNH = 16, kNKV = 2, kD = 256, kMaxT = 32768;
 static int g_failures = 0;
-static bool g_quiet = false;               // -n: no header, no mma.sync rows
-static std::vector<std::string> g_variants;  // the wgmma variants to run (none named: all)
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd32() {
@@ -179,20 +168,13 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
   const dim3 old_grid(unsigned((T + kPrefillRows - 1) / kPrefillRows), unsigned(kNH));
   const unsigned new_grid = unsigned(awg_q_tiles(T) * kNH);
   auto run_cvt = [&] { attention_q_bf16_kernel<<<unsigned((qn / 8 + 255) / 256), 256>>>(dq, dqb, qn); };
-  struct Variant {
+  struct Kernel {
     const char* name;
-    std::function<void()> launch;  // the wgmma variants read qb: run_cvt() first
+    std::function<void()> launch;  // the wgmma kernel reads qb: run_cvt() first
   };
-  const Variant variants[] = {
+  const Kernel kernels[] = {
       {"mma.sync", [&] { attention_prefill_kernel<kD><<<old_grid, kPrefillThreads, prefill_smem_bytes<kD>()>>>(pp); }},
-      {"wgmma",
-       [&] { attention_prefill_wgmma_kernel<false, false, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
-      {"wgmma-ovl",
-       [&] { attention_prefill_wgmma_kernel<true, false, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
-      {"wgmma-n64",
-       [&] { attention_prefill_wgmma_kernel<false, true, false><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
-      {"wgmma-pp",
-       [&] { attention_prefill_wgmma_kernel<true, false, true><<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
+      {"wgmma", [&] { attention_prefill_wgmma_kernel<<<new_grid, AWG_THREADS, AWG_SMEM_BYTES>>>(ap, map_q, map_k, map_v); }},
   };
   const Reference ref = reference(hq, T, pos0, hk, hv);
   double keys = 0;
@@ -202,10 +184,8 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
 
   std::vector<float> h_o(qn), h_mma(qn);
   double err_mma = 0;
-  for (const Variant& v : variants) {
-    const bool is_mma = &v == &variants[0];
-    if (!is_mma && !g_variants.empty() && std::find(g_variants.begin(), g_variants.end(), v.name) == g_variants.end())
-      continue;
+  for (const Kernel& v : kernels) {
+    const bool is_mma = &v == &kernels[0];
     CK(cudaMemset(d_o, 0xFF, qn * 4));  // NaN
     CK(cudaMemset(dqb, 0xFF, qn * 2));
     if (!is_mma) run_cvt();
@@ -239,9 +219,8 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
       const double us = time_us(v.launch);
       std::snprintf(us_s, sizeof us_s, "%.1f", us), std::snprintf(tf_s, sizeof tf_s, "%.1f", flop / us * 1e-6);
     }
-    if (!is_mma || !g_quiet)
-      std::printf("| %-9s | %5d | %6d | %8s | %7s | %10s | %9.2e | %11s | %s |\n", v.name, T, pos0, us_s, tf_s, cvt_s,
-                err, vs_s, fail ? (bad ? "FAIL (non-finite)" : "FAIL") : (is_mma ? "ref" : "ok"));
+    std::printf("| %-9s | %5d | %6d | %8s | %7s | %10s | %9.2e | %11s | %s |\n", v.name, T, pos0, us_s, tf_s, cvt_s,
+              err, vs_s, fail ? (bad ? "FAIL (non-finite)" : "FAIL") : (is_mma ? "ref" : "ok"));
     if (fail && worst >= 0)  // where: a layout error shows in which rows / dims go wrong
       std::printf("  %s: worst sampled output row %lld, head %lld, dim %lld: %g, reference %g (%lld non-finite)\n",
                   v.name, (long long)(worst / (int64_t(kNH) * kD)), (long long)(worst / kD % kNH),
@@ -256,20 +235,10 @@ static void run_chunk(const Chunk& c, const std::vector<uint16_t>& hk, const std
   cudaFree(dq), cudaFree(d_o), cudaFree(dqb), cudaFree(dpos);
 }
 
-int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-n") g_quiet = true;
-    else if (a == "wgmma" || a == "wgmma-ovl" || a == "wgmma-n64" || a == "wgmma-pp") g_variants.push_back(a);
-    else return std::fprintf(stderr, "usage: attn_lab [-n] [wgmma] [wgmma-ovl] [wgmma-n64] [wgmma-pp]\n"), 2;
-  }
+int main() {
   CK(cudaFuncSetAttribute(attention_prefill_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           prefill_smem_bytes<kD>()));
-  for (const void* k : {reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<false, false, false>),
-                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<true, false, false>),
-                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<false, true, false>),
-                        reinterpret_cast<const void*>(attention_prefill_wgmma_kernel<true, false, true>)})
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, AWG_SMEM_BYTES));
+  CK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, AWG_SMEM_BYTES));
   const int64_t cache_n = int64_t(kMaxT) * kNKV * kD;
   std::vector<uint16_t> hk(cache_n), hv(cache_n);
   for (auto& x : hk) x = uint16_t(wg_pack_bf16x2(2.f * rndu() - 1.f, 0.f));
@@ -280,11 +249,9 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dk, hk.data(), cache_n * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dv, hv.data(), cache_n * 2, cudaMemcpyHostToDevice));
 
-  if (!g_quiet) {
-    std::printf("prefill attention, nH %d, nKV %d, D %d, cache %d rows (attn_lab)\n\n", kNH, kNKV, kD, kMaxT);
-    std::printf("| kernel    |     T |   pos0 |       us | TFLOP/s | q->bf16 us |       err | vs mma.sync | check |\n");
+  std::printf("prefill attention, nH %d, nKV %d, D %d, cache %d rows (attn_lab)\n\n", kNH, kNKV, kD, kMaxT);
+  std::printf("| kernel    |     T |   pos0 |       us | TFLOP/s | q->bf16 us |       err | vs mma.sync | check |\n");
   std::printf("|-----------|-------|--------|----------|---------|------------|-----------|-------------|-------|\n");
-  }
   for (const Chunk& c : {Chunk{1000, 77, false}, Chunk{4096, 0, true}, Chunk{4096, 28672, true}}) run_chunk(c, hk, hv, dk, dv);
   cudaFree(dk), cudaFree(dv);
   if (g_failures) {
