@@ -1,6 +1,7 @@
 // attn_lab: the prefill attention at the engine's shapes (16 query heads, 2 KV heads, head_dim 256),
 // self-checking, one table row per (kernel, chunk):
-//   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (attention.cu's prefill where the wgmma kernel does not apply)
+//   mma.sync   kernels/attention_prefill.cuh, attention_prefill_kernel<256> (attention.cu's prefill where
+//              the wgmma kernel does not apply)
 //   wgmma      kernels/attention_wgmma.cuh: attention_prefill_wgmma_kernel (TMA, mbarriers, wgmma, a
 //              warpgroup's softmax of key tile i overlapping its own P V of tile i - 1; what attention.cu
 //              runs at D = 256) on q converted to bf16 by attention_q_bf16_kernel first; "us" and TFLOP/s
