@@ -12,8 +12,7 @@
 //   S:      m64n64k16 wgmma read through the kernel's K-major descriptors as the PTX ISA defines the
 //           128B-swizzle K-major layout (start << 4, 8-row groups SBO apart, row % 8 at + 128, element
 //           k at + 2k, then the XOR);
-//   P V:    m64n256k16 (and, kPvN64, m64n64k16 per 64-dim block, also read with the descriptor's LBO
-//           and SBO roles swapped, which that form must not depend on) with A from the threads' registers as the PTX A fragment places them (thread
+//   P V:    m64n256k16 with A from the threads' registers as the PTX A fragment places them (thread
 //           32 (row / 16) + 4 (row % 8) + (k % 8) / 2, register (row % 16) / 8 + 2 (k / 8), half k % 2)
 //           and B read through awg_v_desc as the MN-major 128B-swizzle layout (element (k, n) at start +
 //           (n / 64) LBO + (k / 8) SBO + (k % 8) 128 + 2 (n % 64), then the XOR);
@@ -22,9 +21,8 @@
 //           independently of awg_acc_*, which are checked against it);
 //   store:  the epilogue's rows and columns, inside T.
 // Then the pipeline protocol (proto::): the producer, both consumer warpgroups and the TMA engine as
-// actors running each variant's operations in the kernel's order over emulated mbarriers and named
-// barriers, under random schedules (a deadlock the GPU would hang on shows here; it found one in the
-// first pingpong design, whose idle warpgroup took its turns before releasing its tiles).
+// actors running the kernel's operations in its order over emulated mbarriers, under random schedules
+// (a deadlock the GPU would hang on shows here).
 // Checks every output stored exactly once, finite, and within 1e-2 x max |o| of an fp64 reference on the
 // same bf16 q, k, v (the kernel rounds p to bf16 too), and that tiles awg_tile_crosses skips hold no
 // masked key. Cases: ragged T and pos0 (a V tile past pos0 + T, a partial warpgroup, a warpgroup with
@@ -71,22 +69,16 @@ static float kmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int row, 
   const uint32_t start = uint32_t(d & 0x3FFF) << 4, sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
   return smem_bf16(smem, start + (row / 8) * sbo + (row % 8) * 128 + 2 * k);
 }
-// Element (k, n) of an MN-major SWIZZLE_128B B operand read through descriptor d; swapped: with the
-// roles of the LBO and SBO fields exchanged (the reading the n64 form must not depend on).
-static float mnmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int k, int n, bool swapped = false) {
-  uint32_t lbo = uint32_t((d >> 16) & 0x3FFF) << 4, sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
-  if (swapped) std::swap(lbo, sbo);
-  const uint32_t start = uint32_t(d & 0x3FFF) << 4;
+// Element (k, n) of an MN-major SWIZZLE_128B B operand read through descriptor d.
+static float mnmajor_elem(const std::vector<uint8_t>& smem, uint64_t d, int k, int n) {
+  const uint32_t start = uint32_t(d & 0x3FFF) << 4, lbo = uint32_t((d >> 16) & 0x3FFF) << 4,
+                 sbo = uint32_t((d >> 32) & 0x3FFF) << 4;
   return smem_bf16(smem, start + (n / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + 2 * (n % 64));
 }
-// The P V forms: m64n256k16 (kPvN64 false), m64n64k16 per dim block (kPvN64 true), and the latter read
-// with the descriptor fields' roles swapped.
-enum PvForm { PV_N256, PV_N64, PV_N64_SWAPPED };
-static const char* const kPvNames[] = {"m64n256", "m64n64 x 4", "m64n64 x 4, LBO/SBO roles swapped"};
 static int ptx_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2); }
 static int ptx_col(int t, int i) { return 8 * (i / 4) + 2 * (t % 4) + i % 2; }
 
-static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
+static bool run(int T, int pos0, int max_t, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   const int64_t qcols = int64_t(NH) * D, kvcols = int64_t(NKV) * D;
   std::vector<uint16_t> qb(size_t(T * qcols)), k(size_t(max_t * kvcols)), v(size_t(max_t * kvcols));
@@ -173,14 +165,11 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
             const int row = ptx_row(t, e), n = ptx_col(t, e);
             float sum = 0.f;
             for (int kk = 0; kk < 4; ++kk) {
-              // n64: accumulator e is element e % 32 of dim block e / 32's m64n64 fragment.
-              const uint64_t vd = pv == PV_N256 ? awg_v_desc(awg_v_desc0(awg_v_off(vs)), kk)
-                                                : awg_v_desc(awg_v_desc0(awg_v_off(vs), true), kk, e / 32);
-              const int bn = pv == PV_N256 ? n : ptx_col(t, e % 32);
+              const uint64_t vd = awg_v_desc(awg_v_desc0(awg_v_off(vs)), kk);
               for (int kx = 0; kx < 16; ++kx) {
                 const int holder = 32 * (row / 16) + 4 * (row % 8) + (kx % 8) / 2, reg = (row % 16) / 8 + 2 * (kx / 8);
                 const float p = bf16_to_f(uint16_t(pa[holder][kk][reg] >> (16 * (kx % 2))));
-                sum += p * mnmajor_elem(smem, vd, kx, bn, pv == PV_N64_SWAPPED);
+                sum += p * mnmajor_elem(smem, vd, kx, n);
               }
             }
             acc[size_t((cw * 128 + t) * 128 + e)] += sum;
@@ -241,22 +230,22 @@ static bool run(int T, int pos0, int max_t, PvForm pv, std::mt19937& rng) {
   err /= omax;
   const bool ok = bad == 0 && err <= 1e-2;
   expect(err <= 1e-2, "max |o - ref| / max |ref|", err, 1e-2);
-  std::printf("%s T %d, pos0 %d, cache %d rows, P V %s: err %.2e, %d bad, %d skipped warpgroup tiles, %d tail tiles\n",
-              ok ? "ok  " : "BAD ", T, pos0, max_t, kPvNames[pv], err, bad, skipped_tiles, tail_tiles);
+  std::printf("%s T %d, pos0 %d, cache %d rows: err %.2e, %d bad, %d skipped warpgroup tiles, %d tail tiles\n",
+              ok ? "ok  " : "BAD ", T, pos0, max_t, err, bad, skipped_tiles, tail_tiles);
   return ok;
 }
 
 // ---- The pipeline protocol: producer, two consumer warpgroups and the TMA engine as actors over the
-// kernel's mbarriers (count, pending arrivals, transaction bytes, phase parity) and named barriers,
-// each actor's operations in the kernel's order for a variant, run under random schedules. Checks: no
+// kernel's mbarriers (count, pending arrivals, transaction bytes, phase parity), each actor's operations
+// in the kernel's order, run under random schedules. Checks: no
 // deadlock, every tile a consumer reads is the one it expects (zeroed past pos0 + T), no TMA write into
 // a stage a consumer is still reading, and every barrier balanced at the end.
 namespace proto {
 
-enum Kind { WAIT, ARRIVE, EXPECT_TX, TMA, ZERO, BEGIN_READ, END_READ, BAR_SYNC, BAR_ARRIVE };
+enum Kind { WAIT, ARRIVE, EXPECT_TX, TMA, ZERO, BEGIN_READ, END_READ };
 struct Op {
   Kind kind;
-  int bar = 0, arg = 0;           // mbarrier offset / named barrier id; parity, arrivals or bytes
+  int bar = 0, arg = 0;           // mbarrier offset; parity, arrivals or bytes
   int ring = 0, stage = 0, tile = 0;  // ring 0 = K, 1 = V (TMA, ZERO, reads)
 };
 struct Mbar {
@@ -273,8 +262,6 @@ struct Sim {
   std::vector<Op> prog[3];  // producer, consumer warpgroups 0 and 1
   size_t pc[3] = {0, 0, 0};
   std::vector<Op> tma_pending;  // issued, not landed
-  int named[3] = {0, 0, 0};    // threads arrived at named barrier 1, 2 in the current generation
-  int syncing[3] = {-1, -1, -1};  // warpgroup waiting at named barrier id (-1: none)
   int pos0 = 0, T = 0;
   bool error = false;
 
@@ -333,19 +320,6 @@ struct Sim {
       case END_READ:
         --stages[op.ring][op.stage].readers;
         break;
-      case BAR_SYNC:
-        if (syncing[op.bar] != a) {  // first visit: arrive with 128 threads, then wait for the generation
-          if (syncing[op.bar] != -1) fail("two warpgroups wait at one named barrier", op.bar, a);
-          syncing[op.bar] = a;
-          named[op.bar] += 128;
-        }
-        if (named[op.bar] < 256) return false;
-        named[op.bar] = 0, syncing[op.bar] = -1;
-        break;
-      case BAR_ARRIVE:
-        named[op.bar] += 128;
-        if (named[op.bar] == 256 && syncing[op.bar] == -1) fail("named barrier completed by arrivals alone", op.bar, a);
-        break;
     }
     ++pc[a];
     return true;
@@ -363,8 +337,8 @@ struct Sim {
   }
 };
 
-// The kernel's operations for one CTA (q tile t0) and variant, in its order.
-static void build(Sim& sm, int T, int pos0, int t0, bool overlap, bool pingpong) {
+// The kernel's operations for one CTA (q tile t0), in its order.
+static void build(Sim& sm, int T, int pos0, int t0) {
   sm.T = T, sm.pos0 = pos0;
   auto init = [&](int bar, int count) { sm.bars[bar] = Mbar{count, count, 0, 0}; };
   init(awg_bar_q_full(), 1), init(awg_bar_v_tail(), 1);
@@ -396,7 +370,6 @@ static void build(Sim& sm, int T, int pos0, int t0, bool overlap, bool pingpong)
     auto& c = sm.prog[1 + cw];
     const int row0 = t0 + AWG_WG_ROWS * cw;
     const int my = row0 < T ? awg_key_tiles(pos0, std::min(row0 + AWG_WG_ROWS, T)) : 0;
-    const int mine = 1 + cw, other = 2 - cw;  // named barrier ids: this warpgroup's, the other's
     auto wait_k = [&](int i) { c.push_back({WAIT, awg_bar_full_k(awg_k_stage(i)), int(awg_k_phase(i))}); };
     auto wait_v = [&](int i) { c.push_back({WAIT, awg_bar_full_v(awg_v_stage(i)), int(awg_v_phase(i))}); };
     auto read = [&](int ring, int i, bool begin) {
@@ -404,34 +377,24 @@ static void build(Sim& sm, int T, int pos0, int t0, bool overlap, bool pingpong)
     };
     auto rel_k = [&](int i) { c.push_back({ARRIVE, awg_bar_empty_k(awg_k_stage(i)), 4}); };  // 4 warps
     auto rel_v = [&](int i) { c.push_back({ARRIVE, awg_bar_empty_v(awg_v_stage(i)), 4}); };
-    auto turn_begin = [&] { if (pingpong) c.push_back({BAR_SYNC, mine}); };
-    auto turn_end = [&] { if (pingpong) c.push_back({BAR_ARRIVE, other}); };
-    if (pingpong && cw == 1) c.push_back({BAR_ARRIVE, 1});
     c.push_back({WAIT, awg_bar_q_full(), 0});
-    if (!overlap) {
-      for (int i = 0; i < my; ++i) {
-        wait_k(i), read(0, i, true), read(0, i, false), rel_k(i);
-        wait_v(i), read(1, i, true), read(1, i, false), rel_v(i);
-      }
-    } else if (my > 0) {
-      wait_k(0), turn_begin(), read(0, 0, true), turn_end(), read(0, 0, false), rel_k(0);
+    if (my > 0) {
+      wait_k(0), read(0, 0, true), read(0, 0, false), rel_k(0);
       for (int i = 1; i < my; ++i) {
-        wait_k(i), wait_v(i - 1), turn_begin(), read(0, i, true), read(1, i - 1, true), turn_end();
+        wait_k(i), wait_v(i - 1), read(0, i, true), read(1, i - 1, true);
         read(0, i, false), rel_k(i), read(1, i - 1, false), rel_v(i - 1);
       }
-      wait_v(my - 1), turn_begin(), read(1, my - 1, true), turn_end(), read(1, my - 1, false), rel_v(my - 1);
+      wait_v(my - 1), read(1, my - 1, true), read(1, my - 1, false), rel_v(my - 1);
     }
-    if (pingpong && my == 0) turn_begin(), turn_end();
-    for (int i = my; i < n_tiles; ++i) wait_k(i), wait_v(i), rel_k(i), rel_v(i), turn_begin(), turn_end();
-    if (pingpong && cw == 0) c.push_back({BAR_SYNC, 1});
+    for (int i = my; i < n_tiles; ++i) wait_k(i), wait_v(i), rel_k(i), rel_v(i);
   }
 }
 
 // Random schedules of one CTA; false on a deadlock or a failed check.
-static bool run_cta(int T, int pos0, int t0, bool overlap, bool pingpong, int seeds, std::mt19937& rng) {
+static bool run_cta(int T, int pos0, int t0, int seeds, std::mt19937& rng) {
   for (int seed = 0; seed < seeds; ++seed) {
     Sim sm;
-    build(sm, T, pos0, t0, overlap, pingpong);
+    build(sm, T, pos0, t0);
     while (!sm.error) {
       // Runnable: actors that can step, and each pending TMA. Pick one at random.
       std::vector<int> choices;
@@ -450,10 +413,8 @@ static bool run_cta(int T, int pos0, int t0, bool overlap, bool pingpong, int se
     if (!finished) sm.fail("deadlock (actor pcs: producer, consumer 0)", int(sm.pc[0]), int(sm.pc[1]));
     for (auto& [off, m] : sm.bars)
       if (m.tx != 0 || m.pending != m.count) sm.fail("mbarrier left mid-phase (offset, pending)", off, m.pending);
-    if (sm.named[1] || sm.named[2]) sm.fail("named barrier left with arrivals (1, 2)", sm.named[1], sm.named[2]);
     if (sm.error) {
-      std::printf("BAD  protocol T %d, pos0 %d, t0 %d, overlap %d, pingpong %d, seed %d\n", T, pos0, t0, overlap,
-                  pingpong, seed);
+      std::printf("BAD  protocol T %d, pos0 %d, t0 %d, seed %d\n", T, pos0, t0, seed);
       return false;
     }
   }
@@ -462,7 +423,7 @@ static bool run_cta(int T, int pos0, int t0, bool overlap, bool pingpong, int se
 
 }  // namespace proto
 
-// Every CTA of a few problems, each variant's protocol, under random schedules.
+// Every CTA of a few problems under random schedules.
 static bool run_protocol(std::mt19937& rng) {
   struct Case {
     int T, pos0;
@@ -470,23 +431,18 @@ static bool run_protocol(std::mt19937& rng) {
   int ctas = 0;
   bool ok = true;
   for (const Case& c : {Case{200, 70}, Case{130, 192}, Case{64, 0}, Case{1000, 77}, Case{300, 2000}})
-    for (int v = 0; v < 3; ++v)
-      for (int q = 0; q < awg_q_tiles(c.T); ++q) {
-        ok &= proto::run_cta(c.T, c.pos0, q * AWG_ROWS, v >= 1, v == 2, 20, rng);
-        ++ctas;
-      }
-  std::printf("%s protocol: %d CTA x variant runs of 20 random schedules each\n", ok ? "ok  " : "BAD ", ctas);
+    for (int q = 0; q < awg_q_tiles(c.T); ++q) {
+      ok &= proto::run_cta(c.T, c.pos0, q * AWG_ROWS, 20, rng);
+      ++ctas;
+    }
+  std::printf("%s protocol: %d CTAs of 20 random schedules each\n", ok ? "ok  " : "BAD ", ctas);
   return ok;
 }
 
 int main() {
   for (int t = 0; t < 128; ++t)  // the kernel's accumulator mapping is the PTX fragment's
-    for (int i = 0; i < 128; ++i) {
+    for (int i = 0; i < 128; ++i)
       expect(awg_acc_row(t, i) == ptx_row(t, i) && awg_acc_col(t, i) == ptx_col(t, i), "awg_acc_* (t, i)", t, i);
-      // kPvN64: accumulators 32 j .. 32 j + 31 as dim block j's m64n64 fragment are the same elements
-      expect(ptx_row(t, i % 32) == ptx_row(t, i) && 64 * (i / 32) + ptx_col(t, i % 32) == ptx_col(t, i),
-             "m64n64 slices of the m64n256 fragment (t, i)", t, i);
-    }
   for (int b = 0; b < 4 * NH; ++b) {  // heaviest q tiles first, all heads of a tile together
     const AwgCta c = awg_cta(b, 4 * AWG_ROWS, NH);
     expect(c.q_tile == 3 - b / NH && c.h == b % NH, "awg_cta", b, c.q_tile);
@@ -506,13 +462,11 @@ int main() {
     for (int i = 0; i + 1 < int(bars.size()); ++i) expect(bars[i + 1] - bars[i] == 8, "mbarrier slot spacing", i, bars[i]);
   }
   std::mt19937 rng(13);
-  bool ok = run(200, 70, 320, PV_N256, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
-  ok &= run(130, 192, 384, PV_N256, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64
-  ok &= run(64, 0, 64, PV_N256, rng);         // one tile, the cache exactly full (no tail, warpgroup 1 empty)
-  ok &= run(70, 62, 192, PV_N256, rng);       // first row at position 62: a tile ending one key past it
-  ok &= run(70, 63, 192, PV_N256, rng);       // first row at position 63: the tile ends on it (no mask)
-  ok &= run(200, 70, 320, PV_N64, rng);
-  ok &= run(200, 70, 320, PV_N64_SWAPPED, rng);
+  bool ok = run(200, 70, 320, rng);  // pos0 + T = 270: a V tile past it; the last warpgroup has 8 rows
+  ok &= run(130, 192, 384, rng);     // the last CTA's warpgroup 1 has no rows; pos0 a multiple of 64
+  ok &= run(64, 0, 64, rng);         // one tile, the cache exactly full (no tail, warpgroup 1 empty)
+  ok &= run(70, 62, 192, rng);       // first row at position 62: a tile ending one key past it
+  ok &= run(70, 63, 192, rng);       // first row at position 63: the tile ends on it (no mask)
   ok &= run_protocol(rng);
   std::printf(ok && failures == 0 ? "all passed\n" : "FAILED\n");
   return ok && failures == 0 ? 0 : 1;
