@@ -54,6 +54,7 @@
 #include "cuda/kernels/linear_wgmma_tma.cuh"
 #include "cuda/kernels/moe_small.cuh"
 #include "cuda/tensor_map.h"
+#include "gemm_lab_expert.cuh"
 #include "gemm_lab_wgmma.cuh"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
@@ -165,6 +166,9 @@ struct Problem {
   float *dx = nullptr, *dy = nullptr, *dy_old = nullptr, *drs = nullptr;
   int32_t *dx_rows = nullptr, *dte = nullptr, *dtr = nullptr, *dre = nullptr, *dnt = nullptr;
   int32_t *dte128 = nullptr, *dtr128 = nullptr, *dnt128 = nullptr;  // grouped, tma_rows 128: the tma kernel's map
+  int32_t *dte_x = nullptr, *dtr_x = nullptr, *dnt_x = nullptr;  // grouped: expert_map's map of x_tile_rows tiles
+  int x_tile_rows = 0;
+  int64_t x_tiles = 0;
   int64_t max_tiles64 = 0;  // grid of 64-row tiles
   int tma_rows = 64;        // grouped: rows per tile of the tma kernel's map (the references take 64)
   bool grouped = false, swiglu = false;
@@ -294,7 +298,7 @@ static Problem moe(const char* name, Stack* w, int64_t T, int top_k, bool gather
 static void free_problem(Problem& p) {
   for (void* q : {(void*)p.dx, (void*)p.dy, (void*)p.dy_old, (void*)p.drs, (void*)p.dx_rows, (void*)p.dte,
                   (void*)p.dtr, (void*)p.dre, (void*)p.dnt, (void*)p.dxb, (void*)p.dte128, (void*)p.dtr128,
-                  (void*)p.dnt128})
+                  (void*)p.dnt128, (void*)p.dte_x, (void*)p.dtr_x, (void*)p.dnt_x})
     if (q) cudaFree(q);
 }
 
@@ -854,6 +858,223 @@ static void small_row(Problem& p, bool timed) {
   std::fflush(stdout);
 }
 
+// The one-tile-per-expert MoE products (benchmarks/gemm_lab_expert.cuh, group "expert"): p's routed product
+// (gated: p.up set, y = row_scale * silu(gate) * up; else the down product) on moe_expert_tile_kernel<TN>
+// for TN = 256 and 160, against the library's product on the same routing and copy (gated: the GATED
+// product; down: the plain one; both on 128-row tiles as moe.cu runs them at 4K): from a NaN-poisoned y,
+// every output finite, sampled error vs fp64 <= 1e-2 (the "err vs fp64" column), and every float equal to
+// the library's output (same bf16 operands and k order; "bit-identical to tma" or FAIL). Gated: the Xb
+// output (a.yb) must hold wg_bf16 of the F32 output at wg_xb_pos. Timed (like the other rows, with one X
+// -> bf16 conversion each): the library row (ref) then one row per TN; the kernel column names the tiles
+// of the map and their fill (routed rows / (tiles x TN)).
+static bool g_expert = false;
+
+// p's routed rows (grouped by expert: hrow_expert ascending) as a map of tn-row tiles, an expert's rows
+// from its first row; replaces any map of another tile size.
+static void expert_map(Problem& p, int tn) {
+  if (p.x_tile_rows == tn) return;
+  for (int32_t* q : {p.dte_x, p.dtr_x, p.dnt_x})
+    if (q) CK(cudaFree(q));
+  std::vector<int32_t> te, tr;
+  for (int64_t r0 = 0; r0 < p.M;) {
+    int64_t end = r0;
+    while (end < p.M && p.hrow_expert[end] == p.hrow_expert[r0]) ++end;
+    for (int64_t r = r0; r < end; r += tn) te.push_back(p.hrow_expert[r0]), tr.push_back(int32_t(r));
+    r0 = end;
+  }
+  const int32_t nt = int32_t(te.size());
+  CK(cudaMalloc(&p.dte_x, std::max<size_t>(1, te.size()) * 4));
+  CK(cudaMalloc(&p.dtr_x, std::max<size_t>(1, tr.size()) * 4));
+  CK(cudaMalloc(&p.dnt_x, 4));
+  CK(cudaMemcpy(p.dte_x, te.data(), te.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(p.dtr_x, tr.data(), tr.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(p.dnt_x, &nt, 4, cudaMemcpyHostToDevice));
+  p.x_tile_rows = tn;
+  p.x_tiles = nt;
+}
+
+// X -> bf16, then moe_expert_tile_kernel<TN> on copy `copy` (gated: into yb instead of y when set).
+template <int TN>
+static void launch_expert(Problem& p, int copy, uint16_t* yb = nullptr) {
+  const bool gated = p.up != nullptr;
+  const auto kernel = gated ? moe_expert_tile_kernel<TN, true> : moe_expert_tile_kernel<TN, false>;
+  constexpr int smem = xt_smem_bytes(TN);
+  static bool configured = false;
+  if (!configured) {
+    CK(cudaFuncSetAttribute(moe_expert_tile_kernel<TN, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(moe_expert_tile_kernel<TN, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  expert_map(p, TN);
+  launch_x_bf16(p);
+  LinearArgs a = p.args(copy);
+  a.yb = yb;
+  a.tiles.tile_expert = p.dte_x;
+  a.tiles.tile_row0 = p.dtr_x;
+  a.tiles.num_tiles = p.dnt_x;
+  a.tiles.tile_rows = TN;
+  if (gated) a.up = p.up->view(copy);
+  const int box = xt_tile_outputs(gated);  // W box rows: gated 64 (gate, then up), plain 128
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, TN);
+  const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, box);
+  const CUtensorMap& mu = gated ? tensor_map(false, p.up->dw[copy], p.up->E, p.up->N, p.up->K, box) : mw;
+  const int64_t units = p.x_tiles * ((p.w->N + box - 1) / box);
+  const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(units, g_sms)));
+  kernel<<<grid, TMA_THREADS, smem>>>(a, p.dxb, mx, mw, mu);
+  CK(cudaGetLastError());
+}
+
+static void launch_expert_tn(Problem& p, int tn, int copy, uint16_t* yb = nullptr) {
+  if (tn == 256) launch_expert<256>(p, copy, yb);
+  else launch_expert<160>(p, copy, yb);
+}
+
+// p must have p.tma_rows == 128 (the library reference's map).
+static void expert_row(Problem& p, bool timed) {
+  const int64_t MN = p.M * p.w->N, N = p.w->N, K = p.w->K;
+  const bool gated = p.up != nullptr;
+  auto run_once = [&](int tn, std::vector<float>& y) {  // tn 0: the library's product
+    CK(cudaMemset(p.dy, 0xFF, MN * 4));
+    if (tn == 0 && gated) launch_gated(p, 0, false);
+    else if (tn == 0) launch(TMA, p, 0);
+    else launch_expert_tn(p, tn, 0);
+    CK(cudaDeviceSynchronize());
+    y.resize(MN);
+    CK(cudaMemcpy(y.data(), p.dy, MN * 4, cudaMemcpyDeviceToHost));
+  };
+  auto sampled_err = [&](const std::vector<float>& y) {
+    double num = 0, den = 0;
+    for (int i = 0; i < 4096; ++i) {
+      const int64_t r = rnd32() % p.M, o = rnd32() % N;
+      const int64_t xr = p.hx_rows.empty() ? r : p.hx_rows[r], e = p.hrow_expert[r];
+      const float* x = p.hx.data() + xr * K;
+      double g = 0, u = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        g += p.w->w(e, o, k) * double(x[k]);
+        if (gated) u += p.up->w(e, o, k) * double(x[k]);
+      }
+      const double ref = gated ? double(p.hrow_scale[r]) * (g / (1.0 + std::exp(-g))) * u : g;
+      num += (double(y[r * N + o]) - ref) * (double(y[r * N + o]) - ref);
+      den += ref * ref;
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+  };
+  const double flop = 2.0 * (gated ? 2 : 1) * p.M * N * K;
+  std::vector<float> yref;
+  run_once(0, yref);
+  const double err_ref = sampled_err(yref);
+  double t_ref = 0;
+  const char* ref_name = gated ? "wgmma-tma gated (ref)" : "wgmma-tma (ref)";
+  if (timed) {
+    t_ref = time_launches(p.w->copies, [&](int c) {
+      if (gated) launch_gated(p, c, false);
+      else launch(TMA, p, c);
+    });
+    std::printf("| %s | %lld x %lld x %lld | %s | 128 | %.1f | %.1f | 1.00x | | %.1e | |\n", p.name, (long long)p.M,
+                (long long)N, (long long)K, ref_name, t_ref, flop / t_ref * 1e-6, err_ref);
+  }
+  for (const int tn : {256, 160}) {
+    std::vector<float> y;
+    run_once(tn, y);
+    int64_t bad = 0, differ = 0, xb_differ = 0;
+    double dmax = 0, rmax = 0;
+    for (int64_t i = 0; i < MN; ++i) {
+      bad += !std::isfinite(y[i]);
+      differ += std::memcmp(&y[i], &yref[i], 4) != 0;
+      dmax = std::max(dmax, std::fabs(double(y[i]) - double(yref[i])));
+      rmax = std::max(rmax, std::fabs(double(yref[i])));
+    }
+    const double err = sampled_err(y);
+    if (gated) {
+      uint16_t* dyb = nullptr;
+      CK(cudaMalloc(&dyb, MN * 2));
+      CK(cudaMemset(dyb, 0xFF, MN * 2));
+      launch_expert_tn(p, tn, 0, dyb);
+      CK(cudaDeviceSynchronize());
+      std::vector<uint16_t> yb(MN);
+      CK(cudaMemcpy(yb.data(), dyb, MN * 2, cudaMemcpyDeviceToHost));
+      CK(cudaFree(dyb));
+      for (int64_t r = 0; r < p.M; ++r)
+        for (int64_t o = 0; o < N; ++o) xb_differ += yb[r * N + wg_xb_pos(o)] != wg_bf16(y[r * N + o]);
+    }
+    const bool ok = bad == 0 && err <= 1e-2 && std::isfinite(err) && differ == 0 && xb_differ == 0;
+    if (!ok) {
+      std::printf("FAIL: %s expert n%d: %lld non-finite of %lld, sampled rel err %.3e, %lld floats differ from the "
+                  "library's (max rel %.1e), %lld Xb values differ from wgx of y\n",
+                  p.name, tn, (long long)bad, (long long)MN, err, (long long)differ, dmax / std::max(rmax, 1e-300),
+                  (long long)xb_differ);
+      ++g_failures;
+    }
+    char kname[64], vs[64];
+    std::snprintf(kname, sizeof kname, "expert n%d (%lld tiles, %.0f%% fill)", tn, (long long)p.x_tiles,
+                  100.0 * p.M / std::max<int64_t>(1, p.x_tiles * tn));
+    if (differ == 0) std::snprintf(vs, sizeof vs, gated ? "bit-identical to tma (y, Xb %s)" : "bit-identical to tma",
+                                   xb_differ ? "FAIL" : "ok");
+    else std::snprintf(vs, sizeof vs, "%lld differ, max rel %.1e", (long long)differ, dmax / std::max(rmax, 1e-300));
+    if (timed) {
+      const double t = time_launches(p.w->copies, [&](int c) { launch_expert_tn(p, tn, c); });
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | %.1f | %.1f | %.2fx | | %.1e %s | %s |\n", p.name,
+                  (long long)p.M, (long long)N, (long long)K, kname, tn, t, flop / t * 1e-6, t_ref / t, err,
+                  ok ? "ok" : "FAIL", vs);
+    } else {
+      std::printf("| %s | %lld x %lld x %lld | %s | %d | | | | | %.1e %s | %s |\n", p.name, (long long)p.M,
+                  (long long)N, (long long)K, kname, tn, err, ok ? "ok" : "FAIL", vs);
+    }
+    std::fflush(stdout);
+  }
+}
+
+// The expert group's problems: the two MoE products at T (timed), then checks: experts with more rows than
+// a tile (several tiles an expert) and empty experts, few rows (T = 17 over 256 experts), partial column
+// tiles (gated N = 288: 4.5 tiles of 64; down N = 320: 2.5 tiles of 128), group 128.
+static void expert_rows(int64_t T) {
+  {
+    Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1);
+    Problem p = moe("moe gate+up [256,512,2048], gated", &wg, T, 8, true, 0, false, 128, &wu);
+    expert_row(p, true);
+    free_problem(p);
+    p = moe("check expert gate+up, T=17", &wg, 17, 8, true, 0, false, 128, &wu);
+    expert_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack w(256, 2048, 512, 64, 1);
+    Problem p = moe("moe down [256,2048,512]", &w, T, 8, false, 0, false, 128);
+    expert_row(p, true);
+    free_problem(p);
+    p = moe("check expert down, T=17", &w, 17, 8, false, 0, false, 128);
+    expert_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(16, 512, 2048, 64, 1), wu(16, 512, 2048, 64, 1), wd(16, 2048, 512, 64, 1);
+    Problem p = moe("check expert gate+up, ~280 rows an expert, 6 empty", &wg, 700, 4, true, 6, false, 128, &wu);
+    expert_row(p, false);
+    free_problem(p);
+    p = moe("check expert down, ~280 rows an expert, 6 empty", &wd, 700, 4, false, 6, false, 128);
+    expert_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(8, 288, 1024, 64, 1), wu(8, 288, 1024, 64, 1), wd(8, 320, 1024, 64, 1);
+    Problem p = moe("check expert gate+up N=288 (partial column tile)", &wg, 300, 4, true, 0, false, 128, &wu);
+    expert_row(p, false);
+    free_problem(p);
+    p = moe("check expert down N=320 (partial column tile)", &wd, 300, 4, false, 0, false, 128);
+    expert_row(p, false);
+    free_problem(p);
+  }
+  {
+    Stack wg(16, 512, 1024, 128, 1), wu(16, 512, 1024, 128, 1), wd(16, 1024, 512, 128, 1);
+    Problem p = moe("check expert gate+up group 128", &wg, 200, 4, true, 0, false, 128, &wu);
+    expert_row(p, false);
+    free_problem(p);
+    p = moe("check expert down group 128", &wd, 200, 4, false, 0, false, 128);
+    expert_row(p, false);
+    free_problem(p);
+  }
+}
+
 int main(int argc, char** argv) {
   bool header = true, any = false;
   for (int i = 1; i < argc; ++i) {
@@ -865,14 +1086,16 @@ int main(int argc, char** argv) {
     for (int k = 0; k < NUM_KERNELS; ++k)
       if (std::strcmp(argv[i], kArgs[k]) == 0) g_run[k] = known = any = true;
     if (std::strcmp(argv[i], "small") == 0) g_small = known = any = true;
+    if (std::strcmp(argv[i], "expert") == 0) g_expert = known = any = true;
     if (!known) {
-      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma small; -n: no header)\n", argv[i]);
+      std::fprintf(stderr, "gemm_lab: unknown argument %s (kernels: old wgmma tma small expert; -n: no header)\n",
+                   argv[i]);
       return 2;
     }
   }
   if (!any) {
     for (bool& r : g_run) r = true;
-    g_small = true;
+    g_small = g_expert = true;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -929,9 +1152,11 @@ int main(int argc, char** argv) {
       free_problem(p);
     }
   }
-  if (!(g_run[OLD] || g_run[NEW] || g_run[TMA])) {  // small alone: its rows only
+  if (g_expert) expert_rows(T);
+  if (!(g_run[OLD] || g_run[NEW] || g_run[TMA])) {  // small / expert alone: their rows only
     CK(cudaDeviceSynchronize());
-    if (g_failures) std::printf("\ngemm_lab ( small): %d FAIL\n", g_failures);
+    if (g_failures) std::printf("\ngemm_lab (%s%s): %d FAIL\n", g_small ? " small" : "", g_expert ? " expert" : "",
+                                g_failures);
     return g_failures ? 1 : 0;
   }
   auto copies_for = [](int64_t N, int64_t K) { return int(std::max<int64_t>(2, (160ll << 20) / (N * K * 9 / 16))); };
