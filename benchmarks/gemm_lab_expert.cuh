@@ -64,6 +64,10 @@ __host__ __device__ constexpr int xt_row_base(bool gated, int cw, int w4, int g)
 }
 __host__ __device__ constexpr int xt_row_step(bool gated, int h) { return gated ? 64 * h : 8 * h; }
 __host__ __device__ constexpr int xt_out_step(bool gated, int h) { return gated ? 0 : 8 * h; }
+// A fragment register of packed word m (0..3) of a half's 16-byte chunk, accumulator row h: word m is k16
+// step m/2 of the half (A[m/2]), its k 0-7 (m even) or 8-15 (m odd); wgmma's register r holds row g + 8(r%2),
+// k 2c + 8(r/2) of the step.
+__host__ __device__ constexpr int xt_a_reg(int m, int h) { return (m & 1) * 2 + h; }
 // outputs a column tile covers
 __host__ __device__ constexpr int xt_tile_outputs(bool gated) { return gated ? XT_WROWS / 2 : XT_WROWS; }
 
@@ -106,7 +110,7 @@ __device__ __forceinline__ void xt_dequant_half(uint32_t ws, int c, const uint32
     const uint4 w = ld_shared_v4(ws + xt_row_step(GATED, h) * tma_w_row_bytes(4) + 16 * H);
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int m = 0; m < 4; ++m) A[m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
+    for (int m = 0; m < 4; ++m) A[m >> 1][xt_a_reg(m, h)] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
   }
 }
 
