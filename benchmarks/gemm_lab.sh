@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prefill GEMM lab (benchmarks/gemm_lab.cu): the mma.sync GEMM, the retired wgmma GEMM, the library's
-# TMA GEMM and the few-rows MoE expert kernels (small), timed and self-checked. Builds it (~15 s on 2 cores) and runs it on the H200, one process per kernel group
+# TMA GEMM, the few-rows MoE expert kernels (small) and, when asked (GEMM_LAB_GROUPS=expert), the
+# one-tile-per-expert MoE variant (expert), timed and self-checked. Builds it (~15 s on 2 cores) and runs it on the H200, one process per kernel group
 # (a crash or hang in one variant is reported and the others still run; each group has a time limit).
 # Exit status 1 on any FAIL, CUDA error or time-out. With OUT set it also writes $OUT/gemm_lab.md.
 # Flags as CMakeLists.txt's CUDA ones. GEMM_LAB_GROUPS overrides the groups ("old,wgmma tma").

@@ -26,8 +26,10 @@
 // Producer warpgroup (setmaxnreg XT_PRODUCER_REGS):
 //   W: one TMA box {8 words, 128 rows, 1} of tmap_w (plain) or two boxes {8, 64, 1} of tmap_w (gate, into
 //      rows 0-63) and tmap_u (up, rows 64-127); rows >= N read as zero, their outputs never stored.
-//   Xb, plain: one TMA box {64, TN} of tmap_x at tile.row0 (rows past the expert's end are the next
-//      expert's or zero: their columns are computed and never stored).
+//   Xb, plain: ceil(tile.rows / 32) TMA boxes {64, XT_XBOX = 32} of tmap_x from tile.row0 (an expert of
+//      ~128 rows loads 128 rows of a 256-row stage, not 256: half the L2 -> shared traffic at TN 256). Rows
+//      past the expert's end inside the last box are the next expert's or zero, and rows past the last
+//      box keep what the stage held: either way their columns are computed and never stored.
 //   Xb, GATED: the 128 threads copy the tile's rows x_rows[row0 + r] by cp.async, TN/16 16-byte chunks a
 //      thread a stage, arriving on full[s] TMA_GATHER_LAG stages later (as linear_wgmma_tma_kernel's
 //      GATHER). Rows r >= tile.rows are not copied: the stage keeps whatever it held, and since column r
@@ -49,6 +51,7 @@
 namespace lily::cuda {
 
 constexpr int XT_WROWS = 128;  // weight rows a tile: 2 consumer warpgroups x m64
+constexpr int XT_XBOX = 32;    // plain: rows of one Xb TMA box (a tile loads only the boxes holding its rows)
 // The producer keeps TN/16 gather row offsets (16 at TN 256); the consumers need TN/2 + ~40.
 constexpr int XT_PRODUCER_REGS = 56, XT_CONSUMER_REGS = 224;
 __host__ __device__ constexpr int xt_stage_bytes(int tn) { return tn * WG_BK * 2 + XT_WROWS * tma_w_row_bytes(4); }
@@ -57,6 +60,7 @@ __host__ __device__ constexpr int xt_stages(int tn) {
 }
 __host__ __device__ constexpr int xt_smem_bytes(int tn) { return 1024 + xt_stages(tn) * (xt_stage_bytes(tn) + 16); }
 static_assert(xt_smem_bytes(256) <= 227 * 1024 && xt_smem_bytes(160) <= 227 * 1024, "ring exceeds 227 KB");
+static_assert(256 % XT_XBOX == 0 && 160 % XT_XBOX == 0, "a tile is whole Xb boxes");
 static_assert(xt_stages(256) > TMA_GATHER_LAG && xt_stages(160) > TMA_GATHER_LAG, "gather lag needs more stages");
 
 __host__ __device__ constexpr int xt_row_base(bool gated, int cw, int w4, int g) {
@@ -209,12 +213,14 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         Tile tile;
         if (!find_tile(a.tiles, u % row_tiles, TN, tile)) continue;
         const int n0 = int(u / row_tiles) * BN;
+        const int nb = int(tile.rows + XT_XBOX - 1) / XT_XBOX;  // Xb boxes holding the tile's rows
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
-          mbar_arrive_expect_tx(full(s), STAGE);
+          mbar_arrive_expect_tx(full(s), WBYTES + nb * XT_XBOX * WG_BK * 2);
           tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * KW, n0, int(tile.expert));
-          tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
+          for (int i = 0; i < nb; ++i)
+            tma_load_2d(st + i * XT_XBOX * WG_BK * 2, &tmap_x, full(s), kt * WG_BK, int(tile.row0) + i * XT_XBOX);
           if (++s == S) s = 0, ph ^= 1;
         }
       }
