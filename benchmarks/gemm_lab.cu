@@ -1028,13 +1028,17 @@ static void expert_row(Problem& p, bool timed) {
   }
 }
 
-// The expert group's problems: the two MoE products at T (timed), then checks: experts with more rows than
+// The expert group's problems: the two MoE products at T and at T/4 (timed; at T/4 an expert has ~T/128
+// rows, the cost of a tile's padding rows), then checks: experts with more rows than
 // a tile (several tiles an expert) and empty experts, few rows (T = 17 over 256 experts), partial column
 // tiles (gated N = 288: 4.5 tiles of 64; down N = 320: 2.5 tiles of 128), group 128.
 static void expert_rows(int64_t T) {
   {
     Stack wg(256, 512, 2048, 64, 1), wu(256, 512, 2048, 64, 1);
     Problem p = moe("moe gate+up [256,512,2048], gated", &wg, T, 8, true, 0, false, 128, &wu);
+    expert_row(p, true);
+    free_problem(p);
+    p = moe("moe gate+up [256,512,2048], gated, T/4", &wg, T / 4, 8, true, 0, false, 128, &wu);
     expert_row(p, true);
     free_problem(p);
     p = moe("check expert gate+up, T=17", &wg, 17, 8, true, 0, false, 128, &wu);
@@ -1044,6 +1048,9 @@ static void expert_rows(int64_t T) {
   {
     Stack w(256, 2048, 512, 64, 1);
     Problem p = moe("moe down [256,2048,512]", &w, T, 8, false, 0, false, 128);
+    expert_row(p, true);
+    free_problem(p);
+    p = moe("moe down [256,2048,512], T/4", &w, T / 4, 8, false, 0, false, 128);
     expert_row(p, true);
     free_problem(p);
     p = moe("check expert down, T=17", &w, 17, 8, false, 0, false, 128);
