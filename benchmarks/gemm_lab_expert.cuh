@@ -105,7 +105,7 @@ __device__ __forceinline__ void xt_wgmma(float (&d)[TN / 2], const uint32_t (&a)
 }
 
 // The thread's 2 rows of half H of the stage's k-tile (16-byte chunk H of each 32-byte row; packed word m
-// is k16 step m/2, register (m%2)*2 + h of it, nibbles c and c+4): A[step][4].
+// is k16 step m/2, register xt_a_reg(m, h) of it, nibbles c and c+4): A[step][4].
 template <int H, bool GATED>
 __device__ __forceinline__ void xt_dequant_half(uint32_t ws, int c, const uint32_t (&sb)[2], uint32_t (&A)[2][4]) {
 #pragma unroll
@@ -177,7 +177,8 @@ __device__ __forceinline__ void xt_store(const LinearArgs& a, const Tile& tile, 
 }
 
 // moe_expert_tile_kernel<TN, GATED>: the header's product. GATED gathers its rows (a.x_rows), plain reads
-// Xb rows [row0, row0 + TN) by TMA. a.tiles: grouped map of TN-row tiles.
+// Xb rows from row0 by 32-row TMA boxes, only those holding the tile's rows. a.tiles: grouped map of
+// TN-row tiles (RowTiles::tile_rows == TN).
 template <int TN, bool GATED>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     moe_expert_tile_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
