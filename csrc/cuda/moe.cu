@@ -1,8 +1,8 @@
 // Launcher of the sparse MoE block, all on the device with no host synchronisation.
 // Decode (use_moe_decode: T <= 4, fast affine experts), three or four launches:
-//   one token with an 8-bit router over H = 2048 (use_moe_router): router logits, shared expert gate
-//   logit, softmax and top-k in one kernel (kernels/moe_router.cuh); otherwise router logits and shared
-//   expert gate logit (one stacked GEMV when T = 1) -> moe_topk
+//   with an 8-bit router over H = 2048 (use_moe_router; also a short prompt's tokens, a cluster each):
+//   router logits, shared expert gate logit, softmax and top-k in one kernel (kernels/moe_router.cuh);
+//   otherwise router logits and shared expert gate logit (one stacked GEMV when T = 1) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
 //      moe_add, moe_add_rms_norm, moe_rms_normed_add);
@@ -381,9 +381,10 @@ static bool router_cluster_fits(int n) {
   return fits[n];
 }
 
-// The fused decode router: one token; router and shared expert gate both 8-bit affine with BF16 scales,
-// whole 16-value chunks in a group, over H = ROUTER_COLS; E <= 256 and its cluster resident (of the
-// NORM_IN instance when `normed`); h 16-byte aligned (its float4 loads).
+// The fused router: one token (decode) or a short prompt's T <= MOE_DECODE_MAX_TOKENS (a cluster per token,
+// the one-token bits; it replaces two multi-token GEMVs and moe_topk); router and shared expert gate both
+// 8-bit affine with BF16 scales, whole 16-value chunks in a group, over H = ROUTER_COLS; E <= 256 and its
+// cluster resident (of the NORM_IN instance when `normed`); h 16-byte aligned (its float4 loads).
 static bool use_moe_router(const MoeWeights& w, const Tensor& h, bool normed) {
   const QMatrix* mats[] = {w.router, w.shared_expert_gate};
   for (const QMatrix* m : mats)
@@ -392,8 +393,8 @@ static bool use_moe_router(const MoeWeights& w, const Tensor& h, bool normed) {
       return false;
   const int64_t E = w.router->rows;
   const int n = router_ctas(E);
-  return h.dim(0) == 1 && h.dim(1) == ROUTER_COLS && w.shared_expert_gate->rows == 1 && E >= 1 &&
-         E <= ROUTER_MAX_EXPERTS && is_aligned16(h.data) &&
+  return h.dim(0) >= 1 && h.dim(0) <= MOE_DECODE_MAX_TOKENS && h.dim(1) == ROUTER_COLS &&
+         w.shared_expert_gate->rows == 1 && E >= 1 && E <= ROUTER_MAX_EXPERTS && is_aligned16(h.data) &&
          (normed ? router_cluster_fits<true>(n) : router_cluster_fits<false>(n));
 }
 
@@ -403,7 +404,7 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
                           r.topk_w, shared_gate, top_k, norm_in};
   const unsigned n = unsigned(router_ctas(w.router->rows));
   const bool normed = norm_in.w != nullptr;
-  launch_clustered(normed ? moe_router_kernel<true> : moe_router_kernel<false>, dim3(n),
+  launch_clustered(normed ? moe_router_kernel<true> : moe_router_kernel<false>, dim3(n, unsigned(h.dim(0))),
                    dim3(unsigned(router_threads(normed))), dim3(n), 0, p);
   LILY_CUDA_LAUNCHED();
 }
@@ -419,9 +420,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CHECK(s.down.dim(1) == H && s.gate.dim(1) >= std::max(w.gate_proj->rows, w.shared_gate_proj->rows),
              "moe: scratch rows are too narrow");
   const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, E, top_k);
-  // One token: the fused router kernel where it applies; else a decode step runs the router and the
-  // shared-expert gate as one GEMV over their stacked rows: E logits, then the gate logit, back to back
-  // in router_logits (which has a spare row then).
+  // Up to MOE_DECODE_MAX_TOKENS tokens: the fused router kernel where it applies; else a decode step runs
+  // the router and the shared-expert gate as one GEMV over their stacked rows: E logits, then the gate
+  // logit, back to back in router_logits (which has a spare row then).
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
@@ -546,8 +547,8 @@ void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tens
 bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
                               const ops::MoeScratch& s, int top_k) {
   const int64_t H = res.dim(1);
-  return use_moe_router(w, res, true) && use_moe_mma(w, res, s, top_k) && norm_threads(H) == MMA_THREADS &&
-         H <= MMA_NORM_MAX_COLS && is_aligned16(weight.data) && is_aligned16(h.data);
+  return res.dim(0) == 1 && use_moe_router(w, res, true) && use_moe_mma(w, res, s, top_k) &&
+         norm_threads(H) == MMA_THREADS && H <= MMA_NORM_MAX_COLS && is_aligned16(weight.data) && is_aligned16(h.data);
 }
 
 // res += moe(rms_norm(res) * weight): no kernel writes h where moe_rms_normed_supported; otherwise rms_norm

@@ -3,8 +3,10 @@
 //   l[e] = sum_j Wr[e, j] h[j] (e < E),  g = sum_j Wg[j] h[j],  W = scale[group] * q + bias[group]
 //   (topk_id, topk_w) = moe_topk_warp(l),  shared_gate = sigmoid(g).
 // Wr [E, 2048], Wg [1, 2048]: MLX affine 8-bit, BF16 scales, group size a multiple of 16; h [2048] F32,
-// 16-byte aligned; E <= 256; topk_id [K], topk_w [K] (ascending id), shared_gate [1].
-// Grid: one thread-block cluster of n = ceil(E/16) CTAs (n > 8 is a non-portable cluster size) of 17
+// 16-byte aligned; E <= 256; topk_id [K], topk_w [K] (ascending id), shared_gate [1]. T tokens (a short
+// prompt, T <= MOE_DECODE_MAX_TOKENS): h [T, 2048], topk_id / topk_w [T, K], shared_gate [T], one cluster
+// per token (grid (n, T), blockIdx.y = t), each as the one-token kernel (the same bits per token).
+// Grid: per token one thread-block cluster of n = ceil(E/16) CTAs (n > 8 is a non-portable cluster size) of 17
 // warps. Warps 0-15 own router rows 16b..16b+15 of CTA b in linear_gemv_kernel<8,1>'s mapping: 4 slots
 // of 128 threads, thread q of slot s holds 16-byte chunk q (16 weights) of rows 16b+4s+r, r < 4, and
 // loads them before pdl_wait. After it, warp 16 (no weights) loads h at once and stages it as
@@ -53,10 +55,10 @@ constexpr int ROUTER_NORM_BARRIER = 1;  // named barrier of the two staging warp
 struct MoeRouterParams {
   AffineStack router;  // [E, 2048] 8-bit (rows = E)
   AffineStack gate;    // [1, 2048] 8-bit, the shared expert gate
-  const float* h;      // [2048] F32 (NORM_IN: the residual row x)
-  int32_t* topk_id;    // [K]
-  float* topk_w;       // [K]
-  float* shared_gate;  // [1] sigmoid of the gate logit
+  const float* h;      // [T, 2048] F32 (NORM_IN: the residual row x)
+  int32_t* topk_id;    // [T, K]
+  float* topk_w;       // [T, K]
+  float* shared_gate;  // [T] sigmoid of the gate logit
   int K;
   NormIn norm_in;      // NORM_IN: the router's input is rms_norm(x) * norm_in.w [2048]
 };
@@ -109,7 +111,8 @@ __global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(
   const int b = int(cluster.block_rank()), n = int(cluster.num_blocks());
   const bool stager = warp == ROUTER_WARPS || (NORM_IN && warp == ROUTER_WARPS + 1);  // stage h; no weights
   const int slot = tid / ROUTER_CHUNKS, q = tid % ROUTER_CHUNKS, E = p.router.rows;
-  const int row0 = b * ROUTER_ROWS + slot * ROUTER_R;
+  const int row0 = b * ROUTER_ROWS + slot * ROUTER_R, t = int(blockIdx.y);
+  const float* h = p.h + int64_t(t) * ROUTER_COLS;  // token t's row
   __cluster_barrier_arrive_relaxed();  // paired with the wait before the first store to rank 0
 
   GemvStage<ROUTER_R> st;  // constant weights: loaded before the wait
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(
 #pragma unroll
       for (int f = 0; f < S::F; ++f) {
         const int i = (lane + 32 * (sw + 2 * k)) * S::F + f;
-        v[k][f] = reinterpret_cast<const float4*>(p.h)[i];
+        v[k][f] = reinterpret_cast<const float4*>(h)[i];
         w[k][f] = __ldg(reinterpret_cast<const float4*>(p.norm_in.w) + i);
       }
     const float rs = router_inv_rms(v, sw, norm_part, p.norm_in.eps);
@@ -146,9 +149,9 @@ __global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(
       float s = 0.f;
 #pragma unroll
       for (int f = 0; f < S::F; ++f) {
-        const float4 h = norm_scale4(v[k][f], rs, w[k][f]);
-        xs[S::slot(c, f)] = h;
-        s += h.x + h.y + h.z + h.w;
+        const float4 hn = norm_scale4(v[k][f], rs, w[k][f]);
+        xs[S::slot(c, f)] = hn;
+        s += hn.x + hn.y + hn.z + hn.w;
       }
       xsum[c] = s;
     }
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int f = 0; f < S::F; ++f) v[j][f] = reinterpret_cast<const float4*>(p.h)[(lane + 32 * j) * S::F + f];
+      for (int f = 0; f < S::F; ++f) v[j][f] = reinterpret_cast<const float4*>(h)[(lane + 32 * j) * S::F + f];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float s = 0.f;
@@ -235,13 +238,13 @@ __global__ void __launch_bounds__(router_threads(NORM_IN), 1) moe_router_kernel(
   __cluster_barrier_wait();    // acquire: rank 0 sees every CTA's; no CTA touches another's memory after this
   if (b != 0) return;
   if (warp == 0) {
-    moe_topk_warp<ROUTER_MAX_EXPERTS / 32>(logits, E, p.K, p.topk_id, p.topk_w);
+    moe_topk_warp<ROUTER_MAX_EXPERTS / 32>(logits, E, p.K, p.topk_id + t * p.K, p.topk_w + t * p.K);
   } else if (warp == 1 && lane == 0) {
     float g = 0.f;  // levels 2 and 1 of each group's butterfly, then the groups in order (slot_sum)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       g += (gate_part[4 * j] + gate_part[4 * j + 2]) + (gate_part[4 * j + 1] + gate_part[4 * j + 3]);
-    *p.shared_gate = moe_sigmoid(g);
+    p.shared_gate[t] = moe_sigmoid(g);
   }
 }
 
