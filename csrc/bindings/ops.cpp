@@ -358,7 +358,8 @@ void init_ops(nb::module_& parent) {
   });
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small) {
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small,
+                  bool router_up) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -368,18 +369,20 @@ void init_ops(nb::module_& parent) {
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
     const int64_t xn = xb_elems > 0 ? xb_elems : ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k);
     Dev xb(d, DType::BF16, {std::max<int64_t>(1, xn)});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small, router_up};
     ops::moe(w, hi.t, out.t, s, top_k);
     return out_f32(out);
   }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
      nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
-     nb::arg("xb_elems") = 0, nb::arg("small") = true,
+     nb::arg("xb_elems") = 0, nb::arg("small") = true, nb::arg("router_up") = true,
      "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
      "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in); "
-     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small).");
+     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small); "
+     "router_up = False keeps a decode token's router and up product apart (MoeScratch::router_up).");
   m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                       const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                      const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {
+                      const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k,
+                      bool router_up) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -389,14 +392,32 @@ void init_ops(nb::module_& parent) {
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
     Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, true, router_up};
     ops::moe_add(w, hi.t, ri.t, tmp.t, s, top_k);
     return out_f32(ri);
-  }, "res + moe(h).");
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("res"),
+     nb::arg("top_k"), nb::arg("router_up") = true, "res + moe(h).");
+  m.def("moe_router_up_supported", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                      const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                      const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& h,
+                                      int top_k, bool normed) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
+    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    Dev hi = f32(d, h), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
+    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
+    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    return ops::moe_router_up_supported(w, hi.t, s, top_k, normed);
+  }, "Whether moe (normed: moe_rms_normed_add, h the residual row) routes this token and runs its up product in "
+     "one kernel (ops::moe_router_up_supported).");
   m.def("moe_rms_normed_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
                                  const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
                                  const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& res,
-                                 const F32In& nw, float eps, int top_k) {
+                                 const F32In& nw, float eps, int top_k, bool router_up) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -406,16 +427,19 @@ void init_ops(nb::module_& parent) {
     Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
     Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
     Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, true, router_up};
     const bool fused = ops::moe_rms_normed_supported(w, ri.t, wi.t, h.t, s, top_k);
     ops::moe_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, s, top_k);
     return nb::make_tuple(out_f32(ri), fused);
-  }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("res"), nb::arg("nw"),
+     nb::arg("eps"), nb::arg("top_k"), nb::arg("router_up") = true,
+     "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
      "moe_rms_normed_supported).");
   m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                                const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,
-                               float eps, int top_k) {
+                               float eps, int top_k, bool router_up) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
     const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
@@ -428,12 +452,15 @@ void init_ops(nb::module_& parent) {
     Dev sync(d, DType::I32, {1});
     const int32_t zero = 0;
     sync.buf.upload(&zero, 4);
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
+    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, true, router_up};
     ops::moe_add_rms_norm(w, hi.t, ri.t, wi.t, eps, tmp.t, s, top_k, sync.t);
     int32_t left = -1;
     sync.buf.download(&left, 4);
     return nb::make_tuple(out_f32(ri), out_f32(hi), left);
-  }, "(res + moe(h), rms_norm of it, the sync counter after).");
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("res"),
+     nb::arg("nw"), nb::arg("eps"), nb::arg("top_k"), nb::arg("router_up") = true,
+     "(res + moe(h), rms_norm of it, the sync counter after).");
   m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
                      uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
                      float frequency, float repetition, uint64_t seed, int num_logprobs) {

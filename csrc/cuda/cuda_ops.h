@@ -35,6 +35,7 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
                         const Tensor& tmp, const ops::MoeScratch& s, int top_k);
 bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
                               const ops::MoeScratch& s, int top_k);
+bool moe_router_up_supported(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k, bool normed);
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);

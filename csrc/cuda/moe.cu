@@ -34,6 +34,7 @@
 #include "kernels/moe_decode.cuh"
 #include "kernels/moe_mma.cuh"
 #include "kernels/moe_router.cuh"
+#include "kernels/moe_router_up.cuh"
 #include "kernels/moe_routing.cuh"
 #include "kernels/moe_small.cuh"
 #include "linear.h"
@@ -247,18 +248,26 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
   return mma_x_bytes(H, vb) <= GEMV_MAX_SMEM && mma_x_bytes(top_k * I + Is, vb) <= GEMV_MAX_SMEM;
 }
 
+// CTAs of moe_router_kernel for E experts (16 router rows each, one cluster), and of each cluster of
+// moe_router_up_kernel.
+static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
+
 // The up product's NORM_IN instance (norm_in.w set) launches with the plain one's plan, so its K split
 // and sums are those of moe_up over the normalised row; both are held to MMA_MIN_CTAS CTAs per SM.
+// router_up (use_moe_router_up): moe_router_up_kernel routes the token and runs moe_up's passes with that
+// plan too (its K split, so the same sums; its CTAs moe_up's grid rounded up to whole clusters), then
+// moe_down reads the ids after its wait.
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
-                           const float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
-                           const NormTail& tail, const NormIn& norm_in) {
+                           float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
+                           const NormTail& tail, const NormIn& norm_in, bool router_up) {
   const auto up = moe_up_mma_kernel<BITS, NG, false>, up_normed = moe_up_mma_kernel<BITS, NG, true>;
-  const auto down = moe_down_mma_kernel<BITS, NG>;
+  const auto down = moe_down_mma_kernel<BITS, NG>, down_after = moe_down_mma_kernel<BITS, NG, true>;
   static const bool configured = [&] {
     allow_gemv_smem(up);
     allow_gemv_smem(up_normed);
     allow_gemv_smem(down);
+    allow_gemv_smem(down_after);
     return true;
   }();
   (void)configured;
@@ -274,9 +283,17 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   const MmaPlan pd = mma_plan(reinterpret_cast<const void*>(down), down_smem, ceil_div<int64_t>(H, 16),
                               (top_k * I + Is) / VALS, T, true);
   p.ks_up = pu.ks, p.ks_down = pd.ks;
-  launch(norm_in.w != nullptr ? up_normed : up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
+  if (router_up) {
+    const MoeRouterUpParams ru{p, affine_stack(*w.router), affine_stack(*w.shared_expert_gate), r.topk_id, r.topk_w,
+                               shared_w};
+    const int n = router_ctas(w.router->rows);
+    launch_clustered(norm_in.w != nullptr ? moe_router_up_kernel<BITS, NG, true> : moe_router_up_kernel<BITS, NG, false>,
+                     dim3(unsigned(ceil_div(pu.grid, n) * n)), dim3(MMA_THREADS), dim3(unsigned(n)), up_smem, ru);
+  } else {
+    launch(norm_in.w != nullptr ? up_normed : up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
+  }
   LILY_CUDA_LAUNCHED();
-  launch(down, dim3(unsigned(pd.grid), unsigned(T)), MMA_THREADS, down_smem, p);
+  launch(router_up ? down_after : down, dim3(unsigned(pd.grid), unsigned(T)), MMA_THREADS, down_smem, p);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -348,36 +365,38 @@ static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) 
   launch_moe_small<GATED, 3>(a, E);
 }
 
-// CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
-static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)); }
+// Which cluster sizes n <= ROUTER_MAX_CTAS of `kernel` (threads a CTA, dynamic shared memory smem) can be
+// resident at all (n > 8 needs the non-portable cluster size, granted per device). One CTA (a plain
+// launch) always fits; a refused attribute or query leaves that n out.
+static std::array<bool, ROUTER_MAX_CTAS + 1> cluster_sizes_fitting(const void* kernel, int threads, size_t smem) {
+  std::array<bool, ROUTER_MAX_CTAS + 1> f{};
+  f[1] = true;
+  const bool wide = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+  for (int c = 2; c <= ROUTER_MAX_CTAS && (c <= 8 || wide); ++c) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(c);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(c));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    f[c] = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
+  return f;
+}
 
-// Whether a cluster of n moe_router_kernel<NORM_IN> CTAs can be resident at all (n > 8 needs the
-// non-portable cluster size, granted per device; a CTA's 544 or 576 threads at 96 registers take more than
-// half an SM's registers, so n SMs of one GPC). One CTA (a plain launch) always fits; the others are queried once
-// per instance; a refusal leaves that n on the GEMV + moe_topk path.
+// Whether a cluster of n moe_router_kernel<NORM_IN> CTAs can be resident (a CTA's 544 or 576 threads at 96
+// registers take more than half an SM's registers, so n SMs of one GPC); queried once per instance; a
+// refusal leaves that n on the GEMV + moe_topk path.
 template <bool NORM_IN>
 static bool router_cluster_fits(int n) {
-  static const std::array<bool, ROUTER_MAX_CTAS + 1> fits = [] {
-    const auto kernel = moe_router_kernel<NORM_IN>;
-    std::array<bool, ROUTER_MAX_CTAS + 1> f{};
-    f[1] = true;
-    const bool wide = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-    for (int c = 2; c <= ROUTER_MAX_CTAS && (c <= 8 || wide); ++c) {
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = unsigned(c);
-      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(unsigned(c));
-      cfg.blockDim = dim3(unsigned(router_threads(NORM_IN)));
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      f[c] = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-    }
-    (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
-    return f;
-  }();
+  static const std::array<bool, ROUTER_MAX_CTAS + 1> fits = cluster_sizes_fitting(
+      reinterpret_cast<const void*>(moe_router_kernel<NORM_IN>), router_threads(NORM_IN), 0);
   return fits[n];
 }
 
@@ -408,6 +427,30 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
   LILY_CUDA_LAUNCHED();
 }
 
+// Whether moe_router_up_kernel's instance for the experts' bits and groups (NG = 2: a group is half a
+// segment) can be resident in clusters of n CTAs; queried once per instance.
+template <int BITS, int NG, bool NORM_IN>
+static bool router_up_cluster_fits(int n) {
+  static const std::array<bool, ROUTER_MAX_CTAS + 1> fits =
+      cluster_sizes_fitting(reinterpret_cast<const void*>(moe_router_up_kernel<BITS, NG, NORM_IN>), MMA_THREADS,
+                            mma_x_bytes(ROUTER_COLS, MmaSeg<BITS>::VALS / NG));
+  return fits[n];
+}
+
+// Router, top-k and up product as one kernel (kernels/moe_router_up.cuh): where the fused router
+// (use_moe_router, for `normed` too) and the tensor-core chain (use_moe_mma) both run (one token, H = 2048),
+// s.router_up, and its clusters resident.
+static bool use_moe_router_up(const MoeWeights& w, const ops::MoeScratch& s, bool normed) {
+  if (!s.router_up) return false;
+  const int n = router_ctas(w.router->rows), bits = w.gate_proj->bits;
+  const bool half = mma_group_halves(bits, w.gate_proj->group_size) == 2;
+  if (bits == 4)
+    return half ? (normed ? router_up_cluster_fits<4, 2, true>(n) : router_up_cluster_fits<4, 2, false>(n))
+                : (normed ? router_up_cluster_fits<4, 1, true>(n) : router_up_cluster_fits<4, 1, false>(n));
+  return half ? (normed ? router_up_cluster_fits<8, 2, true>(n) : router_up_cluster_fits<8, 2, false>(n))
+              : (normed ? router_up_cluster_fits<8, 1, true>(n) : router_up_cluster_fits<8, 1, false>(n));
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up.
@@ -422,9 +465,10 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   // One token: the fused router kernel where it applies; else a decode step runs the router and the
   // shared-expert gate as one GEMV over their stacked rows: E logits, then the gate logit, back to back
   // in router_logits (which has a spare row then).
-  const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
-  LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
-             "moe: a normed input needs the fused router and the tensor-core decode chain");
+  const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed), mma = use_moe_mma(w, h, s, top_k);
+  LILY_CHECK(!normed || (fused && mma), "moe: a normed input needs the fused router and the tensor-core decode chain");
+  // the router, top-k and up product as one kernel (launch_moe_mma) where both run
+  const bool router_up = fused && mma && use_moe_router_up(w, s, normed);
   const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
   // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
   // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
@@ -433,7 +477,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
                             : rows_of(s.shared_gate, 0, T);  // [T, 1]
   if (fused) {
-    launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);
+    if (!router_up) launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);  // else moe_router_up_kernel
   } else {
     if (stacked) {
       linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
@@ -450,15 +494,16 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     LILY_CUDA_LAUNCHED();
   }
 
-  if (use_moe_mma(w, h, s, top_k)) {
+  if (mma) {
     const bool half = mma_group_halves(w.gate_proj->bits, w.gate_proj->group_size) == 2;
     float* act = s.gate.ptr<float>();
+    float* sw = sg.ptr<float>();
     const int64_t ld = s.gate.dim(1);
     if (w.gate_proj->bits == 4)
-      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
-                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
-    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
-                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sw, act, ld, top_k, accumulate, tail, norm_in, router_up)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sw, act, ld, top_k, accumulate, tail, norm_in, router_up);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sw, act, ld, top_k, accumulate, tail, norm_in, router_up)
+                : launch_moe_mma<8, 1>(w, h, out, r, sw, act, ld, top_k, accumulate, tail, norm_in, router_up);
   }
   LILY_CHECK(!accumulate, "moe: a fused residual add needs the tensor-core decode path");
   if (use_moe_decode(w, h, s, top_k)) {
@@ -548,6 +593,10 @@ bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tens
   const int64_t H = res.dim(1);
   return use_moe_router(w, res, true) && use_moe_mma(w, res, s, top_k) && norm_threads(H) == MMA_THREADS &&
          H <= MMA_NORM_MAX_COLS && is_aligned16(weight.data) && is_aligned16(h.data);
+}
+
+bool moe_router_up_supported(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k, bool normed) {
+  return use_moe_router(w, h, normed) && use_moe_mma(w, h, s, top_k) && use_moe_router_up(w, s, normed);
 }
 
 // res += moe(rms_norm(res) * weight): no kernel writes h where moe_rms_normed_supported; otherwise rms_norm

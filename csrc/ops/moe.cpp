@@ -86,6 +86,14 @@ bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tens
   return false;
 }
 
+bool moe_router_up_supported(const MoeWeights& w, const Tensor& h, const MoeScratch& s, int top_k, bool normed) {
+#ifdef LILY_WITH_CUDA
+  if (h.device == Device::CUDA) return cuda::moe_router_up_supported(w, h, s, top_k, normed);
+#endif
+  (void)w, (void)h, (void)s, (void)top_k, (void)normed;
+  return false;
+}
+
 void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
                         const Tensor& tmp, const MoeScratch& s, int top_k) {
   const char* op = "moe_rms_normed_add";

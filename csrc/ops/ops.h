@@ -191,6 +191,8 @@ struct MoeScratch {
                          // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
   bool moe_small = true;  // CUDA: medium prompts may take the few-rows expert kernels (kernels/moe_small.cuh);
                           // false keeps the wgmma GEMM (tests and benchmarks compare the two)
+  bool router_up = true;  // CUDA: a decode token may route and run the experts' up product in one kernel
+                          // (kernels/moe_router_up.cuh); false keeps the router and moe_up (tests compare)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for
@@ -221,6 +223,9 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
 // linear_add, not linear_add_rms_norm).
 bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
                               const MoeScratch& scratch, int top_k);
+// Whether a decode token h (normed: the residual row of moe_rms_normed_add) is routed and runs the experts'
+// up product in one kernel (CUDA: kernels/moe_router_up.cuh; never on the CPU). Numerics unaffected.
+bool moe_router_up_supported(const MoeWeights& w, const Tensor& h, const MoeScratch& scratch, int top_k, bool normed);
 // res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
 // next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
 // for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's

@@ -264,12 +264,16 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 // through shared memory (sq4 of the same float4 gives the same bits in any thread). w, a constant weight,
 // is read before wait() (the PDL wait, after which x may be read): ptxas then issues its loads with x's
 // rather than sinking them towards their use (moe_up_mma_kernel, which waits before it reads the expert
-// ids, passes a no-op: w and x load together after its wait). Every thread must call it; the caller
-// synchronises after.
+// ids, passes a no-op: w and x load together after its wait). emit(tid, v) sees the thread's octet of h
+// (v[8], all threads of every warp, before it is staged; moe_router_up_kernel keeps the F32 h for its
+// router). Every thread must call it; the caller synchronises after.
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
-template <int BITS, int VB, class Wait>
+struct MmaNoEmit {
+  __device__ __forceinline__ void operator()(int, const float (&)[8]) const {}
+};
+template <int BITS, int VB, class Wait, class Emit = MmaNoEmit>
 __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
-                                                   float* xsum, const Wait& wait) {
+                                                   float* xsum, const Wait& wait, const Emit& emit = Emit{}) {
   __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
   const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
   const float4* w4 = reinterpret_cast<const float4*>(n.w) + 2 * o;
@@ -287,6 +291,7 @@ __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn&
   const float s = 1.f / sqrtf(ss / float(K) + n.eps);
   const float4 h0 = norm_scale4(a[0], s, b[0]), h1 = norm_scale4(a[1], s, b[1]);
   const float v[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+  emit(tid, v);
   mma_stage_octet<BITS, VB>(v, tid, octets, xd, xe, xsum);
 }
 

@@ -44,8 +44,10 @@ __device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t
 template <int BITS>
 struct MmaMoeUpRows {
   const MoeMmaParams& p;
-  const int32_t* ids;  // [K] of this token, in shared memory
+  const int32_t* ids;     // [K] of this token, in shared memory
   int t;
+  const float* topk_w;    // [K] of this token (global, or moe_router_up's shared memory)
+  const float* shared_w;  // [1] of this token: the shared expert's weight
   __device__ __forceinline__ int total() const { return p.K * p.gate.rows + p.shared_gate.rows; }
   // pair -> slot s and row i of that slot's matrices
   __device__ __forceinline__ void slot_of(int pair, int& s, int& i) const {
@@ -71,7 +73,7 @@ struct MmaMoeUpRows {
     if (r >= 8 || pair >= total()) return;
     int s, i;
     slot_of(pair, s, i);
-    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    const float w = s < p.K ? topk_w[s] : *shared_w;
     p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = w * silu(row_sum(r)) * row_sum(r + 8);
   }
 };
@@ -125,7 +127,8 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
 // The down product's slot matrices of token t, read BEFORE the wait: the expert ids come from the
 // router (or moe_topk) two launches earlier (moe_up runs in between), and every kernel waits before it
 // triggers, so they are complete when moe_down starts (docs/cuda.md, the PDL rule's exception). The
-// chosen experts' first down weights are then requested while moe_up finishes.
+// chosen experts' first down weights are then requested while moe_up finishes. After
+// moe_router_up_kernel (one launch earlier) moe_down_mma_kernel<.., true> calls it after the wait.
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
-  const MmaMoeUpRows<BITS> rows{p, ids, t};
+  const MmaMoeUpRows<BITS> rows{p, ids, t, p.topk_w + t * p.K, p.shared_w + t};
   auto ids_in = [&] { moe_mma_ids(p, t, ids); };
   auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
     const float* h = p.h + int64_t(t) * H;
@@ -156,8 +159,10 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);
 }
 
-// Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
-template <int BITS, int NG>
+// Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB). IDS_AFTER_WAIT (after
+// moe_router_up_kernel, which writes the ids itself, so they may be read only after the wait): the slot
+// matrices are resolved after the wait, and the first down weights requested then.
+template <int BITS, int NG, bool IDS_AFTER_WAIT = false>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel(const MoeMmaParams p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
@@ -167,10 +172,18 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_down_mma_kernel
   float* xe = reinterpret_cast<float*>(xd + Kv / 8 * 3);
   float* xsum = xe + Kv / VB;
   const MmaMoeDownRows<BITS> rows{p, slots, t, 0xFFFFFFFFu / uint32_t(I / S::VALS) + 1u};  // 0 when sr = 1
-  auto ids_in = [&] { moe_mma_slots<BITS>(p, t, slots); };
+  auto ids_in = [&] {
+    if constexpr (IDS_AFTER_WAIT) {
+      pdl_wait();
+      pdl_trigger();
+    }
+    moe_mma_slots<BITS>(p, t, slots);
+  };
   auto stage = [&] {  // act comes from moe_up, the kernel before
-    pdl_wait();
-    pdl_trigger();
+    if constexpr (!IDS_AFTER_WAIT) {
+      pdl_wait();
+      pdl_trigger();
+    }
     const float* act = p.act + int64_t(t) * (p.K + 1) * p.ld;
     mma_stage_x<BITS, VB>(
         [&](int o) {
