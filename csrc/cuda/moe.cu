@@ -1,11 +1,15 @@
 // Launcher of the sparse MoE block, all on the device with no host synchronisation.
-// Decode (use_moe_decode: T <= 4, fast affine experts), three or four launches:
+// Decode (use_moe_decode: T <= 4, fast affine experts), two to four launches:
 //   one token with an 8-bit router over H = 2048 (use_moe_router): router logits, shared expert gate
 //   logit, softmax and top-k in one kernel (kernels/moe_router.cuh); otherwise router logits and shared
 //   expert gate logit (one stacked GEMV when T = 1) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
 //      moe_add, moe_add_rms_norm, moe_rms_normed_add);
+//   where the fused router and the tensor-core chain both run (use_moe_router_up, s.router_up), the router,
+//   its top-k and moe_up are one kernel (kernels/moe_router_up.cuh: every cluster of ceil(E/16) CTAs routes
+//   the token over DSMEM, then runs its CTAs' moe_up passes), bit-identical, and moe_down reads the ids
+//   after its wait (moe_down_mma_kernel<.., true>): two launches;
 //   moe_rms_normed_add (where moe_rms_normed_supported): the fused router and moe_up stage rms_norm(x) * w
 //   of the residual row x themselves (their NORM_IN instances), and moe_down adds into x;
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole

@@ -197,6 +197,66 @@ def test_moe_decode_router_normed(E, top_k, bits, group):
         assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k))
 
 
+# One token: moe_router_up_kernel (kernels/moe_router_up.cuh: router, top-k and the experts' up product in one
+# kernel, clusters of ceil(E/16) CTAs = 1, 3, 9, 16) against moe_router then moe_up (router_up=False): the same
+# logits, choices, routing weights, shared gate and act, so every output equals the two-kernel path's bit for
+# bit. (E, top_k, I, bits, group): the real dims (4-bit group 64: two groups a segment; group 128: one), 8 bits,
+# other expert counts and top-k.
+ROUTER_UP_CASES = [(256, 8, 512, 4, 64), (256, 8, 512, 4, 128), (256, 8, 512, 8, 64), (129, 8, 128, 4, 64),
+                   (40, 4, 128, 8, 32), (16, 8, 128, 4, 64), (256, 1, 128, 4, 64)]
+
+
+@pytest.mark.parametrize("E,top_k,I,bits,group", ROUTER_UP_CASES)
+def test_moe_router_up(E, top_k, I, bits, group, gpu_tol):
+    rng = np.random.default_rng(7000 + E + top_k + I + bits + group)
+    cpu, gpu = moe_weights(rng, E, 2048, I, I, bits, group, "BF16", 8)
+    h = rng.standard_normal((4, 2048)).astype(np.float32)
+    res = rng.standard_normal((1, 2048)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+    assert ops.moe_router_up_supported("cuda", *gpu, h[:1], top_k, False)
+    ref = ops.moe("cpu", *cpu, h, top_k)
+    ok = stable_rows(cpu[0], h, top_k, 0.05)
+    for t in range(len(h)):
+        x = h[t:t + 1]
+        got = ops.moe("cuda", *gpu, x, top_k)
+        assert np.array_equal(got, ops.moe("cuda", *gpu, x, top_k, router_up=False))
+        assert np.array_equal(got, ops.moe("cuda", *gpu, x, top_k))  # deterministic
+        if ok[t]:
+            check(got, ref[t:t + 1], "moe_decode", gpu_tol)
+        assert np.array_equal(ops.moe_add("cuda", *gpu, x, res, top_k),
+                              ops.moe_add("cuda", *gpu, x, res, top_k, router_up=False))
+        a = ops.moe_add_rms_norm("cuda", *gpu, x, res, nw, 1e-6, top_k)
+        b = ops.moe_add_rms_norm("cuda", *gpu, x, res, nw, 1e-6, top_k, router_up=False)
+        assert all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("E,top_k,I,bits,group", ROUTER_UP_CASES)
+def test_moe_router_up_normed(E, top_k, I, bits, group):
+    # NORM_IN: h = rms_norm(x) * w staged once (mma_stage_normed_x) for both the router and the up product; the
+    # residual row's uneven scale exercises the norm. Equal to the two-kernel path and to rms_norm then moe_add.
+    rng = np.random.default_rng(8000 + E + top_k + I + bits + group)
+    _, gpu = moe_weights(rng, E, 2048, I, I, bits, group, "BF16", 8)
+    for _ in range(3):
+        res = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 30.0, 2048)).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+        assert ops.moe_router_up_supported("cuda", *gpu, res, top_k, True)
+        got, fused = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k)
+        old, fused_old = ops.moe_rms_normed_add("cuda", *gpu, res, nw, 1e-6, top_k, router_up=False)
+        assert fused and fused_old
+        assert np.array_equal(got, old)
+        assert np.array_equal(got, ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k))
+
+
+def test_moe_router_up_scope():
+    # not for T > 1 (the router kernel is one token's), nor for a 4-bit router (moe_router's conditions)
+    rng = np.random.default_rng(9000)
+    _, gpu = moe_weights(rng, 256, 2048, 128, 128, 4, 64, "BF16", 8)
+    h = rng.standard_normal((2, 2048)).astype(np.float32)
+    assert not ops.moe_router_up_supported("cuda", *gpu, h, 8, False)
+    _, gpu4 = moe_weights(rng, 256, 2048, 128, 128, 4, 64, "BF16", 4)
+    assert not ops.moe_router_up_supported("cuda", *gpu4, h[:1], 8, False)
+
+
 @pytest.mark.parametrize("T", [19, 300])
 def test_moe_prefill_router_on_wgmma(T, gpu_tol):
     # 4-bit router and shared-expert gate (one output row): prefill runs them on the wgmma GEMM, which

@@ -25,10 +25,12 @@
 //  4. every CTA: warp 0 runs moe_topk_warp on its copy of the logits (the same bits everywhere), lane 0 of
 //     warp 1 the gate's sigmoid (moe_router's tree), into shared memory; CTA 0 also stores them;
 //  5. moe_up_mma's body (mma_gemv_body, MmaMoeUpRows over the ids and weights in shared memory).
-// Steps 1-4 run in the body's before(), so the routed experts' first weights are requested right after
-// the top-k. A CTA whose passes are all shared-expert tiles (its first pair >= K*I: the last
-// ceil(Is / (8 rt)) CTAs) needs no ids: it routes in after() instead, its expert weights requested
-// before the wait.
+// Steps 1-4 are the body's before(), so the experts' first weights are requested right after the top-k
+// (the shared expert's too: letting the CTAs whose passes are all shared-expert tiles route in after()
+// instead, their weights requested before the wait, held the router's 48 registers across the first
+// units: 116-176 bytes of spill, and those CTAs are not the critical path at one pass a CTA).
+// Registers (ptxas, sm_90a): 124-126, no spills; shared memory 11.1 KB static (13.2 KB NORM_IN) + the
+// staged digits (6.1-6.6 KB): 2 CTAs an SM as moe_up_mma.
 // Precision: bit-identical to moe_router_kernel (logits, choices, weights, gate) followed by
 // moe_up_mma_kernel with the same ks (launcher: moe_up_mma's plan), so act and moe_down's output equal
 // the two-kernel path's bit for bit (tests/gpu/test_moe.py, test_moe_router_up_*).
@@ -144,9 +146,10 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_router_up_kerne
     for (int k = 0; k < GROUPS; ++k) l += red[k][j];
 
     __cluster_barrier_wait();  // every CTA of the cluster runs: its shared memory may be written
-    if (dst < n && b * ROUTER_ROWS + j < E) cluster.map_shared_rank(logits, dst)[b * ROUTER_ROWS + j] = l;
+    auto at = [&](float* local, int rank) { return rank == b ? local : cluster.map_shared_rank(local, rank); };
+    if (dst < n && b * ROUTER_ROWS + j < E) at(logits, dst)[b * ROUTER_ROWS + j] = l;
     if (gate_lane && (tid & 7) == 0)
-      for (int r = 0; r < n; ++r) cluster.map_shared_rank(gate_part, r)[piece] = gp[0][0];
+      for (int r = 0; r < n; ++r) at(gate_part, r)[piece] = gp[0][0];
     __cluster_barrier_arrive();  // release: the stores above
     __cluster_barrier_wait();    // acquire: every rank's; no CTA touches another's memory after this
     if (warp == 0) {
