@@ -290,9 +290,11 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   if (router_up) {
     const MoeRouterUpParams ru{p, affine_stack(*w.router), affine_stack(*w.shared_expert_gate), r.topk_id, r.topk_w,
                                shared_w};
+    const auto fused = norm_in.w != nullptr ? moe_router_up_kernel<BITS, NG, true>
+                                            : moe_router_up_kernel<BITS, NG, false>;
     const int n = router_ctas(w.router->rows);
-    launch_clustered(norm_in.w != nullptr ? moe_router_up_kernel<BITS, NG, true> : moe_router_up_kernel<BITS, NG, false>,
-                     dim3(unsigned(ceil_div(pu.grid, n) * n)), dim3(MMA_THREADS), dim3(unsigned(n)), up_smem, ru);
+    launch_clustered(fused, dim3(unsigned(ceil_div(pu.grid, n) * n)), dim3(MMA_THREADS), dim3(unsigned(n)), up_smem,
+                     ru);
   } else {
     launch(norm_in.w != nullptr ? up_normed : up, dim3(unsigned(pu.grid), unsigned(T)), MMA_THREADS, up_smem, p);
   }
