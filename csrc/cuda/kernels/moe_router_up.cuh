@@ -9,8 +9,9 @@
 // NORM_IN: h = rms_norm(x) * w of the residual row x (p.m.h), staged once by mma_stage_normed_x.
 // Grid: G clusters of n = ceil(E/16) CTAs of MMA_THREADS (n > 8 non-portable), blockIdx.x = the CTA's
 // index in moe_up_mma's pass order. G = ceil(moe_up_mma's grid / n), so the CTAs are moe_up_mma's
-// (same K split p.m.ks_up, same tiles and passes; CTAs past its grid only route); at the model's dims
-// 144 CTAs = 9 clusters of 16 (4.5 MB of router weights read from L2 per layer, 9 x 0.5 MB).
+// (same K split p.m.ks_up, same tiles and passes, strided by the rounded-up grid; CTAs past the last pass
+// only route); at the model's dims 144 CTAs = 9 clusters of 16, one pass each (4.5 MB of router weights
+// read from L2 per layer, 9 x 0.5 MB).
 // Every cluster routes the token redundantly (no grid-wide exchange):
 //  1. before the PDL wait, CTA b loads router rows 16b..16b+15 (warp w, lane l: 16-byte chunk
 //     q = 32 (w % 4) + l of rows 16b + 8 (w / 4) + r, r < 8; 32 KB a CTA) and its gate pieces (moe_router's
