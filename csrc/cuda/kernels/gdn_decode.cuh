@@ -93,6 +93,76 @@ __device__ __forceinline__ void conv_state_store(float* state, int64_t C, int64_
   state[(K - 2) * C + c] = x;
 }
 
+// The l2norm factors (fq, fk) of the key head's conv'd q, k (qkf [2 DK] in shared memory) in every warp,
+// as gated_delta_kernel's warps 0 (q, times 1/sqrt(Dk)) and 1 (k) sum them: lane l adds elements l, l+32,
+// ..., then one butterfly.
+template <int DK>
+__device__ __forceinline__ float2 gdn_qk_factors(const float* qkf, int lane) {
+  float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+  for (int e = 0; e < (DK + 31) / 32; ++e) {
+    const int i = lane + 32 * e;
+    if (i < DK) ssq += qkf[i] * qkf[i], ssk += qkf[DK + i] * qkf[DK + i];
+  }
+  const float fq = (1.f / sqrtf(float(DK))) / sqrtf(warp_sum(ssq) + 1e-6f);
+  const float fk = 1.f / sqrtf(warp_sum(ssk) + 1e-6f);
+  return make_float2(fq, fk);
+}
+
+// The recurrence step of one column (gated_delta_kernel's loop body for one token): s = the lane's
+// DK / GDN_KSPLIT rows of the column (float4 row groups ks + GDN_KSPLIT r), updated in place; qk the conv'd
+// q, k (not yet normalised: multiplied by fq, fk as read, the unfused kernel's x[i] *= f); v the column's
+// conv'd value. Returns o_j, summed over the column's GDN_KSPLIT lanes.
+template <int DK>
+__device__ __forceinline__ float gdn_column_step(float (&s)[DK / GDN_KSPLIT], const float4 (*qk)[DK / 4], int ks,
+                                                 float fq, float fk, float alpha, float beta, float v) {
+  constexpr int RPT = DK / GDN_KSPLIT;
+  auto scaled = [](float4 x, float f) { return make_float4(x.x * f, x.y * f, x.z * f, x.w * f); };
+  float m = 0.f, out = 0.f;
+#pragma unroll
+  for (int r = 0; r < RPT / 4; ++r) {
+    const float4 k4 = scaled(qk[1][ks + GDN_KSPLIT * r], fk);
+    s[4 * r + 0] *= alpha, s[4 * r + 1] *= alpha, s[4 * r + 2] *= alpha, s[4 * r + 3] *= alpha;
+    m += s[4 * r] * k4.x + s[4 * r + 1] * k4.y + s[4 * r + 2] * k4.z + s[4 * r + 3] * k4.w;
+  }
+  m += __shfl_xor_sync(0xffffffffu, m, 1);
+  m += __shfl_xor_sync(0xffffffffu, m, 2);
+  const float delta = beta * (v - m);
+#pragma unroll
+  for (int r = 0; r < RPT / 4; ++r) {
+    const float4 k4 = scaled(qk[1][ks + GDN_KSPLIT * r], fk), q4 = scaled(qk[0][ks + GDN_KSPLIT * r], fq);
+    s[4 * r + 0] += k4.x * delta, s[4 * r + 1] += k4.y * delta;
+    s[4 * r + 2] += k4.z * delta, s[4 * r + 3] += k4.w * delta;
+    out += s[4 * r] * q4.x + s[4 * r + 1] * q4.y + s[4 * r + 2] * q4.z + s[4 * r + 3] * q4.w;
+  }
+  out += __shfl_xor_sync(0xffffffffu, out, 1);
+  out += __shfl_xor_sync(0xffffffffu, out, 2);
+  return out;
+}
+
+// The gated RMSNorm scale of one head from its Dv outputs o (ohead, 16-byte aligned, Dv <= MAX_DV) in
+// every warp, in gated_rms_norm's order (a warp per row for Dv <= 256: lane l: float4 / element l, l+32,
+// ...; one butterfly), so every slice of the head gets the same scale, bit for bit.
+template <int MAX_DV>
+__device__ __forceinline__ float gdn_head_scale(const float* ohead, int Dv, bool vec4, float eps, int lane) {
+  float ss = 0.f;
+  if (vec4) {
+#pragma unroll
+    for (int e = 0; e < MAX_DV / 128; ++e) {
+      const int i = lane + 32 * e;
+      if (i < Dv / 4) ss += sq4(reinterpret_cast<const float4*>(ohead)[i]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < MAX_DV / 32; ++e) {
+      const int i = lane + 32 * e;
+      if (i < Dv) ss += ohead[i] * ohead[i];
+    }
+  }
+  ss = warp_sum(ss);
+  return 1.f / sqrtf(ss / float(Dv) + eps);
+}
+
 template <int DK, int K>
 __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecodeParams p) {
   constexpr int RPT = DK / GDN_KSPLIT;                             // rows of S per thread
@@ -165,41 +235,9 @@ __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecode
   const float v = conv_silu_token<K>(wv, sv, uv);
   __syncthreads();
 
-  // 2. l2norm factors in every warp, as gated_delta_kernel's warps 0 (q, times 1/sqrt(Dk)) and 1 (k) sum.
-  float ssq = 0.f, ssk = 0.f;
-#pragma unroll
-  for (int e = 0; e < (DK + 31) / 32; ++e) {
-    const int i = lane + 32 * e;
-    if (i < DK) ssq += qkf[i] * qkf[i], ssk += qkf[DK + i] * qkf[DK + i];
-  }
-  const float fq = (1.f / sqrtf(float(DK))) / sqrtf(warp_sum(ssq) + 1e-6f);
-  const float fk = 1.f / sqrtf(warp_sum(ssk) + 1e-6f);
-  auto scaled = [](float4 x, float f) { return make_float4(x.x * f, x.y * f, x.z * f, x.w * f); };
-
-  // 3. the recurrence step (gated_delta_kernel's loop body for one token).
-  float out = 0.f;
-  {
-    const float alpha = gate.x, beta = gate.y;
-    float m = 0.f;
-#pragma unroll
-    for (int r = 0; r < RPT / 4; ++r) {
-      const float4 k4 = scaled(qk[1][ks + GDN_KSPLIT * r], fk);
-      s[4 * r + 0] *= alpha, s[4 * r + 1] *= alpha, s[4 * r + 2] *= alpha, s[4 * r + 3] *= alpha;
-      m += s[4 * r] * k4.x + s[4 * r + 1] * k4.y + s[4 * r + 2] * k4.z + s[4 * r + 3] * k4.w;
-    }
-    m += __shfl_xor_sync(0xffffffffu, m, 1);
-    m += __shfl_xor_sync(0xffffffffu, m, 2);
-    const float delta = beta * (v - m);
-#pragma unroll
-    for (int r = 0; r < RPT / 4; ++r) {
-      const float4 k4 = scaled(qk[1][ks + GDN_KSPLIT * r], fk), q4 = scaled(qk[0][ks + GDN_KSPLIT * r], fq);
-      s[4 * r + 0] += k4.x * delta, s[4 * r + 1] += k4.y * delta;
-      s[4 * r + 2] += k4.z * delta, s[4 * r + 3] += k4.w * delta;
-      out += s[4 * r] * q4.x + s[4 * r + 1] * q4.y + s[4 * r + 2] * q4.z + s[4 * r + 3] * q4.w;
-    }
-    out += __shfl_xor_sync(0xffffffffu, out, 1);
-    out += __shfl_xor_sync(0xffffffffu, out, 2);
-  }
+  // 2.-3. l2norm factors in every warp, then the recurrence step of column j.
+  const float2 f = gdn_qk_factors<DK>(qkf, lane);
+  const float out = gdn_column_step<DK>(s, qk, ks, f.x, f.y, gate.x, gate.y, v);
 
   // 4. o_j into ohead[j] of every CTA of head h: lane ks of the column's quad stores to slices ks, ks + 4.
   __cluster_barrier_wait();  // phase 0: every CTA of the cluster has started
@@ -220,22 +258,7 @@ __global__ void __launch_bounds__(GDN_THREADS) gdn_decode_mixer_kernel(GdnDecode
   __cluster_barrier_wait();  // phase 1, acquire: ohead holds head h; no thread will read the old conv state
 
   // 5. gated RMSNorm of head h in every warp, in gated_rms_norm's order; lane ks = 0 writes y[h, j].
-  float ss = 0.f;
-  if (p.norm_vec4) {
-#pragma unroll
-    for (int e = 0; e < MAX_DV / 128; ++e) {
-      const int i = lane + 32 * e;
-      if (i < p.Dv / 4) ss += sq4(reinterpret_cast<const float4*>(ohead)[i]);
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < MAX_DV / 32; ++e) {
-      const int i = lane + 32 * e;
-      if (i < p.Dv) ss += ohead[i] * ohead[i];
-    }
-  }
-  ss = warp_sum(ss);
-  const float sc = 1.f / sqrtf(ss / float(p.Dv) + p.eps);
+  const float sc = gdn_head_scale<MAX_DV>(ohead, p.Dv, p.norm_vec4, p.eps, lane);
   if (has_col && ks == 0) {
     p.y[at] = norm_out<true>(out, sc, nw, z);
     conv_state_store<K>(p.conv_state_out, C, vc, sv, uv);
