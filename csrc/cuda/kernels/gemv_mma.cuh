@@ -417,12 +417,19 @@ struct MmaTokens {
   int n, xd_stride, xe_stride;
 };
 
+// Which CTA runs a body among how many: passes p = id, id + n, ... (the grid: blockIdx.x of gridDim.x; the
+// fused GDN decode layer: a CTA's rank in its cluster).
+struct MmaCtas {
+  int id, n;
+};
+__device__ __forceinline__ MmaCtas mma_grid_ctas() { return {int(blockIdx.x), int(gridDim.x)}; }
+
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
-// and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
-// CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
-// synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
-// memory latency.
+// (virtual) row; passes over tiles are strided by ctas.n (the grid unless given: MmaCtas). before() runs
+// before the loads of units 0 and 1 are issued (what the row addresses need, e.g. the router's expert ids,
+// made visible to the CTA), after() between those loads and the first compute: it must stage x into xd,
+// xe, xsum and synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the
+// weights' memory latency.
 // Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
 // row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end); with
 // NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.
@@ -432,19 +439,20 @@ template <int BITS, int NG, class Rows, class Before, class After, class Segment
           int NT = 1>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
-                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0}) {
+                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0},
+                                              const MmaCtas ctas = mma_grid_ctas()) {
   __shared__ float red[2][MMA_WARPS][NT * 16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
   const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
   const int passes = (tiles + sp.rt - 1) / sp.rt;
-  const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+  const int my_passes = (passes - ctas.id + ctas.n - 1) / ctas.n;
   const int units = max(my_passes, 0) * sp.upp;
   const MmaLane<BITS, NG> L(lane);
   float acc[NT][2] = {};
 
   // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
-  int lpass = int(blockIdx.x), lu = 0;
+  int lpass = ctas.id, lu = 0;
   typename Rows::Ref ref0, ref1;
   auto resolve = [&](int pass) {
     const int tile = min(pass * sp.rt + tl, tiles - 1);
@@ -458,11 +466,11 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
       mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg), L.t);
     }
     if (++lu < sp.upp) return;
-    lu = 0, lpass += int(gridDim.x);
+    lu = 0, lpass += ctas.n;
     if (lpass < passes) resolve(lpass);
   };
   // computes: pass cpass, unit cu; pass sums double-buffered in red by pass parity
-  int cpass = int(blockIdx.x), cu = 0, parity = 0;
+  int cpass = ctas.id, cu = 0, parity = 0;
   auto compute = [&](const MmaStage& st, int) {
     const int first = seg0 + cu * MMA_SPU;
 #pragma unroll
@@ -510,7 +518,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
         if (tile < tiles && k < tok.n) rows.finish_token(tile, r, k, row_sum);
       }
     }
-    cu = 0, cpass += int(gridDim.x), parity ^= 1;
+    cu = 0, cpass += ctas.n, parity ^= 1;
   };
   // Units 0 and 1 are both requested before after() (which waits on the previous kernel and stages
   // x), then unit j + 2 as soon as unit j is computed: two units in flight throughout.
