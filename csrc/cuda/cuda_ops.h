@@ -58,6 +58,14 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
                       const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& z,
                       const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads, int key_head_dim);
 bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
+void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, float in_eps,
+                       const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state,
+                       const Tensor& conv_state_out, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                       const Tensor& state_out, const Tensor& norm_weight, float eps, const Tensor& y, int num_key_heads,
+                       int key_head_dim);
+bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, const Tensor& h,
+                                 const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state,
+                                 int num_key_heads, int key_head_dim);
 // attention.cu: pos points to the I32 position of the chunk's first token in device memory; rope_delta is
 // added to it for the rotations only (ops::Position). k_cache, v_cache are BF16.
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);

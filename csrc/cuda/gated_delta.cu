@@ -1,11 +1,13 @@
 // Launchers of the Gated DeltaNet kernels (kernels/gated_delta.cuh): the causal conv1d + SiLU and
 // the delta-rule recurrence, both reading their carried state from one buffer and writing it to
-// another or the same one (in place); and the decode token's conv -> recurrence -> gated norm in one
-// kernel (kernels/gdn_decode.cuh).
+// another or the same one (in place); the decode token's conv -> recurrence -> gated norm in one
+// kernel (kernels/gdn_decode.cuh), and that with the in_proj GEMV before it (kernels/gdn_in_proj_mixer.cuh).
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
 #include "kernels/gdn_decode.cuh"
+#include "kernels/gdn_in_proj_mixer.cuh"
+#include "linear.h"
 #include "../runtime/cuda_device.h"
 
 namespace lily::cuda {
@@ -179,6 +181,64 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
     case 256: return launch_gdn_decode<256>(p, int(K), grid, cluster);
     default: fail("gdn_decode_mixer: unsupported key head dim ", key_head_dim);
   }
+}
+
+// The fused decode layer (kernels/gdn_in_proj_mixer.cuh): the model's dims (Dk = Dv = 128, Hv = 2 Hk,
+// conv kernel 4), in_proj the stacked [q | k | v | z | b | a] rows, 4-bit with groups of 64, that linear
+// runs on the integer GEMV for x (so its K split is linear's), 16-byte aligned where the kernel copies
+// with cp.async or prefetches whole rows (state, conv state and taps; scales and biases: cols % 512 == 0
+// makes each row's 16-byte chunks whole); with an input norm, linear_rms_normed's one-kernel conditions.
+bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, const Tensor& h,
+                                 const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state, int Hk,
+                                 int Dk) {
+  const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1);
+  const int64_t R = 2 * int64_t(Hk) * Dk + 2 * Hv * Dv + 2 * Hv;
+  const WeightView v = weight_view(in_proj);
+  return Dk == GIPM_DK && Dv == GIPM_DV && Hv == int64_t(GIPM_GROUP) * Hk && K == GIPM_K && Hv <= 0xffff &&
+         in_proj.num_stack == 1 && in_proj.bits == GIPM_BITS && in_proj.group_size == 64 && in_proj.rows == R &&
+         in_proj.cols % 512 == 0 && linear_gemv_mma(in_proj, x) && is_aligned16(v.scales) &&
+         is_aligned16(v.biases) && aligned16(state.data) && aligned16(conv_state.data) &&
+         aligned16(conv_weight.data) &&
+         (in_norm.data == nullptr || linear_rms_normed_supported(in_proj, x, in_norm, h));
+}
+
+void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, float in_eps,
+                       const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state,
+                       const Tensor& conv_state_out, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                       const Tensor& state_out, const Tensor& norm_weight, float eps, const Tensor& y, int Hk,
+                       int Dk) {
+  const auto plain = gdn_in_proj_mixer_kernel<false>, normed = gdn_in_proj_mixer_kernel<true>;
+  const WeightView v = weight_view(in_proj);
+  GipmParams p{};
+  p.w = static_cast<const uint32_t*>(v.w);
+  p.scales = static_cast<const uint16_t*>(v.scales);
+  p.biases = static_cast<const uint16_t*>(v.biases);
+  p.x = x.ptr<float>();
+  p.norm_in = NormIn{in_norm.data ? in_norm.ptr<float>() : nullptr, in_eps};
+  p.cols = int(in_proj.cols);
+  p.group_shift = log2_of(in_proj.group_size);
+  p.ks = linear_gemv_mma_ks(in_proj);
+  GdnDecodeParams& m = p.m;
+  m.conv_w = conv_weight.ptr<float>();
+  m.conv_state = conv_state.ptr<float>();
+  m.conv_state_out = conv_state_out.ptr<float>();
+  m.A_log = A_log.ptr<float>();
+  m.dt_bias = dt_bias.ptr<float>();
+  m.state = state.ptr<float>();
+  m.state_out = state_out.ptr<float>();
+  m.norm_w = norm_weight.ptr<float>();
+  m.y = y.ptr<float>();
+  m.Hk = Hk;
+  m.Hv = int(state.dim(0));
+  m.Dv = GIPM_DV;
+  m.eps = eps;
+  // gated_rms_norm's float4 choice as gdn_decode_mixer makes it for the unfused op's z = proj[C:] (C % 4 == 0)
+  m.norm_vec4 = aligned16(proj.data) && aligned16(norm_weight.data) && aligned16(y.data);
+  const size_t smem = mma_x_bytes(p.cols, MmaSeg<GIPM_BITS>::VALS / GIPM_NG);
+  const dim3 grid{unsigned(GIPM_NS), unsigned(m.Hv)}, cluster{unsigned(GIPM_NS), unsigned(GIPM_GROUP)};
+  (void)Dk;
+  launch_clustered(p.norm_in.w ? normed : plain, grid, MMA_THREADS, cluster, smem, p);
+  LILY_CUDA_LAUNCHED();
 }
 
 }  // namespace lily::cuda

@@ -339,6 +339,23 @@ static void launch_gemv_mma(const MmaLinearParams& p0) {
   LILY_CUDA_LAUNCHED();
 }
 
+bool linear_gemv_mma(const QMatrix& w, const Tensor& x) { return use_gemv_mma(w, 0, x); }
+
+template <int BITS, int NG>
+static int gemv_mma_ks(const QMatrix& w) {
+  const auto plain = linear_gemv_mma_kernel<BITS, NG, false>;
+  return mma_plan(reinterpret_cast<const void*>(plain), mma_x_bytes(w.cols, MmaSeg<BITS>::VALS / NG),
+                  ceil_div<int64_t>(w.rows, 16), w.cols / MmaSeg<BITS>::VALS, 1)
+      .ks;
+}
+
+int linear_gemv_mma_ks(const QMatrix& w) {  // launch_gemv_mma's plan
+  const int halves = mma_group_halves(w.bits, w.group_size);
+  if (w.bits == 4) return halves == 1 ? gemv_mma_ks<4, 1>(w) : gemv_mma_ks<4, 2>(w);
+  if (w.bits == 8) return halves == 1 ? gemv_mma_ks<8, 1>(w) : gemv_mma_ks<8, 2>(w);
+  fail("linear: unsupported tensor-core GEMV bits ", w.bits);
+}
+
 static void run_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& y, bool accumulate = false,
                          const NormTail& tail = {}, const NormIn& norm_in = {}) {
   MmaLinearParams p{};

@@ -73,6 +73,12 @@ int log2_of(int64_t v);
 MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows,
                  bool dependent = false);
 
+// Whether linear takes one token x through w on the integer tensor-core GEMV (linear_gemv_mma_kernel), and
+// that GEMV's K-parts per tile (its launch plan's ks): a kernel that must sum w's rows bit for bit as
+// linear does (the fused GDN decode layer, kernels/gdn_in_proj_mixer.cuh) splits K the same way.
+bool linear_gemv_mma(const QMatrix& w, const Tensor& x);
+int linear_gemv_mma_ks(const QMatrix& w);
+
 // Largest dynamic shared memory of one GEMV CTA (staged activations).
 constexpr size_t GEMV_MAX_SMEM = 96 * 1024;
 
