@@ -62,3 +62,39 @@ def run_three_ops(device, x, Hk, Dk, eps=1e-6, out_of_place=False):
         y = ops.gated_rms_norm(device, o.reshape(Hv, Dv), x["z"][t].reshape(Hv, Dv), x["norm_weight"], eps)
         ys.append(y.reshape(-1))
     return np.stack(ys), conv_state, state
+
+
+def layer_rows(Hk, Hv, Dk, Dv):
+    """Rows of the stacked in_proj [q | k | v | z | b | a] (gdn_in_proj_mixer)."""
+    return 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
+
+
+def run_layer(w, x, xin, in_norm, Hk, Dk, eps=1e-6, out_of_place=False):
+    """Every token's input row xin[t] [1, H] (h, or with in_norm the residual row) through gdn_in_proj_mixer
+    with the stacked in_proj w, states carried: (y [steps, Hv*Dv], conv_state, state, one_kernel of each)."""
+    conv_state, state, ys, fused = x["conv_state"], x["state"], [], []
+    for t in range(xin.shape[0]):
+        out = ops.gdn_in_proj_mixer(w, xin[t], in_norm, 1e-6, x["conv_weight"], conv_state, x["A_log"],
+                                    x["dt_bias"], state, x["norm_weight"], eps, Hk, Dk, out_of_place)
+        if out_of_place:
+            unchanged(conv_state, out[4]), unchanged(state, out[5])
+        y, conv_state, state = out[:3]
+        ys.append(y[0]), fused.append(out[3])
+    return np.stack(ys), conv_state, state, fused
+
+
+def run_layer_parts(device, w, x, xin, in_norm, Hk, Dk, eps=1e-6):
+    """The same tokens through the ops gdn_in_proj_mixer stands for: linear (linear_rms_normed with in_norm)
+    into the stacked row, split into qkv | z | b | a, then gdn_decode_mixer."""
+    Hv, Dv = x["state"].shape[0], x["state"].shape[2]
+    C, Vd = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    conv_state, state, ys = x["conv_state"], x["state"], []
+    for t in range(xin.shape[0]):
+        proj = ops.linear(w, 0, xin[t]) if in_norm is None else ops.linear_rms_normed(w, xin[t], in_norm, 1e-6)[0]
+        qkv, z, b, a = proj[:, :C], proj[:, C:C + Vd], proj[:, C + Vd:C + Vd + Hv], proj[:, C + Vd + Hv:]
+        y, conv_state, state = ops.gdn_decode_mixer(device, np.ascontiguousarray(qkv), x["conv_weight"], conv_state,
+                                                    np.ascontiguousarray(a), np.ascontiguousarray(b), x["A_log"],
+                                                    x["dt_bias"], state, np.ascontiguousarray(z), x["norm_weight"],
+                                                    eps, Hk, Dk)
+        ys.append(y[0])
+    return np.stack(ys), conv_state, state

@@ -295,6 +295,33 @@ void init_ops(nb::module_& parent) {
                                          int64_t K) {
     return ops::gdn_decode_mixer_supported(parse_device(device), Hk, Hv, Dk, Dv, K);
   });
+  m.def("gdn_in_proj_mixer", [](const QMatrix& w, const F32In& x, std::optional<F32In> in_norm, float in_eps,
+                                const F32In& conv_weight, const F32In& conv_state, const F32In& A_log,
+                                const F32In& dt_bias, const F32In& state, const F32In& norm_weight, float eps, int Hk,
+                                int Dk, bool out_of_place) {
+    const Device d = w.weight.device();
+    Dev xi = f32(d, x), cw = f32(d, conv_weight), cs = f32(d, conv_state), al = f32(d, A_log), dt = f32(d, dt_bias);
+    Dev st = f32(d, state), nw = f32(d, norm_weight);
+    Dev ni = in_norm ? f32(d, *in_norm) : Dev(d, DType::F32, {1}), h(d, DType::F32, {1, w.cols});
+    Dev proj(d, DType::F32, {1, w.rows}), y(d, DType::F32, {1, int64_t(state.shape(0) * state.shape(2))});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, 1, w.cols))});
+    const Tensor norm_t = in_norm ? ni.t : Tensor(), res = in_norm ? xi.t : Tensor(), hh = in_norm ? h.t : xi.t;
+    const bool one_kernel = ops::gdn_in_proj_mixer_supported(w, res, norm_t, hh, cw.t, cs.t, st.t, Hk, Dk);
+    if (!out_of_place) {
+      ops::gdn_in_proj_mixer(w, res, norm_t, in_eps, hh, proj.t, ws.t, cw.t, cs.t, cs.t, al.t, dt.t, st.t, st.t, nw.t,
+                             eps, y.t, Hk, Dk);
+      return nb::make_tuple(out_f32(y), out_f32(cs), out_f32(st), one_kernel);
+    }
+    Dev cso = nan_like(d, conv_state), so = nan_like(d, state);
+    ops::gdn_in_proj_mixer(w, res, norm_t, in_eps, hh, proj.t, ws.t, cw.t, cs.t, cso.t, al.t, dt.t, st.t, so.t, nw.t,
+                           eps, y.t, Hk, Dk);
+    return nb::make_tuple(out_f32(y), out_f32(cso), out_f32(so), one_kernel, out_f32(cs), out_f32(st));
+  }, nb::arg("w"), nb::arg("x"), nb::arg("in_norm"), nb::arg("in_eps"), nb::arg("conv_weight"), nb::arg("conv_state"),
+     nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("state"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("Hk"),
+     nb::arg("Dk"), nb::arg("out_of_place") = false,
+     "One GDN decode token from the layer input (x = h, or the residual row with in_norm) through the stacked "
+     "in_proj w and gdn_decode_mixer; returns (y, conv_state, state, one_kernel), out_of_place: (y, new "
+     "conv_state, new state, one_kernel, input conv_state, input state).");
   m.def("split_q_gate", [](const std::string& device, const F32In& p, int nH) {
     const Device d = parse_device(device);
     Dev pi = f32(d, p), q(d, DType::F32, {int64_t(p.shape(0)), int64_t(p.shape(1) / 2)});

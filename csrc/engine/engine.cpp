@@ -74,15 +74,25 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
   const int64_t T = in.h.dim(0), C = c.conv_dim(), Vd = c.value_dim(), Hk = c.linear_num_key_heads,
                 Hv = c.linear_num_value_heads, Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const ProfileLabel label("gdn");
-  // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
-  const auto [qkv, z, b, a] =
-      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
-              {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
   auto conv_state = [&](const LayerState& s) { return view(s.conv, c.linear_conv_kernel_dim - 1, C); };  // [K-1, C]
   auto S = [&](const LayerState& s) {  // [Hv, Dk, Dv]
     return Tensor::of(s.recurrent.data(), DType::F32, device(), {Hv, Dk, Dv});
   };
   const Tensor normed = view(x.normed, T, Vd);  // [T, Vd]
+  const Tensor in_norm = in.normed ? in.norm : Tensor();
+  if (T == 1 && w.in_proj &&
+      ops::gdn_in_proj_mixer_supported(*w.in_proj, in.x, in_norm, in.h, w.conv1d->view(), conv_state(st), S(st),
+                                       int(Hk), int(Dk))) {
+    // decode: the stacked projection and the three mixer ops below in one kernel (CUDA)
+    ops::gdn_in_proj_mixer(*w.in_proj, in.x, in_norm, in.eps, in.h, view(x.stacked, 1, w.in_proj->rows),
+                           xb_work(x, device()), w.conv1d->view(), conv_state(st), conv_state(out), w.A_log->view(),
+                           w.dt_bias->view(), S(st), S(out), w.norm->view(), c.rms_norm_eps, normed, int(Hk), int(Dk));
+    return {w.out_proj, normed};
+  }
+  // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
+  const auto [qkv, z, b, a] =
+      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
+              {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
   if (T == 1 && ops::gdn_decode_mixer_supported(device(), Hk, Hv, Dk, Dv, c.linear_conv_kernel_dim)) {
     // decode: the three ops below in one (one kernel on CUDA; literally the three on the CPU)
     ops::gdn_decode_mixer(qkv, w.conv1d->view(), conv_state(st), conv_state(out), a, b, w.A_log->view(),

@@ -136,4 +136,73 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
   no_backend(op, qkv.device);
 }
 
+// The input row of gdn_in_proj_mixer's product: rms_norm(res) * in_norm, or h.
+static const Tensor& gipm_input(const Tensor& res, const Tensor& in_norm, const Tensor& h) {
+  return in_norm.data ? res : h;
+}
+
+bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& res, const Tensor& in_norm, const Tensor& h,
+                                 const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state, int Hk,
+                                 int Dk) {
+#ifdef LILY_WITH_CUDA
+  const Tensor& x = gipm_input(res, in_norm, h);
+  if (x.device == Device::CUDA && x.dim(0) == 1 && state.ndim == 3 && conv_weight.ndim == 2)
+    return cuda::gdn_in_proj_mixer_supported(in_proj, x, in_norm, h, conv_weight, conv_state, state, Hk, Dk);
+#endif
+  (void)in_proj, (void)res, (void)in_norm, (void)h, (void)conv_weight, (void)conv_state, (void)state, (void)Hk,
+      (void)Dk;
+  return false;
+}
+
+void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& res, const Tensor& in_norm, float in_eps, const Tensor& h,
+                       const Tensor& proj, const Tensor& workspace, const Tensor& conv_weight, const Tensor& conv_state,
+                       const Tensor& conv_state_out, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                       const Tensor& state_out, const Tensor& norm_weight, float eps, const Tensor& y, int Hk, int Dk) {
+  const char* op = "gdn_in_proj_mixer";
+  const OpSpan span(op);
+  check_tensor(op, "proj", proj, DType::F32, 2);
+  check_tensor(op, "state", state, DType::F32, 3);
+  const int64_t Hv = state.dim(0), Dv = state.dim(2), C = 2 * int64_t(Hk) * Dk + Hv * Dv;
+  const int64_t R = C + Hv * Dv + 2 * Hv;
+  LILY_CHECK(in_proj.rows == R, op, ": in_proj has ", in_proj.rows, " rows, not q | k | v | z | b | a = ", R);
+  check_shape(op, "proj", proj, 0, 1);
+  check_shape(op, "proj", proj, 1, R);
+  if (gdn_in_proj_mixer_supported(in_proj, res, in_norm, h, conv_weight, conv_state, state, Hk, Dk)) {
+    // the parts' checks (the kernel's operands are theirs)
+    check_tensor(op, "res/h", gipm_input(res, in_norm, h), DType::F32, 2);
+    check_shape(op, "res/h", gipm_input(res, in_norm, h), 1, in_proj.cols);
+    check_tensor(op, "conv_weight", conv_weight, DType::F32, 2);
+    check_tensor(op, "conv_state", conv_state, DType::F32, 2);
+    check_tensor(op, "conv_state_out", conv_state_out, DType::F32, 2);
+    check_tensor(op, "state_out", state_out, DType::F32, 3);
+    check_tensor(op, "A_log", A_log, DType::F32, 1);
+    check_tensor(op, "dt_bias", dt_bias, DType::F32, 1);
+    check_tensor(op, "norm_weight", norm_weight, DType::F32, 1);
+    check_tensor(op, "y", y, DType::F32, 2);
+    check_state_out(op, "conv_state_out", conv_state_out, conv_state);
+    check_state_out(op, "state_out", state_out, state);
+    check_shape(op, "conv_weight", conv_weight, 0, C);
+    check_shape(op, "conv_state", conv_state, 0, conv_weight.dim(1) - 1);
+    check_shape(op, "conv_state", conv_state, 1, C);
+    check_shape(op, "A_log", A_log, 0, Hv);
+    check_shape(op, "dt_bias", dt_bias, 0, Hv);
+    check_shape(op, "state", state, 1, Dk);
+    check_shape(op, "norm_weight", norm_weight, 0, Dv);
+    check_shape(op, "y", y, 0, 1);
+    check_shape(op, "y", y, 1, Hv * Dv);
+    if (in_norm.data) check_tensor(op, "in_norm", in_norm, DType::F32, 1);
+    check_same_device(op, {gipm_input(res, in_norm, h), proj, conv_weight, conv_state, conv_state_out, A_log, dt_bias, state, state_out,
+                           norm_weight, y});
+    LILY_CUDA_CASE(proj.device, gdn_in_proj_mixer(in_proj, gipm_input(res, in_norm, h), in_norm, in_eps, proj,
+                                                  conv_weight, conv_state, conv_state_out, A_log, dt_bias, state,
+                                                  state_out, norm_weight, eps, y, Hk, Dk));
+  }
+  if (in_norm.data) linear_rms_normed(in_proj, res, in_norm, in_eps, h, proj, workspace);
+  else linear(in_proj, h, proj, workspace);
+  auto part = [&](int64_t at, int64_t n) { return Tensor::of(proj.ptr<float>() + at, DType::F32, proj.device, {1, n}); };
+  const int64_t Vd = Hv * Dv;
+  gdn_decode_mixer(part(0, C), conv_weight, conv_state, conv_state_out, part(C + Vd + Hv, Hv), part(C + Vd, Hv),
+                   A_log, dt_bias, state, state_out, part(C, Vd), norm_weight, eps, y, Hk, Dk);
+}
+
 }  // namespace lily::ops

@@ -139,6 +139,24 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
 bool gdn_decode_mixer_supported(Device device, int64_t num_key_heads, int64_t num_value_heads, int64_t key_head_dim,
                                 int64_t value_head_dim, int64_t conv_kernel);
 
+// One GDN decode token from the layer's input to the gated norm: proj = the stacked in_proj [q | k | v | z |
+// b | a] rows of the input, then gdn_decode_mixer of its parts (qkv = proj[:C], z, b, a). The input is
+// rms_norm(res) * in_norm (in_norm given, eps in_eps: linear_rms_normed's, h its work space) or h (in_norm
+// empty: Tensor{}; res unused); in_proj [R = C + Hv Dv + 2 Hv, H] in the engine's stacked form (rows q,
+// k, v, z, b, a), proj [1, R] and workspace as linear's (proj: work space, contents unspecified after).
+// The other operands as gdn_decode_mixer's. Equal to those ops bit for bit on every backend: CUDA runs one
+// kernel where gdn_in_proj_mixer_supported() says so, elsewhere the ops themselves.
+void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& res, const Tensor& in_norm, float in_eps, const Tensor& h,
+                       const Tensor& proj, const Tensor& workspace, const Tensor& conv_weight, const Tensor& conv_state,
+                       const Tensor& conv_state_out, const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                       const Tensor& state_out, const Tensor& norm_weight, float eps, const Tensor& y,
+                       int num_key_heads, int key_head_dim);
+// Whether gdn_in_proj_mixer runs as one kernel for these operands (never on the CPU): the model's GDN dims
+// (Dk = Dv = 128, Hv = 2 Hk, conv kernel 4) and a 4-bit in_proj with groups of 64 (cuda/gated_delta.cu).
+bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& res, const Tensor& in_norm, const Tensor& h,
+                                 const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state,
+                                 int num_key_heads, int key_head_dim);
+
 // Splits q_proj's per-head [query | gate] rows.  p [T, nH*2D] -> q, gate [T, nH*D].
 void split_q_gate(const Tensor& p, const Tensor& q, const Tensor& gate, int num_heads);
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdn_decode_cases import gdn_token_inputs, run_fused, run_three_ops
+from gdn_decode_cases import gdn_token_inputs, layer_rows, run_fused, run_layer, run_layer_parts, run_three_ops
 from lily import _core
 
 ops = _core.ops
@@ -52,3 +52,29 @@ def test_gdn_decode_mixer_names_a_bad_shape():
         ops.gdn_decode_mixer("cpu", *args(norm_weight=np.ones(7, np.float32)), 1e-6, 2, 8)
     with pytest.raises(Exception, match="gdn_decode_mixer.*key heads"):
         ops.gdn_decode_mixer("cpu", *args(), 1e-6, 3, 8)
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, K, H", [(2, 4, 32, 32, 4, 64), (1, 2, 16, 12, 3, 40)])
+def test_gdn_in_proj_mixer_is_linear_then_the_mixer(Hk, Hv, Dk, Dv, K, H, normed):
+    """On the CPU gdn_in_proj_mixer is its ops (linear or linear_rms_normed, then gdn_decode_mixer), bit for bit."""
+    rng = np.random.default_rng(Hk + Dv + H + normed)
+    x = gdn_token_inputs(rng, Hk, Hv, Dk, Dv, K, 3)
+    R = layer_rows(Hk, Hv, Dk, Dv)
+    w = ops.QMatrix("cpu", rng.uniform(-0.5, 0.5, (1, R, H)).astype(np.float32), "F32", 1, R, H)
+    xin = rng.standard_normal((3, 1, H)).astype(np.float32)
+    in_norm = rng.uniform(0.5, 1.5, H).astype(np.float32) if normed else None
+    y, cs, st, fused = run_layer(w, x, xin, in_norm, Hk, Dk)
+    assert not any(fused)  # one kernel only on CUDA
+    for name, got, want in zip(("y", "conv_state", "state"), (y, cs, st),
+                               run_layer_parts("cpu", w, x, xin, in_norm, Hk, Dk)):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_gdn_in_proj_mixer_names_a_bad_matrix():
+    rng = np.random.default_rng(3)
+    x = gdn_token_inputs(rng, 1, 1, 8, 8, 4, 1)
+    R = layer_rows(1, 1, 8, 8) - 1
+    w = ops.QMatrix("cpu", np.zeros((1, R, 16), np.float32), "F32", 1, R, 16)
+    with pytest.raises(Exception, match="gdn_in_proj_mixer.*rows"):
+        run_layer(w, x, np.ones((1, 1, 16), np.float32), None, 1, 8)
