@@ -190,16 +190,21 @@ void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& res, const Tensor& 
     check_shape(op, "norm_weight", norm_weight, 0, Dv);
     check_shape(op, "y", y, 0, 1);
     check_shape(op, "y", y, 1, Hv * Dv);
-    if (in_norm.data) check_tensor(op, "in_norm", in_norm, DType::F32, 1);
-    check_same_device(op, {gipm_input(res, in_norm, h), proj, conv_weight, conv_state, conv_state_out, A_log, dt_bias, state, state_out,
-                           norm_weight, y});
+    if (in_norm.data) {
+      check_tensor(op, "in_norm", in_norm, DType::F32, 1);
+      check_shape(op, "in_norm", in_norm, 0, in_proj.cols);
+    }
+    check_same_device(op, {gipm_input(res, in_norm, h), proj, conv_weight, conv_state, conv_state_out, A_log,
+                           dt_bias, state, state_out, norm_weight, y});
     LILY_CUDA_CASE(proj.device, gdn_in_proj_mixer(in_proj, gipm_input(res, in_norm, h), in_norm, in_eps, proj,
                                                   conv_weight, conv_state, conv_state_out, A_log, dt_bias, state,
                                                   state_out, norm_weight, eps, y, Hk, Dk));
   }
   if (in_norm.data) linear_rms_normed(in_proj, res, in_norm, in_eps, h, proj, workspace);
   else linear(in_proj, h, proj, workspace);
-  auto part = [&](int64_t at, int64_t n) { return Tensor::of(proj.ptr<float>() + at, DType::F32, proj.device, {1, n}); };
+  auto part = [&](int64_t at, int64_t n) {  // proj[:, at:at + n]
+    return Tensor::of(proj.ptr<float>() + at, DType::F32, proj.device, {1, n});
+  };
   const int64_t Vd = Hv * Dv;
   gdn_decode_mixer(part(0, C), conv_weight, conv_state, conv_state_out, part(C + Vd + Hv, Hv), part(C + Vd, Hv),
                    A_log, dt_bias, state, state_out, part(C, Vd), norm_weight, eps, y, Hk, Dk);

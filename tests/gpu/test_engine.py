@@ -87,16 +87,18 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
     """A decode step runs each residual add and RMSNorm inside a product: the mixer's add in out_proj /
     o_proj (linear_add), the post-attention norm in the MoE block's router and moe_up and its add in
     moe_down (moe_rms_normed_add, the last layer's too), and the next layer's input norm in that layer's
-    stacked input GEMV (linear_rms_normed; layer 0's too). No norm kernel or last-CTA tail is left. A
-    traced step runs the plain ops (linear, add_rms_norm, moe, rms_norm). Each fused op equals its ops bit
-    for bit, so the logits and the state after each step do too."""
+    stacked input GEMV (linear_rms_normed; in a GDN layer gdn_in_proj_mixer, its in_proj and mixer in one
+    kernel; layer 0's too). No norm kernel or last-CTA tail is left. A traced step runs the plain ops (linear,
+    add_rms_norm, moe, rms_norm; a GDN layer's gdn_in_proj_mixer on h). Each fused op equals its ops bit for
+    bit, so the logits and the state after each step do too."""
     m = lily.Model.load(real_widths, device="cuda")
     L = m.config.num_hidden_layers
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, 12).tolist()
     prof = m.new_session()
     prof._core.set_sampler()
     dec = prof._core.profile(np.asarray(ids[:4], np.int32), 2)["decode"]
-    assert dec["attn.linear_rms_normed"][1] + dec["gdn.linear_rms_normed"][1] == 2 * L  # the fold is on
+    # the fold is on (a GDN layer's input norm inside its in_proj + mixer kernel, gdn_in_proj_mixer)
+    assert dec["attn.linear_rms_normed"][1] + dec["gdn.gdn_in_proj_mixer"][1] == 2 * L
     assert dec["attn.linear_add"][1] + dec["gdn.linear_add"][1] == 2 * L
     assert dec["moe_rms_normed_add"][1] == 2 * L
     layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head.rms_norm: the final norm
