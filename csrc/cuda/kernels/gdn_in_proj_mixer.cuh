@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
       if (c < QK4) gipm_cp_async16(&cs_qk[t][4 * c], m.conv_state + t * C + qk_channel(4 * c));
       else gipm_cp_async16(&cs_v[t][4 * (c - QK4)], m.conv_state + t * C + vc0 + 4 * (c - QK4));
     }
-    if (tid < GDN_COLS / 4) gipm_cp_async16(&nw_s[4 * tid], m.norm_w + slice * GDN_COLS + 4 * tid);
+    if (tid < GDN_COLS) gipm_cp_async4(&nw_s[tid], m.norm_w + slice * GDN_COLS + tid);
     if (tid < 2) gipm_cp_async4(&gate_s[tid], (tid == 0 ? m.A_log : m.dt_bias) + h);
     asm volatile("cp.async.commit_group;\n" ::);
   }
