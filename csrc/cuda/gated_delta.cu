@@ -2,6 +2,8 @@
 // the delta-rule recurrence, both reading their carried state from one buffer and writing it to
 // another or the same one (in place); the decode token's conv -> recurrence -> gated norm in one
 // kernel (kernels/gdn_decode.cuh), and that with the in_proj GEMV before it (kernels/gdn_in_proj_mixer.cuh).
+#include <map>
+
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
 #include "kernels/gdn_chunk.cuh"
@@ -183,23 +185,53 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
   }
 }
 
+// How many clusters of GIPM_CLUSTER CTAs (a non-portable size, allowed here) of the fused kernel are resident at
+// once with `smem` bytes of staged x (0: refused); queried once per instance and size.
+template <bool NORM_IN>
+static int gipm_max_clusters(size_t smem) {
+  static std::map<size_t, int> known;
+  const auto it = known.find(smem);
+  if (it != known.end()) return it->second;
+  const auto kernel = gdn_in_proj_mixer_kernel<NORM_IN>;
+  int clusters = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(GIPM_CLUSTER);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(GIPM_CLUSTER));
+    cfg.blockDim = dim3(unsigned(MMA_THREADS));
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
+  }
+  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
+  return known[smem] = clusters;
+}
+
+static size_t gipm_smem(const QMatrix& in_proj) { return mma_x_bytes(in_proj.cols, MmaSeg<GIPM_BITS>::VALS / GIPM_NG); }
+
 // The fused decode layer (kernels/gdn_in_proj_mixer.cuh): the model's dims (Dk = Dv = 128, Hv = 2 Hk,
 // conv kernel 4), in_proj the stacked [q | k | v | z | b | a] rows, 4-bit with groups of 64, that linear
 // runs on the integer GEMV for x (so its K split is linear's), 16-byte aligned where the kernel copies
 // with cp.async or prefetches whole rows (state, conv state and taps; scales and biases: cols % 512 == 0
-// makes each row's 16-byte chunks whole); with an input norm, linear_rms_normed's one-kernel conditions.
+// makes each row's 16-byte chunks whole); with an input norm, linear_rms_normed's one-kernel conditions;
+// the Hk clusters of 16 CTAs resident at once (the GEMV phase in one wave; else the two kernels are faster).
 bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, const Tensor& h,
                                  const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state, int Hk,
                                  int Dk) {
   const int64_t Hv = state.dim(0), Dv = state.dim(2), K = conv_weight.dim(1);
   const int64_t R = 2 * int64_t(Hk) * Dk + 2 * Hv * Dv + 2 * Hv;
   const WeightView v = weight_view(in_proj);
+  const bool normed = in_norm.data != nullptr;
   return Dk == GIPM_DK && Dv == GIPM_DV && Hv == int64_t(GIPM_GROUP) * Hk && K == GIPM_K && Hv <= 0xffff &&
          in_proj.num_stack == 1 && in_proj.bits == GIPM_BITS && in_proj.group_size == 64 && in_proj.rows == R &&
          in_proj.cols % 512 == 0 && linear_gemv_mma(in_proj, x) && is_aligned16(v.scales) &&
          is_aligned16(v.biases) && aligned16(state.data) && aligned16(conv_state.data) &&
-         aligned16(conv_weight.data) &&
-         (in_norm.data == nullptr || linear_rms_normed_supported(in_proj, x, in_norm, h));
+         aligned16(conv_weight.data) && (!normed || linear_rms_normed_supported(in_proj, x, in_norm, h)) &&
+         (normed ? gipm_max_clusters<true>(gipm_smem(in_proj)) : gipm_max_clusters<false>(gipm_smem(in_proj))) >= Hk;
 }
 
 void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, float in_eps,
@@ -234,10 +266,10 @@ void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in
   m.eps = eps;
   // gated_rms_norm's float4 choice as gdn_decode_mixer makes it for the unfused op's z = proj[C:] (C % 4 == 0)
   m.norm_vec4 = aligned16(proj.data) && aligned16(norm_weight.data) && aligned16(y.data);
-  const size_t smem = mma_x_bytes(p.cols, MmaSeg<GIPM_BITS>::VALS / GIPM_NG);
-  const dim3 grid{unsigned(GIPM_NS), unsigned(m.Hv)}, cluster{unsigned(GIPM_NS), unsigned(GIPM_GROUP)};
+  const size_t smem = gipm_smem(in_proj);
   (void)Dk;
-  launch_clustered(p.norm_in.w ? normed : plain, grid, MMA_THREADS, cluster, smem, p);
+  launch_clustered(p.norm_in.w ? normed : plain, dim3(unsigned(Hk * GIPM_CLUSTER)), MMA_THREADS,
+                   dim3(unsigned(GIPM_CLUSTER)), smem, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -10,27 +10,38 @@
 // Key head kh reads 772 rows of W; in head-local order lr (GIPM_*: q 128 | k 128 | v 256 | z 256 |
 // b 2 | a 2, gipm_row gives the global row) they are 49 tiles of 16 rows, the last one of 4.
 //
-// Grid (4 slices, Hv), block 256 (MMA_THREADS), clusters of 8 = one key head: rank = slice + 4 (h % 2),
-// the mixer's geometry (gdn_decode.cuh) with twice its threads.
-// 1. Before the PDL wait: cluster barrier phase 0 arrive; cp.async of the CTA's mixer operands into
-//    shared memory (its 128 x 32 slice of S, the key head's q/k conv taps and conv state, its 32 v
+// Grid Hk x 16 CTAs (1-D), block 256 (MMA_THREADS), clusters of 16 (GIPM_CLUSTER, a non-portable size:
+// the launcher allows it and checks that Hk clusters are resident at once, else the op runs its parts)
+// = one key head: rank = blockIdx.x % 16, kh = blockIdx.x / 16. All 16 ranks run the GEMV, so the grid
+// is the GEMV's occupancy (256 CTAs at 2 an SM, as linear's 264 on 132 SMs; with 8 CTAs a key head, 128
+// CTAs, the in_proj streamed at about half linear's rate: perf-notes). Ranks 0-7 (GIPM_MIX) also run the
+// mixer with its geometry (gdn_decode.cuh) and twice its threads: rank = slice + 4 hr, columns [32 slice,
+// +32) of value head h = 2 kh + hr. Ranks 8-15 only compute rows: they store into ranks 0-7 and no CTA
+// ever reads or writes their shared memory, so they leave after phase 1 (they arrive at phase 2 first).
+// Ranks 0-7 keep the mixer's per-CTA work as in the unfused kernel; 2 x 8 clusters a key head would
+// compute q and k twice or hand rows over through device memory.
+// 1. Before the PDL wait: cluster barrier phase 0 arrive; ranks 0-7: cp.async of the CTA's mixer operands
+//    into shared memory (its 128 x 32 slice of S, the key head's q/k conv taps and conv state, its 32 v
 //    channels' taps, conv state and norm weights, A_log and dt_bias of its value head; S and the conv
-//    state read from L2 as the mixer reads them, .cg); an L2 prefetch of every
-//    weight row its GEMV passes will read; the GEMV's first two units of weights into registers
-//    (mma_gemv_body). The weights are constant, the state is the previous token's (see gdn_decode.cuh).
+//    state read from L2 as the mixer reads them, .cg); every rank: an L2 prefetch of every weight row its
+//    GEMV passes will read; the GEMV's first two units of weights into registers (mma_gemv_body). The
+//    weights are constant, the state is the previous token's (see gdn_decode.cuh).
 // 2. pdl_wait, pdl_trigger; stage x_in (mma_stage_x or mma_stage_normed_x: digits, e_u, xsum_u, bit for
 //    bit linear's); phase 0 wait (every CTA of the cluster runs, so DSMEM may be written).
-// 3. The GEMV: mma_gemv_body over the cluster's 49 tiles, passes strided over the 8 ranks (MmaCtas), with
-//    the K split ks of linear's plan for the whole matrix (launcher: linear_gemv_mma_ks), so every row sums
-//    its segments, quads and K-parts in linear_gemv_mma_kernel's order: each row bit for bit linear's.
-//    A finished row lr goes to hin[lr] of each rank whose mixer reads it (gipm_ranks: q, k all 8; v and
-//    z column j of value head hr the rank of (j / 32, hr); b, a of hr the 4 ranks of hr).
+// 3. The GEMV: mma_gemv_body over the cluster's 49 tiles, passes strided over the 16 ranks (MmaCtas; rank
+//    r takes passes gipm_gemv_id(r), +16, ...: the 49th tile's pass goes to rank 8, not to a mixer rank),
+//    with the K split ks of linear's plan for the whole matrix (launcher: linear_gemv_mma_ks), so every
+//    row sums its segments, quads and K-parts in linear_gemv_mma_kernel's order (which CTA sums a row does
+//    not enter it): each row bit for bit linear's. A finished row lr goes to hin[lr] of each rank whose
+//    mixer reads it (gipm_ranks: q, k ranks 0-7; v and z column j of value head hr the rank of (j / 32,
+//    hr); b, a of hr the 4 ranks of hr).
 // 4. cp.async wait; phase 1 arrive (release: the row stores) and wait (acquire): hin holds the rows.
-// 5. The mixer of gdn_decode_mixer_kernel on the local copies: thread t < 256 convolves q/k channel t;
-//    threads < 128 (GDN_THREADS, the mixer's lane -> (column, rows) mapping) convolve their v channel,
-//    load their S rows from shared memory, run gdn_qk_factors and gdn_column_step, store o_j into ohead of
-//    the head's 4 ranks; phase 2 arrive; S stores; phase 2 wait; gdn_head_scale; y, v conv state; rank 0
-//    the q/k conv state (threads 0-255). The same functions on the same values as the unfused kernel.
+//    Ranks 8-15 then arrive at phase 2 (nothing to release) and exit.
+// 5. Ranks 0-7, the mixer of gdn_decode_mixer_kernel on the local copies: thread t < 256 convolves q/k
+//    channel t; threads < 128 (GDN_THREADS, the mixer's lane -> (column, rows) mapping) convolve their v
+//    channel, load their S rows from shared memory, run gdn_qk_factors and gdn_column_step, store o_j into
+//    ohead of the head's 4 ranks; phase 2 arrive; S stores; phase 2 wait; gdn_head_scale; y, v conv state;
+//    rank 0 the q/k conv state (threads 0-255). The same functions on the same values as the unfused kernel.
 // Precision: fp32 (integer-exact tensor-core products inside the GEMV, gemv_mma.cuh). Bit-identical to
 // linear(_rms_normed) + gdn_decode_mixer on CUDA: the same staged x, the same per-row sum order (same ks),
 // the mixer's device functions on the same inputs; the norm's float4 order is chosen as gdn_decode_mixer
@@ -43,13 +54,14 @@ namespace lily::cuda {
 
 constexpr int GIPM_DK = 128, GIPM_DV = 128, GIPM_GROUP = 2, GIPM_K = 4, GIPM_BITS = 4, GIPM_NG = 2;
 constexpr int GIPM_NS = GIPM_DV / GDN_COLS;                              // column slices of a value head
-constexpr int GIPM_CLUSTER = GIPM_NS * GIPM_GROUP;                       // CTAs of a key head
+constexpr int GIPM_MIX = GIPM_NS * GIPM_GROUP;                           // mixer CTAs of a key head: ranks 0-7
+constexpr int GIPM_CLUSTER = 2 * GIPM_MIX;                               // CTAs of a key head (GEMV: all)
 constexpr int GIPM_VZ = GIPM_GROUP * GIPM_DV;                            // v (or z) rows of a key head
 constexpr int GIPM_V0 = 2 * GIPM_DK, GIPM_Z0 = GIPM_V0 + GIPM_VZ, GIPM_B0 = GIPM_Z0 + GIPM_VZ;
 constexpr int GIPM_A0 = GIPM_B0 + GIPM_GROUP, GIPM_ROWS = GIPM_A0 + GIPM_GROUP;  // 772
 constexpr int GIPM_TILES = (GIPM_ROWS + 15) / 16;                        // 49
 constexpr int GIPM_SPAD = GDN_COLS + 4;  // floats per row of the S slice in shared memory (2-way banks)
-static_assert(GIPM_CLUSTER <= GDN_DECODE_MAX_CLUSTER && 2 * GIPM_DK == MMA_THREADS, "one q/k channel a thread");
+static_assert(GIPM_MIX <= GDN_DECODE_MAX_CLUSTER && 2 * GIPM_DK == MMA_THREADS, "one q/k channel a thread");
 
 // The in_proj row of head-local row lr of key head kh (Hk key heads): q, k, v, z head-major as the
 // mixer reads them (gdn_decode.cuh), then b, a [Hv].
@@ -63,13 +75,17 @@ __host__ __device__ inline int64_t gipm_row(int lr, int kh, int Hk) {
   return C + Hv * GIPM_DV + Hv + int64_t(kh) * GIPM_GROUP + (lr - GIPM_A0);
 }
 
-// The cluster ranks (bit r) whose mixer reads head-local row lr: rank slice + GIPM_NS * hr holds columns
-// [32 slice, +32) of value head 2 kh + hr.
+// The cluster ranks (bit r) whose mixer reads head-local row lr: rank slice + GIPM_NS * hr (< GIPM_MIX)
+// holds columns [32 slice, +32) of value head 2 kh + hr.
 __host__ __device__ inline unsigned gipm_ranks(int lr) {
-  if (lr < GIPM_V0) return (1u << GIPM_CLUSTER) - 1;                        // q, k: every rank
+  if (lr < GIPM_V0) return (1u << GIPM_MIX) - 1;                            // q, k: every mixer rank
   if (lr < GIPM_B0) return 1u << ((lr - GIPM_V0) % GIPM_VZ / GDN_COLS);     // v, z of (hr, column)
   return ((1u << GIPM_NS) - 1) << (GIPM_NS * ((lr - GIPM_B0) % GIPM_GROUP));  // b, a of hr
 }
+
+// The first GEMV pass of rank r (passes gipm_gemv_id(r) + 16 i): ranks 8-15 first, so that a pass count
+// that is not a multiple of 16 (49 tiles at ks = 8) loads the GEMV-only ranks, not the mixer's.
+__host__ __device__ inline int gipm_gemv_id(int rank) { return (rank + GIPM_MIX) % GIPM_CLUSTER; }
 
 struct GipmParams {
   const uint32_t* w;  // in_proj [R, cols * 4 / 32]
@@ -103,7 +119,7 @@ struct GipmRows {
     const float v = row_sum(r);
     const unsigned ranks = gipm_ranks(lr);
 #pragma unroll
-    for (int t = 0; t < GIPM_CLUSTER; ++t)
+    for (int t = 0; t < GIPM_MIX; ++t)
       if (ranks >> t & 1u) static_cast<float*>(__cluster_map_shared_rank(hin, unsigned(t)))[lr] = v;
   }
 };
@@ -137,8 +153,10 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
   __shared__ alignas(16) float ohead[DV], nw_s[GDN_COLS], gate_s[2];  // norm_w[32 slice + c]; A_log, dt_bias of h
   __cluster_barrier_arrive_relaxed();  // phase 0: this CTA has started
   const GdnDecodeParams& m = p.m;
-  const int slice = blockIdx.x, h = blockIdx.y, kh = h / GIPM_GROUP, hr = h % GIPM_GROUP;
-  const int rank = slice + GIPM_NS * hr, tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int rank = int(blockIdx.x) % GIPM_CLUSTER, kh = int(blockIdx.x) / GIPM_CLUSTER;
+  const bool mixes = rank < GIPM_MIX;  // ranks 0-7: GEMV and mixer; 8-15: GEMV only (slice, hr, h unused)
+  const int slice = rank % GIPM_NS, hr = rank / GIPM_NS % GIPM_GROUP, h = kh * GIPM_GROUP + hr;
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const bool mixer = tid < GDN_THREADS;  // warps 0-3: the mixer's threads
   const int ks = lane & (GDN_KSPLIT - 1), jl = (warp & 3) * (32 / GDN_KSPLIT) + lane / GDN_KSPLIT;
   const int j = slice * GDN_COLS + jl;
@@ -147,7 +165,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
   auto qk_channel = [&](int i) { return int64_t(i / DK) * m.Hk * DK + int64_t(kh) * DK + i % DK; };
 
   // 1. Before the wait: the mixer's operands into shared memory, the GEMV's weights towards L2.
-  {
+  if (mixes) {
     const float* S = m.state + int64_t(h) * DK * DV + slice * GDN_COLS;
     for (int q = tid; q < DK * GDN_COLS / 4; q += MMA_THREADS)
       gipm_cp_async16(&sS[q / 8][4 * (q % 8)], S + (q / 8) * DV + 4 * (q % 8));
@@ -163,12 +181,13 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
     if (tid < 2) gipm_cp_async4(&gate_s[tid], (tid == 0 ? m.A_log : m.dt_bias) + h);
     asm volatile("cp.async.commit_group;\n" ::);
   }
+  const int gid = gipm_gemv_id(rank);
   const int Sg_n = p.cols / Sg::VALS, wpr = p.cols * GIPM_BITS / 32, gpr = p.cols >> p.group_shift;
   const MmaSplit sp(p.ks, Sg_n);
   {
     const int rows_per_pass = sp.rt * 16, passes = (GIPM_TILES + sp.rt - 1) / sp.rt;
-    for (int q = tid;; q += MMA_THREADS) {  // the rows of passes rank, rank + 8, ...
-      const int pass = rank + GIPM_CLUSTER * (q / rows_per_pass), lr = pass * rows_per_pass + q % rows_per_pass;
+    for (int q = tid;; q += MMA_THREADS) {  // the rows of passes gid, gid + 16, ...
+      const int pass = gid + GIPM_CLUSTER * (q / rows_per_pass), lr = pass * rows_per_pass + q % rows_per_pass;
       if (pass >= passes) break;
       if (lr >= GIPM_ROWS) continue;
       const int64_t row = gipm_row(lr, kh, m.Hk);
@@ -195,10 +214,14 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
     __cluster_barrier_wait();  // phase 0: every CTA of the cluster has started (DSMEM stores from here)
   };
   mma_gemv_body<GIPM_BITS, GIPM_NG>(rows, GIPM_TILES, Sg_n, sp, xd, xe, xsum, [] {}, stage, MmaTokens{1, 0, 0},
-                                    MmaCtas{rank, GIPM_CLUSTER});
+                                    MmaCtas{gid, GIPM_CLUSTER});
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __cluster_barrier_arrive();  // phase 1, release: this CTA's rows are in their readers' hin
   __cluster_barrier_wait();    // phase 1, acquire: hin holds the key head's rows; the cp.async copies landed
+  if (!mixes) {  // no CTA accesses this one's shared memory: it may leave once counted in phase 2
+    __cluster_barrier_arrive_relaxed();
+    return;
+  }
 
   // 5. The mixer (gdn_decode_mixer_kernel's steps on the local copies).
   float* qkf = reinterpret_cast<float*>(qk);
