@@ -1,6 +1,7 @@
 // gdn_fused_lab: the GDN decode layer's in_proj GEMV + mixer as two kernels (today: linear_gemv_mma_kernel
-// with the input norm, then gdn_decode_mixer_kernel) against one (gdn_in_proj_mixer_kernel), at the model's
-// dims (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, conv 4; in_proj 12352 x 2048, 4-bit, groups of 64).
+// with the input norm, then gdn_decode_mixer_kernel) against one (gdn_in_proj_mixer_kernel: clusters of 16
+// CTAs, one a key head; first printed: how many are resident at once, Hk = 16 needed), at the model's dims
+// (hidden 2048, Hk 16, Hv 32, Dk = Dv = 128, conv 4; in_proj 12352 x 2048, 4-bit, groups of 64).
 // L = 30 layers, each with its own weights and state (378 MB of in_proj: no L2 reuse between layers), all
 // reading one residual row; each variant captured once into a CUDA graph with programmatic dependent
 // launches (as the decode graph), replayed; us per layer = median replay time / L over 21 replays.
@@ -81,7 +82,11 @@ int main() {
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, linear_gemv_mma_kernel<4, 2, false>, MMA_THREADS, smem));
   const MmaPlan plan = mma_plan_for((R + 15) / 16, H / 128, int64_t(sms) * std::max(per_sm, 1));
   std::printf("%d SMs, GEMV plan: ks %d, %d CTAs (%d CTAs/SM)\n", sms, plan.ks, plan.grid, per_sm);
-
+  int clusters = 0, fused_per_sm = 0;  // Hk clusters of 16 resident at once: the engine's condition
+  const bool fits = gipm_clusters_fit(fused, smem, Hk, &clusters);
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fused_per_sm, fused, MMA_THREADS, smem));
+  std::printf("fused: %d CTAs/SM, %d clusters of %d resident at once (%d key heads)%s\n", fused_per_sm, clusters,
+              GIPM_CLUSTER, Hk, fits ? "" : ": MORE THAN ONE WAVE, the engine would not fuse (timed anyway)");
   std::vector<float> xh = floats(H, -3.f, 3.f), nwh = floats(H, 0.5f, 1.5f);
   float *x = upload(xh), *in_norm = upload(nwh), *proj, *y[2];
   CK(cudaMalloc(&proj, size_t(L) * R * 4));
@@ -135,7 +140,7 @@ int main() {
       GipmParams p{};
       p.w = layers[i].w, p.scales = layers[i].s, p.biases = layers[i].b, p.x = x, p.norm_in = NormIn{in_norm, 1e-6f};
       p.cols = H, p.group_shift = 6, p.ks = plan.ks, p.m = mixer_params(i, y[1]);
-      launch(fused, dim3(GIPM_NS, Hv), dim3(MMA_THREADS), dim3(GIPM_NS, GIPM_GROUP), smem, st, p);
+      launch(fused, dim3(Hk * GIPM_CLUSTER), dim3(MMA_THREADS), dim3(GIPM_CLUSTER, 1), smem, st, p);
     }
   };
 

@@ -185,30 +185,15 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
   }
 }
 
-// How many clusters of GIPM_CLUSTER CTAs (a non-portable size, allowed here) of the fused kernel are resident at
-// once with `smem` bytes of staged x (0: refused); queried once per instance and size.
+// gipm_clusters_fit for `smem` bytes of staged x and Hk key heads, queried once per instance, size and Hk.
 template <bool NORM_IN>
-static int gipm_max_clusters(size_t smem) {
-  static std::map<size_t, int> known;
-  const auto it = known.find(smem);
-  if (it != known.end()) return it->second;
-  const auto kernel = gdn_in_proj_mixer_kernel<NORM_IN>;
+static bool gipm_fits(size_t smem, int Hk) {
+  static std::map<std::pair<size_t, int>, bool> known;
+  const auto key = std::make_pair(smem, Hk);
+  const auto it = known.find(key);
   int clusters = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(GIPM_CLUSTER);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned(GIPM_CLUSTER));
-    cfg.blockDim = dim3(unsigned(MMA_THREADS));
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
-  }
-  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
-  return known[smem] = clusters;
+  return it != known.end() ? it->second
+                           : known[key] = gipm_clusters_fit(gdn_in_proj_mixer_kernel<NORM_IN>, smem, Hk, &clusters);
 }
 
 static size_t gipm_smem(const QMatrix& in_proj) { return mma_x_bytes(in_proj.cols, MmaSeg<GIPM_BITS>::VALS / GIPM_NG); }
@@ -218,7 +203,7 @@ static size_t gipm_smem(const QMatrix& in_proj) { return mma_x_bytes(in_proj.col
 // runs on the integer GEMV for x (so its K split is linear's), 16-byte aligned where the kernel copies
 // with cp.async or prefetches whole rows (state, conv state and taps; scales and biases: cols % 512 == 0
 // makes each row's 16-byte chunks whole); with an input norm, linear_rms_normed's one-kernel conditions;
-// the Hk clusters of 16 CTAs resident at once (the GEMV phase in one wave; else the two kernels are faster).
+// Hk clusters of 16 CTAs resident at once (gipm_clusters_fit: the GEMV phase in one wave).
 bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, const Tensor& h,
                                  const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state, int Hk,
                                  int Dk) {
@@ -231,7 +216,7 @@ bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& x, const 
          in_proj.cols % 512 == 0 && linear_gemv_mma(in_proj, x) && is_aligned16(v.scales) &&
          is_aligned16(v.biases) && aligned16(state.data) && aligned16(conv_state.data) &&
          aligned16(conv_weight.data) && (!normed || linear_rms_normed_supported(in_proj, x, in_norm, h)) &&
-         (normed ? gipm_max_clusters<true>(gipm_smem(in_proj)) : gipm_max_clusters<false>(gipm_smem(in_proj))) >= Hk;
+         (normed ? gipm_fits<true>(gipm_smem(in_proj), Hk) : gipm_fits<false>(gipm_smem(in_proj), Hk));
 }
 
 void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in_norm, float in_eps,
@@ -267,6 +252,8 @@ void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& x, const Tensor& in
   // gated_rms_norm's float4 choice as gdn_decode_mixer makes it for the unfused op's z = proj[C:] (C % 4 == 0)
   m.norm_vec4 = aligned16(proj.data) && aligned16(norm_weight.data) && aligned16(y.data);
   const size_t smem = gipm_smem(in_proj);
+  LILY_CHECK(p.norm_in.w ? gipm_fits<true>(smem, Hk) : gipm_fits<false>(smem, Hk),
+             "gdn_in_proj_mixer: its clusters do not fit (gdn_in_proj_mixer_supported)");  // also allows size 16
   (void)Dk;
   launch_clustered(p.norm_in.w ? normed : plain, dim3(unsigned(Hk * GIPM_CLUSTER)), MMA_THREADS,
                    dim3(unsigned(GIPM_CLUSTER)), smem, p);

@@ -1,7 +1,7 @@
 // One GDN decode token from the layer input to the gated norm in one kernel: the stacked in_proj GEMV
 // (gemv_mma.cuh) and the decode mixer (gdn_decode.cuh) of each key head in one thread-block cluster,
-// the in_proj rows handed over through distributed shared memory instead of device memory (device code
-// only; launcher in gated_delta.cu).
+// the in_proj rows handed over through distributed shared memory instead of device memory (device code,
+// and the residency check the launcher in gated_delta.cu and benchmarks/gdn_fused_lab.cu share).
 //   proj = W x_in   (W the stacked in_proj [q | k | v | z | b | a] rows, x_in = h, or with NORM_IN
 //                    rms_norm(res) * in_norm staged as linear_rms_normed's GEMV stages it)
 //   y, conv_state_out, state_out = gdn_decode_mixer(qkv = proj[:C], z, b, a of proj, ...)
@@ -10,16 +10,18 @@
 // Key head kh reads 772 rows of W; in head-local order lr (GIPM_*: q 128 | k 128 | v 256 | z 256 |
 // b 2 | a 2, gipm_row gives the global row) they are 49 tiles of 16 rows, the last one of 4.
 //
-// Grid Hk x 16 CTAs (1-D), block 256 (MMA_THREADS), clusters of 16 (GIPM_CLUSTER, a non-portable size:
-// the launcher allows it and checks that Hk clusters are resident at once, else the op runs its parts)
-// = one key head: rank = blockIdx.x % 16, kh = blockIdx.x / 16. All 16 ranks run the GEMV, so the grid
-// is the GEMV's occupancy (256 CTAs at 2 an SM, as linear's 264 on 132 SMs; with 8 CTAs a key head, 128
-// CTAs, the in_proj streamed at about half linear's rate: perf-notes). Ranks 0-7 (GIPM_MIX) also run the
-// mixer with its geometry (gdn_decode.cuh) and twice its threads: rank = slice + 4 hr, columns [32 slice,
-// +32) of value head h = 2 kh + hr. Ranks 8-15 only compute rows: they store into ranks 0-7 and no CTA
-// ever reads or writes their shared memory, so they leave after phase 1 (they arrive at phase 2 first).
-// Ranks 0-7 keep the mixer's per-CTA work as in the unfused kernel; 2 x 8 clusters a key head would
-// compute q and k twice or hand rows over through device memory.
+// Grid Hk x 16 CTAs (1-D), block 256 (MMA_THREADS), clusters of 16 (GIPM_CLUSTER, a non-portable size)
+// = one key head: rank = blockIdx.x % 16, kh = blockIdx.x / 16. The launcher takes the kernel only where
+// Hk such clusters are resident at once at 2 CTAs an SM (gipm_clusters_fit: 8 SMs of a GPC a cluster),
+// else the op runs its parts (a cluster size chosen at run time cost ~9 registers: 128 and spills).
+// All 16 ranks run the GEMV, so the grid has the GEMV's occupancy: 256 CTAs at 2 an SM, as linear's 264
+// on 132 SMs (with 8 CTAs a key head, 128 CTAs, the in_proj streamed at about half linear's rate:
+// perf-notes). Ranks 0-7 (GIPM_MIX) also run the mixer with its geometry (gdn_decode.cuh) and twice its
+// threads: rank = slice + 4 hr, columns [32 slice, +32) of value head h = 2 kh + hr. Ranks 8-15 only
+// compute rows: they store into ranks 0-7 and no CTA ever reads or writes their shared memory, so they
+// leave after phase 1 (they arrive at phase 2 first). Ranks 0-7 keep the unfused mixer's per-CTA work;
+// 2 clusters of 8 a key head would compute q and k twice or hand rows over through device memory, and
+// 16-column mixer slices would change the mixer's mapping.
 // 1. Before the PDL wait: cluster barrier phase 0 arrive; ranks 0-7: cp.async of the CTA's mixer operands
 //    into shared memory (its 128 x 32 slice of S, the key head's q/k conv taps and conv state, its 32 v
 //    channels' taps, conv state and norm weights, A_log and dt_bias of its value head; S and the conv
@@ -29,7 +31,7 @@
 // 2. pdl_wait, pdl_trigger; stage x_in (mma_stage_x or mma_stage_normed_x: digits, e_u, xsum_u, bit for
 //    bit linear's); phase 0 wait (every CTA of the cluster runs, so DSMEM may be written).
 // 3. The GEMV: mma_gemv_body over the cluster's 49 tiles, passes strided over the 16 ranks (MmaCtas; rank
-//    r takes passes gipm_gemv_id(r), +16, ...: the 49th tile's pass goes to rank 8, not to a mixer rank),
+//    r takes passes gipm_gemv_id(r), + 16, ...: the 49th tile's pass goes to rank 8, not to a mixer rank),
 //    with the K split ks of linear's plan for the whole matrix (launcher: linear_gemv_mma_ks), so every
 //    row sums its segments, quads and K-parts in linear_gemv_mma_kernel's order (which CTA sums a row does
 //    not enter it): each row bit for bit linear's. A finished row lr goes to hin[lr] of each rank whose
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
   __cluster_barrier_arrive_relaxed();  // phase 0: this CTA has started
   const GdnDecodeParams& m = p.m;
   const int rank = int(blockIdx.x) % GIPM_CLUSTER, kh = int(blockIdx.x) / GIPM_CLUSTER;
-  const bool mixes = rank < GIPM_MIX;  // ranks 0-7: GEMV and mixer; 8-15: GEMV only (slice, hr, h unused)
+  const bool mixes = rank < GIPM_MIX;  // ranks 0-7: GEMV and mixer; the others GEMV only (slice, hr, h unused)
   const int slice = rank % GIPM_NS, hr = rank / GIPM_NS % GIPM_GROUP, h = kh * GIPM_GROUP + hr;
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const bool mixer = tid < GDN_THREADS;  // warps 0-3: the mixer's threads
@@ -267,6 +269,29 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) gdn_in_proj_mixer_k
     }
   }
   if (rank == 0) conv_state_store<K>(m.conv_state_out, C, qk_channel(tid), sq, uq);  // the key head's q/k
+}
+
+// Whether Hk clusters of GIPM_CLUSTER CTAs (a non-portable size, allowed here) of `kernel` (an instance of
+// gdn_in_proj_mixer_kernel) with `smem` bytes of staged x are resident at once (cudaOccupancyMaxActiveClusters:
+// the GEMV phase in one wave). Host code; `clusters` gets the count (0: refused).
+template <class Kernel>
+inline bool gipm_clusters_fit(Kernel kernel, size_t smem, int Hk, int* clusters) {
+  *clusters = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(GIPM_CLUSTER);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(GIPM_CLUSTER));
+    cfg.blockDim = dim3(unsigned(MMA_THREADS));
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(clusters, kernel, &cfg) != cudaSuccess) *clusters = 0;
+  }
+  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
+  return *clusters >= Hk;
 }
 
 }  // namespace lily::cuda
