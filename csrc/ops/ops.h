@@ -152,7 +152,8 @@ void gdn_in_proj_mixer(const QMatrix& in_proj, const Tensor& res, const Tensor& 
                        const Tensor& state_out, const Tensor& norm_weight, float eps, const Tensor& y,
                        int num_key_heads, int key_head_dim);
 // Whether gdn_in_proj_mixer runs as one kernel for these operands (never on the CPU): the model's GDN dims
-// (Dk = Dv = 128, Hv = 2 Hk, conv kernel 4) and a 4-bit in_proj with groups of 64 (cuda/gated_delta.cu).
+// (Dk = Dv = 128, Hv = 2 Hk, conv kernel 4), a 4-bit in_proj with groups of 64, and Hk clusters of 16 CTAs
+// resident at once on the GPU (cuda/gated_delta.cu).
 bool gdn_in_proj_mixer_supported(const QMatrix& in_proj, const Tensor& res, const Tensor& in_norm, const Tensor& h,
                                  const Tensor& conv_weight, const Tensor& conv_state, const Tensor& state,
                                  int num_key_heads, int key_head_dim);

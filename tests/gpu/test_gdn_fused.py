@@ -1,5 +1,5 @@
 """The fused CUDA GDN decode layer (gdn_in_proj_mixer: the stacked in_proj GEMV and gdn_decode_mixer of one
-token in one kernel, a cluster of 8 CTAs a key head) against the two CUDA ops it replaces (linear or
+token in one kernel, a cluster of 16 CTAs a key head) against the two CUDA ops it replaces (linear or
 linear_rms_normed, then gdn_decode_mixer) at the model's real dims, over consecutive tokens with the conv and
 recurrent states carried: bit for bit (the same staged input, the same per-row sum order, the mixer's own
 device functions). Elsewhere (other dims) the op runs those ops itself."""
