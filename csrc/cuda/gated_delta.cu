@@ -3,6 +3,7 @@
 // another or the same one (in place); the decode token's conv -> recurrence -> gated norm in one
 // kernel (kernels/gdn_decode.cuh), and that with the in_proj GEMV before it (kernels/gdn_in_proj_mixer.cuh).
 #include <map>
+#include <mutex>
 
 #include "cuda_ops.h"
 #include "kernels/gated_delta.cuh"
@@ -188,7 +189,9 @@ void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor
 // gipm_clusters_fit for `smem` bytes of staged x and Hk key heads, queried once per instance, size and Hk.
 template <bool NORM_IN>
 static bool gipm_fits(size_t smem, int Hk) {
+  static std::mutex mu;
   static std::map<std::pair<size_t, int>, bool> known;
+  const std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_pair(smem, Hk);
   const auto it = known.find(key);
   int clusters = 0;
