@@ -72,7 +72,8 @@ static void launch_gdn_chunked(const gdn_chunk::Params& p) {
     return true;
   }();
   (void)raised;
-  launch(gdn_chunk::prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), gdn_chunk::THREADS,
+  launch(gdn_chunk::prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hk), unsigned(gdn_chunk::prep_splits(p.Hk, p.Hv))),
+         gdn_chunk::THREADS,
          sizeof(gdn_chunk::PrepSmem), p);
   LILY_CUDA_LAUNCHED();
   launch(gdn_chunk::scan_kernel, dim3(unsigned(p.Hv), unsigned(gdn_chunk::D / gdn_chunk::COLS)), gdn_chunk::THREADS,

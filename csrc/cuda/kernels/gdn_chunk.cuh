@@ -193,57 +193,74 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
-//   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
-//      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
-//      are zeros. All 16 rows of a warp and the gate inputs are loaded before any is used.
-//   2. G = inclusive prefix sum of g in fp64 (warp 0 shuffle scan): exp(G_t - G_s) is formed from an
-//      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
-//      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
-//      workspace (the scan applies them to the raw q, k rows of qkv).
+// prep_kernel: one CTA per (chunk c, key head kh, group of up to PREP_HEADS of its value heads), grid
+// (num_chunks, Hk, ceil(G / PREP_HEADS)) with G = Hv / Hk (prep_splits below), block 256, 2 CTAs/SM. The
+// CTA's value heads h0 + j, j < nh (h0 = kh G + PREP_HEADS z, nh = min(PREP_HEADS, G - PREP_HEADS z)) share
+// q and k, so K K^T and Q K^T are computed once for all of them (at the model's G = 2: once per key head).
+//   1. beta, g of the chunk's n <= 64 tokens for each of the nh heads (thread 64 j + t: head j, token t);
+//      q, k rows loaded and L2-normalised (a warp per row, a float4 per lane), staged in shared memory
+//      with their norm factors; rows >= n are zeros. All 16 rows of a warp and the gate inputs are
+//      loaded before any is used.
+//   2. G = inclusive prefix sum of g in fp64 (warp j: head j's shuffle scan): exp(G_t - G_s) is formed
+//      from an fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late
+//      decays. Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to
+//      head j's workspace block (the scan applies them to the raw q, k rows of qkv).
 //   3. K K^T -> A (strictly lower, shared) and Q K^T -> P (lower with the diagonal, workspace) on the
 //      tensor cores, 3xTF32. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
 //      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
-//      each a K = 128 loop of 16 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
-//      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
-//      s <= t < n, else 0 (exp of a positive exponent is never taken).
-//   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
-//      c of U (V read from global memory, all 64 loads issued before the first use), thread c >= 128
-//      column c - 128 of W; the column's 64 values stay in registers (loops fully unrolled), A rows are
-//      shared-memory broadcasts. fp32 FMA.
+//      each a K = 128 loop of 16 k-steps (A fragment from q or k rows, B = K^T from k rows). The raw
+//      product (acc) of a tile is then scaled for each head j (it does not depend on the value head, the
+//      decay and beta are applied to it element-wise): A_j = beta_jt exp(G_jt - G_js) acc if s < t < n,
+//      else 0; P_j = exp(G_jt - G_js) acc if s <= t < n, else 0 (exp of a positive exponent is never
+//      taken). Each head's A, P are bit for bit those of a CTA per value head (prep per value head, kept
+//      as benchmarks/gdn_prep_base.cuh: gdn_emu compares the workspaces).
+//   4. per head j: (I + A_j) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128
+//      owns column c of U (V read from global memory, all 64 loads issued before the first use), thread
+//      c >= 128 column c - 128 of W; the column's 64 values stay in registers (loops fully unrolled), A
+//      rows are shared-memory broadcasts. fp32 FMA.
 // A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
 // a full memory latency each: the loads here are unconditional (clamped rows) or use-free in their
 // branch, and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
+constexpr int PREP_HEADS = 2;  // value heads per prep CTA at most (the model's Hv / Hk)
+static_assert(PREP_HEADS * C <= THREADS && PREP_HEADS <= THREADS / 32);
 struct PrepSmem {
-  float q[C][LD];   // normalised, scaled q rows
-  float k[C][LD];   // normalised k rows
-  float A[C][PLD];  // strictly lower (tiles above the diagonal unwritten, never read)
-  double G[C];           // cumulative log decay
-  float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
+  float q[C][LD];               // normalised, scaled q rows
+  float k[C][LD];               // normalised k rows
+  float A[PREP_HEADS][C][PLD];  // per head, strictly lower (tiles above the diagonal unwritten, never read)
+  double G[PREP_HEADS][C];      // per head, cumulative log decay
+  float g[PREP_HEADS][C], beta[PREP_HEADS][C], eG[PREP_HEADS][C];  // per head: g, beta, exp(G) (0 past n)
+  float rq[C], rk[C];                                               // norm factors
+  // per head j < nh: the offsets (floats) of its V at token t0 in qkv and of its workspace block; -1
+  // for j >= nh (kept here, not in registers: phase 4 runs at ptxas' 128-register cap)
+  int64_t v_off[PREP_HEADS], ws_off[PREP_HEADS];
 };
+// prep_kernel's grid is (num_chunks, Hk, prep_splits(Hk, Hv)): the CTAs of one key head's value heads
+inline int prep_splits(int Hk, int Hv) { return (Hv / Hk + PREP_HEADS - 1) / PREP_HEADS; }
 
 __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(smem());
-  const int ch = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
+  const int ch = blockIdx.x, kh = blockIdx.y, group = p.Hv / p.Hk;
+  const int h0 = kh * group + PREP_HEADS * int(blockIdx.z), nh = min(PREP_HEADS, group - PREP_HEADS * int(blockIdx.z));
   const int t0 = ch * C, n = min(C, p.T - t0);  // tokens [t0, t0 + n) of this chunk
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;  // qkv row width
-  float* blk = p.ws + (int64_t(ch) * p.Hv + h) * BLOCK;
+  float* const blk0 = p.ws + (int64_t(ch) * p.Hv + h0) * BLOCK;  // head h0 + j's block: blk0 + j BLOCK
 
   // 1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i); gates. Every global
   // load of the phase is issued before the first use of any (one memory latency per warp): the gate
-  // inputs of token tid first, the gates computed after the rows.
+  // inputs of (head gj, token gt) first, the gates computed after the rows.
+  const int gj = tid / C, gt = tid % C;  // gj < PREP_HEADS for the gate threads
   float b_in = 0.f, a_in = 0.f, A_log = 0.f, dt_bias = 0.f;
-  if (tid < n) {
-    const int64_t i = int64_t(t0 + tid) * p.Hv + h;
+  if (gj < nh && gt < n) {
+    const int64_t i = int64_t(t0 + gt) * p.Hv + h0 + gj;
     b_in = p.b[i];
     a_in = p.a[i];
-    A_log = p.A_log[h];
-    dt_bias = p.dt_bias[h];
+    A_log = p.A_log[h0 + gj];
+    dt_bias = p.dt_bias[h0 + gj];
   }
   constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32);  // 16
   const float q_scale = 1.f / sqrtf(float(D));
@@ -264,20 +281,26 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
   }
-  if (tid < C) {
+  if (tid < PREP_HEADS) {
+    sm.v_off[tid] = tid < nh ? int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h0 + tid) * D : -1;
+    sm.ws_off[tid] = (int64_t(ch) * p.Hv + h0 + tid) * BLOCK;
+  }
+  if (gj < nh) {
     float beta = 0.f, g = 0.f;
-    if (tid < n) {
+    if (gt < n) {
       beta = 1.f / (1.f + expf(-b_in));
       g = -expf(A_log) * softplus(a_in + dt_bias);
     }
-    sm.beta[tid] = beta;
-    sm.g[tid] = g;
+    sm.beta[gj][gt] = beta;
+    sm.g[gj][gt] = g;
   }
   __syncthreads();
 
-  // 2. G, exp(G) and the row factors (warp 0; lane l holds tokens 2l, 2l+1)
-  if (warp == 0) {
-    const double g0 = sm.g[2 * lane], g1 = sm.g[2 * lane + 1];
+  // 2. G, exp(G) and the row factors (warp j: head j; lane l holds tokens 2l, 2l+1)
+  if (warp < nh) {
+    const int j = warp;
+    float* blk = blk0 + j * BLOCK;
+    const double g0 = sm.g[j][2 * lane], g1 = sm.g[j][2 * lane + 1];
     double s = g0 + g1;  // inclusive scan of the pair sums
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -286,23 +309,23 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
     }
     double before = __shfl_up_sync(0xffffffffu, s, 1);  // sum of tokens < 2l
     if (lane == 0) before = 0.0;
-    sm.G[2 * lane] = before + g0;
-    sm.G[2 * lane + 1] = before + g0 + g1;
+    sm.G[j][2 * lane] = before + g0;
+    sm.G[j][2 * lane + 1] = before + g0 + g1;
     __syncwarp();
-    const double Gl = sm.G[n - 1];
+    const double Gl = sm.G[j][n - 1];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int t = 2 * lane + u;
-      const float eG = t < n ? expf(float(sm.G[t])) : 0.f;
-      sm.eG[t] = eG;
+      const float eG = t < n ? expf(float(sm.G[j][t])) : 0.f;
+      sm.eG[j][t] = eG;
       blk[WS_FQ + t] = eG * sm.rq[t];
-      blk[WS_FK + t] = t < n ? expf(float(Gl - sm.G[t])) * sm.rk[t] : 0.f;
+      blk[WS_FK + t] = t < n ? expf(float(Gl - sm.G[j][t])) * sm.rk[t] : 0.f;
     }
     if (lane == 0) blk[WS_GC] = expf(float(Gl));
   }
   __syncthreads();
 
-  // 3. K K^T -> A, Q K^T -> P: 40 tiles, warp w takes w, w + 8, ..., w + 32
+  // 3. K K^T -> A, Q K^T -> P: 40 tiles, warp w takes w, w + 8, ..., w + 32; each scaled per head
   {
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll 1
@@ -321,56 +344,67 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+#pragma unroll 1
+      for (int hj = 0; hj < nh; ++hj) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
-        if (is_qk) {
-          const float dec = (t < n && s <= t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;
-          blk[WS_P + t * C + s] = dec * acc[e];
-        } else {
-          const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
-          sm.A[t][s] = sm.beta[t] * dec * acc[e];
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
+          if (is_qk) {
+            const float dec = (t < n && s <= t) ? expf(float(sm.G[hj][t] - sm.G[hj][s])) : 0.f;
+            blk0[hj * BLOCK + WS_P + t * C + s] = dec * acc[e];
+          } else {
+            const float dec = (t < n && s < t) ? expf(float(sm.G[hj][t] - sm.G[hj][s])) : 0.f;  // exponent <= 0
+            sm.A[hj][t][s] = sm.beta[hj][t] * dec * acc[e];
+          }
         }
       }
     }
   }
-  __syncthreads();  // A complete
+  __syncthreads();  // A of every head complete
 
-  // 4. forward substitution, one column per thread
-  float xs[C];
-  if (tid < D) {  // column tid of beta V
-    const float* v = p.qkv + int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + tid;
-    // every load issued before the first use (one memory latency, not 64: a load under `t < n` was
-    // a branch with its use inside); rows past the prompt re-read row n - 1 and are then dropped
+  // 4. per head: forward substitution, one column per thread
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = v[min(t, n - 1) * int(Wd)];  // (63 Wd fits in 32 bits)
+  for (int hj = 0; hj < PREP_HEADS; ++hj) {
+    const int64_t v_off = sm.v_off[hj];
+    if (v_off < 0) break;
+    const float* beta = sm.beta[hj];
+    const float* eGj = sm.eG[hj];
+    float xs[C];
+    if (tid < D) {  // column tid of beta V
+      const float* v = p.qkv + v_off + tid;
+      // every load issued before the first use (one memory latency, not 64: a load under `t < n` was
+      // a branch with its use inside); rows past the prompt re-read row n - 1 and are then dropped
 #pragma unroll
-    for (int t = 0; t < C; ++t) {
-      const float bv = sm.beta[t] * xs[t];  // (read unconditionally: no predicated shared loads)
-      xs[t] = t < n ? bv : 0.f;
-    }
-  } else {  // column tid - D of beta exp(G) K
+      for (int t = 0; t < C; ++t) xs[t] = v[min(t, n - 1) * int(Wd)];  // (63 Wd fits in 32 bits)
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = sm.beta[t] * sm.eG[t] * sm.k[t][tid - D];
-  }
-#pragma unroll
-  for (int t = 1; t < C; ++t) {
-    float acc = xs[t];
-#pragma unroll
-    for (int s4 = 0; s4 < C / 4; ++s4) {
-      if (4 * s4 < t) {
-        const float4 a4 = ld4(&sm.A[t][4 * s4]);
-        acc = fmaf(-a4.x, xs[4 * s4], acc);
-        if (4 * s4 + 1 < t) acc = fmaf(-a4.y, xs[4 * s4 + 1], acc);
-        if (4 * s4 + 2 < t) acc = fmaf(-a4.z, xs[4 * s4 + 2], acc);
-        if (4 * s4 + 3 < t) acc = fmaf(-a4.w, xs[4 * s4 + 3], acc);
+      for (int t = 0; t < C; ++t) {
+        const float bv = beta[t] * xs[t];  // (read unconditionally: no predicated shared loads)
+        xs[t] = t < n ? bv : 0.f;
       }
-    }
-    xs[t] = acc;
-  }
-  float* dst = blk + (tid < D ? WS_U + tid : WS_W + tid - D);
+    } else {  // column tid - D of beta exp(G) K
 #pragma unroll
-  for (int t = 0; t < C; ++t) dst[t * D] = xs[t];
+      for (int t = 0; t < C; ++t) xs[t] = beta[t] * eGj[t] * sm.k[t][tid - D];
+    }
+    const float(*A)[PLD] = sm.A[hj];
+#pragma unroll
+    for (int t = 1; t < C; ++t) {
+      float acc = xs[t];
+#pragma unroll
+      for (int s4 = 0; s4 < C / 4; ++s4) {
+        if (4 * s4 < t) {
+          const float4 a4 = ld4(&A[t][4 * s4]);
+          acc = fmaf(-a4.x, xs[4 * s4], acc);
+          if (4 * s4 + 1 < t) acc = fmaf(-a4.y, xs[4 * s4 + 1], acc);
+          if (4 * s4 + 2 < t) acc = fmaf(-a4.z, xs[4 * s4 + 2], acc);
+          if (4 * s4 + 3 < t) acc = fmaf(-a4.w, xs[4 * s4 + 3], acc);
+        }
+      }
+      xs[t] = acc;
+    }
+    float* dst = p.ws + sm.ws_off[hj] + (tid < D ? WS_U + tid : WS_W + tid - D);
+#pragma unroll
+    for (int t = 0; t < C; ++t) dst[t * D] = xs[t];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
