@@ -12,7 +12,9 @@
 // Compares o and the final state with the fp64 sequential recurrence (benchmarks/gdn_ref.h) and prints
 // the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic), and
 // an FNV-1a hash of the bits of the workspace, o and the final state: a change of the kernels meant to
-// keep every value (index math, load instructions) must leave the hashes as they were.
+// keep every value (index math, load instructions) must leave the hashes as they were. The prep per key
+// head (prep_kernel) and the prep per value head it replaced (benchmarks/gdn_prep_base.cuh) both run, and
+// their workspaces must be the same bits (FAIL otherwise); the scan then reads prep_kernel's.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -309,7 +311,7 @@ struct Case {
 
 int main(int argc, char** argv) {
   using namespace lily::cuda;
-  const Case cases[] = {{130, 2, 4, 0, 0.1f}, {64, 1, 2, 0, 0.1f}, {200, 1, 2, 1, 1.0f}, {65, 1, 3, 0, 0.1f}};
+  const Case cases[] = {{130, 2, 4, 0, 0.1f}, {64, 1, 2, 0, 0.1f}, {200, 1, 2, 1, 1.0f}, {65, 1, 3, 0, 0.1f}, {100, 2, 2, 1, 1.0f}};
   bool fail = false;
   for (int mode = 0; mode < 2; ++mode)
     for (const Case& cs : cases) {

@@ -12,6 +12,9 @@
 // chunked-vs-token-kernel tolerance; the fp32 sequential CPU op itself is ~3e-7 from fp64, printed too).
 // Table 2: the token kernel against the new chunked pair at short T, for GDN_CHUNK_MIN_T (the chunked
 // kernels accept any T >= 1; the dispatcher sends only T >= GDN_CHUNK_MIN_T to them).
+// Table 3: the prep per key head (gdn_chunk::prep_kernel, K K^T and Q K^T once per key head) against
+// the prep per value head it replaced (benchmarks/gdn_prep_base.cuh) at T = 2048 and 4096: us per call,
+// and their workspaces compared bit for bit (FAIL unless identical).
 // Bits: an FNV-1a hash of the whole o, final state and workspace of the fresh prep + scan call, printed
 // as "gdn_lab bits: ..."; gdn_lab.sh with BASE=<commit> also builds the lab against that commit's
 // gdn_chunk.cuh and FAILs unless the two lines match (value-preserving kernel changes).
@@ -29,6 +32,7 @@
 
 #include "../benchmarks/gdn_ref.h"
 #include "cuda/kernels/gdn_chunk.cuh"
+#include "../benchmarks/gdn_prep_base.cuh"
 
 static void check_cuda(cudaError_t e, const char* what, int line) {
   if (e == cudaSuccess) return;
@@ -45,9 +49,9 @@ struct Dev {
   float *qkv, *a, *b, *A_log, *dt_bias, *state, *o, *ws;
 };
 
-enum Kind { TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH };
+enum Kind { TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH, BASE_PREP };
 static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "prep (3xTF32 mma)",
-                                  "scan (3xTF32 mma)", "prep + scan"};
+                                  "scan (3xTF32 mma)", "prep + scan", "prep per value head (before)"};
 
 static void launch(Kind k, const Dev& d, int T) {
   const int nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
@@ -55,11 +59,13 @@ static void launch(Kind k, const Dev& d, int T) {
     const GatedDeltaParams p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.state, d.o, T, HK, HV, D, D};  // in place
     gated_delta_kernel<128><<<dim3(HV, (D + GDN_COLS - 1) / GDN_COLS), GDN_THREADS>>>(p);
   }
-  if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
-    const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != NEW_SCAN) gdn_chunk::prep_kernel<<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
-    if (k != NEW_PREP) gdn_chunk::scan_kernel<<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
-  }
+  const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
+  if (k == NEW_PREP || k == NEW_BOTH)
+    gdn_chunk::prep_kernel<<<dim3(nch, HK, gdn_chunk::prep_splits(HK, HV)), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
+  if (k == NEW_SCAN || k == NEW_BOTH)
+    gdn_chunk::scan_kernel<<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
+  if (k == BASE_PREP)
+    gdn_chunk::prep_base_kernel<<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepBaseSmem)>>>(p);
   CK(cudaGetLastError());
 }
 
@@ -90,6 +96,7 @@ static T* upload(const std::vector<T>& v) {
 int main() {
   CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
   CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::prep_base_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepBaseSmem))));
 
   const gdn_ref::Inputs x = gdn_ref::make_inputs(T_MAX, HK, HV, D, 42, /*decay=*/1);
   const int nch = T_MAX / gdn_chunk::C;
@@ -161,6 +168,30 @@ int main() {
   for (int T : {8, 16, 32, 48, 64, 128, 256}) {
     std::snprintf(line, sizeof line, "| %d | %.1f | %.1f |\n", T, time_us(TOKEN, d, T, REPS), time_us(NEW_BOTH, d, T, REPS));
     emit(line);
+  }
+
+  emit("\n## Prep per key head (K K^T, Q K^T once for both value heads) against per value head (before)\n\n"
+       "| T | per value head us | per key head us | new / old | workspace bits |\n|---:|---:|---:|---:|---|\n");
+  for (int T : {2048, 4096}) {
+    const gdn_ref::Inputs y = gdn_ref::make_inputs(T, HK, HV, D, 7 + T, /*decay=*/1);
+    const size_t wsf = size_t(T / gdn_chunk::C) * HV * size_t(gdn_chunk::BLOCK);
+    Dev e{upload(y.qkv), upload(y.a), upload(y.b), upload(y.A_log), upload(y.dt_bias), upload(y.state), nullptr, nullptr};
+    CK(cudaMalloc(&e.o, size_t(T) * HV * D * sizeof(float)));
+    CK(cudaMalloc(&e.ws, wsf * sizeof(float)));
+    std::vector<float> w_old(wsf), w_new(wsf);
+    for (Kind k : {BASE_PREP, NEW_PREP}) {
+      CK(cudaMemset(e.ws, 0xff, wsf * sizeof(float)));
+      launch(k, e, T);
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy((k == BASE_PREP ? w_old : w_new).data(), e.ws, wsf * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+    const bool same = std::memcmp(w_old.data(), w_new.data(), wsf * sizeof(float)) == 0;
+    fail |= !same;
+    const double t_old = time_us(BASE_PREP, e, T, REPS), t_new = time_us(NEW_PREP, e, T, REPS);
+    std::snprintf(line, sizeof line, "| %d | %.1f | %.1f | %.2f | %s |\n", T, t_old, t_new, t_new / t_old,
+                  same ? "identical" : "DIFFERENT (FAIL)");
+    emit(line);
+    for (float* q : {e.qkv, e.a, e.b, e.A_log, e.dt_bias, e.state, e.o, e.ws}) CK(cudaFree(q));
   }
   CK(cudaDeviceSynchronize());
   if (const char* out = std::getenv("OUT")) {

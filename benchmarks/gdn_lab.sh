@@ -4,7 +4,10 @@
 # (exit 1); with OUT set it also writes $OUT/gdn_lab.md. Flags as CMakeLists.txt's CUDA ones.
 # BASE=<commit or tree folder>: also builds the lab against that commit's (folder's) csrc/cuda/kernels/gdn_chunk.cuh (the rest of
 # csrc as in the tree), runs it, and FAILs unless both print the same bits line: a change meant to keep
-# every value (index math, load instructions) must give the same o, state and workspace bits.
+# every value (index math, load instructions) must give the same o, state and workspace bits. The lab
+# launches prep_kernel on its (chunks, Hk, prep_splits) grid and includes benchmarks/gdn_prep_base.cuh, so
+# BASE must be a commit from branch gdnprep (382677f) on; the prep per key head itself is checked against
+# the prep per value head inside one binary (table 3).
 # No GPU needed for the host emulation of the same kernels (it prints its own bit hashes):
 #   g++ -O2 -std=c++20 -I csrc -o "${TMPDIR:-/tmp}/gdn_emu" benchmarks/gdn_emu.cpp && "${TMPDIR:-/tmp}/gdn_emu"
 set -euo pipefail
