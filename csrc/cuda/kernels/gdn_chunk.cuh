@@ -232,8 +232,8 @@ struct PrepSmem {
   double G[PREP_HEADS][C];      // per head, cumulative log decay
   float g[PREP_HEADS][C], beta[PREP_HEADS][C], eG[PREP_HEADS][C];  // per head: g, beta, exp(G) (0 past n)
   float rq[C], rk[C];                                               // norm factors
-  // per head j < nh: the offsets (floats) of its V at token t0 in qkv and of its workspace block; -1
-  // for j >= nh (kept here, not in registers: phase 4 runs at ptxas' 128-register cap)
+  // per head j: the offsets (floats) of its V at token t0 in qkv (-1 for j >= nh: no such head) and of
+  // its workspace block (kept here, not in registers: phase 4 runs at ptxas' 128-register cap)
   int64_t v_off[PREP_HEADS], ws_off[PREP_HEADS];
 };
 // prep_kernel's grid is (num_chunks, Hk, prep_splits(Hk, Hv)): the CTAs of one key head's value heads
