@@ -26,10 +26,6 @@ from lily.checkpoint.tiny import tiny_checkpoint
 from lily.server import Server
 from test_server import COMPONENTS, Script, request_bodies
 
-# One worker runs the whole file in order (pytest-xdist's loadgroup): the last test checks the server
-# that the fuzzers before it have hammered.
-pytestmark = pytest.mark.xdist_group("server_fuzz")
-
 NAME = "tiny"
 STATUS = re.compile(rb"HTTP/1\.[01] (\d{3}) ")
 
