@@ -42,8 +42,9 @@ if [[ $stage == tests || $stage == all ]]; then
     echo "tests/gpu with $TEST_JOBS workers: rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_all.log")" | tee "$OUT/tests.log"
   else
     # one process per file: a crash in one file is reported as that file's result and the others still run
+    # (-n 0: no xdist workers, whatever pyproject's addopts say)
     for f in "$src"/tests/gpu/test_*.py; do
-      python3 -m pytest -q -p no:cacheprovider "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
+      python3 -m pytest -q -p no:cacheprovider -n 0 "$f" ${kexpr:+-k "$kexpr"} --tb=short -rfE 2>&1 \
         | grep -v "tensor/s" >"$OUT/tests_$(basename "$f" .py).log"
       echo "$(basename "$f"): rc ${PIPESTATUS[0]}: $(tail -1 "$OUT/tests_$(basename "$f" .py).log")"
     done | tee "$OUT/tests.log"

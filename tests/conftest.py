@@ -5,10 +5,29 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist (README's command runs `-n auto`, pyproject's addopts) each worker gets its share
+# of the cores for OpenMP (lily's CPU ops, torch) and BLAS, set before numpy, torch or lily load: two
+# workers with two spinning OpenMP threads each on 2 cores ran the suite slower than one process did.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _share)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # checks.py, hf_reference.py
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core this process may run on (taskset and cgroups' affinity count,
+    unlike os.cpu_count), at most 8 (each worker holds its own models, about 1 GiB)."""
+    return min(_cpus(), 8)
 
 
 def pytest_collection_modifyitems(config, items):
