@@ -524,7 +524,10 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   linear_tiles(shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
-  launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
+  if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
+    launch(moe_combine4_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
+  else
+    launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
   LILY_CUDA_LAUNCHED();
 }
 

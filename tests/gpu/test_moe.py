@@ -62,6 +62,7 @@ CASES = [
     (9, 4, 256, 128, 256, 4, 64, "BF16", 8),   # decode on gemv_mma: two groups a segment, wider shared expert
     (7, 3, 192, 64, 128, 8, 32, "BF16", 8),    # decode on gemv_mma, 8 bits, two groups a segment
     (6, 2, 128, 128, 64, 8, 64, "BF16", 8),    # decode on gemv_mma, 8 bits, narrower shared expert
+    (12, 10, 64, 32, 32, 4, 32, "BF16", 8),    # top_k > 8: prefill combines on the scalar kernel, not moe_combine4
 ]
 
 

@@ -246,4 +246,29 @@ __global__ void moe_combine_kernel(const MoeCombineParams p) {
   p.out[int64_t(t) * p.H + j] = s + p.down[(int64_t(p.T) * p.K + t) * p.H + j];
 }
 
+constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_kernel's loads in flight a thread: K + 1 float4s
+
+// moe_combine_kernel's sums, 4 columns a thread: out[t, 4c .. 4c+3] from float4 loads, every one of the
+// token's K + 1 rows requested before the first add (the scalar kernel's loop waits for each row in turn),
+// then added in the same order (0, k ascending, the shared row last), so the same bits. Grid (T,
+// ceil(H / 1024)), 256 threads; H % 4 == 0, down and out 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
+__global__ void moe_combine4_kernel(const MoeCombineParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (4 * c >= p.H) return;
+  float4 v[MOE_COMBINE4_MAX_K];
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K)
+      v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+  const float4 sh = reinterpret_cast<const float4*>(p.down + (int64_t(p.T) * p.K + t) * p.H)[c];
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K) s.x += v[k].x, s.y += v[k].y, s.z += v[k].z, s.w += v[k].w;
+  reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] =
+      make_float4(s.x + sh.x, s.y + sh.y, s.z + sh.z, s.w + sh.w);
+}
+
 }  // namespace lily::cuda
