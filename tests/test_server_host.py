@@ -197,6 +197,9 @@ def test_prefix_lookup_finds_the_longest_prefix(keys, ids, longer_than, max_entr
     assert (got.tokens if got is not None else None) == want
     got = cache.longest_prefix(ids, longer_than, array=np.asarray(ids, dtype=np.int32))  # the worker's form
     assert (got.tokens if got is not None else None) == want
+    assert cache.get(np.asarray(ids, dtype=np.int32)) is cache.get(ids)  # exact lookup, as an array too
+    for k in kept:
+        assert cache.get(np.asarray(k, dtype=np.int32)) is cache.get(k) is cache._entries[k]
 
 
 def test_prefix_hashes_and_a_collision(monkeypatch):
@@ -316,3 +319,4 @@ def test_a_follow_up_whose_history_changed_in_the_middle_reuses_nothing_stale():
     assert got is None or (len(got.tokens) <= shared and got.tokens == tuple(p2.ids[:len(got.tokens)]))
     assert all(len(k) > shared for k in cache._entries)  # every kept boundary lies after the edit
     assert got is None
+    assert all(cache.get(p2.array[:b]) is None for b in p2.boundaries)  # the worker's "lacks" check

@@ -73,10 +73,18 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def get(self, tokens: Sequence[int]) -> SnapshotLike | None:
-        """The entry of exactly these tokens (not marked as used), or None."""
+    def get(self, tokens: Sequence[int] | np.ndarray) -> SnapshotLike | None:
+        """The entry of exactly these tokens (not marked as used), or None. An integer array is compared
+        with the entries' arrays of its length (~10 us for 7,000 ids) instead of being made a tuple and
+        hashed (~75 us)."""
         with self._lock:
-            return self._entries.get(tuple(tokens))
+            if not isinstance(tokens, np.ndarray):
+                return self._entries.get(tuple(tokens))
+            n = len(tokens)
+            for key, array in self._arrays.items():
+                if len(array) == n and np.array_equal(array, tokens):
+                    return self._entries[key]
+            return None
 
     def longest_prefix(self, ids: Sequence[int], longer_than: int = 0, accept=None, *,
                        array: np.ndarray | None = None) -> SnapshotLike | None:
