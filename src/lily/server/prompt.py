@@ -148,6 +148,8 @@ class SegmentEncoder:
         return self._split is not None and self._split(text, 1)[0] == "" and len(text) > 0
 
     def encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self.tokenizer.encode(text)
         return self.encode_array(text)[0]
 
     def encode_array(self, text: str) -> tuple[list[int], np.ndarray]:
