@@ -51,6 +51,9 @@ def test_pieces_encode_like_the_whole_text(text):
     assert SHARED.encode(text) == expected
     assert SHARED.encode(text) == expected  # now from the cache
     assert TINY.encode(text) == expected
+    for enc in (SHARED, TINY):  # the array joined from the pieces' arrays holds the same ids
+        ids, array = enc.encode_array(text)
+        assert ids == expected and array.dtype == np.int32 and array.tolist() == expected
 
 
 def message(draw, role: str) -> dict:
@@ -95,6 +98,7 @@ def test_chat_prompt_with_the_encoder_equals_the_one_shot_encoding(conv):
     for encoder in (SHARED, SHARED, TINY):
         got = chat_prompt(TOK, msgs, tools, kwargs, encoder=encoder)
         assert (got.ids, got.boundaries, got.thinking) == (want.ids, want.boundaries, want.thinking)
+        assert got.array.dtype == np.int32 and got.array.tolist() == want.ids  # joined from the pieces
     assert want.ids == TOK.encode(TOK.apply_chat_template(msgs, tools=tools, **kwargs))
 
 
@@ -191,6 +195,11 @@ def test_prefix_lookup_finds_the_longest_prefix(keys, ids, longer_than, max_entr
     got = cache.longest_prefix(ids, longer_than)
     want = brute_force(kept, ids, longer_than)
     assert (got.tokens if got is not None else None) == want
+    got = cache.longest_prefix(ids, longer_than, array=np.asarray(ids, dtype=np.int32))  # the worker's form
+    assert (got.tokens if got is not None else None) == want
+    assert cache.get(np.asarray(ids, dtype=np.int32)) is cache.get(ids)  # exact lookup, as an array too
+    for k in kept:
+        assert cache.get(np.asarray(k, dtype=np.int32)) is cache.get(k) is cache._entries[k]
 
 
 def test_prefix_hashes_and_a_collision(monkeypatch):
@@ -279,11 +288,35 @@ def test_the_boundary_of_a_chat_costs_no_second_encoding(monkeypatch):
             {"role": "user", "content": "And then?"}]
     chat_prompt(TOK, msgs[:1], None, {}, 16384, enc)  # the generation prompt's suffix is known from here on
     encoded: list[int] = []
-    real = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda text: encoded.append(len(text)) or real(text))
+    real = enc.encode_array  # encode() goes through it too
+    monkeypatch.setattr(enc, "encode_array", lambda text: encoded.append(len(text)) or real(text))
     p = chat_prompt(TOK, msgs, None, {}, 16384, enc)
     monkeypatch.undo()
     text = TOK.apply_chat_template(msgs)
     assert encoded[0] == len(text) and all(n < 40 for n in encoded[1:])  # then only the generation prompt
     assert p.boundaries == (len(TOK.encode(TOK.apply_chat_template(msgs, add_generation_prompt=False))),)
     assert p.ids == TOK.encode(text)
+
+
+def test_a_follow_up_whose_history_changed_in_the_middle_reuses_nothing_stale():
+    """The caches keyed by text (the encoder's pieces) and by tokens (the prefix snapshots, compared as
+    arrays) must not hand a conversation whose middle message changed the ids or the snapshot of the old
+    one: only what is still a prefix."""
+    enc = SegmentEncoder(TOK)
+    first = [{"role": "user", "content": "Read this. " + "lorem ipsum dolor " * 300},
+             {"role": "assistant", "content": "Understood."}, {"role": "user", "content": "Now the second part."}]
+    p1 = chat_prompt(TOK, first, None, {}, 16384, enc)
+    cache = PrefixCache(10**9)
+    for b in p1.boundaries + (len(p1.ids) - 1,):
+        cache.add(Snap(p1.ids[:b]))
+    edited = [first[0], {"role": "assistant", "content": "Understood!"}, first[2],
+              {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And now?"}]
+    p2 = chat_prompt(TOK, edited, None, {}, 16384, enc)
+    want = chat_prompt(TOK, edited, None, {})
+    assert p2.ids == want.ids and p2.array.tolist() == want.ids and p2.boundaries == want.boundaries
+    shared = next(i for i, (a, b) in enumerate(zip(p1.ids, p2.ids)) if a != b)  # inside the edited answer
+    got = cache.longest_prefix(p2.ids, array=p2.array)
+    assert got is None or (len(got.tokens) <= shared and got.tokens == tuple(p2.ids[:len(got.tokens)]))
+    assert all(len(k) > shared for k in cache._entries)  # every kept boundary lies after the edit
+    assert got is None
+    assert all(cache.get(p2.array[:b]) is None for b in p2.boundaries)  # the worker's "lacks" check

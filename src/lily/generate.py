@@ -270,12 +270,13 @@ def resume(session: "Session", ids: list[int], spans: Sequence = ()) -> int:
 
 def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "Tokenizer | None",
         stop_ids: frozenset[int], result: Generation, boundary: int | None = None,
-        guide: "Guide | None" = None, images: Sequence = ()) -> Iterator[GenerationEvent]:
+        guide: "Guide | None" = None, images: Sequence = (), array: np.ndarray | None = None) -> Iterator[GenerationEvent]:
     """Generate on ``session`` after prompt ``ids`` [T] and yield one event per token; fills
     ``result`` as it goes. ``boundary``: a prompt length (e.g. the end of the last complete message)
     at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it.
     ``guide``: a constraint's matcher (lily.constraints); its mask is applied before every sample.
-    ``images``: lily.images.PreparedImage, one per run of image tokens in ``ids``, in order."""
+    ``images``: lily.images.PreparedImage, one per run of image tokens in ``ids``, in order.
+    ``array``: ``ids`` as an int32 array (the caller's copy, used as is), when there is one."""
     from .multimodal import image_spans, safe_cut, split_at
 
     model = session.model
@@ -285,7 +286,8 @@ def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "
     try:
         t0 = time.perf_counter()
         cached = start = resume(session, ids, spans)
-        array = np.asarray(ids, dtype=np.int32)  # once: the parts below are views of it
+        if array is None:
+            array = np.asarray(ids, dtype=np.int32)  # once: the parts below are views of it
         if boundary is not None:
             boundary = safe_cut(spans, boundary)
         if boundary is not None and cached < boundary < len(ids):

@@ -295,7 +295,10 @@ class Model:
             results = self._generate_each(prepared, params, session, tools, progress, wanted)
             return results if stream else list(results)
         ids, boundary, thinking, pictures = prepare(self, prompt, template, images)
-        out = self._start(session, ids, params, boundary, thinking, tools, wanted, pictures)
+        # An integer array prompt (the server's) is already the engine's input: run copies it (~2 us)
+        # instead of converting the id list back (~0.1 ms for 7,000 ids). With images, ids have grown.
+        array = np.array(prompt, dtype=np.int32) if isinstance(prompt, np.ndarray) and not pictures else None
+        out = self._start(session, ids, params, boundary, thinking, tools, wanted, pictures, array)
         return out if stream else out.result()
 
     def chat(self, messages: Sequence[Mapping], params: SamplingParams | None = None, **kwargs):
@@ -345,7 +348,8 @@ class Model:
                             f"(leave max_tokens out to generate until the context is full)")
 
     def _start(self, session: Session, ids: list[int], params: SamplingParams, boundary: int | None,
-               thinking: bool, tools=None, constraint: Constraint | None = None, images=()) -> GenerationStream:
+               thinking: bool, tools=None, constraint: Constraint | None = None, images=(),
+               array: np.ndarray | None = None) -> GenerationStream:
         check_prompt(ids, session)
         self._check_max_tokens(ids, params, session)
         if params.max_tokens is None:
@@ -360,7 +364,8 @@ class Model:
                 raise LilyError("structured output needs the checkpoint's tokenizer (tokenizer.json)")
             guide = constraints.Guide(self, constraint, thinking)
         result = Generation(text="", thinking=thinking, tools=list(tools) if tools else None)
-        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary, guide, images), result)
+        return GenerationStream(run(session, ids, params, tokenizer, stop_ids, result, boundary, guide, images, array),
+                                result)
 
     def __repr__(self) -> str:
         c = self.config

@@ -8,7 +8,9 @@ Where the boundaries are is decided in ``prompt.py``.
 
 A lookup costs one pass over the prompt plus one step per entry, not a comparison of the prompt
 with every entry: each entry keeps a hash of its tokens, and the prompt's prefix hashes (all of
-them, one numpy pass) pick the candidates; only the longest matching one is compared in full.
+them, one numpy pass) pick the candidates; only the longest matching one is compared in full, as
+arrays (each entry keeps its tokens as one, made when it is added): no Python object per token is
+touched on a request's way to the engine.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class PrefixCache:
         self.budget_bytes, self.max_entries = int(budget_bytes), int(max_entries)
         self._entries: OrderedDict[tuple[int, ...], SnapshotLike] = OrderedDict()
         self._hashes: dict[tuple[int, ...], int] = {}  # prefix_hashes(key)[-1] of each entry
+        self._arrays: dict[tuple[int, ...], np.ndarray] = {}  # each entry's tokens as an integer array
         self._nbytes = 0
         self._lock = threading.Lock()  # the worker thread writes; /health reads
         self.hits = self.misses = self.evictions = 0
@@ -70,28 +73,39 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def get(self, tokens: Sequence[int]) -> SnapshotLike | None:
-        """The entry of exactly these tokens (not marked as used), or None."""
+    def get(self, tokens: Sequence[int] | np.ndarray) -> SnapshotLike | None:
+        """The entry of exactly these tokens (not marked as used), or None. An integer array is compared
+        with the entries' arrays of its length (~10 us for 7,000 ids) instead of being made a tuple and
+        hashed (~75 us)."""
         with self._lock:
-            return self._entries.get(tuple(tokens))
+            if not isinstance(tokens, np.ndarray):
+                return self._entries.get(tuple(tokens))
+            n = len(tokens)
+            for key, array in self._arrays.items():
+                if len(array) == n and np.array_equal(array, tokens):
+                    return self._entries[key]
+            return None
 
     def longest_prefix(self, ids: Sequence[int], longer_than: int = 0, accept=None, *,
                        array: np.ndarray | None = None) -> SnapshotLike | None:
         """The snapshot of the longest proper prefix of ``ids`` (at least one id is left to run) with
         more than ``longer_than`` tokens and, when given, ``accept(snapshot)`` true (e.g. the same
         images behind its image tokens), marked as recently used; None when there is none.
-        ``array``: the same ids as an integer array, when the caller has one (the hashes are computed
-        from it without converting the list again)."""
-        ids = tuple(ids)
+        ``array``: the same ids as an integer array, when the caller has one (the hashes and the
+        comparison use it; without it the ids are converted once)."""
+        if array is None:
+            array = np.asarray(ids, dtype=np.int64)
+        size = len(array)
         best: tuple[int, ...] | None = None
         with self._lock:
-            fits = [(len(k), h, k) for k, h in self._hashes.items() if longer_than < len(k) < len(ids)]
+            fits = [(len(k), h, k) for k, h in self._hashes.items() if longer_than < len(k) < size]
             if fits:
                 longest = max(f[0] for f in fits)  # no hash beyond the longest candidate is needed
-                hashes = prefix_hashes(ids[:longest] if array is None else array[:longest])
+                hashes = prefix_hashes(array[:longest])
                 for n, h, key in sorted(fits, key=lambda f: f[0], reverse=True):
-                    # the hash picks, the comparison decides
-                    if int(hashes[n]) == h and ids[:n] == key and (accept is None or accept(self._entries[key])):
+                    # the hash picks, the comparison (of arrays: ~5 us for 7,000 ids, not ~0.1 ms) decides
+                    if int(hashes[n]) == h and np.array_equal(array[:n], self._arrays[key]) \
+                            and (accept is None or accept(self._entries[key])):
                         best = key
                         break
             if best is None:
@@ -109,15 +123,18 @@ class PrefixCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._nbytes -= int(old.nbytes)
-                del self._hashes[key]
+                del self._hashes[key], self._arrays[key]
             if size > self.budget_bytes or self.max_entries == 0:
                 return False
             self._entries[key] = snapshot
-            self._hashes[key] = int(prefix_hashes(key)[-1])
+            array = np.asarray(key, dtype=np.int64)
+            if array.size and 0 <= array.min() and array.max() < 2**31:
+                array = array.astype(np.int32)  # token ids: half the memory
+            self._hashes[key], self._arrays[key] = int(prefix_hashes(array)[-1]), array
             self._nbytes += size
             while self._nbytes > self.budget_bytes or len(self._entries) > self.max_entries:
                 dropped_key, dropped = self._entries.popitem(last=False)
-                del self._hashes[dropped_key]
+                del self._hashes[dropped_key], self._arrays[dropped_key]
                 self._nbytes -= int(dropped.nbytes)
                 self.evictions += 1
             return True
@@ -126,6 +143,7 @@ class PrefixCache:
         with self._lock:
             self._entries.clear()
             self._hashes.clear()
+            self._arrays.clear()
             self._nbytes = 0
 
     def stats(self) -> dict:

@@ -276,7 +276,7 @@ class Worker:
                 cuts.append(b)
                 pos = b
         deferred = None
-        if cuts and self.cache.budget_bytes and any(self._lacks(ids[:b], spans) for b in cuts):
+        if cuts and self.cache.budget_bytes and any(self._lacks(job.prompt.array[:b], spans) for b in cuts):
             if (cached == 0 or start is not None) and cuts[-1] - cached <= self.defer_max_tokens:
                 deferred = Deferred(start, cached, tuple(cuts), ids, images, spans)
             else:  # a long prompt, or no saved copy of the starting state to go back to: split it now
@@ -287,7 +287,7 @@ class Worker:
                                      constraint=constraint, images=images or None)
         return stream, cached, time.perf_counter() - t0, deferred
 
-    def _lacks(self, prefix: list[int], spans) -> bool:
+    def _lacks(self, prefix: np.ndarray, spans) -> bool:
         """Whether the cache has no snapshot of ``prefix`` with the prompt's images in it."""
         kept = self.cache.get(prefix)
         return kept is None or getattr(kept, "images", ()) != tuple(s for s in spans if s[0] < len(prefix))
