@@ -7,11 +7,11 @@ instruction counts by class, tagged by what they hold (IMMA: a segment; LDG.128:
 the end of a pass). Counts are static (instructions in the block), i.e. per warp per execution of the block.
 
   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -O3 -DLILY_WITH_CUDA \
-       -I csrc -cubin -o /tmp/linear.cubin csrc/cuda/linear.cu
-  python3 benchmarks/gemv_sass_budget.py /tmp/linear.cubin [mangled kernel name]
+       -I csrc -cubin -o linear.cubin csrc/cuda/linear.cu
+  python3 benchmarks/gemv_sass_budget.py linear.cubin [mangled kernel name]
 
-cuobjdump comes from PATH or CUOBJDUMP (CUDA 13 wheels: pip install --target /tmp/nvtools
-nvidia-cuda-cuobjdump; the binary is then /tmp/nvtools/nvidia/cu13/bin/cuobjdump).
+cuobjdump comes from CUOBJDUMP or PATH (where the CUDA install lacks it, PyPI's nvidia-cuda-cuobjdump
+wheel has it under nvidia/cu13/bin/ of the folder it is installed to).
 """
 import os
 import re
@@ -45,7 +45,9 @@ def cls(op):
 
 
 def sass(cubin, kernel):
-    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump") or "/tmp/nvtools/nvidia/cu13/bin/cuobjdump"
+    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if not tool:
+        sys.exit("gemv_sass_budget: no cuobjdump on PATH; set CUOBJDUMP to its path")
     text = subprocess.run([tool, "-sass", "-fun", kernel, cubin], check=True, capture_output=True, text=True).stdout
     ins = []
     for line in text.splitlines():
@@ -66,7 +68,9 @@ def target(text):
 
 
 def main():
-    cubin = sys.argv[1] if len(sys.argv) > 1 else "/tmp/linear.cubin"
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    cubin = sys.argv[1]
     kernel = sys.argv[2] if len(sys.argv) > 2 else DEFAULT_KERNEL
     ins = sass(cubin, kernel)
     # the main loop: the backward branch whose span holds the most IMMA (the shortest such span: a

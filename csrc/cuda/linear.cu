@@ -582,9 +582,11 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   (void)configured;
   CUtensorMap mx, mw, mu;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "linear", "X");
-  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "linear", "W");
+  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "linear",
+                   "W");
   if (GATED)
-    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "linear", "up");
+    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "linear",
+                     "up");
   else mu = mw;
   const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
   launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);

@@ -270,7 +270,8 @@ def resume(session: "Session", ids: list[int], spans: Sequence = ()) -> int:
 
 def run(session: "Session", ids: list[int], params: SamplingParams, tokenizer: "Tokenizer | None",
         stop_ids: frozenset[int], result: Generation, boundary: int | None = None,
-        guide: "Guide | None" = None, images: Sequence = (), array: np.ndarray | None = None) -> Iterator[GenerationEvent]:
+        guide: "Guide | None" = None, images: Sequence = (),
+        array: np.ndarray | None = None) -> Iterator[GenerationEvent]:
     """Generate on ``session`` after prompt ``ids`` [T] and yield one event per token; fills
     ``result`` as it goes. ``boundary``: a prompt length (e.g. the end of the last complete message)
     at which to keep a snapshot, so that a later prompt sharing that prefix resumes from it.
