@@ -122,7 +122,7 @@ static void tile_acc(const std::vector<uint32_t>& w, const std::vector<uint16_t>
         const MmaLane<BITS, NG> L(lane);
         mma_a_frag<BITS>(wl[lane][0], wl[lane][1], m, a[lane]);
         const int k = BITS == 4 ? (m & 1) : 0;
-        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), seg, L.t, k, L.b_digit)
+        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), L.xd_word, seg, k)
                                : make_uint4(0u, 0u, 0u, 0u);
         const uint2 v = mma_b_frag<BITS>(q, m);
         b[lane][0] = v.x, b[lane][1] = v.y;

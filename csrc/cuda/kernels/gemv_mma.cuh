@@ -71,16 +71,16 @@ struct MmaRowRef {
   const uint16_t* b;
 };
 
-// Row `row` of an affine matrix with `wpr` 32-bit words and `gpr` groups per row, at segment 0, and the
-// same row at segment seg (group_shift = log2 of the group size).
+// Row `row` of an affine matrix with `wpr` 32-bit words and `gpr` groups per row, at segment 0 (w: lane
+// t's 16 bytes of it), and the same row at segment seg (group_shift = log2 of the group size).
 __device__ __forceinline__ MmaRowRef mma_affine_row(const uint32_t* w, const uint16_t* s, const uint16_t* b,
-                                                    int64_t row, int wpr, int gpr) {
-  return {reinterpret_cast<const uint4*>(w + row * wpr), s + row * gpr, b + row * gpr};
+                                                    int64_t row, int wpr, int gpr, int t) {
+  return {reinterpret_cast<const uint4*>(w + row * wpr) + t, s + row * gpr, b + row * gpr};
 }
 template <int BITS>
 __device__ __forceinline__ MmaRowRef mma_affine_at(const MmaRowRef& r, int seg, int group_shift) {
-  const int g = (seg * MmaSeg<BITS>::VALS) >> group_shift;
-  return {r.w + seg * 4, r.s + g, r.b + g};
+  const uint32_t g = uint32_t(seg * MmaSeg<BITS>::VALS) >> group_shift;
+  return {r.w + uint32_t(seg * 4), r.s + g, r.b + g};
 }
 
 // One unit of a lane's loads: per segment, 16 bytes of rows g and g + 8 and their scale/bias bits
@@ -123,15 +123,23 @@ __host__ __device__ __forceinline__ void mma_xd_store(uint32_t* xw, int o, int d
 }
 
 // The 16-byte digit pair that lane t's mmas 2k, 2k+1 (4 bits) or both mmas (8 bits, k = 0) of segment seg
-// read: octets mma_pair_octet, +1 of the segment, digit d.
+// read: octets mma_pair_octet, +1 of the segment, digit d. Its word offset is the lane's constant
+// mma_xd_lane_word(t, d) (MmaLane::xd_word) plus MMA_XD_SEG_WORDS per segment and 12 per k (the pairs of
+// a segment are consecutive), so a lane's digit loads take one address add per segment.
 template <int BITS>
 __host__ __device__ constexpr int mma_pair_octet(int t, int k) {
   return BITS == 4 ? 4 * t + 2 * k : 2 * t;
 }
 template <int BITS>
-__host__ __device__ __forceinline__ uint4 mma_xd_pair(const uint32_t* xw, int seg, int t, int k, int d) {
-  const int pair = seg * (MmaSeg<BITS>::OCTETS / 2) + (mma_pair_octet<BITS>(t, k) >> 1);
-  return *reinterpret_cast<const uint4*>(xw + 4 * (3 * pair + d));
+constexpr int MMA_XD_SEG_WORDS = 4 * 3 * (MmaSeg<BITS>::OCTETS / 2);
+template <int BITS>
+__host__ __device__ constexpr int mma_xd_lane_word(int t, int d) {
+  return 4 * (3 * (mma_pair_octet<BITS>(t, 0) >> 1) + d);
+}
+template <int BITS>
+__host__ __device__ __forceinline__ uint4 mma_xd_pair(const uint32_t* xw, int lane_word, int seg, int k) {
+  static_assert(BITS == 8 || mma_pair_octet<BITS>(0, 1) / 2 == 1, "a segment's pairs are consecutive");
+  return *reinterpret_cast<const uint4*>(xw + lane_word + seg * MMA_XD_SEG_WORDS<BITS> + 12 * k);
 }
 
 // The B registers of mma m from its digit pair q (mma_xd_pair).
@@ -299,6 +307,7 @@ struct MmaLane {
   int g, t;
   bool b_ok;       // this lane's B is a digit (else zero)
   int b_digit;     // which
+  int xd_word;     // its digit pairs' word offset in segment 0 (mma_xd_pair)
   int h[2];        // the column's half
   uint32_t sel[2];  // byte_perm selector moving the half's BF16 into the high half of a word
   float dpow[2];    // the column's digit weight, 0 for no column
@@ -306,6 +315,7 @@ struct MmaLane {
   __host__ __device__ MmaLane(int lane) : g(lane >> 2), t(lane & 3) {
     b_ok = NG == 2 ? g / 3 == t / 2 && g < 6 : g < 3;
     b_digit = g % 3;
+    xd_word = mma_xd_lane_word<BITS>(t, b_digit);
     const float unit = BITS == 4 ? 1.f / 16.f : 1.f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -360,7 +370,7 @@ __device__ __forceinline__ void mma_segment(const MmaLane<BITS, NG>& L, const Mm
   uint4 q[BITS == 4 ? 2 : 1];  // the lane's digit pairs (zero for lanes without a digit column)
 #pragma unroll
   for (int k = 0; k < (BITS == 4 ? 2 : 1); ++k)
-    q[k] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), seg, L.t, k, L.b_digit)
+    q[k] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), L.xd_word, seg, k)
                   : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int m = 0; m < S::MMAS; ++m) {
@@ -384,14 +394,14 @@ struct MmaSegmentOp {
   }
 };
 
-// Loads a segment of the lane's rows g (r0) and g + 8 (r1) into unit slot i.
+// Loads a segment of the lane's rows g (r0) and g + 8 (r1) into unit slot i (r.w: the lane's 16 bytes).
 template <int NG>
-__device__ __forceinline__ void mma_load(MmaStage& st, int i, const MmaRowRef& r0, const MmaRowRef& r1, int t) {
+__device__ __forceinline__ void mma_load(MmaStage& st, int i, const MmaRowRef& r0, const MmaRowRef& r1) {
   const MmaRowRef* ref[2] = {&r0, &r1};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const MmaRowRef& R = *ref[r];
-    st.w[i][r] = ld_stream(R.w + t);
+    st.w[i][r] = ld_stream(R.w);
     if constexpr (NG == 2) {
       st.s[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.s));
       st.b[i][r] = __ldg(reinterpret_cast<const unsigned*>(R.b));
@@ -423,8 +433,8 @@ struct MmaTokens {
 // CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
 // synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
 // memory latency.
-// Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
-// row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end); with
+// Rows: `Ref base(int tile, int r, int t)` for tile < tiles and any r < 16 (rows past the end clamped to a
+// real row), `MmaRowRef at(const Ref&, int seg)` (w: lane t's 16 bytes of the segment), `finish(tile, r, row_sum)` (skips rows past the end); with
 // NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.
 // NT > 1 (tok.n tokens): Segment::run takes acc[NT][2] and tok; each token's sums take the one-token
 // order (quad xor shuffles, K-parts ascending), so a token's row equals the NT = 1 body's bit for bit.
@@ -448,14 +458,14 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   typename Rows::Ref ref0, ref1;
   auto resolve = [&](int pass) {
     const int tile = min(pass * sp.rt + tl, tiles - 1);
-    ref0 = rows.base(tile, L.g), ref1 = rows.base(tile, L.g + 8);
+    ref0 = rows.base(tile, L.g, L.t), ref1 = rows.base(tile, L.g + 8, L.t);
   };
   auto load = [&](MmaStage& st, int) {
     const int first = seg0 + lu * MMA_SPU;
 #pragma unroll
     for (int i = 0; i < MMA_SPU; ++i) {
       const int seg = min(first + i, seg_last);
-      mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg), L.t);
+      mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg));
     }
     if (++lu < sp.upp) return;
     lu = 0, lpass += int(gridDim.x);
@@ -463,14 +473,20 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   };
   // computes: pass cpass, unit cu; pass sums double-buffered in red by pass parity
   int cpass = int(blockIdx.x), cu = 0, parity = 0;
+  auto segment = [&](const MmaStage& st, int i, int seg) {
+    if constexpr (NT == 1) Segment::run(L, st, i, seg, xd, xe, xsum, acc[0]);
+    else Segment::run(L, st, i, seg, xd, xe, xsum, acc, tok);
+  };
   auto compute = [&](const MmaStage& st, int) {
     const int first = seg0 + cu * MMA_SPU;
+    if (first + MMA_SPU <= seg1) {  // warp-uniform: a whole unit in one block, its segments' chains interleaved
 #pragma unroll
-    for (int i = 0; i < MMA_SPU; ++i)
-      if (first + i < seg1) {  // warp-uniform
-        if constexpr (NT == 1) Segment::run(L, st, i, first + i, xd, xe, xsum, acc[0]);
-        else Segment::run(L, st, i, first + i, xd, xe, xsum, acc, tok);
-      }
+      for (int i = 0; i < MMA_SPU; ++i) segment(st, i, first + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < MMA_SPU; ++i)
+        if (first + i < seg1) segment(st, i, first + i);  // warp-uniform
+    }
     if (++cu < sp.upp) return;
     // end of a pass: quad sum, then the tile's K-parts in ascending order
 #pragma unroll
@@ -542,9 +558,12 @@ struct MmaLinearRows {
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
   bool accumulate;    // y[o] += the row's sum (else y[o] = it)
+  // The row's addresses by 32-bit index products (one IMAD.WIDE.U32 per array and row; the launcher keeps
+  // the weights under 2^32 words: gemv_mma_matrix).
   using Ref = MmaRowRef;
-  __device__ __forceinline__ Ref base(int tile, int r) const {
-    return mma_affine_row(w, s, b, min(tile * 16 + r, rows - 1), wpr, gpr);
+  __device__ __forceinline__ Ref base(int tile, int r, int t) const {
+    const uint32_t row = uint32_t(min(tile * 16 + r, rows - 1)), gi = row * uint32_t(gpr);
+    return {reinterpret_cast<const uint4*>(w) + (row * uint32_t(wpr / 4) + uint32_t(t)), s + gi, b + gi};
   }
   __device__ __forceinline__ MmaRowRef at(const Ref& ref, int seg) const {
     return mma_affine_at<BITS>(ref, seg, group_shift);

@@ -68,7 +68,7 @@ __device__ __forceinline__ void mma_segment_tokens(const MmaLane<BITS, NG>& L, c
     uint4 q[PAIRS];
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p)
-      q[p] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(v.xd), seg, L.t, p, L.b_digit)
+      q[p] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(v.xd), L.xd_word, seg, p)
                     : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int m = 0; m < S::MMAS; ++m) {

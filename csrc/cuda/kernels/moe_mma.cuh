@@ -37,8 +37,8 @@ struct MoeMmaParams {
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
 template <int BITS>
-__device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t row, int group_shift) {
-  return mma_affine_row(m.w, m.scales, m.biases, row, m.cols * BITS / 32, m.cols >> group_shift);
+__device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t row, int group_shift, int t = 0) {
+  return mma_affine_row(m.w, m.scales, m.biases, row, m.cols * BITS / 32, m.cols >> group_shift, t);
 }
 
 template <int BITS>
@@ -54,13 +54,13 @@ struct MmaMoeUpRows {
     i = pair < KI ? pair - s * p.gate.rows : pair - KI;
   }
   using Ref = MmaRowRef;
-  __device__ __forceinline__ Ref base(int tile, int r) const {
+  __device__ __forceinline__ Ref base(int tile, int r, int t) const {
     const int pair = min(tile * 8 + (r & 7), total() - 1);
     int s, i;
     slot_of(pair, s, i);
     const bool sh = s == p.K;
     const AffineStack& m = r < 8 ? (sh ? p.shared_gate : p.gate) : (sh ? p.shared_up : p.up);
-    return mma_stack_row<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, p.group_shift);
+    return mma_stack_row<BITS>(m, sh ? int64_t(i) : int64_t(ids[s]) * p.gate.rows + i, p.group_shift, t);
   }
   __device__ __forceinline__ MmaRowRef at(const Ref& ref, int seg) const {
     return mma_affine_at<BITS>(ref, seg, p.group_shift);
@@ -88,13 +88,13 @@ struct MmaMoeDownRows {
   const MmaMoeSlots& slots;  // shared memory
   int t;
   uint32_t sr_magic;  // ceil(2^32 / sr): floor(v / sr) = umulhi(v, sr_magic) for v < 2^16 (sr > 1)
-  struct Ref {  // an output row's offsets in an expert's and in the shared expert's matrix
+  struct Ref {  // an output row's offsets in an expert's and in the shared expert's matrix (w: lane t's)
     int64_t w4e, ge, w4s, gs;  // in uint4 (16 bytes) and in groups
   };
-  __device__ __forceinline__ Ref base(int tile, int r) const {
+  __device__ __forceinline__ Ref base(int tile, int r, int t) const {
     const int64_t o = min(tile * 16 + r, p.down.rows - 1);
-    return {o * (p.down.cols * BITS / 128), o * (p.down.cols >> p.group_shift),
-            o * (p.shared_down.cols * BITS / 128), o * (p.shared_down.cols >> p.group_shift)};
+    return {o * (p.down.cols * BITS / 128) + t, o * (p.down.cols >> p.group_shift),
+            o * (p.shared_down.cols * BITS / 128) + t, o * (p.shared_down.cols >> p.group_shift)};
   }
   // virtual segment v: slot s = v / sr (the shared expert past K * sr), segment v - s * sr of its row
   __device__ __forceinline__ MmaRowRef at(const Ref& ref, int v) const {
