@@ -100,6 +100,7 @@ static void tile_acc(const std::vector<uint32_t>& w, const std::vector<uint16_t>
   using S = MmaSeg<BITS>;
   const int wpr = K * BITS / 32, gpr = K / group, Sg = K / S::VALS;
   for (auto& a : acc) a[0] = a[1] = 0.f;
+  alignas(16) uint32_t xz[MMA_XD_ZERO_WORDS] = {};  // mma_gemv_body's zero block
   for (int seg = 0; seg < Sg; ++seg) {
     uint4 wl[32][2];
     uint32_t sbits[32][2], bbits[32][2];
@@ -119,11 +120,11 @@ static void tile_acc(const std::vector<uint32_t>& w, const std::vector<uint16_t>
       uint32_t a[32][4], b[32][2];
       int c[32][4];
       for (int lane = 0; lane < 32; ++lane) {
-        const MmaLane<BITS, NG> L(lane);
+        MmaLane<BITS, NG> L(lane);
+        L.xz = xz;
         mma_a_frag<BITS>(wl[lane][0], wl[lane][1], m, a[lane]);
         const int k = BITS == 4 ? (m & 1) : 0;
-        const uint4 q = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), L.xd_word, seg, k)
-                               : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 q = mma_xd_pair<BITS>(mma_xd_lane(L, reinterpret_cast<const uint32_t*>(xd)), seg, k);
         const uint2 v = mma_b_frag<BITS>(q, m);
         b[lane][0] = v.x, b[lane][1] = v.y;
         for (int e = 0; e < 4; ++e) c[lane][e] = cs[lane][mma_acc_of<BITS>(m)][e];

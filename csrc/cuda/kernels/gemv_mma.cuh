@@ -136,10 +136,17 @@ template <int BITS>
 __host__ __device__ constexpr int mma_xd_lane_word(int t, int d) {
   return 4 * (3 * (mma_pair_octet<BITS>(t, 0) >> 1) + d);
 }
+// Where a lane reads its digit pairs: words q + seg * step + 12 k. A lane without a digit column (MmaLane::
+// b_ok false) reads a zero block of MMA_XD_ZERO_WORDS words instead (step 0), so the loads are unpredicated.
+constexpr int MMA_XD_ZERO_WORDS = 16;  // k = 0, 1: words [0, 4) and [12, 16)
+struct MmaXdLane {
+  const uint32_t* q;
+  int step;
+};
 template <int BITS>
-__host__ __device__ __forceinline__ uint4 mma_xd_pair(const uint32_t* xw, int lane_word, int seg, int k) {
+__host__ __device__ __forceinline__ uint4 mma_xd_pair(const MmaXdLane& x, int seg, int k) {
   static_assert(BITS == 8 || mma_pair_octet<BITS>(0, 1) / 2 == 1, "a segment's pairs are consecutive");
-  return *reinterpret_cast<const uint4*>(xw + lane_word + seg * MMA_XD_SEG_WORDS<BITS> + 12 * k);
+  return *reinterpret_cast<const uint4*>(x.q + seg * x.step + 12 * k);
 }
 
 // The B registers of mma m from its digit pair q (mma_xd_pair).
@@ -307,7 +314,8 @@ struct MmaLane {
   int g, t;
   bool b_ok;       // this lane's B is a digit (else zero)
   int b_digit;     // which
-  int xd_word;     // its digit pairs' word offset in segment 0 (mma_xd_pair)
+  int xd_word;     // its digit pairs' word offset in segment 0 (mma_xd_lane)
+  const uint32_t* xz = nullptr;  // a zero block of MMA_XD_ZERO_WORDS words that lanes without a digit read
   int h[2];        // the column's half
   uint32_t sel[2];  // byte_perm selector moving the half's BF16 into the high half of a word
   float dpow[2];    // the column's digit weight, 0 for no column
@@ -328,6 +336,12 @@ struct MmaLane {
     }
   }
 };
+
+// The lane's digit pairs in the staged digits xw (mma_xd_pair): its own, or the zero block.
+template <int BITS, int NG>
+__host__ __device__ __forceinline__ MmaXdLane mma_xd_lane(const MmaLane<BITS, NG>& L, const uint32_t* xw) {
+  return L.b_ok ? MmaXdLane{xw + L.xd_word, MMA_XD_SEG_WORDS<BITS>} : MmaXdLane{L.xz, 0};
+}
 
 // The BF16 that byte_perm selector sel (MmaLane::sel) picks from w, as a float.
 __host__ __device__ __forceinline__ float bf16_half_to_f32(uint32_t w, uint32_t sel) {
@@ -367,11 +381,10 @@ __device__ __forceinline__ void mma_segment(const MmaLane<BITS, NG>& L, const Mm
   using S = MmaSeg<BITS>;
   constexpr int ACCS = BITS == 4 ? 2 : 1;
   int cs[ACCS][4] = {};
+  const MmaXdLane xl = mma_xd_lane(L, reinterpret_cast<const uint32_t*>(xd));
   uint4 q[BITS == 4 ? 2 : 1];  // the lane's digit pairs (zero for lanes without a digit column)
 #pragma unroll
-  for (int k = 0; k < (BITS == 4 ? 2 : 1); ++k)
-    q[k] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(xd), L.xd_word, seg, k)
-                  : make_uint4(0u, 0u, 0u, 0u);
+  for (int k = 0; k < (BITS == 4 ? 2 : 1); ++k) q[k] = mma_xd_pair<BITS>(xl, seg, k);
 #pragma unroll
   for (int m = 0; m < S::MMAS; ++m) {
     uint32_t a[4];
@@ -444,13 +457,15 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
                                               const float* xe, const float* xsum, const Before& before,
                                               const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0}) {
   __shared__ float red[2][MMA_WARPS][NT * 16];
+  __shared__ __align__(16) uint32_t xz[MMA_XD_ZERO_WORDS];  // zeroed before after()'s barrier
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
   const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
   const int passes = (tiles + sp.rt - 1) / sp.rt;
   const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
   const int units = max(my_passes, 0) * sp.upp;
-  const MmaLane<BITS, NG> L(lane);
+  MmaLane<BITS, NG> L(lane);
+  L.xz = xz;
   float acc[NT][2] = {};
 
   // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
@@ -537,6 +552,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
     load(a, 0);
   }
   if (units > 1) load(b, 1);
+  if (threadIdx.x < MMA_XD_ZERO_WORDS) xz[threadIdx.x] = 0u;
   after();
   for (int j = 0; j < units; j += 2) {
     compute(a, j);

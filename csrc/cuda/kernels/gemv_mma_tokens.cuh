@@ -65,11 +65,10 @@ __device__ __forceinline__ void mma_segment_tokens(const MmaLane<BITS, NG>& L, c
     if (k >= tok.n) break;  // uniform
     const MmaTokenX v = mma_token_x(xd, xe, xsum, tok, k);
     int cs[ACCS][4] = {};
+    const MmaXdLane xl = mma_xd_lane(L, reinterpret_cast<const uint32_t*>(v.xd));
     uint4 q[PAIRS];
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p)
-      q[p] = L.b_ok ? mma_xd_pair<BITS>(reinterpret_cast<const uint32_t*>(v.xd), L.xd_word, seg, p)
-                    : make_uint4(0u, 0u, 0u, 0u);
+    for (int p = 0; p < PAIRS; ++p) q[p] = mma_xd_pair<BITS>(xl, seg, p);
 #pragma unroll
     for (int m = 0; m < S::MMAS; ++m) {
       uint32_t a[4];  // the segment's A fragments, the same for every token
