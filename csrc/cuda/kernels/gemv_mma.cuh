@@ -330,7 +330,7 @@ struct MmaLane {
       const int n = 2 * t + j;
       const bool col = n < 3 * NG;
       h[j] = col ? n / 3 : NG - 1;
-      sel[j] = h[j] == 0 ? 0x1044u : 0x3244u;
+      sel[j] = 0x1044u + 0x2200u * uint32_t(h[j]);  // h = 0: 0x1044, h = 1: 0x3244
       dpow[j] = !col ? 0.f : n % 3 == 0 ? unit : n % 3 == 1 ? 256.f * unit : 65536.f * unit;
       bmul[j] = col && n % 3 == 0 ? 1.f : 0.f;
     }
