@@ -37,10 +37,15 @@
 // part k) takes segments [k * spw, (k+1) * spw) in units of MMA_SPU segments, double-buffered in registers
 // (unit j+1's loads in flight while unit j computes). The Rows policy (linear, MoE up, MoE down) says
 // which weight row each of the 16 A rows reads at a segment, and what a finished tile stores. The hot
-// loop is kept lean (it is issue- and latency-bound at 2 CTAs per SM): a lane resolves its two rows once
-// per pass (Rows::base) and a segment's addresses by adds (Rows::at); pass and unit are counters, not
-// divisions; rows past the end and segments past a warp's range are clamped to real ones (loads are never
-// predicated), their products are not stored / not computed; the column epilogue has no branches.
+// loop is kept lean (it is issue- and latency-bound at 2 CTAs per SM; docs/perf-notes.md, "the decode
+// GEMV's instruction budget" and "frame cut"): a lane resolves its two rows once per pass (Rows::base,
+// lane t's 16 bytes included; linear: 32-bit index products, one IMAD.WIDE per array and row) and a
+// segment's addresses by one multiply-add each (Rows::at); a whole unit is one basic block (the guard
+// is per unit, not per segment), so ptxas interleaves its segments' dependent chains; a lane's digit
+// loads are one add from its constant offset (MmaLane::xd_word), and lanes without a digit column read a
+// zero block instead of predicated loads and zeroing; pass and unit are counters, not divisions; rows
+// past the end and segments past a warp's range are clamped to real ones (loads are never predicated),
+// their products are not stored / not computed; the column epilogue has no branches.
 #pragma once
 #include <cstring>
 
@@ -447,8 +452,8 @@ struct MmaTokens {
 // synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
 // memory latency.
 // Rows: `Ref base(int tile, int r, int t)` for tile < tiles and any r < 16 (rows past the end clamped to a
-// real row), `MmaRowRef at(const Ref&, int seg)` (w: lane t's 16 bytes of the segment), `finish(tile, r, row_sum)` (skips rows past the end); with
-// NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.
+// real row), `MmaRowRef at(const Ref&, int seg)` (w: lane t's 16 bytes of the segment), `finish(tile, r,
+// row_sum)` (skips rows past the end); with NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.
 // NT > 1 (tok.n tokens): Segment::run takes acc[NT][2] and tok; each token's sums take the one-token
 // order (quad xor shuffles, K-parts ascending), so a token's row equals the NT = 1 body's bit for bit.
 template <int BITS, int NG, class Rows, class Before, class After, class Segment = MmaSegmentOp<BITS, NG>,
@@ -574,8 +579,8 @@ struct MmaLinearRows {
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
   bool accumulate;    // y[o] += the row's sum (else y[o] = it)
-  // The row's addresses by 32-bit index products (one IMAD.WIDE.U32 per array and row; the launcher keeps
-  // the weights under 2^32 words: gemv_mma_matrix).
+  // The row's addresses by 32-bit index products (one IMAD.WIDE.U32 per array and row): a matrix has
+  // fewer than 2^32 16-byte words and groups (int rows and cols, and < 64 GB).
   using Ref = MmaRowRef;
   __device__ __forceinline__ Ref base(int tile, int r, int t) const {
     const uint32_t row = uint32_t(min(tile * 16 + r, rows - 1)), gi = row * uint32_t(gpr);

@@ -35,9 +35,9 @@ struct MoeMmaParams {
   NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (mma_stage_normed_x)
 };
 
-// Row `row` of an expert stack's matrices (experts back to back) at segment 0.
+// Row `row` of an expert stack's matrices (experts back to back) at segment 0 (w: lane t's 16 bytes).
 template <int BITS>
-__device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t row, int group_shift, int t = 0) {
+__device__ __forceinline__ MmaRowRef mma_stack_row(const AffineStack& m, int64_t row, int group_shift, int t) {
   return mma_affine_row(m.w, m.scales, m.biases, row, m.cols * BITS / 32, m.cols >> group_shift, t);
 }
 
@@ -129,8 +129,9 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
-    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows, p.group_shift)
-                         : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
+    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows,
+                                               p.group_shift, 0)
+                         : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift, 0);  // matrix starts (Ref adds t)
   __syncthreads();
 }
 
