@@ -8,7 +8,10 @@ the end of a pass). Counts are static (instructions in the block), i.e. per warp
 
   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -O3 -DLILY_WITH_CUDA \
        -I csrc -cubin -o linear.cubin csrc/cuda/linear.cu
-  python3 benchmarks/gemv_sass_budget.py linear.cubin [mangled kernel name]
+  python3 benchmarks/gemv_sass_budget.py linear.cubin [mangled kernel name] [--unit] [-v]
+
+--unit: one warp-unit's path at in_proj's plan (ks = 8: every unit ends a pass), summed by part (segments,
+loads, resolve, pass end, counters; warp 0's row sum apart), for the linear kernel's instances.
 
 cuobjdump comes from CUOBJDUMP or PATH (where the CUDA install lacks it, PyPI's nvidia-cuda-cuobjdump
 wheel has it under nvidia/cu13/bin/ of the folder it is installed to).
@@ -92,6 +95,7 @@ def main():
     print(f"{kernel}: {len(ins)} instructions, main loop 0x{head:04x}-0x{end:04x} ({len(loop)})")
     print(f"{'block':>11} {'n':>4} " + " ".join(f"{n:>7}" for n in names) + "  tag")
     total = Counter()
+    counts, tags = [], []
     for b in blocks:
         c = Counter(cls(opcode(t)) for _, t in b)
         total += c
@@ -99,8 +103,43 @@ def main():
         tag = ("segment" if "IMMA" in ops else "loads" if any("LDG.E.NA.128" in t for _, t in b) else
                "pass end" if ("BAR" in ops or "SHFL" in ops or "STS" in ops) else
                "pass: row sum" if ("LDS" in ops and "FADD" in ops) else "")
+        counts.append(c)
+        tags.append(tag)
         print(f"{b[0][0]:04x}-{b[-1][0]:04x} {len(b):>4} " + " ".join(f"{c[n]:>7}" for n in names) + f"  {tag}")
     print(f"{'loop total':>11} {sum(total.values()):>4} " + " ".join(f"{total[n]:>7}" for n in names))
+    if "--unit" in sys.argv:
+        unit_path(counts, tags, names)
+    if "-v" in sys.argv:
+        for b in blocks:
+            print()
+            for a, t in b:
+                print(f"  {a:04x} {cls(opcode(t)):>8}  {t}")
+
+
+def unit_path(counts, tags, names):
+    """One warp-unit as a warp other than warp 0 runs it when every unit ends a pass (in_proj's plan, ks = 8):
+    the loop's first half, by block position (perf-notes, twelfth session, "the decode GEMV's frame cut")."""
+    main = [i for i, t in enumerate(tags) if t != "pass: row sum"]
+    pos = {i: k for k, i in enumerate(main)}
+    end = next(i for i in main if tags[i] == "pass end")
+    cu = main[pos[end] - 2]  # the unit counter's check, then the shuffles' convergence check
+    first_seg = main[1]
+    segs = [i for i in main[1:pos[cu]] if tags[i] == "segment" or sum(counts[i].values()) == 1]
+    if counts[first_seg]["imma"] > max((counts[i]["imma"] for i in segs[1:]), default=0):
+        segs = [first_seg]  # one block a unit; the blocks after it are a warp's odd last segment
+    loads = next(i for i in main if tags[i] == "loads")
+    ends = [i for i in main if tags[i] == "pass end"][:3]
+    ends.append(main[pos[ends[-1]] + 1])
+    L = pos[loads]
+    parts = {"segments": segs, "loads": [main[L - 1], loads], "resolve": [main[L + 2]], "pass end": ends,
+             "counters": [main[0], cu, main[pos[cu] + 1], main[L - 2], main[L + 1], main[L + 3]]}
+    print(f"\nper unit (warp 0's row sum not included) {'n':>4} " + " ".join(f"{n:>7}" for n in names))
+    total = Counter()
+    for part, idx in parts.items():
+        c = sum((counts[i] for i in idx), Counter())
+        total += c
+        print(f"{part:>41} {sum(c.values()):>4} " + " ".join(f"{c[n]:>7}" for n in names))
+    print(f"{'total':>41} {sum(total.values()):>4} " + " ".join(f"{total[n]:>7}" for n in names))
     if "-v" in sys.argv:
         for b in blocks:
             print()
