@@ -499,7 +499,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
   };
   auto compute = [&](const MmaStage& st, int) {
     const int first = seg0 + cu * MMA_SPU;
-    if (first + MMA_SPU <= seg1) {  // warp-uniform: a whole unit in one block, its segments' chains interleaved
+    if (first + MMA_SPU <= seg1) {  // warp-uniform: the whole unit in one block (its chains interleave)
 #pragma unroll
       for (int i = 0; i < MMA_SPU; ++i) segment(st, i, first + i);
     } else {
@@ -579,8 +579,8 @@ struct MmaLinearRows {
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
   bool accumulate;    // y[o] += the row's sum (else y[o] = it)
-  // The row's addresses by 32-bit index products (one IMAD.WIDE.U32 per array and row): a matrix has
-  // fewer than 2^32 16-byte words and groups (int rows and cols, and < 64 GB).
+  // The row's addresses by 32-bit index products (one IMAD.WIDE.U32 per array and row): a matrix under
+  // 64 GB has < 2^32 16-byte words, and no more groups than those (groups of >= 32 values of >= 4 bits).
   using Ref = MmaRowRef;
   __device__ __forceinline__ Ref base(int tile, int r, int t) const {
     const uint32_t row = uint32_t(min(tile * 16 + r, rows - 1)), gi = row * uint32_t(gpr);
