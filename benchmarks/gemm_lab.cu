@@ -728,29 +728,37 @@ static void gated_row(Problem& p, bool timed) {
 // BM column: the rows a pass).
 static bool g_small = false;
 
+// moe.cu's launch_moe_small: the ring as deep as K (2048 gated, 512 down) leaves room for.
 template <bool GATED, int NT>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
+  constexpr int64_t K = GATED ? 2048 : 512;
+  constexpr int R = ms_ring_units(K, NT);
+  const auto kernel = moe_small_kernel<GATED, NT, R>;
   static bool configured = false;
   if (!configured) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_kernel_smem(K, NT, R))));
     configured = true;
   }
-  const dim3 grid(unsigned((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED)), unsigned(E));
-  kernel<<<grid, MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
+  if (a.w.cols != K) {
+    std::fprintf(stderr, "gemm_lab: moe_small is built for K = %lld, not %lld\n", (long long)K, (long long)a.w.cols);
+    std::exit(1);
+  }
+  const dim3 grid(unsigned((a.w.rows + ms_cta_rows(GATED) - 1) / ms_cta_rows(GATED)), unsigned(E));
+  kernel<<<grid, MS_THREADS, ms_kernel_smem(K, NT, R)>>>(a);
 }
 
 static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
   LinearArgs a = p.args(copy);
   a.yb = yb;
   a.xb = xb;
-  const bool two = ms_pass_tiles(p.M, p.w->E) == 2;
-  if (p.up) {
+  const bool gated = p.up != nullptr;
+  const bool low = ms_pass_tiles(gated, p.M, p.w->E) == (gated ? 1 : 2);
+  if (gated) {
     a.up = p.up->view(copy);
-    if (two) launch_small_nt<true, 2>(a, p.w->E);
-    else launch_small_nt<true, 3>(a, p.w->E);
+    if (low) launch_small_nt<true, 1>(a, p.w->E);
+    else launch_small_nt<true, 2>(a, p.w->E);
   } else {
-    if (two) launch_small_nt<false, 2>(a, p.w->E);
+    if (low) launch_small_nt<false, 2>(a, p.w->E);
     else launch_small_nt<false, 3>(a, p.w->E);
   }
   CK(cudaGetLastError());
@@ -825,7 +833,7 @@ static void small_row(Problem& p, bool timed) {
                 p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ);
     ++g_failures;
   }
-  const int nt = ms_pass_tiles(p.M, p.w->E);
+  const int nt = ms_pass_tiles(p.up != nullptr, p.M, p.w->E);
   if (!timed) {
     std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s |\n", p.name,
                 (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs, io_differ ? "FAIL" : "ok");

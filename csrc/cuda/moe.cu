@@ -294,12 +294,13 @@ constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
 constexpr int MOE_SMALL_TOP_K = 8;
 
 // One product's matrix on moe_small_kernel: 4-bit affine, BF16 scales, whole 128-value segments, a power-of-two
-// group of 32 or more values, rows in whole warp tiles (gated 16, plain 32), scale indices within 32 bits.
+// group of 32 or more values, an even number of groups a row and 4-byte aligned scale and bias arrays (the
+// ring copies aligned pairs of them), rows in whole warp tiles (gated 16, plain 32).
 static bool moe_small_matrix(const WeightView& w, bool gated) {
   const int64_t gs = w.group_size;
   return is_fast_affine(w) && w.bits == 4 && w.cols % MS_SEG_VALS == 0 && gs >= 32 && (gs & (gs - 1)) == 0 &&
-         w.cols % gs == 0 && w.rows % (gated ? 16 : 32) == 0 &&
-         w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32);
+         w.cols % gs == 0 && (w.cols / gs) % 2 == 0 && reinterpret_cast<uintptr_t>(w.scales) % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(w.biases) % 4 == 0 && w.rows % (gated ? 16 : 32) == 0;
 }
 
 // Which routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of T tokens
@@ -325,27 +326,30 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
 }
 
 // One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
-// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
+// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles), the ring as deep as the
+// product's dims leave room for (K: use_moe_small's).
 template <bool GATED, int NT>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
-  constexpr size_t most = ms_smem_bytes(MOE_SMALL_H, NT);  // K <= H: use_moe_small's dims
+  constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
+  constexpr int R = ms_ring_units(K, NT);
+  const auto kernel = moe_small_kernel<GATED, NT, R>;
+  constexpr size_t smem = ms_kernel_smem(K, NT, R);
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     return true;
   }();
   (void)configured;
-  const size_t smem = ms_smem_bytes(a.w.cols, NT);
-  LILY_CHECK(smem <= most, "moe: ", a.w.cols, " inputs exceed the few-rows expert kernel's staging");
-  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_slice_rows(GATED))), unsigned(E));
+  LILY_CHECK(a.w.cols == K, "moe: the few-rows expert kernel is built for ", K, " inputs, not ", a.w.cols);
+  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_cta_rows(GATED))), unsigned(E));
   launch(kernel, grid, MS_THREADS, smem, a);
   LILY_CUDA_LAUNCHED();
 }
 
 template <bool GATED>
 static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
-  launch_moe_small<GATED, 3>(a, E);
+  constexpr int lo = GATED ? 1 : 2;
+  if (ms_pass_tiles(GATED, T * top_k, E) == lo) return launch_moe_small<GATED, lo>(a, E);
+  launch_moe_small<GATED, lo + 1>(a, E);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
