@@ -737,6 +737,13 @@ static void launch_small_nt(const LinearArgs& a, int64_t E) {
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_kernel_smem(K, NT, R))));
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    int per_sm = 0;
+    cudaFuncAttributes fa;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, ms_kernel_smem(K, NT, R)));
+    CK(cudaFuncGetAttributes(&fa, kernel));
+    std::printf("moe_small<%s, NT %d, R %d>: %zu B shared, %d registers, %d CTAs an SM\n", GATED ? "gated" : "down", NT,
+                R, ms_kernel_smem(K, NT, R), fa.numRegs, per_sm);
     configured = true;
   }
   if (a.w.cols != K) {
@@ -925,8 +932,8 @@ int main(int argc, char** argv) {
       free_problem(p);
     }
     {  // (group 32 on the gated side: the GATED wgmma reference has no 32-wide instance)
-      Stack w(16, 512, 1024, 128, 1), wu(16, 512, 1024, 128, 1);
-      Problem p = moe("check moe_small gate+up group 128, K 1024", &w, 40, 4, true, 0, false, 64, &wu);
+      Stack w(16, 512, 2048, 128, 1), wu(16, 512, 2048, 128, 1);
+      Problem p = moe("check moe_small gate+up group 128", &w, 40, 4, true, 0, false, 64, &wu);
       small_row(p, false);
       free_problem(p);
     }

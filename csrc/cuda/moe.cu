@@ -336,6 +336,9 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
   constexpr size_t smem = ms_kernel_smem(K, NT, R);
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    // two CTAs an SM need nearly all of its shared memory
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
     return true;
   }();
   (void)configured;
