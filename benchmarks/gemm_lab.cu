@@ -732,7 +732,7 @@ static bool g_small = false;
 template <bool GATED, int NT>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
   constexpr int64_t K = GATED ? 2048 : 512;
-  constexpr int R = ms_ring_units(K, NT);
+  constexpr int R = ms_ring_units(GATED, K, NT);
   const auto kernel = moe_small_kernel<GATED, NT, R>;
   static bool configured = false;
   if (!configured) {

@@ -331,12 +331,12 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
 template <bool GATED, int NT>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
   constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
-  constexpr int R = ms_ring_units(K, NT);
+  constexpr int R = ms_ring_units(GATED, K, NT);
   const auto kernel = moe_small_kernel<GATED, NT, R>;
   constexpr size_t smem = ms_kernel_smem(K, NT, R);
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    // two CTAs an SM need nearly all of its shared memory
+    // two or three CTAs an SM need nearly all of its shared memory
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
     return true;

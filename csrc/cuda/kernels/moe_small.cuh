@@ -65,11 +65,13 @@ constexpr int MS_SEG_VALS = 128;
 // index: K / gs even, host), so each reads its partner's word after a __syncwarp.
 constexpr int MS_SLOT_BYTES = 32 * (4 * 16 + 4 * 4);  // 2,560 a warp
 constexpr int MS_RING_MAX = 8;
-// Shared memory a CTA may take with two CTAs an SM (228 KB an SM, 1 KB reserved a CTA).
-constexpr size_t MS_CTA_SMEM = 113 * 1024;
+// CTAs an SM (gated: K = 2048, the staged rows take a third of the ring's room; down: three) and the shared
+// memory each may take (228 KB an SM, 1 KB reserved a CTA).
+__host__ __device__ constexpr int ms_ctas(bool gated) { return gated ? 2 : 3; }
+__host__ __device__ constexpr int64_t ms_cta_smem(bool gated) { return 228 * 1024 / ms_ctas(gated) - 1024; }
 // Output tile pairs a warp owns (gated: 16 gate rows and the same 16 up rows; plain: 32 rows), and a CTA's
 // output rows.
-__host__ __device__ constexpr int ms_pairs(bool gated) { return gated ? 2 : 4; }
+__host__ __device__ constexpr int ms_pairs(bool gated) { return gated ? 1 : 4; }
 __host__ __device__ constexpr int ms_cta_rows(bool gated) { return MS_WARPS * ms_pairs(gated) * (gated ? 16 : 32); }
 
 // n8 tiles a pass takes (NT) for `rows` routed rows over E experts: the gated product (K = 2048: 33 KB of
@@ -84,9 +86,9 @@ __host__ __device__ constexpr int ms_pass_tiles(bool gated, int64_t rows, int64_
 // Bytes of one staged Xb row of K values, and of a CTA's rows (NT n8 tiles).
 __host__ __device__ constexpr int ms_row_bytes(int64_t K) { return int(2 * K + 64); }
 __host__ __device__ constexpr size_t ms_smem_bytes(int64_t K, int nt) { return size_t(nt) * 8 * ms_row_bytes(K); }
-// Ring slots a warp takes beside NT staged tiles of K values (MS_CTA_SMEM), and the kernel's shared memory.
-__host__ __device__ constexpr int ms_ring_units(int64_t K, int nt) {
-  const int64_t r = (int64_t(MS_CTA_SMEM) - int64_t(ms_smem_bytes(K, nt))) / (MS_WARPS * MS_SLOT_BYTES);
+// Ring slots a warp takes beside NT staged tiles of K values (ms_cta_smem), and the kernel's shared memory.
+__host__ __device__ constexpr int ms_ring_units(bool gated, int64_t K, int nt) {
+  const int64_t r = (ms_cta_smem(gated) - int64_t(ms_smem_bytes(K, nt))) / (MS_WARPS * MS_SLOT_BYTES);
   return r < MS_RING_MAX ? int(r) : MS_RING_MAX;
 }
 __host__ __device__ constexpr size_t ms_kernel_smem(int64_t K, int nt, int R) {
@@ -112,31 +114,32 @@ __host__ __device__ constexpr int ms_group(int seg, int c, int gshift) { return 
 
 // Where a lane of moe_small_kernel streams from: per tile t (gated: 0 the gate, 1 the up matrix) its row of
 // pair 0 (row g of the warp's first pair; pair p, half h: + p * pair_rows + 8h), and the matrices' shape.
+// The lane's 4 rows (t, h) start at row[t] + 8h; unit (pair p, segment seg) of every one of them is at the
+// same offsets from there (ms_ring_off).
 struct MsRing {
   int64_t row[2];
   int64_t wpr4;  // uint4 words a weight row
   int64_t gpr;   // scale groups a row (even)
   int pair_rows, live_pairs, nseg, gshift;
 };
-// The sources of lane (g, c)'s copies of unit i (pair i / nseg, segment i % nseg; a pair past N reads pair
-// 0's rows), tile t, half h: the weight uint4 (at the lane's chunk c: add c) and the even index of the
-// scale/bias pair that holds its group.
-struct MsSrc {
-  int64_t w4, pair;
+// Offsets of lane c's unit (pair p0, a pair past N reading pair 0's rows; segment seg) from its rows' starts:
+// weight uint4 words (add the lane's chunk c), and scale/bias elements of the aligned pair holding its
+// group (the rows' starts are even: gpr is).
+struct MsOff {
+  int64_t w4, sc;
 };
-__host__ __device__ inline MsSrc ms_ring_src(const MsRing& m, int i, int t, int h, int c) {
-  const int p0 = i / m.nseg, seg = i - p0 * m.nseg, p = p0 < m.live_pairs ? p0 : 0;
-  const int64_t row = m.row[t] + int64_t(p) * m.pair_rows + 8 * h;
-  return {row * m.wpr4 + seg * 4 + c, (row * m.gpr + ms_group(seg, c, m.gshift)) & ~int64_t(1)};
+__host__ __device__ inline MsOff ms_ring_off(const MsRing& m, int p0, int seg, int c) {
+  const int64_t r = int64_t(p0 < m.live_pairs ? p0 : 0) * m.pair_rows;
+  return {r * m.wpr4 + seg * 4, r * m.gpr + (ms_group(seg, c, m.gshift) & ~1)};
 }
 // A slot's bytes: weight word k = 2t + h of a lane, and its scale word (lane c even: the scales' pair, odd:
 // the biases').
 __host__ __device__ constexpr uint32_t ms_ring_w_at(int k, int lane) { return uint32_t(k * 512 + lane * 16); }
 __host__ __device__ constexpr uint32_t ms_ring_s_at(int k, int lane) { return uint32_t(2048 + k * 128 + lane * 4); }
-// scale | bias << 16 of lane c's group from its own scale word and its partner's (lane ^ 1): the pair's
-// high halves where the group index is odd.
-__host__ __device__ inline uint32_t ms_ring_sb(uint32_t own, uint32_t other, int c, bool odd) {
-  const uint32_t sc = c & 1 ? other : own, bi = c & 1 ? own : other;
+// The lanes whose scale words hold lane `lane`'s scales and biases (itself and its partner lane ^ 1).
+__host__ __device__ constexpr int ms_ring_sc_lane(int lane) { return lane & 1 ? lane ^ 1 : lane; }
+// scale | bias << 16 from the scale pair and the bias pair: their high halves where the group index is odd.
+__host__ __device__ inline uint32_t ms_ring_sb(uint32_t sc, uint32_t bi, bool odd) {
   return odd ? (sc >> 16) | (bi & 0xFFFF0000u) : (sc & 0xFFFFu) | (bi << 16);
 }
 
@@ -328,46 +331,49 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 
-// Unit i of a warp into the lane's words of slot `slot` (ms_ring_src; one commit group is the caller's):
-// w[t], sb[t]: tile t's weights (uint4) and the scale or bias array of the lane's copies.
-__device__ __forceinline__ void ms_ring_issue(const MsRing& m, const uint4* const (&w)[2],
-                                              const uint16_t* const (&sb)[2], int i, uint32_t slot, int lane, int c) {
+// A lane's sources of the ring: per row (t, h) its weights at chunk c and its scale or bias array, at the
+// row's start (MsRing), and the unit offsets (ms_ring_off) of the next unit to copy.
+struct MsRingSrc {
+  const uint4* w[2][2];
+  const uint16_t* sb[2][2];
+};
+// Copies the unit at offsets o into the lane's words of slot `slot` (one commit group is the caller's).
+__device__ __forceinline__ void ms_ring_issue(const MsRingSrc& src, const MsOff& o, uint32_t slot, int lane) {
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const MsSrc src = ms_ring_src(m, i, t, h, c);
-      cp_async16(slot + ms_ring_w_at(2 * t + h, lane), w[t] + src.w4, 16);
-      cp_async4(slot + ms_ring_s_at(2 * t + h, lane), sb[t] + src.pair);
+      cp_async16(slot + ms_ring_w_at(2 * t + h, lane), src.w[t][h] + o.w4, 16);
+      cp_async4(slot + ms_ring_s_at(2 * t + h, lane), src.sb[t][h] + o.sc);
     }
 }
 
 // The lane's unit from slot `slot` (its copies landed and the warp synchronised): weight words and
-// scale | bias << 16 per tile and row, as ms_segment takes them.
-__device__ __forceinline__ void ms_ring_read(uint32_t slot, int lane, int c, int seg, int gshift, uint4 (&w)[2][2],
+// scale | bias << 16 per tile and row, as ms_segment takes them; sel: the byte_perm of ms_ring_sb.
+__device__ __forceinline__ void ms_ring_read(uint32_t slot, int lane, uint32_t sel, uint4 (&w)[2][2],
                                              uint32_t (&sb)[2][2]) {
-  const bool odd = (ms_group(seg, c, gshift) & 1) != 0;  // the row's first group sits at an even index
+  const int sl = ms_ring_sc_lane(lane), bl = sl ^ 1;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int k = 2 * t + h;
       w[t][h] = ld_shared_v4(slot + ms_ring_w_at(k, lane));
-      uint32_t own, other;
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(own) : "r"(slot + ms_ring_s_at(k, lane)) : "memory");
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(other) : "r"(slot + ms_ring_s_at(k, lane ^ 1)) : "memory");
-      sb[t][h] = ms_ring_sb(own, other, c, odd);
+      uint32_t sc, bi;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sc) : "r"(slot + ms_ring_s_at(k, sl)) : "memory");
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bi) : "r"(slot + ms_ring_s_at(k, bl)) : "memory");
+      sb[t][h] = __byte_perm(sc, bi, sel);
     }
 }
 
-// Grid (slices of ms_cta_rows(GATED) outputs, E experts), MS_THREADS, two CTAs an SM, shared memory
-// ms_kernel_smem(K, NT, R): the staged rows, then each warp's R ring slots. Warp w of slice s owns
+// Grid (slices of ms_cta_rows(GATED) outputs, E experts), MS_THREADS, ms_ctas(GATED) CTAs an SM, shared
+// memory ms_kernel_smem(K, NT, R): the staged rows, then each warp's R ring slots. Warp w of slice s owns
 // ms_pairs(GATED) tile pairs from o0 = (s * MS_WARPS + w) * pairs * rows a pair (gated 16: gate and up of
 // the same rows; plain 32). Its units (pair, segment) run in order, pass after pass over the expert's rows
 // (the same weights again); the first R are copied before pdl_wait (constant weights). A pair's products
 // are stored after its last segment. Pairs past N load row 0 of the expert and store nothing.
 template <bool GATED, int NT, int R>
-__global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
+__global__ void __launch_bounds__(MS_THREADS, ms_ctas(GATED)) moe_small_kernel(const LinearArgs a) {
   static_assert(R >= 2 && R <= MS_RING_MAX, "ring slots");
   extern __shared__ uint4 ms_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -378,21 +384,29 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
   m.nseg = int(K / MS_SEG_VALS), m.gshift = __ffs(a.w.group_size) - 1, m.pair_rows = PAIR_ROWS;
   m.wpr4 = K / 32, m.gpr = K / a.w.group_size;
   m.live_pairs = int(max(int64_t(0), min(int64_t(PAIRS), (N - o0) / PAIR_ROWS)));
-  const uint4* wt[2];
-  const uint16_t* sbt[2];
+  MsRingSrc src;
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
     const WeightView& v = GATED && t == 1 ? a.up : a.w;
-    wt[t] = reinterpret_cast<const uint4*>(v.w);
-    sbt[t] = static_cast<const uint16_t*>(c & 1 ? v.biases : v.scales);
     m.row[t] = e * N + (o0 < N ? o0 : 0) + (GATED ? 0 : 16 * t) + g;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = m.row[t] + 8 * h;
+      src.w[t][h] = reinterpret_cast<const uint4*>(v.w) + row * m.wpr4 + c;
+      src.sb[t][h] = static_cast<const uint16_t*>(c & 1 ? v.biases : v.scales) + row * m.gpr;
+    }
   }
   const int per_pass = PAIRS * m.nseg;
   const uint32_t xs0 = smem_u32(ms_smem), stride = uint32_t(ms_row_bytes(K));
   const uint32_t ring = xs0 + uint32_t(ms_smem_bytes(K, NT)) + uint32_t(warp * R * MS_SLOT_BYTES);
+  int ip = 0, iseg = 0;  // the next unit to copy: pair, segment
+  auto next_copy = [&](uint32_t slot) {
+    ms_ring_issue(src, ms_ring_off(m, ip, iseg, c), slot, lane);
+    if (++iseg == m.nseg) iseg = 0, ip = ip + 1 == PAIRS ? 0 : ip + 1;
+  };
 #pragma unroll
   for (int j = 0; j < R; ++j) {  // constant weights: before pdl_wait
-    if (j < per_pass) ms_ring_issue(m, wt, sbt, j, ring + j * MS_SLOT_BYTES, lane, c);
+    if (j < per_pass) next_copy(ring + j * MS_SLOT_BYTES);
     cp_async_commit();
   }
   pdl_wait();
@@ -422,14 +436,14 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
     uint4 w[2][2];
     uint32_t sb[2][2];
     const uint32_t at = ring + uint32_t(slot * MS_SLOT_BYTES);
-    ms_ring_read(at, lane, c, seg, m.gshift, w, sb);
+    ms_ring_read(at, lane, ms_group(seg, c, m.gshift) & 1 ? 0x7632u : 0x5410u, w, sb);
     ms_segment<NT>(w, sb, xs + uint32_t(seg) * 256, stride, c, ntiles, acc);
     if (seg == m.nseg - 1) {
       const int64_t op = o0 + int64_t(pair) * PAIR_ROWS;
       if (op < N) ms_store<GATED, NT>(a, r0, rows, op, g, c, acc);
     }
     __syncwarp();  // every lane has read the slot before it is refilled
-    if (i + R < total) ms_ring_issue(m, wt, sbt, (i + R) % per_pass, at, lane, c);
+    if (i + R < total) next_copy(at);
     cp_async_commit();
     if (++seg == m.nseg) seg = 0, ++pair;
     if (++k == per_pass) k = 0, pair = 0;
