@@ -325,15 +325,12 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
   return m;
 }
 
-// One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
-// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles), the ring as deep as the
-// product's dims leave room for (K: use_moe_small's).
-template <bool GATED, int NT>
-static void launch_moe_small(const LinearArgs& a, int64_t E) {
-  constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
-  constexpr int R = ms_ring_units(GATED, K, NT);
-  const auto kernel = moe_small_kernel<GATED, NT, R>;
-  constexpr size_t smem = ms_kernel_smem(K, NT, R);
+// One routed product on the few-rows expert kernels: grid (slices of the outputs, E experts), the rows of
+// each expert from the routing tables (a.tiles.row_end), the kernel and NT n8 tiles a pass by ms_plan; the
+// ring as deep as the product's dims leave room for (K: use_moe_small's).
+template <class Kernel>
+static void launch_moe_small_kernel(Kernel kernel, const LinearArgs& a, int64_t E, int64_t K, int64_t cta_rows,
+                                    size_t smem) {
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     // two or three CTAs an SM need nearly all of its shared memory
@@ -343,16 +340,30 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
   }();
   (void)configured;
   LILY_CHECK(a.w.cols == K, "moe: the few-rows expert kernel is built for ", K, " inputs, not ", a.w.cols);
-  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_cta_rows(GATED))), unsigned(E));
-  launch(kernel, grid, MS_THREADS, smem, a);
+  launch(kernel, dim3(unsigned(ceil_div<int64_t>(a.w.rows, cta_rows)), unsigned(E)), MS_THREADS, smem, a);
   LILY_CUDA_LAUNCHED();
 }
 
-template <bool GATED>
-static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  constexpr int lo = GATED ? 1 : 2;
-  if (ms_pass_tiles(GATED, T * top_k, E) == lo) return launch_moe_small<GATED, lo>(a, E);
-  launch_moe_small<GATED, lo + 1>(a, E);
+template <bool GATED, int NT, bool RING>
+static void launch_moe_small(const LinearArgs& a, int64_t E) {
+  constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
+  if constexpr (RING) {
+    constexpr int R = ms_ring_units(GATED, K, NT);
+    launch_moe_small_kernel(moe_small_ring_kernel<GATED, NT, R>, a, E, K, ms_ring_cta_rows(GATED),
+                            ms_kernel_smem(K, NT, R));
+  } else {
+    launch_moe_small_kernel(moe_small_kernel<GATED, NT>, a, E, K, ms_slice_rows(GATED), ms_smem_bytes(K, NT));
+  }
+}
+
+// ms_plan's choices: gated 16-row passes on either kernel, down 16 or 24 on the ring.
+static void run_moe_small_gated(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
+  if (ms_plan(true, T * top_k, E).ring) return launch_moe_small<true, 2, true>(a, E);
+  launch_moe_small<true, 2, false>(a, E);
+}
+static void run_moe_small_down(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
+  if (ms_plan(false, T * top_k, E).nt == 2) return launch_moe_small<false, 2, true>(a, E);
+  launch_moe_small<false, 3, true>(a, E);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
@@ -521,12 +532,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     // then gathers its rows from (else it converts h's F32 rows itself)
     linear_tiles(shared_up, shared_tiles, T, xb);
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
-    run_moe_small<true>(routed_up, T, E, top_k);
+    run_moe_small_gated(routed_up, T, E, top_k);
   } else {
     linear_tiles(routed_up, r.max_tiles, T, xb);
     linear_tiles(shared_up, shared_tiles, T, xb);
   }
-  if (small.down) run_moe_small<false>(routed_down, T, E, top_k);
+  if (small.down) run_moe_small_down(routed_down, T, E, top_k);
   else linear_tiles(routed_down, r.max_tiles, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 

@@ -2,8 +2,8 @@
 // the MMA's N ("swap AB"): the weights are the A operand of mma.sync m16n8k16 BF16 (16 output rows), an
 // expert's grouped rows the B operand (n8 tiles of 8 rows), so an expert with 5 rows costs one n8 tile
 // instead of a 64-row wgmma tile, and each weight byte is read once per pass over an expert's rows.
-//   moe_small_kernel<false>: Y[r, o] = sum_k W_e[o, k] X[r, k]                   (the down product)
-//   moe_small_kernel<true>:  Y[r, i] = row_scale[r] * silu(G_e[i, :] . X[x_rows[r]]) * (U_e[i, :] . X[x_rows[r]])
+//   GATED = false: Y[r, o] = sum_k W_e[o, k] X[r, k]                   (the down product)
+//   GATED = true:  Y[r, i] = row_scale[r] * silu(G_e[i, :] . X[x_rows[r]]) * (U_e[i, :] . X[x_rows[r]])
 //                            (the gated gate/up product, linear_common.cuh's store_output expression)
 // for every grouped row r of expert e: rows [row_end[e-1], row_end[e]) of the routing tables
 // (moe_routing.cuh; row_end[-1] = 0). The arguments are the LinearArgs of the grouped products that
@@ -27,8 +27,11 @@
 // 16 * ms_slot(J): inside a segment chunk 4c + m sits at slot 4m + c, so the 4 lanes of a quad read 64
 // contiguous bytes (a quarter warp: two rows x 64 bytes, conflict-free).
 //
-// Work. Grid (slices of ms_cta_rows, E), MS_THREADS = 4 warps, two CTAs an SM (one stages its rows while the
-// other streams weights). Warp w of slice s owns ms_pairs tile pairs: gated, 16 rows of G and the same 16 of U
+// Two kernels (ms_plan picks): moe_small_kernel keeps a warp's next unit of weights in registers (ms_units:
+// one unit of 2 segments in flight), moe_small_ring_kernel streams them through a shared-memory ring, R
+// units ahead. Work (the ring kernel; moe_small_kernel alike with one pair a warp, units of 2 segments in
+// registers). Grid (slices of ms_ring_cta_rows, E), MS_THREADS = 4 warps, ms_ctas CTAs an SM (one stages its
+// rows while the others stream weights). Warp w of slice s owns ms_pairs tile pairs: gated, 16 rows of G and the same 16 of U
 // a pair (gate and up of an output in the same lane and register: the SwiGLU is in registers); plain, 32 rows
 // of W a pair. Passes of NT*8 rows of the expert: stage the rows as Xb (ms_stage: copied from a.xb, the
 // gated product's rows gathered through x_rows; or converted from F32 a.x), __syncthreads, then each warp
@@ -55,7 +58,7 @@ constexpr int MS_THREADS = 128, MS_WARPS = MS_THREADS / 32;
 constexpr int MS_SPU = 2;  // segments per unit of ms_units' register pipeline (dense_small.cuh)
 constexpr int MS_SEG_VALS = 128;
 
-// The ring (moe_small_kernel): a warp streams its weights one unit (one segment of its two A tiles) at a
+// The ring (moe_small_ring_kernel): a warp streams its weights one unit (one segment of its two A tiles) at a
 // time through a ring of R slots in shared memory, filled by cp.async R units ahead of the math, so
 // that ~R - 1 units (2 KB each) of every warp are in flight however long the math takes. A slot: the lane's
 // 4 weight words (16 bytes each, tile t, row g + 8h at k = 2t + h: [k][lane] x 16 B, so a quarter warp
@@ -69,20 +72,30 @@ constexpr int MS_RING_MAX = 8;
 // memory each may take (228 KB an SM, 1 KB reserved a CTA).
 __host__ __device__ constexpr int ms_ctas(bool gated) { return gated ? 2 : 3; }
 __host__ __device__ constexpr int64_t ms_cta_smem(bool gated) { return 228 * 1024 / ms_ctas(gated) - 1024; }
-// Output tile pairs a warp owns (gated: 16 gate rows and the same 16 up rows; plain: 32 rows), and a CTA's
-// output rows.
+// moe_small_ring_kernel: output tile pairs a warp owns (gated: 16 gate rows and the same 16 up rows; plain:
+// 32 rows), and a CTA's output rows. moe_small_kernel: a CTA's output rows (a warp: one pair).
 __host__ __device__ constexpr int ms_pairs(bool gated) { return gated ? 1 : 4; }
-__host__ __device__ constexpr int ms_cta_rows(bool gated) { return MS_WARPS * ms_pairs(gated) * (gated ? 16 : 32); }
-
-// n8 tiles a pass takes (NT) for `rows` routed rows over E experts: the gated product (K = 2048: 33 KB of
-// staged rows a tile) 1 up to MS_WIDE_ROWS average rows an expert, else 2; the down product (K = 512) 2 up to
-// 8, else 3. Fewer tiles leave more of the CTA's shared memory to the ring; busier experts take more passes
-// over the same weights (L2 hits for the later ones). Estimates, to be tuned by measurement
-// (benchmarks/gemm_lab.cu).
-constexpr int64_t MS_WIDE_ROWS = 6;
-__host__ __device__ constexpr int ms_pass_tiles(bool gated, int64_t rows, int64_t E) {
-  return gated ? (rows <= MS_WIDE_ROWS * E ? 1 : 2) : (rows <= 8 * E ? 2 : 3);
+__host__ __device__ constexpr int ms_ring_cta_rows(bool gated) {
+  return MS_WARPS * ms_pairs(gated) * (gated ? 16 : 32);
 }
+__host__ __device__ constexpr int ms_slice_rows(bool gated) { return MS_WARPS * (gated ? 16 : 32); }
+
+// Which kernel and pass size (NT n8 tiles) a routed product of `rows` rows over E experts takes. The gated
+// product (K = 2048) up to MS_WIDE_ROWS average rows an expert: moe_small_kernel (its registers hold the
+// next unit; the ring's extra instructions cost more there than its loads in flight give: twelfth session,
+// 137.5 against 157.4 us at T = 146), above it the ring kernel; both with 16-row passes. The down product
+// (K = 512) always the ring kernel (66.8 against 84.7 us at T = 146, 73.8 against 102.6 at T = 300): 16-row
+// passes up to 8 rows an expert, else 24. Measured at T = 64, 146, 300 (benchmarks/gemm_lab.cu); the
+// crossings between are estimates.
+constexpr int64_t MS_WIDE_ROWS = 6;
+struct MsPlan {
+  bool ring;
+  int nt;
+};
+__host__ __device__ constexpr MsPlan ms_plan(bool gated, int64_t rows, int64_t E) {
+  return gated ? MsPlan{rows > MS_WIDE_ROWS * E, 2} : MsPlan{true, rows <= 8 * E ? 2 : 3};
+}
+
 // Bytes of one staged Xb row of K values, and of a CTA's rows (NT n8 tiles).
 __host__ __device__ constexpr int ms_row_bytes(int64_t K) { return int(2 * K + 64); }
 __host__ __device__ constexpr size_t ms_smem_bytes(int64_t K, int nt) { return size_t(nt) * 8 * ms_row_bytes(K); }
@@ -112,7 +125,7 @@ __host__ __device__ inline void ms_b_frag(const uint4& q, int h, uint32_t& b0, u
 // Weight group of lane c's 32 values in segment seg (gshift = log2 group size >= 5).
 __host__ __device__ constexpr int ms_group(int seg, int c, int gshift) { return (seg * MS_SEG_VALS + 32 * c) >> gshift; }
 
-// Where a lane of moe_small_kernel streams from: per tile t (gated: 0 the gate, 1 the up matrix) its row of
+// Where a lane of moe_small_ring_kernel streams from: per tile t (gated: 0 the gate, 1 the up matrix) its row of
 // pair 0 (row g of the warp's first pair; pair p, half h: + p * pair_rows + 8h), and the matrices' shape.
 // The lane's 4 rows (t, h) start at row[t] + 8h; unit (pair p, segment seg) of every one of them is at the
 // same offsets from there (ms_ring_off).
@@ -366,14 +379,64 @@ __device__ __forceinline__ void ms_ring_read(uint32_t slot, int lane, uint32_t s
     }
 }
 
-// Grid (slices of ms_cta_rows(GATED) outputs, E experts), MS_THREADS, ms_ctas(GATED) CTAs an SM, shared
+// The gated product of prompts with few rows an expert (ms_plan): grid (slices of ms_slice_rows outputs, E
+// experts), MS_THREADS, two CTAs an SM, shared memory ms_smem_bytes(K, NT). Warp w of slice s owns one tile
+// pair from o0 = (s * MS_WARPS + w) * (gated 16, plain 32); passes of NT*8 rows: stage them, then the K
+// segments through ms_units' register double buffer, the first unit loaded before pdl_wait.
+template <bool GATED, int NT>
+__global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearArgs a) {
+  extern __shared__ uint4 ms_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int64_t e = blockIdx.y, N = a.w.rows, K = a.w.cols;
+  const int nseg = int(K / MS_SEG_VALS), gshift = __ffs(a.w.group_size) - 1;
+  const int64_t o0 = (int64_t(blockIdx.x) * MS_WARPS + warp) * (GATED ? 16 : 32);
+  const bool live = o0 < N;  // the host keeps whole tiles: a warp's rows are all real or all past N
+  MsRows rr;
+  {
+    const int64_t wpr = K / 8, gpr = K / a.w.group_size;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const WeightView& m = GATED && t == 1 ? a.up : a.w;
+      rr.sc[t] = static_cast<const uint16_t*>(m.scales);
+      rr.bi[t] = static_cast<const uint16_t*>(m.biases);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0);
+        rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(m.w) + row * wpr) + c;
+        rr.sbi[t][h] = uint32_t(row * gpr);
+      }
+    }
+  }
+  MsStage st[2];
+  if (live) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
+  pdl_wait();
+  pdl_trigger();
+  const int64_t row0 = e > 0 ? a.tiles.row_end[e - 1] : 0, row1 = a.tiles.row_end[e];
+  const uint32_t xs0 = smem_u32(ms_smem), stride = uint32_t(ms_row_bytes(K));
+  for (int64_t r0 = row0; r0 < row1; r0 += NT * 8) {
+    const int rows = int(min(int64_t(NT * 8), row1 - r0)), ntiles = (rows + 7) / 8;
+    if (r0 > row0) {
+      __syncthreads();  // every warp is done with the previous pass's rows
+      if (live) ms_load(st[0], rr, 0, nseg, c, gshift);
+    }
+    ms_stage<GATED>(a, r0, rows, K, xs0);
+    __syncthreads();
+    if (!live) continue;
+    float acc[2][NT][4];
+    const uint32_t xs = xs0 + uint32_t(g) * stride;
+    ms_units<NT>(st, rr, nseg, c, gshift, xs, stride, ntiles, acc);
+    ms_store<GATED, NT>(a, r0, rows, o0, g, c, acc);
+  }
+}
+
+// Grid (slices of ms_ring_cta_rows(GATED) outputs, E experts), MS_THREADS, ms_ctas(GATED) CTAs an SM, shared
 // memory ms_kernel_smem(K, NT, R): the staged rows, then each warp's R ring slots. Warp w of slice s owns
 // ms_pairs(GATED) tile pairs from o0 = (s * MS_WARPS + w) * pairs * rows a pair (gated 16: gate and up of
 // the same rows; plain 32). Its units (pair, segment) run in order, pass after pass over the expert's rows
 // (the same weights again); the first R are copied before pdl_wait (constant weights). A pair's products
 // are stored after its last segment. Pairs past N load row 0 of the expert and store nothing.
 template <bool GATED, int NT, int R>
-__global__ void __launch_bounds__(MS_THREADS, ms_ctas(GATED)) moe_small_kernel(const LinearArgs a) {
+__global__ void __launch_bounds__(MS_THREADS, ms_ctas(GATED)) moe_small_ring_kernel(const LinearArgs a) {
   static_assert(R >= 2 && R <= MS_RING_MAX, "ring slots");
   extern __shared__ uint4 ms_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
