@@ -730,7 +730,7 @@ static bool g_small = false;
 
 template <bool GATED, int NT>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
+  const auto kernel = moe_small_kernel<GATED, NT, true>;  // group 64, as every product of this lab
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));

@@ -673,8 +673,8 @@ void launch_dense_small(const Affine& W, int c, const float* x, float* y, int T)
     std::fprintf(stderr, "gemv_lab: %d tokens of %dx%d do not fit the dense short-prompt kernel\n", T, W.rows, W.cols);
     std::exit(1);
   }
-  void (*kernels[])(LinearArgs, bool) = {dense_small_kernel<1>, dense_small_kernel<2>, dense_small_kernel<3>,
-                                         dense_small_kernel<4>};
+  void (*kernels[])(LinearArgs, bool) = {dense_small_kernel<1, true>, dense_small_kernel<2, true>,
+                                         dense_small_kernel<3, true>, dense_small_kernel<4, true>};  // group 64
   static const bool configured = [&] {  // at the first (checking) launch, before any graph capture
     for (const auto k : kernels)
       CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));

@@ -34,6 +34,7 @@
 //   otherwise the generic kernel (every variant, any shape)           -> kernels/linear_generic.cuh
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_ops.h"
 #include "kernels/dense_small.cuh"
@@ -267,15 +268,19 @@ static bool use_gemv_mma_tokens(const QMatrix& w, int64_t e, const Tensor& x) {
 
 // Short prompts' dense 4-bit products with the tokens as the MMA's N (kernels/dense_small.cuh): T = 2..
 // DS_MAX_TOKENS tokens of a layer matrix (up to DS_MAX_ROWS rows: not the vocabulary head, whose blocks of
-// rows keep the fp32 GEMV / wgmma GEMM), 4-bit MLX affine with BF16 scales, groups a power of two >= 32,
-// whole segments, rows in whole 32-row warp tiles, 16-byte aligned weights, and a K split (ds_splits) whose
-// staged X fits. Replaces the multi-token integer GEMV (T <= 16: its work grows with T) and the split-K wgmma
-// GEMM (T = 17..32: ~25 us a call at any size) for those matrices; other matrices keep those paths.
+// rows keep the fp32 GEMV / wgmma GEMM), 4-bit MLX affine with BF16 scales, groups a power of two >= 64
+// (the exact-q math's 64-value blocks each in one group: gs = 32 keeps the paths below), whole segments, rows
+// in whole 32-row warp tiles, 16-byte aligned weights, 4-byte aligned scales and biases, and a K split
+// (ds_splits) whose staged X fits. Replaces the multi-token integer GEMV (T <= 16: its work grows with T) and
+// the split-K wgmma GEMM (T = 17..32: ~25 us a call at any size) for those matrices; other matrices keep those
+// paths.
 static bool dense_small_matrix(const QMatrix& w, int64_t e, int64_t T) {
   const int64_t gs = w.group_size;
-  return T >= 2 && T <= DS_MAX_TOKENS && w.bits == 4 && w.scale_dtype == DType::BF16 && gs >= 32 &&
+  const WeightView v = affine_entry(w, e);
+  return T >= 2 && T <= DS_MAX_TOKENS && w.bits == 4 && w.scale_dtype == DType::BF16 && gs >= MS_BLOCK_VALS &&
          (gs & (gs - 1)) == 0 && w.rows % 32 == 0 && w.rows <= DS_MAX_ROWS && w.cols % MS_SEG_VALS == 0 &&
-         is_aligned16(affine_entry(w, e).w) &&
+         is_aligned16(v.w) && reinterpret_cast<uintptr_t>(v.scales) % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(v.biases) % 4 == 0 &&
          ds_splits(w.rows, w.cols, gs, T, int64_t(num_sms()) * DS_CTAS_PER_SM) > 0;
 }
 
@@ -283,9 +288,9 @@ static bool use_dense_small(const QMatrix& w, int64_t e, const Tensor& x) {
   return is_aligned16(x.data) && dense_small_matrix(w, e, x.dim(0));
 }
 
-template <int NT>
+template <int NT, bool G64>
 static void launch_dense_small(const LinearArgs& a, int ks, bool accumulate) {
-  const auto kernel = dense_small_kernel<NT>;
+  const auto kernel = dense_small_kernel<NT, G64>;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DS_MAX_SMEM)));
     return true;
@@ -310,11 +315,15 @@ static void run_dense_small(const QMatrix& w, int64_t e, const Tensor& x, const 
   const int ks = ds_splits(w.rows, w.cols, w.group_size, T, int64_t(num_sms()) * DS_CTAS_PER_SM);
   LILY_CHECK(ks > 0, "linear: ", T, " tokens of a ", w.rows, "x", w.cols,
              " matrix do not fit the dense short-prompt kernel");
+  const auto run = [&](auto nt) {
+    if (w.group_size == MS_BLOCK_VALS) return launch_dense_small<decltype(nt)::value, true>(a, ks, accumulate);
+    launch_dense_small<decltype(nt)::value, false>(a, ks, accumulate);  // gs >= 128: one group a segment
+  };
   switch (ds_tiles(T)) {
-    case 1: return launch_dense_small<1>(a, ks, accumulate);
-    case 2: return launch_dense_small<2>(a, ks, accumulate);
-    case 3: return launch_dense_small<3>(a, ks, accumulate);
-    case 4: return launch_dense_small<4>(a, ks, accumulate);
+    case 1: return run(std::integral_constant<int, 1>());
+    case 2: return run(std::integral_constant<int, 2>());
+    case 3: return run(std::integral_constant<int, 3>());
+    case 4: return run(std::integral_constant<int, 4>());
     default: fail("linear: ", T, " tokens exceed the dense short-prompt kernel's ", DS_MAX_TOKENS);
   }
 }

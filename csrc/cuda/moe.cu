@@ -294,12 +294,15 @@ constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
 constexpr int MOE_SMALL_TOP_K = 8;
 
 // One product's matrix on moe_small_kernel: 4-bit affine, BF16 scales, whole 128-value segments, a power-of-two
-// group of 32 or more values, rows in whole warp tiles (gated 16, plain 32), scale indices within 32 bits.
+// group of 64 or more values (a 64-value block of the exact-q math is in one group; gs = 32 keeps the wgmma
+// GEMM), rows in whole warp tiles (gated 16, plain 32), scale indices within 32 bits, scale and bias arrays
+// 4-byte aligned (gs = 64 reads a segment's two as one word).
 static bool moe_small_matrix(const WeightView& w, bool gated) {
   const int64_t gs = w.group_size;
-  return is_fast_affine(w) && w.bits == 4 && w.cols % MS_SEG_VALS == 0 && gs >= 32 && (gs & (gs - 1)) == 0 &&
-         w.cols % gs == 0 && w.rows % (gated ? 16 : 32) == 0 &&
-         w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32);
+  return is_fast_affine(w) && w.bits == 4 && w.cols % MS_SEG_VALS == 0 && gs >= MS_BLOCK_VALS &&
+         (gs & (gs - 1)) == 0 && w.cols % gs == 0 && w.rows % (gated ? 16 : 32) == 0 &&
+         w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32) &&
+         reinterpret_cast<uintptr_t>(w.scales) % 4 == 0 && reinterpret_cast<uintptr_t>(w.biases) % 4 == 0;
 }
 
 // Which routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of T tokens
@@ -326,9 +329,9 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
 
 // One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
 // from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
-template <bool GATED, int NT>
+template <bool GATED, int NT, bool G64>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
+  const auto kernel = moe_small_kernel<GATED, NT, G64>;
   constexpr size_t most = ms_smem_bytes(MOE_SMALL_H, NT);  // K <= H: use_moe_small's dims
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)));
@@ -344,8 +347,10 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
 
 template <bool GATED>
 static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
-  launch_moe_small<GATED, 3>(a, E);
+  const bool g64 = a.w.group_size == MS_BLOCK_VALS;
+  if (ms_pass_tiles(T * top_k, E) == 2)
+    return g64 ? launch_moe_small<GATED, 2, true>(a, E) : launch_moe_small<GATED, 2, false>(a, E);
+  g64 ? launch_moe_small<GATED, 3, true>(a, E) : launch_moe_small<GATED, 3, false>(a, E);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.

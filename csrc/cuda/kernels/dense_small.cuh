@@ -82,7 +82,7 @@ __host__ __device__ constexpr int ds_p_lane(int warp, int t, int n, int i, int g
 
 #ifdef __CUDACC__
 
-template <int NT>
+template <int NT, bool G64>
 __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
     dense_small_kernel(const LinearArgs a, const bool accumulate) {
   namespace cg = cooperative_groups;
@@ -103,15 +103,15 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t row = live ? o0 + 16 * t + g + 8 * h : 0;
-        // the K-part's first segment (4 uint4) and group of the row
-        rr.w[t][h] = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(a.w.w) + row * wpr) + c +
-                     ds_seg0(kz, nseg) * 4;
+        // the K-part's first segment (8 uint2) and group of the row
+        rr.w[t][h] = reinterpret_cast<const uint2*>(static_cast<const uint32_t*>(a.w.w) + row * wpr) + c +
+                     ds_seg0(kz, nseg) * 8;
         rr.sbi[t][h] = uint32_t(row * gpr + ds_group0(kz, Kp, gshift));
       }
     }
   }
   MsStage st[2];
-  if (live) ms_load(st[0], rr, 0, nseg, c, gshift);  // constant weights: before pdl_wait
+  if (live) ms_load<G64>(st[0], rr, 0, nseg, gshift);  // constant weights: before pdl_wait
   pdl_wait();
   pdl_trigger();
   const uint32_t xs0 = smem_u32(ds_smem), stride = uint32_t(ms_row_bytes(Kp));
@@ -119,10 +119,13 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
   part.x = a.x + kz * Kp;
   ms_stage<false>(part, 0, int(T), Kp, xs0);
   __syncthreads();
+  ms_xsum<NT>(xs0, Kp, NT);
+  __syncthreads();
   float* P = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ds_smem) + ms_smem_bytes(Kp, NT));
   if (live) {
     float acc[2][NT][4];
-    ms_units<NT>(st, rr, nseg, c, gshift, xs0 + uint32_t(g) * stride, stride, NT, acc);
+    ms_units<NT, G64>(st, rr, nseg, c, gshift, xs0 + uint32_t(g) * stride,
+                 xs0 + uint32_t(ms_xsum_offset(Kp, NT)) + 8 * c, stride, NT, acc);
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll

@@ -50,6 +50,11 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
       : "l"(p));
   return v;
 }
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
 
 // Which product rows a CTA's tile covers. Dense (tile_expert == nullptr): tile m is rows
 // [m*BM, min(M, (m+1)*BM)) of stack entry `expert`. Grouped (MoE, tables built on the device):

@@ -27,6 +27,12 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t saddr) {
   return v;
 }
 
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t saddr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(saddr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_shared_v4(uint32_t saddr, float x, float y, float z, float w) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
@@ -131,9 +137,14 @@ __device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t 
 // v = (qbits & 0x000F000F) | 0x43004300 as one lop3: immLut 0xEA = (0xF0 & 0xCC) | 0xAA is f(a, b, c) =
 // (a & b) | c (checked against the C expression over all 2^32 inputs). Written in C it becomes two LOP3s
 // (a SASS LOP3 takes one immediate); this is one, the second constant in a register.
-__device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
-  uint32_t v;  // bf16 (128 + q0, 128 + q1), exact
+// wg_q128_pair: its first step alone, bf16 (128 + q0, 128 + q1), exact (moe_small.cuh's operands).
+__device__ __forceinline__ uint32_t wg_q128_pair(uint32_t qbits) {
+  uint32_t v;
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(v) : "r"(qbits));
+  return v;
+}
+__device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
+  const uint32_t v = wg_q128_pair(qbits);  // bf16 (128 + q0, 128 + q1), exact
   const uint32_t q = fma_bf16x2(v, 0x3F803F80u, 0xC300C300u);  // (128 + q) * 1 - 128: exact q
   return fma_bf16x2(q, s2, b2);  // s*q + b, rounded once
 }
