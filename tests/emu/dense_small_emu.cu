@@ -55,9 +55,11 @@ static void run_case(int N, int K, int gs, int T, std::mt19937& rng) {
         const int o0 = sl * DS_SLICE_ROWS + warp * 32;
         if (o0 >= N) continue;  // not live
         for (int t = 0; t < 2; ++t) {
-          // the kernel's addresses: rr.w = row + c (uint2) + ds_seg0 * 8; rr.sbi = row * gpr + ds_group0
+          // the kernel's addresses: rr.w = row + c (uint2) + ds_seg0 * 8; rr.sbi = row * gpr + ds_group0 (the
+          // lane's scale row)
+          const int rbase[2] = {o0, o0 + 16};
           const std::vector<double> D =
-              ms_emu_tile(W.data(), words, S.data(), B.data(), gpr, o0 + 16 * t, int(ds_seg0(kz, nseg)),
+              ms_emu_tile(W.data(), words, S.data(), B.data(), gpr, rbase, t, int(ds_seg0(kz, nseg)),
                           int(ds_group0(kz, Kp, gshift)), nseg, gshift, smem, Kp, nt, nt);
           // the accumulator layout: acc[t][n][i] of lane (g, c) is D[g + 8 (i >> 1)][8n + 2c + (i & 1)]
           for (int lane = 0; lane < 32; ++lane) {

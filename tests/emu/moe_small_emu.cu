@@ -1,4 +1,4 @@
-// CPU emulator of moe_small_kernel's fragments (kernels/moe_small.cuh): one warp's 16-row A tile over all K
+// CPU emulator of moe_small_kernel's fragments (kernels/moe_small.cuh): one warp's two 16-row A tiles over all K
 // segments and n8 tiles of staged rows (tests/emu/ms_emu.h: the kernel's loads, the exact-q A = 128 + q and
 // B registers by the PTX layout of mma.m16n8k16, ms_xsum's block sums, ms_block's per-block epilogue
 // y += s*D + (b - 128 s)*xsum), against a scalar reference. Checked:
@@ -24,7 +24,7 @@
 using namespace lily::cuda;
 
 static void run_case(int K, int gs, int rows, int nt, std::mt19937& rng) {
-  const int N = 16, words = K / 8, gpr = K / gs, ntiles = (rows + 7) / 8, gshift = __builtin_ctz(gs);
+  const int N = 32, words = K / 8, gpr = K / gs, ntiles = (rows + 7) / 8, gshift = __builtin_ctz(gs);
   std::vector<uint32_t> W(size_t(N) * words);
   std::vector<uint16_t> S(size_t(N) * gpr), B(size_t(N) * gpr);
   std::uniform_int_distribution<uint32_t> bits;
@@ -35,16 +35,20 @@ static void run_case(int K, int gs, int rows, int nt, std::mt19937& rng) {
   for (auto& x : X) x = normal(rng);
   std::vector<uint8_t> smem = ms_emu_stage(X.data(), K, rows, nt, K);
   ms_emu_xsum(smem, K, nt, ntiles);
-  const std::vector<double> y =
-      ms_emu_tile(W.data(), words, S.data(), B.data(), gpr, 0, 0, 0, K / MS_SEG_VALS, gshift, smem, K, nt, ntiles);
-  for (int o = 0; o < N; ++o)
-    for (int j = 0; j < rows; ++j) {
-      double mag;
-      const double ref = q4_row_dot(&W[size_t(o) * words], &S[size_t(o) * gpr], &B[size_t(o) * gpr], &X[size_t(j) * K],
-                                    K, gs, mag);
-      const double got = y[size_t(o) * nt * 8 + j];
-      expect(std::fabs(got - ref) <= 1e-6 * (mag + 1e-30), "frag y vs reference", got, ref);
-    }
+  const int rbase[2] = {0, 16};  // the plain kernel's two tiles of a warp
+  for (int t = 0; t < 2; ++t) {
+    const std::vector<double> y = ms_emu_tile(W.data(), words, S.data(), B.data(), gpr, rbase, t, 0, 0,
+                                              K / MS_SEG_VALS, gshift, smem, K, nt, ntiles);
+    for (int o = 0; o < 16; ++o)
+      for (int j = 0; j < rows; ++j) {
+        const int row = rbase[t] + o;
+        double mag;
+        const double ref = q4_row_dot(&W[size_t(row) * words], &S[size_t(row) * gpr], &B[size_t(row) * gpr],
+                                      &X[size_t(j) * K], K, gs, mag);
+        const double got = y[size_t(o) * nt * 8 + j];
+        expect(std::fabs(got - ref) <= 1e-6 * (mag + 1e-30), "frag y vs reference", got, ref);
+      }
+  }
   std::printf("ok  frag K=%d gs=%d rows=%d NT=%d\n", K, gs, rows, nt);
 }
 

@@ -6,11 +6,13 @@
 //   ms_emu_xsum:  ms_xsum's block sums (an A of ones over the block's B fragments, lanes g = 0 storing row 0
 //                 at ms_xsum_at), every xsum slot of the live tiles written exactly once;
 //   ms_emu_tile:  a 16-row A tile over nseg segments: per segment and lane the kernel's loads (two 8-byte
-//                 units at bytes 32b + 8c of each row g, g+8; the scale/bias word of ms_load: G64 one 32-bit
-//                 word of the two blocks' values, else the group's value twice), per block b the steps
+//                 units at bytes 32b + 8c of each row g, g+8; the scale/bias word of ms_load, of the lane's
+//                 row (tile c >> 1, row g + 8 (c & 1)): G64 one 32-bit word of the two blocks' values, else the
+//                 group's value twice), per block b the steps
 //                 m = 2b, 2b+1 with A = bf16(128 + q) (ms_a_bits, then the lop3's bits decoded) and B
 //                 (ms_b_frag of the chunk at the segment's slot 4m + c), D accumulated in double, then
-//                 ms_block's epilogue y += s*D + (b - 128 s)*xsum read at the kernel's xsum address.
+//                 ms_block's epilogue y += s*D + (b - 128 s)*xsum, s and b converted by the lane that loaded
+//                 them and taken from lane ms_sb_lane(t, r) of the quad, xsum read at the kernel's address.
 #pragma once
 #include <cstring>
 #include <vector>
@@ -79,12 +81,14 @@ static uint16_t ms_emu_sb(const uint16_t* arr, uint32_t sbi, int seg, int b, int
   return arr[sbi + lily::cuda::ms_group(seg, gshift)];
 }
 
-// A 16-row A tile (rows r0 .. r0 + 15 of W, `words` U32 a row; scales S, biases B, `gpr` a row) over segments
-// seg0 .. seg0 + nseg - 1 (group index of the first: grp0) against ntiles live n8 tiles of the staging (nt of
-// room, Kp values a row): returns y[row][8 n + col] as the lanes' registers hold it.
+// A tile t of a warp's two 16-row A tiles (first rows rbase[0], rbase[1] of W, `words` U32 a row; scales S,
+// biases B, `gpr` a row) over segments seg0 .. seg0 + nseg - 1 (group index of the first: grp0) against ntiles
+// live n8 tiles of the staging (nt of room, Kp values a row): returns y[row][8 n + col] as the lanes'
+// registers hold it.
 static std::vector<double> ms_emu_tile(const uint32_t* W, int words, const uint16_t* S, const uint16_t* B, int gpr,
-                                       int r0, int seg0, int grp0, int nseg, int gshift,
+                                       const int (&rbase)[2], int t, int seg0, int grp0, int nseg, int gshift,
                                        const std::vector<uint8_t>& smem, int Kp, int nt, int ntiles) {
+  const int r0 = rbase[t];
   const size_t stride = lily::cuda::ms_row_bytes(Kp), xq = lily::cuda::ms_xsum_offset(Kp, nt);
   const int cols = nt * 8;
   std::vector<double> y(size_t(16) * cols, 0.0);
@@ -120,15 +124,23 @@ static std::vector<double> ms_emu_tile(const uint32_t* W, int words, const uint1
               D[size_t(r) * cols + col] += acc;
             }
         }
-      // ms_block's epilogue, lane by lane: acc[n][i] is row g + 8 (i >> 1), column 8n + 2c + (i & 1)
+      // each lane's converted scale and b - 128 s: its row is tile c >> 1, row g + 8 (c & 1)
+      double s1[32], o1[32];
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        const uint32_t sbi = uint32_t((rbase[c >> 1] + g + 8 * (c & 1)) * gpr + grp0);
+        s1[lane] = bf16_to_f(ms_emu_sb(S, sbi, seg, b, gshift));
+        o1[lane] = -128.0 * s1[lane] + bf16_to_f(ms_emu_sb(B, sbi, seg, b, gshift));
+      }
+      // ms_block's epilogue, lane by lane: acc[n][i] is row g + 8 (i >> 1), column 8n + 2c + (i & 1); s and o of
+      // row half r from lane ms_sb_lane(t, r) of the quad
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, c = lane % 4;
         for (int n = 0; n < ntiles; ++n)
           for (int i = 0; i < 4; ++i) {
             const int row = g + 8 * (i >> 1), col = 8 * n + 2 * c + (i & 1);
-            const uint32_t sbi = uint32_t((r0 + row) * gpr + grp0);
-            const double s = bf16_to_f(ms_emu_sb(S, sbi, seg, b, gshift));
-            const double o = -128.0 * s + bf16_to_f(ms_emu_sb(B, sbi, seg, b, gshift));
+            const int src = 4 * g + lily::cuda::ms_sb_lane(t, i >> 1);
+            const double s = s1[src], o = o1[src];
             // the kernel's xsum address: xq + 8c, + seg * 2 NT * 32, + ms_xsum_at(b, 8n), + 4 (i & 1)
             const size_t at =
                 xq + 8 * c + size_t(seg) * 2 * nt * 32 + lily::cuda::ms_xsum_at(b, 8 * n, nt) + 4 * (i & 1);

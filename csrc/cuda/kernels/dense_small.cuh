@@ -96,19 +96,16 @@ __global__ void __launch_bounds__(MS_THREADS, DS_CTAS_PER_SM)
   MsRows rr;
   {
     const int64_t wpr = K / 8, gpr = K / a.w.group_size;
+    const auto row_of = [&](int t, int h) { return live ? o0 + 16 * t + g + 8 * h : 0; };
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      rr.sc[t] = static_cast<const uint16_t*>(a.w.scales);
-      rr.bi[t] = static_cast<const uint16_t*>(a.w.biases);
+    for (int t = 0; t < 2; ++t)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = live ? o0 + 16 * t + g + 8 * h : 0;
-        // the K-part's first segment (8 uint2) and group of the row
-        rr.w[t][h] = reinterpret_cast<const uint2*>(static_cast<const uint32_t*>(a.w.w) + row * wpr) + c +
+      for (int h = 0; h < 2; ++h)  // the K-part's first segment (8 uint2) of the row
+        rr.w[t][h] = reinterpret_cast<const uint2*>(static_cast<const uint32_t*>(a.w.w) + row_of(t, h) * wpr) + c +
                      ds_seg0(kz, nseg) * 8;
-        rr.sbi[t][h] = uint32_t(row * gpr + ds_group0(kz, Kp, gshift));
-      }
-    }
+    rr.sc = static_cast<const uint16_t*>(a.w.scales);
+    rr.bi = static_cast<const uint16_t*>(a.w.biases);
+    rr.sbi = uint32_t(row_of(c >> 1, c & 1) * gpr + ds_group0(kz, Kp, gshift));  // the K-part's first group
   }
   MsStage st[2];
   if (live) ms_load<G64>(st[0], rr, 0, nseg, gshift);  // constant weights: before pdl_wait

@@ -91,6 +91,9 @@ __host__ __device__ constexpr int ms_xsum_at(int blk, int j, int nt) { return (b
 __host__ __device__ constexpr int ms_slot(int J) {
   return (J & ~15) | (((J >> 3) & 1) << 3) | ((J & 1) << 2) | ((J >> 1) & 3);
 }
+// The lane of a quad (c) whose loads hold the scale and bias of A tile t, row g + 8r (ms_load: lane c loads those
+// of tile c >> 1, row half c & 1; ms_block shuffles them to the quad).
+__host__ __device__ constexpr int ms_sb_lane(int t, int r) { return 2 * t + r; }
 // Weight group of segment seg's first block (gshift = log2 group size >= 6; gs >= 128: of both blocks).
 __host__ __device__ constexpr int ms_group(int seg, int gshift) { return (2 * seg) >> (gshift - 6); }
 // The A registers of mma h of word m, before wg_q128_pair: rows g (w0) and g+8 (w1) shifted so that the
@@ -124,20 +127,20 @@ __device__ __forceinline__ void mma_bf16_16816_first(float (&d)[4], const uint32
 }
 
 // One unit of a lane's loads: per segment and A tile, its 2 x 8 bytes of rows g and g+8 (as ms_segment's
-// uint4) and their scales and biases of blocks 0 (low half) and 1 (high half), bf16.
+// uint4); per segment the scales and biases of blocks 0 (low half) and 1 (high half), bf16, of one row: tile
+// c >> 1, row g + 8 (c & 1) (ms_sb_lane: the 4 lanes of a quad hold the 4 rows' values once).
 struct MsStage {
   uint4 w[MS_SPU][2][2];     // [segment][tile][row g / g+8]
-  uint32_t sc[MS_SPU][2][2];
-  uint32_t bi[MS_SPU][2][2];
+  uint32_t sc[MS_SPU], bi[MS_SPU];
 };
 
-// Where a lane reads, per tile and row (g, g+8): the row's 8-byte units at the lane's c in block 0 of segment
-// 0, and the index of its group 0 in the tile's scales and biases.
+// Where a lane reads: per tile and row (g, g+8) the row's 8-byte units at the lane's c in block 0 of segment
+// 0; the scales and biases of its row (tile c >> 1, row g + 8 (c & 1)) and the index of the row's group 0.
 struct MsRows {
   const uint2* w[2][2];
-  uint32_t sbi[2][2];
-  const uint16_t* sc[2];
-  const uint16_t* bi[2];
+  const uint16_t* sc;
+  const uint16_t* bi;
+  uint32_t sbi;
 };
 
 // G64 (gs = 64): a segment's two scales (biases) are one aligned 32-bit word (the host keeps K % 128 == 0 and
@@ -154,16 +157,16 @@ __device__ __forceinline__ void ms_load(MsStage& st, const MsRows& r, int seg0, 
         const uint2* p = r.w[t][h] + seg * 8;
         const uint2 lo = ld_stream_v2(p), hi = ld_stream_v2(p + 4);
         st.w[s][t][h] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-        if constexpr (G64) {
-          const uint32_t i = (r.sbi[t][h] >> 1) + uint32_t(seg);
-          st.sc[s][t][h] = __ldg(reinterpret_cast<const uint32_t*>(r.sc[t]) + i);
-          st.bi[s][t][h] = __ldg(reinterpret_cast<const uint32_t*>(r.bi[t]) + i);
-        } else {
-          const uint32_t i = r.sbi[t][h] + uint32_t(ms_group(seg, gshift));
-          st.sc[s][t][h] = uint32_t(__ldg(r.sc[t] + i)) * 0x10001u;
-          st.bi[s][t][h] = uint32_t(__ldg(r.bi[t] + i)) * 0x10001u;
-        }
       }
+    if constexpr (G64) {
+      const uint32_t i = (r.sbi >> 1) + uint32_t(seg);
+      st.sc[s] = __ldg(reinterpret_cast<const uint32_t*>(r.sc) + i);
+      st.bi[s] = __ldg(reinterpret_cast<const uint32_t*>(r.bi) + i);
+    } else {
+      const uint32_t i = r.sbi + uint32_t(ms_group(seg, gshift));
+      st.sc[s] = uint32_t(__ldg(r.sc + i)) * 0x10001u;
+      st.bi[s] = uint32_t(__ldg(r.bi + i)) * 0x10001u;
+    }
   }
 }
 
@@ -171,10 +174,10 @@ __device__ __forceinline__ void ms_load(MsStage& st, const MsRows& r, int seg0, 
 // from the staged rows: xs, the shared address of row g of n8 tile 0 at the segment, row stride `stride`)
 // into acc from zero, then y += s*acc + (b - 128 s)*xsum (xq: shared address of the segment's xsum[2 seg][2c];
 // lane (g, c): acc[t][n][i] is row g + 8 (i >> 1), column 8n + 2c + (i & 1)).
+// sc, bi: the lane's scale and bias words (ms_load), shuffled to the quad after conversion.
 template <int NT, int LIVE, int T0, int TN>
-__device__ __forceinline__ void ms_block(const uint4 (&w)[2][2], const uint32_t (&sc)[2][2], const uint32_t (&bi)[2][2],
-                                         int b, uint32_t xs, uint32_t xq, uint32_t stride, int c,
-                                         float (&y)[2][NT][4]) {
+__device__ __forceinline__ void ms_block(const uint4 (&w)[2][2], uint32_t sc, uint32_t bi, int b, uint32_t xs,
+                                         uint32_t xq, uint32_t stride, int c, float (&y)[2][NT][4]) {
   float acc[TN][LIVE][4];
 #pragma unroll
   for (int m = 2 * b; m < 2 * b + 2; ++m) {
@@ -203,14 +206,15 @@ __device__ __forceinline__ void ms_block(const uint4 (&w)[2][2], const uint32_t 
       }
     }
   }
+  const float s1 = __uint_as_float(b ? sc & 0xFFFF0000u : sc << 16);  // the lane's row (ms_sb_lane)
+  const float o1 = fmaf(-128.f, s1, __uint_as_float(b ? bi & 0xFFFF0000u : bi << 16));
   float s[TN][2], o[TN][2];  // [tile][row g / g+8]: scale, b - 128 s
 #pragma unroll
   for (int t = 0; t < TN; ++t)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t sv = sc[T0 + t][r], bv = bi[T0 + t][r];
-      s[t][r] = __uint_as_float(b ? sv & 0xFFFF0000u : sv << 16);
-      o[t][r] = fmaf(-128.f, s[t][r], __uint_as_float(b ? bv & 0xFFFF0000u : bv << 16));
+      s[t][r] = __shfl_sync(0xFFFFFFFFu, s1, ms_sb_lane(T0 + t, r), 4);
+      o[t][r] = __shfl_sync(0xFFFFFFFFu, o1, ms_sb_lane(T0 + t, r), 4);
     }
 #pragma unroll
   for (int n = 0; n < LIVE; ++n) {
@@ -229,9 +233,8 @@ __device__ __forceinline__ void ms_block(const uint4 (&w)[2][2], const uint32_t 
 // both A tiles at once, or (LIVE >= 3: fewer live registers) one after the other, reading the B fragments
 // twice.
 template <int NT, int LIVE>
-__device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_t (&sc)[2][2],
-                                           const uint32_t (&bi)[2][2], uint32_t xs, uint32_t xq, uint32_t stride,
-                                           int c, float (&y)[2][NT][4]) {
+__device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], uint32_t sc, uint32_t bi, uint32_t xs, uint32_t xq,
+                                           uint32_t stride, int c, float (&y)[2][NT][4]) {
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     if constexpr (LIVE >= 3) {
@@ -409,18 +412,18 @@ __global__ void __launch_bounds__(MS_THREADS, 2) moe_small_kernel(const LinearAr
   MsRows rr;
   {
     const int64_t wpr = K / 8, gpr = K / a.w.group_size;
+    const auto row_of = [&](int t, int h) { return e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0); };
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const WeightView& m = GATED && t == 1 ? a.up : a.w;
-      rr.sc[t] = static_cast<const uint16_t*>(m.scales);
-      rr.bi[t] = static_cast<const uint16_t*>(m.biases);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = e * N + (live ? o0 + (GATED ? 0 : 16 * t) + g + 8 * h : 0);
-        rr.w[t][h] = reinterpret_cast<const uint2*>(static_cast<const uint32_t*>(m.w) + row * wpr) + c;
-        rr.sbi[t][h] = uint32_t(row * gpr);
-      }
+      for (int h = 0; h < 2; ++h)
+        rr.w[t][h] = reinterpret_cast<const uint2*>(static_cast<const uint32_t*>(m.w) + row_of(t, h) * wpr) + c;
     }
+    const WeightView& m = GATED && c >> 1 ? a.up : a.w;  // the lane's scale row: tile c >> 1, row half c & 1
+    rr.sc = static_cast<const uint16_t*>(m.scales);
+    rr.bi = static_cast<const uint16_t*>(m.biases);
+    rr.sbi = uint32_t(row_of(c >> 1, c & 1) * gpr);
   }
   MsStage st[2];
   if (live) ms_load<G64>(st[0], rr, 0, nseg, gshift);  // constant weights: before pdl_wait
