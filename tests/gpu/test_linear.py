@@ -72,14 +72,14 @@ DS_MAX_TOKENS = 32  # kernels/dense_small.cuh
 
 def dense_small(m: dict, T: int) -> bool:
     """Whether T tokens of m take the dense short-prompt kernel (linear.cu's dense_small_matrix): T = 2..32,
-    4-bit with BF16 scales, a power-of-two group >= 32, rows a multiple of 32 up to 16384 (not the vocabulary
+    4-bit with BF16 scales, a power-of-two group >= 64 (its exact-q blocks of 64 values), rows a multiple of 32 up to 16384 (not the vocabulary
     head), whole 128-value segments, and a K split (dense_small.cuh's ds_splits: up to 8 parts of whole
     segments and groups) whose staged X (8 rows a started n8 tile, 2 Kp + 64 bytes a row) and partials
     (8 rows a tile x 132 floats) fit 110 KB."""
     rows, cols, group = m["rows"], m["cols"], m.get("group_size", 0)
     if not (2 <= T <= DS_MAX_TOKENS and m.get("bits", 0) == 4 and m.get("scale_dtype") == "BF16"):
         return False
-    if group < 32 or group & (group - 1) or rows % 32 or rows > 16384 or cols % 128:
+    if group < 64 or group & (group - 1) or rows % 32 or rows > 16384 or cols % 128:
         return False
     ks = 1
     while 2 * ks <= 8 and cols % (2 * ks * 128) == 0 and (cols // (2 * ks)) % group == 0:
@@ -370,8 +370,9 @@ def test_linear_add_tokens(T):
 # dense shapes (in_proj_qkv / q 8192 x 2048, the stacked in_proj 12352 x 2048, in_proj_z 4096 x 2048,
 # out_proj / o_proj 2048 x 4096, k / v and the shared expert's gate / up 512 x 2048, its down 2048 x 512,
 # GDN's in_proj_b / in_proj_a 32 x 2048) and K = 8192 at T = 2..32 (one to four n8 tiles, partial ones;
-# K split 1..8 ways over a cluster), groups 32 / 64 / 128, both stack entries: against the CPU (bf16
-# operands, as the wgmma GEMM) and deterministic (the K-parts summed in rank order).
+# K split 1..8 ways over a cluster), groups 64 / 128 (32: the other paths), both stack entries: against the CPU
+# (exact-q: x bf16 as the wgmma GEMM rounds it, the weights exact) and deterministic (the K-parts summed in
+# rank order).
 DS_SHAPES = [(8192, 2048), (12352, 2048), (4096, 2048), (2048, 4096), (512, 2048), (2048, 512), (32, 2048),
              (2048, 8192)]
 
@@ -392,16 +393,19 @@ def test_linear_dense_small(rows, cols, T, gpu_tol):
         assert np.array_equal(y, ops.linear(wg, e, x))
 
 
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [32, 128, 256])
 @pytest.mark.parametrize("T", [5, 24])
 def test_linear_dense_small_groups(group, T, gpu_tol):
+    # groups of 128 / 256: one scale a segment (ms_load's non-G64 loads); 32: refused (a 64-value block of the
+    # exact-q math must be one group), the multi-token GEMV or the wgmma GEMM instead
     rng = np.random.default_rng(group + T)
     m = random_matrix(rng, 2, 1024, 1024, 4, group, "BF16")
-    assert dense_small(m, T)
+    assert dense_small(m, T) == (group >= 64)
+    assert (path_of(m, T) == "linear_dense_small") == (group >= 64)
     wc, wg = both(m)
     x = rng.standard_normal((T, 1024)).astype(np.float32) * np.exp2(rng.integers(-6, 7, (T, 1024)))
     for e in (0, 1):
-        check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_dense_small", gpu_tol)
+        check(ops.linear(wg, e, x), ops.linear(wc, e, x), path_of(m, T), gpu_tol)
 
 
 # The routing's boundaries: T = 1 (the one-token integer GEMV), 33 (the wgmma GEMM), rows that are not whole
@@ -520,8 +524,8 @@ def test_embedding_clamps_ids():
     (4096, 32, 128, 2048, 64, 4),  # GDN out_proj at a 4K prefill: 128-row tiles
     (300, 32, 128, 2048, 64, 4),   # 64-row tiles, a partial last tile
     (40, 32, 128, 2048, 64, 4),    # T <= 64: split-K, its partials after X in the workspace
-    (33, 4, 128, 320, 32, 4),      # the fewest rows the GEMM takes at 4 bits (T <= 32: dense_small); group 32,
-                                   # a partial column tile
+    (33, 4, 128, 320, 32, 4),      # the fewest rows the GEMM takes at 4 bits (T <= 32: dense_small from group
+                                   # 64); group 32, a partial column tile
     (100, 4, 24, 256, 32, 4),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
     (300, 32, 128, 2048, 64, 8),   # 8-bit weights read the same Xb
     (40, 32, 128, 2048, 32, 8),    # 8-bit, split-K, group 32

@@ -99,8 +99,9 @@ def real_moe():
 
 @pytest.mark.parametrize("T", [17, 64, 146, 300, 400])
 def test_moe_small_real_dims(real_moe, T, gpu_tol):
-    # the few-rows kernels against the CPU and against the wgmma path (the same bf16 operands, another
-    # summation order: close, not equal, which also shows that the new path ran); deterministic
+    # the few-rows kernels against the CPU and against the wgmma path (exact-q: the same bf16 x, the weights
+    # exact where the wgmma GEMM rounds them to bf16, another summation order: close, not equal, which also
+    # shows that the new path ran); deterministic
     cpu, gpu = real_moe
     rng = np.random.default_rng(3000 + T)
     h = rng.standard_normal((T, 2048)).astype(np.float32)

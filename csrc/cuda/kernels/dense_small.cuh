@@ -3,27 +3,28 @@
 // for T = 2..DS_MAX_TOKENS tokens, W 4-bit MLX affine [N, K/8] U32 with BF16 scales/biases [N, K/gs], X [T, K]
 // F32 rows (a.x, a.ldx), Y [T, N] F32 rows (a.y, a.ldy). Each weight byte is read once for all T tokens.
 //
-// Fragments: moe_small.cuh's plain product, unchanged (the weights as the A operand of mma.sync m16n8k16
-// BF16, dequantized in registers by wg_dequant_pair; the tokens' X as Xb rows in shared memory, the B
-// operand in n8 tiles; ms_load / ms_units / ms_segment / ms_stage): a warp owns output rows o0 = 32 w' and
-// o0 + 16 (w' = 4 * blockIdx.x + warp), a CTA DS_SLICE_ROWS = 128 rows.
+// Fragments: moe_small.cuh's plain product (the weights as the A operand of mma.sync m16n8k16 BF16, exact
+// 128 + q, scaled per 64-value block in fp32 with the staged rows' block sums; the tokens' X as Xb rows in
+// shared memory, the B operand in n8 tiles; ms_load / ms_units / ms_segment / ms_stage / ms_xsum): a warp
+// owns output rows o0 = 32 w' and o0 + 16 (w' = 4 * blockIdx.x + warp), a CTA DS_SLICE_ROWS = 128 rows.
 //
 // Work. Grid (ceil(N / 128) row slices, ks K-parts), launched as clusters of (1, ks, 1): CTA kz of a slice
 // covers values [kz * Kp, (kz + 1) * Kp), Kp = K / ks (whole segments and whole weight groups): it stages
 // only that range of X (NT n8 tiles of rows, T rounded up to 8; the padding rows zero) and streams only
-// that range of its rows' weights, the first unit loaded before pdl_wait (constant weights). ks (ds_splits):
-// doubled while the CTAs still fit two an SM, at most DS_MAX_SPLITS (a portable cluster), so that short
-// prompts' products with few rows still run on every SM; doubled further where the staged X would not fit.
+// that range of its rows' weights, the first unit loaded before pdl_wait (constant weights); the staged rows'
+// block sums follow them (ms_xsum). ks (ds_splits): doubled while the CTAs still fit two an SM, at most
+// DS_MAX_SPLITS (a portable cluster), so that short prompts' products with few rows still run on every SM;
+// doubled further where the staged X would not fit.
 // Reduction (deterministic): each CTA writes its fp32 partials P[j][o'] (token j < 8 NT, slice row o' < 128,
 // row stride DS_P_STRIDE floats) into its own shared memory; after a cluster barrier CTA kz sums, for its
 // 1/ks share of the (j, o') elements, the ks CTAs' partials in rank order 0..ks-1 (distributed shared
 // memory) and stores (or adds) y[j, o] for j < T, o < N, consecutive threads on consecutive o (coalesced);
 // a second cluster barrier keeps every CTA's shared memory alive until all have read it. ks = 1: the same
 // with __syncthreads and the CTA's own partials.
-// Precision: bf16 operands (w rounded once as the wgmma GEMM rounds it, x rounded once as every prefill above
-// 16 tokens rounds it), fp32 accumulation in the mma and in the K-part sum (docs/numerics.md).
-// Host conditions (use_dense_small): 4 bits, BF16 scales, gs a power of two >= 32 dividing Kp, K % 128 == 0,
-// N % 32 == 0 (a warp's rows all real or all past N), 16-byte aligned W and X rows.
+// Precision: moe_small.cuh's (exact q, bf16 x rounded once as every prefill above 16 tokens rounds it, fp32
+// accumulation over a block, scale and bias in fp32), fp32 in the K-part sum (docs/numerics.md).
+// Host conditions (use_dense_small): 4 bits, BF16 scales and biases (4-byte aligned), gs a power of two >= 64
+// dividing Kp, K % 128 == 0, N % 32 == 0 (a warp's rows all real or all past N), 16-byte aligned W and X rows.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -46,7 +47,8 @@ constexpr size_t DS_MAX_SMEM = 110 * 1024;      // a CTA's shared memory, two an
 constexpr int64_t DS_MAX_ROWS = 16384;
 
 __host__ __device__ constexpr int ds_tiles(int64_t T) { return int((T + 7) / 8); }
-// Shared memory of a CTA: NT n8 tiles of staged X rows of Kp values, then the partials [8 NT][DS_P_STRIDE].
+// Shared memory of a CTA: NT n8 tiles of staged X rows of Kp values and their block sums (ms_smem_bytes), then
+// the partials [8 NT][DS_P_STRIDE].
 __host__ __device__ constexpr size_t ds_smem_bytes(int64_t Kp, int nt) {
   return ms_smem_bytes(Kp, nt) + size_t(nt) * 8 * DS_P_STRIDE * 4;
 }

@@ -16,8 +16,12 @@
 // Math ("exact q"). Per weight group of 64 values (a block; gs >= 128: its blocks share s, b) and output o:
 //   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (b - 128 s) * xsum,   xsum = sum_k x_k over the block,
 // w_k = s*q_k + b. The mma's A operand is bf16(128 + q), exact, built by one lop3 a register (wg_q128_pair);
-// x_k are the staged bf16 values, xsum their fp32 sum (ms_xsum, once a pass); a block's mma steps accumulate
-// from zero into `acc`, then y += s*acc + (b - 128 s)*xsum in fp32 (ms_segment's epilogue).
+// x_k are the staged bf16 values, xsum their fp32 sum (ms_xsum, once a pass); a block's 4 mma steps
+// accumulate from zero into `acc`, then y += s*acc + (b - 128 s)*xsum in fp32 (ms_block's epilogue: lane
+// (g, c) holds rows g, g+8 and columns 2c, 2c+1 of acc; the scale and bias of the quad's 4 rows (2 tiles x
+// g, g+8) are loaded once a quad, lane ms_sb_lane(t, r) holding tile t's row g + 8r, converted by it and
+// shuffled). Per segment and A tile this replaces the per-element dequantization (2 bf16x2 fma a register:
+// 64 a segment and tile) by 8 fp32 fma per n8 tile and block.
 //
 // Layout. A row segment = 64 bytes (128 values) = blocks b = 0, 1 of 32 bytes; lane (g = lane/4, c = lane%4)
 // loads 8 bytes of each block (bytes 32b + 8c: two ld.v2) in rows g and g+8 of a 16-row tile, held as one
@@ -44,11 +48,13 @@
 // x_rows; or converted from F32 a.x), __syncthreads, their block sums (ms_xsum: mma with an A of ones),
 // __syncthreads, then each warp runs the K segments (ms_units) in units of MS_SPU segments, the loads of unit
 // u+1 in flight while unit u computes (gemv_mma.cuh's double buffer); the first unit of the first pass is
-// loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped (warp-uniform). Rows
-// past N: the warp loads none and stores none (the host keeps N % 16 == 0 gated, N % 32 == 0 plain).
-// Precision: exact q, bf16 x (rounded once), fp32 accumulation in the mma over a block, the scale and bias
-// applied in fp32 (xsum fp32, from the tensor cores' fp32 sum): more accurate than rounding each w = s*q + b
-// to bf16 (the wgmma GEMM's operands); not bit-identical to it (~1e-3 relative: x's rounding dominates).
+// loaded before pdl_wait (constant weights). n8 tiles past the pass's rows are skipped: one loop per live
+// count (ms_units_live<LIVE>), so no mma or epilogue is predicated. Rows past N: the warp loads none and
+// stores none (the host keeps N % 16 == 0 gated, N % 32 == 0 plain).
+// Precision: exact q (128 + q in bf16), bf16 x (rounded once, as the wgmma GEMM rounds it), fp32 accumulation
+// in the mma over a 64-value block, scale and bias applied in fp32 (xsum fp32, summed by the tensor cores):
+// more accurate than the wgmma GEMM's operands, which round each w = s*q + b to bf16; so not bit-identical to
+// it (~1e-3 relative, x's rounding dominating both). docs/numerics.md.
 #pragma once
 #include <cstdint>
 
