@@ -72,10 +72,10 @@ DS_MAX_TOKENS = 32  # kernels/dense_small.cuh
 
 def dense_small(m: dict, T: int) -> bool:
     """Whether T tokens of m take the dense short-prompt kernel (linear.cu's dense_small_matrix): T = 2..32,
-    4-bit with BF16 scales, a power-of-two group >= 64 (its exact-q blocks of 64 values), rows a multiple of 32 up to 16384 (not the vocabulary
-    head), whole 128-value segments, and a K split (dense_small.cuh's ds_splits: up to 8 parts of whole
-    segments and groups) whose staged X (8 rows a started n8 tile, 2 Kp + 64 bytes a row) and partials
-    (8 rows a tile x 132 floats) fit 110 KB."""
+    4-bit with BF16 scales, a power-of-two group >= 64 (its exact-q blocks of 64 values), rows a multiple of
+    32 up to 16384 (not the vocabulary head), whole 128-value segments, and a K split (dense_small.cuh's
+    ds_splits: up to 8 parts of whole segments and groups) whose staged X (8 rows a started n8 tile, 2 Kp +
+    64 bytes a row, and Kp / 64 fp32 block sums a row) and partials (8 rows a tile x 132 floats) fit 110 KB."""
     rows, cols, group = m["rows"], m["cols"], m.get("group_size", 0)
     if not (2 <= T <= DS_MAX_TOKENS and m.get("bits", 0) == 4 and m.get("scale_dtype") == "BF16"):
         return False
@@ -85,7 +85,7 @@ def dense_small(m: dict, T: int) -> bool:
     while 2 * ks <= 8 and cols % (2 * ks * 128) == 0 and (cols // (2 * ks)) % group == 0:
         ks *= 2
     nt = (T + 7) // 8
-    return nt * 8 * (2 * cols // ks + 64) + nt * 8 * 132 * 4 <= 110 * 1024
+    return nt * 8 * (2 * cols // ks + 64 + cols // ks // 64 * 4) + nt * 8 * 132 * 4 <= 110 * 1024
 
 
 def path_of(m: dict, T: int) -> str:
