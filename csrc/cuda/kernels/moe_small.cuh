@@ -70,10 +70,10 @@ constexpr int MS_THREADS = 128, MS_WARPS = MS_THREADS / 32;
 constexpr int MS_SPU = 2;  // segments per pipeline unit
 constexpr int MS_SEG_VALS = 128;
 
-// n8 tiles a pass takes (NT) for `rows` routed rows over E experts: 2 (16 rows, 66 KB staged at K = 2048) up
-// to MS_WIDE_ROWS average rows an expert, else 3 (24 rows, 100 KB; two CTAs an SM still fit): fewer passes
-// over the weights for the busier experts of longer prompts. An estimate, to be tuned by measurement
-// (benchmarks/gemm_lab.cu).
+// n8 tiles a pass takes (NT) for `rows` routed rows over E experts: 2 (16 rows, 67 KB staged at K = 2048 with
+// the block sums) up to MS_WIDE_ROWS average rows an expert, else 3 (24 rows, 101 KB; two CTAs an SM still
+// fit): fewer passes over the weights for the busier experts of longer prompts. An estimate, to be tuned by
+// measurement (benchmarks/gemm_lab.cu).
 constexpr int64_t MS_WIDE_ROWS = 8;
 __host__ __device__ constexpr int ms_pass_tiles(int64_t rows, int64_t E) { return rows <= MS_WIDE_ROWS * E ? 2 : 3; }
 
