@@ -728,19 +728,28 @@ static void gated_row(Problem& p, bool timed) {
 // BM column: the rows a pass).
 static bool g_small = false;
 
-// moe.cu's launch_moe_small: ms_plan's kernel, the ring as deep as K (2048 gated, 512 down) leaves room for.
-template <class Kernel>
-static void launch_small_kernel(Kernel kernel, const char* name, const LinearArgs& a, int64_t E, int64_t K, int nt,
-                                int64_t cta_rows, size_t smem) {
+// moe.cu's launch_moe_small: ms_plan's kernel, the ring as deep as K (2048 gated, 512 down) leaves room for;
+// each instance configured once (the carveout to max shared for the ring kernels only), its occupancy printed.
+template <bool GATED, int NT, bool RING>
+static void launch_small_nt(const LinearArgs& a, int64_t E) {
+  constexpr int64_t K = GATED ? 2048 : 512;
+  constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
+  const auto kernel = [] {
+    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
+    else return moe_small_kernel<GATED, NT>;
+  }();
+  constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
+  constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    if (RING) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     int per_sm = 0;
     cudaFuncAttributes fa;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, smem));
     CK(cudaFuncGetAttributes(&fa, kernel));
-    std::printf("%s, NT %d: %zu B shared, %d registers, %d CTAs an SM\n", name, nt, smem, fa.numRegs, per_sm);
+    std::printf("%s, NT %d, R %d: %zu B shared, %d registers, %d CTAs an SM\n",
+                RING ? "moe_small_ring_kernel" : "moe_small_kernel", NT, R, smem, fa.numRegs, per_sm);
     configured = true;
   }
   if (a.w.cols != K) {
@@ -748,19 +757,6 @@ static void launch_small_kernel(Kernel kernel, const char* name, const LinearArg
     std::exit(1);
   }
   kernel<<<dim3(unsigned((a.w.rows + cta_rows - 1) / cta_rows), unsigned(E)), MS_THREADS, smem>>>(a);
-}
-
-template <bool GATED, int NT, bool RING>
-static void launch_small_nt(const LinearArgs& a, int64_t E) {
-  constexpr int64_t K = GATED ? 2048 : 512;
-  if constexpr (RING) {
-    constexpr int R = ms_ring_units(GATED, K, NT);
-    launch_small_kernel(moe_small_ring_kernel<GATED, NT, R>, "moe_small_ring_kernel", a, E, K, NT,
-                        ms_ring_cta_rows(GATED), ms_kernel_smem(K, NT, R));
-  } else {
-    launch_small_kernel(moe_small_kernel<GATED, NT>, "moe_small_kernel", a, E, K, NT, ms_slice_rows(GATED),
-                        ms_smem_bytes(K, NT));
-  }
 }
 
 static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
