@@ -728,30 +728,50 @@ static void gated_row(Problem& p, bool timed) {
 // BM column: the rows a pass).
 static bool g_small = false;
 
-template <bool GATED, int NT>
+// moe.cu's launch_moe_small: ms_plan's kernel, the ring as deep as K (2048 gated, 512 down) leaves room for;
+// each instance configured once (the carveout to max shared for the ring kernels only), its occupancy printed.
+template <bool GATED, int NT, bool RING>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
+  constexpr int64_t K = GATED ? 2048 : 512;
+  constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
+  const auto kernel = [] {
+    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
+    else return moe_small_kernel<GATED, NT>;
+  }();
+  constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
+  constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
   static bool configured = false;
   if (!configured) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ms_smem_bytes(2048, NT))));
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    if (RING) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    int per_sm = 0;
+    cudaFuncAttributes fa;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, smem));
+    CK(cudaFuncGetAttributes(&fa, kernel));
+    std::printf("%s, NT %d, R %d: %zu B shared, %d registers, %d CTAs an SM\n",
+                RING ? "moe_small_ring_kernel" : "moe_small_kernel", NT, R, smem, fa.numRegs, per_sm);
     configured = true;
   }
-  const dim3 grid(unsigned((a.w.rows + ms_slice_rows(GATED) - 1) / ms_slice_rows(GATED)), unsigned(E));
-  kernel<<<grid, MS_THREADS, ms_smem_bytes(a.w.cols, NT)>>>(a);
+  if (a.w.cols != K) {
+    std::fprintf(stderr, "gemm_lab: moe_small is built for K = %lld, not %lld\n", (long long)K, (long long)a.w.cols);
+    std::exit(1);
+  }
+  kernel<<<dim3(unsigned((a.w.rows + cta_rows - 1) / cta_rows), unsigned(E)), MS_THREADS, smem>>>(a);
 }
 
 static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {
   LinearArgs a = p.args(copy);
   a.yb = yb;
   a.xb = xb;
-  const bool two = ms_pass_tiles(p.M, p.w->E) == 2;
-  if (p.up) {
+  const bool gated = p.up != nullptr;
+  const MsPlan plan = ms_plan(gated, p.M, p.w->E);
+  if (gated) {
     a.up = p.up->view(copy);
-    if (two) launch_small_nt<true, 2>(a, p.w->E);
-    else launch_small_nt<true, 3>(a, p.w->E);
+    if (plan.ring) launch_small_nt<true, 2, true>(a, p.w->E);
+    else launch_small_nt<true, 2, false>(a, p.w->E);
   } else {
-    if (two) launch_small_nt<false, 2>(a, p.w->E);
-    else launch_small_nt<false, 3>(a, p.w->E);
+    if (plan.nt == 2) launch_small_nt<false, 2, true>(a, p.w->E);
+    else launch_small_nt<false, 3, true>(a, p.w->E);
   }
   CK(cudaGetLastError());
 }
@@ -825,7 +845,7 @@ static void small_row(Problem& p, bool timed) {
                 p.name, (long long)bad, (long long)MN, err, vs, (long long)io_differ);
     ++g_failures;
   }
-  const int nt = ms_pass_tiles(p.M, p.w->E);
+  const int nt = ms_plan(p.up != nullptr, p.M, p.w->E).nt;
   if (!timed) {
     std::printf("| %s | %lld x %lld x %lld | moe_small NT=%d | | | | | | %.1e %s | vs tma %.1e, Xb %s |\n", p.name,
                 (long long)p.M, (long long)N, (long long)K, nt, err, ok ? "ok" : "FAIL", vs, io_differ ? "FAIL" : "ok");
@@ -917,8 +937,8 @@ int main(int argc, char** argv) {
       free_problem(p);
     }
     {  // (group 32 on the gated side: the GATED wgmma reference has no 32-wide instance)
-      Stack w(16, 512, 1024, 128, 1), wu(16, 512, 1024, 128, 1);
-      Problem p = moe("check moe_small gate+up group 128, K 1024", &w, 40, 4, true, 0, false, 64, &wu);
+      Stack w(16, 512, 2048, 128, 1), wu(16, 512, 2048, 128, 1);
+      Problem p = moe("check moe_small gate+up group 128", &w, 40, 4, true, 0, false, 64, &wu);
       small_row(p, false);
       free_problem(p);
     }

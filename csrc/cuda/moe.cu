@@ -294,12 +294,13 @@ constexpr int64_t MOE_SMALL_H = 2048, MOE_SMALL_I = 512, MOE_SMALL_E = 256;
 constexpr int MOE_SMALL_TOP_K = 8;
 
 // One product's matrix on moe_small_kernel: 4-bit affine, BF16 scales, whole 128-value segments, a power-of-two
-// group of 32 or more values, rows in whole warp tiles (gated 16, plain 32), scale indices within 32 bits.
+// group of 32 or more values, an even number of groups a row and 4-byte aligned scale and bias arrays (the
+// ring copies aligned pairs of them), rows in whole warp tiles (gated 16, plain 32).
 static bool moe_small_matrix(const WeightView& w, bool gated) {
   const int64_t gs = w.group_size;
   return is_fast_affine(w) && w.bits == 4 && w.cols % MS_SEG_VALS == 0 && gs >= 32 && (gs & (gs - 1)) == 0 &&
-         w.cols % gs == 0 && w.rows % (gated ? 16 : 32) == 0 &&
-         w.num_stack * w.rows * (w.cols / gs) < (int64_t(1) << 32);
+         w.cols % gs == 0 && (w.cols / gs) % 2 == 0 && reinterpret_cast<uintptr_t>(w.scales) % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(w.biases) % 4 == 0 && w.rows % (gated ? 16 : 32) == 0;
 }
 
 // Which routed products (g: gated gate/up over h's rows through x_rows, d: down over g's output) of T tokens
@@ -324,28 +325,43 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
   return m;
 }
 
-// One routed product on moe_small_kernel: grid (slices of the outputs, E experts), the rows of each expert
-// from the routing tables (a.tiles.row_end), NT n8 tiles a pass (ms_pass_tiles).
-template <bool GATED, int NT>
+// One routed product on the few-rows expert kernels: grid (slices of the outputs, E experts), the rows of
+// each expert from the routing tables (a.tiles.row_end), the kernel and NT n8 tiles a pass by ms_plan; the
+// ring as deep as the product's dims leave room for (K: use_moe_small's). Each instance sets its own
+// attributes once; only the ring kernels take the maximum shared-memory carveout (two or three CTAs an SM
+// need nearly all of it; the register-pipeline kernel keeps the default, whose larger L1 it runs faster
+// with: 138.7 against 171.1 us at T = 146, thirteenth session).
+template <bool GATED, int NT, bool RING>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
-  const auto kernel = moe_small_kernel<GATED, NT>;
-  constexpr size_t most = ms_smem_bytes(MOE_SMALL_H, NT);  // K <= H: use_moe_small's dims
+  constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
+  constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
+  const auto kernel = [] {
+    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
+    else return moe_small_kernel<GATED, NT>;
+  }();
+  constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
+  constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
   static const bool configured = [&] {
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    if (RING)
+      LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
     return true;
   }();
   (void)configured;
-  const size_t smem = ms_smem_bytes(a.w.cols, NT);
-  LILY_CHECK(smem <= most, "moe: ", a.w.cols, " inputs exceed the few-rows expert kernel's staging");
-  const dim3 grid(unsigned(ceil_div<int64_t>(a.w.rows, ms_slice_rows(GATED))), unsigned(E));
-  launch(kernel, grid, MS_THREADS, smem, a);
+  LILY_CHECK(a.w.cols == K, "moe: the few-rows expert kernel is built for ", K, " inputs, not ", a.w.cols);
+  launch(kernel, dim3(unsigned(ceil_div<int64_t>(a.w.rows, cta_rows)), unsigned(E)), MS_THREADS, smem, a);
   LILY_CUDA_LAUNCHED();
 }
 
-template <bool GATED>
-static void run_moe_small(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
-  if (ms_pass_tiles(T * top_k, E) == 2) return launch_moe_small<GATED, 2>(a, E);
-  launch_moe_small<GATED, 3>(a, E);
+// ms_plan's choices: gated 16-row passes on either kernel, down 16 or 24 on the ring.
+static void run_moe_small_gated(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
+  if (ms_plan(true, T * top_k, E).ring) return launch_moe_small<true, 2, true>(a, E);
+  launch_moe_small<true, 2, false>(a, E);
+}
+static void run_moe_small_down(const LinearArgs& a, int64_t T, int64_t E, int top_k) {
+  if (ms_plan(false, T * top_k, E).nt == 2) return launch_moe_small<false, 2, true>(a, E);
+  launch_moe_small<false, 3, true>(a, E);
 }
 
 // CTAs of moe_router_kernel for E experts: 16 router rows each, one cluster.
@@ -514,12 +530,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     // then gathers its rows from (else it converts h's F32 rows itself)
     linear_tiles(shared_up, shared_tiles, T, xb);
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
-    run_moe_small<true>(routed_up, T, E, top_k);
+    run_moe_small_gated(routed_up, T, E, top_k);
   } else {
     linear_tiles(routed_up, r.max_tiles, T, xb);
     linear_tiles(shared_up, shared_tiles, T, xb);
   }
-  if (small.down) run_moe_small<false>(routed_down, T, E, top_k);
+  if (small.down) run_moe_small_down(routed_down, T, E, top_k);
   else linear_tiles(routed_down, r.max_tiles, TK, xb);
   linear_tiles(shared_down, shared_tiles, T, xb);
 

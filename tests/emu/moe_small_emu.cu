@@ -10,8 +10,17 @@
 //          for K = 512 and 2048, groups of 32, 64 and 128, 1..8 rows per n8 tile;
 //   slot:  ms_slot permutes the 16 chunks of each segment;
 //   banks: the 8 lanes of each quarter warp read 16-byte units in 8 different 128-byte bank positions
-//          (conflict-free ld.shared.v4) for every m.
+//          (conflict-free ld.shared.v4) for every m;
+//   ring:  moe_small_kernel's ring (ms_ring_off from the rows' starts, ms_ring_w_at, ms_ring_s_at,
+//          ms_ring_sc_lane, ms_ring_sb): the copies of every
+//          lane of a warp (4-byte scale words at their aligned pairs, 16-byte weight words) into a slot,
+//          read back with the partner lane's word, give each lane the weight words of rows g and g + 8 of
+//          its tiles and scale | bias << 16 of its group (what a direct load reads), for the gated (a pair of
+//          16 rows, two matrices) and plain (4 pairs of 32 rows, pairs past N) forms, K = 512 / 2048, groups
+//          32..256; no two copies overlap, the slot holds MS_SLOT_BYTES, a quarter warp's weight reads are
+//          128 contiguous bytes.
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -80,6 +89,69 @@ static void run_case(int K, int gs, int rows, std::mt19937& rng) {
   std::printf("ok  frag K=%d gs=%d rows=%d\n", K, gs, rows);
 }
 
+// ring: one warp's copies of every unit into a slot and the lanes' reads back, against direct loads.
+static void ring_case(bool gated, int K, int gs, int N, int o0, std::mt19937& rng) {
+  const int E = 3, e = 1, words = K / 8, gpr = K / gs, pairs = ms_pairs(gated), pair_rows = gated ? 16 : 32;
+  std::uniform_int_distribution<uint32_t> bits;
+  std::vector<uint32_t> W[2];
+  std::vector<uint16_t> S[2], B[2];
+  for (int t = 0; t < 2; ++t) {
+    W[t].resize(size_t(E) * N * words), S[t].resize(size_t(E) * N * gpr), B[t].resize(S[t].size());
+    for (auto& w : W[t]) w = bits(rng);
+    for (size_t i = 0; i < S[t].size(); ++i) S[t][i] = uint16_t(bits(rng)), B[t][i] = uint16_t(bits(rng));
+  }
+  MsRing m;
+  m.nseg = K / MS_SEG_VALS, m.gshift = __builtin_ctz(gs), m.pair_rows = pair_rows, m.wpr4 = K / 32, m.gpr = gpr;
+  m.live_pairs = std::max(0, std::min(pairs, (N - o0) / pair_rows));
+  int checked = 0;
+  for (int i = 0; i < pairs * m.nseg; ++i) {
+    const int p0 = i / m.nseg, seg = i % m.nseg;
+    std::vector<uint8_t> slot(MS_SLOT_BYTES, 0);
+    std::vector<int> owner(MS_SLOT_BYTES, -1);
+    for (int lane = 0; lane < 32; ++lane) {  // the copies: the kernel's row starts + ms_ring_off
+      const int g = lane / 4, c = lane % 4;
+      const MsOff o = ms_ring_off(m, p0, seg, c);
+      for (int t = 0; t < 2; ++t) {
+        const int mt = gated ? t : 0;  // plain: both tiles of the one matrix
+        m.row[t] = int64_t(e) * N + (o0 < N ? o0 : 0) + (gated ? 0 : 16 * t) + g;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = m.row[t] + 8 * h, w4 = row * m.wpr4 + c + o.w4, sc = row * m.gpr + o.sc;
+          expect(sc % 2 == 0 && sc + 1 < int64_t(S[mt].size()), "scale pair in range", i, lane);
+          const uint32_t wa = ms_ring_w_at(2 * t + h, lane), sa = ms_ring_s_at(2 * t + h, lane);
+          std::memcpy(&slot[wa], &W[mt][size_t(w4) * 4], 16);
+          std::memcpy(&slot[sa], c & 1 ? &B[mt][size_t(sc)] : &S[mt][size_t(sc)], 4);
+          for (uint32_t b = 0; b < 16; ++b) expect(owner[wa + b] < 0, "copies overlap", wa + b, lane), owner[wa + b] = lane;
+          for (uint32_t b = 0; b < 4; ++b) expect(owner[sa + b] < 0, "copies overlap", sa + b, lane), owner[sa + b] = lane;
+        }
+      }
+    }
+    for (int lane = 0; lane < 32; ++lane) {  // the reads, against direct loads of the rows
+      const int g = lane / 4, c = lane % 4;
+      const int p = o0 + p0 * pair_rows < N ? p0 : 0, grp = ms_group(seg, c, m.gshift);
+      const int sl = ms_ring_sc_lane(lane), bl = sl ^ 1;
+      for (int t = 0; t < 2; ++t)
+        for (int h = 0; h < 2; ++h) {
+          const int mt = gated ? t : 0, k = 2 * t + h;
+          const int64_t row = int64_t(e) * N + (o0 < N ? o0 : 0) + p * pair_rows + (gated ? 0 : 16 * t) + g + 8 * h;
+          expect(std::memcmp(&slot[ms_ring_w_at(k, lane)], &W[mt][size_t(row * words + seg * 16 + 4 * c)], 16) == 0,
+                 "ring weight word", i, 4 * lane + k);
+          uint32_t sc, bi;
+          std::memcpy(&sc, &slot[ms_ring_s_at(k, sl)], 4);
+          std::memcpy(&bi, &slot[ms_ring_s_at(k, bl)], 4);
+          const size_t gi = size_t(row * gpr + grp);
+          const uint32_t want = uint32_t(S[mt][gi]) | (uint32_t(B[mt][gi]) << 16);
+          expect(ms_ring_sb(sc, bi, grp & 1) == want, "ring scale | bias", i, 4 * lane + k);
+          ++checked;
+        }
+    }
+  }
+  for (int k = 0; k < 4; ++k)  // a quarter warp: 8 lanes x 16 contiguous bytes
+    for (int lane = 0; lane < 32; ++lane)
+      expect(ms_ring_w_at(k, lane) == ms_ring_w_at(k, lane & ~7) + 16 * (lane & 7), "ring read contiguous", k, lane);
+  expect(ms_ring_s_at(3, 31) + 4 == MS_SLOT_BYTES, "slot size", ms_ring_s_at(3, 31) + 4, MS_SLOT_BYTES);
+  std::printf("ok  ring %s K=%d gs=%d N=%d o0=%d (%d reads)\n", gated ? "gated" : "plain", K, gs, N, o0, checked);
+}
+
 int main() {
   std::mt19937 rng(17);
   const int cases[][3] = {{512, 64, 5}, {2048, 64, 8}, {2048, 32, 13}, {512, 128, 32}, {2048, 128, 1}, {512, 32, 24}};
@@ -107,6 +179,12 @@ int main() {
         }
       }
   std::printf("ok  banks\n");
+  ring_case(true, 2048, 64, 512, 448, rng);
+  ring_case(true, 2048, 32, 512, 0, rng);
+  ring_case(false, 512, 64, 2048, 1920, rng);
+  ring_case(false, 512, 256, 2048, 0, rng);
+  ring_case(false, 512, 128, 160, 64, rng);  // a pair past N: the last of the warp's 4 reads pair 0
+  ring_case(true, 2048, 128, 48, 48, rng);   // a warp past N: its pair reads rows 0..15
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;

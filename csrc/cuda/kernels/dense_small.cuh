@@ -38,7 +38,7 @@ namespace lily::cuda {
 
 constexpr int DS_MAX_TOKENS = 32;   // T bound of the routing: 4 n8 tiles (to be tuned on the GPU: gemv_lab)
 constexpr int DS_MAX_SPLITS = 8;    // K-parts = cluster size (portable)
-constexpr int DS_SLICE_ROWS = ms_slice_rows(false);  // 128 output rows a CTA
+constexpr int DS_SLICE_ROWS = MS_WARPS * 32;  // 128 output rows a CTA (a warp: two 16-row A tiles)
 constexpr int DS_P_STRIDE = DS_SLICE_ROWS + 4;  // floats per partial row: lane (g, c) at 4j + o' mod 32 banks
 constexpr int DS_CTAS_PER_SM = 2;               // the launch bounds' CTAs an SM
 constexpr size_t DS_MAX_SMEM = 110 * 1024;      // a CTA's shared memory, two an SM
