@@ -436,29 +436,37 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CHECK(s.down.dim(1) == H && s.gate.dim(1) >= std::max(w.gate_proj->rows, w.shared_gate_proj->rows),
              "moe: scratch rows are too narrow");
   const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, E, top_k);
-  // Up to MOE_DECODE_MAX_TOKENS tokens: the fused router kernel where it applies; else a decode step runs
-  // the router and the shared-expert gate as one GEMV over their stacked rows: E logits, then the gate
-  // logit, back to back in router_logits (which has a spare row then).
+  // Up to MOE_DECODE_MAX_TOKENS tokens: the fused router kernel where it applies; else the router and the
+  // shared-expert gate run as one product over their stacked rows (router_gates: E logits, then the gate
+  // logit, a row of E + 1 a token) where the loader stacked them and a scratch holds [T, E + 1]: decode in
+  // router_logits (it has a spare row then), prompts in s.gate (free until the gate/up products; T * K
+  // rows of I >= E + 1 values). One product instead of two saves the second's fixed cost (a prompt's
+  // shared gate is one output row for the whole K walk: ~15 us at T = 146, docs/perf-notes.md).
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
-  const bool stacked = !fused && T == 1 && w.router_gates && s.router_logits.dim(0) >= 2;
+  const float* stack_at = !w.router_gates || fused ? nullptr
+                          : T == 1 && s.router_logits.dim(0) >= 2  ? s.router_logits.ptr<float>()
+                          : s.gate.numel() >= T * (E + 1)          ? s.gate.ptr<float>()
+                                                                   : nullptr;
   // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
   // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  const Tensor logits = rows_of(s.router_logits, 0, T);  // [T, E]
-  const Tensor sg = stacked ? Tensor::of(logits.ptr<float>() + E, DType::F32, h.device, {1, 1})
-                            : rows_of(s.shared_gate, 0, T);  // [T, 1]
+  const Tensor logits = stack_at ? Tensor::of(const_cast<float*>(stack_at), DType::F32, h.device, {T, E + 1})
+                                 : rows_of(s.router_logits, 0, T);  // [T, E + 1] or [T, E]
+  const Tensor sg = rows_of(s.shared_gate, 0, T);                   // [T, 1]
   if (fused) {
     launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);
   } else {
-    if (stacked) {
-      linear(*w.router_gates, 0, h, Tensor::of(logits.data, DType::F32, h.device, {1, E + 1}), s.xb);
+    if (stack_at) {
+      linear_with_xb(*w.router_gates, 0, h, logits, s.xb, xb);
     } else {
       linear_with_xb(*w.router, 0, h, logits, s.xb, xb);
       linear_with_xb(*w.shared_expert_gate, 0, h, sg, s.xb, xb);
     }
-    MoeTopkParams tp{logits.ptr<float>(), sg.ptr<float>(), r.topk_id, r.topk_w, int(T), int(E), top_k};
+    const int64_t ld = logits.dim(1);
+    MoeTopkParams tp{logits.ptr<float>(), stack_at ? logits.ptr<float>() + E : sg.ptr<float>(), sg.ptr<float>(),
+                     ld, stack_at ? ld : 1, r.topk_id, r.topk_w, int(T), int(E), top_k};
     const unsigned topk_ctas = unsigned(ceil_div<int64_t>(T, MOE_TOPK_WARPS));
     if (E <= 64) launch(moe_topk_kernel<2>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);
     else if (E <= 256) launch(moe_topk_kernel<8>, topk_ctas, MOE_TOPK_WARPS * 32, 0, tp);

@@ -11,8 +11,10 @@ constexpr int MOE_MAX_TOP_K = 32;  // one lane holds one chosen expert
 constexpr int MOE_TOPK_WARPS = 4;
 
 struct MoeTopkParams {
-  const float* logits;  // [T, E] F32 router logits
-  float* shared_gate;   // [T] F32 shared expert gate logit in, sigmoid(logit) out
+  const float* logits;     // [T, ld] F32: token t's E router logits at t * ld
+  const float* gate_in;    // token t's shared expert gate logit at t * ld_gate (may alias shared_gate)
+  float* shared_gate;      // [T] F32: sigmoid of that logit out
+  int64_t ld, ld_gate;
   int32_t* topk_id;     // [T, K] chosen experts, ascending id
   float* topk_w;        // [T, K] their renormalised probabilities
   int T, E, K;
@@ -111,9 +113,8 @@ __global__ void __launch_bounds__(MOE_TOPK_WARPS * 32) moe_topk_kernel(const Moe
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * MOE_TOPK_WARPS + warp;
   if (t >= p.T) return;  // no block-wide barrier below
-  moe_topk_warp<PL>(p.logits + int64_t(t) * p.E, p.E, p.K, p.topk_id + int64_t(t) * p.K,
-                    p.topk_w + int64_t(t) * p.K);
-  if (lane == 0) p.shared_gate[t] = moe_sigmoid(p.shared_gate[t]);
+  moe_topk_warp<PL>(p.logits + t * p.ld, p.E, p.K, p.topk_id + int64_t(t) * p.K, p.topk_w + int64_t(t) * p.K);
+  if (lane == 0) p.shared_gate[t] = moe_sigmoid(p.gate_in[t * p.ld_gate]);
 }
 
 // The routing tables run over chunks of MOE_ROUTE_TOKENS consecutive tokens, one CTA of as many threads
