@@ -2,7 +2,7 @@
 // Decode (use_moe_decode: T <= 4, fast affine experts), three or four launches:
 //   with an 8-bit router over H = 2048 (use_moe_router; also a short prompt's tokens, a cluster each):
 //   router logits, shared expert gate logit, softmax and top-k in one kernel (kernels/moe_router.cuh);
-//   otherwise router logits and shared expert gate logit (one stacked GEMV when T = 1) -> moe_topk
+//   otherwise router logits and shared expert gate logit (one product over their stacked rows) -> moe_topk
 //   -> moe_up (gate and up of the K chosen experts and the shared expert, SwiGLU, routing weight)
 //   -> moe_down (all K+1 down products per output as one virtual row, summed into out, or added to it:
 //      moe_add, moe_add_rms_norm, moe_rms_normed_add);
@@ -11,7 +11,8 @@
 //   on integer tensor cores (kernels/moe_mma.cuh) where use_moe_mma holds (one group size, whole
 //   64-byte segments), else the fp32 GEMV kernels of kernels/moe_decode.cuh.
 // Otherwise (prefill):
-//   router logits (linear) and shared expert gate logit (linear)
+//   router logits and shared expert gate logit (one linear over their stacked rows, router_gates, where the
+//   loader stacked them; else two)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
 //   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
