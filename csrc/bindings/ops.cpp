@@ -5,6 +5,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <limits>
 #include <vector>
@@ -344,6 +345,19 @@ void init_ops(nb::module_& parent) {
      nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
      nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
      "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t.");
+  m.def("split_columns", [](const std::string& device, const F32In& y, const std::vector<int64_t>& widths) {
+    const Device d = parse_device(device);
+    Dev yi = f32(d, y);
+    std::vector<Dev> parts;
+    std::vector<Tensor> ts;
+    parts.reserve(widths.size());
+    for (int64_t w : widths) parts.emplace_back(d, DType::F32, std::vector<int64_t>{int64_t(y.shape(0)), w});
+    for (Dev& p : parts) ts.push_back(p.t);
+    ops::split_columns(yi.t, ts.data(), int(ts.size()));
+    nb::list out;
+    for (Dev& p : parts) out.append(out_f32(p));
+    return out;
+  }, nb::arg("device"), nb::arg("y"), nb::arg("widths"), "y's column blocks of the given widths, as arrays.");
   m.def("sigmoid_mul", [](const std::string& device, const F32In& x, const F32In& g) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), gi = f32(d, g);

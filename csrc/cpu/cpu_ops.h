@@ -26,6 +26,7 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
                int num_heads, int num_kv_heads, int64_t pos0);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);
+void split_columns(const Tensor& y, const Tensor* outs, int n);
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state);
 void sampler_mark_seen(const Tensor& ids, const ops::SamplerState& state);

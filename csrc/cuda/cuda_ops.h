@@ -15,6 +15,10 @@ void linear(const QMatrix& w, int64_t stack_index, const Tensor& x, const Tensor
 int64_t linear_workspace_elems(int64_t T, int64_t in);  // to allocate: X as bf16 + split-K room (short prompts)
 int64_t linear_x_elems(int64_t T, int64_t in);          // the least a workspace may hold: X as bf16
 bool linear_xb_supported(const QMatrix& w, int64_t T);  // linear_xb takes w over T rows (the wgmma GEMM)
+// ops::linear_stack_supported on CUDA; LINEAR_STACK_MAX_ROWS: its T bound (an estimate: the copy's cost grows
+// with T, the products' fixed costs it saves do not).
+constexpr int64_t LINEAR_STACK_MAX_ROWS = 512;
+bool linear_stack_supported(const QMatrix& stacked, int64_t T);
 void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync);
@@ -47,6 +51,7 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, floa
 void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);
 void add(const Tensor& x, const Tensor& y);
+void split_columns(const Tensor& y, const Tensor* outs, int n);
 void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
                  const Tensor& y);
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,

@@ -30,4 +30,23 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate) { launch_elementwise<Sigmo
 
 void add(const Tensor& x, const Tensor& y) { launch_elementwise<AddOp>(x, y); }
 
+void split_columns(const Tensor& y, const Tensor* outs, int n) {
+  LILY_CHECK(n >= 1 && n <= SPLIT_MAX_PARTS, "split_columns: ", n, " parts (the CUDA kernel takes 1 to ",
+             SPLIT_MAX_PARTS, ")");
+  SplitColumnsParams p{y.ptr<float>(), y.dim(0), y.dim(1), n, {}, {}};
+  bool vec4 = (reinterpret_cast<uintptr_t>(p.y) & 15u) == 0 && p.W % 4 == 0;
+  for (int i = 0; i < n; ++i) {
+    p.out[i] = outs[i].ptr<float>();
+    p.begin[i + 1] = p.begin[i] + outs[i].dim(1);
+    vec4 = vec4 && (reinterpret_cast<uintptr_t>(p.out[i]) & 15u) == 0 && outs[i].dim(1) % 4 == 0;
+  }
+  if (p.T == 0 || p.W == 0) return;
+  constexpr int THREADS = 256;
+  const int64_t words = p.T * p.W / (vec4 ? 4 : 1);
+  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div<int64_t>(words, THREADS), int64_t(num_sms()) * 8));
+  if (vec4) launch(split_columns_kernel<true>, blocks, THREADS, 0, p);
+  else launch(split_columns_kernel<false>, blocks, THREADS, 0, p);
+  LILY_CUDA_LAUNCHED();
+}
+
 }  // namespace lily::cuda

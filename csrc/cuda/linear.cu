@@ -877,6 +877,10 @@ bool linear_xb_supported(const QMatrix& w, int64_t T) {
          linear_reads_xb(xb_product(w, aligned, nullptr, T));
 }
 
+bool linear_stack_supported(const QMatrix& stacked, int64_t T) {
+  return T > DS_MAX_TOKENS && T <= LINEAR_STACK_MAX_ROWS && linear_xb_supported(stacked, T);
+}
+
 // linear(w, x, y, workspace) with x given as Xb in the workspace's first T * w.cols elements: the same
 // product, tiles and split-K choice (the XbCopy holds "X" there, the partials go after it), so the same
 // bits as converting x there first.

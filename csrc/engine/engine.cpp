@@ -46,12 +46,22 @@ struct LayerInput {
 
 // The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
 // are also stacked by rows (`stacked`), one GEMV into the scratch row `row` (with in.normed the input
-// norm in it), split back into the parts' outputs; otherwise one linear per part into `outs` (ws:
-// linear's workspace).
+// norm in it), split back into the parts' outputs (views of it); for a prompt where
+// ops::linear_stack_supported, one product into `row`'s first T rows, its columns copied into `outs`
+// (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace).
 template <size_t N>
 static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
-  if (in.h.dim(0) == 1 && stacked) {
+  const int64_t T = in.h.dim(0);
+  if (T > 1 && stacked && ops::linear_stack_supported(in.h.device, *stacked, T) &&
+      row.nbytes() >= size_t(T * stacked->rows) * 4) {
+    LILY_CHECK(!in.normed, "project: a normed input for a prompt");
+    const Tensor y = view(row, T, stacked->rows);
+    ops::linear(*stacked, in.h, y, ws);
+    ops::split_columns(y, outs.data(), int(N));
+    return outs;
+  }
+  if (T == 1 && stacked) {
     int64_t widths[N];
     for (size_t i = 0; i < N; ++i) widths[i] = parts[i]->rows;
     const Tensor y = view(row, 1, stacked->rows);

@@ -29,7 +29,7 @@ struct Scratch {
   Buffer normed;                     // GDN: the gated norm's output, out_proj's input
   Buffer a, b;                       // GDN: [C, Hv] decay and write-strength inputs
   Buffer k, v;                       // attention: [C, nKV*D] new keys and values
-  Buffer stacked;                    // [1, widest stacked projection]: a decode step's one-GEMV outputs
+  Buffer stacked;  // [ops::linear_stack_rows, widest stacked projection]: the stacked projections' outputs
   Buffer router_logits, gathered, gate, up, down, shared_gate, routing;  // MoE work space
   Buffer gdn_work;                   // gated_delta_rule's workspace for C tokens (empty on the CPU)
   Buffer xb;                         // BF16 linear workspace and MoeScratch::xb for C tokens (empty on the CPU)

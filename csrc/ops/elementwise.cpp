@@ -27,4 +27,23 @@ void add(const Tensor& x, const Tensor& y) {
   no_backend("add", x.device);
 }
 
+void split_columns(const Tensor& y, const Tensor* parts, int n) {
+  const char* op = "split_columns";
+  const OpSpan span(op);
+  check_tensor(op, "y", y, DType::F32, 2);
+  LILY_CHECK(n >= 1 && n <= 4, op, ": ", n, " parts (1 to 4)");
+  int64_t width = 0;
+  for (int i = 0; i < n; ++i) {
+    const Tensor& o = parts[i];
+    check_tensor(op, "part", o, DType::F32, 2);
+    check_shape(op, "part", o, 0, y.dim(0));
+    check_same_device(op, {y, o});
+    width += o.dim(1);
+  }
+  LILY_CHECK(width == y.dim(1), op, ": the parts' widths sum to ", width, ", not y's ", y.dim(1));
+  if (y.device == Device::CPU) return cpu::split_columns(y, parts, n);
+  LILY_CUDA_CASE(y.device, split_columns(y, parts, n));
+  no_backend(op, y.device);
+}
+
 }  // namespace lily::ops

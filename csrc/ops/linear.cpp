@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "../cpu/cpu_ops.h"
 #include "check.h"
 
@@ -54,6 +56,22 @@ bool linear_xb_supported(Device d, const QMatrix& w, int64_t T) {
 #endif
   (void)w, (void)T;
   return false;
+}
+
+bool linear_stack_supported(Device d, const QMatrix& stacked, int64_t T) {
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA && stacked.weight.device() == d) return cuda::linear_stack_supported(stacked, T);
+#endif
+  (void)stacked, (void)T;
+  return false;
+}
+
+int64_t linear_stack_rows(Device d, int64_t chunk) {
+#ifdef LILY_WITH_CUDA
+  if (d == Device::CUDA) return std::max<int64_t>(1, std::min(chunk, cuda::LINEAR_STACK_MAX_ROWS));
+#endif
+  (void)chunk;
+  return 1;
 }
 
 void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y) {

@@ -63,6 +63,13 @@ void linear_bias_xb(const QMatrix& w, const Tensor& xb, const Tensor& bias, cons
 // CUDA gated_rms_norm_xb writes it). The same bits as linear converting x there. y [T, out]. Only where
 // linear_xb_supported(device, w, T) holds (CUDA, w and T on the wgmma GEMM); elsewhere an error.
 bool linear_xb_supported(Device device, const QMatrix& w, int64_t T);
+// A layer's input projections for a prompt of T rows as one product over their stacked rows (then
+// split_columns) instead of one product each: where the stacked matrix runs on the wgmma GEMM for T rows
+// and T is in (DS_MAX_TOKENS, LINEAR_STACK_MAX_ROWS] (CUDA; docs/cuda.md, "Stacked input projections"):
+// fewer products' fixed costs against one copy of the outputs. linear_stack_rows(device, chunk): the
+// rows of the engine's stacked scratch (1 where it never holds).
+bool linear_stack_supported(Device device, const QMatrix& stacked, int64_t T);
+int64_t linear_stack_rows(Device device, int64_t chunk);
 void linear_xb(const QMatrix& w, const Tensor& workspace, const Tensor& y);
 // res += x W^T, then y = weight * rms_normalise(res) row by row: a block's output projection joining the
 // residual stream, and the next RMSNorm. Equal to linear(w, x, tmp, workspace) then add_rms_norm(res, tmp,
@@ -176,6 +183,11 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate);
 
 // x += y.  x, y [R, C].
 void add(const Tensor& x, const Tensor& y);
+
+// The column blocks of y [T, W] into parts[0..n), in order: part i [T, w_i] gets columns [sum of the widths
+// before it, + w_i) (a stacked projection's output back into its parts' rows). 1 to 4 parts, widths
+// summing to W; no part overlaps y.
+void split_columns(const Tensor& y, const Tensor* parts, int n);
 
 // Work space of the MoE op for up to C tokens, allocated with the session. R = rows of expert
 // work: C on the CPU (one expert at a time), C*(K+1) on the GPU (all routed rows plus the shared

@@ -1,4 +1,4 @@
-"""CUDA rms_norm, gated_rms_norm, sigmoid_mul and add against the fp32 CPU reference."""
+"""CUDA rms_norm, gated_rms_norm, sigmoid_mul, add and split_columns against the fp32 CPU reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,6 +61,20 @@ def test_sigmoid_mul_and_add(R, D, gpu_tol):
     y = rng.standard_normal((R, D)).astype(np.float32) * 4
     check(ops.sigmoid_mul("cuda", x, y), ops.sigmoid_mul("cpu", x, y), gpu_tol["elementwise"])
     check(ops.add("cuda", x, y), ops.add("cpu", x, y), gpu_tol["elementwise"])
+
+
+@pytest.mark.parametrize("T, widths", [(146, [8192, 4096, 32, 32]), (300, [8192, 512, 512]), (33, [3, 5, 7]),
+                                       (5, [12]), (1, [4, 1, 3, 8])])
+def test_split_columns(T, widths):
+    # a copy: exact on both backends (float4 words where every width is a multiple of 4, else floats)
+    rng = np.random.default_rng(T * 31 + len(widths))
+    y = rng.standard_normal((T, sum(widths))).astype(np.float32)
+    bounds = np.cumsum([0] + widths)
+    for dev in ("cuda", "cpu"):
+        parts = ops.split_columns(dev, y, widths)
+        assert [p.shape for p in parts] == [(T, w) for w in widths]
+        for p, b0, b1 in zip(parts, bounds[:-1], bounds[1:]):
+            assert np.array_equal(p, y[:, b0:b1])
 
 
 @pytest.mark.parametrize("R, D", SHAPES)

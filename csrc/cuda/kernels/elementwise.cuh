@@ -3,6 +3,9 @@
 // x, gate, y: n contiguous f32 (any [R, C] viewed flat). Grid-stride loop; with VEC4 the first
 // n/4*4 elements go four at a time (16-byte aligned pointers) and the tail one at a time.
 // fp32; matches cpu/elementwise.cpp (sigmoid with expf, not the fast intrinsic).
+//   split_columns: out_i[r, c] = y[r, begin_i + c] for the n <= 4 column blocks of y [T, W] (a stacked
+// projection's output back into its parts' rows); VEC4 (every width and pointer a multiple of 4 floats):
+// one float4 a thread per step of a grid-stride loop over y's T * W / 4 words, else one float.
 #pragma once
 #include "common.cuh"
 
@@ -43,6 +46,32 @@ __global__ void elementwise_kernel(ElementwiseParams p) {
     tail = p.n / 4 * 4;
   }
   for (int64_t i = tail + first; i < p.n; i += stride) p.x[i] = Op::apply(p.x[i], p.y[i]);
+}
+
+constexpr int SPLIT_MAX_PARTS = 4;
+struct SplitColumnsParams {
+  const float* y;  // [T, W]
+  int64_t T, W;
+  int n;
+  int64_t begin[SPLIT_MAX_PARTS + 1];  // part i: columns [begin[i], begin[i + 1]); begin[n] = W
+  float* out[SPLIT_MAX_PARTS];         // part i: [T, begin[i + 1] - begin[i]]
+};
+
+template <bool VEC4>
+__global__ void split_columns_kernel(const SplitColumnsParams p) {
+  pdl_wait();
+  pdl_trigger();
+  constexpr int V = VEC4 ? 4 : 1;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x, words = p.T * p.W / V, wpr = p.W / V;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
+    const int64_t r = i / wpr, col = (i - r * wpr) * V;
+    int k = 0;
+#pragma unroll
+    for (int j = 1; j < SPLIT_MAX_PARTS; ++j) k += j < p.n && col >= p.begin[j];
+    float* dst = p.out[k] + r * (p.begin[k + 1] - p.begin[k]) + (col - p.begin[k]);
+    if constexpr (VEC4) *reinterpret_cast<float4*>(dst) = reinterpret_cast<const float4*>(p.y)[i];
+    else *dst = p.y[i];
+  }
 }
 
 }  // namespace lily::cuda
