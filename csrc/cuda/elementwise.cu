@@ -42,10 +42,9 @@ void split_columns(const Tensor& y, const Tensor* outs, int n) {
   }
   if (p.T == 0 || p.W == 0) return;
   constexpr int THREADS = 256;
-  const int64_t words = p.T * p.W / (vec4 ? 4 : 1);
-  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div<int64_t>(words, THREADS), int64_t(num_sms()) * 8));
-  if (vec4) launch(split_columns_kernel<true>, blocks, THREADS, 0, p);
-  else launch(split_columns_kernel<false>, blocks, THREADS, 0, p);
+  const dim3 grid(unsigned(ceil_div<int64_t>(p.W / (vec4 ? 4 : 1), THREADS)), unsigned(std::min<int64_t>(p.T, 65535)));
+  if (vec4) launch(split_columns_kernel<true>, grid, THREADS, 0, p);
+  else launch(split_columns_kernel<false>, grid, THREADS, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -5,7 +5,7 @@
 // fp32; matches cpu/elementwise.cpp (sigmoid with expf, not the fast intrinsic).
 //   split_columns: out_i[r, c] = y[r, begin_i + c] for the n <= 4 column blocks of y [T, W] (a stacked
 // projection's output back into its parts' rows); VEC4 (every width and pointer a multiple of 4 floats):
-// one float4 a thread per step of a grid-stride loop over y's T * W / 4 words, else one float.
+// a thread copies one float4 (else one float) of a row, rows strided by the grid's y.
 #pragma once
 #include "common.cuh"
 
@@ -57,20 +57,23 @@ struct SplitColumnsParams {
   float* out[SPLIT_MAX_PARTS];         // part i: [T, begin[i + 1] - begin[i]]
 };
 
+// Grid (word blocks of a row, rows): block (x, y) copies words x * blockDim.x + threadIdx.x of rows y,
+// y + gridDim.y, ... (no division per word).
 template <bool VEC4>
 __global__ void split_columns_kernel(const SplitColumnsParams p) {
   pdl_wait();
   pdl_trigger();
   constexpr int V = VEC4 ? 4 : 1;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x, words = p.T * p.W / V, wpr = p.W / V;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
-    const int64_t r = i / wpr, col = (i - r * wpr) * V;
-    int k = 0;
+  const int64_t word = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, col = word * V;
+  if (col >= p.W) return;
+  int k = 0;
 #pragma unroll
-    for (int j = 1; j < SPLIT_MAX_PARTS; ++j) k += j < p.n && col >= p.begin[j];
-    float* dst = p.out[k] + r * (p.begin[k + 1] - p.begin[k]) + (col - p.begin[k]);
-    if constexpr (VEC4) *reinterpret_cast<float4*>(dst) = reinterpret_cast<const float4*>(p.y)[i];
-    else *dst = p.y[i];
+  for (int j = 1; j < SPLIT_MAX_PARTS; ++j) k += j < p.n && col >= p.begin[j];
+  const int64_t w = p.begin[k + 1] - p.begin[k];
+  float* dst = p.out[k] + (col - p.begin[k]);
+  for (int64_t r = blockIdx.y; r < p.T; r += gridDim.y) {
+    if constexpr (VEC4) *reinterpret_cast<float4*>(dst + r * w) = *reinterpret_cast<const float4*>(p.y + r * p.W + col);
+    else dst[r * w] = p.y[r * p.W + col];
   }
 }
 
