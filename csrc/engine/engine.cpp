@@ -48,7 +48,9 @@ struct LayerInput {
 // are also stacked by rows (`stacked`), one GEMV into the scratch row `row` (with in.normed the input
 // norm in it), split back into the parts' outputs (views of it); for a prompt where
 // ops::linear_stack_supported, one product into `row`'s first T rows, its columns copied into `outs`
-// (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace).
+// (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace), where a part runs on
+// the wgmma GEMM after one that did, from the bf16 X that one left in ws (ops::linear_xb: the same bits,
+// one conversion of h instead of one a part).
 template <size_t N>
 static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
@@ -70,7 +72,13 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
     return split(y, widths);
   }
   LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
-  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], in.h, outs[i], ws);
+  bool xb_in_ws = false;  // ws starts with h as the wgmma GEMM's bf16 X
+  for (size_t i = 0; i < N; ++i) {
+    const bool on_wgmma = ops::linear_xb_supported(in.h.device, *parts[i], T);
+    if (xb_in_ws && on_wgmma) ops::linear_xb(*parts[i], ws, outs[i]);
+    else ops::linear(*parts[i], in.h, outs[i], ws);
+    xb_in_ws = on_wgmma;
+  }
   return outs;
 }
 
