@@ -42,6 +42,7 @@ struct LayerInput {
   Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
   float eps;
   bool normed;
+  bool xb = false;  // linear's workspace already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb)
 };
 
 // The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
@@ -59,7 +60,8 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
       row.nbytes() >= size_t(T * stacked->rows) * 4) {
     LILY_CHECK(!in.normed, "project: a normed input for a prompt");
     const Tensor y = view(row, T, stacked->rows);
-    ops::linear(*stacked, in.h, y, ws);
+    if (in.xb) ops::linear_xb(*stacked, ws, y);  // linear_stack_supported: the wgmma GEMM takes it
+    else ops::linear(*stacked, in.h, y, ws);
     ops::split_columns(y, outs.data(), int(N));
     return outs;
   }
@@ -72,7 +74,7 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
     return split(y, widths);
   }
   LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
-  bool xb_in_ws = false;  // ws starts with h as the wgmma GEMM's bf16 X
+  bool xb_in_ws = in.xb;  // ws starts with h as the wgmma GEMM's bf16 X
   for (size_t i = 0; i < N; ++i) {
     const bool on_wgmma = ops::linear_xb_supported(in.h.device, *parts[i], T);
     if (xb_in_ws && on_wgmma) ops::linear_xb(*parts[i], ws, outs[i]);
@@ -237,14 +239,25 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const Tensor norm = L.input_layernorm->view();
     return LayerInput{h, xs, norm, eps, fold && stacked && ops::linear_rms_normed_supported(*stacked, xs, norm, h)};
   };
+  // Whether layer L's first input projection for T rows reads a bf16 X from linear's workspace (project():
+  // the stacked product where linear_stack_supported, else its first part on the wgmma GEMM).
+  auto projection_reads_xb = [&](const LayerWeights& L, int64_t T) {
+    const QMatrix* stacked = L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj;
+    const QMatrix* first = L.is_full_attention ? L.attn.q_proj : L.gdn.in_proj_qkv;
+    if (stacked && ops::linear_stack_supported(device(), *stacked, T)) return true;
+    return first && ops::linear_xb_supported(device(), *first, T);
+  };
   LayerInput in = input_of(0);
   if (!in.normed) ops::rms_norm(xs, in.norm, eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
     const bool last = l + 1 == c.num_hidden_layers;
-    const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
+    LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
+    // a prompt's post-attention norm also writes h as the MoE's bf16 X where its router runs on the wgmma GEMM
+    const QMatrix* router = L.moe.router_gates ? L.moe.router_gates : L.moe.router;
+    const bool moe_xb = !fold && router && ops::linear_xb_supported(device(), *router, T);
     const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
@@ -259,7 +272,8 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
         if (out.x_in_xb) ops::linear_xb(*out.w, xb_work(x, device()), mix);
         else ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(f, p + "mixer", x.mix, T, H);
-        ops::add_rms_norm(xs, mix, post_norm, eps, h);
+        if (moe_xb) ops::add_rms_norm_xb(xs, mix, post_norm, eps, h, xb_work(x, device()));
+        else ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }
     }
     // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
@@ -270,10 +284,16 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
       else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
     } else {
-      ops::moe(L.moe, h, mix, ms, K);
+      ops::moe(L.moe, h, mix, ms, K, moe_xb);
       record(f, p + "moe", x.mix, T, H);
-      if (last) ops::add(xs, mix);
-      else ops::add_rms_norm(xs, mix, next.norm, eps, h);
+      if (last) {
+        ops::add(xs, mix);
+      } else if (!fold && projection_reads_xb(weights_->layers[l + 1], T)) {
+        ops::add_rms_norm_xb(xs, mix, next.norm, eps, h, xb_work(x, device()));
+        next.xb = true;
+      } else {
+        ops::add_rms_norm(xs, mix, next.norm, eps, h);
+      }
     }
     record(f, p + "residual", x.x, T, H);
     in = next;
