@@ -733,13 +733,9 @@ static bool g_small = false;
 template <bool GATED, int NT, bool RING>
 static void launch_small_nt(const LinearArgs& a, int64_t E) {
   constexpr int64_t K = GATED ? 2048 : 512;
-  constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
-  const auto kernel = [] {
-    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
-    else return moe_small_kernel<GATED, NT>;
-  }();
-  constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
-  constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
+  using L = MsLaunch<GATED, NT, RING, K>;
+  const auto kernel = L::kernel();
+  constexpr size_t smem = L::smem;
   static bool configured = false;
   if (!configured) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -749,14 +745,14 @@ static void launch_small_nt(const LinearArgs& a, int64_t E) {
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MS_THREADS, smem));
     CK(cudaFuncGetAttributes(&fa, kernel));
     std::printf("%s, NT %d, R %d: %zu B shared, %d registers, %d CTAs an SM\n",
-                RING ? "moe_small_ring_kernel" : "moe_small_kernel", NT, R, smem, fa.numRegs, per_sm);
+                RING ? "moe_small_ring_kernel" : "moe_small_kernel", NT, L::R, smem, fa.numRegs, per_sm);
     configured = true;
   }
   if (a.w.cols != K) {
     std::fprintf(stderr, "gemm_lab: moe_small is built for K = %lld, not %lld\n", (long long)K, (long long)a.w.cols);
     std::exit(1);
   }
-  kernel<<<dim3(unsigned((a.w.rows + cta_rows - 1) / cta_rows), unsigned(E)), MS_THREADS, smem>>>(a);
+  kernel<<<dim3(unsigned((a.w.rows + L::cta_rows - 1) / L::cta_rows), unsigned(E)), MS_THREADS, smem>>>(a);
 }
 
 static void launch_small(const Problem& p, int copy, uint16_t* yb = nullptr, const uint16_t* xb = nullptr) {

@@ -30,9 +30,7 @@ void sigmoid_mul(const Tensor& x, const Tensor& gate) { launch_elementwise<Sigmo
 
 void add(const Tensor& x, const Tensor& y) { launch_elementwise<AddOp>(x, y); }
 
-void split_columns(const Tensor& y, const Tensor* outs, int n) {
-  LILY_CHECK(n >= 1 && n <= SPLIT_MAX_PARTS, "split_columns: ", n, " parts (the CUDA kernel takes 1 to ",
-             SPLIT_MAX_PARTS, ")");
+void split_columns(const Tensor& y, const Tensor* outs, int n) {  // n in [1, SPLIT_MAX_PARTS]: ops checks
   SplitColumnsParams p{y.ptr<float>(), y.dim(0), y.dim(1), n, {}, {}};
   bool vec4 = (reinterpret_cast<uintptr_t>(p.y) & 15u) == 0 && p.W % 4 == 0;
   for (int i = 0; i < n; ++i) {

@@ -335,13 +335,9 @@ static MoeSmall use_moe_small(const LinearArgs& g, const LinearArgs& d, int64_t 
 template <bool GATED, int NT, bool RING>
 static void launch_moe_small(const LinearArgs& a, int64_t E) {
   constexpr int64_t K = GATED ? MOE_SMALL_H : MOE_SMALL_I;
-  constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
-  const auto kernel = [] {
-    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
-    else return moe_small_kernel<GATED, NT>;
-  }();
-  constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
-  constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
+  using L = MsLaunch<GATED, NT, RING, K>;
+  const auto kernel = L::kernel();
+  constexpr size_t smem = L::smem;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     if (RING)
@@ -351,7 +347,7 @@ static void launch_moe_small(const LinearArgs& a, int64_t E) {
   }();
   (void)configured;
   LILY_CHECK(a.w.cols == K, "moe: the few-rows expert kernel is built for ", K, " inputs, not ", a.w.cols);
-  launch(kernel, dim3(unsigned(ceil_div<int64_t>(a.w.rows, cta_rows)), unsigned(E)), MS_THREADS, smem, a);
+  launch(kernel, dim3(unsigned(ceil_div<int64_t>(a.w.rows, L::cta_rows)), unsigned(E)), MS_THREADS, smem, a);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -53,8 +53,7 @@ template <size_t N>
 static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
   const int64_t T = in.h.dim(0);
-  if (T > 1 && stacked && ops::linear_stack_supported(in.h.device, *stacked, T) &&
-      row.nbytes() >= size_t(T * stacked->rows) * 4) {
+  if (T > 1 && stacked && ops::linear_stack_supported(in.h.device, *stacked, T)) {  // row: linear_stack_rows
     LILY_CHECK(!in.normed, "project: a normed input for a prompt");
     const Tensor y = view(row, T, stacked->rows);
     ops::linear(*stacked, in.h, y, ws);

@@ -126,8 +126,9 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
   s_.out_gate = f32(C, wide);
   s_.core_out = f32(C, wide);
   s_.normed = f32(C, wide);
-  s_.stacked = f32(ops::linear_stack_rows(d, C), std::max(c.conv_dim() + c.value_dim() + 2 * int64_t(c.linear_num_value_heads),
-                                int64_t(c.q_proj_dim()) + 2 * c.kv_dim()));
+  s_.stacked = f32(ops::linear_stack_rows(d, C),
+                   std::max(c.conv_dim() + c.value_dim() + 2 * int64_t(c.linear_num_value_heads),
+                            int64_t(c.q_proj_dim()) + 2 * c.kv_dim()));
   s_.a = f32(C, c.linear_num_value_heads);
   s_.b = f32(C, c.linear_num_value_heads);
   s_.k = f32(C, c.kv_dim());

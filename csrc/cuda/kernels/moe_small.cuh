@@ -234,6 +234,17 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
   }
 }
 
+// A pair's products zeroed (before its first segment).
+template <int NT>
+__device__ __forceinline__ void ms_zero(float (&acc)[2][NT][4]) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
+}
+
 // A warp's products over `nseg` segments in units of MS_SPU, the loads of unit u+1 in flight while unit u
 // computes (gemv_mma.cuh's double buffer): st[0] holds unit 0 on entry (loaded before pdl_wait where the
 // weights are constant); xs: shared address of the lane's row g of n8 tile 0 at segment 0; acc: the
@@ -241,12 +252,7 @@ __device__ __forceinline__ void ms_segment(const uint4 (&w)[2][2], const uint32_
 template <int NT>
 __device__ __forceinline__ void ms_units(MsStage (&st)[2], const MsRows& rr, int nseg, int c, int gshift, uint32_t xs,
                                          uint32_t stride, int ntiles, float (&acc)[2][NT][4]) {
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][n][i] = 0.f;
+  ms_zero(acc);
   const int units = (nseg + MS_SPU - 1) / MS_SPU;
 #pragma unroll 1
   for (int u = 0; u < units; u += 2) {
@@ -487,13 +493,7 @@ __global__ void __launch_bounds__(MS_THREADS, ms_ctas(GATED)) moe_small_ring_ker
       ms_stage<GATED>(a, r0, rows, K, xs0);
       __syncthreads();
     }
-    if (seg == 0)
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[t][n][q] = 0.f;
+    if (seg == 0) ms_zero(acc);
     cp_async_wait<R - 1>();  // unit i's copies (the lane's own)
     __syncwarp();            // and the partner lanes' scale words
     uint4 w[2][2];
@@ -514,6 +514,19 @@ __global__ void __launch_bounds__(MS_THREADS, ms_ctas(GATED)) moe_small_ring_ker
   }
   cp_async_wait<0>();  // no copy lands after the CTA's shared memory is another's (empty experts)
 }
+
+// One instance of either kernel for K inputs (ms_plan's choice: RING, NT) and its launch shape: the ring as
+// deep as the staged rows leave room for (R), the dynamic shared memory, the output rows a CTA.
+template <bool GATED, int NT, bool RING, int64_t K>
+struct MsLaunch {
+  static constexpr int R = RING ? ms_ring_units(GATED, K, NT) : 0;
+  static constexpr size_t smem = RING ? ms_kernel_smem(K, NT, R) : ms_smem_bytes(K, NT);
+  static constexpr int64_t cta_rows = RING ? ms_ring_cta_rows(GATED) : ms_slice_rows(GATED);
+  static constexpr auto kernel() {
+    if constexpr (RING) return moe_small_ring_kernel<GATED, NT, R>;
+    else return moe_small_kernel<GATED, NT>;
+  }
+};
 
 #endif  // __CUDACC__
 
