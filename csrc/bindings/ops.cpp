@@ -240,6 +240,19 @@ void init_ops(nb::module_& parent) {
     return out_f32(y);
   }, nb::arg("w"), nb::arg("x"), nb::arg("z"), nb::arg("weight"), nb::arg("eps"),
      "linear(w, gated_rms_norm(x, z) seen as [T, w.cols]) with the norm writing linear's bf16 X (GDN out_proj).");
+  m.def("add_rms_norm_linear_xb", [](const QMatrix& w, const F32In& x, const F32In& res, const F32In& nw,
+                                     float eps) {
+    const Device d = w.weight.device();
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, nw);
+    const int64_t T = xi.t.dim(0);
+    Dev h(d, DType::F32, {T, xi.t.dim(1)}), y(d, DType::F32, {T, w.rows});
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, w.cols))});
+    ops::add_rms_norm_xb(xi.t, ri.t, wi.t, eps, h.t, ws.t);
+    ops::linear_xb(w, ws.t, y.t);
+    return nb::make_tuple(out_f32(xi), out_f32(h), out_f32(y));
+  }, nb::arg("w"), nb::arg("x"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"),
+     "(x + res, h = rms_norm(x + res), linear(w, h)) with the norm also writing linear's bf16 X (a layer's input "
+     "and post-attention norms for prompts).");
   // The carried-state ops take out_of_place: False updates the state in place and returns (outputs...,
   // new state); True writes the new state to a separate buffer (pre-filled with NaN, so an element the
   // op fails to write shows) and also returns the input state as the op left it (it must not change).

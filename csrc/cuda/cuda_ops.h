@@ -32,7 +32,8 @@ void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, 
                        const Tensor& y, const Tensor& workspace);
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);
 // moe.cu / kernels/moe_*.cuh
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k);
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
+         bool h_in_xb);
 void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const ops::MoeScratch& s,
              int top_k);
 void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,
@@ -47,6 +48,8 @@ int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k)
 // norms.cu, elementwise.cu, gated_delta.cu
 void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y);
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
+void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
+                     const Tensor& xb);
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
 void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb);
 void sigmoid_mul(const Tensor& x, const Tensor& gate);

@@ -426,7 +426,7 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
-                    bool accumulate, const NormTail& tail, const NormIn& norm_in = {}) {
+                    bool accumulate, const NormTail& tail, const NormIn& norm_in = {}, bool h_in_xb = false) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -448,7 +448,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
                                                                    : nullptr;
   // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
   // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
+  // (h_in_xb: add_rms_norm_xb wrote it there already)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
+  if (h_in_xb) xb.x = h.ptr<float>(), xb.ldx = H, xb.rows = T, xb.K = H;
   const Tensor logits = stack_at ? Tensor::of(const_cast<float*>(stack_at), DType::F32, h.device, {T, E + 1})
                                  : rows_of(s.router_logits, 0, T);  // [T, E + 1] or [T, E]
   const Tensor sg = rows_of(s.shared_gate, 0, T);                   // [T, 1]
@@ -552,8 +554,8 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CUDA_LAUNCHED();
 }
 
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k) {
-  run_moe(w, h, out, s, top_k, false, NormTail{});
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k, bool h_in_xb) {
+  run_moe(w, h, out, s, top_k, false, NormTail{}, NormIn{}, h_in_xb);
 }
 
 // On the tensor-core path moe_down_mma adds into res; otherwise moe into tmp, then add.

@@ -49,18 +49,30 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   launch_rms_norm<false>(p, can_use_vec4(D, {p.x, p.w, p.y}));
 }
 
-void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+static void run_add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
+                             uint16_t* yb) {
   const int64_t R = x.dim(0), D = x.dim(1);
   if (R == 0) return;
   LILY_CHECK(R <= 0x7fffffff, "add_rms_norm: too many rows for the CUDA grid (", R, ")");
   const AddRmsNormParams p{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps,
-                           can_use_vec4(D, {res.data})};
+                           can_use_vec4(D, {res.data}), yb};
   const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(D))};
   if (can_use_vec4(D, {p.x, p.w, p.y}))  // as rms_norm decides: the same summation order
     launch(add_rms_norm_kernel<true>, grid, block, 0, p);
   else
     launch(add_rms_norm_kernel<false>, grid, block, 0, p);
   LILY_CUDA_LAUNCHED();
+}
+
+void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
+  run_add_rms_norm(x, res, weight, eps, y, nullptr);
+}
+
+void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
+                     const Tensor& xb) {
+  LILY_CHECK(x.dim(1) % 8 == 0 && aligned16(xb.data), "add_rms_norm_xb: rows of ", x.dim(1),
+             " values or an unaligned workspace: no bf16 X");
+  run_add_rms_norm(x, res, weight, eps, y, xb.ptr<uint16_t>());
 }
 
 void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {

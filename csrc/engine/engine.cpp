@@ -42,13 +42,16 @@ struct LayerInput {
   Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
   float eps;
   bool normed;
+  bool xb = false;  // linear's workspace already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb)
 };
 
 // The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
 // are also stacked by rows (`stacked`), one GEMV into the scratch row `row` (with in.normed the input
 // norm in it), split back into the parts' outputs (views of it); for a prompt where
 // ops::linear_stack_supported, one product into `row`'s first T rows, its columns copied into `outs`
-// (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace).
+// (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace), where a part runs on
+// the wgmma GEMM after one that did, from the bf16 X that one left in ws (ops::linear_xb: the same bits,
+// one conversion of h instead of one a part).
 template <size_t N>
 static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
                                      const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
@@ -56,7 +59,8 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
   if (T > 1 && stacked && ops::linear_stack_supported(in.h.device, *stacked, T)) {  // row: linear_stack_rows
     LILY_CHECK(!in.normed, "project: a normed input for a prompt");
     const Tensor y = view(row, T, stacked->rows);
-    ops::linear(*stacked, in.h, y, ws);
+    if (in.xb) ops::linear_xb(*stacked, ws, y);  // linear_stack_supported: the wgmma GEMM takes it
+    else ops::linear(*stacked, in.h, y, ws);
     ops::split_columns(y, outs.data(), int(N));
     return outs;
   }
@@ -69,7 +73,13 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
     return split(y, widths);
   }
   LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
-  for (size_t i = 0; i < N; ++i) ops::linear(*parts[i], in.h, outs[i], ws);
+  bool xb_in_ws = in.xb;  // ws starts with h as the wgmma GEMM's bf16 X
+  for (size_t i = 0; i < N; ++i) {
+    const bool on_wgmma = ops::linear_xb_supported(in.h.device, *parts[i], T);
+    if (xb_in_ws && on_wgmma) ops::linear_xb(*parts[i], ws, outs[i]);
+    else ops::linear(*parts[i], in.h, outs[i], ws);
+    xb_in_ws = on_wgmma;
+  }
   return outs;
 }
 
@@ -228,14 +238,25 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const Tensor norm = L.input_layernorm->view();
     return LayerInput{h, xs, norm, eps, fold && stacked && ops::linear_rms_normed_supported(*stacked, xs, norm, h)};
   };
+  // Whether layer L's first input projection for T rows reads a bf16 X from linear's workspace (project():
+  // the stacked product where linear_stack_supported, else its first part on the wgmma GEMM).
+  auto projection_reads_xb = [&](const LayerWeights& L, int64_t T) {
+    const QMatrix* stacked = L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj;
+    const QMatrix* first = L.is_full_attention ? L.attn.q_proj : L.gdn.in_proj_qkv;
+    if (stacked && ops::linear_stack_supported(device(), *stacked, T)) return true;
+    return first && ops::linear_xb_supported(device(), *first, T);
+  };
   LayerInput in = input_of(0);
   if (!in.normed) ops::rms_norm(xs, in.norm, eps, h);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& L = weights_->layers[l];
     const std::string p = "layers." + std::to_string(l) + ".";
     const bool last = l + 1 == c.num_hidden_layers;
-    const LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
+    LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
+    // a prompt's post-attention norm also writes h as the MoE's bf16 X where its router runs on the wgmma GEMM
+    const QMatrix* router = L.moe.router_gates ? L.moe.router_gates : L.moe.router;
+    const bool moe_xb = !fold && router && ops::linear_xb_supported(device(), *router, T);
     const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
@@ -250,7 +271,8 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
         if (out.x_in_xb) ops::linear_xb(*out.w, xb_work(x, device()), mix);
         else ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(f, p + "mixer", x.mix, T, H);
-        ops::add_rms_norm(xs, mix, post_norm, eps, h);
+        if (moe_xb) ops::add_rms_norm_xb(xs, mix, post_norm, eps, h, xb_work(x, device()));
+        else ops::add_rms_norm(xs, mix, post_norm, eps, h);
       }
     }
     // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
@@ -261,10 +283,16 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
       else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
     } else {
-      ops::moe(L.moe, h, mix, ms, K);
+      ops::moe(L.moe, h, mix, ms, K, moe_xb);
       record(f, p + "moe", x.mix, T, H);
-      if (last) ops::add(xs, mix);
-      else ops::add_rms_norm(xs, mix, next.norm, eps, h);
+      if (last) {
+        ops::add(xs, mix);
+      } else if (!fold && projection_reads_xb(weights_->layers[l + 1], T)) {
+        ops::add_rms_norm_xb(xs, mix, next.norm, eps, h, xb_work(x, device()));
+        next.xb = true;
+      } else {
+        ops::add_rms_norm(xs, mix, next.norm, eps, h);
+      }
     }
     record(f, p + "residual", x.x, T, H);
     in = next;

@@ -50,12 +50,14 @@ static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, cons
   }
 }
 
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k) {
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k, bool h_in_xb) {
   const char* op = "moe";
   const OpSpan span(op);
   check_moe(op, w, h, out, s, top_k);
   if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
-  LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k));
+  LILY_CHECK(!h_in_xb || s.xb.numel() >= h.numel(), op, ": scratch xb ", s.xb.shape_str(), " cannot hold h ",
+             h.shape_str());
+  LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k, h_in_xb));
   no_backend(op, h.device);
 }
 

@@ -41,6 +41,18 @@ void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, floa
   no_backend(op, x.device);
 }
 
+void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
+                     const Tensor& xb) {
+  const char* op = "add_rms_norm_xb";
+  const OpSpan span(op);
+  check_add_rms_norm(op, x, res, weight, y);
+  check_tensor(op, "xb", xb, DType::BF16, 1);
+  LILY_CHECK(xb.numel() >= x.numel(), op, ": xb ", xb.shape_str(), " is smaller than x ", x.shape_str());
+  check_same_device(op, {x, xb});
+  LILY_CUDA_CASE(x.device, add_rms_norm_xb(x, res, weight, eps, y, xb));
+  no_backend(op, x.device);
+}
+
 // The inputs both gated norms take: x, z [T, D] f32 and weight [D] f32.
 static void check_gated_norm_inputs(const char* op, const Tensor& x, const Tensor& z, const Tensor& weight) {
   check_tensor(op, "x", x, DType::F32, 2);

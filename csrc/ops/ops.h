@@ -99,6 +99,11 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
 // RMSNorm in one pass, bit-identical to add() then rms_norm(). x, res, y [R, D] (y aliases neither
 // x nor res); weight [D].
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
+// add_rms_norm with y also written as linear_xb's X (the prefill GEMM's bf16 X of y [R, D]) into xb
+// [>= R*D] BF16: the products over y that follow read it (linear_xb, moe with h_in_xb) instead of
+// converting y. CUDA only; D % 8 == 0, xb 16-byte aligned.
+void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
+                     const Tensor& xb);
 
 // y[r, :] = weight * rms_normalise(x[r, :]) * silu(z[r, :]).  x, z, y [R, D]; weight [D].
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& y);
@@ -213,8 +218,10 @@ int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is,
 
 // out[t] = sum_{e in top-k(softmax(router h[t]))} w_e * down_e(silu(gate_e h) * up_e h)
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
-// h, out [T, H].
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k);
+// h, out [T, H]. h_in_xb: scratch.xb already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb), so its
+// wgmma products do not convert h (CUDA; ignored elsewhere).
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k,
+         bool h_in_xb = false);
 // res += moe(h): the MoE block joining the residual stream, equal to moe(w, h, tmp, ...) then add(res, tmp),
 // bit for bit on each backend (CUDA, on the tensor-core decode path: the add in moe_down's kernel). h, res,
 // tmp [T, H] (tmp: work space; no two alias).

@@ -546,3 +546,24 @@ def test_gated_rms_norm_linear_xb(T, heads, D, out, group, bits):
     got = ops.gated_rms_norm_linear_xb(w, x, z, nw, 1e-6)
     assert np.isfinite(got).all()
     assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("T, out, group, bits", [(4096, 256, 64, 4), (300, 257, 64, 8), (40, 512, 64, 4),
+                                                 (146, 1024, 32, 4)])
+def test_add_rms_norm_linear_xb(T, out, group, bits):
+    # A prompt's input and post-attention norms (engine.cpp): add_rms_norm_xb also writes the next products'
+    # bf16 X, which linear_xb (and the MoE) read: x and h the same bits as add_rms_norm's, the product the
+    # same as linear converting h itself.
+    H = 2048
+    rng = np.random.default_rng(T + out + bits)
+    m = random_matrix(rng, 1, out, H, bits, group, "BF16")
+    w = ops.QMatrix("cuda", **m)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    assert ops.linear_xb_supported(w, T)
+    x2, h, got = ops.add_rms_norm_linear_xb(w, x, res, nw, 1e-6)
+    x_ref, h_ref = ops.add_rms_norm("cuda", x, res, nw, 1e-6)
+    assert np.array_equal(x2, x_ref) and np.array_equal(h, h_ref)
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, ops.linear(w, 0, h_ref))

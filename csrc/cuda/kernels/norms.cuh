@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
 
 // add_rms_norm: x[r, :] += res[r, :], then y[r, :] = x[r, :] * s_r * w. Each thread adds, writes back
 // and squares the same elements it later normalises (same stride and block reduction as
-// rms_norm_kernel, so the result is bit-identical to elementwise add then rms_norm).
+// rms_norm_kernel, so the result is bit-identical to elementwise add then rms_norm). add_rms_norm_xb: y
+// also as the prefill GEMM's bf16 X (yb): the same values packed as wgx_bf16_kernel packs y.
 struct AddRmsNormParams {
   float* x;          // [R, D] residual stream, updated in place
   const float* res;  // [R, D]
@@ -136,6 +137,7 @@ struct AddRmsNormParams {
   int D;
   float eps;
   bool res_vec4;     // res 16-byte aligned (the float4 path is chosen by x, w, y, as rms_norm's)
+  uint16_t* yb = nullptr;  // [R, D] BF16: y also as Xb rows (D % 8 == 0, 16-byte aligned); null: y only
 };
 
 template <bool VEC4>
@@ -174,6 +176,21 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
     }
   } else {
     for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
+  }
+  if (p.yb == nullptr) return;
+  // Xb: 8 values a thread (the row's x as updated above: visible after block_sum's barrier for the other
+  // threads' elements, and this thread's own writes), y's expression, packed as rms_norm_kernel's yb
+  for (int j = threadIdx.x; j < p.D / 8; j += blockDim.x) {
+    const int64_t k = off + 8 * j;
+    float v[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v[m] = p.x[k + m] * s * p.w[8 * j + m];
+    uint4 q;
+    q.x = wg_pack_bf16x2(v[0], v[4]);
+    q.y = wg_pack_bf16x2(v[1], v[5]);
+    q.z = wg_pack_bf16x2(v[2], v[6]);
+    q.w = wg_pack_bf16x2(v[3], v[7]);
+    *reinterpret_cast<uint4*>(p.yb + k) = q;
   }
 }
 
