@@ -3,13 +3,16 @@
 //   o[t, h, :] = sum_{j <= pos0+t} softmax_j(q[t, h, :] . k[j, kvh, :] / sqrt(D)) v[j, kvh, :],
 //   kvh = h / group. Matches cpu::attention.
 // q, o [T, nH*D] f32; k_cache, v_cache [maxT, nKV*D] bf16; pos [1] i32 on the device.
-// Grid (P, nKV), 128 threads, one CTA per multiprocessor (shared memory), P fixed per device (not per
-// position, so one captured graph serves every position). CTA (c, kvh) takes the contiguous cache
-// rows [c R, c R + R) below pos0 + T, R = max(64, ceil((pos0 + T) / P)) (the bytes balanced over the
-// CTAs; n = ceil((pos0 + T) / R) <= P of them have rows), in 64-row tiles (cp.async, 2-3 stages) with
+// Grid (P, nKV), kDecodeThreads threads (4 warps), as many CTAs per multiprocessor as its shared memory
+// holds (2 at 32-row tiles), P = that x the multiprocessors / nKV, fixed per device (not per position, so
+// one captured graph serves every position). CTA (c, kvh) takes the contiguous cache rows [c R, c R + R)
+// below pos0 + T, R = max(kDecodeTile, ceil((pos0 + T) / P)) (the bytes balanced over the CTAs;
+// n = ceil((pos0 + T) / R) <= P of them have rows), in kDecodeTile-row tiles (cp.async, 2-3 stages) with
 // one online softmax, and packs all T*group queries of its KV head as the M rows of the tensor-core
 // products (m = t*group + head-in-group), so each K/V byte is read once per step. Q K^T: warp w takes
-// tile rows [16w, 16w+16); P V: warp w takes dims [w*D/4, (w+1)*D/4).
+// tile rows [w R_w, (w+1) R_w), R_w = kDecodeTile / kDecodeWarps (8: one n8 tile); P V: warp w takes
+// dims [w D / kDecodeWarps, (w+1) D / kDecodeWarps). Two CTAs a multiprocessor (rather than one with 64-row tiles) let one
+// CTA's loads and math run while the other waits at a barrier (docs/perf-notes.md, fourteenth session).
 // Precision: q and p are split into bf16 hi + lo parts (two products each) so scores and weighted
 // sums keep ~16 mantissa bits against the exact bf16 K/V; softmax and accumulators are fp32.
 // Partials (unnormalised o, running max in log2 units, sum) go to a fixed device scratch
