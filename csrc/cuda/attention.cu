@@ -47,35 +47,59 @@ bool is_mma_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128 || D == 
 
 bool use_split_kv_decode(int64_t T, int64_t group) { return T <= kMaxDecodeTokens && T * group <= kMaxDecodeRows; }
 
-// Decode CTAs per KV head: one wave over the device (a CTA fills a multiprocessor's shared
-// memory), within the merge's statistics (two partials per thread) and the partial scratch.
-int64_t decode_ctas_per_head(int64_t T, int64_t nH, int64_t nKV, int64_t D) {
+// Decode CTAs per KV head: one wave over the device at per_sm CTAs a multiprocessor (as many as its
+// shared memory holds), within the merge's statistics (kMaxDecodeCtas) and the partial scratch.
+int64_t decode_ctas_per_head(int64_t T, int64_t nH, int64_t nKV, int64_t D, int per_sm) {
   const int64_t fit = kDecodeScratchFloats / (T * nH * D);
   LILY_CHECK(fit >= 1, "attention: ", T, " tokens x ", nH, " heads x ", D, " dims exceed the decode scratch of ",
              kDecodeScratchFloats, " floats");
-  return std::min({std::max<int64_t>(1, num_sms() / nKV), int64_t(kMaxDecodeCtas), fit});
+  return std::min({std::max<int64_t>(1, num_sms() * per_sm / nKV), int64_t(kMaxDecodeCtas), fit});
 }
 
-// Launch with more than 48 KB of dynamic shared memory (the limit is raised once per kernel).
-template <auto kKernel, typename... Params>
-void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params&... p) {
+// Raise a kernel's dynamic shared memory limit above 48 KB (once per kernel).
+template <auto kKernel>
+void raise_smem(int smem_bytes) {
   static const bool raised = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)raised;
+}
+
+template <auto kKernel, typename... Params>
+void launch_big_smem(dim3 grid, int threads, int smem_bytes, const Params&... p) {
+  raise_smem<kKernel>(smem_bytes);
   launch(kKernel, grid, threads, smem_bytes, p...);
   LILY_CUDA_LAUNCHED();
 }
 
-// kPrep: pp carries the raw projections (gated_attention); otherwise pp is unused.
+// CTAs of kKernel that one multiprocessor holds at once (asked once per kernel).
+template <auto kKernel>
+int ctas_per_sm(int threads, int smem_bytes) {
+  static const int n = [&] {
+    raise_smem<kKernel>(smem_bytes);
+    int blocks = 0;
+    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes));
+    return std::max(blocks, 1);
+  }();
+  return n;
+}
+
+// kPrep: pp carries the raw projections (gated_attention); otherwise pp is unused. Sets P (num_ctas).
+template <int kD, int kMTiles, bool kPrep>
+void launch_decode_tiles(DecodeParams p, const DecodePrepParams& pp) {
+  constexpr auto kKernel = attention_decode_kernel<kD, kMTiles, kPrep>;
+  constexpr int kSmem = decode_smem_bytes<kD, kMTiles>();
+  p.num_ctas = int(decode_ctas_per_head(p.T, p.nH, p.nKV, kD, ctas_per_sm<kKernel>(kDecodeThreads, kSmem)));
+  launch_big_smem<kKernel>(dim3(unsigned(p.num_ctas), unsigned(p.nKV)), kDecodeThreads, kSmem, p, pp);
+}
+
 template <int kD, bool kPrep = false>
 void launch_decode(const DecodeParams& p, int64_t M, const DecodePrepParams& pp) {
-  const dim3 grid(unsigned(p.num_ctas), unsigned(p.nKV));
   if (M <= 16)
-    launch_big_smem<attention_decode_kernel<kD, 1, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 1>(), p, pp);
+    launch_decode_tiles<kD, 1, kPrep>(p, pp);
   else
-    launch_big_smem<attention_decode_kernel<kD, 2, kPrep>>(grid, kDecodeThreads, decode_smem_bytes<kD, 2>(), p, pp);
+    launch_decode_tiles<kD, 2, kPrep>(p, pp);
 }
 
 template <int kD>
@@ -192,9 +216,8 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
     LILY_CHECK(aligned(ptr, 16), "attention: q, o and the caches must be 16-byte aligned on CUDA");
 
   if (use_split_kv_decode(T, group)) {
-    const int P = int(decode_ctas_per_head(T, num_heads, num_kv_heads, D));
     const DecodeParams dp{q.ptr<float>(), k, v, pos, o.ptr<float>(), int(T), num_heads, num_kv_heads, int(group),
-                          P, scale_log2};
+                          0, scale_log2};  // P: launch_decode_tiles
     launch_decode_for_dim(dp, dp.T * dp.group, D);
     return;
   }
@@ -226,9 +249,8 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
   const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
   auto* kc = k_cache.ptr<__nv_bfloat16>();
   auto* vc = v_cache.ptr<__nv_bfloat16>();
-  const int P = int(decode_ctas_per_head(1, num_heads, num_kv_heads, D));
-  const DecodeParams dp{q.ptr<float>(), kc, vc, pos, o.ptr<float>(), 1, num_heads, num_kv_heads, int(group), P,
-                        scale_log2};
+  const DecodeParams dp{q.ptr<float>(), kc, vc, pos, o.ptr<float>(), 1, num_heads, num_kv_heads, int(group), 0,
+                        scale_log2};  // P: launch_decode_tiles
   DecodePrepParams pp{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(),
                       kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), int(rope_delta), {}};
   for (int64_t j = 0; j < half; ++j) pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));

@@ -525,6 +525,8 @@ def test_embedding_clamps_ids():
     (100, 4, 24, 256, 32, 4),      # K = 96, no multiple of 64: no wgmma GEMM, linear_xb refuses
     (300, 32, 128, 2048, 64, 8),   # 8-bit weights read the same Xb
     (40, 32, 128, 2048, 32, 8),    # 8-bit, split-K, group 32
+    (300, 8, 256, 512, 64, 4),     # D = 256: two float4s a lane in the warp-row Xb path
+    (130, 8, 200, 256, 64, 4),     # D = 200: the second float4s of lanes 18-31 past the row
 ])
 def test_gated_rms_norm_linear_xb(T, heads, D, out, group, bits):
     # The GDN hand-over (engine.cpp gdn_layer): gated_rms_norm_xb writes out_proj's bf16 X into the linear

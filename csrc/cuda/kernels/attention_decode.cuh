@@ -3,13 +3,16 @@
 //   o[t, h, :] = sum_{j <= pos0+t} softmax_j(q[t, h, :] . k[j, kvh, :] / sqrt(D)) v[j, kvh, :],
 //   kvh = h / group. Matches cpu::attention.
 // q, o [T, nH*D] f32; k_cache, v_cache [maxT, nKV*D] bf16; pos [1] i32 on the device.
-// Grid (P, nKV), 128 threads, one CTA per multiprocessor (shared memory), P fixed per device (not per
-// position, so one captured graph serves every position). CTA (c, kvh) takes the contiguous cache
-// rows [c R, c R + R) below pos0 + T, R = max(64, ceil((pos0 + T) / P)) (the bytes balanced over the
-// CTAs; n = ceil((pos0 + T) / R) <= P of them have rows), in 64-row tiles (cp.async, 2-3 stages) with
+// Grid (P, nKV), kDecodeThreads threads (4 warps), as many CTAs per multiprocessor as its shared memory
+// holds (2 at 32-row tiles), P = that x the multiprocessors / nKV, fixed per device (not per position, so
+// one captured graph serves every position). CTA (c, kvh) takes the contiguous cache rows [c R, c R + R)
+// below pos0 + T, R = max(kDecodeTile, ceil((pos0 + T) / P)) (the bytes balanced over the CTAs;
+// n = ceil((pos0 + T) / R) <= P of them have rows), in kDecodeTile-row tiles (cp.async, 2-3 stages) with
 // one online softmax, and packs all T*group queries of its KV head as the M rows of the tensor-core
 // products (m = t*group + head-in-group), so each K/V byte is read once per step. Q K^T: warp w takes
-// tile rows [16w, 16w+16); P V: warp w takes dims [w*D/4, (w+1)*D/4).
+// tile rows [w R_w, (w+1) R_w), R_w = kDecodeTile / kDecodeWarps (8: one n8 tile); P V: warp w takes
+// dims [w D / kDecodeWarps, (w+1) D / kDecodeWarps). Two CTAs a multiprocessor (rather than one with 64-row tiles) let one
+// CTA's loads and math run while the other waits at a barrier (docs/perf-notes.md, fourteenth session).
 // Precision: q and p are split into bf16 hi + lo parts (two products each) so scores and weighted
 // sums keep ~16 mantissa bits against the exact bf16 K/V; softmax and accumulators are fp32.
 // Partials (unnormalised o, running max in log2 units, sum) go to a fixed device scratch
@@ -61,9 +64,20 @@
 
 namespace lily::cuda::attn {
 
-constexpr int kDecodeThreads = 128;
-constexpr int kDecodeWarps = kDecodeThreads / 32;
-constexpr int kDecodeTile = 64;          // cache rows per pipeline stage (and the least rows per CTA)
+// The CTA's shape (benchmarks/attn_decode_lab.cu builds other shapes with -D to compare them): warps, and
+// cache rows per pipeline stage (also the least rows per CTA). Warp w scores tile rows
+// [w kDecodeTile / kDecodeWarps, ...) (8 or 16 of them) and sums dims [w D / kDecodeWarps, ...) of P V.
+#ifndef LILY_DECODE_WARPS
+#define LILY_DECODE_WARPS 4
+#endif
+#ifndef LILY_DECODE_TILE
+#define LILY_DECODE_TILE 32
+#endif
+constexpr int kDecodeWarps = LILY_DECODE_WARPS;
+constexpr int kDecodeThreads = 32 * kDecodeWarps;
+constexpr int kDecodeTile = LILY_DECODE_TILE;
+constexpr int kDecodeWarpRows = kDecodeTile / kDecodeWarps;  // tile rows a warp scores: one or two n8 tiles
+static_assert(kDecodeWarpRows == 8 || kDecodeWarpRows == 16, "a warp scores one or two n8 tiles of keys");
 constexpr int kMaxDecodeRows = 32;       // T * group packed per CTA (two m-tiles)
 constexpr int kMaxDecodeTokens = 4;
 constexpr int kMaxDecodeCtas = 256;      // P per KV head; the merge's statistics take two per thread
@@ -270,6 +284,15 @@ __device__ __forceinline__ void prep_rows(const DecodeParams& p, const DecodePre
   }
 }
 
+// B fragments of a warp's kSN n8 tiles of keys (tile rows [n0, n0 + 8 kSN)) for k cols [k0, k0 + 16).
+template <int kSN>
+__device__ __forceinline__ void load_key_frag(uint32_t (&b)[2 * kSN], const bf16* tile, int stride, int n0, int k0) {
+  if constexpr (kSN == 2)
+    load_bt_frag_x2n(b, tile, stride, n0, k0);
+  else
+    load_bt_frag_x1n(b, tile, stride, n0, k0);
+}
+
 template <int kD>
 struct MergeShape {
   static constexpr int kDims = kD < 64 ? kD : 64;             // S: dims per unit
@@ -307,16 +330,26 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const DecodePr
     }
   };
   load_batch(lane);  // in flight during the statistics
+  constexpr int kStats = kMaxDecodeCtas / kDecodeThreads;  // partials' statistics a thread holds
   const float2 none = make_float2(-INFINITY, 0.f);
-  const float2 ml0 = tid < n ? __ldcg(g_decode_partial_ml + row * p.num_ctas + tid) : none;
-  const float2 ml1 = tid + kDecodeThreads < n ? __ldcg(g_decode_partial_ml + row * p.num_ctas + tid + kDecodeThreads)
-                                              : none;
-  const float mx = block_max(fmaxf(ml0.x, ml1.x), red);  // finite: CTA 0 holds cache row 0
-  const float w0 = tid < n ? exp2f(ml0.x - mx) : 0.f;
-  const float w1 = tid + kDecodeThreads < n ? exp2f(ml1.x - mx) : 0.f;
-  weight[tid] = w0;
-  weight[tid + kDecodeThreads] = w1;
-  const float inv_l = 1.f / block_sum(ml0.y * w0 + ml1.y * w1, red);  // its barriers publish weight[]
+  float2 ml[kStats];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kStats; ++i) {
+    const int c = tid + i * kDecodeThreads;
+    ml[i] = c < n ? __ldcg(g_decode_partial_ml + row * p.num_ctas + c) : none;
+    mx = fmaxf(mx, ml[i].x);
+  }
+  mx = block_max(mx, red);  // finite: CTA 0 holds cache row 0
+  float lsum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kStats; ++i) {
+    const int c = tid + i * kDecodeThreads;
+    const float w = c < n ? exp2f(ml[i].x - mx) : 0.f;
+    weight[c] = w;
+    lsum += ml[i].y * w;
+  }
+  const float inv_l = 1.f / block_sum(lsum, red);  // its barriers publish weight[]
 
   float4 acc = zero;
   for (int c0 = lane;;) {
@@ -345,17 +378,29 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const DecodePr
   __syncthreads();  // scratch is reused by the next unit
 }
 
+// Floats of the score buffer: the scores [kM][kDecodeTile + 4], or (kPrep) each warp's f32 staging row
+// of kD floats, whichever is larger.
+template <int kD, int kMTiles>
+constexpr int decode_score_floats() {
+  return kMTiles * 16 * (kDecodeTile + 4) > kDecodeWarps * kD ? kMTiles * 16 * (kDecodeTile + 4) : kDecodeWarps * kD;
+}
+
 template <int kD, int kMTiles>
 constexpr int decode_smem_bytes_for(int stages) {
   constexpr int kM = kMTiles * 16;
   return (2 * kM * (kD + kPad) + 2 * stages * kDecodeTile * (kD + kPad) + 2 * kM * (kDecodeTile + kPad) +
           2 * (kD + kPad)) * 2 +
-         (kM * (kDecodeTile + 4) + 3 * kM + 1) * 4;
+         (decode_score_floats<kD, kMTiles>() + 3 * kM + 1) * 4;
 }
 
-// Three tiles in flight where they fit in a multiprocessor's 227 KB of shared memory, else two.
+// Three tiles in flight where two CTAs of 32-row tiles or one of 64 still fit a multiprocessor (227 KB of
+// shared memory, 1 KB reserved a CTA), else two. The launch puts as many CTAs on a multiprocessor as fit
+// (attention.cu, decode_ctas_per_sm).
 template <int kD, int kMTiles>
-constexpr int decode_stages() { return decode_smem_bytes_for<kD, kMTiles>(3) <= 227 * 1024 ? 3 : 2; }
+constexpr int decode_stages() {
+  constexpr int kCtas = kDecodeTile <= 32 ? 2 : 1;
+  return kCtas * (decode_smem_bytes_for<kD, kMTiles>(3) + 1024) <= 228 * 1024 ? 3 : 2;
+}
 
 template <int kD, int kMTiles>
 constexpr int decode_smem_bytes() { return decode_smem_bytes_for<kD, kMTiles>(decode_stages<kD, kMTiles>()); }
@@ -364,7 +409,8 @@ template <int kD, int kMTiles, bool kPrep>
 __global__ void __launch_bounds__(kDecodeThreads)
     attention_decode_kernel(const DecodeParams p, const DecodePrepParams pp) {
   constexpr int kM = kMTiles * 16, kStride = kD + kPad, kPStride = kDecodeTile + kPad;
-  constexpr int kSStride = kDecodeTile + 4, kWarpDims = kD / 4, kNT = kWarpDims / 8;
+  constexpr int kSStride = kDecodeTile + 4, kWarpDims = kD / kDecodeWarps, kNT = kWarpDims / 8;
+  constexpr int kSN = kDecodeWarpRows / 8;  // n8 tiles of keys a warp scores
   constexpr int kStages = decode_stages<kD, kMTiles>(), kStageElems = kDecodeTile * kStride;
   static_assert(MergeShape<kD>::kScratchFloats * 4 <= 2 * kStages * kStageElems * 2,
                 "the merge scratch must fit in the K/V stages");
@@ -377,7 +423,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   bf16* p_lo = p_hi + kM * kPStride;               // [kM][kPStride]
   bf16* kv_new = p_lo + kM * kPStride;             // [2][kStride] new K, V row (kPrep)
   float* s_s = reinterpret_cast<float*>(kv_new + 2 * kStride);  // [kM][kSStride] scores, log2 units
-  float* row_m = s_s + kM * kSStride;              // [kM] running max
+  float* row_m = s_s + decode_score_floats<kD, kMTiles>();  // [kM] running max
   float* row_l = row_m + kM;                       // [kM] running sum
   float* row_alpha = row_l + kM;                   // [kM] rescale of this tile
   unsigned* arrival = reinterpret_cast<unsigned*>(row_alpha + kM);  // this CTA's arrival index
@@ -428,7 +474,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   if (num_tiles > 0) {
     if constexpr (kPrep) {
-      static_assert(kDecodeWarps * kD <= kM * kSStride, "per-warp f32 staging rows must fit in the score buffer");
       // The scores are not used before the tile loop, whose first barrier also publishes kv_new.
       prep_rows<kD, kM>(p, pp, pc, q_hi, q_lo, kv_new, s_s + warp * kD, pos0, kvh, cta, n_parts, writes_row);
     } else {
@@ -473,30 +518,31 @@ __global__ void __launch_bounds__(kDecodeThreads)
         __syncthreads();
       }
 
-      // Scores of tile rows [16 warp, 16 warp + 16) for all packed queries.
-      float sc[kMTiles][2][4] = {}, sc_lo[kMTiles][2][4] = {};  // hi and lo products: independent chains
+      // Scores of tile rows [kDecodeWarpRows warp, + kDecodeWarpRows) for all packed queries.
+      float sc[kMTiles][kSN][4] = {}, sc_lo[kMTiles][kSN][4] = {};  // hi and lo products: independent chains
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t kb[4];
-        load_bt_frag_x2n(kb, k_t, kStride, 16 * warp, 16 * kk);
+        uint32_t kb[2 * kSN];
+        load_key_frag<kSN>(kb, k_t, kStride, kDecodeWarpRows * warp, 16 * kk);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           uint32_t ah[4], al[4];
           load_a_frag(ah, q_hi, kStride, 16 * mt, 16 * kk);
           load_a_frag(al, q_lo, kStride, 16 * mt, 16 * kk);
-          mma_bf16(sc_lo[mt][0], al, kb[0], kb[1]);
-          mma_bf16(sc[mt][0], ah, kb[0], kb[1]);
-          mma_bf16(sc_lo[mt][1], al, kb[2], kb[3]);
-          mma_bf16(sc[mt][1], ah, kb[2], kb[3]);
+#pragma unroll
+          for (int nt = 0; nt < kSN; ++nt) {
+            mma_bf16(sc_lo[mt][nt], al, kb[2 * nt], kb[2 * nt + 1]);
+            mma_bf16(sc[mt][nt], ah, kb[2 * nt], kb[2 * nt + 1]);
+          }
         }
       }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < kSN; ++nt)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int m = 16 * mt + g + 8 * half, n = 16 * warp + 8 * nt + 2 * c, key = tile_row0 + n;
+            const int m = 16 * mt + g + 8 * half, n = kDecodeWarpRows * warp + 8 * nt + 2 * c, key = tile_row0 + n;
             const float* acc_hi = sc[mt][nt] + 2 * half;
             const float* acc_lo = sc_lo[mt][nt] + 2 * half;
             *reinterpret_cast<float2*>(s_s + m * kSStride + n) =
@@ -508,6 +554,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       // Online softmax: kThreadsPerRow consecutive lanes own one packed query row.
       {
         constexpr int kThreadsPerRow = kDecodeThreads / kM, kCols = kDecodeTile / kThreadsPerRow;
+        static_assert(kCols % 4 == 0, "a softmax thread takes whole float4s of scores");
         const int r = tid / kThreadsPerRow, col0 = (tid % kThreadsPerRow) * kCols;
         const float m_old = row_m[r];
         float sv[kCols];
@@ -523,18 +570,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // rows with nothing valid yet stay at 0
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < kCols; i += 8) {
-          uint32_t hi[4], lo[4];
+        for (int i = 0; i < kCols; i += 4) {
+          uint32_t hi[2], lo[2];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
+          for (int k = 0; k < 2; ++k) {
             const float p0 = exp2f(sv[i + 2 * k] - m_ref), p1 = exp2f(sv[i + 2 * k + 1] - m_ref);
             sum += p0 + p1;
             hi[k] = pack_bf16(p0, p1);
             const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi[k]));
             lo[k] = pack_bf16(p0 - h.x, p1 - h.y);
           }
-          *reinterpret_cast<uint4*>(p_hi + r * kPStride + col0 + i) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-          *reinterpret_cast<uint4*>(p_lo + r * kPStride + col0 + i) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+          *reinterpret_cast<uint2*>(p_hi + r * kPStride + col0 + i) = make_uint2(hi[0], hi[1]);
+          *reinterpret_cast<uint2*>(p_lo + r * kPStride + col0 + i) = make_uint2(lo[0], lo[1]);
         }
 #pragma unroll
         for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);

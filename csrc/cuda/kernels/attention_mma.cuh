@@ -35,6 +35,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
                : "r"(smem_addr(p)));
 }
 
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -58,6 +64,12 @@ __device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const bf16* tile, 
 __device__ __forceinline__ void load_bt_frag_x2n(uint32_t (&b)[4], const bf16* tile, int stride, int n0, int k0) {
   const int l = threadIdx.x & 31;
   ldmatrix_x4(b, tile + (n0 + (l & 7) + (l >> 4) * 8) * stride + k0 + ((l >> 3) & 1) * 8);
+}
+
+// One n-tile of the above: tile rows [n0, n0+8) (lanes 16..31 supply no address).
+__device__ __forceinline__ void load_bt_frag_x1n(uint32_t (&b)[2], const bf16* tile, int stride, int n0, int k0) {
+  const int l = threadIdx.x & 15;
+  ldmatrix_x2(b, tile + (n0 + (l & 7)) * stride + k0 + (l >> 3) * 8);
 }
 
 // B fragments of two n-tiles for B = tile, tile rows [k0, k0+16) x cols [n0, n0+16):

@@ -62,6 +62,51 @@ __device__ __forceinline__ float norm_out(float x, float s, float w, float z) {
   return x * s * w;
 }
 
+// A warp's row of rms_norm / gated_rms_norm as Xb (VEC4, D <= 256, D % 8 == 0): lane l takes float4s
+// i = l, l + 32 (x, z and w all requested before the reduction: one memory latency a row, where the
+// per-block path below reloads x and first asks for z after it), sums the squares in row_inv_rms's order
+// (warp_sum of each lane's float4s in increasing i), and each 8-value block j = i / 2 is stored by its two
+// lanes, a float4 each: lane 2j packs (v0, v4), (v1, v5) with v4, v5 from lane 2j + 1 (shfl xor 1), which
+// packs (v2, v6), (v3, v7): wgx_bf16_kernel's packing, the same bits as the per-block path.
+template <bool GATED>
+__device__ __forceinline__ void warp_row_xb(const RmsNormParams& p, int64_t off, int lane) {
+  const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
+  const float4* z4 = reinterpret_cast<const float4*>(GATED ? p.z + off : p.x + off);
+  const float4* w4 = reinterpret_cast<const float4*>(p.w);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int n4 = p.D / 4;
+  float4 x[2], z[2], w[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int i = lane + 32 * k;
+    x[k] = i < n4 ? x4[i] : zero;
+    z[k] = i < n4 ? z4[i] : zero;
+    w[k] = i < n4 ? w4[i] : zero;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (lane + 32 * k < n4) ss += sq4(x[k]);
+  ss = warp_sum(ss);
+  const float s = 1.f / sqrtf(ss / float(p.D) + p.eps);
+  const bool odd = lane & 1;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int i = lane + 32 * k;
+    if (32 * k >= n4) break;  // warp-uniform: the shuffles below need the whole warp
+    const float4 v = make_float4(norm_out<GATED>(x[k].x, s, w[k].x, z[k].x), norm_out<GATED>(x[k].y, s, w[k].y, z[k].y),
+                                 norm_out<GATED>(x[k].z, s, w[k].z, z[k].z), norm_out<GATED>(x[k].w, s, w[k].w, z[k].w));
+    // even lane sends v2, v3 (its partner's low halves); odd lane sends v4, v5 = its v.x, v.y
+    const float a = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.z, 1);
+    const float b = __shfl_xor_sync(0xffffffffu, odd ? v.y : v.w, 1);
+    if (i < n4) {
+      const uint2 q = odd ? make_uint2(wg_pack_bf16x2(a, v.z), wg_pack_bf16x2(b, v.w))
+                          : make_uint2(wg_pack_bf16x2(v.x, a), wg_pack_bf16x2(v.y, b));
+      *reinterpret_cast<uint2*>(p.yb + off + 4 * i) = q;
+    }
+  }
+}
+
 // rms_norm / gated_rms_norm (VEC4: four floats per access; D % 4 == 0 and 16-byte aligned rows).
 // ROWS = 1: one block per row, blockDim = norm_threads(D) threads striding over it.
 // ROWS = NORM_WARP_ROWS, for D <= 256 (where norm_threads(D) = 32): a warp per row, ROWS rows a block
@@ -80,6 +125,12 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
   if (row >= p.R) return;  // only a warp row's block has rows past R; no barrier below then
   const int tid = WARP ? int(threadIdx.x & 31) : int(threadIdx.x), nt = WARP ? 32 : int(blockDim.x);
   const int64_t off = row * p.D;
+  if constexpr (WARP && VEC4) {
+    if (p.yb) {  // a warp's row of D <= 256 as Xb: every load before the reduction (see warp_row_xb)
+      warp_row_xb<GATED>(p, off, tid);
+      return;
+    }
+  }
   const float s = row_inv_rms<VEC4, WARP>(p.x + off, p.D, p.eps, tid, nt, red);
   if (p.yb) {  // Xb: 8 values a thread, pairs (v_c, v_c+4) packed as wgx_bf16_kernel does, one 16-byte store
     for (int j = tid; j < p.D / 8; j += nt) {
