@@ -202,8 +202,6 @@ struct AwgParams {
   const int32_t* pos;   // [1] i32: pos0
   int T, nH, nKV, group;
   float scale_log2;     // log2(e) / 16
-  const float* gate = nullptr;  // [T, nH*512] (q_proj's rows: head h's gate at h*512 + 256): o *= sigmoid(gate),
-                                // as sigmoid_mul computes it; null: o unscaled
 };
 
 #ifdef __CUDACC__
@@ -454,17 +452,6 @@ __global__ void __launch_bounds__(AWG_THREADS, 1)
     if (row >= p.T) continue;
     const float inv_l = 1.f / l[r];
     float* dst = p.o + (int64_t(row) * p.nH + cta.h) * AWG_D;
-    if (p.gate) {  // o * (1 / (1 + e^-g)): SigmoidMulOp's expression on the same o value
-      const float* g = p.gate + (int64_t(row) * p.nH + cta.h) * 2 * AWG_D + AWG_D;
-#pragma unroll
-      for (int x = 2 * r; x < 128; x += 4) {
-        const float2 gv = *reinterpret_cast<const float2*>(g + awg_acc_col(wt, x));
-        const float a = o[x] * inv_l, b = o[x + 1] * inv_l;
-        *reinterpret_cast<float2*>(dst + awg_acc_col(wt, x)) =
-            make_float2(a * (1.f / (1.f + expf(-gv.x))), b * (1.f / (1.f + expf(-gv.y))));
-      }
-      continue;
-    }
 #pragma unroll
     for (int x = 2 * r; x < 128; x += 4)
       *reinterpret_cast<float2*>(dst + awg_acc_col(wt, x)) = make_float2(o[x] * inv_l, o[x + 1] * inv_l);
