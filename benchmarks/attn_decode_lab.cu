@@ -1,7 +1,7 @@
 // attn_decode_lab: the split-KV decode attention (kernels/attention_decode.cuh, attention_decode_kernel
 // at head_dim 256, one token, 16 query heads over 2 KV heads: the engine's shape) at contexts 4K, 32K and
-// 128K, for the CTA shape it is compiled with (-DLILY_DECODE_WARPS, -DLILY_DECODE_TILE; attn_decode_lab.sh
-// builds several). One table row per context: us a call (median of 7 batches of 20 plain launches after a
+// 128K, for the CTA shape it is compiled with (-DLILY_DECODE_WARPS, -DLILY_DECODE_TILE,
+// -DLILY_DECODE_MIN_ROWS; attn_decode_lab.sh builds several). One table row per context: us a call (median of 7 batches of 20 plain launches after a
 // warm-up; the caches are 268 MB a layer at 128K, far past L2), the KV bytes read over that time, P (CTAs a
 // KV head) and CTAs a multiprocessor. o is written to $OUT_DIR/o_<tag>_<ctx>.bin for attn_decode_lab.sh to
 // compare across shapes (max relative difference), and checked here against an fp64 host reference over
@@ -64,7 +64,7 @@ int main() {
   const int P = std::min(sms * per_sm / nKV, kMaxDecodeCtas);
   const char* dir = std::getenv("OUT_DIR");
   char tag[64];
-  std::snprintf(tag, sizeof tag, "w%d_t%d", kDecodeWarps, kDecodeTile);
+  std::snprintf(tag, sizeof tag, "w%d_t%d_r%d", kDecodeWarps, kDecodeTile, kDecodeMinRows);
   std::printf("| shape | context | us | TB/s (KV) | P | CTAs/SM | stages | smem KB | err |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   int fail = 0;
   for (int ctx : {4096, 32768, 131072}) {

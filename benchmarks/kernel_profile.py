@@ -53,6 +53,7 @@ def main() -> None:
     print(f"\n## graph-replayed decode at context {a.context}")
     table(prof, a.steps, a.rows)
     overlap(prof, a.steps)
+    exposed(prof, a.steps, a.rows)
     s.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         s._core.prefill_sample(ids)
@@ -120,6 +121,30 @@ def overlap(prof, steps: int) -> None:
     print(f"per step: kernels {total / steps:.1f} us summed, device busy {busy / steps:.1f} us (union), "
           f"first start to last end {wall / steps:.1f} us; overlap {(total - busy) / steps:.1f} us, "
           f"idle {(wall - busy) / steps:.1f} us")
+
+
+def exposed(prof, steps: int, rows: int) -> None:
+    """Per kernel (split by neighbours as in by_neighbours): the time its end adds past every earlier
+    kernel's end (in start order), i.e. its share of the step's critical path when programmatic launches
+    let kernels start early. The shares sum to first start to last end, less the gaps."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                 and e.time_range.end > e.time_range.start and not e.name.startswith("Memcpy")),
+                key=lambda e: e.time_range.start)
+    groups: dict[str, list[float]] = {}
+    end = None
+    for i, e in enumerate(ev):
+        prev = short_name(ev[i - 1].name) if i > 0 else "-"
+        nxt = short_name(ev[i + 1].name) if i + 1 < len(ev) else "-"
+        key = f"{short_name(e.name)} [{prev} > . > {nxt}]"
+        start = e.time_range.start if end is None else max(e.time_range.start, end)
+        groups.setdefault(key, []).append(max(0.0, e.time_range.end - start))
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    total = sum(sum(v) for v in groups.values())
+    print(f"exposed (critical-path) time per step: {total / steps:.1f} us")
+    print("| kernel [before > . > after] | exposed us/pass | % | calls/pass | us/call (median) |")
+    print("|---|---:|---:|---:|---:|")
+    for key, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"| {key} | {sum(v) / steps:.1f} | {100 * sum(v) / total:.1f} | {len(v) / steps:.1f} | {np.median(v):.2f} |")
 
 
 def short_prefill(model, ids: np.ndarray, rows: int) -> None:

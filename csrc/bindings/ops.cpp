@@ -350,14 +350,40 @@ void init_ops(nb::module_& parent) {
     Dev kc = cache_in(d, k_cache), vc = cache_in(d, v_cache);
     const std::vector<int64_t> qs{int64_t(p.shape(0)), int64_t(p.shape(1) / 2)};
     Dev q(d, DType::F32, qs), g(d, DType::F32, qs), o(d, DType::F32, qs);
+    Dev ws(d, DType::BF16, {ops::attention_workspace_elems(d, qs[0], nH, nH > 0 ? qs[1] / nH : 0)});
     Pos ps(d, pos0, rope_delta);
     ops::gated_attention(pi.t, ki.t, vi.t, qn.t, kn.t, eps, rotary_dim, theta, kc.t, vc.t, q.t, g.t, o.t, nH, nKV,
-                         ps.pos);
+                         ps.pos, ws.t);
     return nb::make_tuple(out_f32(q), out_f32(g), out_f32(o), cache_out(kc), cache_out(vc));
   }, nb::arg("device"), nb::arg("p"), nb::arg("k"), nb::arg("v"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
      nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
      nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
-     "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t.");
+     "(q, gate, o, k_cache, v_cache) of the gated-attention core: cache rows pos0 + t, rope at pos0 + rope_delta + t "
+     "(q and gate not written where CUDA's prompt path at head_dim 256 runs).");
+  m.def("gated_attention_linear_xb", [](const QMatrix& w, const F32In& p, const F32In& k, const F32In& v,
+                                        const F32In& q_norm, const F32In& k_norm, float eps, int rotary_dim, double theta,
+                                        const F32In& k_cache, const F32In& v_cache, int nH, int nKV, int64_t pos0,
+                                        int64_t rope_delta) {
+    const Device d = w.weight.device();
+    Dev pi = f32(d, p), ki = f32(d, k), vi = f32(d, v), qn = f32(d, q_norm), kn = f32(d, k_norm);
+    Dev kc = cache_in(d, k_cache), vc = cache_in(d, v_cache);
+    const int64_t T = pi.t.dim(0), W = pi.t.dim(1) / 2;
+    Dev q(d, DType::F32, {T, W}), g(d, DType::F32, {T, W}), o(d, DType::F32, {T, W}), y(d, DType::F32, {T, w.rows});
+    const int64_t ws_elems = std::max<int64_t>(ops::linear_workspace_elems(d, T, w.cols),
+                                               ops::attention_workspace_elems(d, T, nH, nH > 0 ? W / nH : 0));
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ws_elems)});
+    Pos ps(d, pos0, rope_delta);
+    ops::gated_attention(pi.t, ki.t, vi.t, qn.t, kn.t, eps, rotary_dim, theta, kc.t, vc.t, q.t, g.t, o.t, nH, nKV,
+                         ps.pos, ws.t, true);
+    ops::linear_xb(w, ws.t, y.t);
+    return nb::make_tuple(out_f32(y), cache_out(kc), cache_out(vc));
+  }, nb::arg("w"), nb::arg("p"), nb::arg("k"), nb::arg("v"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
+     nb::arg("rotary_dim"), nb::arg("theta"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("num_heads"),
+     nb::arg("num_kv_heads"), nb::arg("pos0"), nb::arg("rope_delta") = 0,
+     "(linear(w, gated o), k_cache, v_cache) with gated_attention writing o as linear's bf16 X (a prompt's o_proj).");
+  m.def("gated_attention_xb_supported", [](const std::string& device, int64_t T, int64_t nH, int64_t nKV, int64_t D) {
+    return ops::gated_attention_xb_supported(parse_device(device), T, nH, nKV, D);
+  });
   m.def("split_columns", [](const std::string& device, const F32In& y, const std::vector<int64_t>& widths) {
     const Device d = parse_device(device);
     Dev yi = f32(d, y);

@@ -16,6 +16,7 @@
 #include "cuda_ops.h"
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_generic.cuh"
+#include "kernels/attention_prep.cuh"
 #include "kernels/attention_prefill.cuh"
 #include "kernels/attention_rope.cuh"
 #include "kernels/attention_wgmma.cuh"
@@ -120,13 +121,11 @@ void launch_decode_for_dim(const DecodeParams& p, int64_t M, int64_t D, const De
 }
 
 // Prefill at head_dim 256 on wgmma (kernels/attention_wgmma.cuh, FlashAttention-3's structure with the
-// intra-warpgroup overlap): q -> bf16 into qb (the workspace), then the kernel with TMA maps of qb and
-// the caches, encoded here per call (kernel parameters: nothing is captured, prefill runs eagerly).
-void launch_prefill_wgmma(const float* q, uint16_t* qb, const bf16* k, const bf16* v, int64_t maxT, float* o,
-                          const int32_t* pos, int T, int nH, int nKV, int group, float scale_log2) {
-  const int64_t n = int64_t(T) * nH * AWG_D, row = int64_t(nKV) * AWG_D;
-  launch(attention_q_bf16_kernel, unsigned(ceil_div<int64_t>(n / 8, 256)), 256, 0, q, qb, n);
-  LILY_CUDA_LAUNCHED();
+// intra-warpgroup overlap) from q as bf16 in qb (the workspace): the kernel with TMA maps of qb and the
+// caches, encoded here per call (kernel parameters: nothing is captured, prefill runs eagerly).
+void launch_prefill_wgmma_qb(const uint16_t* qb, const bf16* k, const bf16* v, int64_t maxT, float* o,
+                             const int32_t* pos, int T, int nH, int nKV, int group, float scale_log2) {
+  const int64_t row = int64_t(nKV) * AWG_D;
   CUtensorMap mq, mk, mv;
   check_tensor_map(make_xb_tensor_map(mq, qb, T, int64_t(nH) * AWG_D, 64), "attention", "q");
   check_tensor_map(make_xb_tensor_map(mk, k, maxT, row, 64), "attention", "k cache");
@@ -134,6 +133,15 @@ void launch_prefill_wgmma(const float* q, uint16_t* qb, const bf16* k, const bf1
   const AwgParams ap{o, pos, T, nH, nKV, group, scale_log2};
   launch_big_smem<attention_prefill_wgmma_kernel>(
       dim3(unsigned(ceil_div<int64_t>(T, AWG_ROWS) * nH)), AWG_THREADS, AWG_SMEM_BYTES, ap, mq, mk, mv);
+}
+
+// The same from q in f32: q -> bf16 into qb first.
+void launch_prefill_wgmma(const float* q, uint16_t* qb, const bf16* k, const bf16* v, int64_t maxT, float* o,
+                          const int32_t* pos, int T, int nH, int nKV, int group, float scale_log2) {
+  const int64_t n = int64_t(T) * nH * AWG_D;
+  launch(attention_q_bf16_kernel, unsigned(ceil_div<int64_t>(n / 8, 256)), 256, 0, q, qb, n);
+  LILY_CUDA_LAUNCHED();
+  launch_prefill_wgmma_qb(qb, k, v, maxT, o, pos, T, nH, nKV, group, scale_log2);
 }
 
 void launch_prefill_for_dim(const PrefillParams& p, int64_t D) {
@@ -238,6 +246,44 @@ bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, con
   for (const Tensor* t : {&p, &k, &v, &q_norm, &k_norm, &k_cache, &v_cache, &q, &gate, &o})
     if (!aligned(t->data, 16)) return false;
   return true;
+}
+
+bool gated_attention_prefill_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                  const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
+                                  int num_heads, int num_kv_heads, const Tensor& workspace) {
+  const int64_t T = p.dim(0), D = p.dim(1) / (2 * num_heads), group = num_heads / num_kv_heads;
+  if (T < 2 || D != AWG_D || use_split_kv_decode(T, group) || k_cache.ndim != 2) return false;
+  if (workspace.data == nullptr || workspace.dtype != DType::BF16 || workspace.numel() < T * num_heads * D) return false;
+  for (const Tensor* t : {&p, &k, &v, &q_norm, &k_norm, &k_cache, &v_cache, &o, &workspace})
+    if (!aligned(t->data, 16)) return false;
+  return T * (num_heads + 2 * num_kv_heads) <= int64_t(0x7fffffff) * kPrepWarps;
+}
+
+void gated_attention_prefill(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                             const Tensor& k_norm, float eps, int rotary_dim, double theta, const Tensor& k_cache,
+                             const Tensor& v_cache, const Tensor& o, int num_heads, int num_kv_heads,
+                             const int32_t* pos, int64_t rope_delta, const Tensor& workspace, bool o_as_xb) {
+  const int64_t T = p.dim(0), half = rotary_dim / 2;
+  LILY_CHECK(half <= kMaxPrepHalf, "gated_attention: rotary_dim ", rotary_dim, " exceeds ", 2 * kMaxPrepHalf);
+  auto* kc = k_cache.ptr<__nv_bfloat16>();
+  auto* vc = v_cache.ptr<__nv_bfloat16>();
+  auto* qb = static_cast<uint16_t*>(workspace.data);
+  PrefillPrepParams pr{{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(), kc,
+                        vc, nullptr, nullptr, eps, int(half), int(rope_delta), {}},
+                       qb, pos, int(T), num_heads, num_kv_heads};
+  for (int64_t j = 0; j < half; ++j) pr.pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  const int64_t warps = T * (num_heads + 2 * num_kv_heads);
+  launch(attention_prep_kernel<AWG_D>, unsigned(ceil_div<int64_t>(warps, kPrepWarps)), 32 * kPrepWarps, 0, pr);
+  LILY_CUDA_LAUNCHED();
+  const float scale_log2 = float(1.4426950408889634 / std::sqrt(double(AWG_D)));
+  launch_prefill_wgmma_qb(qb, kc, vc, k_cache.dim(0), o.ptr<float>(), pos, int(T), num_heads, num_kv_heads,
+                          num_heads / num_kv_heads, scale_log2);
+  // o *= sigmoid(gate), in place or (o_as_xb) into the workspace as the next GEMM's bf16 X (qb is spent)
+  const GateParams gp{o.ptr<float>(), p.ptr<float>(), qb, T * num_heads * AWG_D / 8, num_heads};
+  const unsigned blocks = unsigned(ceil_div<int64_t>(gp.blocks, kElementwiseThreads));
+  if (o_as_xb) launch(gate_o_kernel<AWG_D, true>, blocks, kElementwiseThreads, 0, gp);
+  else launch(gate_o_kernel<AWG_D, false>, blocks, kElementwiseThreads, 0, gp);
+  LILY_CUDA_LAUNCHED();
 }
 
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,

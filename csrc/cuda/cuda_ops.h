@@ -85,6 +85,17 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
                      const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
                      const int32_t* pos, int64_t rope_delta);
+// gated_attention for a prompt at head_dim 256 where attention runs on the wgmma kernel: the q/k prep, the
+// cache rows and q's bf16 (into workspace) in one kernel (kernels/attention_prep.cuh), the attention, then
+// o *= sigmoid(gate) in place or (o_as_xb) as the next GEMM's bf16 X into workspace; q and gate are not
+// written. _fits: shapes, workspace and alignment allow it.
+bool gated_attention_prefill_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                                  const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
+                                  int num_heads, int num_kv_heads, const Tensor& workspace);
+void gated_attention_prefill(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
+                             const Tensor& k_norm, float eps, int rotary_dim, double theta, const Tensor& k_cache,
+                             const Tensor& v_cache, const Tensor& o, int num_heads, int num_kv_heads,
+                             const int32_t* pos, int64_t rope_delta, const Tensor& workspace, bool o_as_xb);
 // vision.cu / kernels/vision*.cuh: the vision tower's ops (pos and starts in device memory).
 void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y);
 void layer_norm_xb(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& xb);

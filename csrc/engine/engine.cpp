@@ -141,9 +141,13 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
   const Tensor vc = Tensor::of(st.v.data(), kv_dtype, device(), {f.max_context, nKV * D});  // [maxT, nKV*D]
   // After a prompt with images, text tokens turn by their index + pos.rope_delta (docs/model.md section 8.5).
   const ops::Position pos = f.position;
-  if (T == 1 && !rope_pos) {  // decode: the ops of the branch below in one (CUDA: 2 kernels)
+  if (!rope_pos) {  // the ops of the branch below in one (CUDA: 2 kernels for decode, 3 for a prompt at D = 256)
+    // a prompt whose o_proj runs on the wgmma GEMM gets the gated o as that GEMM's bf16 X (docs/cuda.md)
+    const bool o_xb = T > 1 && ops::gated_attention_xb_supported(device(), T, nH, nKV, D) &&
+                      ops::linear_xb_supported(device(), *w.o_proj, T);
     ops::gated_attention(p, k, v, w.q_norm->view(), w.k_norm->view(), c.rms_norm_eps, c.rotary_dim, c.rope_theta,
-                         kc, vc, q, gate, o, int(nH), int(nKV), pos);
+                         kc, vc, q, gate, o, int(nH), int(nKV), pos, xb_work(x, device()), o_xb);
+    if (o_xb) return {w.o_proj, Tensor{}, true};
   } else {
     ops::split_q_gate(p, q, gate, int(nH));
     ops::rms_norm(heads(q, D), w.q_norm->view(), c.rms_norm_eps, heads(q, D));

@@ -87,13 +87,20 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   no_backend(op, q.device);
 }
 
+bool gated_attention_xb_supported(Device device, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D) {
+  if (device != Device::CUDA || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads) return false;
+  const int64_t group = num_heads / num_kv_heads;
+  return D == 256 && T >= 2 && !(T <= 4 && T * group <= 32);  // cuda::gated_attention_prefill_fits' shapes
+}
+
 int64_t attention_workspace_elems(Device device, int64_t T, int64_t num_heads, int64_t D) {
   return device == Device::CPU ? 0 : T * num_heads * D;
 }
 
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
-                     const Tensor& q, const Tensor& gate, const Tensor& o, int nH, int nKV, const Position& pos) {
+                     const Tensor& q, const Tensor& gate, const Tensor& o, int nH, int nKV, const Position& pos,
+                     const Tensor& workspace, bool o_as_xb) {
   const char* op = "gated_attention";
   const OpSpan span(op);
   check_tensor(op, "p", p, DType::F32, 2);
@@ -110,10 +117,20 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
   check_shape(op, "q_norm", q_norm, 0, D);
   check_shape(op, "k_norm", k_norm, 0, D);
   check_same_device(op, {p, k, v, q_norm, k_norm, k_cache, v_cache, q, gate, o});
+  if (workspace.data != nullptr) {
+    LILY_CHECK(workspace.dtype == DType::BF16, op, ": the workspace must be BF16, not ", dtype_name(workspace.dtype));
+    check_same_device(op, {p, workspace});
+  }
 #ifdef LILY_WITH_CUDA
   // The remaining checks are the ops' own; the fused kernels assume the shapes they verify.
-  if (p.device == Device::CUDA &&
-      cuda::gated_attention_fits(p, k, v, q_norm, k_norm, k_cache, v_cache, q, gate, o, nH, nKV)) {
+  const bool decode = p.device == Device::CUDA &&
+                      cuda::gated_attention_fits(p, k, v, q_norm, k_norm, k_cache, v_cache, q, gate, o, nH, nKV);
+  const bool prefill = p.device == Device::CUDA && !decode &&
+                       cuda::gated_attention_prefill_fits(p, k, v, q_norm, k_norm, k_cache, v_cache, o, nH, nKV,
+                                                          workspace);
+  LILY_CHECK(!o_as_xb || prefill, op, ": o as the GEMM's bf16 X needs CUDA's prompt path (gated_attention_xb_supported, "
+             "a BF16 workspace of T * heads * head_dim, 16-byte aligned tensors)");
+  if (decode || prefill) {
     for (const Tensor* t : {&q, &gate, &o}) {
       check_tensor(op, "q/gate/o", *t, DType::F32, 2);
       check_shape(op, "q/gate/o", *t, 0, T);
@@ -127,9 +144,14 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
     LILY_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 0 && rotary_dim <= D, op, ": bad rotary_dim ", rotary_dim);
     check_position(op, pos, p.device, T, k_cache.dim(0));
     check_rope_delta(op, pos, T);
+    if (prefill)
+      return cuda::gated_attention_prefill(p, k, v, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, o, nH,
+                                           nKV, pos.device, pos.rope_delta, workspace, o_as_xb);
     return cuda::gated_attention(p, k, v, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, q, gate, o, nH,
                                  nKV, pos.device, pos.rope_delta);
   }
+#else
+  LILY_CHECK(!o_as_xb, op, ": o as the GEMM's bf16 X needs CUDA's prompt path");
 #endif
   // The per-op sequence: the CPU reference, and the fallback of every other case.
   split_q_gate(p, q, gate, nH);
@@ -141,7 +163,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
   rope(k, nKV, rotary_dim, theta, pos);
   kv_cache_write(k, k_cache, pos);
   kv_cache_write(v, v_cache, pos);
-  attention(q, k_cache, v_cache, o, nH, nKV, pos);
+  attention(q, k_cache, v_cache, o, nH, nKV, pos, workspace);
   sigmoid_mul(o, gate);
 }
 

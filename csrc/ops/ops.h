@@ -175,13 +175,19 @@ int64_t attention_workspace_elems(Device device, int64_t T, int64_t num_heads, i
 //   (rope at pos0 + t + pos.rope_delta)
 //   k_cache[pos0 + t] = k;  v_cache[pos0 + t] = v;  o = attention(q, caches) * sigmoid(gate).
 // Exactly that sequence of ops on the CPU (bit-identical) and wherever a backend has no fused
-// form; on CUDA for T = 1 and the tensor-core head dims it is two kernels (docs/cuda.md).
+// form; on CUDA for T = 1 and the tensor-core head dims it is two kernels, and for a prompt at head_dim
+// 256 whose attention runs on the wgmma kernel (workspace given) three, which leave q and gate unwritten
+// (o and the caches: the sequence's bits; docs/cuda.md). There, o_as_xb writes the gated o as the prefill
+// GEMM's bf16 X into workspace instead of o (what linear_xb reads: o_proj's product, the same bits as
+// linear of o); o_as_xb elsewhere is an error (gated_attention_xb_supported says where it runs).
 // p [T, nH*2D]; k, v [T, nKV*D] (k is work space: it may hold the normed, roped key afterwards);
-// q_norm, k_norm [D]; q, gate, o [T, nH*D] outputs; caches as attention().
+// q_norm, k_norm [D]; q, gate, o [T, nH*D] outputs; caches and workspace as attention().
 void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm, const Tensor& k_norm,
                      float eps, int rotary_dim, double theta, const Tensor& k_cache, const Tensor& v_cache,
                      const Tensor& q, const Tensor& gate, const Tensor& o, int num_heads, int num_kv_heads,
-                     const Position& pos);
+                     const Position& pos, const Tensor& workspace = Tensor{}, bool o_as_xb = false);
+// Whether gated_attention takes o_as_xb for these shapes on `device` (given aligned tensors and the workspace).
+bool gated_attention_xb_supported(Device device, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D);
 
 // x *= sigmoid(gate), elementwise.  x, gate [R, C].
 void sigmoid_mul(const Tensor& x, const Tensor& gate);

@@ -229,25 +229,58 @@ def test_gated_attention_decode_far_position(pos0, gpu_tol):
     check(got[2], o_ref, gpu_tol["attention_decode"])
 
 
-def test_gated_attention_prefill_falls_back():
-    """T > 1 takes the per-op path on CUDA: identical to the op sequence."""
-    nH, nKV, D, rd, theta, eps, T, pos0 = 16, 2, 256, 64, 1e7, 1e-6, 3, 40
-    rng = np.random.default_rng(5)
+def gated_prompt_sequence(dev, nH, nKV, D, rd, theta, eps, pos0, p, k, v, qn, kn, kc, vc, delta=0):
+    """The per-op sequence for T tokens on `dev` (as ops::gated_attention's fallback); CPU caches get bf16 rows."""
+    T = p.shape[0]
+    q, g = ops.split_q_gate(dev, p, nH)
+    q = ops.rope(dev, ops.rms_norm(dev, q.reshape(T * nH, D), qn, eps).reshape(T, nH * D), nH, rd, theta, pos0,
+                 rope_delta=delta)
+    kr = ops.rope(dev, ops.rms_norm(dev, k.reshape(T * nKV, D), kn, eps).reshape(T, nKV * D), nKV, rd, theta, pos0,
+                  rope_delta=delta)
+    if dev == "cpu":
+        kc, vc = kc.copy(), vc.copy()
+        kc[pos0:pos0 + T], vc[pos0:pos0 + T] = bf16_round(kr), bf16_round(v)
+    else:
+        kc, vc = ops.kv_cache_write(dev, kr, kc, pos0), ops.kv_cache_write(dev, v, vc, pos0)
+    o = ops.sigmoid_mul(dev, ops.attention(dev, q, kc, vc, nH, nKV, pos0), g)
+    return q, g, o, kc, vc
+
+
+# A prompt's gated attention: on CUDA at D = 256 where attention runs on the wgmma kernel (more than 4
+# tokens, or T * group > 32), one prep kernel (q/k norm and RoPE, the cache rows, q's bf16) and the
+# attention kernel with sigmoid(gate) in its epilogue: o and the caches must equal the CUDA op sequence bit
+# for bit (q and gate are not written there); below that, the per-op path: all five outputs equal.
+@pytest.mark.parametrize("nH, nKV, D, rd, T, pos0, delta", [
+    (16, 2, 256, 64, 3, 40, 0),      # split-KV attention (T * group <= 32): the per-op path
+    (16, 2, 256, 64, 5, 40, 0),      # the fused path, a partial 128-row tile
+    (16, 2, 256, 64, 130, 0, 0),     # from the first cache row, two tiles
+    (16, 2, 256, 64, 300, 1000, -25),  # after earlier chunks, text after an image (rope_delta)
+    (6, 2, 256, 10, 7, 3, 0),        # group 3, odd half
+    (8, 4, 256, 0, 64, 64, 0),       # no rotation
+    (4, 2, 64, 16, 40, 5, 0),        # head_dim 64: the per-op path (mma.sync attention)
+])
+def test_gated_attention_prompt(nH, nKV, D, rd, T, pos0, delta, gpu_tol):
+    eps, theta = 1e-6, 1e7
+    rng = np.random.default_rng(T * 7 + pos0 + D)
     p = rng.standard_normal((T, nH * 2 * D)).astype(np.float32)
-    k = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    k = (rng.standard_normal((T, nKV * D)) * 2).astype(np.float32)
     v = rng.standard_normal((T, nKV * D)).astype(np.float32)
-    qn, kn = np.ones(D, np.float32), np.ones(D, np.float32)
-    kc = bf16_round(rng.standard_normal((64, nKV * D)).astype(np.float32))
-    vc = bf16_round(rng.standard_normal((64, nKV * D)).astype(np.float32))
-    got = ops.gated_attention("cuda", p, k, v, qn, kn, eps, rd, theta, kc, vc, nH, nKV, pos0)
-    q, g = ops.split_q_gate("cuda", p, nH)
-    q = ops.rope("cuda", ops.rms_norm("cuda", q.reshape(T * nH, D), qn, eps).reshape(T, nH * D), nH, rd, theta, pos0)
-    kr = ops.rope("cuda", ops.rms_norm("cuda", k.reshape(T * nKV, D), kn, eps).reshape(T, nKV * D), nKV, rd, theta,
-                  pos0)
-    kc2, vc2 = ops.kv_cache_write("cuda", kr, kc, pos0), ops.kv_cache_write("cuda", v, vc, pos0)
-    o = ops.sigmoid_mul("cuda", ops.attention("cuda", q, kc2, vc2, nH, nKV, pos0), g)
-    for name, a, b in zip("q gate o k_cache v_cache".split(), got, (q, g, o, kc2, vc2)):
+    qn = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    kc = bf16_round(rng.standard_normal((pos0 + T + 40, nKV * D)).astype(np.float32))
+    vc = bf16_round(rng.standard_normal((pos0 + T + 40, nKV * D)).astype(np.float32))
+    kc[pos0:], vc[pos0:] = np.nan, np.nan  # rows pos0.. written before they are read; later rows never read
+    args = (p, k, v, qn, kn)
+    got = ops.gated_attention("cuda", *args, eps, rd, theta, kc, vc, nH, nKV, pos0, rope_delta=delta)
+    want = gated_prompt_sequence("cuda", nH, nKV, D, rd, theta, eps, pos0, *args, kc, vc, delta=delta)
+    fused = D == 256 and not (T <= 4 and T * (nH // nKV) <= 32)
+    for name, a, b in zip("q gate o k_cache v_cache".split(), got, want):
+        if fused and name in ("q", "gate"):
+            continue
         np.testing.assert_array_equal(a, b, err_msg=name)
+    o_ref = gated_prompt_sequence("cpu", nH, nKV, D, rd, theta, eps, pos0, *args, kc, vc, delta=delta)[2]
+    assert np.isfinite(got[2]).all()
+    check(got[2], o_ref, gpu_tol[attention_tol_key(T, nH, nKV, D)])
 
 
 def test_gated_attention_deterministic():

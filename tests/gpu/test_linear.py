@@ -569,3 +569,28 @@ def test_add_rms_norm_linear_xb(T, out, group, bits):
     assert np.array_equal(x2, x_ref) and np.array_equal(h, h_ref)
     assert np.isfinite(got).all()
     assert np.array_equal(got, ops.linear(w, 0, h_ref))
+
+
+@pytest.mark.parametrize("T, pos0, out, bits", [(130, 0, 2048, 4), (40, 300, 512, 8), (300, 7, 256, 4)])
+def test_gated_attention_linear_xb(T, pos0, out, bits):
+    # A prompt's o_proj (engine.cpp attention_layer): gated_attention writes the gated o as linear's bf16 X
+    # and linear_xb reads it; the product and the caches the same bits as the op sequence then linear.
+    nH, nKV, D, rd, theta, eps = 16, 2, 256, 64, 1e7, 1e-6
+    assert ops.gated_attention_xb_supported("cuda", T, nH, nKV, D)
+    assert not ops.gated_attention_xb_supported("cuda", 4, nH, nKV, D)  # the split-KV attention's T
+    assert not ops.gated_attention_xb_supported("cpu", T, nH, nKV, D)
+    rng = np.random.default_rng(T + pos0 + bits)
+    w = ops.QMatrix("cuda", **random_matrix(rng, 1, out, nH * D, bits, 64, "BF16"))
+    assert ops.linear_xb_supported(w, T)
+    p = rng.standard_normal((T, nH * 2 * D)).astype(np.float32)
+    k = (2 * rng.standard_normal((T, nKV * D))).astype(np.float32)
+    v = rng.standard_normal((T, nKV * D)).astype(np.float32)
+    qn = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    cache = lambda: rng.standard_normal((pos0 + T + 8, nKV * D)).astype(np.float32)
+    kc, vc = cache(), cache()
+    y, kc2, vc2 = ops.gated_attention_linear_xb(w, p, k, v, qn, kn, eps, rd, theta, kc, vc, nH, nKV, pos0)
+    q_, g_, o, kc_ref, vc_ref = ops.gated_attention("cuda", p, k, v, qn, kn, eps, rd, theta, kc, vc, nH, nKV, pos0)
+    assert np.isfinite(y).all()
+    assert np.array_equal(y, ops.linear(w, 0, o))
+    assert np.array_equal(kc2, kc_ref) and np.array_equal(vc2, vc_ref)

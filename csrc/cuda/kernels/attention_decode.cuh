@@ -6,7 +6,7 @@
 // Grid (P, nKV), kDecodeThreads threads (4 warps), as many CTAs per multiprocessor as its shared memory
 // holds (2 at 32-row tiles), P = that x the multiprocessors / nKV, fixed per device (not per position, so
 // one captured graph serves every position). CTA (c, kvh) takes the contiguous cache rows [c R, c R + R)
-// below pos0 + T, R = max(kDecodeTile, ceil((pos0 + T) / P)) (the bytes balanced over the CTAs;
+// below pos0 + T, R = max(kDecodeMinRows, ceil((pos0 + T) / P)) (the bytes balanced over the CTAs;
 // n = ceil((pos0 + T) / R) <= P of them have rows), in kDecodeTile-row tiles (cp.async, 2-3 stages) with
 // one online softmax, and packs all T*group queries of its KV head as the M rows of the tensor-core
 // products (m = t*group + head-in-group), so each K/V byte is read once per step. Q K^T: warp w takes
@@ -76,6 +76,10 @@ namespace lily::cuda::attn {
 constexpr int kDecodeWarps = LILY_DECODE_WARPS;
 constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeTile = LILY_DECODE_TILE;
+#ifndef LILY_DECODE_MIN_ROWS  // the least cache rows a CTA takes (fewer partials to merge at short contexts)
+#define LILY_DECODE_MIN_ROWS LILY_DECODE_TILE
+#endif
+constexpr int kDecodeMinRows = LILY_DECODE_MIN_ROWS;
 constexpr int kDecodeWarpRows = kDecodeTile / kDecodeWarps;  // tile rows a warp scores: one or two n8 tiles
 static_assert(kDecodeWarpRows == 8 || kDecodeWarpRows == 16, "a warp scores one or two n8 tiles of keys");
 constexpr int kMaxDecodeRows = 32;       // T * group packed per CTA (two m-tiles)
@@ -437,7 +441,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int pos0 = __ldcg(p.pos);  // kPrep: before the wait (see the header)
   const int row_end = pos0 + p.T;  // cache rows [0, pos0 + T) are visible to some query
   const int64_t per_cta = (int64_t(row_end) + p.num_ctas - 1) / p.num_ctas;
-  const int rows_per_cta = int(per_cta > kDecodeTile ? per_cta : kDecodeTile);  // R
+  const int rows_per_cta = int(per_cta > kDecodeMinRows ? per_cta : kDecodeMinRows);  // R
   const int n_parts = int((int64_t(row_end) + rows_per_cta - 1) / rows_per_cta);  // CTAs with rows
   const int64_t r0_64 = int64_t(cta) * rows_per_cta;
   const int r0 = int(r0_64 < row_end ? r0_64 : row_end);
