@@ -84,10 +84,11 @@ constexpr int kDecodeWarpRows = kDecodeTile / kDecodeWarps;  // tile rows a warp
 static_assert(kDecodeWarpRows == 8 || kDecodeWarpRows == 16, "a warp scores one or two n8 tiles of keys");
 constexpr int kMaxDecodeRows = 32;       // T * group packed per CTA (two m-tiles)
 constexpr int kMaxDecodeTokens = 4;
-constexpr int kMaxDecodeCtas = 256;      // P per KV head; the merge's statistics take two per thread
+constexpr int kMaxDecodeCtas = 256;      // P per KV head; the merge holds kMaxDecodeCtas / threads statistics a thread
 constexpr int kDecodeMergers = 64;       // most CTAs that merge (the launch's last arrivals)
 constexpr int kMergeBatch = 12;          // partial loads in flight per merging thread
-// Scratch bound: T * nH * P * D partial floats (8 MiB; real dims use 4 * 16 * 66 * 256 at most).
+// Scratch bound: T * nH * P * D partial floats (8 MiB; real dims use 1 * 16 * 132 * 256 at T = 1, and P = 128
+// at T = 4, the scratch's fit).
 constexpr int64_t kDecodeScratchFloats = int64_t(1) << 21;
 constexpr int64_t kDecodeMaxPartials = kDecodeScratchFloats / 32;  // D >= 32 on this path
 
