@@ -44,6 +44,12 @@ unsigned elementwise_blocks(const char* op, int64_t items) {
   return unsigned(blocks);
 }
 
+// RoPE's inverse frequencies as the CPU computes them: 1 / theta^(2j / rotary_dim), a double power rounded
+// to float, j < half.
+void rope_inv_freq(float* inv_freq, int64_t half, double theta, int rotary_dim) {
+  for (int64_t j = 0; j < half; ++j) inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+}
+
 bool is_mma_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128 || D == 256; }
 
 bool use_split_kv_decode(int64_t T, int64_t group) { return T <= kMaxDecodeTokens && T * group <= kMaxDecodeRows; }
@@ -172,7 +178,7 @@ void rope(const Tensor& x, int num_heads, int rotary_dim, double theta, const in
   if (T == 0 || half == 0) return;
   LILY_CHECK(half <= kMaxRopeHalf, "rope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
   RopeParams rp{x.ptr<float>(), pos, T * num_heads * half, num_heads, int(D), int(half), int(rope_delta), {}};
-  for (int64_t j = 0; j < half; ++j) rp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  rope_inv_freq(rp.inv_freq, half, theta, rotary_dim);
   launch(rope_kernel, elementwise_blocks("rope", rp.n), kElementwiseThreads, 0, rp);
   LILY_CUDA_LAUNCHED();
 }
@@ -184,7 +190,7 @@ void mrope(const Tensor& x, int num_heads, int rotary_dim, double theta, const s
   LILY_CHECK(half <= kMaxRopeHalf, "mrope: rotary_dim ", rotary_dim, " exceeds the CUDA kernel's ", 2 * kMaxRopeHalf);
   MropeParams p{x.ptr<float>(), pos.ptr<int32_t>(), T * num_heads * half, num_heads, int(D), int(half),
                 sections[1], sections[2], {}};
-  for (int64_t j = 0; j < half; ++j) p.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  rope_inv_freq(p.inv_freq, half, theta, rotary_dim);
   launch(mrope_kernel, elementwise_blocks("mrope", p.n), kElementwiseThreads, 0, p);
   LILY_CUDA_LAUNCHED();
 }
@@ -248,11 +254,16 @@ bool gated_attention_fits(const Tensor& p, const Tensor& k, const Tensor& v, con
   return true;
 }
 
+bool gated_attention_prefill_shapes(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D) {
+  if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads) return false;
+  return T >= 2 && D == AWG_D && !use_split_kv_decode(T, num_heads / num_kv_heads);
+}
+
 bool gated_attention_prefill_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
                                   const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
                                   int num_heads, int num_kv_heads, const Tensor& workspace) {
-  const int64_t T = p.dim(0), D = p.dim(1) / (2 * num_heads), group = num_heads / num_kv_heads;
-  if (T < 2 || D != AWG_D || use_split_kv_decode(T, group) || k_cache.ndim != 2) return false;
+  const int64_t T = p.dim(0), D = p.dim(1) / (2 * num_heads);
+  if (!gated_attention_prefill_shapes(T, num_heads, num_kv_heads, D) || k_cache.ndim != 2) return false;
   if (workspace.data == nullptr || workspace.dtype != DType::BF16 || workspace.numel() < T * num_heads * D) return false;
   for (const Tensor* t : {&p, &k, &v, &q_norm, &k_norm, &k_cache, &v_cache, &o, &workspace})
     if (!aligned(t->data, 16)) return false;
@@ -271,7 +282,7 @@ void gated_attention_prefill(const Tensor& p, const Tensor& k, const Tensor& v, 
   PrefillPrepParams pr{{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(), kc,
                         vc, nullptr, nullptr, eps, int(half), int(rope_delta), {}},
                        qb, pos, int(T), num_heads, num_kv_heads};
-  for (int64_t j = 0; j < half; ++j) pr.pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  rope_inv_freq(pr.pp.inv_freq, half, theta, rotary_dim);
   const int64_t warps = T * (num_heads + 2 * num_kv_heads);
   launch(attention_prep_kernel<AWG_D>, unsigned(ceil_div<int64_t>(warps, kPrepWarps)), 32 * kPrepWarps, 0, pr);
   LILY_CUDA_LAUNCHED();
@@ -279,7 +290,7 @@ void gated_attention_prefill(const Tensor& p, const Tensor& k, const Tensor& v, 
   launch_prefill_wgmma_qb(qb, kc, vc, k_cache.dim(0), o.ptr<float>(), pos, int(T), num_heads, num_kv_heads,
                           num_heads / num_kv_heads, scale_log2);
   // o *= sigmoid(gate), in place or (o_as_xb) into the workspace as the next GEMM's bf16 X (qb is spent)
-  const GateParams gp{o.ptr<float>(), p.ptr<float>(), qb, T * num_heads * AWG_D / 8, num_heads};
+  const GateParams gp{o.ptr<float>(), p.ptr<float>(), qb, T * num_heads * AWG_D / 8};
   const unsigned blocks = unsigned(ceil_div<int64_t>(gp.blocks, kElementwiseThreads));
   if (o_as_xb) launch(gate_o_kernel<AWG_D, true>, blocks, kElementwiseThreads, 0, gp);
   else launch(gate_o_kernel<AWG_D, false>, blocks, kElementwiseThreads, 0, gp);
@@ -299,7 +310,7 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
                         scale_log2};  // P: launch_decode_tiles
   DecodePrepParams pp{p.ptr<float>(), k.ptr<float>(), v.ptr<float>(), q_norm.ptr<float>(), k_norm.ptr<float>(),
                       kc, vc, q.ptr<float>(), gate.ptr<float>(), eps, int(half), int(rope_delta), {}};
-  for (int64_t j = 0; j < half; ++j) pp.inv_freq[j] = float(1.0 / std::pow(theta, double(2 * j) / rotary_dim));
+  rope_inv_freq(pp.inv_freq, half, theta, rotary_dim);
   launch_decode_for_dim<true>(dp, group, D, pp);
 }
 

@@ -88,7 +88,9 @@ void gated_attention(const Tensor& p, const Tensor& k, const Tensor& v, const Te
 // gated_attention for a prompt at head_dim 256 where attention runs on the wgmma kernel: the q/k prep, the
 // cache rows and q's bf16 (into workspace) in one kernel (kernels/attention_prep.cuh), the attention, then
 // o *= sigmoid(gate) in place or (o_as_xb) as the next GEMM's bf16 X into workspace; q and gate are not
-// written. _fits: shapes, workspace and alignment allow it.
+// written. _shapes: the sizes it takes (T > 1 where attention is not the split-KV kernel, head_dim 256);
+// _fits: those, the workspace and alignment.
+bool gated_attention_prefill_shapes(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D);
 bool gated_attention_prefill_fits(const Tensor& p, const Tensor& k, const Tensor& v, const Tensor& q_norm,
                                   const Tensor& k_norm, const Tensor& k_cache, const Tensor& v_cache, const Tensor& o,
                                   int num_heads, int num_kv_heads, const Tensor& workspace);

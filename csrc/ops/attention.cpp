@@ -88,9 +88,11 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
 }
 
 bool gated_attention_xb_supported(Device device, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D) {
-  if (device != Device::CUDA || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads) return false;
-  const int64_t group = num_heads / num_kv_heads;
-  return D == 256 && T >= 2 && !(T <= 4 && T * group <= 32);  // cuda::gated_attention_prefill_fits' shapes
+#ifdef LILY_WITH_CUDA
+  if (device == Device::CUDA) return cuda::gated_attention_prefill_shapes(T, num_heads, num_kv_heads, D);
+#endif
+  (void)T, (void)num_heads, (void)num_kv_heads, (void)D;
+  return false;
 }
 
 int64_t attention_workspace_elems(Device device, int64_t T, int64_t num_heads, int64_t D) {

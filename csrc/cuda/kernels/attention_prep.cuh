@@ -14,7 +14,6 @@
 // kv_cache_write convert: qb and the cache rows equal the op sequence's bit for bit.
 #pragma once
 #include "attention_decode.cuh"
-#include "attention_rope.cuh"
 #include "xb_layout.cuh"
 
 namespace lily::cuda::attn {
@@ -76,14 +75,12 @@ __global__ void __launch_bounds__(32 * kPrepWarps) attention_prep_kernel(const P
 // After the attention: o[t, h, :] *= sigmoid(p[t, h, gate]) (SigmoidMulOp's expression, sigmoid_mul's bits),
 // in place (XB = false) or written as the prefill GEMM's bf16 X (XB: xb [T, nH*D], each 8-value block
 // packed as pairs (v_c, v_c+4), as wgx_bf16_kernel packs it, so the next product reads what linear would
-// convert from the gated o). One thread per 8-value block of o (1-D grid of kElementwiseThreads); o and p
-// 16-byte aligned.
+// convert from the gated o). One thread per 8-value block of o (1-D grid); o and p 16-byte aligned.
 struct GateParams {
   float* o;            // [T, nH*D] f32
   const float* p;      // [T, nH*2D] f32
   uint16_t* xb;        // [T, nH*D] bf16 (XB)
   int64_t blocks;      // T*nH*D/8
-  int nH;
 };
 
 template <int kD, bool XB>
@@ -101,8 +98,7 @@ __global__ void gate_o_kernel(const GateParams p) {
 #pragma unroll
   for (int m = 0; m < 8; ++m) v[m] = o[m] * (1.f / (1.f + expf(-g[m])));
   if constexpr (XB) {
-    *reinterpret_cast<uint4*>(p.xb + 8 * i) = make_uint4(wg_pack_bf16x2(v[0], v[4]), wg_pack_bf16x2(v[1], v[5]),
-                                                         wg_pack_bf16x2(v[2], v[6]), wg_pack_bf16x2(v[3], v[7]));
+    *reinterpret_cast<uint4*>(p.xb + 8 * i) = wg_pack_xb8(v);
   } else {
     float4* w4 = reinterpret_cast<float4*>(p.o + 8 * i);
     w4[0] = make_float4(v[0], v[1], v[2], v[3]);

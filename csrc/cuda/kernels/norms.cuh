@@ -151,12 +151,7 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
 #pragma unroll
         for (int m = 0; m < 8; ++m) v[m] = norm_out<GATED>(p.x[k + m], s, p.w[8 * j + m], GATED ? p.z[k + m] : 0.f);
       }
-      uint4 q;
-      q.x = wg_pack_bf16x2(v[0], v[4]);
-      q.y = wg_pack_bf16x2(v[1], v[5]);
-      q.z = wg_pack_bf16x2(v[2], v[6]);
-      q.w = wg_pack_bf16x2(v[3], v[7]);
-      *reinterpret_cast<uint4*>(p.yb + k) = q;
+      *reinterpret_cast<uint4*>(p.yb + k) = wg_pack_xb8(v);
     }
     return;
   }
@@ -236,12 +231,7 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
     float v[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) v[m] = p.x[k + m] * s * p.w[8 * j + m];
-    uint4 q;
-    q.x = wg_pack_bf16x2(v[0], v[4]);
-    q.y = wg_pack_bf16x2(v[1], v[5]);
-    q.z = wg_pack_bf16x2(v[2], v[6]);
-    q.w = wg_pack_bf16x2(v[3], v[7]);
-    *reinterpret_cast<uint4*>(p.yb + k) = q;
+    *reinterpret_cast<uint4*>(p.yb + k) = wg_pack_xb8(v);
   }
 }
 

@@ -24,6 +24,12 @@ __host__ __device__ __forceinline__ uint32_t wg_pack_bf16x2(float lo, float hi) 
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Eight consecutive values of a row as one 16-byte Xb chunk: pairs (v_c, v_c+4), c = 0..3.
+__host__ __device__ __forceinline__ uint4 wg_pack_xb8(const float (&v)[8]) {
+  return make_uint4(wg_pack_bf16x2(v[0], v[4]), wg_pack_bf16x2(v[1], v[5]), wg_pack_bf16x2(v[2], v[6]),
+                    wg_pack_bf16x2(v[3], v[7]));
+}
+
 // bf16_rn(v) as bits: wg_pack_bf16x2's conversion of one value (the same instruction, the same bits).
 __host__ __device__ __forceinline__ uint16_t wg_bf16(float v) { return uint16_t(wg_pack_bf16x2(v, 0.f)); }
 
