@@ -233,6 +233,21 @@ def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
 
 
+# A 128-row kernel's tile of at most 64 rows runs m64n64 wgmmas (wg_tile_n: an expert's last MoE tile, a
+# product's last row tile); its rows must equal the same rows computed in a full tile bit for bit. T = 146
+# and 185 leave 18 and 57 rows in the last 128-row tile of in_proj's shape (dense_wide: 128-row tiles at
+# both), T = 256 fills it; 8-bit weights at 4100 rows (4 in the last tile) against 4224 (33 full tiles).
+# The gated and gathered instances: test_moe.py's test_moe_prefill_gated_dense_wide.
+@pytest.mark.parametrize("bits,rows,T,full", [(4, 12352, 146, 256), (4, 12352, 185, 256), (8, 2048, 4100, 4224)])
+def test_linear_wgmma_narrow_tile_rows(bits, rows, T, full):
+    rng = np.random.default_rng(rows + T + bits)
+    m = random_matrix(rng, 1, rows, 2048, bits, 64, "BF16")
+    _, wg = both(m)
+    x = rng.standard_normal((full, 2048)).astype(np.float32)
+    assert path_of(m, T) == path_of(m, full) == "linear_wgmma"
+    assert np.array_equal(ops.linear(wg, 0, x[:T]), ops.linear(wg, 0, x)[:T])
+
+
 # 8-bit weights on the wgmma GEMM (BITS = 8: 64-byte W rows, bytes made bf16 through fp32 2^23): the router and
 # shared-expert gate (256 and 1 outputs over 2048) and both stacked (257: a partial second column tile), at the
 # prompt sizes that profile them (146, 4096), split-K (33..64 rows), 64- and 128-row tiles (2048 outputs at 4096

@@ -55,6 +55,7 @@
 
 #include <cstdint>
 #include <cstring>  // memcpy (wg_f32_of, wg_bits_of on the host)
+#include <type_traits>  // std::integral_constant (the consumer loop per wgmma N)
 
 #include "linear_common.cuh"
 #include "wgmma.cuh"
@@ -269,22 +270,37 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
 // low 6 bits zero, so adding 2j <= 6 carries nowhere.
-template <int BM, int H>
+// NT (<= BM): the wgmma's N, the first NT rows of the Xb tile into accumulators acc[b][0, NT/2) (a narrow
+// tile, wg_tile_n); the others are not touched.
+template <int BM, int H, int NT = BM>
 __device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd) {
+  static_assert(NT <= BM, "a tile's wgmma covers at most its BM rows");
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+    for (int i = 0; i < NT / 2; ++i) fence_reg(acc[b][i]);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    for (int b = 0; b < 2; ++b)
+      wgmma_rows<NT>(*reinterpret_cast<float(*)[NT / 2]>(&acc[b][0]), A[b][s], xd + (2 * H + s) * 2);
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+    for (int i = 0; i < NT / 2; ++i) fence_reg(acc[b][i]);
+}
+
+// The wgmma N of a tile of `rows` real rows in a BM-row kernel: BM, or 64 for a 128-row kernel's tile of at
+// most 64 rows (an expert's last, partly filled MoE tile): its wgmma work halves while the dequantization
+// (the same per k-tile at any N) stays. At BM = 128 a k-tile is ~1,024 cycles of wgmma against ~470 issue
+// slots of the two consumer warpgroups (dequantization and addressing), so a 64-row tile runs at about
+// the issue bound, ~half a full tile's time. Rows NT..BM-1 of such a tile are never computed: their
+// accumulators stay zero and the epilogues store only rows below tile.rows (<= NT).
+template <int BM>
+__host__ __device__ constexpr int wg_tile_n(int64_t rows) {
+  return BM == 128 && rows <= 64 ? 64 : BM;
 }
 
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
@@ -479,6 +495,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   carried from k-tile to k-tile, all 32-bit shared addresses. SASS at BM = 128: ~233 instructions
 //   per k-tile per thread, 128 of them the dequantization (4 per bf16 pair); two consumer warps per
 //   scheduler: ~470 issue slots against ~1,024 cycles of wgmma (docs/perf-notes.md, 2026-12-01).
+//   A tile of at most 64 rows in the 128-row kernel (an expert's last MoE tile) runs the same loop with
+//   m64n64 wgmmas (wg_tile_n): half the tensor work, the same dequantization.
 //   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
 //   thread's own G and U) while the producer already fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
@@ -636,25 +654,33 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
-    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513). One loop per
+    // wgmma N (wg_tile_n: the tile's rows decide, uniformly over the CTA).
+    auto k_loop = [&](auto nt) {
+      constexpr int NT = decltype(nt)::value;
 #pragma unroll 1
-    for (int kt = kb; kt < ke; ++kt) {
-      cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
-      mbar_wait(fb, ph);
-      const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd);
-      wgmma_wait<1>();  // half 1 of kt-1 retired
-      if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd);
-      wgmma_wait<1>();  // half 0 of kt retired
-      eb_prev = fb + 8 * S;  // empty[s]
-      const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
-      s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
-      if (s == 0) ph ^= 1;
-    }
+      for (int kt = kb; kt < ke; ++kt) {
+        cur = nxt;
+        if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+        mbar_wait(fb, ph);
+        const uint64_t xd = wg_desc(xs);
+        wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
+        wg_issue_half<BM, 0, NT>(acc, H0, xd);
+        wgmma_wait<1>();  // half 1 of kt-1 retired
+        if (kt > kb && lane == 0) mbar_arrive(eb_prev);
+        wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
+        wg_issue_half<BM, 1, NT>(acc, H1, xd);
+        wgmma_wait<1>();  // half 0 of kt retired
+        eb_prev = fb + 8 * S;  // empty[s]
+        const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
+        s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
+        if (s == 0) ph ^= 1;
+      }
+    };
+    constexpr int NARROW = wg_tile_n<BM>(1);
+    if constexpr (NARROW == BM) k_loop(std::integral_constant<int, BM>{});
+    else if (wg_tile_n<BM>(tile.rows) == BM) k_loop(std::integral_constant<int, BM>{});
+    else k_loop(std::integral_constant<int, NARROW>{});
     wgmma_wait<0>();
 #pragma unroll
     for (int b = 0; b < 2; ++b)
