@@ -80,6 +80,7 @@ constexpr int WGX_THREADS = 256;
 // 6 x 24 KB (BM 128) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB / 161 KB.
 // 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
 constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
+constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits) { return WG_BN * tma_w_row_bytes(bits); }
 __host__ __device__ constexpr int tma_stages(int bm, bool gated = false) { return (bm == 128 ? 6 : 8) + (gated ? 2 : 0); }
@@ -91,13 +92,6 @@ static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4
               "the GATED ring exceeds the 227 KB opt-in shared memory");
 static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
               "the 8-bit ring exceeds the 227 KB opt-in shared memory");
-// Gather mode: a producer thread's cp.async groups (stages) in flight past the one it waits for before it
-// arrives on that stage's full barrier: S - 2, so S - 1 stages' rows are requested at once. Any lag below S
-// is deadlock-free (stage j's arrival needs the producer at stage j + lag, whose empty slot is stage
-// j + lag - S < j, consumed first); S - 2 leaves the consumers one landed stage of slack. The first form's
-// lag of 3 held the gathered products to ~4 stages in flight: ~1.29 us a k-tile against the TMA-fed dense
-// products' ~1.04, and an expert's narrow last tile (wg_tile_n) no faster than a full one (fifteenth session).
-__host__ __device__ constexpr int tma_gather_lag(int bm, bool gated) { return tma_stages(bm, gated) - 2; }
 
 // Which weight row each accumulator row of a consumer thread is. Thread (cw, w4, g) (consumer warpgroup
 // cw, its warp w4, g = lane/4) holds, for m64 block b and h = 0, 1, wgmma row 16*w4 + g + 8h of block b
@@ -485,8 +479,9 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA(s);
 //            all 128 threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async
 //            into the swizzled positions; a thread arrives on full[s] once its copies of that stage
-//            have landed (cp.async.wait_group LAG = tma_gather_lag: S - 2 stages later, proxy fence,
-//            arrive), so full[s] counts 1 + 128. Deadlock-free because the lag is below the stage count.
+//            have landed (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts
+//            1 + 128.
+//            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg 232), weight rows [cw*128, +128) of the tile as two m64 blocks,
 //   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
 //   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
@@ -575,7 +570,6 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       }
     } else {
       constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
-      constexpr int LAG = tma_gather_lag(BM, GATED);
       constexpr uint32_t NONE = ~0u;     // no row (past the tile's end): the chunk is zero-filled
       const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
       uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
@@ -606,8 +600,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
                        real ? 16 : 0);
           }
           cp_async_commit();
-          if (pending == LAG) {
-            cp_async_wait<LAG>();  // the oldest pending stage's copies landed
+          if (pending == TMA_GATHER_LAG) {
+            cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
             fence_proxy_async();              // generic-proxy writes -> read by wgmma (async proxy)
             mbar_arrive(full(s_arrive));
             if (++s_arrive == S) s_arrive = 0;
