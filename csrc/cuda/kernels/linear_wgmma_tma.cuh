@@ -650,8 +650,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     uint32_t rows[2][2];
     wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
-    WgScalesP<GS32> cur, nxt;
+    // scales and biases two k-tiles ahead (nxt: kt + 1, nxt2: kt + 2): their first loads of a tile's rows come
+    // from HBM, longer than one k-tile
+    WgScalesP<GS32> cur, nxt, nxt2;
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
+    if (kb + 1 < ke) wg_load_scales<GS32, GATED>(nxt2, sc, bi, rows, gshift, kb + 1, sc_u, bi_u);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513). One loop per
@@ -661,7 +664,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll 1
       for (int kt = kb; kt < ke; ++kt) {
         cur = nxt;
-        if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+        nxt = nxt2;
+        if (kt + 2 < ke) wg_load_scales<GS32, GATED>(nxt2, sc, bi, rows, gshift, kt + 2, sc_u, bi_u);
         mbar_wait(fb, ph);
         const uint64_t xd = wg_desc(xs);
         wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
