@@ -42,6 +42,11 @@ void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& 
 bool linear_reads_xb(const LinearArgs& a);
 bool linear_writes_xb(const LinearArgs& a);
 
+// Whether linear_tiles runs every product of a on the wgmma GEMM (a gated a as one GATED product or as its
+// gate and up products): the only kernel reading X through the XbCopy, so x's F32 rows stay unread when the
+// copy holds them already (moe.cu, moe_xb_only_supported).
+bool linear_tiles_on_wgmma(const LinearArgs& a);
+
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;
 // A grouped tile map may have LINEAR_WIDE_TILE_ROWS rows per tile (RowTiles::tile_rows) when every

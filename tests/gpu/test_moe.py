@@ -294,3 +294,51 @@ def test_moe_prefill_xb_hand_over(E, top_k, H, I, Is, group, T):
     out = ops.moe("cuda", *gpu, h, top_k)
     assert np.isfinite(out).all()
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, xb_elems=least))
+
+
+def post_norm_h(rng, T, H):
+    """A prompt's post-attention norm (engine.cpp): add_rms_norm_xb's h [T, H] and its bf16 X (uint16)."""
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    _, h, xb = ops.add_rms_norm_xb("cuda", x, res, nw, 1e-6)
+    return h, xb
+
+
+def check_h_as_xb(gpu, h, xb, top_k):
+    """moe over h handed over as its bf16 X: with h's F32 rows (MoeInput::F32_AND_XB) and, where
+    moe_xb_only_supported, alone (MoeInput::XB: h's rows NaN, so a read would show), the bits of moe converting h
+    itself; where not supported, XB is refused. Returns whether it was."""
+    ref = ops.moe("cuda", *gpu, h, top_k)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k, h_xb=xb), ref)
+    supported = ops.moe_xb_only_supported("cuda", *gpu, len(h), top_k)
+    if supported:
+        assert np.array_equal(ops.moe("cuda", *gpu, h, top_k, h_xb=xb, h_f32=False), ref)
+    else:
+        with pytest.raises(Exception, match="moe_xb_only_supported"):
+            ops.moe("cuda", *gpu, h, top_k, h_xb=xb, h_f32=False)
+    return supported
+
+
+@pytest.mark.parametrize("T", [16, 17, 32, 33, 146, 300, 513, 1100])
+def test_moe_h_as_xb_real_dims(real_moe, T):
+    # the model's dims: the decode chain up to 16 rows, the 8-bit router on the GEMV up to 32 (it reads h's
+    # rows), from 33 on the wgmma GEMM with the shared expert, the routed gate/up on moe_small up to 352 rows
+    _, gpu = real_moe
+    h, xb = post_norm_h(np.random.default_rng(7000 + T), T, 2048)
+    assert check_h_as_xb(gpu, h, xb, 8) == (T > 32)
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,sdt,rbits,T,supported", [
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 12, False),   # the decode chain reads h's rows
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 19, True),    # 4-bit router on the wgmma GEMM from 9 rows
+    (8, 2, 256, 128, 128, 4, 32, "BF16", 8, 300, True),   # group 32: gate and up as two wgmma products
+    (8, 2, 256, 128, 128, 8, 64, "BF16", 8, 300, True),   # 8-bit experts
+    (7, 3, 64, 32, 64, 4, 32, "F32", 4, 99, False),       # F32 scales: generic kernels read h's rows
+])
+def test_moe_h_as_xb_configs(E, top_k, H, I, Is, bits, group, sdt, rbits, T, supported):
+    rng = np.random.default_rng(7100 + E + T)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
+    h, xb = post_norm_h(rng, T, H)
+    assert check_h_as_xb(gpu, h, xb, top_k) == supported

@@ -174,12 +174,13 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
 // add_rms_norm: x[r, :] += res[r, :], then y[r, :] = x[r, :] * s_r * w. Each thread adds, writes back
 // and squares the same elements it later normalises (same stride and block reduction as
 // rms_norm_kernel, so the result is bit-identical to elementwise add then rms_norm). add_rms_norm_xb: y
-// also as the prefill GEMM's bf16 X (yb): the same values packed as wgx_bf16_kernel packs y.
+// also as the prefill GEMM's bf16 X (yb): the same values packed as wgx_bf16_kernel packs y; with y null
+// only as yb (a prompt whose readers take only the Xb): x and yb are the same bits, y's stores are skipped.
 struct AddRmsNormParams {
   float* x;          // [R, D] residual stream, updated in place
   const float* res;  // [R, D]
   const float* w;    // [D]
-  float* y;          // [R, D]
+  float* y;          // [R, D]; null: not written (yb set)
   int D;
   float eps;
   bool res_vec4;     // res 16-byte aligned (the float4 path is chosen by x, w, y, as rms_norm's)
@@ -212,16 +213,18 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
   }
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(p.D) + p.eps);
-  if constexpr (VEC4) {
-    const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
-    const float4* w4 = reinterpret_cast<const float4*>(p.w);
-    float4* y4 = reinterpret_cast<float4*>(p.y + off);
-    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
-      const float4 x = x4[i], w = w4[i];
-      y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+  if (p.y != nullptr) {
+    if constexpr (VEC4) {
+      const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
+      const float4* w4 = reinterpret_cast<const float4*>(p.w);
+      float4* y4 = reinterpret_cast<float4*>(p.y + off);
+      for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+        const float4 x = x4[i], w = w4[i];
+        y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+      }
+    } else {
+      for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
     }
-  } else {
-    for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
   }
   if (p.yb == nullptr) return;
   // Xb: 8 values a thread (the row's x as updated above: visible after block_sum's barrier for the other
