@@ -533,6 +533,26 @@ void init_ops(nb::module_& parent) {
     sync.buf.download(&left, 4);
     return nb::make_tuple(out_f32(ri), out_f32(hi), left);
   }, "(res + moe(h), rms_norm of it, the sync counter after).");
+  m.def("moe_add_rms_norm_xb", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                  const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                  const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& h,
+                                  const F32In& res, const F32In& nw, float eps, int top_k, bool write_y,
+                                  std::optional<U16In> h_xb, bool h_f32) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, H, top_k);
+    const ops::MoeInput h_in = moe_input(m, h_xb, h_f32, T * H);
+    Dev hi = h_f32 ? f32(d, h) : nan_like(d, h), ri = f32(d, res), wi = f32(d, nw), tmp = nan_like(d, h);
+    ops::moe_add_rms_norm_xb(w, hi.t, h_in, ri.t, wi.t, eps, write_y ? hi.t : Tensor{}, tmp.t, m.s, top_k);
+    return nb::make_tuple(out_f32(ri), out_f32(hi), out_u16(m.xb, T, H), out_f32(tmp));
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("res"),
+     nb::arg("weight"), nb::arg("eps"), nb::arg("top_k"), nb::arg("write_y") = true, nb::arg("h_xb") = nb::none(),
+     nb::arg("h_f32") = true,
+     "(res + moe(h), h's buffer after (y = rms_norm(res + moe(h)) written into it as the engine does, or left "
+     "as it was where write_y = False), y's bf16 X [T, H] (uint16), tmp after (NaN before: still NaN where the "
+     "combine took the norm)); h_xb, h_f32 as moe's.");
   m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
                      uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
                      float frequency, float repetition, uint64_t seed, int num_logprobs) {

@@ -495,12 +495,20 @@ bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const ops::MoeS
   return routers && (p.small.up || linear_tiles_on_wgmma(p.routed_up)) && linear_tiles_on_wgmma(p.shared_up);
 }
 
+// moe_combine_add_rms_norm_kernel takes a prompt's combine with the norm n: moe_combine4_at's float4 rows of
+// s.down (H % 4 == 0, 16-byte aligned, K <= MOE_COMBINE4_MAX_K) and add_rms_norm's float4 path for n (its bits).
+static bool combine_takes_norm(const ops::MoeScratch& s, int64_t H, int top_k, const AddRmsNormLaunch& n) {
+  return n.vec4 && n.p.D == H && H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data);
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
-// norm_in.w, staged by the fused router and moe_up. h_in: as ops::moe's (checked there).
+// norm_in.w, staged by the fused router and moe_up. h_in: as ops::moe's (checked there). With norm (a prompt
+// past the decode chain, combine_takes_norm: moe_add_rms_norm_xb) the combine adds the output into norm->x and
+// normalises it (moe_combine_add_rms_norm_kernel) instead of writing out.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
                     bool accumulate, const NormTail& tail, const NormIn& norm_in = {},
-                    ops::MoeInput h_in = ops::MoeInput::F32) {
+                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -512,6 +520,8 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
+  LILY_CHECK(!norm || (!use_moe_decode(w, h, s, top_k) && combine_takes_norm(s, H, top_k, *norm)),
+             "moe: a norm after the combine needs a prompt's combine on float4 rows");
   const float* stack_at = router_stack_at(w, s, T, fused);
   // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
   // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
@@ -589,7 +599,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
 
   const float* down = s.down.ptr<float>();
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
-  if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
+  if (norm)
+    launch(moe_combine_add_rms_norm_kernel, unsigned(T), unsigned(norm_threads(H)), 0, mp, norm->p);
+  else if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
     launch(moe_combine4_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
   else
     launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
@@ -599,6 +611,19 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
          ops::MoeInput h_in) {
   run_moe(w, h, out, s, top_k, false, NormTail{}, NormIn{}, h_in);
+}
+
+// A prompt past the decode chain whose combine takes the norm (combine_takes_norm): the combine, the residual
+// add and the norm in moe_combine_add_rms_norm_kernel, tmp not written; otherwise moe into tmp, then
+// add_rms_norm_xb. The Xb goes to s.xb's start, where linear_xb reads it (the products are done by then).
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, ops::MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp, const ops::MoeScratch& s,
+                         int top_k) {
+  const AddRmsNormLaunch n = add_rms_norm_xb_launch(res, Tensor{}, weight, eps, y, s.xb);
+  if (!use_moe_decode(w, h, s, top_k) && combine_takes_norm(s, h.dim(1), top_k, n))
+    return run_moe(w, h, tmp, s, top_k, false, NormTail{}, NormIn{}, h_in, &n);
+  run_moe(w, h, tmp, s, top_k, false, NormTail{}, NormIn{}, h_in);
+  add_rms_norm_xb(res, tmp, weight, eps, y, s.xb);
 }
 
 // On the tensor-core path moe_down_mma adds into res; otherwise moe into tmp, then add.

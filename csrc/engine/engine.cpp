@@ -300,19 +300,24 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
       }
     }
     // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
-    // layer: x += moe(h))
+    // layer: x += moe(h)). Where the next layer's projections read h as the bf16 X (a prompt): h's F32 rows
+    // only where one reads them, and untraced (mix not recorded) the MoE's combine, the add and the norm in
+    // one op (moe_add_rms_norm_xb: the same bits as moe, then add_rms_norm_xb)
+    const Reads reads = fold || last ? Reads{false, true} : projection_reads(weights_->layers[l + 1], T);
     if (post.normed) {
       ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
     } else if (fold && !last) {
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
       else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
+    } else if (reads.xb && !f.trace) {
+      ops::moe_add_rms_norm_xb(L.moe, h, moe_in, xs, next.norm, eps, reads.f32 ? h : Tensor{}, mix, ms, K);
+      next.xb = true, next.f32 = reads.f32;
     } else {
       ops::moe(L.moe, h, mix, ms, K, moe_in);
       record(f, p + "moe", x.mix, T, H);
-      const Reads reads = fold || last ? Reads{false, true} : projection_reads(weights_->layers[l + 1], T);
       if (last) {
         ops::add(xs, mix);
-      } else if (reads.xb) {  // h's F32 rows only where a projection reads them
+      } else if (reads.xb) {
         ops::add_rms_norm_xb(xs, mix, next.norm, eps, reads.f32 ? h : Tensor{}, xb_work(x, device()));
         next.xb = true, next.f32 = reads.f32;
       } else {

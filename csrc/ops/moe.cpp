@@ -145,4 +145,20 @@ void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, c
   no_backend(op, h.device);
 }
 
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp, const MoeScratch& s,
+                         int top_k) {
+  const char* op = "moe_add_rms_norm_xb";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_moe_input(op, w, h, s, top_k, h_in);
+  if (absent(y)) check_add_rms_norm_in(op, res, tmp, weight);  // the norm only as the bf16 X
+  else check_add_rms_norm(op, res, tmp, weight, y);
+  LILY_CHECK(tmp.data != h.data && tmp.data != res.data && res.data != h.data, op,
+             ": h, res and tmp must not alias");  // y: not res or tmp (check_add_rms_norm), maybe h
+  check_same_device(op, {h, res});
+  LILY_CUDA_CASE(h.device, moe_add_rms_norm_xb(w, h, h_in, res, weight, eps, y, tmp, s, top_k));
+  no_backend(op, h.device);
+}
+
 }  // namespace lily::ops

@@ -266,6 +266,18 @@ bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tens
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const MoeScratch& scratch, int top_k, const Tensor& sync);
 
+// res += moe(h), then y = weight * rms_normalise(res) written as linear_xb's X (the prefill GEMM's bf16 X of
+// y) into scratch.xb's first T x H elements, and as F32 rows into y unless y is absent (Tensor{}): a prompt's
+// MoE block joining the residual stream and the next layer's input norm. Equal to moe(w, h, tmp, scratch,
+// top_k, h_in) then add_rms_norm_xb(res, tmp, weight, eps, y, scratch.xb), bit for bit: CUDA, past the decode
+// chain (T > 16) with H % 4 == 0, K <= 8 and 16-byte aligned rows, one kernel after the expert products sums
+// each token's rows in moe's order, adds them into res and normalises (tmp is not written); otherwise those
+// two ops. h, res, tmp [T, H]; y [T, H] or absent, and may be h (the block has read h by then); weight [H];
+// tmp aliases none of them, res neither h nor y. CUDA only (the bf16 X is the CUDA prefill GEMM's operand).
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp,
+                         const MoeScratch& scratch, int top_k);
+
 // Sampling parameters; the canonical algorithm is in docs/sampling.md and cpu/sample.cpp.
 struct SamplerParams {
   float temperature = 0.f;  // 0 = greedy (argmax, lowest id on ties)
