@@ -21,6 +21,7 @@ namespace {
 
 using F32In = nb::ndarray<const float, nb::device::cpu, nb::c_contig>;
 using I32In = nb::ndarray<const int32_t, nb::device::cpu, nb::c_contig>;
+using U16In = nb::ndarray<const uint16_t, nb::device::cpu, nb::c_contig>;
 
 // A device copy of a host array with the tensor view ops take.
 struct Dev {
@@ -68,6 +69,44 @@ IntArray out_i32(const Dev& x) {
 Dev nan_like(Device d, const F32In& a) {
   const std::vector<float> nan(a.size(), std::numeric_limits<float>::quiet_NaN());
   return Dev(d, nan.data(), nan.size() * 4, DType::F32, shape_of(a));
+}
+
+// A device U16 array's contents (a bf16 Xb) as a numpy array [rows, cols] of its first rows * cols values.
+nb::ndarray<nb::numpy, uint16_t> out_u16(const Dev& x, int64_t rows, int64_t cols) {
+  nb::ndarray<nb::numpy, uint16_t> a = new_array<uint16_t>({size_t(rows), size_t(cols)});
+  x.buf.download(a.data(), a.size() * 2);
+  return a;
+}
+
+// The work space of one MoE call over T tokens (ops::MoeScratch); xb_elems 0: ops::moe_xb_elems.
+struct MoeDev {
+  Dev logits, gathered, g, u, dn, sg, routing, xb;
+  ops::MoeScratch s;
+  MoeDev(Device d, const MoeWeights& w, int64_t T, int64_t H, int top_k, int64_t xb_elems = 0, bool small = true)
+      : logits(d, DType::F32, {T, w.router->rows}),
+        gathered(d, DType::F32, {ops::moe_work_rows(d, T, top_k), H}),
+        g(d, DType::F32, {ops::moe_work_rows(d, T, top_k), std::max(w.gate_proj->rows, w.shared_gate_proj->rows)}),
+        u(d, DType::F32, {ops::moe_work_rows(d, T, top_k), std::max(w.gate_proj->rows, w.shared_gate_proj->rows)}),
+        dn(d, DType::F32, {ops::moe_work_rows(d, T, top_k), H}),
+        sg(d, DType::F32, {T, 1}),
+        routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, w.router->rows, top_k))}),
+        xb(d, DType::BF16, {std::max<int64_t>(1, xb_elems > 0 ? xb_elems
+                                                              : ops::moe_xb_elems(d, T, H, w.down_proj->cols,
+                                                                                  w.shared_down_proj->cols, top_k))}),
+        s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small} {}
+};
+
+// How a binding's h reaches a MoE op: h_xb (h's bf16 X, [T, H] uint16) uploaded to the start of m's xb, with
+// (F32_AND_XB) or without (XB) h's F32 rows; none: F32 (h_f32 must be set).
+ops::MoeInput moe_input(MoeDev& m, const std::optional<U16In>& h_xb, bool h_f32, int64_t n) {
+  if (!h_xb) {
+    LILY_CHECK(h_f32, "moe: h_f32 = False needs h_xb, h's bf16 X");
+    return ops::MoeInput::F32;
+  }
+  LILY_CHECK(int64_t(h_xb->size()) == n && int64_t(m.xb.t.numel()) >= n, "moe: h_xb holds ", h_xb->size(),
+             " values for h's ", n, " (the workspace ", m.xb.t.numel(), ")");
+  m.xb.buf.upload(h_xb->data(), size_t(n) * 2);
+  return h_f32 ? ops::MoeInput::F32_AND_XB : ops::MoeInput::XB;
 }
 
 // KV caches are F32 on the CPU and BF16 (round to nearest even) on GPUs.
@@ -219,6 +258,17 @@ void init_ops(nb::module_& parent) {
     ops::add_rms_norm(xi.t, ri.t, wi.t, eps, y.t);
     return nb::make_tuple(out_f32(xi), out_f32(y));
   });
+  m.def("add_rms_norm_xb", [](const std::string& device, const F32In& x, const F32In& res, const F32In& w, float eps,
+                              bool write_y) {
+    const Device d = parse_device(device);
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, w), y(d, DType::F32, shape_of(x));
+    const int64_t R = xi.t.dim(0), D = xi.t.dim(1);
+    Dev xb(d, DType::BF16, {std::max<int64_t>(1, R * D)});
+    ops::add_rms_norm_xb(xi.t, ri.t, wi.t, eps, write_y ? y.t : Tensor{}, xb.t);
+    const nb::object yo = write_y ? nb::cast(out_f32(y)) : nb::none();
+    return nb::make_tuple(out_f32(xi), yo, out_u16(xb, R, D));
+  }, nb::arg("device"), nb::arg("x"), nb::arg("res"), nb::arg("weight"), nb::arg("eps"), nb::arg("write_y") = true,
+     "(x + res, y = rms_norm(x + res) or None where write_y = False (y absent), y's bf16 X [R, D] as uint16).");
   m.def("gated_rms_norm", [](const std::string& device, const F32In& x, const F32In& z, const F32In& w, float eps) {
     const Device d = parse_device(device);
     Dev xi = f32(d, x), zi = f32(d, z), wi = f32(d, w), y(d, DType::F32, shape_of(x));
@@ -411,39 +461,45 @@ void init_ops(nb::module_& parent) {
   });
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
-                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small) {
+                  const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small,
+                  std::optional<U16In> h_xb, bool h_f32) {
     const Device d = parse_device(device);
-    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
-    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
-    Dev hi = f32(d, h), out(d, DType::F32, {T, H}), logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
-    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
-    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    const int64_t xn = xb_elems > 0 ? xb_elems : ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k);
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, xn)});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small};
-    ops::moe(w, hi.t, out.t, s, top_k);
+    MoeDev m(d, w, T, H, top_k, xb_elems, small);
+    const ops::MoeInput h_in = moe_input(m, h_xb, h_f32, T * H);
+    Dev hi = h_f32 ? f32(d, h) : nan_like(d, h), out(d, DType::F32, {T, H});
+    ops::moe(w, hi.t, out.t, m.s, top_k, h_in);
     return out_f32(out);
   }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
      nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
-     nb::arg("xb_elems") = 0, nb::arg("small") = true,
+     nb::arg("xb_elems") = 0, nb::arg("small") = true, nb::arg("h_xb") = nb::none(), nb::arg("h_f32") = true,
      "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
      "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in); "
-     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small).");
+     "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small); h_xb: h's "
+     "bf16 X [T, H] (uint16, add_rms_norm_xb's), put into the workspace (MoeInput::F32_AND_XB), with h_f32 = False "
+     "alone (MoeInput::XB: h's F32 rows NaN).");
+  m.def("moe_xb_only_supported", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                    const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                    const QMatrix& sdown, const QMatrix& shared_expert_gate, int64_t T, int top_k,
+                                    bool small) {
+    const Device d = parse_device(device);
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, router.cols, top_k, 0, small);
+    Dev h(d, DType::F32, {T, router.cols});
+    return ops::moe_xb_only_supported(w, h.t, m.s, top_k);
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("T"), nb::arg("top_k"),
+     nb::arg("small") = true, "Whether moe takes h as its bf16 X alone for T rows (the moe binding's scratch).");
   m.def("moe_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                       const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                       const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, int top_k) {
     const Device d = parse_device(device);
-    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
-    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, H, top_k);
     Dev hi = f32(d, h), ri = f32(d, res), tmp(d, DType::F32, {T, H});
-    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
-    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
-    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
-    ops::moe_add(w, hi.t, ri.t, tmp.t, s, top_k);
+    ops::moe_add(w, hi.t, ri.t, tmp.t, m.s, top_k);
     return out_f32(ri);
   }, "res + moe(h).");
   m.def("moe_rms_normed_add", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
@@ -451,17 +507,12 @@ void init_ops(nb::module_& parent) {
                                  const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& res,
                                  const F32In& nw, float eps, int top_k) {
     const Device d = parse_device(device);
-    const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1)), E = router.rows;
-    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, H, top_k);
     Dev ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, H}), tmp(d, DType::F32, {T, H});
-    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
-    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
-    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
-    const bool fused = ops::moe_rms_normed_supported(w, ri.t, wi.t, h.t, s, top_k);
-    ops::moe_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, s, top_k);
+    const bool fused = ops::moe_rms_normed_supported(w, ri.t, wi.t, h.t, m.s, top_k);
+    ops::moe_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, m.s, top_k);
     return nb::make_tuple(out_f32(ri), fused);
   }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
      "moe_rms_normed_supported).");
@@ -470,23 +521,38 @@ void init_ops(nb::module_& parent) {
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,
                                float eps, int top_k) {
     const Device d = parse_device(device);
-    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1)), E = router.rows;
-    const int64_t R = ops::moe_work_rows(d, T, top_k), I = std::max(gate.rows, sgate.rows);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, H, top_k);
     Dev hi = f32(d, h), ri = f32(d, res), wi = f32(d, nw), tmp(d, DType::F32, {T, H});
-    Dev logits(d, DType::F32, {T, E}), gathered(d, DType::F32, {R, H});
-    Dev g(d, DType::F32, {R, I}), u(d, DType::F32, {R, I}), dn(d, DType::F32, {R, H}), sg(d, DType::F32, {T, 1});
-    Dev routing(d, DType::I32, {std::max<int64_t>(1, ops::moe_routing_words(d, T, E, top_k))});
-    Dev xb(d, DType::BF16, {std::max<int64_t>(1, ops::moe_xb_elems(d, T, H, down.cols, sdown.cols, top_k))});
     Dev sync(d, DType::I32, {1});
     const int32_t zero = 0;
     sync.buf.upload(&zero, 4);
-    ops::MoeScratch s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t};
-    ops::moe_add_rms_norm(w, hi.t, ri.t, wi.t, eps, tmp.t, s, top_k, sync.t);
+    ops::moe_add_rms_norm(w, hi.t, ri.t, wi.t, eps, tmp.t, m.s, top_k, sync.t);
     int32_t left = -1;
     sync.buf.download(&left, 4);
     return nb::make_tuple(out_f32(ri), out_f32(hi), left);
   }, "(res + moe(h), rms_norm of it, the sync counter after).");
+  m.def("moe_add_rms_norm_xb", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
+                                  const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
+                                  const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& h,
+                                  const F32In& res, const F32In& nw, float eps, int top_k, bool write_y,
+                                  std::optional<U16In> h_xb, bool h_f32) {
+    const Device d = parse_device(device);
+    const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, T, H, top_k);
+    const ops::MoeInput h_in = moe_input(m, h_xb, h_f32, T * H);
+    Dev hi = h_f32 ? f32(d, h) : nan_like(d, h), ri = f32(d, res), wi = f32(d, nw), tmp = nan_like(d, h);
+    ops::moe_add_rms_norm_xb(w, hi.t, h_in, ri.t, wi.t, eps, write_y ? hi.t : Tensor{}, tmp.t, m.s, top_k);
+    return nb::make_tuple(out_f32(ri), out_f32(hi), out_u16(m.xb, T, H), out_f32(tmp));
+  }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("res"),
+     nb::arg("weight"), nb::arg("eps"), nb::arg("top_k"), nb::arg("write_y") = true, nb::arg("h_xb") = nb::none(),
+     nb::arg("h_f32") = true,
+     "(res + moe(h), h's buffer after (y = rms_norm(res + moe(h)) written into it as the engine does, or left "
+     "as it was where write_y = False), y's bf16 X [T, H] (uint16), tmp after (NaN before: still NaN where the "
+     "combine took the norm)); h_xb, h_f32 as moe's.");
   m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
                      uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
                      float frequency, float repetition, uint64_t seed, int num_logprobs) {

@@ -33,7 +33,11 @@ void linear_rms_normed(const QMatrix& w, const Tensor& x, const Tensor& weight, 
 bool linear_rms_normed_supported(const QMatrix& w, const Tensor& x, const Tensor& weight, const Tensor& h);
 // moe.cu / kernels/moe_*.cuh
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
-         bool h_in_xb);
+         ops::MoeInput h_in);
+bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k);
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, ops::MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp, const ops::MoeScratch& s,
+                         int top_k);
 void moe_add(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& tmp, const ops::MoeScratch& s,
              int top_k);
 void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps, const Tensor& h,

@@ -662,6 +662,11 @@ bool linear_wide_tiles(const LinearArgs& a) {
   return wgmma_operands(a) && a.w.group_size != 32;
 }
 
+bool linear_tiles_on_wgmma(const LinearArgs& a) {
+  if (a.up.w != nullptr) return use_gated_wgmma(a) || (use_wgmma_gemm(gate_of(a)) && use_wgmma_gemm(up_of(a)));
+  return use_wgmma_gemm(a);
+}
+
 void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCopy& xb) {
   if (max_tiles <= 0 || a.w.rows == 0) return;
   LILY_CHECK(a.xb == nullptr || linear_reads_xb(a), "linear: X given only as bf16 (xb) needs the wgmma GEMM, which ",

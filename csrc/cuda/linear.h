@@ -1,10 +1,12 @@
 // Launcher-level pieces of linear.cu that moe.cu reuses: the weight view of a QMatrix, the tiled
-// product over (possibly grouped) rows and the GEMV sizing. Host code (a .h, included by .cu files
-// only: it needs the kernel headers' parameter types); the kernels are in kernels/linear_*.cuh.
+// product over (possibly grouped) rows and the GEMV sizing; and norms.cu's for kernels that end in a norm.
+// Host code (a .h, included by .cu files only: it needs the kernel headers' parameter types); the kernels
+// are in kernels/linear_*.cuh and kernels/norms.cuh.
 #pragma once
 #include "../ops/weights.h"
 #include "gemv_plan.h"
 #include "kernels/linear_common.cuh"
+#include "kernels/norms.cuh"
 
 namespace lily::cuda {
 
@@ -42,6 +44,11 @@ void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& 
 bool linear_reads_xb(const LinearArgs& a);
 bool linear_writes_xb(const LinearArgs& a);
 
+// Whether linear_tiles runs every product of a on the wgmma GEMM (a gated a as one GATED product or as its
+// gate and up products): the only kernel reading X through the XbCopy, so x's F32 rows stay unread when the
+// copy holds them already (moe.cu, moe_xb_only_supported).
+bool linear_tiles_on_wgmma(const LinearArgs& a);
+
 // Product rows per tile of linear_tiles (the MoE tile map is built with it).
 constexpr int LINEAR_TILE_ROWS = 64;
 // A grouped tile map may have LINEAR_WIDE_TILE_ROWS rows per tile (RowTiles::tile_rows) when every
@@ -58,6 +65,17 @@ bool is_aligned16(const void* p);
 // residual row the kernel adds into, y = rms_norm(x) * weight, sync the I32 [1] completion counter; the
 // thread mapping add_rms_norm would use for D (norms.cu).
 NormTail norm_tail(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& sync);
+
+// add_rms_norm_xb's kernel parameters (norms.cu) for x += res, y = rms_norm(x) * weight (y empty: not written)
+// with y's Xb into xb (checked: D % 8 == 0, xb 16-byte aligned), and whether add_rms_norm_kernel takes them on
+// its float4 path (vec4): a kernel ending in add_rms_norm_row gives add_rms_norm's bits on that same path only
+// (moe.cu: moe_combine_add_rms_norm_kernel, float4 only, with res empty).
+struct AddRmsNormLaunch {
+  AddRmsNormParams p;
+  bool vec4;
+};
+AddRmsNormLaunch add_rms_norm_xb_launch(const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                                        const Tensor& y, const Tensor& xb);
 
 // GEMV sizing (kernels/linear_gemv.cuh): threads per row slot for rows of `chunks` 16-byte chunks,
 // and the CTA count for `passes` independent passes of `kernel` (256 threads, `smem` dynamic bytes).

@@ -422,11 +422,93 @@ static void launch_moe_router(const MoeWeights& w, const Tensor& h, const Routin
   LILY_CUDA_LAUNCHED();
 }
 
+// Where the router and the shared-expert gate run as one product over their stacked rows (router_gates: E
+// logits, then the gate logit, a row of E + 1 a token) when the fused router does not run: the loader stacked
+// them and a scratch holds [T, E + 1], decode in router_logits (it has a spare row then), prompts in s.gate
+// (free until the gate/up products; T * K rows of I >= E + 1 values). Null: two products. One product instead
+// of two saves the second's fixed cost (a prompt's shared gate is one output row for the whole K walk: ~15 us
+// at T = 146, docs/perf-notes.md).
+static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int64_t T, bool fused) {
+  if (!w.router_gates || fused) return nullptr;
+  if (T == 1 && s.router_logits.dim(0) >= 2) return s.router_logits.ptr<float>();
+  return s.gate.numel() >= T * (w.router->rows + 1) ? s.gate.ptr<float>() : nullptr;
+}
+
+// A prompt's expert products past the decode chain: the routed gate/up and down over the routing tables' tile
+// map (128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
+// 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"), the shared expert's pair over all T rows, the
+// bf16 hand-overs where both kernels of a pair take them (moe_xb_elems' layout: the activation blocks at the
+// end of s.xb, the XbCopy's `xb_capacity` elements before them, all of s.xb when neither pair hands over), and
+// which routed products run on moe_small. Built once for run_moe's launches and for moe_xb_only_supported.
+struct MoePrompt {
+  LinearArgs routed_up, routed_down, shared_up, shared_down;
+  int tile_rows;
+  int64_t xb_capacity;
+  MoeSmall small;
+};
+
+static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, const RoutingTables& r,
+                            const float* shared_w, int top_k) {
+  const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k, ld = s.gate.dim(1);
+  const int64_t I = w.down_proj->cols, Is = w.shared_down_proj->cols;
+  // [T*K + T, ld]: silu(gate)*up*weight (the two-product fallback: gate products, then that in place)
+  float* act = s.gate.ptr<float>();
+  float* shared_act = act + TK * ld;
+  float* down = s.down.ptr<float>();  // [T*K + T, H]
+  LinearArgs gate_up = gated(product(*w.gate_proj, h.ptr<float>(), H, act, ld), *w.up_proj, r.row_weight);
+  gate_up.x_rows = r.row_token;
+  const LinearArgs dn = product(*w.down_proj, act, ld, down, H);
+  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
+  MoePrompt p;
+  p.tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
+  p.routed_up = grouped(gate_up, r, p.tile_rows);
+  p.routed_down = grouped(dn, r, p.tile_rows);
+  p.shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
+                            shared_w),
+                      T);
+  p.shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
+  p.xb_capacity = s.xb.numel();
+  if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
+    const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
+    uint16_t* routed_xb = s.xb.ptr<uint16_t>() + copy;
+    const bool routed = hand_over_xb(p.routed_up, p.routed_down, routed_xb);
+    const bool shared = hand_over_xb(p.shared_up, p.shared_down, routed_xb + xb_block(TK * I));
+    if (routed || shared) p.xb_capacity = copy;
+  }
+  p.small = use_moe_small(p.routed_up, p.routed_down, T, E, top_k, s);
+  return p;
+}
+
+// run_moe reads h's F32 rows in the fused router and the decode chain (T <= MOE_DECODE_MAX_TOKENS) and in
+// every product over h off the wgmma GEMM (and, the routed gate/up, off moe_small's gated kernel, which
+// gathers the XbCopy's rows when it holds h); elsewhere only the XbCopy, which holds h from the start when h
+// arrives as bf16 (F32_AND_XB, XB). The router products run through linear_with_xb, which takes the wgmma
+// GEMM exactly where linear_xb_supported holds for an aligned h.
+bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const ops::MoeScratch& s, int top_k) {
+  const int64_t T = h.dim(0);
+  if (use_moe_router(w, h, false) || use_moe_decode(w, h, s, top_k) || !is_aligned16(h.data)) return false;
+  const bool routers = router_stack_at(w, s, T, false) != nullptr
+                           ? linear_xb_supported(*w.router_gates, T)
+                           : linear_xb_supported(*w.router, T) && linear_xb_supported(*w.shared_expert_gate, T);
+  const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, w.router->rows, top_k);
+  const MoePrompt p = moe_prompt(w, h, s, r, s.shared_gate.ptr<float>(), top_k);
+  return routers && (p.small.up || linear_tiles_on_wgmma(p.routed_up)) && linear_tiles_on_wgmma(p.shared_up);
+}
+
+// moe_combine_add_rms_norm_kernel takes a prompt's combine with the norm n: moe_combine4_at's float4 rows of
+// s.down (H % 4 == 0, 16-byte aligned, K <= MOE_COMBINE4_MAX_K) and add_rms_norm's float4 path for n (its bits).
+static bool combine_takes_norm(const ops::MoeScratch& s, int64_t H, int top_k, const AddRmsNormLaunch& n) {
+  return n.vec4 && n.p.D == H && H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data);
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
-// norm_in.w, staged by the fused router and moe_up.
+// norm_in.w, staged by the fused router and moe_up. h_in: as ops::moe's (checked there). With norm (a prompt
+// past the decode chain, combine_takes_norm: moe_add_rms_norm_xb) the combine adds the output into norm->x and
+// normalises it (moe_combine_add_rms_norm_kernel) instead of writing out.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
-                    bool accumulate, const NormTail& tail, const NormIn& norm_in = {}, bool h_in_xb = false) {
+                    bool accumulate, const NormTail& tail, const NormIn& norm_in = {},
+                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -434,23 +516,18 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
              "moe: scratch rows are too narrow");
   const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), T, E, top_k);
   // Up to MOE_DECODE_MAX_TOKENS tokens: the fused router kernel where it applies; else the router and the
-  // shared-expert gate run as one product over their stacked rows (router_gates: E logits, then the gate
-  // logit, a row of E + 1 a token) where the loader stacked them and a scratch holds [T, E + 1]: decode in
-  // router_logits (it has a spare row then), prompts in s.gate (free until the gate/up products; T * K
-  // rows of I >= E + 1 values). One product instead of two saves the second's fixed cost (a prompt's
-  // shared gate is one output row for the whole K walk: ~15 us at T = 146, docs/perf-notes.md).
+  // shared-expert gate as one product where router_stack_at says so, or two
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
-  const float* stack_at = !w.router_gates || fused ? nullptr
-                          : T == 1 && s.router_logits.dim(0) >= 2  ? s.router_logits.ptr<float>()
-                          : s.gate.numel() >= T * (E + 1)          ? s.gate.ptr<float>()
-                                                                   : nullptr;
+  LILY_CHECK(!norm || (!use_moe_decode(w, h, s, top_k) && combine_takes_norm(s, H, top_k, *norm)),
+             "moe: a norm after the combine needs a prompt's combine on float4 rows");
+  const float* stack_at = router_stack_at(w, s, T, fused);
   // h as bf16 in s.xb (linear.h): converted by the first wgmma product over it (the router from 33
   // rows, or the expert gate/up), then read by the others (the shared-expert gate, the gate/up products)
-  // (h_in_xb: add_rms_norm_xb wrote it there already)
+  // (F32_AND_XB, XB: add_rms_norm_xb wrote it there already)
   XbCopy xb{s.xb.ptr<uint16_t>(), s.xb.numel()};
-  if (h_in_xb) xb.x = h.ptr<float>(), xb.ldx = H, xb.rows = T, xb.K = H;
+  if (h_in != ops::MoeInput::F32) xb.x = h.ptr<float>(), xb.ldx = H, xb.rows = T, xb.K = H;
   const Tensor logits = stack_at ? Tensor::of(const_cast<float*>(stack_at), DType::F32, h.device, {T, E + 1})
                                  : rows_of(s.router_logits, 0, T);  // [T, E + 1] or [T, E]
   const Tensor sg = rows_of(s.shared_gate, 0, T);                   // [T, 1]
@@ -493,69 +570,60 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     }
   }
 
+  MoePrompt p = moe_prompt(w, h, s, r, sg.ptr<float>(), top_k);
   // routing tables: a CTA per chunk of MOE_ROUTE_TOKENS tokens; E <= 1024 (moe_topk's limit above)
   const unsigned chunks = unsigned(ceil_div<int64_t>(T, MOE_ROUTE_TOKENS));
   MoeCountParams cp{r.topk_id, r.chunk_count, int(T), int(E), top_k};
   launch(moe_count_kernel, chunks, MOE_ROUTE_TOKENS, E * sizeof(int32_t), cp);
   LILY_CUDA_LAUNCHED();
-  const int64_t ld = s.gate.dim(1);
-  // [T*K + T, ld]: silu(gate)*up*weight (the two-product fallback: gate products, then that in place)
-  float* act = s.gate.ptr<float>();
-  float* shared_act = act + TK * ld;
-  float* down = s.down.ptr<float>();  // [T*K + T, H]
-  LinearArgs gate_up = gated(product(*w.gate_proj, h.ptr<float>(), H, act, ld), *w.up_proj, r.row_weight);
-  gate_up.x_rows = r.row_token;
-  LinearArgs dn = product(*w.down_proj, act, ld, down, H);
-  // 128-row expert tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products
-  // have a 128-row kernel (docs/perf-notes.md, "MoE prefill tiles")
-  const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
-  const int tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
-                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, tile_rows};
+                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, p.tile_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
-  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS), I = w.down_proj->cols,
-                Is = w.shared_down_proj->cols;
-  LinearArgs routed_up = grouped(gate_up, r, tile_rows), routed_down = grouped(dn, r, tile_rows);
-  LinearArgs shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld),
-                                     *w.shared_up_proj, sg.ptr<float>()),
-                               T);
-  LinearArgs shared_down = dense(product(*w.shared_down_proj, shared_act, ld, down + TK * H, H), T);
-  // moe_xb_elems' layout: the activation blocks at the end, the XbCopy before them (all of s.xb when
-  // neither pair hands over)
-  if (s.xb.numel() >= moe_xb_elems(T, H, I, Is, top_k)) {
-    const int64_t copy = (s.xb.numel() - xb_block(TK * I) - xb_block(T * Is)) / 64 * 64;
-    uint16_t* routed_xb = xb.data + copy;
-    const bool routed = hand_over_xb(routed_up, routed_down, routed_xb);
-    const bool shared = hand_over_xb(shared_up, shared_down, routed_xb + xb_block(TK * I));
-    if (routed || shared) xb.capacity = copy;
-  }
-  const MoeSmall small = use_moe_small(routed_up, routed_down, T, E, top_k, s);
-  if (small.up) {
+  const int64_t shared_tiles = ceil_div<int64_t>(T, LINEAR_TILE_ROWS);
+  xb.capacity = p.xb_capacity;
+  if (p.small.up) {
     // the shared gate/up first: its wgmma products leave h's Xb in the XbCopy, which the gated kernel
     // then gathers its rows from (else it converts h's F32 rows itself)
-    linear_tiles(shared_up, shared_tiles, T, xb);
-    if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) routed_up.xb = xb.data;
-    run_moe_small_gated(routed_up, T, E, top_k);
+    linear_tiles(p.shared_up, shared_tiles, T, xb);
+    if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) p.routed_up.xb = xb.data;
+    run_moe_small_gated(p.routed_up, T, E, top_k);
   } else {
-    linear_tiles(routed_up, r.max_tiles, T, xb);
-    linear_tiles(shared_up, shared_tiles, T, xb);
+    linear_tiles(p.routed_up, r.max_tiles, T, xb);
+    linear_tiles(p.shared_up, shared_tiles, T, xb);
   }
-  if (small.down) run_moe_small_down(routed_down, T, E, top_k);
-  else linear_tiles(routed_down, r.max_tiles, TK, xb);
-  linear_tiles(shared_down, shared_tiles, T, xb);
+  if (p.small.down) run_moe_small_down(p.routed_down, T, E, top_k);
+  else linear_tiles(p.routed_down, r.max_tiles, TK, xb);
+  linear_tiles(p.shared_down, shared_tiles, T, xb);
 
+  const float* down = s.down.ptr<float>();
   MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
-  if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
+  if (norm)
+    launch(moe_combine_add_rms_norm_kernel, unsigned(T), unsigned(norm_threads(H)), 0, mp, norm->p);
+  else if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
     launch(moe_combine4_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
   else
     launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
   LILY_CUDA_LAUNCHED();
 }
 
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k, bool h_in_xb) {
-  run_moe(w, h, out, s, top_k, false, NormTail{}, NormIn{}, h_in_xb);
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
+         ops::MoeInput h_in) {
+  run_moe(w, h, out, s, top_k, false, NormTail{}, NormIn{}, h_in);
+}
+
+// A prompt past the decode chain whose combine takes the norm (combine_takes_norm): the combine, the residual
+// add and the norm in moe_combine_add_rms_norm_kernel, tmp not written; otherwise moe into tmp, then
+// add_rms_norm_xb. The Xb goes to s.xb's start, where linear_xb reads it (the products are done by then).
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, ops::MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp, const ops::MoeScratch& s,
+                         int top_k) {
+  const AddRmsNormLaunch n = add_rms_norm_xb_launch(res, Tensor{}, weight, eps, y, s.xb);
+  if (!use_moe_decode(w, h, s, top_k) && combine_takes_norm(s, h.dim(1), top_k, n))
+    return run_moe(w, h, tmp, s, top_k, false, NormTail{}, NormIn{}, h_in, &n);
+  run_moe(w, h, tmp, s, top_k, false, NormTail{}, NormIn{}, h_in);
+  add_rms_norm_xb(res, tmp, weight, eps, y, s.xb);
 }
 
 // On the tensor-core path moe_down_mma adds into res; otherwise moe into tmp, then add.

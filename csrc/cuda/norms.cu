@@ -49,30 +49,38 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   launch_rms_norm<false>(p, can_use_vec4(D, {p.x, p.w, p.y}));
 }
 
-static void run_add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
-                             uint16_t* yb) {
-  const int64_t R = x.dim(0), D = x.dim(1);
-  if (R == 0) return;
-  LILY_CHECK(R <= 0x7fffffff, "add_rms_norm: too many rows for the CUDA grid (", R, ")");
-  const AddRmsNormParams p{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps,
-                           can_use_vec4(D, {res.data}), yb};
-  const dim3 grid{unsigned(R)}, block{unsigned(norm_threads(D))};
-  if (can_use_vec4(D, {p.x, p.w, p.y}))  // as rms_norm decides: the same summation order
-    launch(add_rms_norm_kernel<true>, grid, block, 0, p);
-  else
-    launch(add_rms_norm_kernel<false>, grid, block, 0, p);
+// The parameters of add_rms_norm_kernel for x += res, y = rms_norm(x) * weight (y empty, add_rms_norm_xb for
+// readers of the Xb only: no F32 y; the float4 choice then rests on x and w) and yb, and that choice.
+static AddRmsNormLaunch add_rms_norm_launch(const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                                            const Tensor& y, uint16_t* yb) {
+  const int64_t D = x.dim(1);
+  LILY_CHECK(x.dim(0) <= 0x7fffffff, "add_rms_norm: too many rows for the CUDA grid (", x.dim(0), ")");
+  return {AddRmsNormParams{x.ptr<float>(), res.ptr<float>(), weight.ptr<float>(), y.ptr<float>(), int(D), eps,
+                           can_use_vec4(D, {res.data}), yb},
+          can_use_vec4(D, {x.data, weight.data, y.data})};  // as rms_norm decides: the same summation order
+}
+
+static void run_add_rms_norm(const Tensor& x, const AddRmsNormLaunch& l) {
+  if (x.dim(0) == 0) return;
+  const dim3 grid{unsigned(x.dim(0))}, block{unsigned(norm_threads(l.p.D))};
+  launch(l.vec4 ? add_rms_norm_kernel<true> : add_rms_norm_kernel<false>, grid, block, 0, l.p);
   LILY_CUDA_LAUNCHED();
 }
 
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
-  run_add_rms_norm(x, res, weight, eps, y, nullptr);
+  run_add_rms_norm(x, add_rms_norm_launch(x, res, weight, eps, y, nullptr));
+}
+
+AddRmsNormLaunch add_rms_norm_xb_launch(const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
+                                        const Tensor& y, const Tensor& xb) {
+  LILY_CHECK(x.dim(1) % 8 == 0 && aligned16(xb.data), "add_rms_norm_xb: rows of ", x.dim(1),
+             " values or an unaligned workspace: no bf16 X");
+  return add_rms_norm_launch(x, res, weight, eps, y, xb.ptr<uint16_t>());
 }
 
 void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
                      const Tensor& xb) {
-  LILY_CHECK(x.dim(1) % 8 == 0 && aligned16(xb.data), "add_rms_norm_xb: rows of ", x.dim(1),
-             " values or an unaligned workspace: no bf16 X");
-  run_add_rms_norm(x, res, weight, eps, y, xb.ptr<uint16_t>());
+  run_add_rms_norm(x, add_rms_norm_xb_launch(x, res, weight, eps, y, xb));
 }
 
 void gated_rms_norm_xb(const Tensor& x, const Tensor& z, const Tensor& weight, float eps, const Tensor& xb) {

@@ -42,7 +42,8 @@ struct LayerInput {
   Tensor h, x, norm;  // norm: the RMSNorm's weight [H]
   float eps;
   bool normed;
-  bool xb = false;  // linear's workspace already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb)
+  bool xb = false;   // linear's workspace already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb)
+  bool f32 = true;   // h's F32 rows are written (false: only that bf16 X, which every projection reads)
 };
 
 // The projections y_i = h W_i^T of a layer's input by the matrices `parts`: for one token, where they
@@ -76,8 +77,13 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
   bool xb_in_ws = in.xb;  // ws starts with h as the wgmma GEMM's bf16 X
   for (size_t i = 0; i < N; ++i) {
     const bool on_wgmma = ops::linear_xb_supported(in.h.device, *parts[i], T);
-    if (xb_in_ws && on_wgmma) ops::linear_xb(*parts[i], ws, outs[i]);
-    else ops::linear(*parts[i], in.h, outs[i], ws);
+    if (xb_in_ws && on_wgmma) {
+      ops::linear_xb(*parts[i], ws, outs[i]);
+    } else {
+      LILY_CHECK(in.f32, "project: a ", parts[i]->rows, "-row projection of ", T, " rows reads h's F32 rows, ",
+                 "which the norm before it did not write");
+      ops::linear(*parts[i], in.h, outs[i], ws);
+    }
     xb_in_ws = on_wgmma;
   }
   return outs;
@@ -242,13 +248,22 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const Tensor norm = L.input_layernorm->view();
     return LayerInput{h, xs, norm, eps, fold && stacked && ops::linear_rms_normed_supported(*stacked, xs, norm, h)};
   };
-  // Whether layer L's first input projection for T rows reads a bf16 X from linear's workspace (project():
-  // the stacked product where linear_stack_supported, else its first part on the wgmma GEMM).
-  auto projection_reads_xb = [&](const LayerWeights& L, int64_t T) {
+  // How layer L's input projections read h for T rows (project()): the stacked product where
+  // linear_stack_supported, else each part on the wgmma GEMM from the bf16 X in linear's workspace (after a
+  // part that was) or from h's F32 rows. xb: the first product reads that X; f32: some product reads the rows.
+  struct Reads {
+    bool xb, f32;
+  };
+  auto projection_reads = [&](const LayerWeights& L, int64_t T) {
     const QMatrix* stacked = L.is_full_attention ? L.attn.qkv_proj : L.gdn.in_proj;
-    const QMatrix* first = L.is_full_attention ? L.attn.q_proj : L.gdn.in_proj_qkv;
-    if (stacked && ops::linear_stack_supported(device(), *stacked, T)) return true;
-    return first && ops::linear_xb_supported(device(), *first, T);
+    if (stacked && ops::linear_stack_supported(device(), *stacked, T)) return Reads{true, false};
+    const std::array<const QMatrix*, 4> parts =
+        L.is_full_attention ? std::array<const QMatrix*, 4>{L.attn.q_proj, L.attn.k_proj, L.attn.v_proj, nullptr}
+                            : std::array<const QMatrix*, 4>{L.gdn.in_proj_qkv, L.gdn.in_proj_z, L.gdn.in_proj_b,
+                                                            L.gdn.in_proj_a};
+    Reads r{ops::linear_xb_supported(device(), *parts[0], T), false};
+    for (const QMatrix* m : parts) r.f32 = r.f32 || (m && !ops::linear_xb_supported(device(), *m, T));
+    return r;
   };
   LayerInput in = input_of(0);
   if (!in.normed) ops::rms_norm(xs, in.norm, eps, h);
@@ -258,9 +273,13 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     const bool last = l + 1 == c.num_hidden_layers;
     LayerInput next = last ? LayerInput{h, xs, Tensor(), eps, false} : input_of(l + 1);
     const Tensor post_norm = L.post_attention_layernorm->view();
-    // a prompt's post-attention norm also writes h as the MoE's bf16 X where its router runs on the wgmma GEMM
+    // a prompt's post-attention norm also writes h as the MoE's bf16 X where its router runs on the wgmma GEMM,
+    // and only as that X where every product of the block reads it (moe_xb_only_supported)
     const QMatrix* router = L.moe.router_gates ? L.moe.router_gates : L.moe.router;
-    const bool moe_xb = !fold && router && ops::linear_xb_supported(device(), *router, T);
+    const ops::MoeInput moe_in = fold                                                      ? ops::MoeInput::F32
+                                 : ops::moe_xb_only_supported(L.moe, h, ms, K)             ? ops::MoeInput::XB
+                                 : router && ops::linear_xb_supported(device(), *router, T) ? ops::MoeInput::F32_AND_XB
+                                                                                            : ops::MoeInput::F32;
     const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
@@ -275,25 +294,32 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
         if (out.x_in_xb) ops::linear_xb(*out.w, xb_work(x, device()), mix);
         else ops::linear(*out.w, out.x, mix, xb_work(x, device()));
         record(f, p + "mixer", x.mix, T, H);
-        if (moe_xb) ops::add_rms_norm_xb(xs, mix, post_norm, eps, h, xb_work(x, device()));
-        else ops::add_rms_norm(xs, mix, post_norm, eps, h);
+        if (moe_in == ops::MoeInput::F32) ops::add_rms_norm(xs, mix, post_norm, eps, h);
+        else ops::add_rms_norm_xb(xs, mix, post_norm, eps, moe_in == ops::MoeInput::XB ? Tensor{} : h,
+                                  xb_work(x, device()));
       }
     }
     // x += moe(h); h = the next layer's input_layernorm(x), unless its projection computes it (the last
-    // layer: x += moe(h))
+    // layer: x += moe(h)). Where the next layer's projections read h as the bf16 X (a prompt): h's F32 rows
+    // only where one reads them, and untraced (mix not recorded) the MoE's combine, the add and the norm in
+    // one op (moe_add_rms_norm_xb: the same bits as moe, then add_rms_norm_xb)
+    const Reads reads = fold || last ? Reads{false, true} : projection_reads(weights_->layers[l + 1], T);
     if (post.normed) {
       ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
     } else if (fold && !last) {
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);
       else ops::moe_add_rms_norm(L.moe, h, xs, next.norm, eps, mix, ms, K, sync);
+    } else if (reads.xb && !f.trace) {
+      ops::moe_add_rms_norm_xb(L.moe, h, moe_in, xs, next.norm, eps, reads.f32 ? h : Tensor{}, mix, ms, K);
+      next.xb = true, next.f32 = reads.f32;
     } else {
-      ops::moe(L.moe, h, mix, ms, K, moe_xb);
+      ops::moe(L.moe, h, mix, ms, K, moe_in);
       record(f, p + "moe", x.mix, T, H);
       if (last) {
         ops::add(xs, mix);
-      } else if (!fold && projection_reads_xb(weights_->layers[l + 1], T)) {
-        ops::add_rms_norm_xb(xs, mix, next.norm, eps, h, xb_work(x, device()));
-        next.xb = true;
+      } else if (reads.xb) {
+        ops::add_rms_norm_xb(xs, mix, next.norm, eps, reads.f32 ? h : Tensor{}, xb_work(x, device()));
+        next.xb = true, next.f32 = reads.f32;
       } else {
         ops::add_rms_norm(xs, mix, next.norm, eps, h);
       }

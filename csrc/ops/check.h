@@ -38,8 +38,12 @@ inline void check_state_out(const char* op, const char* arg, const Tensor& out, 
   LILY_CHECK(o == i || o + n <= i || i + n <= o, op, ": ", arg, " overlaps its input without being it");
 }
 
-// add_rms_norm's argument checks, for the ops that end in it (ops/norms.cpp).
+// An optional operand left out: Tensor{} (no data, no dims). A view of no data with dims is an error.
+inline bool absent(const Tensor& t) { return t.data == nullptr && t.ndim == 0; }
+
+// add_rms_norm's argument checks, for the ops that end in it (ops/norms.cpp); y absent: only x, res, weight.
 void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y);
+void check_add_rms_norm_in(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight);
 
 [[noreturn]] inline void no_backend(const char* op, Device d) {
   fail(op, ": no ", device_name(d), " implementation in this build");

@@ -50,14 +50,30 @@ static void check_moe(const char* op, const MoeWeights& w, const Tensor& h, cons
   }
 }
 
-void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k, bool h_in_xb) {
+bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const MoeScratch& s, int top_k) {
+#ifdef LILY_WITH_CUDA
+  if (h.device == Device::CUDA) return cuda::moe_xb_only_supported(w, h, s, top_k);
+#endif
+  (void)w, (void)h, (void)s, (void)top_k;
+  return false;
+}
+
+// h_in for these operands: XB only where nothing reads h's F32 rows; the bf16 X fits scratch.xb.
+static void check_moe_input(const char* op, const MoeWeights& w, const Tensor& h, const MoeScratch& s, int top_k,
+                            MoeInput h_in) {
+  LILY_CHECK(h_in != MoeInput::XB || moe_xb_only_supported(w, h, s, top_k), op, ": h given only as its bf16 X, ",
+             "but ", h.dim(0), " rows of this block read its F32 rows (moe_xb_only_supported)");
+  LILY_CHECK(h_in == MoeInput::F32 || h.device == Device::CPU || s.xb.numel() >= h.numel(), op, ": scratch xb ",
+             s.xb.shape_str(), " cannot hold h ", h.shape_str());
+}
+
+void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& s, int top_k, MoeInput h_in) {
   const char* op = "moe";
   const OpSpan span(op);
   check_moe(op, w, h, out, s, top_k);
+  check_moe_input(op, w, h, s, top_k, h_in);
   if (h.device == Device::CPU) return cpu::moe(w, h, out, s, top_k);
-  LILY_CHECK(!h_in_xb || s.xb.numel() >= h.numel(), op, ": scratch xb ", s.xb.shape_str(), " cannot hold h ",
-             h.shape_str());
-  LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k, h_in_xb));
+  LILY_CUDA_CASE(h.device, moe(w, h, out, s, top_k, h_in));
   no_backend(op, h.device);
 }
 
@@ -126,6 +142,22 @@ void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, c
     return cpu::add_rms_norm(res, tmp, weight, eps, h);
   }
   LILY_CUDA_CASE(h.device, moe_add_rms_norm(w, h, res, weight, eps, tmp, s, top_k, sync));
+  no_backend(op, h.device);
+}
+
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp, const MoeScratch& s,
+                         int top_k) {
+  const char* op = "moe_add_rms_norm_xb";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_moe_input(op, w, h, s, top_k, h_in);
+  if (absent(y)) check_add_rms_norm_in(op, res, tmp, weight);  // the norm only as the bf16 X
+  else check_add_rms_norm(op, res, tmp, weight, y);
+  LILY_CHECK(tmp.data != h.data && tmp.data != res.data && res.data != h.data, op,
+             ": h, res and tmp must not alias");  // y: not res or tmp (check_add_rms_norm), maybe h
+  check_same_device(op, {h, res});
+  LILY_CUDA_CASE(h.device, moe_add_rms_norm_xb(w, h, h_in, res, weight, eps, y, tmp, s, top_k));
   no_backend(op, h.device);
 }
 

@@ -18,18 +18,23 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
   no_backend(op, x.device);
 }
 
-void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y) {
+void check_add_rms_norm_in(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight) {
   check_tensor(op, "x", x, DType::F32, 2);
   check_tensor(op, "res", res, DType::F32, 2);
-  check_tensor(op, "y", y, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 1);
   check_shape(op, "weight", weight, 0, x.dim(1));
-  for (const Tensor* t : {&res, &y}) {
-    check_shape(op, "res/y", *t, 0, x.dim(0));
-    check_shape(op, "res/y", *t, 1, x.dim(1));
-  }
+  check_shape(op, "res", res, 0, x.dim(0));
+  check_shape(op, "res", res, 1, x.dim(1));
+  check_same_device(op, {x, res, weight});
+}
+
+void check_add_rms_norm(const char* op, const Tensor& x, const Tensor& res, const Tensor& weight, const Tensor& y) {
+  check_add_rms_norm_in(op, x, res, weight);
+  check_tensor(op, "y", y, DType::F32, 2);
+  check_shape(op, "y", y, 0, x.dim(0));
+  check_shape(op, "y", y, 1, x.dim(1));
   LILY_CHECK(y.data != x.data && y.data != res.data, op, ": y must not alias x or res");
-  check_same_device(op, {x, res, y, weight});
+  check_same_device(op, {x, y});
 }
 
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y) {
@@ -45,7 +50,8 @@ void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, f
                      const Tensor& xb) {
   const char* op = "add_rms_norm_xb";
   const OpSpan span(op);
-  check_add_rms_norm(op, x, res, weight, y);
+  if (absent(y)) check_add_rms_norm_in(op, x, res, weight);  // h only as the bf16 X
+  else check_add_rms_norm(op, x, res, weight, y);
   check_tensor(op, "xb", xb, DType::BF16, 1);
   LILY_CHECK(xb.numel() >= x.numel(), op, ": xb ", xb.shape_str(), " is smaller than x ", x.shape_str());
   check_same_device(op, {x, xb});

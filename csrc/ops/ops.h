@@ -100,8 +100,11 @@ void rms_norm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y)
 // x nor res); weight [D].
 void add_rms_norm(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y);
 // add_rms_norm with y also written as linear_xb's X (the prefill GEMM's bf16 X of y [R, D]) into xb
-// [>= R*D] BF16: the products over y that follow read it (linear_xb, moe with h_in_xb) instead of
-// converting y. CUDA only; D % 8 == 0, xb 16-byte aligned.
+// [>= R*D] BF16: the products over y that follow read it (linear_xb, moe with MoeInput::F32_AND_XB)
+// instead of converting y. y absent (Tensor{}): y only as that X, its F32 rows not written, where no
+// reader takes them (moe with MoeInput::XB, a layer's projections all on linear_xb); x and xb are the
+// same bits as with y (given y's rows 16-byte aligned, as x's and weight: the same float4 sums). CUDA
+// only; D % 8 == 0, xb 16-byte aligned.
 void add_rms_norm_xb(const Tensor& x, const Tensor& res, const Tensor& weight, float eps, const Tensor& y,
                      const Tensor& xb);
 
@@ -222,12 +225,22 @@ int64_t moe_work_rows(Device device, int64_t C, int top_k);
 int64_t moe_routing_words(Device device, int64_t C, int64_t E, int top_k);
 int64_t moe_xb_elems(Device device, int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
 
+// How moe's input h [T, H] arrives. F32: h's rows. F32_AND_XB: h's rows, and scratch.xb's first T x H
+// elements hold them as the prefill GEMM's bf16 X (add_rms_norm_xb), which the CUDA wgmma products read
+// instead of converting h (ignored on the CPU). XB: only that bf16 X, h's rows not written (add_rms_norm_xb
+// without y; h gives the shape), where moe_xb_only_supported holds; elsewhere an error.
+enum class MoeInput { F32, F32_AND_XB, XB };
+
 // out[t] = sum_{e in top-k(softmax(router h[t]))} w_e * down_e(silu(gate_e h) * up_e h)
 //        + sigmoid(shared_expert_gate h[t]) * shared(h[t]);  weights renormalised over the top-k.
-// h, out [T, H]. h_in_xb: scratch.xb already holds h as the prefill GEMM's bf16 X (add_rms_norm_xb), so its
-// wgmma products do not convert h (CUDA; ignored elsewhere).
+// h, out [T, H]; h_in: how h arrives.
 void moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const MoeScratch& scratch, int top_k,
-         bool h_in_xb = false);
+         MoeInput h_in = MoeInput::F32);
+// Whether moe reads h only as the bf16 X in scratch.xb for these operands (MoeInput::XB is accepted): CUDA,
+// a prompt past the decode chain (T > 16) whose every product over h runs on the wgmma GEMM (the router
+// and the shared-expert gate, the shared expert's gate/up) or, the routed gate/up, on it or on the few-rows
+// kernel (which then gathers that X). Never on the CPU.
+bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const MoeScratch& scratch, int top_k);
 // res += moe(h): the MoE block joining the residual stream, equal to moe(w, h, tmp, ...) then add(res, tmp),
 // bit for bit on each backend (CUDA, on the tensor-core decode path: the add in moe_down's kernel). h, res,
 // tmp [T, H] (tmp: work space; no two alias).
@@ -252,6 +265,18 @@ bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tens
 // kernel). h, res, tmp [T, H] (tmp: work space; no two alias); sync as linear_add_rms_norm.
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const MoeScratch& scratch, int top_k, const Tensor& sync);
+
+// res += moe(h), then y = weight * rms_normalise(res) written as linear_xb's X (the prefill GEMM's bf16 X of
+// y) into scratch.xb's first T x H elements, and as F32 rows into y unless y is absent (Tensor{}): a prompt's
+// MoE block joining the residual stream and the next layer's input norm. Equal to moe(w, h, tmp, scratch,
+// top_k, h_in) then add_rms_norm_xb(res, tmp, weight, eps, y, scratch.xb), bit for bit: CUDA, past the decode
+// chain (T > 16) with H % 4 == 0, K <= 8 and 16-byte aligned rows, one kernel after the expert products sums
+// each token's rows in moe's order, adds them into res and normalises (tmp is not written); otherwise those
+// two ops. h, res, tmp [T, H]; y [T, H] or absent, and may be h (the block has read h by then); weight [H];
+// tmp aliases none of them, res neither h nor y. CUDA only (the bf16 X is the CUDA prefill GEMM's operand).
+void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, MoeInput h_in, const Tensor& res,
+                         const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp,
+                         const MoeScratch& scratch, int top_k);
 
 // Sampling parameters; the canonical algorithm is in docs/sampling.md and cpu/sample.cpp.
 struct SamplerParams {

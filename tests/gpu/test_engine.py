@@ -108,6 +108,24 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
         np.testing.assert_array_equal(folded.decode_step(t), plain.trace([t])["logits"][0])
 
 
+@pytest.mark.parametrize("T", [40, 700])
+def test_prompt_moe_norm_equals_the_traced_ops(real_widths, T):
+    """A prompt's MoE block and the next layer's input norm run as one op when untraced (moe_add_rms_norm_xb: the
+    combine, the residual add and the norm in one kernel, the norm only as the next projections' bf16 X, mix
+    never written); a traced prefill records mix, so it runs moe, then add_rms_norm_xb. The same fp32 operations
+    in the same order: equal logits. 40 tokens: the stacked input projections; 700: each part on the wgmma
+    GEMM; both with the MoE's h given only as its bf16 X (8-bit router on the wgmma GEMM from 33 rows)."""
+    m = lily.Model.load(real_widths, device="cuda")
+    L = m.config.num_hidden_layers
+    ids = np.random.default_rng(6 + T).integers(0, m.config.vocab_size, T).astype(np.int32)
+    prof = m.new_session()
+    prof._core.set_sampler()
+    pre = prof._core.profile(ids, 0)["prefill"]
+    assert pre["moe_add_rms_norm_xb"][1] == L - 1 and pre["moe"][1] == 1  # the last layer: moe, then add
+    fused, traced = m.new_session(), m.new_session()
+    np.testing.assert_array_equal(fused.prefill(ids, all_logits=True), traced.trace(ids)["logits"])
+
+
 @pytest.mark.parametrize("which", ["tiny", "real_widths"])  # fused GDN decode in clusters of 2 and of 8 CTAs
 def test_graph_replay_equals_eager(which, request):
     m = lily.Model.load(request.getfixturevalue(which), device="cuda")

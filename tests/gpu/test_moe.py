@@ -6,6 +6,7 @@ import pytest
 
 from lily import _core
 from test_linear import both, check, random_matrix
+from test_norms import from_xb
 
 pytestmark = [
     pytest.mark.gpu,
@@ -294,3 +295,102 @@ def test_moe_prefill_xb_hand_over(E, top_k, H, I, Is, group, T):
     out = ops.moe("cuda", *gpu, h, top_k)
     assert np.isfinite(out).all()
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, xb_elems=least))
+
+
+def post_norm_h(rng, T, H):
+    """A prompt's post-attention norm (engine.cpp): add_rms_norm_xb's h [T, H] and its bf16 X (uint16)."""
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    res = rng.standard_normal((T, H)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    _, h, xb = ops.add_rms_norm_xb("cuda", x, res, nw, 1e-6)
+    return h, xb
+
+
+def check_h_as_xb(gpu, h, xb, top_k):
+    """moe over h handed over as its bf16 X: with h's F32 rows (MoeInput::F32_AND_XB) and, where
+    moe_xb_only_supported, alone (MoeInput::XB: h's rows NaN, so a read would show), the bits of moe converting h
+    itself; where not supported, XB is refused. Returns whether it was."""
+    ref = ops.moe("cuda", *gpu, h, top_k)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k, h_xb=xb), ref)
+    supported = ops.moe_xb_only_supported("cuda", *gpu, len(h), top_k)
+    if supported:
+        assert np.array_equal(ops.moe("cuda", *gpu, h, top_k, h_xb=xb, h_f32=False), ref)
+    else:
+        with pytest.raises(Exception, match="moe_xb_only_supported"):
+            ops.moe("cuda", *gpu, h, top_k, h_xb=xb, h_f32=False)
+    return supported
+
+
+@pytest.mark.parametrize("T", [16, 17, 32, 33, 146, 300, 513, 1100])
+def test_moe_h_as_xb_real_dims(real_moe, T):
+    # the model's dims: the decode chain up to 16 rows, the 8-bit router on the GEMV up to 32 (it reads h's
+    # rows), from 33 on the wgmma GEMM with the shared expert, the routed gate/up on moe_small up to 352 rows
+    _, gpu = real_moe
+    h, xb = post_norm_h(np.random.default_rng(7000 + T), T, 2048)
+    assert check_h_as_xb(gpu, h, xb, 8) == (T > 32)
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,sdt,rbits,T,supported", [
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 12, False),   # the decode chain reads h's rows
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 19, True),    # 4-bit router on the wgmma GEMM from 9 rows
+    (8, 2, 256, 128, 128, 4, 32, "BF16", 8, 300, True),   # group 32: gate and up as two wgmma products
+    (8, 2, 256, 128, 128, 8, 64, "BF16", 8, 300, True),   # 8-bit experts
+    (7, 3, 64, 32, 64, 4, 32, "F32", 4, 99, False),       # F32 scales: generic kernels read h's rows
+])
+def test_moe_h_as_xb_configs(E, top_k, H, I, Is, bits, group, sdt, rbits, T, supported):
+    rng = np.random.default_rng(7100 + E + T)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
+    h, xb = post_norm_h(rng, T, H)
+    assert check_h_as_xb(gpu, h, xb, top_k) == supported
+
+
+def moe_then_norm(cpu, gpu, h, h_xb, top_k, margin, rng, gpu_tol, fused):
+    """ops.moe_add_rms_norm_xb (the MoE block joining the residual stream x, then the next layer's input norm as
+    its bf16 X, engine.cpp) against moe then add_rms_norm_xb on the GPU, bit for bit: x, y written into h's buffer
+    as the engine does, the Xb; without y the same x and Xb with h left as it was; with h given only as its bf16
+    X where moe_xb_only_supported (h's rows NaN) the same. Against the CPU's moe then add_rms_norm on the tokens
+    with a clear top-k margin. fused: the combine took the norm (tmp, NaN before, never written)."""
+    T, H = h.shape
+    x = (rng.standard_normal((T, H)) * 2).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    mix = ops.moe("cuda", *gpu, h, top_k)
+    x_ref, y_ref, xb_ref = ops.add_rms_norm_xb("cuda", x, mix, nw, 1e-6)
+    x1, h1, xb1, tmp = ops.moe_add_rms_norm_xb("cuda", *gpu, h, x, nw, 1e-6, top_k)
+    assert np.array_equal(x1, x_ref) and np.array_equal(h1, y_ref) and np.array_equal(xb1, xb_ref)
+    assert np.isnan(tmp).all() == fused
+    x2, h2, xb2, _ = ops.moe_add_rms_norm_xb("cuda", *gpu, h, x, nw, 1e-6, top_k, write_y=False)
+    assert np.array_equal(x2, x_ref) and np.array_equal(xb2, xb_ref) and np.array_equal(h2, h)
+    if ops.moe_xb_only_supported("cuda", *gpu, T, top_k):
+        x3, h3, xb3, _ = ops.moe_add_rms_norm_xb("cuda", *gpu, h, x, nw, 1e-6, top_k, write_y=False, h_xb=h_xb,
+                                                 h_f32=False)
+        assert np.array_equal(x3, x_ref) and np.array_equal(xb3, xb_ref) and np.isnan(h3).all()
+    ok = stable_rows(cpu[0], h, top_k, margin)
+    assert ok.any(), "no token has a clear top-k margin: pick another seed"
+    xc, yc = ops.add_rms_norm("cpu", x, ops.moe("cpu", *cpu, h, top_k), nw, 1e-6)
+    check(x1[ok], xc[ok], "moe", gpu_tol)
+    check(from_xb(xb1)[ok], yc[ok], "moe", gpu_tol)
+
+
+@pytest.mark.parametrize("T", [17, 33, 146, 513])
+def test_moe_add_rms_norm_xb_real_dims(real_moe, T, gpu_tol):
+    # the model's dims: past the decode chain the combine takes the norm (moe_small's products up to 352 rows,
+    # the wgmma GEMM's from 353; h as its bf16 X alone from 33 rows)
+    cpu, gpu = real_moe
+    rng = np.random.default_rng(7200 + T)
+    h, h_xb = post_norm_h(rng, T, 2048)
+    moe_then_norm(cpu, gpu, h, h_xb, 8, 0.25, rng, gpu_tol, fused=True)
+
+
+@pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,sdt,rbits,T,fused", [
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 12, False),  # the decode chain: moe, then add_rms_norm_xb
+    (8, 2, 256, 128, 192, 4, 64, "BF16", 4, 19, True),   # H = 256: 64 threads a row, one float4 each
+    (8, 4, 1024, 128, 128, 4, 64, "BF16", 8, 99, True),  # H = 1024: 128 threads, two float4s each
+    (7, 3, 64, 32, 64, 4, 32, "F32", 4, 99, True),       # generic expert kernels; H = 64: 16 of 32 threads busy
+    (12, 10, 64, 32, 32, 4, 32, "BF16", 8, 99, False),   # top_k 10 > 8: the scalar combine, then the norm
+])
+def test_moe_add_rms_norm_xb_configs(E, top_k, H, I, Is, bits, group, sdt, rbits, T, fused, gpu_tol):
+    rng = np.random.default_rng(7300 + E + T)
+    cpu, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
+    h, h_xb = post_norm_h(rng, T, H)
+    moe_then_norm(cpu, gpu, h, h_xb, top_k, 0.05, rng, gpu_tol, fused)

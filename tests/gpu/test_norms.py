@@ -91,3 +91,53 @@ def test_add_rms_norm(R, D, gpu_tol):
     added = ops.add("cuda", x, res)
     np.testing.assert_array_equal(xg, added)
     np.testing.assert_array_equal(yg, ops.rms_norm("cuda", added, w, 1e-6))
+
+
+def xb_of(y):
+    """y [R, D] (D % 8 == 0) as the prefill GEMM's bf16 X (kernels/xb_layout.cuh), uint16: each value rounded to
+    nearest even, and inside each block of 8 position 2c + e holding y's value c + 4e."""
+    b = np.ascontiguousarray(y, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # finite values: no NaN payloads to keep
+    R, D = y.shape
+    return r.reshape(R, D // 8, 2, 4).transpose(0, 1, 3, 2).reshape(R, D)
+
+
+def from_xb(xb):
+    """xb_of's values back as float32 in y's order (each the bf16 value it holds)."""
+    R, D = xb.shape
+    v = xb.reshape(R, D // 8, 4, 2).transpose(0, 1, 3, 2).reshape(R, D)
+    return (v.astype(np.uint32) << 16).view(np.float32)
+
+
+# D % 8 == 0 (the Xb packs 8 values a 16-byte store): odd row counts, a block of 32 to 256 threads a row
+# (norm_threads), the model's D = 2048 and a smaller D
+XB_SHAPES = [(1, 8), (3, 136), (7, 256), (19, 1000), (33, 2048), (131, 2048), (5, 4096)]
+
+
+@pytest.mark.parametrize("write_y", [True, False])
+@pytest.mark.parametrize("R, D", XB_SHAPES)
+def test_add_rms_norm_xb(R, D, write_y, gpu_tol):
+    # A prompt's norms (engine.cpp): add_rms_norm_xb writes x and y as add_rms_norm does and y's bf16 X as the
+    # prefill GEMM's conversion packs it; without y (write_y False: every reader takes the Xb) the same x and Xb
+    # and no y. Against the CPU: x, and the Xb within its bf16 rounding.
+    rng = np.random.default_rng(R * 7907 + D)
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    res = rng.standard_normal((R, D)).astype(np.float32) * 3
+    w = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    x_ref, y_ref = ops.add_rms_norm("cuda", x, res, w, 1e-6)
+    xg, yg, xb = ops.add_rms_norm_xb("cuda", x, res, w, 1e-6, write_y=write_y)
+    np.testing.assert_array_equal(xg, x_ref)
+    np.testing.assert_array_equal(xb, xb_of(y_ref))
+    if write_y:
+        np.testing.assert_array_equal(yg, y_ref)
+    else:
+        assert yg is None
+    xc, yc = ops.add_rms_norm("cpu", x, res, w, 1e-6)
+    check(xg, xc, gpu_tol["elementwise"])
+    check(from_xb(xb), yc, gpu_tol["bf16_round"])
+
+
+def test_add_rms_norm_xb_needs_whole_blocks():
+    x = np.ones((2, 12), np.float32)
+    with pytest.raises(Exception, match="add_rms_norm_xb"):
+        ops.add_rms_norm_xb("cuda", x, x, np.ones(12, np.float32), 1e-6, write_y=False)

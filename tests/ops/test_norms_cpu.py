@@ -29,3 +29,11 @@ def test_add_rms_norm_names_a_bad_shape():
         ops.add_rms_norm("cpu", x, np.zeros((2, 7), np.float32), np.ones(8, np.float32), 1e-6)
     with pytest.raises(Exception, match="add_rms_norm.*weight"):
         ops.add_rms_norm("cpu", x, x, np.ones(7, np.float32), 1e-6)
+
+
+@pytest.mark.parametrize("write_y", [True, False])
+def test_add_rms_norm_xb_is_cuda_only(write_y):
+    # the bf16 X is the CUDA prefill GEMM's operand: the CPU backend has no add_rms_norm_xb and says so
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(Exception, match="add_rms_norm_xb: no cpu implementation"):
+        ops.add_rms_norm_xb("cpu", x, x, np.ones(8, np.float32), 1e-6, write_y=write_y)

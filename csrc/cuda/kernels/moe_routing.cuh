@@ -1,9 +1,11 @@
 // MoE routing on the device: top-k of the router softmax, then the tables that group the chosen
-// (token, slot) pairs by expert for the grouped products, then the fixed-order combine.
+// (token, slot) pairs by expert for the grouped products, then the fixed-order combine (alone, or with the
+// residual add and the next RMSNorm: moe_combine_add_rms_norm_kernel).
 // Everything is integer counting or fixed-order float sums: results are bitwise reproducible.
 // Layout of the routing words is RoutingTables in moe.cu.
 #pragma once
 #include "common.cuh"
+#include "norms.cuh"
 
 namespace lily::cuda {
 
@@ -247,17 +249,13 @@ __global__ void moe_combine_kernel(const MoeCombineParams p) {
   p.out[int64_t(t) * p.H + j] = s + p.down[(int64_t(p.T) * p.K + t) * p.H + j];
 }
 
-constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_kernel's loads in flight a thread: K + 1 float4s
+constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_at's loads in flight a thread: K + 1 float4s
 
-// moe_combine_kernel's sums, 4 columns a thread: out[t, 4c .. 4c+3] from float4 loads, every one of the
+// moe_combine_kernel's sums for token t's output columns 4c .. 4c+3, from float4 loads: every one of the
 // token's K + 1 rows requested before the first add (the scalar kernel's loop waits for each row in turn),
-// then added in the same order (0, k ascending, the shared row last), so the same bits. Grid (T,
-// ceil(H / 1024)), 256 threads; H % 4 == 0, down and out 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
-__global__ void moe_combine4_kernel(const MoeCombineParams p) {
-  pdl_wait();
-  pdl_trigger();
-  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
-  if (4 * c >= p.H) return;
+// then added in the same order (0, k ascending, the shared row last), so the same bits. H % 4 == 0, down
+// 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
+__device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int t, int c) {
   float4 v[MOE_COMBINE4_MAX_K];
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
@@ -268,8 +266,40 @@ __global__ void moe_combine4_kernel(const MoeCombineParams p) {
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
     if (k < p.K) s.x += v[k].x, s.y += v[k].y, s.z += v[k].z, s.w += v[k].w;
-  reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] =
-      make_float4(s.x + sh.x, s.y + sh.y, s.z + sh.z, s.w + sh.w);
+  return make_float4(s.x + sh.x, s.y + sh.y, s.z + sh.z, s.w + sh.w);
+}
+
+// moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads; out
+// 16-byte aligned.
+__global__ void moe_combine4_kernel(const MoeCombineParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (4 * c >= p.H) return;
+  reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] = moe_combine4_at(p, t, c);
+}
+
+// A prompt's MoE output joining the residual stream, and the next RMSNorm (ops::moe_add_rms_norm_xb): per token t
+//   m[t, j] = sum_k down[topk_row[t, k], j] + down[T*K + t, j]    (moe_combine's sums, moe_combine4_at)
+//   x[t, j] += m[t, j];  y[t, j] = x[t, j] * s_t * w[j],  s_t = 1 / sqrt(mean_j x[t, j]^2 + eps)
+// with y's bf16 X into n.yb and y itself only where n.y is set: add_rms_norm_row<true> with m as its residual.
+// Shapes: down [T*K + T, H] F32 (routed rows grouped by expert, then the shared rows), topk_row [T, K], x and
+// y [T, H] F32, w [H], yb [T, H] BF16 in the prefill GEMM's Xb layout (xb_layout.cuh).
+// Bit-identical to moe_combine(4)_kernel into out, then add_rms_norm_kernel<true> over (x, out): the same fp32
+// operations in the same order (m's K + 1 adds, x + m, each thread's squares in add_rms_norm's order, its
+// block_sum, the same products and packing); m never goes to memory (its [T, H] F32 rows written and read
+// back: 64 MB a layer at T = 4096, H = 2048). Grid T (a block a token), nt = norm_threads(H) threads: thread
+// tid takes float4 columns tid, tid + nt, ... (add_rms_norm's float4 mapping; at H = 2048 256 threads, two
+// float4s each, each from K + 1 = 9 row loads in flight). c.out and n.res unused. H % 4 == 0, down, x, w, y
+// 16-byte aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned
+// (the Xb). The block's products wrote down before it (stream order); x, y and yb are its only stores, so y
+// may be the block's input h.
+__global__ void moe_combine_add_rms_norm_kernel(const MoeCombineParams c, const AddRmsNormParams n) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float red[32];
+  const int t = blockIdx.x;
+  add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at(c, t, i); }, red);
 }
 
 }  // namespace lily::cuda

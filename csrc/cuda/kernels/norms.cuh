@@ -174,54 +174,56 @@ __global__ void __launch_bounds__(ROWS > 1 ? 32 * ROWS : 1024) rms_norm_kernel(R
 // add_rms_norm: x[r, :] += res[r, :], then y[r, :] = x[r, :] * s_r * w. Each thread adds, writes back
 // and squares the same elements it later normalises (same stride and block reduction as
 // rms_norm_kernel, so the result is bit-identical to elementwise add then rms_norm). add_rms_norm_xb: y
-// also as the prefill GEMM's bf16 X (yb): the same values packed as wgx_bf16_kernel packs y.
+// also as the prefill GEMM's bf16 X (yb): the same values packed as wgx_bf16_kernel packs y; with y null
+// only as yb (a prompt whose readers take only the Xb): x and yb are the same bits, y's stores are skipped.
 struct AddRmsNormParams {
   float* x;          // [R, D] residual stream, updated in place
-  const float* res;  // [R, D]
+  const float* res;  // [R, D] (add_rms_norm_kernel; a kernel computing the residual's rows passes null)
   const float* w;    // [D]
-  float* y;          // [R, D]
+  float* y;          // [R, D]; null: not written (yb set)
   int D;
   float eps;
   bool res_vec4;     // res 16-byte aligned (the float4 path is chosen by x, w, y, as rms_norm's)
   uint16_t* yb = nullptr;  // [R, D] BF16: y also as Xb rows (D % 8 == 0, 16-byte aligned); null: y only
 };
 
-template <bool VEC4>
-__global__ void add_rms_norm_kernel(AddRmsNormParams p) {
-  pdl_wait();
-  pdl_trigger();
-  __shared__ float red[32];
-  const int64_t off = int64_t(blockIdx.x) * p.D;
+// add_rms_norm of the row at offset off, by the block's nt = blockDim.x = norm_threads(D) threads: thread tid
+// adds res(i) into x for its float4s (VEC4; D % 4 == 0, x, w, y 16-byte aligned) or floats i = tid, tid + nt,
+// ... and sums the squares of the sums in that order, then block_sum, s = 1 / sqrt(ss / D + eps), y and yb.
+// res(i): the residual's float4 or float i of the row, read from memory (add_rms_norm_kernel) or computed
+// (moe_routing.cuh's moe_combine_add_rms_norm_kernel: moe_combine's sums); the same arithmetic either way.
+template <bool VEC4, typename Res>
+__device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int64_t off, const Res& res, float* red) {
   float ss = 0.f;
   if constexpr (VEC4) {
     float4* x4 = reinterpret_cast<float4*>(p.x + off);
-    const float4* r4 = reinterpret_cast<const float4*>(p.res + off);
     for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
-      const float* rs = p.res + off + 4 * i;
-      const float4 a = x4[i], b = p.res_vec4 ? r4[i] : make_float4(rs[0], rs[1], rs[2], rs[3]);
+      const float4 a = x4[i], b = res(i);
       const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
       x4[i] = v;
       ss += sq4(v);
     }
   } else {
     for (int i = threadIdx.x; i < p.D; i += blockDim.x) {
-      const float v = p.x[off + i] + p.res[off + i];
+      const float v = p.x[off + i] + res(i);
       p.x[off + i] = v;
       ss += v * v;
     }
   }
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(p.D) + p.eps);
-  if constexpr (VEC4) {
-    const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
-    const float4* w4 = reinterpret_cast<const float4*>(p.w);
-    float4* y4 = reinterpret_cast<float4*>(p.y + off);
-    for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
-      const float4 x = x4[i], w = w4[i];
-      y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+  if (p.y != nullptr) {
+    if constexpr (VEC4) {
+      const float4* x4 = reinterpret_cast<const float4*>(p.x + off);
+      const float4* w4 = reinterpret_cast<const float4*>(p.w);
+      float4* y4 = reinterpret_cast<float4*>(p.y + off);
+      for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
+        const float4 x = x4[i], w = w4[i];
+        y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
+      }
+    } else {
+      for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
     }
-  } else {
-    for (int i = threadIdx.x; i < p.D; i += blockDim.x) p.y[off + i] = p.x[off + i] * s * p.w[i];
   }
   if (p.yb == nullptr) return;
   // Xb: 8 values a thread (the row's x as updated above: visible after block_sum's barrier for the other
@@ -232,6 +234,24 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
 #pragma unroll
     for (int m = 0; m < 8; ++m) v[m] = p.x[k + m] * s * p.w[8 * j + m];
     *reinterpret_cast<uint4*>(p.yb + k) = wg_pack_xb8(v);
+  }
+}
+
+// Grid R (a block a row), norm_threads(D) threads; res read as float4s where res_vec4, else as floats.
+template <bool VEC4>
+__global__ void add_rms_norm_kernel(AddRmsNormParams p) {
+  pdl_wait();
+  pdl_trigger();
+  __shared__ float red[32];
+  const int64_t off = int64_t(blockIdx.x) * p.D;
+  if constexpr (VEC4) {
+    const float4* r4 = reinterpret_cast<const float4*>(p.res + off);
+    add_rms_norm_row<true>(p, off, [&](int i) {
+      const float* rs = p.res + off + 4 * i;
+      return p.res_vec4 ? r4[i] : make_float4(rs[0], rs[1], rs[2], rs[3]);
+    }, red);
+  } else {
+    add_rms_norm_row<false>(p, off, [&](int i) { return p.res[off + i]; }, red);
   }
 }
 
