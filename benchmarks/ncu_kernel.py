@@ -1,0 +1,71 @@
+"""Hardware counters of one launch of one lily kernel, by Nsight Compute (`ncu`, in the GPU host's CUDA
+toolkit): the kernel's SOL throughputs, warp stall reasons, issue-slot use, L1/L2/HBM traffic, for the
+question a profile's timings cannot answer (what bounds a kernel). It runs `ncu` on itself: the target is
+one prefill of `--context` tokens (`--decode N`: then N decode steps, whose graph nodes ncu profiles one by
+one) on `--model`, and ncu catches launch `--skip` of the kernels whose demangled name matches `--kernel`.
+
+    python3 benchmarks/ncu_kernel.py --model /tmp/full --kernel 'linear_wgmma_tma_kernel<\\(int\\)128, \\(bool\\)0, \\(bool\\)1' \\
+        --out ncu_gated.txt
+
+ncu writes template arguments as `(int)128, (bool)0`: escape the parentheses in the regex. Without a match ncu
+prints the names it saw ("Available Kernels"). `--set full` replays the launch ~40 times (a few seconds for a
+0.5 ms kernel); `--set basic` is quicker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+
+def target(model_path: str, context: int, decode: int, chunk: int) -> None:
+    import lily
+
+    model = lily.Model.load(model_path, device="cuda", max_context=8, prefill_chunk=chunk)
+    session = model.new_session(max_context=context + decode + 8)
+    ids = ((np.arange(context, dtype=np.int64) * 2654435761) % 2**32 % model.config.vocab_size).astype(np.int32)
+    core = session._core
+    core.set_sampler()
+    core.prefill_sample(ids)
+    for _ in range(decode):
+        core.decode_sample(-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="checkpoint directory (the GPU host's /tmp/full)")
+    ap.add_argument("--kernel", help="regex on the demangled kernel name")
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens (default 4096)")
+    ap.add_argument("--decode", type=int, default=0, help="decode steps after the prompt (default 0)")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (default 8192, the CUDA default)")
+    ap.add_argument("--skip", type=int, default=0, help="matching launches to skip before the profiled one")
+    ap.add_argument("--set", default="full", help="ncu section set (full, detailed, basic)")
+    ap.add_argument("--out", help="write ncu's report text here (default: stdout)")
+    ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)  # ncu's target: do the model work
+    a = ap.parse_args()
+    if a.run:
+        return target(a.model, a.context, a.decode, a.chunk)
+    if not a.kernel:
+        ap.error("--kernel is required")
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--set", a.set, "--print-details", "all", "--kernel-name-base", "demangled",
+           "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", "1",
+           sys.executable, __file__, "--run", "--model", a.model, "--context", str(a.context),
+           "--decode", str(a.decode), "--chunk", str(a.chunk)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    if out.returncode != 0 or "No kernels were profiled" in text:
+        sys.exit(f"ncu_kernel: no report (rc {out.returncode}); see {a.out or 'the output above'}")
+
+
+if __name__ == "__main__":
+    main()
