@@ -9,7 +9,10 @@ one) on `--model`, and ncu catches launch `--skip` of the kernels whose demangle
 
 ncu writes template arguments as `(int)128, (bool)0`: escape the parentheses in the regex. Without a match ncu
 prints the names it saw ("Available Kernels"). `--set full` replays the launch ~40 times (a few seconds for a
-0.5 ms kernel); `--set basic` is quicker.
+0.5 ms kernel); `--set basic` is quicker. `--count N` profiles N matching launches from `--skip` on (a layer's
+several products of one instance, told apart by their grid sizes in the report). `--page raw` prints every
+metric by name instead of the sections: the warp stall reasons are the
+`smsp__average_warps_issue_stalled_*_per_issue_active.ratio` lines (grep "issue_stalled").
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, help="decode steps after the prompt (default 0)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (default 8192, the CUDA default)")
     ap.add_argument("--skip", type=int, default=0, help="matching launches to skip before the profiled one")
+    ap.add_argument("--count", type=int, default=1, help="matching launches to profile (default 1)")
+    ap.add_argument("--page", default="details", choices=["details", "raw"], help="ncu's report page")
     ap.add_argument("--set", default="full", help="ncu section set (full, detailed, basic)")
     ap.add_argument("--out", help="write ncu's report text here (default: stdout)")
     ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)  # ncu's target: do the model work
@@ -52,8 +57,8 @@ def main() -> None:
     if not a.kernel:
         ap.error("--kernel is required")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    cmd = [ncu, "--set", a.set, "--print-details", "all", "--kernel-name-base", "demangled",
-           "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", "1",
+    cmd = [ncu, "--set", a.set, "--page", a.page, "--print-details", "all", "--kernel-name-base", "demangled",
+           "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", str(a.count),
            sys.executable, __file__, "--run", "--model", a.model, "--context", str(a.context),
            "--decode", str(a.decode), "--chunk", str(a.chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True)
