@@ -57,7 +57,8 @@ def main() -> None:
     if not a.kernel:
         ap.error("--kernel is required")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    cmd = [ncu, "--set", a.set, "--page", a.page, "--print-details", "all", "--kernel-name-base", "demangled",
+    details = ["--print-details", "all"] if a.page == "details" else []
+    cmd = [ncu, "--set", a.set, "--page", a.page, *details, "--kernel-name-base", "demangled",
            "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", str(a.count),
            sys.executable, __file__, "--run", "--model", a.model, "--context", str(a.context),
            "--decode", str(a.decode), "--chunk", str(a.chunk)]
