@@ -4,7 +4,7 @@ question a profile's timings cannot answer (what bounds a kernel). It runs `ncu`
 one prefill of `--context` tokens (`--decode N`: then N decode steps, whose graph nodes ncu profiles one by
 one) on `--model`, and ncu catches launch `--skip` of the kernels whose demangled name matches `--kernel`.
 
-    python3 benchmarks/ncu_kernel.py --model /tmp/full --kernel 'linear_wgmma_tma_kernel<\\(int\\)128, \\(bool\\)0, \\(bool\\)1' \\
+    python3 benchmarks/ncu_kernel.py --model CKPT --kernel 'linear_wgmma_tma_kernel<\\(int\\)128, \\(bool\\)0, \\(bool\\)1' \\
         --out ncu_gated.txt
 
 ncu writes template arguments as `(int)128, (bool)0`: escape the parentheses in the regex. Without a match ncu
@@ -40,7 +40,8 @@ def target(model_path: str, context: int, decode: int, chunk: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="checkpoint directory (the GPU host's /tmp/full)")
+    ap.add_argument("--model", required=True,
+                    help="checkpoint directory (on the GPU host: the one host_lib.sh's host_full_checkpoint writes)")
     ap.add_argument("--kernel", help="regex on the demangled kernel name")
     ap.add_argument("--context", type=int, default=4096, help="prompt tokens (default 4096)")
     ap.add_argument("--decode", type=int, default=0, help="decode steps after the prompt (default 0)")
