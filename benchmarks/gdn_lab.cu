@@ -57,8 +57,8 @@ static void launch(Kind k, const Dev& d, int T) {
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
     const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != NEW_SCAN) gdn_chunk::prep_kernel<<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
-    if (k != NEW_PREP) gdn_chunk::scan_kernel<<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
+    if (k != NEW_SCAN) gdn_chunk::prep_kernel<><<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
+    if (k != NEW_PREP) gdn_chunk::scan_kernel<><<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
   }
   CK(cudaGetLastError());
 }
@@ -88,8 +88,8 @@ static T* upload(const std::vector<T>& v) {
 }
 
 int main() {
-  CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
-  CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
 
   const gdn_ref::Inputs x = gdn_ref::make_inputs(T_MAX, HK, HV, D, 42, /*decay=*/1);
   const int nch = T_MAX / gdn_chunk::C;

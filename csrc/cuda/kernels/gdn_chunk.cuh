@@ -16,7 +16,9 @@
 // exact, and the same on the host emulation), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi (the dropped
 // a_lo b_lo and the rounding of lo are <= ~2^-22 |a b|): fp32-class products at 3 tensor-core ops
 // each. A single tf32 product (2^-11) would not meet the 2e-5 chunked-vs-token-kernel tolerance; see
-// docs/gdn-prefill.md for the error budget. The forward substitution stays fp32 SIMT FMA.
+// docs/gdn-prefill.md for the error budget. The forward substitution stays fp32 SIMT FMA. The kernels
+// take the form of each product as a compile-time Precision (below); the engine's is EnginePrecision,
+// and benchmarks/gdn_emu.cpp's sweep measures the others.
 //
 // Fragment layout of mma.m16n8k8 .tf32 (PTX ISA), g = lane / 4, c = lane % 4:
 //   A [16 x 8]: a0 (g, c)  a1 (g+8, c)  a2 (g, c+4)  a3 (g+8, c+4)
@@ -127,14 +129,31 @@ __device__ __forceinline__ unsigned char* smem() {
 }
 #endif
 
-// a b in 3xTF32: big += a_hi b_hi, small += a_lo b_hi + a_hi b_lo; the caller adds small to big after
-// its k loop. Two accumulators make two independent mma chains per output tile (mma.sync latency,
-// not throughput, bounds a warp with few tiles).
-__device__ __forceinline__ void mma3(float (&big)[4], float (&small)[4], const Split (&a)[4], Split b0,
-                                          Split b1) {
-  mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+// How a product a b is formed from the splits a = a_hi + a_lo, b = b_hi + b_lo (one choice per
+// product, a compile-time Precision; benchmarks/gdn_emu.cpp measures each against fp64):
+enum Prec : int {
+  X1,  // a_hi b_hi: 1 mma; both operands' tf32 roundings (<= 2^-11 each) stay
+  XA,  // a_hi b_hi + a_lo b_hi: 2 mma; b's rounding stays (a split, b hi only)
+  XB,  // a_hi b_hi + a_hi b_lo: 2 mma; a's rounding stays (b split, a hi only)
+  X3,  // a_hi b_hi + a_lo b_hi + a_hi b_lo: 3 mma, fp32-class (the dropped terms <= ~2^-22 |a b|)
+};
+__host__ __device__ constexpr bool uses_a_lo(Prec m) { return m == XA || m == X3; }
+__host__ __device__ constexpr bool uses_b_lo(Prec m) { return m == XB || m == X3; }
+// One Prec per product: K K^T, Q K^T (prep); W S, (fq Q) S, P Delta, (fk K)^T Delta (scan).
+template <Prec KK_, Prec QK_, Prec WS_, Prec QS_, Prec PD_, Prec KD_>
+struct Precision {
+  static constexpr Prec KK = KK_, QK = QK_, WS = WS_, QS = QS_, PD = PD_, KD = KD_;
+};
+using EnginePrecision = Precision<X3, X3, X3, X3, X3, X3>;
+
+// a b in precision M: big += a_hi b_hi, small += the cross terms M keeps; the caller adds small to big
+// after its k loop. Two accumulators make two independent mma chains per output tile (mma.sync
+// latency, not throughput, bounds a warp with few tiles). Halves M does not use are never read.
+template <Prec M>
+__device__ __forceinline__ void mma_p(float (&big)[4], float (&small)[4], const Split (&a)[4], Split b0, Split b1) {
+  if constexpr (uses_a_lo(M)) mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
   mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
-  mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+  if constexpr (uses_b_lo(M)) mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
 }
 // Fragments by ldmatrix (ldsm4 above). A row-major tile X [m][k] holds the A fragment of a 16 x 8
 // block as four 8-row x 4-word matrices, rows 0-7 | 8-15 x words 0-3 | 4-7 = a0, a1, a2, a3 of the
@@ -175,21 +194,23 @@ __device__ __forceinline__ void frag_bt(Split& b0, Split& b1, uint32_t addr) {
   b1 = split(__uint_as_float(r[1]));
 }
 // B fragments {b0, b1} of two n8 tiles t0, t1 of a [n][k] tile kept pre-split in shared memory: the hi
-// words at addr (this lane's lsm_b address), the lo words lo_off bytes further.
+// words at addr (this lane's lsm_b address), the lo words lo_off bytes further (read only if LO).
+template <bool LO>
 __device__ __forceinline__ void frag_b2_pre(Split (&t0)[2], Split (&t1)[2], uint32_t addr, uint32_t lo_off) {
-  uint32_t hi[4], lo[4];
+  uint32_t hi[4], lo[4] = {};
   ldsm4(hi, addr);
-  ldsm4(lo, addr + lo_off);
+  if constexpr (LO) ldsm4(lo, addr + lo_off);
   t0[0] = {hi[0], lo[0]};
   t0[1] = {hi[1], lo[1]};
   t1[0] = {hi[2], lo[2]};
   t1[1] = {hi[3], lo[3]};
 }
-// stores the split of x at hi/lo element i
+// stores the split of x at hi/lo element i (the lo word only if LO)
+template <bool LO>
 __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, float x) {
   const Split sx = split(x);
   th[i] = sx.hi;
-  tl[i] = sx.lo;
+  if constexpr (LO) tl[i] = sx.lo;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -224,6 +245,25 @@ struct PrepSmem {
   float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
 };
 
+// one m16n8 tile of phase 3 in precision M: acc = X Y^T over K = 128 (xa, xb: this lane's ldmatrix
+// addresses of the A rows and the B = Y^T rows at k-step 0)
+template <Prec M>
+__device__ __forceinline__ void prep_tile(float (&acc)[4], uint32_t xa, uint32_t xb) {
+  float sml[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+#pragma unroll 4
+  for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 8 floats = 32 bytes on
+    Split a[4], b0, b1;
+    frag_a(a, xa + 32 * ks);
+    frag_bt(b0, b1, xb + 32 * ks);
+    mma_p<M>(acc, sml, a, b0, b1);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+}
+
+template <class PR = EnginePrecision>
 __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
@@ -311,16 +351,10 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
       const uint32_t xa = saddr(&(is_qk ? sm.q : sm.k)[16 * mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
       const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b<LD>(lane);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 8 floats = 32 bytes on
-        Split a[4], b0, b1;
-        frag_a(a, xa + 32 * ks);
-        frag_bt(b0, b1, xb + 32 * ks);
-        mma3(acc, sml, a, b0, b1);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+      float acc[4];
+      if constexpr (PR::KK == PR::QK) prep_tile<PR::KK>(acc, xa, xb);
+      else if (is_qk) prep_tile<PR::QK>(acc, xa, xb);
+      else prep_tile<PR::KK>(acc, xa, xb);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
@@ -429,6 +463,7 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
   }
 }
 
+template <class PR = EnginePrecision>
 __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
@@ -447,6 +482,8 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
                  aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane), bS = saddr(&sm.Sh[nb][0]) + 4 * lsm_b<SLD>(lane),
                  bD = saddr(&sm.Dh[0][0]) + 4 * lsm_b<DLD>(lane);
   constexpr uint32_t S_LO = sizeof(ScanSmem::Sh), D_LO = sizeof(ScanSmem::Dh);  // (static_assert above)
+  // the lo words of S (Delta) are stored only if a product reads them
+  constexpr bool SL = uses_b_lo(PR::WS) || uses_b_lo(PR::QS), DL = uses_b_lo(PR::PD) || uses_b_lo(PR::KD);
   // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
   float* Sg = p.state + int64_t(h) * D * D + j0;  // S[h][.][j0], row stride D
   float s[4][4];
@@ -455,7 +492,7 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     for (int nt = 0; nt < 4; ++nt) {
       const int r = 16 * warp + g, col = 8 * nt + 2 * c;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st_split(&sm.Sh[0][0], &sm.Sl[0][0], (col + (e & 1)) * SLD + r + 8 * (e >> 1), s[nt][e]);
+      for (int e = 0; e < 4; ++e) st_split<SL>(&sm.Sh[0][0], &sm.Sl[0][0], (col + (e & 1)) * SLD + r + 8 * (e >> 1), s[nt][e]);
     }
   };
 #pragma unroll
@@ -518,9 +555,9 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 32 bytes on
         Split a[4], b[2][2];
         frag_a(a, aW + 32 * ks);
-        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
+        frag_b2_pre<uses_b_lo(PR::WS)>(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -531,7 +568,7 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 16 * mt + g + 8 * (e >> 1), col = nb + 8 * j + 2 * c + (e & 1);
-          st_split(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + r, sm.U[r][col] - acc[j][e]);
+          st_split<DL>(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + r, sm.U[r][col] - acc[j][e]);
         }
     }
     __syncthreads();  // Delta complete; W, U free
@@ -548,17 +585,17 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       for (int ks = 0; ks < D / 8; ++ks) {
         Split a[4], b[2][2];
         frag_a(a, aQ + 32 * ks, f0, f1);
-        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
+        frag_b2_pre<uses_b_lo(PR::QS)>(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::QS>(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll 2
       for (int ks = 0; ks < 2 * mt + 2; ++ks) {  // P's k-steps at or left of the diagonal
         Split a[4], b[2][2];
         frag_a(a, aP + 32 * ks);
-        frag_b2_pre(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
+        frag_b2_pre<uses_b_lo(PR::PD)>(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::PD>(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -587,10 +624,10 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     for (int ks = 0; ks < C / 8; ++ks) {
       Split a[4], b[4][2];
       frag_at<KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
-      frag_b2_pre(b[0], b[1], bD + 32 * ks, D_LO);
-      frag_b2_pre(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
+      frag_b2_pre<uses_b_lo(PR::KD)>(b[0], b[1], bD + 32 * ks, D_LO);
+      frag_b2_pre<uses_b_lo(PR::KD)>(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma3(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
+      for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
