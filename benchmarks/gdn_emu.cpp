@@ -6,10 +6,10 @@
 //   by code) on T = 64 .. 1024 (long: also 4096) against fp64, a markdown table (~10 s a variant, long ~45 s).
 // How: every CUDA thread of a block is a fiber on one OS thread (entered by ucontext, then switched by
 // _setjmp/_longjmp, which skip the signal-mask syscalls), switched cooperatively at
-// __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k8 tf32
+// __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k16 bf16
 // is emulated from the PTX ISA fragment table (written out below independently of the kernel's helpers):
-// the 32 lanes post their fragments, the full 16x8x8 A, B, C are assembled, D = A B + C in fp64, rounded
-// to fp32. Operands must be tf32 (low 13 bits zero; checked). Shuffles likewise. cp.async: mode 0 copies
+// the 32 lanes post their fragments, the full 16x16 A, 16x8 B and C are assembled, D = A B + C in fp64,
+// rounded to fp32; cvt.rn.bf16x2.f32 likewise from its definition. Shuffles likewise. cp.async: mode 0 copies
 // at issue, mode 1 defers each copy to the wait_group that retires its group (so a read before its wait,
 // or a buffer reused while a copy is in flight, shows); zero-fill honoured; copy sources bounds-checked.
 // Shared memory and the workspace start as NaN, so any read of something never written poisons o.
@@ -230,40 +230,44 @@ inline void ldsm(uint32_t* r, int nmat, uint32_t addr) {
   emu::warp_barrier();  // everyone has read the slots
 }
 inline void ldsm4(uint32_t (&r)[4], uint32_t addr) { ldsm(r, 4, addr); }
-inline void ldsm2(uint32_t (&r)[2], uint32_t addr) { ldsm(r, 2, addr); }
-// mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32 from the PTX ISA fragment table ("Matrix Fragments for
-// mma.m16n8k8" with .tf32): groupID = lane >> 2, threadID_in_group = lane % 4;
-//   A: a0 (groupID, tig) a1 (groupID + 8, tig) a2 (groupID, tig + 4) a3 (groupID + 8, tig + 4)
-//   B: b0 (row tig, col groupID) b1 (row tig + 4, col groupID)
-//   C/D: ci row groupID + 8 * (i >= 2), col 2 * tig + (i & 1)
-inline double tf32_val(uint32_t bits) {
-  if (bits & 0x1fffu) {
-    std::fprintf(stderr, "mma operand is not tf32 (low bits set)\n");
-    std::exit(2);
-  }
-  return double(__uint_as_float(bits));
+// cvt.rn.bf16x2.f32 (PTX ISA): x0 to the low half, x1 to the high half, each rounded to nearest even
+// (a NaN to the canonical 0x7fff)
+inline uint32_t bf16_bits(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return std::isnan(x) ? 0x7fffu : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
+inline uint32_t bf16x2(float x0, float x1) { return bf16_bits(x0) | bf16_bits(x1) << 16; }
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 from the PTX ISA fragment table ("Matrix Fragments for
+// mma.m16n8k16 with floating point type"): groupID = lane >> 2, threadID_in_group = lane % 4; each
+// register holds two elements, the lower-numbered in its low 16 bits;
+//   A (a0..a7 in 4 registers): row groupID for a0, a1, a4, a5, groupID + 8 for a2, a3, a6, a7;
+//      col 2 * tig + (i & 1), + 8 for i >= 4
+//   B (b0..b3 in 2 registers): row 2 * tig + (i & 1), + 8 for i >= 2; col groupID
+//   C/D: ci row groupID + 8 * (i >= 2), col 2 * tig + (i & 1)
+// The products of bf16 values are exact in fp64; the sum is rounded to fp32 once.
+inline double bf16_val(uint32_t reg, int half) { return double(__uint_as_float(((reg >> (16 * half)) & 0xffffu) << 16)); }
 inline void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   const int lane = emu::cur % 32, base = emu::cur - lane;
   double* x = emu::xch[emu::cur];
-  x[0] = tf32_val(a0), x[1] = tf32_val(a1), x[2] = tf32_val(a2), x[3] = tf32_val(a3);
-  x[4] = tf32_val(b0), x[5] = tf32_val(b1);
-  for (int i = 0; i < 4; ++i) x[6 + i] = d[i];
+  const uint32_t areg[4] = {a0, a1, a2, a3}, breg[2] = {b0, b1};
+  for (int i = 0; i < 8; ++i) x[i] = bf16_val(areg[i / 2], i & 1);
+  for (int i = 0; i < 4; ++i) x[8 + i] = bf16_val(breg[i / 2], i & 1);
+  for (int i = 0; i < 4; ++i) x[12 + i] = d[i];
   emu::warp_barrier();
-  double A[16][8], B[8][8], Cm[16][8];
+  double A[16][16], B[16][8], Cm[16][8];
   for (int l = 0; l < 32; ++l) {
     const double* y = emu::xch[base + l];
     const int gid = l >> 2, tig = l & 3;
-    A[gid][tig] = y[0], A[gid + 8][tig] = y[1], A[gid][tig + 4] = y[2], A[gid + 8][tig + 4] = y[3];
-    B[tig][gid] = y[4], B[tig + 4][gid] = y[5];
-    for (int i = 0; i < 4; ++i) Cm[gid + 8 * (i >= 2)][2 * tig + (i & 1)] = y[6 + i];
+    for (int i = 0; i < 8; ++i) A[gid + 8 * ((i >> 1) & 1)][2 * tig + (i & 1) + 8 * (i >= 4)] = y[i];
+    for (int i = 0; i < 4; ++i) B[2 * tig + (i & 1) + 8 * (i >= 2)][gid] = y[8 + i];
+    for (int i = 0; i < 4; ++i) Cm[gid + 8 * (i >= 2)][2 * tig + (i & 1)] = y[12 + i];
   }
   const int gid = lane >> 2, tig = lane & 3;
   float out[4];
   for (int i = 0; i < 4; ++i) {
     const int r = gid + 8 * (i >= 2), cc = 2 * tig + (i & 1);
     double s = Cm[r][cc];
-    for (int k = 0; k < 8; ++k) s += A[r][k] * B[k][cc];
+    for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][cc];
     out[i] = float(s);
   }
   emu::warp_barrier();  // everyone has read the slots
@@ -371,7 +375,8 @@ std::pair<double, double> errors(const Out& out, const gdn_ref::Inputs& x, const
 }
 
 // The engine's kernels (gc::EnginePrecision) on the check cases, eager and deferred cp.async: errors
-// against fp64 (FAIL above 2e-6) and the bit hashes. quick: one deferred-copy case.
+// against fp64 (FAIL above 1.5e-5: 3xBF16 measures 6-8e-6; the GPU test allows 2e-5 against the token
+// kernel) and the bit hashes. quick: one deferred-copy case.
 bool check_engine(bool quick) {
   const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f}};
   bool fail = false;
@@ -383,7 +388,7 @@ bool check_engine(bool quick) {
       const Out out = run_kernels(x, gc::prep_kernel<>, gc::scan_kernel<>);
       const Ref ref = reference(x);
       const auto [eo, es] = errors(out, x, ref);
-      const bool bad = !(eo <= 2e-6 && es <= 2e-6);
+      const bool bad = !(eo <= 1.5e-5 && es <= 1.5e-5);
       fail |= bad;
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",
@@ -417,9 +422,7 @@ using gc::X1, gc::XA, gc::XB, gc::X3;
 const Variant variants[] = {
     variant<gc::EnginePrecision>(), ONE(0), ONE(1), ONE(2), ONE(3), ONE(4), ONE(5),
     variant<gc::Precision<X1, X1, X1, X1, X1, X1>>(), variant<gc::Precision<XA, XA, XA, XA, XA, XA>>(),
-    variant<gc::Precision<XB, XB, XB, XB, XB, XB>>(),  variant<gc::Precision<X1, X3, X1, X3, X3, X3>>(),
-    variant<gc::Precision<XB, X3, XB, X3, X3, X3>>(),  variant<gc::Precision<XA, X3, XA, X3, X3, X3>>(),
-    variant<gc::Precision<X1, X3, XB, X3, X3, X3>>(),  variant<gc::Precision<XB, X3, X1, X3, X3, X3>>(),
+    variant<gc::Precision<XB, XB, XB, XB, XB, XB>>(),
 };
 
 // The variants named in codes (all if none) on the sweep cases (long: also T = 4096)

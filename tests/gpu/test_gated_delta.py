@@ -167,7 +167,7 @@ def test_gated_delta_chunked_continues_state(gpu_tol):
 
 
 # 300: five chunks, the last partial (44 tokens), so the scan's zero-filled q, k rows and several
-# state hand-overs between 3xTF32 chunks are held to the 2e-5 tolerance too.
+# state hand-overs between 3xBF16 chunks are held to the 2e-5 tolerance too.
 @pytest.mark.parametrize("T", [64, 130, 300])
 def test_gated_delta_chunked_vs_steps(T, gpu_tol):
     """One chunked call against T calls of one token (the token kernel) on the GPU."""
