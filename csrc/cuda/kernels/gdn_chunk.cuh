@@ -17,7 +17,7 @@
 // each <= 2^-16 |a b| (3xTF32, the kernels' first form, left <= 2^-22; one tf32 product 2^-11) at 3
 // tensor-core ops per 16-deep k-step, 3xTF32's 6. The host emulation (benchmarks/gdn_emu.cpp) measures
 // 6-8e-6 from fp64 on o and state at T = 64..4096, within the 2e-5 chunked-vs-token-kernel tolerance
-// (docs/gdn-prefill.md, "Precision"). The forward substitution stays fp32 SIMT FMA. The kernels take
+// (docs/gdn-prefill.md, "Error budget"). The forward substitution stays fp32 SIMT FMA. The kernels take
 // the form of each product as a compile-time Precision (below); the engine's is EnginePrecision, and
 // gdn_emu's sweep measures the others.
 //
