@@ -1,11 +1,15 @@
 // gdn_emu: runs the chunked GDN kernels' own source (csrc/cuda/kernels/gdn_chunk.cuh) on the host, to
 // check their index logic, fragment layouts, barriers and cp.async ordering without a GPU.
 //   Build/run: g++ -O2 -std=c++20 -I csrc -o "${TMPDIR:-/tmp}/gdn_emu" benchmarks/gdn_emu.cpp && "${TMPDIR:-/tmp}/gdn_emu"
-// How: every CUDA thread of a block is a ucontext fiber on one OS thread, switched cooperatively at
-// __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k8 tf32
+//   gdn_emu quick: one deferred-copy case instead of four.
+//   gdn_emu sweep [long] [code ...]: the precision sweep, every variant of the table below (or those named
+//   by code) on T = 64 .. 1024 (long: also 4096) against fp64, a markdown table (~10 s a variant, long ~45 s).
+// How: every CUDA thread of a block is a fiber on one OS thread (entered by ucontext, then switched by
+// _setjmp/_longjmp, which skip the signal-mask syscalls), switched cooperatively at
+// __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k16 bf16
 // is emulated from the PTX ISA fragment table (written out below independently of the kernel's helpers):
-// the 32 lanes post their fragments, the full 16x8x8 A, B, C are assembled, D = A B + C in fp64, rounded
-// to fp32. Operands must be tf32 (low 13 bits zero; checked). Shuffles likewise. cp.async: mode 0 copies
+// the 32 lanes post their fragments, the full 16x16 A, 16x8 B and C are assembled, D = A B + C in fp64,
+// rounded to fp32; cvt.rn.bf16x2.f32 likewise from its definition. Shuffles likewise. cp.async: mode 0 copies
 // at issue, mode 1 defers each copy to the wait_group that retires its group (so a read before its wait,
 // or a buffer reused while a copy is in flight, shows); zero-fill honoured; copy sources bounds-checked.
 // Shared memory and the workspace start as NaN, so any read of something never written poisons o.
@@ -13,6 +17,7 @@
 // the relative errors next to those of the fp32 sequential recurrence (the CPU op's arithmetic), and
 // an FNV-1a hash of the bits of the workspace, o and the final state: a change of the kernels meant to
 // keep every value (index math, load instructions) must leave the hashes as they were.
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -24,6 +29,8 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "../benchmarks/gdn_ref.h"
@@ -72,14 +79,16 @@ struct Copy {
   bool valid;
 };
 struct Fiber {
-  ucontext_t ctx;
-  bool done = false;
+  ucontext_t ctx;  // the first entry only; switches after it by _setjmp / _longjmp (no signal-mask syscalls)
+  jmp_buf jb;
+  bool started = false, done = false;
   std::vector<char> stack;
   std::deque<std::vector<Copy>> groups;  // committed groups, oldest first
   std::vector<Copy> open;                // copies since the last commit
 };
 Fiber fibers[NT];
 ucontext_t sched;
+jmp_buf sched_jb;
 int cur = 0;
 dim3v block_idx;
 std::vector<unsigned char> smem;
@@ -96,7 +105,7 @@ long long switches = 0;
 
 inline void yield() {
   ++switches;
-  swapcontext(&fibers[cur].ctx, &sched);
+  if (!_setjmp(fibers[cur].jb)) _longjmp(sched_jb, 1);
 }
 inline void block_barrier() {
   const int g = blk_gen;
@@ -221,40 +230,44 @@ inline void ldsm(uint32_t* r, int nmat, uint32_t addr) {
   emu::warp_barrier();  // everyone has read the slots
 }
 inline void ldsm4(uint32_t (&r)[4], uint32_t addr) { ldsm(r, 4, addr); }
-inline void ldsm2(uint32_t (&r)[2], uint32_t addr) { ldsm(r, 2, addr); }
-// mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32 from the PTX ISA fragment table ("Matrix Fragments for
-// mma.m16n8k8" with .tf32): groupID = lane >> 2, threadID_in_group = lane % 4;
-//   A: a0 (groupID, tig) a1 (groupID + 8, tig) a2 (groupID, tig + 4) a3 (groupID + 8, tig + 4)
-//   B: b0 (row tig, col groupID) b1 (row tig + 4, col groupID)
-//   C/D: ci row groupID + 8 * (i >= 2), col 2 * tig + (i & 1)
-inline double tf32_val(uint32_t bits) {
-  if (bits & 0x1fffu) {
-    std::fprintf(stderr, "mma operand is not tf32 (low bits set)\n");
-    std::exit(2);
-  }
-  return double(__uint_as_float(bits));
+// cvt.rn.bf16x2.f32 (PTX ISA): x0 to the low half, x1 to the high half, each rounded to nearest even
+// (a NaN to the canonical 0x7fff)
+inline uint32_t bf16_bits(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return std::isnan(x) ? 0x7fffu : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
+inline uint32_t bf16x2(float x0, float x1) { return bf16_bits(x0) | bf16_bits(x1) << 16; }
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 from the PTX ISA fragment table ("Matrix Fragments for
+// mma.m16n8k16 with floating point type"): groupID = lane >> 2, threadID_in_group = lane % 4; each
+// register holds two elements, the lower-numbered in its low 16 bits;
+//   A (a0..a7 in 4 registers): row groupID for a0, a1, a4, a5, groupID + 8 for a2, a3, a6, a7;
+//      col 2 * tig + (i & 1), + 8 for i >= 4
+//   B (b0..b3 in 2 registers): row 2 * tig + (i & 1), + 8 for i >= 2; col groupID
+//   C/D: ci row groupID + 8 * (i >= 2), col 2 * tig + (i & 1)
+// The products of bf16 values are exact in fp64; the sum is rounded to fp32 once.
+inline double bf16_val(uint32_t reg, int half) { return double(__uint_as_float(((reg >> (16 * half)) & 0xffffu) << 16)); }
 inline void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   const int lane = emu::cur % 32, base = emu::cur - lane;
   double* x = emu::xch[emu::cur];
-  x[0] = tf32_val(a0), x[1] = tf32_val(a1), x[2] = tf32_val(a2), x[3] = tf32_val(a3);
-  x[4] = tf32_val(b0), x[5] = tf32_val(b1);
-  for (int i = 0; i < 4; ++i) x[6 + i] = d[i];
+  const uint32_t areg[4] = {a0, a1, a2, a3}, breg[2] = {b0, b1};
+  for (int i = 0; i < 8; ++i) x[i] = bf16_val(areg[i / 2], i & 1);
+  for (int i = 0; i < 4; ++i) x[8 + i] = bf16_val(breg[i / 2], i & 1);
+  for (int i = 0; i < 4; ++i) x[12 + i] = d[i];
   emu::warp_barrier();
-  double A[16][8], B[8][8], Cm[16][8];
+  double A[16][16], B[16][8], Cm[16][8];
   for (int l = 0; l < 32; ++l) {
     const double* y = emu::xch[base + l];
     const int gid = l >> 2, tig = l & 3;
-    A[gid][tig] = y[0], A[gid + 8][tig] = y[1], A[gid][tig + 4] = y[2], A[gid + 8][tig + 4] = y[3];
-    B[tig][gid] = y[4], B[tig + 4][gid] = y[5];
-    for (int i = 0; i < 4; ++i) Cm[gid + 8 * (i >= 2)][2 * tig + (i & 1)] = y[6 + i];
+    for (int i = 0; i < 8; ++i) A[gid + 8 * ((i >> 1) & 1)][2 * tig + (i & 1) + 8 * (i >= 4)] = y[i];
+    for (int i = 0; i < 4; ++i) B[2 * tig + (i & 1) + 8 * (i >= 2)][gid] = y[8 + i];
+    for (int i = 0; i < 4; ++i) Cm[gid + 8 * (i >= 2)][2 * tig + (i & 1)] = y[12 + i];
   }
   const int gid = lane >> 2, tig = lane & 3;
   float out[4];
   for (int i = 0; i < 4; ++i) {
     const int r = gid + 8 * (i >= 2), cc = 2 * tig + (i & 1);
     double s = Cm[r][cc];
-    for (int k = 0; k < 8; ++k) s += A[r][k] * B[k][cc];
+    for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][cc];
     out[i] = float(s);
   }
   emu::warp_barrier();  // everyone has read the slots
@@ -270,7 +283,7 @@ lily::cuda::gdn_chunk::Params kparams;
 void entry() {
   kernel(kparams);
   fibers[cur].done = true;
-  // return to sched via uc_link
+  _longjmp(sched_jb, 1);  // never returns: the scheduler's ucontext is stale by now
 }
 void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_chunk::Params& p, dim3v b, size_t smem_bytes) {
   kernel = k, kparams = p, block_idx = b;
@@ -281,12 +294,12 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
   for (int w = 0; w < NT / 32; ++w) w_arrived[w] = w_gen[w] = 0;
   for (int t = 0; t < NT; ++t) {
     Fiber& f = fibers[t];
-    f.done = false, f.groups.clear(), f.open.clear();
+    f.started = f.done = false, f.groups.clear(), f.open.clear();
     f.stack.resize(STACK);
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack.data();
     f.ctx.uc_stack.ss_size = STACK;
-    f.ctx.uc_link = &sched;
+    f.ctx.uc_link = nullptr;  // entry never returns
     makecontext(&f.ctx, entry, 0);
   }
   for (bool any = true; any;) {
@@ -295,58 +308,165 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
       if (fibers[t].done) continue;
       any = true;
       cur = t;
+      if (_setjmp(sched_jb)) continue;  // back from fiber t
+      if (fibers[t].started) _longjmp(fibers[t].jb, 1);
+      fibers[t].started = true;
       swapcontext(&sched, &fibers[t].ctx);
     }
   }
 }
 }  // namespace emu
 
+namespace gc = lily::cuda::gdn_chunk;
+using Kernel = void (*)(gc::Params);
+
 struct Case {
   int T, Hk, Hv, decay;
-  float state_scale;
+  float state_scale, corr;
 };
+gdn_ref::Inputs case_inputs(const Case& cs, int mode) {
+  return gdn_ref::make_inputs(cs.T, cs.Hk, cs.Hv, gc::D, 1234 + cs.T + mode + int(1000 * cs.corr), cs.decay,
+                              cs.state_scale, cs.corr);
+}
 
-int main(int argc, char** argv) {
-  using namespace lily::cuda;
-  const Case cases[] = {{130, 2, 4, 0, 0.1f}, {64, 1, 2, 0, 0.1f}, {200, 1, 2, 1, 1.0f}, {65, 1, 3, 0, 0.1f}};
+// prep then scan over x (cp.async as emu::mode): o, final state and workspace
+struct Out {
+  std::vector<float> o, state, ws;
+};
+Out run_kernels(const gdn_ref::Inputs& x, Kernel prep, Kernel scan) {
+  const int T = x.T, Hv = x.Hv, nch = (T + gc::C - 1) / gc::C;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Out r{std::vector<float>(size_t(T) * Hv * gc::D, nan), x.state, std::vector<float>(size_t(nch) * Hv * gc::BLOCK, nan)};
+  emu::ranges = {{x.qkv.data(), x.qkv.data() + x.qkv.size()}, {r.ws.data(), r.ws.data() + r.ws.size()}};
+  const gc::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(), r.state.data(),
+                     r.o.data(),   r.ws.data(), T,          x.Hk,         Hv,                nch};
+  for (int c = 0; c < nch; ++c)
+    for (int h = 0; h < Hv; ++h) emu::run_block(prep, p, {unsigned(c), unsigned(h), 0}, sizeof(gc::PrepSmem));
+  for (int h = 0; h < Hv; ++h)
+    for (int j = 0; j < gc::D / gc::COLS; ++j) emu::run_block(scan, p, {unsigned(h), unsigned(j), 0}, sizeof(gc::ScanSmem));
+  return r;
+}
+
+// the fp64 sequential recurrence per head, and the fp32 one's error against it
+struct Ref {
+  std::vector<std::vector<double>> o, s;
+  double eo32 = 0, es32 = 0;
+};
+Ref reference(const gdn_ref::Inputs& x) {
+  Ref r;
+  r.o.resize(x.Hv), r.s.resize(x.Hv);
+  for (int h = 0; h < x.Hv; ++h) {
+    std::vector<float> o32, s32;
+    gdn_ref::run_head(x, h, r.o[h], r.s[h]);
+    gdn_ref::run_head(x, h, o32, s32);
+    r.eo32 = std::max(r.eo32, gdn_ref::rel_err(o32, r.o[h]));
+    r.es32 = std::max(r.es32, gdn_ref::rel_err(s32, r.s[h]));
+  }
+  return r;
+}
+// worst head's relative error of o and of the state
+std::pair<double, double> errors(const Out& out, const gdn_ref::Inputs& x, const Ref& r) {
+  double eo = 0, es = 0;
+  for (int h = 0; h < x.Hv; ++h) {
+    eo = std::max(eo, gdn_ref::rel_err(gdn_ref::head_o(out.o, x.T, x.Hv, gc::D, h), r.o[h]));
+    es = std::max(es, gdn_ref::rel_err(gdn_ref::head_state(out.state, gc::D, h), r.s[h]));
+  }
+  return {eo, es};
+}
+
+// The engine's kernels (gc::EnginePrecision) on the check cases, eager and deferred cp.async: errors
+// against fp64 (FAIL above 1.5e-5: 3xBF16 measures 6-8e-6; the GPU test allows 2e-5 against the token
+// kernel) and the bit hashes. quick: one deferred-copy case.
+bool check_engine(bool quick) {
+  const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f}};
   bool fail = false;
   for (int mode = 0; mode < 2; ++mode)
     for (const Case& cs : cases) {
-      if (argc > 1 && mode == 1 && cs.T != 130) continue;  // quick run: one deferred-copy case
+      if (quick && mode == 1 && cs.T != 130) continue;
       emu::mode = mode;
-      const int T = cs.T, Hk = cs.Hk, Hv = cs.Hv, D = gdn_chunk::D, nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
-      gdn_ref::Inputs x = gdn_ref::make_inputs(T, Hk, Hv, D, 1234 + T + mode, cs.decay, cs.state_scale);
-      std::vector<float> state = x.state, o(size_t(T) * Hv * D, std::numeric_limits<float>::quiet_NaN());
-      std::vector<float> ws(size_t(nch) * Hv * gdn_chunk::BLOCK, std::numeric_limits<float>::quiet_NaN());
-      emu::ranges = {{x.qkv.data(), x.qkv.data() + x.qkv.size()}, {ws.data(), ws.data() + ws.size()}};
-      gdn_chunk::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(),
-                       state.data(), o.data(),   ws.data(),  T,            Hk,           Hv,  nch};
-      for (int c = 0; c < nch; ++c)
-        for (int h = 0; h < Hv; ++h) emu::run_block(gdn_chunk::prep_kernel, p, {unsigned(c), unsigned(h), 0}, sizeof(gdn_chunk::PrepSmem));
-      for (int h = 0; h < Hv; ++h)
-        for (int j = 0; j < D / gdn_chunk::COLS; ++j)
-          emu::run_block(gdn_chunk::scan_kernel, p, {unsigned(h), unsigned(j), 0}, sizeof(gdn_chunk::ScanSmem));
-      double eo = 0, es = 0, eo32 = 0, es32 = 0;
-      for (int h = 0; h < Hv; ++h) {
-        std::vector<double> o64, s64;
-        std::vector<float> o32, s32;
-        gdn_ref::run_head(x, h, o64, s64);
-        gdn_ref::run_head(x, h, o32, s32);
-        const auto go = gdn_ref::head_o(o, T, Hv, D, h), gs = gdn_ref::head_state(state, D, h);
-        eo = std::max(eo, gdn_ref::rel_err(go, o64));
-        es = std::max(es, gdn_ref::rel_err(gs, s64));
-        eo32 = std::max(eo32, gdn_ref::rel_err(o32, o64));
-        es32 = std::max(es32, gdn_ref::rel_err(s32, s64));
-      }
-      const bool bad = !(eo <= 2e-6 && es <= 2e-6);
+      const gdn_ref::Inputs x = case_inputs(cs, mode);
+      const Out out = run_kernels(x, gc::prep_kernel<>, gc::scan_kernel<>);
+      const Ref ref = reference(x);
+      const auto [eo, es] = errors(out, x, ref);
+      const bool bad = !(eo <= 1.5e-5 && es <= 1.5e-5);
       fail |= bad;
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",
-                  mode ? "late" : "eager", T, Hk, Hv, cs.decay, cs.state_scale, eo, es, eo32, es32, bad ? "FAIL" : "ok");
-      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)gdn_ref::fnv1a(ws),
-                  (unsigned long long)gdn_ref::fnv1a(o), (unsigned long long)gdn_ref::fnv1a(state));
+                  mode ? "late" : "eager", cs.T, cs.Hk, cs.Hv, cs.decay, cs.state_scale, eo, es, ref.eo32, ref.es32,
+                  bad ? "FAIL" : "ok");
+      std::printf("  bits: ws %016llx o %016llx state %016llx\n", (unsigned long long)gdn_ref::fnv1a(out.ws),
+                  (unsigned long long)gdn_ref::fnv1a(out.o), (unsigned long long)gdn_ref::fnv1a(out.state));
       std::fflush(stdout);
     }
+  return !fail;
+}
+
+// ---- the precision sweep: every product's Prec (gdn_chunk.cuh), one at a time and combined -----
+// A variant's code lists the Prec of K K^T, Q K^T, W S, Q S, P Delta, K^T Delta: 1 = X1 (hi only),
+// A = XA (a split), B = XB (b split), 3 = X3.
+struct Variant {
+  char code[7];
+  Kernel prep, scan;
+};
+template <class PR>
+Variant variant() {
+  constexpr char ch[] = {'1', 'A', 'B', '3'};
+  return {{ch[PR::KK], ch[PR::QK], ch[PR::WS], ch[PR::QS], ch[PR::PD], ch[PR::KD], 0}, gc::prep_kernel<PR>,
+          gc::scan_kernel<PR>};
+}
+template <int I, gc::Prec M>  // X3 but product I in M
+using One = gc::Precision<I == 0 ? M : gc::X3, I == 1 ? M : gc::X3, I == 2 ? M : gc::X3, I == 3 ? M : gc::X3,
+                          I == 4 ? M : gc::X3, I == 5 ? M : gc::X3>;
+#define ONE(I) variant<One<I, gc::X1>>(), variant<One<I, gc::XA>>(), variant<One<I, gc::XB>>()
+using gc::X1, gc::XA, gc::XB, gc::X3;
+const Variant variants[] = {
+    variant<gc::EnginePrecision>(), ONE(0), ONE(1), ONE(2), ONE(3), ONE(4), ONE(5),
+    variant<gc::Precision<X1, X1, X1, X1, X1, X1>>(), variant<gc::Precision<XA, XA, XA, XA, XA, XA>>(),
+    variant<gc::Precision<XB, XB, XB, XB, XB, XB>>(),
+};
+
+// The variants named in codes (all if none) on the sweep cases (long: also T = 4096)
+void sweep(bool with_long, const std::vector<std::string>& codes) {
+  std::vector<Case> cases = {{64, 1, 2, 0, 0.1f, 0.f},     {65, 1, 3, 0, 0.1f, 0.f},    {130, 2, 4, 0, 0.1f, 0.f},
+                             {200, 1, 2, 1, 1.0f, 0.f},    {1024, 2, 2, 2, 1.0f, 0.f},  {1024, 1, 2, 2, 0.1f, 0.5f}};
+  if (with_long) cases.push_back({4096, 2, 4, 2, 0.1f, 0.f});
+  std::vector<size_t> pick;
+  for (size_t v = 0; v < sizeof(variants) / sizeof(variants[0]); ++v)
+    if (codes.empty() || std::find(codes.begin(), codes.end(), variants[v].code) != codes.end()) pick.push_back(v);
+  const size_t nv = sizeof(variants) / sizeof(variants[0]);
+  std::vector<std::vector<std::pair<double, double>>> err(nv, std::vector<std::pair<double, double>>(cases.size()));
+  std::printf("| products: KK QK WS QS PD KD |");
+  for (const Case& cs : cases)
+    std::printf(" T=%d Hv/Hk=%d d%d S0~%.1f%s: o / state |", cs.T, cs.Hv / cs.Hk, cs.decay, cs.state_scale,
+                cs.corr > 0 ? " corr" : "");
+  std::printf(" max o | max state |\n|---|");
+  for (size_t c = 0; c <= cases.size(); ++c) std::printf("---|%s", c == cases.size() ? "---|\n" : "");
+  std::fflush(stdout);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    emu::mode = 0;
+    const gdn_ref::Inputs x = case_inputs(cases[c], 0);
+    const Ref ref = reference(x);
+    for (size_t v : pick) err[v][c] = errors(run_kernels(x, variants[v].prep, variants[v].scan), x, ref);
+  }
+  for (size_t v : pick) {
+    double mo = 0, ms = 0;
+    std::printf("| %s |", variants[v].code);
+    for (auto [eo, es] : err[v]) {
+      std::printf(" %.1e / %.1e |", eo, es);
+      mo = std::max(mo, eo), ms = std::max(ms, es);
+    }
+    std::printf(" %.1e | %.1e |\n", mo, ms);
+  }
+}
+
+int main(int argc, char** argv) {
+  const std::string a1 = argc > 1 ? argv[1] : "";
+  if (a1 == "sweep") {
+    const bool with_long = argc > 2 && std::string(argv[2]) == "long";
+    sweep(with_long, std::vector<std::string>(argv + 2 + with_long, argv + argc));
+    return 0;
+  }
+  const bool ok = check_engine(!a1.empty());
   std::printf("fiber switches: %lld\n", emu::switches);
-  return fail ? 1 : 0;
+  return ok ? 0 : 1;
 }

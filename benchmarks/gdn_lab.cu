@@ -1,4 +1,4 @@
-// gdn_lab: the chunked Gated DeltaNet prefill kernels (3xTF32 mma.sync, csrc/cuda/kernels/gdn_chunk.cuh)
+// gdn_lab: the chunked Gated DeltaNet prefill kernels (3xBF16 mma.sync, csrc/cuda/kernels/gdn_chunk.cuh)
 // and the token-by-token kernel, at the model's shapes (the fp32 SIMT kernels they replaced measured
 // 594 us per call here: docs/perf-notes.md): Hv = 32 value heads, Hk = 16 key heads, Dk = Dv = 128.
 //   Run: bash benchmarks/gdn_lab.sh   (nvcc ~30 s, then ~5-10 s on an H200: most of it the host fp64 reference)
@@ -8,8 +8,10 @@
 // Table 1 (T = 2048): us per call = mean over REPS launches between cudaEvents after a warm-up (each
 // launch continues from the state the last left, as in a prefill). err = |x - ref| / |ref| over one
 // value head's o [T, 128] and final state [128, 128], the worst of heads 0, 17, 31, against the fp64
-// sequential recurrence (one fresh call from S0 per kernel). FAIL above 2e-5 (the tests'
-// chunked-vs-token-kernel tolerance; the fp32 sequential CPU op itself is ~3e-7 from fp64, printed too).
+// sequential recurrence (one fresh call from S0 per kernel); "vs token": the chunked pair's o and state
+// over all heads against the token kernel's, the metric of tests/gpu/test_gated_delta.py's
+// gated_delta_chunked_vs_steps. FAIL above 2e-5 on either (the tests' chunked-vs-token-kernel
+// tolerance; the fp32 sequential CPU op itself is ~3e-7 from fp64, printed too).
 // Table 2: the token kernel against the new chunked pair at short T, for GDN_CHUNK_MIN_T (the chunked
 // kernels accept any T >= 1; the dispatcher sends only T >= GDN_CHUNK_MIN_T to them).
 // Bits: an FNV-1a hash of the whole o, final state and workspace of the fresh prep + scan call, printed
@@ -46,8 +48,8 @@ struct Dev {
 };
 
 enum Kind { TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH };
-static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "prep (3xTF32 mma)",
-                                  "scan (3xTF32 mma)", "prep + scan"};
+static const char* kind_name[] = {"token-by-token (gated_delta_kernel<128>)", "prep (chunked)", "scan (chunked)",
+                                  "prep + scan"};
 
 static void launch(Kind k, const Dev& d, int T) {
   const int nch = (T + gdn_chunk::C - 1) / gdn_chunk::C;
@@ -57,8 +59,8 @@ static void launch(Kind k, const Dev& d, int T) {
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
     const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != NEW_SCAN) gdn_chunk::prep_kernel<<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
-    if (k != NEW_PREP) gdn_chunk::scan_kernel<<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
+    if (k != NEW_SCAN) gdn_chunk::prep_kernel<><<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
+    if (k != NEW_PREP) gdn_chunk::scan_kernel<><<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
   }
   CK(cudaGetLastError());
 }
@@ -88,8 +90,8 @@ static T* upload(const std::vector<T>& v) {
 }
 
 int main() {
-  CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
-  CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::prep_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::PrepSmem))));
+  CK(cudaFuncSetAttribute(gdn_chunk::scan_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(gdn_chunk::ScanSmem))));
 
   const gdn_ref::Inputs x = gdn_ref::make_inputs(T_MAX, HK, HV, D, 42, /*decay=*/1);
   const int nch = T_MAX / gdn_chunk::C;
@@ -120,10 +122,10 @@ int main() {
   std::string bits;
   std::snprintf(line, sizeof line,
                 "## GDN prefill lab: T = %d, Hv = %d, Hk = %d, Dk = Dv = 128 (fp32 sequential CPU arithmetic vs fp64: %.2e)\n\n"
-                "| kernel | us / call | err o | err state | |\n|---|---:|---:|---:|---|\n",
+                "| kernel | us / call | err o | err state | vs token: o | state | |\n|---|---:|---:|---:|---:|---:|---|\n",
                 T_MAX, HV, HK, e32);
   emit(line);
-  std::vector<float> o(size_t(T_MAX) * HV * D), st(x.state.size());
+  std::vector<float> o(size_t(T_MAX) * HV * D), st(x.state.size()), o_tok, st_tok;
   for (Kind k : {TOKEN, NEW_PREP, NEW_SCAN, NEW_BOTH}) {
     double eo = -1, es = -1;
     if (k == TOKEN || k == NEW_BOTH) {  // one fresh call from S0, checked
@@ -140,6 +142,7 @@ int main() {
                       (unsigned long long)gdn_ref::fnv1a(o), (unsigned long long)gdn_ref::fnv1a(st), (unsigned long long)gdn_ref::fnv1a(ws));
         bits = line;
       }
+      if (k == TOKEN) o_tok = o, st_tok = st;
       eo = es = 0;
       for (int i = 0; i < 3; ++i) {
         eo = std::max(eo, gdn_ref::rel_err(gdn_ref::head_o(o, T_MAX, HV, D, heads[i]), ro[i]));
@@ -147,12 +150,16 @@ int main() {
       }
     }
     const double us = time_us(k, d, T_MAX, k == TOKEN ? 5 : REPS);
-    const bool bad = eo >= 0 && !(eo <= 2e-5 && es <= 2e-5);
+    const double to = k == NEW_BOTH ? gdn_ref::rel_err(o, o_tok) : 0, ts = k == NEW_BOTH ? gdn_ref::rel_err(st, st_tok) : 0;
+    const bool bad = eo >= 0 && !(eo <= 2e-5 && es <= 2e-5 && to <= 2e-5 && ts <= 2e-5);
     fail |= bad;
-    if (eo >= 0)
-      std::snprintf(line, sizeof line, "| %s | %.1f | %.2e | %.2e | %s |\n", kind_name[k], us, eo, es, bad ? "FAIL" : "ok");
+    if (k == NEW_BOTH)
+      std::snprintf(line, sizeof line, "| %s | %.1f | %.2e | %.2e | %.2e | %.2e | %s |\n", kind_name[k], us, eo, es, to, ts,
+                    bad ? "FAIL" : "ok");
+    else if (eo >= 0)
+      std::snprintf(line, sizeof line, "| %s | %.1f | %.2e | %.2e | | | %s |\n", kind_name[k], us, eo, es, bad ? "FAIL" : "ok");
     else
-      std::snprintf(line, sizeof line, "| %s | %.1f | | | |\n", kind_name[k], us);
+      std::snprintf(line, sizeof line, "| %s | %.1f | | | | | |\n", kind_name[k], us);
     emit(line);
   }
 

@@ -28,9 +28,15 @@ struct Inputs {
 };
 
 // decay: 0 as tests/gpu/test_gated_delta.py's gdn_inputs (g ~ -0.1 .. -5 per token);
-// 1: every 3rd chunk's first 40 tokens decay hard (g ~ -10 .. -100), as the tests' strong_decay(mixed).
+// 1: every 3rd chunk's first 40 tokens decay hard (g ~ -10 .. -100), as the tests' strong_decay(mixed);
+// 2: model-like, the ranges of Qwen3-Next's initialisation: exp(A_log) log-uniform in [1, 16],
+//    softplus(dt_bias) log-uniform in [1e-3, 1e-1], a ~ 0.5 N(0, 1): g ~ -4e-4 .. -4 per token, most
+//    heads remembering tens to thousands of tokens (a state error then lives over many chunks).
 // q, k, v ~ N(0, 1) pre-norm, beta = sigmoid(N(0,1)) in (0, 1), S ~ 0.1 N(0, 1) (state_scale).
-inline Inputs make_inputs(int T, int Hk, int Hv, int D, uint64_t seed, int decay, float state_scale = 0.1f) {
+// corr > 0: the q rows and the k rows of a key head share a direction with weight sqrt(corr) (cosine
+// ~corr between two keys; (I + A) is then far from I), as keys out of a SiLU do to a lesser degree.
+inline Inputs make_inputs(int T, int Hk, int Hv, int D, uint64_t seed, int decay, float state_scale = 0.1f,
+                          float corr = 0.f) {
   Inputs x{T, Hk, Hv, D, {}, {}, {}, {}, {}, {}};
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -53,6 +59,28 @@ inline Inputs make_inputs(int T, int Hk, int Hv, int D, uint64_t seed, int decay
   }
   x.state.resize(size_t(Hv) * D * D);
   for (auto& v : x.state) v = state_scale * nd(rng);
+  // (draws for decay 2 and corr come after all others: the inputs of the other cases keep their bits)
+  if (decay == 2) {
+    std::uniform_real_distribution<float> u01(0.f, 1.f);
+    for (int h = 0; h < Hv; ++h) {
+      const float dt = std::exp(std::log(1e-3f) + u01(rng) * std::log(100.f));
+      x.A_log[h] = u01(rng) * std::log(16.f);
+      x.dt_bias[h] = dt + std::log(-std::expm1(-dt));  // softplus^-1(dt)
+    }
+    for (auto& v : x.a) v *= 0.5f;
+  }
+  if (corr > 0.f) {
+    const float wc = std::sqrt(corr), wn = std::sqrt(1.f - corr);
+    for (int part = 0; part < 2; ++part)  // q rows, k rows
+      for (int kh = 0; kh < Hk; ++kh) {
+        std::vector<float> dir(D);
+        for (auto& v : dir) v = nd(rng);
+        for (int t = 0; t < T; ++t) {
+          float* r = x.qkv.data() + int64_t(t) * x.width() + (part * Hk + kh) * D;
+          for (int i = 0; i < D; ++i) r[i] = wc * dir[i] + wn * r[i];
+        }
+      }
+  }
   return x;
 }
 

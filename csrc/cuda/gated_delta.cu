@@ -65,17 +65,17 @@ static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 
 static void launch_gdn_chunked(const gdn_chunk::Params& p) {
   static const bool raised = [] {  // > 48 KB of dynamic shared memory
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::prep_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(sizeof(gdn_chunk::PrepSmem))));
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk::scan_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(sizeof(gdn_chunk::ScanSmem))));
     return true;
   }();
   (void)raised;
-  launch(gdn_chunk::prep_kernel, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), gdn_chunk::THREADS,
+  launch(gdn_chunk::prep_kernel<>, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), gdn_chunk::THREADS,
          sizeof(gdn_chunk::PrepSmem), p);
   LILY_CUDA_LAUNCHED();
-  launch(gdn_chunk::scan_kernel, dim3(unsigned(p.Hv), unsigned(gdn_chunk::D / gdn_chunk::COLS)), gdn_chunk::THREADS,
+  launch(gdn_chunk::scan_kernel<>, dim3(unsigned(p.Hv), unsigned(gdn_chunk::D / gdn_chunk::COLS)), gdn_chunk::THREADS,
          sizeof(gdn_chunk::ScanSmem), p);
   LILY_CUDA_LAUNCHED();
 }

@@ -619,8 +619,7 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
     if (a.up.w != nullptr) {
-      const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS
-                                : ceil_div<int64_t>(a.tiles.M, 128) * col_tiles >= num_sms();
+      const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS : dense_wide(a.tiles.M, col_tiles, num_sms());
       const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
       if (wide) return gather ? launch_wgmma<4, 128, false, true, false, true>(a, xb, x_count, row_tiles)
                               : launch_wgmma<4, 128, false, false, false, true>(a, xb, x_count, row_tiles);

@@ -52,10 +52,14 @@ struct LayerInput {
 // ops::linear_stack_supported, one product into `row`'s first T rows, its columns copied into `outs`
 // (split_columns); otherwise one linear per part into `outs` (ws: linear's workspace), where a part runs on
 // the wgmma GEMM after one that did, from the bf16 X that one left in ws (ops::linear_xb: the same bits,
-// one conversion of h instead of one a part).
+// one conversion of h instead of one a part). `tail` (or null): the last tail_parts parts stacked by rows
+// (a view of `stacked`'s rows): where it runs on the wgmma GEMM and its [T, rows] output fits `row`, those
+// parts are one product into `row`, its columns copied into their outputs: GDN's b and a (32 rows each)
+// each cost a whole 256-row weight tile of the GEMM; stacked they share one (the same rows, the same bits).
 template <size_t N>
 static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacked, const QMatrix* const (&parts)[N],
-                                     const Buffer& row, const std::array<Tensor, N>& outs, const Tensor& ws) {
+                                     const QMatrix* tail, size_t tail_parts, const Buffer& row,
+                                     const std::array<Tensor, N>& outs, const Tensor& ws) {
   const int64_t T = in.h.dim(0);
   if (T > 1 && stacked && ops::linear_stack_supported(in.h.device, *stacked, T)) {  // row: linear_stack_rows
     LILY_CHECK(!in.normed, "project: a normed input for a prompt");
@@ -75,16 +79,25 @@ static std::array<Tensor, N> project(const LayerInput& in, const QMatrix* stacke
   }
   LILY_CHECK(!in.normed, "project: a normed input without the stacked projection");
   bool xb_in_ws = in.xb;  // ws starts with h as the wgmma GEMM's bf16 X
-  for (size_t i = 0; i < N; ++i) {
-    const bool on_wgmma = ops::linear_xb_supported(in.h.device, *parts[i], T);
+  auto product = [&](const QMatrix& m, const Tensor& y) {
+    const bool on_wgmma = ops::linear_xb_supported(in.h.device, m, T);
     if (xb_in_ws && on_wgmma) {
-      ops::linear_xb(*parts[i], ws, outs[i]);
+      ops::linear_xb(m, ws, y);
     } else {
-      LILY_CHECK(in.f32, "project: a ", parts[i]->rows, "-row projection of ", T, " rows reads h's F32 rows, ",
+      LILY_CHECK(in.f32, "project: a ", m.rows, "-row projection of ", T, " rows reads h's F32 rows, ",
                  "which the norm before it did not write");
-      ops::linear(*parts[i], in.h, outs[i], ws);
+      ops::linear(m, in.h, y, ws);
     }
     xb_in_ws = on_wgmma;
+  };
+  const bool stack_tail = tail && tail_parts > 1 && tail_parts <= N && ops::linear_xb_supported(in.h.device, *tail, T) &&
+                          row.nbytes() >= size_t(T * tail->rows) * sizeof(float);
+  const size_t single = stack_tail ? N - tail_parts : N;
+  for (size_t i = 0; i < single; ++i) product(*parts[i], outs[i]);
+  if (stack_tail) {
+    const Tensor y = view(row, T, tail->rows);
+    product(*tail, y);
+    ops::split_columns(y, outs.data() + single, int(tail_parts));
   }
   return outs;
 }
@@ -101,7 +114,7 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
   const ProfileLabel label("gdn");
   // qkv [T, C] (q | k | v before the conv), z [T, Vd] output gate, b, a [T, Hv]
   const auto [qkv, z, b, a] =
-      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, x.stacked,
+      project(in, w.in_proj, {w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a}, w.in_proj_ba, 2, x.stacked,
               {view(x.proj, T, C), view(x.out_gate, T, Vd), view(x.b, T, Hv), view(x.a, T, Hv)}, xb_work(x, device()));
   auto conv_state = [&](const LayerState& s) { return view(s.conv, c.linear_conv_kernel_dim - 1, C); };  // [K-1, C]
   auto S = [&](const LayerState& s) {  // [Hv, Dk, Dv]
@@ -138,7 +151,7 @@ Engine::Projection Engine::attention_layer(const ForwardContext& f, const LayerW
   const int64_t T = in.h.dim(0), nH = c.num_attention_heads, nKV = c.num_key_value_heads, D = c.head_dim;
   const ProfileLabel label("attn");
   // p [T, nH*2D] (per head: query | gate), k, v [T, nKV*D]
-  const auto [p, k, v] = project(in, w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, x.stacked,
+  const auto [p, k, v] = project(in, w.qkv_proj, {w.q_proj, w.k_proj, w.v_proj}, nullptr, 0, x.stacked,
                                  {view(x.proj, T, c.q_proj_dim()), view(x.k, T, nKV * D), view(x.v, T, nKV * D)},
                                  xb_work(x, device()));
   const Tensor q = view(x.core_in, T, nH * D), gate = view(x.out_gate, T, nH * D), o = view(x.core_out, T, nH * D);

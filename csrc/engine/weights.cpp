@@ -94,6 +94,25 @@ const QMatrix* WeightStore::stack_rows(const std::string& name, const std::vecto
   return &(matrices_[name] = std::move(m));  // map nodes never move: the views stay valid
 }
 
+const QMatrix* WeightStore::row_block(const std::string& name, const QMatrix& m, int64_t row0, int64_t rows) {
+  LILY_CHECK(m.num_stack == 1 && row0 >= 0 && rows > 0 && row0 + rows <= m.rows, "row_block '", name, "': rows [",
+             row0, ", ", row0 + rows, ") of a ", m.rows, "-row matrix");
+  QMatrix v;  // m's format, rows row0.. of its buffers
+  v.rows = rows;
+  v.cols = m.cols;
+  v.dtype = m.dtype;
+  v.bits = m.bits;
+  v.group_size = m.group_size;
+  v.scale_dtype = m.scale_dtype;
+  const size_t wr = m.weight.nbytes() / size_t(m.rows), sr = m.quantized() ? m.scales.nbytes() / size_t(m.rows) : 0;
+  v.weight = Buffer::view(m.weight, size_t(row0) * wr, size_t(rows) * wr);
+  if (m.quantized()) {
+    v.scales = Buffer::view(m.scales, size_t(row0) * sr, size_t(rows) * sr);
+    v.biases = Buffer::view(m.biases, size_t(row0) * sr, size_t(rows) * sr);
+  }
+  return &(row_blocks_[name] = std::move(v));
+}
+
 void WeightStore::resolve(const ModelConfig& c) {
   for (const TensorSpec& t : model_tensors(c, *this)) {
     if (t.matrix) *t.matrix = matrix(t.name, t.shape);
@@ -105,9 +124,11 @@ void WeightStore::resolve(const ModelConfig& c) {
     L.is_full_attention = c.is_full_attention[i] != 0;
     if (L.is_full_attention)
       L.attn.qkv_proj = stack_rows(p + "self_attn.qkv_proj", {L.attn.q_proj, L.attn.k_proj, L.attn.v_proj});
-    else
-      L.gdn.in_proj = stack_rows(p + "linear_attn.in_proj",
-                                 {L.gdn.in_proj_qkv, L.gdn.in_proj_z, L.gdn.in_proj_b, L.gdn.in_proj_a});
+    else if ((L.gdn.in_proj = stack_rows(p + "linear_attn.in_proj",
+                                         {L.gdn.in_proj_qkv, L.gdn.in_proj_z, L.gdn.in_proj_b, L.gdn.in_proj_a})))
+      L.gdn.in_proj_ba = row_block(p + "linear_attn.in_proj_ba", *L.gdn.in_proj,
+                                   L.gdn.in_proj_qkv->rows + L.gdn.in_proj_z->rows,
+                                   L.gdn.in_proj_b->rows + L.gdn.in_proj_a->rows);
     L.moe.router_gates = stack_rows(p + "mlp.router_gates", {L.moe.router, L.moe.shared_expert_gate});
   }
 }

@@ -25,6 +25,9 @@ struct GdnWeights {
   // [qkv; z; b; a] stacked by rows (the four above are views into it) when they share one storage
   // format, else null: the decode step's one GEMV over the shared input.
   const QMatrix* in_proj = nullptr;
+  // [b; a]: in_proj's last rows as one matrix (a view; null without in_proj): a prompt's one product for
+  // both 32-row projections where they run on their own (engine.cpp's project, its tail)
+  const QMatrix* in_proj_ba = nullptr;
   const Vector *conv1d;  // [conv_dim, K]
   const Vector *A_log, *dt_bias;  // [Hv]
   const Vector *norm;    // [Dv], plain multiplier
@@ -105,8 +108,12 @@ class WeightStore : public ModelWeights {
   // Moves the single-entry matrices `parts` (resolved views of this store) into one matrix `name`
   // stacked by rows and leaves views of it in their place; null (nothing moved) when their formats differ.
   const QMatrix* stack_rows(const std::string& name, const std::vector<const QMatrix*>& parts);
+  // Rows [row0, row0 + rows) of the single-entry matrix m as a view `name` (not part of signature() or nbytes():
+  // it owns nothing and adds no tensor).
+  const QMatrix* row_block(const std::string& name, const QMatrix& m, int64_t row0, int64_t rows);
   Device device_;
   std::map<std::string, QMatrix> matrices_;
+  std::map<std::string, QMatrix> row_blocks_;  // row_block's views
   std::map<std::string, Vector> vectors_;
 };
 

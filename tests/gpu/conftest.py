@@ -28,7 +28,8 @@ GPU_TOL = {
     "moe": 2e-2,
     # moe decode chain (T <= 4): fp32 GEMVs throughout, summation order and expf only
     "moe_decode": 1e-4,
-    # norms / elementwise / Gated DeltaNet: fp32 on both sides, summation order and expf only
+    # norms / elementwise / Gated DeltaNet: fp32 on both sides, summation order and expf only (the chunked
+    # GDN prefill from T = 64: 3xBF16 products, ~8e-6; see gated_delta_chunked_vs_steps)
     "rms_norm": 1e-5,
     # a value handed over as the prefill GEMM's bf16 X: round to nearest even (<= 2^-9 relative per value)
     "bf16_round": 4e-3,
@@ -37,10 +38,11 @@ GPU_TOL = {
     "gated_delta_rule": 2e-4,
     # the GDN op run T times with T=1 against one call over T tokens, both on the GPU: same arithmetic
     "gated_delta_steps_vs_chunk": 0.0,
-    # the same from T = 64 on, where the one call takes the chunked (WY) kernels: both fp32, but the
-    # chunked form sums in another order (an fp32 NumPy twin of its exact tiles matched the CPU op to
-    # 3.7e-7, strong decays included); 2e-5 is ~50x that, and an indexing or masking error shows at
-    # 1e-3 or more
+    # the same from T = 64 on, where the one call takes the chunked (WY) kernels: fp32 data, its products
+    # on the tensor cores in 3xBF16 (each operand as two bf16 parts, ~2^-16 per product; docs/gdn-prefill.md,
+    # "Error budget"): the host emulation of the kernels measures 6-8e-6 from fp64 (T = 64..4096), the token
+    # kernel ~3e-7; 2e-5 is ~2.5x that, a split term dropped from one product shows at 3e-5 (W S, short
+    # prompts) to 3e-3 and an indexing or masking error at 1e-3 or more
     "gated_delta_chunked_vs_steps": 2e-5,
     # the fused decode kernel (gdn_decode_mixer) against conv1d_silu + gated_delta_rule + gated_rms_norm on
     # the GPU: the same fp32 operations in the same order, expected bit-identical; 1e-6 allows for the

@@ -233,6 +233,24 @@ def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
 
 
+# A matrix's rows stacked with other rows keep their bits (engine.cpp's project: GDN's b and a, 32 rows each,
+# run as one 64-row product of a view of the stacked in_proj): each output of the wgmma GEMM is the same
+# operands in the same k order whatever rows share its weight tile. T = 700 and 4096: prompts past the
+# stacked-projection bound (512), 64-row tiles.
+@pytest.mark.parametrize("T", [700, 4096])
+def test_linear_wgmma_row_blocks_bitwise(T):
+    rng = np.random.default_rng(64 + T)
+    m = random_matrix(rng, 1, 64, 2048, 4, 64, "BF16")
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    halves = [dict(m, rows=32, weight=np.ascontiguousarray(m["weight"][:, r:r + 32]),
+                   scales=np.ascontiguousarray(m["scales"][:, r:r + 32]),
+                   biases=np.ascontiguousarray(m["biases"][:, r:r + 32])) for r in (0, 32)]
+    assert path_of(m, T) == path_of(halves[0], T) == "linear_wgmma"
+    y = ops.linear(ops.QMatrix("cuda", **m), 0, x)
+    for r, h in zip((0, 32), halves):
+        assert np.array_equal(ops.linear(ops.QMatrix("cuda", **h), 0, x), y[:, r:r + 32])
+
+
 # 8-bit weights on the wgmma GEMM (BITS = 8: 64-byte W rows, bytes made bf16 through fp32 2^23): the router and
 # shared-expert gate (256 and 1 outputs over 2048) and both stacked (257: a partial second column tile), at the
 # prompt sizes that profile them (146, 4096), split-K (33..64 rows), 64- and 128-row tiles (2048 outputs at 4096

@@ -234,15 +234,17 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
-def test_moe_prefill_gated_dense_wide(gpu_tol):
+@pytest.mark.parametrize("T", [4300, 4096])
+def test_moe_prefill_gated_dense_wide(T, gpu_tol):
     # The gate/up pairs run as one gated wgmma product (linear.cu, use_gated_wgmma): 4300 tokens and a
     # 512-wide shared expert give its dense 128-row instance (34 row tiles x 4 column tiles of 128
-    # outputs >= 132 SMs); the routed experts (~1075 rows each) its gathered 128-row one. Partial
+    # outputs >= 132 SMs), 4096 tokens too (32 x 4 = 128 tiles: one round of the SMs against two of 64-row
+    # tiles, dense_wide); the routed experts (~1075 rows each) its gathered 128-row one. Partial
     # column tiles (I = 192, Is = 64), 64-row tiles and the two-product fallback (group 32, T <= 64
     # shared products) are in the cases above.
-    rng = np.random.default_rng(4300)
+    rng = np.random.default_rng(T)
     cpu, gpu = moe_weights(rng, 8, 256, 128, 512, 4, 64, "BF16", 8)
-    h = rng.standard_normal((4300, 256)).astype(np.float32)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
     out = moe_vs_cpu(cpu, gpu, h, 2, 0.05, "moe", gpu_tol)
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 2))
 

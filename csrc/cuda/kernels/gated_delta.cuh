@@ -8,8 +8,8 @@ namespace lily::cuda {
 // conv1d_silu: y[t, c] = silu(sum_j w[c, j] * in(t - K + 1 + j, c)), in(tau < 0) = state[K-1+tau, c].
 // u, y [T, C] f32; w [C, K] f32; state [K-1, C] f32 (oldest first); state_out [K-1, C] gets the last
 // K-1 inputs (state itself, or a separate copy).
-// Grid (ceil(C/128), ceil(T/CONV_STEPS)), block 128: one thread per channel and CONV_STEPS tokens,
-// the K-1 previous inputs sliding in registers. Only blockIdx.y == 0 reads the old state
+// Grid (ceil(C/128), ceil(T/CONV_STEPS)), block 128: one thread per channel and CONV_STEPS tokens (their
+// inputs loaded at once), the K-1 previous inputs sliding in registers. Only blockIdx.y == 0 reads the old state
 // (CONV_STEPS >= K-1), and its threads write state_out at the end, each its own channel after reading
 // it, so in place never races other blocks. fp32, taps summed oldest first like the CPU.
 constexpr int CONV_STEPS = 16;
@@ -45,13 +45,20 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams 
   float old[S];  // [K-1] the carried state (block 0 only)
 #pragma unroll
   for (int j = 0; j < S; ++j) old[j] = win[j];
-  for (int t = t0; t < t1; ++t) {
-    const float x = p.u[t * C + c];
+  // every input of the block's tokens requested before the first output is stored (y may alias u as far as
+  // the compiler knows, so a load after a store would wait for it: one memory latency a token)
+  float xs[CONV_STEPS];
+#pragma unroll
+  for (int i = 0; i < CONV_STEPS; ++i) xs[i] = t0 + i < t1 ? p.u[(t0 + i) * C + c] : 0.f;
+#pragma unroll
+  for (int i = 0; i < CONV_STEPS; ++i) {
+    if (t0 + i >= t1) break;
+    const float x = xs[i];
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < S; ++j) acc += w[j] * win[j];
     acc += w[S] * x;
-    p.y[t * C + c] = acc / (1.f + expf(-acc));
+    p.y[(t0 + i) * C + c] = acc / (1.f + expf(-acc));
 #pragma unroll
     for (int j = 0; j + 1 < S; ++j) win[j] = win[j + 1];
     if constexpr (S > 0) win[S - 1] = x;

@@ -10,18 +10,27 @@
 // factors of q and k to a workspace; scan_kernel runs the chunks in order and reads q, k straight
 // from qkv. Only Dk = Dv = 128 (the model's). G in fp64.
 //
-// Tensor cores, 3xTF32. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
-// the scan) runs on mma.sync.m16n8k8 tf32 with fp32 accumulation, each fp32 operand x split as
-// x = hi + lo, hi = tf32(x), lo = tf32(x - hi) (round to nearest, ties away, by integer bit arithmetic:
-// exact, and the same on the host emulation), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi (the dropped
-// a_lo b_lo and the rounding of lo are <= ~2^-22 |a b|): fp32-class products at 3 tensor-core ops
-// each. A single tf32 product (2^-11) would not meet the 2e-5 chunked-vs-token-kernel tolerance; see
-// docs/gdn-prefill.md for the error budget. The forward substitution stays fp32 SIMT FMA.
+// Tensor cores, 3xBF16. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
+// the scan) runs on mma.sync.m16n8k16 bf16 with fp32 accumulation, each fp32 operand x split as
+// x = hi + lo, hi = bf16(x), lo = bf16(x - hi) (cvt.rn.bf16x2.f32, round to nearest even; x - hi is
+// exact), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi: the dropped a_lo b_lo and the rounding of lo are
+// each <= 2^-16 |a b| (3xTF32, the kernels' first form, left <= 2^-22; one tf32 product 2^-11) at 3
+// tensor-core ops per 16-deep k-step, 3xTF32's 6. The host emulation (benchmarks/gdn_emu.cpp) measures
+// 6-8e-6 from fp64 on o and state at T = 64..4096, within the 2e-5 chunked-vs-token-kernel tolerance
+// (docs/gdn-prefill.md, "Error budget"). The forward substitution stays fp32 SIMT FMA. The kernels take
+// the form of each product as a compile-time Precision (below); the engine's is EnginePrecision, and
+// gdn_emu's sweep measures the others.
 //
-// Fragment layout of mma.m16n8k8 .tf32 (PTX ISA), g = lane / 4, c = lane % 4:
-//   A [16 x 8]: a0 (g, c)  a1 (g+8, c)  a2 (g, c+4)  a3 (g+8, c+4)
-//   B [8 x 8]:  b0 (k = c, n = g)  b1 (k = c+4, n = g)
-//   C [16 x 8]: c0 (g, 2c)  c1 (g, 2c+1)  c2 (g+8, 2c)  c3 (g+8, 2c+1)
+// Fragment layout of mma.m16n8k16 .bf16 (PTX ISA), g = lane / 4, c = lane % 4; a register holds two
+// bf16, the lower k in its low half:
+//   A [16 x 16]: a0 (g, k 2c, 2c+1)  a1 (g+8, 2c, 2c+1)  a2 (g, 2c+8, 2c+9)  a3 (g+8, 2c+8, 2c+9)
+//   B [16 x 8]:  b0 (k 2c, 2c+1; n = g)  b1 (k 2c+8, 2c+9; n = g)
+//   C [16 x 8]:  c0 (g, 2c)  c1 (g, 2c+1)  c2 (g+8, 2c)  c3 (g+8, 2c+1)
+// k order: a product's sum over k does not depend on which mma slot a k index takes, as long as A and B
+// agree. Here slot pair p of a 16-deep k-step (the register halves a0/b0 hold for p = c, a2/b1 for
+// p = 4 + c) takes k = p and p + 8 of the step: the columns c, c + 8 and c + 4, c + 12 that two
+// ldmatrix.x4 of a row-major fp32 tile (columns 0-7, 8-15) hand lane (g, c), and the rows g, g + 8 that
+// a C fragment holds, so S and Delta (the next products' B, k = their rows) are stored as such pairs.
 #pragma once
 #include <cstddef>  // offsetof
 #ifndef LILY_GDN_HOST_EMU  // benchmarks/gdn_emu.cpp compiles this file on the host with its own shim
@@ -29,23 +38,24 @@
 #endif
 
 // Everything of the chunked prefill lives in this namespace: the sizes, the workspace layout, the
-// 3xTF32 and cp.async helpers and the two kernels (gated_delta.cu says gdn_chunk::C, ...).
+// 3xBF16 and cp.async helpers and the two kernels (gated_delta.cu says gdn_chunk::C, ...).
 namespace lily::cuda::gdn_chunk {
 
 constexpr int C = 64;          // tokens per chunk
 constexpr int D = 128;         // Dk = Dv
 constexpr int THREADS = 256;   // both kernels (8 warps)
 constexpr int COLS = 32;       // state columns per scan CTA
-// Shared row strides (floats), chosen for conflict-free fragment loads: a row-major A fragment or a
-// [n][k] B fragment is read by ldmatrix (8 rows of 16 bytes per matrix) -> ld % 32 == 4, which also
-// makes the scalar stores of a C fragment transposed ((2c + e) * ld + g) conflict-free; a transposed
-// A fragment reads (c * ld + g) -> ld % 32 == 8; a C fragment read in place (g * ld + 2c) too.
+// Shared row strides (32-bit words: floats, or bf16 pairs in S^T and Delta^T), chosen for conflict-free
+// fragment loads: a row-major A fragment or a [n][k] B fragment is read by ldmatrix (8 rows of 16 bytes
+// per matrix) -> ld % 32 == 4, which also makes the scalar stores of a C fragment transposed
+// ((2c + e) * ld + g) conflict-free; a transposed A fragment reads (c * ld + g) -> ld % 32 == 8; a C
+// fragment read in place (g * ld + 2c) too.
 constexpr int LD = D + 4;      // [64, 128] tiles read as A or as [n][k] B (132)
 constexpr int KLD = D + 8;     // the scan's K tile, read transposed (136)
 constexpr int PLD = C + 4;     // [64, 64] tiles read as A (68)
 constexpr int NLD = COLS + 8;  // the scan's U tile [64, 32], read in C-fragment order (40)
-constexpr int SLD = D + 4;     // the scan's S^T [32 columns][128 rows], read as [n][k] B (132)
-constexpr int DLD = C + 4;     // the scan's Delta^T [32 columns][64 tokens], read as [n][k] B (68)
+constexpr int SLD = D / 2 + 4; // the scan's S^T [32 columns][64 pairs of rows], read as [n][k] B (68)
+constexpr int DLD = C / 2 + 4; // the scan's Delta^T [32 columns][32 pairs of tokens], read as [n][k] B (36)
 
 // Workspace: one block of BLOCK floats per (chunk c, value head h) at (c * Hv + h) * BLOCK, tiles
 // row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros. WS_* are the
@@ -77,25 +87,24 @@ __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<floa
 __device__ __forceinline__ float4 scale4(float f, float4 v) { return make_float4(f * v.x, f * v.y, f * v.z, f * v.w); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 
-// ---- 3xTF32 pieces ----------------------------------------------------------------------------
-// tf32(x) as fp32 bits with the 13 low mantissa bits zero, rounded to nearest (ties away from zero).
-__device__ __forceinline__ uint32_t tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
-struct Split {  // a fragment's hi and lo halves
+// ---- 3xBF16 pieces ----------------------------------------------------------------------------
+struct Split {  // a fragment register's hi and lo halves (each two bf16)
   uint32_t hi, lo;
 };
-__device__ __forceinline__ Split split(float x) {
-  const uint32_t hi = tf32(x);
-  return {hi, tf32(x - __uint_as_float(hi))};  // x - hi is exact in fp32
-}
-
 #ifndef LILY_GDN_HOST_EMU
-// d += a b, one m16n8k8 tf32 mma (fragments as in the table at the top).
+// d += a b, one m16n8k16 bf16 mma (fragments as in the table at the top).
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// bf16(x0) in the low half, bf16(x1) in the high half (round to nearest even)
+__device__ __forceinline__ uint32_t bf16x2(float x0, float x1) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(x1), "f"(x0));
+  return r;
 }
 // the shared-space address (32 bits) of a pointer into shared memory
 __device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -115,10 +124,6 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-// .x2: matrices 0, 1 (the addresses of lanes 0 .. 15)
-__device__ __forceinline__ void ldsm2(uint32_t (&r)[2], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
 __device__ __forceinline__ unsigned char* smem() {
@@ -127,69 +132,100 @@ __device__ __forceinline__ unsigned char* smem() {
 }
 #endif
 
-// a b in 3xTF32: big += a_hi b_hi, small += a_lo b_hi + a_hi b_lo; the caller adds small to big after
-// its k loop. Two accumulators make two independent mma chains per output tile (mma.sync latency,
-// not throughput, bounds a warp with few tiles).
-__device__ __forceinline__ void mma3(float (&big)[4], float (&small)[4], const Split (&a)[4], Split b0,
-                                          Split b1) {
-  mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
-  mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
-  mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+// the split of two values: x0 to the low halves (the lower k slot), x1 to the high ones
+__device__ __forceinline__ Split split2(float x0, float x1) {
+  const uint32_t hi = bf16x2(x0, x1);  // x - hi is exact in fp32
+  return {hi, bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u))};
 }
-// Fragments by ldmatrix (ldsm4 above). A row-major tile X [m][k] holds the A fragment of a 16 x 8
-// block as four 8-row x 4-word matrices, rows 0-7 | 8-15 x words 0-3 | 4-7 = a0, a1, a2, a3 of the
-// table at the top (lane 4 g + c receives word c of row g of each): lane l gives the address of row
-// l % 16, word 4 (l / 16) (lsm_a). A tile stored [n][k] holds B fragments the same way: rows n 0-7 x
-// words k 0-3 | 4-7 = b0, b1 (b (k = c, n = g) is word c of row g); two n8 tiles (rows 0-7, 8-15) in
-// one ldsm4, lane l giving row l % 8 + 8 (l / 16), word 4 ((l / 8) % 2) (lsm_b; ldsm2 uses lanes 0-15,
-// the first tile). The words arrive unchanged: the same values as element-wise loads of the table.
-template <int LD>  // this lane's ldmatrix offset (floats) from the block's (row 0, word 0)
+
+// How a product a b is formed from the splits a = a_hi + a_lo, b = b_hi + b_lo (one choice per
+// product, a compile-time Precision; benchmarks/gdn_emu.cpp measures each against fp64):
+enum Prec : int {
+  X1,  // a_hi b_hi: 1 mma; both operands' bf16 roundings (<= 2^-9 each) stay
+  XA,  // a_hi b_hi + a_lo b_hi: 2 mma; b's rounding stays (a split, b hi only)
+  XB,  // a_hi b_hi + a_hi b_lo: 2 mma; a's rounding stays (b split, a hi only)
+  X3,  // a_hi b_hi + a_lo b_hi + a_hi b_lo: 3 mma (the dropped terms <= ~2^-16 |a b|)
+};
+__host__ __device__ constexpr bool uses_a_lo(Prec m) { return m == XA || m == X3; }
+__host__ __device__ constexpr bool uses_b_lo(Prec m) { return m == XB || m == X3; }
+// One Prec per product: K K^T, Q K^T (prep); W S, (fq Q) S, P Delta, (fk K)^T Delta (scan).
+template <Prec KK_, Prec QK_, Prec WS_, Prec QS_, Prec PD_, Prec KD_>
+struct Precision {
+  static constexpr Prec KK = KK_, QK = QK_, WS = WS_, QS = QS_, PD = PD_, KD = KD_;
+};
+using EnginePrecision = Precision<X3, X3, X3, X3, X3, X3>;
+
+// a b in precision M: big += a_hi b_hi, small += the cross terms M keeps; the caller adds small to big
+// after its k loop. Two accumulators make two independent mma chains per output tile (mma.sync
+// latency, not throughput, bounds a warp with few tiles). Halves M does not use are never read.
+template <Prec M>
+__device__ __forceinline__ void mma_p(float (&big)[4], float (&small)[4], const Split (&a)[4], Split b0, Split b1) {
+  if constexpr (uses_a_lo(M)) mma(small, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+  mma(big, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+  if constexpr (uses_b_lo(M)) mma(small, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+}
+// Fragments by ldmatrix (ldsm4 above) of fp32 tiles: a row-major tile X [m][k] holds a 16-row x
+// 8-column block as four 8-row x 4-word matrices, rows 0-7 | 8-15 x words 0-3 | 4-7, so that lane
+// (g, c) receives X[g][c], X[g+8][c], X[g][c+4], X[g+8][c+4]; lane l gives the address of row l % 16,
+// word 4 (l / 16) (lsm_a). Two of them (columns 0-7, 8-15) make an A fragment of a k-step. A tile
+// stored [n][k] gives the B fragment of an n8 tile and a k-step as four matrices, words 0-3, 4-7, 8-11,
+// 12-15 of rows n 0-7: lane (g, c) receives Y[g][c], Y[g][c+4], Y[g][c+8], Y[g][c+12]; lane l gives
+// row l % 8, word 4 (l / 8) (lsm_b4). The words arrive unchanged: the same values as element-wise loads.
+// Pre-split tiles (S, Delta) hold bf16 pairs, 8 words a k-step: rows n 0-7 | 8-15 x words 0-3 | 4-7
+// are b0, b1 of two n8 tiles; lane l gives row l % 8 + 8 (l / 16), word 4 ((l / 8) % 2) (lsm_b2).
+template <int LD>  // this lane's ldmatrix offset (words) from the block's (row 0, word 0)
 __device__ __forceinline__ int lsm_a(int lane) { return (lane & 15) * LD + 4 * (lane >> 4); }
 template <int LD>
-__device__ __forceinline__ int lsm_b(int lane) { return ((lane & 7) + 8 * (lane >> 4)) * LD + 4 * ((lane >> 3) & 1); }
-// A fragment of a row-major tile (addr: this lane's lsm_a address); rows g and g + 8 scaled by f0, f1
-// (1.f: exact).
+__device__ __forceinline__ int lsm_b4(int lane) { return (lane & 7) * LD + 4 * (lane >> 3); }
+template <int LD>
+__device__ __forceinline__ int lsm_b2(int lane) { return ((lane & 7) + 8 * (lane >> 4)) * LD + 4 * ((lane >> 3) & 1); }
+// A fragment of a k-step (16 columns) of a row-major fp32 tile (addr: this lane's lsm_a address at the
+// step's column 0); rows g and g + 8 scaled by f0, f1 (1.f: exact).
 __device__ __forceinline__ void frag_a(Split (&a)[4], uint32_t addr, float f0 = 1.f, float f1 = 1.f) {
-  uint32_t r[4];
-  ldsm4(r, addr);
-  a[0] = split(f0 * __uint_as_float(r[0]));
-  a[1] = split(f1 * __uint_as_float(r[1]));
-  a[2] = split(f0 * __uint_as_float(r[2]));
-  a[3] = split(f1 * __uint_as_float(r[3]));
+  uint32_t r[4], t[4];
+  ldsm4(r, addr);       // columns 0-7
+  ldsm4(t, addr + 32);  // columns 8-15
+  a[0] = split2(f0 * __uint_as_float(r[0]), f0 * __uint_as_float(t[0]));  // row g, k c and c + 8
+  a[1] = split2(f1 * __uint_as_float(r[1]), f1 * __uint_as_float(t[1]));  // row g + 8
+  a[2] = split2(f0 * __uint_as_float(r[2]), f0 * __uint_as_float(t[2]));  // row g, k c + 4 and c + 12
+  a[3] = split2(f1 * __uint_as_float(r[3]), f1 * __uint_as_float(t[3]));
 }
-// A fragment of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points at
-// X[k0][m0], fk at fk[k0].
+// A fragment of a k-step of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points
+// at X[k0][m0], fk at fk[k0].
 template <int LD>
 __device__ __forceinline__ void frag_at(Split (&a)[4], const float* t, const float* fk, int g, int c) {
-  const float f0 = fk[c], f1 = fk[c + 4];
-  a[0] = split(f0 * t[c * LD + g]);
-  a[1] = split(f0 * t[c * LD + g + 8]);
-  a[2] = split(f1 * t[(c + 4) * LD + g]);
-  a[3] = split(f1 * t[(c + 4) * LD + g + 8]);
+  const float f0 = fk[c], f1 = fk[c + 8], f2 = fk[c + 4], f3 = fk[c + 12];
+  a[0] = split2(f0 * t[c * LD + g], f1 * t[(c + 8) * LD + g]);
+  a[1] = split2(f0 * t[c * LD + g + 8], f1 * t[(c + 8) * LD + g + 8]);
+  a[2] = split2(f2 * t[(c + 4) * LD + g], f3 * t[(c + 12) * LD + g]);
+  a[3] = split2(f2 * t[(c + 4) * LD + g + 8], f3 * t[(c + 12) * LD + g + 8]);
 }
-// B fragment of an n8 tile of a tile stored [n][k] (B = X^T; addr: this lane's lsm_b address).
+// B fragment of a k-step of an n8 tile of an fp32 tile stored [n][k] (B = X^T; addr: this lane's lsm_b4
+// address).
 __device__ __forceinline__ void frag_bt(Split& b0, Split& b1, uint32_t addr) {
-  uint32_t r[2];
-  ldsm2(r, addr);
-  b0 = split(__uint_as_float(r[0]));
-  b1 = split(__uint_as_float(r[1]));
+  uint32_t r[4];
+  ldsm4(r, addr);
+  b0 = split2(__uint_as_float(r[0]), __uint_as_float(r[2]));  // k c and c + 8
+  b1 = split2(__uint_as_float(r[1]), __uint_as_float(r[3]));  // k c + 4 and c + 12
 }
-// B fragments {b0, b1} of two n8 tiles t0, t1 of a [n][k] tile kept pre-split in shared memory: the hi
-// words at addr (this lane's lsm_b address), the lo words lo_off bytes further.
+// B fragments {b0, b1} of two n8 tiles t0, t1 of a pre-split [n][k] tile: the hi words at addr (this
+// lane's lsm_b2 address), the lo words lo_off bytes further (read only if LO).
+template <bool LO>
 __device__ __forceinline__ void frag_b2_pre(Split (&t0)[2], Split (&t1)[2], uint32_t addr, uint32_t lo_off) {
-  uint32_t hi[4], lo[4];
+  uint32_t hi[4], lo[4] = {};
   ldsm4(hi, addr);
-  ldsm4(lo, addr + lo_off);
+  if constexpr (LO) ldsm4(lo, addr + lo_off);
   t0[0] = {hi[0], lo[0]};
   t0[1] = {hi[1], lo[1]};
   t1[0] = {hi[2], lo[2]};
   t1[1] = {hi[3], lo[3]};
 }
-// stores the split of x at hi/lo element i
-__device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, float x) {
-  const Split sx = split(x);
+// stores the split of the pair (x0, x1) at hi/lo word i (the lo word only if LO)
+template <bool LO>
+__device__ __forceinline__ void st_pair(uint32_t* th, uint32_t* tl, int i, float x0, float x1) {
+  const Split sx = split2(x0, x1);
   th[i] = sx.hi;
-  tl[i] = sx.lo;
+  if constexpr (LO) tl[i] = sx.lo;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,9 +238,9 @@ __device__ __forceinline__ void st_split(uint32_t* th, uint32_t* tl, int i, floa
 //      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
 //      workspace (the scan applies them to the raw q, k rows of qkv).
 //   3. K K^T -> A (strictly lower, shared) and Q K^T -> P (lower with the diagonal, workspace) on the
-//      tensor cores, 3xTF32. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
+//      tensor cores, 3xBF16. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
 //      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
-//      each a K = 128 loop of 16 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
+//      each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
 //      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
 //      s <= t < n, else 0 (exp of a positive exponent is never taken).
 //   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
@@ -224,6 +260,25 @@ struct PrepSmem {
   float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
 };
 
+// one m16n8 tile of phase 3 in precision M: acc = X Y^T over K = 128 (xa, xb: this lane's ldmatrix
+// addresses of the A rows and the B = Y^T rows at k-step 0)
+template <Prec M>
+__device__ __forceinline__ void prep_tile(float (&acc)[4], uint32_t xa, uint32_t xb) {
+  float sml[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+#pragma unroll 2
+  for (int ks = 0; ks < D / 16; ++ks) {  // k-step ks: 16 floats = 64 bytes on
+    Split a[4], b0, b1;
+    frag_a(a, xa + 64 * ks);
+    frag_bt(b0, b1, xb + 64 * ks);
+    mma_p<M>(acc, sml, a, b0, b1);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+}
+
+template <class PR = EnginePrecision>
 __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
@@ -310,17 +365,11 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       const int idx = warp + 8 * i, is_qk = idx >= 20, j = idx - 20 * is_qk;
       const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
       const uint32_t xa = saddr(&(is_qk ? sm.q : sm.k)[16 * mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
-      const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b<LD>(lane);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, sml[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 8 floats = 32 bytes on
-        Split a[4], b0, b1;
-        frag_a(a, xa + 32 * ks);
-        frag_bt(b0, b1, xb + 32 * ks);
-        mma3(acc, sml, a, b0, b1);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += sml[e];
+      const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b4<LD>(lane);
+      float acc[4];
+      if constexpr (PR::KK == PR::QK) prep_tile<PR::KK>(acc, xa, xb);
+      else if (is_qk) prep_tile<PR::QK>(acc, xa, xb);
+      else prep_tile<PR::KK>(acc, xa, xb);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
@@ -377,20 +426,22 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 // scan_kernel: one CTA per (value head h, slice of 32 state columns j0 = 32 * blockIdx.y), grid
 // (Hv, D/32), block 256 (8 warps), 1 CTA/SM; loops over the chunks in order. Columns of S are
 // independent here, so the CTA needs only its [128, 32] slice of S and of U. Per chunk, on the tensor
-// cores (3xTF32, m16n8k8), warp w, g = lane / 4, c = lane % 4:
+// cores (3xBF16, m16n8k16), warp w, g = lane / 4, c = lane % 4:
 //   (a) Delta [64, 32] = U - W S: warp w owns rows 16 (w/2) .. +15, columns 16 (w%2) .. +15 (two n8
-//       tiles sharing each A fragment), 16 k-steps over Dk; Delta to shared memory.
+//       tiles sharing each A fragment), 8 k-steps over Dk; Delta to shared memory.
 //   (b) O [64, 32] = (fq * Q) S + P Delta, same tiles; Q is the raw q rows of qkv times the row factor
-//       fq = exp(G) / sqrt(Dk) / |q| at fragment load; P Delta runs only the k-steps 8 ks <= 16 mt + 15
-//       (P is zero above the diagonal). Rows < T written to o as float2.
+//       fq = exp(G) / sqrt(Dk) / |q| at fragment load; P Delta runs only the k-steps ks <= mt (P is
+//       zero above the diagonal). Rows < T written to o as float2.
 //   (c) S [128, 32] <- exp(G_last) S + (fk * K)^T Delta: warp w owns S rows 16 w .. +15, all 32
 //       columns (four n8 tiles) as mma accumulators in registers across the whole loop; the A operand is
 //       K^T, read transposed from the raw k rows, times fk = exp(G_last - G) / |k|; then S to shared
 //       memory for the next (a), (b).
-// S and Delta, the B operands, are kept in shared memory already split into tf32 hi and lo words
-// (split once when written, not at each of their two or three reads) and transposed ([column][k]),
-// so that ldmatrix reads their B fragments (two n8 tiles per ldmatrix.x4); W, Q, P are read by
-// ldmatrix too and split at load, K (transposed A) by scalar loads. Every shared address the loops
+// S and Delta, the B operands, are kept in shared memory already split into bf16 hi and lo words
+// (split once when written, not at each of their two or three reads), transposed ([column][k]) and
+// paired (word 8 b + p of a column holds its rows 16 b + p and 16 b + p + 8: the k slot pairs of the
+// table at the top, and a C fragment's rows g, g + 8), so that ldmatrix reads their B fragments (two n8
+// tiles per ldmatrix.x4); W, Q, P are read by ldmatrix too and split at load, K (transposed A) by
+// scalar loads. Every shared address the loops
 // use is a per-lane base set before the chunk loop plus a constant per k-step.
 // Tiles arrive by cp.async, each as soon as the phase reading it is done: W and U during (b), (c)
 // of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
@@ -402,8 +453,8 @@ struct ScanSmem {
   float K[C][KLD];    // raw k rows
   float P[C][PLD];
   float U[C][NLD];    // this CTA's columns of U
-  uint32_t Sh[COLS][SLD], Sl[COLS][SLD];  // this CTA's columns of S, transposed [column][row], split
-  uint32_t Dh[COLS][DLD], Dl[COLS][DLD];  // Delta, transposed [column][token], split
+  uint32_t Sh[COLS][SLD], Sl[COLS][SLD];  // this CTA's columns of S, [column][pair of rows], split
+  uint32_t Dh[COLS][DLD], Dl[COLS][DLD];  // Delta, [column][pair of tokens], split
   float fq[C], fk[C];
 };
 // the lo words lie sizeof(hi) bytes after the hi words (one ldmatrix base address for both)
@@ -429,6 +480,7 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
   }
 }
 
+template <class PR = EnginePrecision>
 __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
@@ -444,19 +496,20 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
   // this lane's ldmatrix addresses at k-step 0: A of W, Q, P (rows 16 mt..), B of S^T (columns nb..)
   // and of Delta^T (columns 0.., for (b) + nb rows); the lo words S_LO, D_LO bytes after the hi words
   const uint32_t aW = saddr(&sm.W[16 * mt][0]) + 4 * lsm_a<LD>(lane), aQ = saddr(&sm.Q[16 * mt][0]) + 4 * lsm_a<LD>(lane),
-                 aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane), bS = saddr(&sm.Sh[nb][0]) + 4 * lsm_b<SLD>(lane),
-                 bD = saddr(&sm.Dh[0][0]) + 4 * lsm_b<DLD>(lane);
+                 aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane), bS = saddr(&sm.Sh[nb][0]) + 4 * lsm_b2<SLD>(lane),
+                 bD = saddr(&sm.Dh[0][0]) + 4 * lsm_b2<DLD>(lane);
   constexpr uint32_t S_LO = sizeof(ScanSmem::Sh), D_LO = sizeof(ScanSmem::Dh);  // (static_assert above)
+  // the lo words of S (Delta) are stored only if a product reads them
+  constexpr bool SL = uses_b_lo(PR::WS) || uses_b_lo(PR::QS), DL = uses_b_lo(PR::PD) || uses_b_lo(PR::KD);
   // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
   float* Sg = p.state + int64_t(h) * D * D + j0;  // S[h][.][j0], row stride D
   float s[4][4];
-  auto store_s = [&] {  // s, split, to Sh, Sl (transposed)
+  auto store_s = [&] {  // s, split, to Sh, Sl: rows 16 warp + g, + 8 of a column are its word 8 warp + g
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int r = 16 * warp + g, col = 8 * nt + 2 * c;
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st_split(&sm.Sh[0][0], &sm.Sl[0][0], (col + (e & 1)) * SLD + r + 8 * (e >> 1), s[nt][e]);
-    }
+      for (int e = 0; e < 2; ++e)
+        st_pair<SL>(&sm.Sh[0][0], &sm.Sl[0][0], (8 * nt + 2 * c + e) * SLD + 8 * warp + g, s[nt][e], s[nt][e + 2]);
   };
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
@@ -514,24 +567,26 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     // (a) Delta = U - W S
     {
       float acc[2][4] = {}, sml[2][4] = {};
-#pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {  // k-step ks: 32 bytes on
+#pragma unroll 2
+      for (int ks = 0; ks < D / 16; ++ks) {  // k-step ks: 64 bytes on in W, 32 in S^T
         Split a[4], b[2][2];
-        frag_a(a, aW + 32 * ks);
-        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
+        frag_a(a, aW + 64 * ks);
+        frag_b2_pre<uses_b_lo(PR::WS)>(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
+      const int r = 16 * mt + g;  // rows r, r + 8 of a column: its word 8 mt + g
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 16 * mt + g + 8 * (e >> 1), col = nb + 8 * j + 2 * c + (e & 1);
-          st_split(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + r, sm.U[r][col] - acc[j][e]);
+        for (int e = 0; e < 2; ++e) {
+          const int col = nb + 8 * j + 2 * c + e;
+          st_pair<DL>(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + 8 * mt + g, sm.U[r][col] - acc[j][e],
+                      sm.U[r + 8][col] - acc[j][e + 2]);
         }
     }
     __syncthreads();  // Delta complete; W, U free
@@ -544,21 +599,21 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     {
       float acc[2][4] = {}, sml[2][4] = {};
       const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
-#pragma unroll 4
-      for (int ks = 0; ks < D / 8; ++ks) {
-        Split a[4], b[2][2];
-        frag_a(a, aQ + 32 * ks, f0, f1);
-        frag_b2_pre(b[0], b[1], bS + 32 * ks, S_LO);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
-      }
 #pragma unroll 2
-      for (int ks = 0; ks < 2 * mt + 2; ++ks) {  // P's k-steps at or left of the diagonal
+      for (int ks = 0; ks < D / 16; ++ks) {
         Split a[4], b[2][2];
-        frag_a(a, aP + 32 * ks);
-        frag_b2_pre(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
+        frag_a(a, aQ + 64 * ks, f0, f1);
+        frag_b2_pre<uses_b_lo(PR::QS)>(b[0], b[1], bS + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma3(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::QS>(acc[j], sml[j], a, b[j][0], b[j][1]);
+      }
+#pragma unroll 1
+      for (int ks = 0; ks <= mt; ++ks) {  // P's k-steps at or left of the diagonal
+        Split a[4], b[2][2];
+        frag_a(a, aP + 64 * ks);
+        frag_b2_pre<uses_b_lo(PR::PD)>(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma_p<PR::PD>(acc[j], sml[j], a, b[j][0], b[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -584,13 +639,13 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
 #pragma unroll 2
-    for (int ks = 0; ks < C / 8; ++ks) {
+    for (int ks = 0; ks < C / 16; ++ks) {
       Split a[4], b[4][2];
-      frag_at<KLD>(a, &sm.K[8 * ks][16 * warp], &sm.fk[8 * ks], g, c);
-      frag_b2_pre(b[0], b[1], bD + 32 * ks, D_LO);
-      frag_b2_pre(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
+      frag_at<KLD>(a, &sm.K[16 * ks][16 * warp], &sm.fk[16 * ks], g, c);
+      frag_b2_pre<uses_b_lo(PR::KD)>(b[0], b[1], bD + 32 * ks, D_LO);
+      frag_b2_pre<uses_b_lo(PR::KD)>(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma3(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
+      for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
