@@ -12,15 +12,19 @@ prints the names it saw ("Available Kernels"). `--set full` replays the launch ~
 0.5 ms kernel); `--set basic` is quicker. `--count N` profiles N matching launches from `--skip` on (a layer's
 several products of one instance, told apart by their grid sizes in the report). `--page raw` prints every
 metric by name instead of the sections: the warp stall reasons are the
-`smsp__average_warps_issue_stalled_*_per_issue_active.ratio` lines (grep "issue_stalled").
+`smsp__average_warps_issue_stalled_*_per_issue_active.ratio` lines (grep "issue_stalled"). `--page source`
+writes the SASS with per-instruction counters as CSV (executed instructions, warp stall samples by reason):
+which instruction the warps wait at.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -48,7 +52,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (default 8192, the CUDA default)")
     ap.add_argument("--skip", type=int, default=0, help="matching launches to skip before the profiled one")
     ap.add_argument("--count", type=int, default=1, help="matching launches to profile (default 1)")
-    ap.add_argument("--page", default="details", choices=["details", "raw"], help="ncu's report page")
+    ap.add_argument("--page", default="details", choices=["details", "raw", "source"], help="ncu's report page")
     ap.add_argument("--set", default="full", help="ncu section set (full, detailed, basic)")
     ap.add_argument("--out", help="write ncu's report text here (default: stdout)")
     ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)  # ncu's target: do the model work
@@ -59,12 +63,19 @@ def main() -> None:
         ap.error("--kernel is required")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     details = ["--print-details", "all"] if a.page == "details" else []
-    cmd = [ncu, "--set", a.set, "--page", a.page, *details, "--kernel-name-base", "demangled",
+    tmp = tempfile.TemporaryDirectory()
+    report = os.path.join(tmp.name, "report")  # the source page is printed from a saved report
+    page = ["-o", report] if a.page == "source" else ["--page", a.page, *details]
+    cmd = [ncu, "--set", a.set, *page, "--kernel-name-base", "demangled",
            "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", str(a.count),
            sys.executable, __file__, "--run", "--model", a.model, "--context", str(a.context),
            "--decode", str(a.decode), "--chunk", str(a.chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     text = out.stdout + out.stderr
+    if a.page == "source" and out.returncode == 0:
+        out = subprocess.run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--print-source", "sass",
+                              "--csv"], capture_output=True, text=True)
+        text = out.stdout + out.stderr
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
