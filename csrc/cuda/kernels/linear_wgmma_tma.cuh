@@ -182,11 +182,14 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
   }
 }
 
-// Scale/bias of one thread for one k-tile, packed: bits 0..15 scale, 16..31 bias (bf16 each);
-// [m64 block][row g / g+8][half of the k-tile] (GS32: the halves are different groups).
+// Scale and bias of one thread for one k-tile as loaded (bf16 bits in the low half of a word, nothing
+// combined at load time); [m64 block][row g / g+8][half of the k-tile] (GS32: the halves are different
+// groups). The loop loads the next k-tile's into one of these and reads them one k-tile later
+// (wg_dequant_half): an instruction that combined them right after the loads (as a packed scale|bias
+// word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
 template <bool GS32>
 struct WgScalesP {
-  uint32_t sb[2][2][GS32 ? 2 : 1];
+  uint32_t s[2][2][GS32 ? 2 : 1], b[2][2][GS32 ? 2 : 1];
 };
 
 // Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(GATED, b, h) (b*64 + 8h;
@@ -207,7 +210,7 @@ __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const Weigh
     }
 }
 
-// Loads the packed scales/biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
+// Loads the scales and biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
 // matrix's) of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a shift (gshift = log2
 // group_size: the host takes only power-of-two groups to this kernel).
 template <bool GS32, bool GATED = false>
@@ -223,7 +226,8 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
       for (int h = 0; h < 2; ++h) {
         const uint32_t gi = row[b][h] + g;
         const uint16_t *scp = GATED && h ? sc_u : sc, *bip = GATED && h ? bi_u : bi;
-        s.sb[b][h][half] = uint32_t(__ldg(scp + gi)) | (uint32_t(__ldg(bip + gi)) << 16);
+        s.s[b][h][half] = __ldg(scp + gi);
+        s.b[b][h][half] = __ldg(bip + gi);
       }
   }
 }
@@ -247,8 +251,7 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
-      const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
-      const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
+      const uint32_t s2 = __byte_perm(s.s[b][h][GS32 ? H : 0], 0, 0x1010), b2 = __byte_perm(s.b[b][h][GS32 ? H : 0], 0, 0x1010);
       if constexpr (BITS == 4) {
         const uint4 w = ld_shared_v4(row + 16 * H);
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
