@@ -67,6 +67,14 @@ constexpr int WG_BN = 256, WG_BK = 64;
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
+// base + 16 * chunk bytes as one IMAD.WIDE.U32 (mad.wide.u32): the gather's per-chunk address, which the
+// compiler otherwise forms as 64-bit index arithmetic (four instructions a chunk).
+__device__ __forceinline__ const void* wg_chunk_at(const uint16_t* base, uint32_t chunk) {
+  uint64_t p;
+  asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(p) : "r"(chunk), "l"(base));
+  return reinterpret_cast<const void*>(p);
+}
+
 // Xb[r, 8j + 2c + e] = bf16_rn(X[r, 8j + c + 4e]) for c = 0..3, e = 0..1 (wg_phys_k's permutation), so a
 // 16-byte chunk j of a k-tile of Xb is a swizzled B chunk as the GEMM reads it.
 // Grid: one CTA per row (x = rows), threads stride over the row's K/8 blocks; one 16-byte store each.
@@ -578,7 +586,6 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       }
     } else {
       constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
-      constexpr uint32_t NONE = ~0u;     // no row (past the tile's end): the chunk is zero-filled
       const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
       uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
       int pending = 0;                   // stages copied by this thread and not yet arrived on
@@ -587,13 +594,18 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
         const int n0 = int(t / row_tiles) * BN;
         // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
-        // 64-bit pointers would not fit the producer's 40 registers at BM = 128)
-        uint32_t src[PER];
+        // 64-bit pointers would not fit the producer's 40 registers at BM = 128), 0 for a row past the
+        // tile's end, whose chunk is zero-filled (bit i of `real` clear: the copy reads nothing)
+        uint32_t src[PER], real = 0;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
           const int r = (tid >> 3) + 16 * i;
-          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : NONE;
+          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : 0u;
+          real |= r < tile.rows ? 1u << i : 0u;
         }
+        // chunk i's place in a stage: row (tid >> 3) + 16 i, whose swizzle (row & 7) is that of row tid >> 3,
+        // so wg_swz((tid >> 3) + 16 i, j) = dst + 2048 i (an immediate offset of the copy)
+        const uint32_t dst = wg_swz(tid >> 3, j);
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
@@ -601,12 +613,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
             mbar_arrive_expect_tx(full(s), STAGE - XBYTES);
             load_w(st, full(s), kt, n0, int(tile.expert));
           }
+          const uint16_t* x_kt = xb + kt * WG_BK;  // k-tile kt's chunk 0
 #pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            const bool real = src[i] != NONE;
-            cp_async16(st + wg_swz((tid >> 3) + 16 * i, j), real ? xb + 8 * (int64_t(src[i]) + kt * (WG_BK / 8)) : xb,
-                       real ? 16 : 0);
-          }
+          for (int i = 0; i < PER; ++i)
+            cp_async16(st + dst + 16 * 128 * i, wg_chunk_at(x_kt, src[i]), int((real >> i) & 1u) * 16);
           cp_async_commit();
           if (pending == TMA_GATHER_LAG) {
             cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
