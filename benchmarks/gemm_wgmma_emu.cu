@@ -67,7 +67,7 @@ static int run(int BM) {
   }
   // linear_wgmma_tma.cuh: (1) Xb = wgx_bf16_kernel's permuted bf16 row, chunk j copied (cp.async or
   // TMA SWIZZLE_128B) to wg_swz(r, j) must give the same B tile as convert_x; (2) the TMA consumers'
-  // half-tile dequantization (wg_load_half + wg_convert_half: chunk H of the row's 32 bytes, words m = 0..3 -> step
+  // half-tile dequantization (wg_dequant_half: chunk H of the row's 32 bytes, words m = 0..3 -> step
   // 2H + m/2, register (m%2)*2 + h; consumer warpgroup cw plays wg) must give the same A fragments.
   int xb_bad = 0, half_bad = 0;
   for (int r = 0; r < BM; ++r)

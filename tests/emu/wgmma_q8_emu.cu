@@ -6,7 +6,7 @@
 //   2. A K = 256 product (4 k-tiles) of a 256-output column tile over BM rows, group sizes 64 and 32
 //      (GS32: two groups a k-tile): the producer's W box {16 words, 256 rows} at word kt*16 written into
 //      the stage's [256][64 B] rows, the Xb box at wg_swz, then every consumer thread's A fragments
-//      as wg_load_half<H, 8> and wg_convert_half<H, GS32, 8> build them (row rbase + b*64 + 8h at ws + (b*64 + 8h)*64, one
+//      as wg_dequant_half<H, GS32, 8> builds them (row rbase + b*64 + 8h at ws + (b*64 + 8h)*64, one
 //      16-byte load per k16 step st at 32H + 16st: register h from words (x, y), 2 + h from (z, w)),
 //      the bf16x2 fma with the row's scale and bias (exact product and sum, one rounding to bf16):
 //        - bit for bit against a scalar dequantisation of the same output at the logical k the

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
 // Scale and bias of one thread for one k-tile as loaded (bf16 bits in the low half of a word, nothing
 // combined at load time); [m64 block][row g / g+8][half of the k-tile] (GS32: the halves are different
 // groups). The loop loads the next k-tile's into one of these and reads them one k-tile later
-// (wg_convert_half): an instruction that combined them right after the loads (as a packed scale|bias
+// (wg_dequant_half): an instruction that combined them right after the loads (as a packed scale|bias
 // word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
 template <bool GS32>
 struct WgScalesP {
@@ -251,50 +251,27 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
 //   8-bit: the half is 32 bytes at 32H, one 16-byte load per k16 step s (words x, y, z, w = k 0-3, 4-7,
 //          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
 //          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
-// The half's packed W words of this thread's four rows (4-bit: one 16-byte load a row, 8-bit: two), apart
-// from their conversion so that the loop can issue half 1's loads before it waits for a wgmma group.
-template <int BITS>
-struct WgHalfWords {
-  uint4 w[2][2][BITS == 4 ? 1 : 2];
-};
-template <int H, int BITS, bool GATED = false>
-__device__ __forceinline__ WgHalfWords<BITS> wg_load_half(uint32_t ws) {
+template <int H, bool GS32, int BITS, bool GATED = false>
+__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
   constexpr int R = tma_w_row_bytes(BITS);
-  WgHalfWords<BITS> w;
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
-      if constexpr (BITS == 4) {
-        w.w[b][h][0] = ld_shared_v4(row + 16 * H);
-      } else {
-#pragma unroll
-        for (int st = 0; st < 2; ++st) w.w[b][h][st] = ld_shared_v4(row + 32 * H + 16 * st);
-      }
-    }
-  return w;
-}
-template <int H, bool GS32, int BITS>
-__device__ __forceinline__ void wg_convert_half(const WgHalfWords<BITS>& w, int c, const WgScalesP<GS32>& s,
-                                                uint32_t (&A)[2][2][4]) {
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
       const uint32_t s2 = __byte_perm(s.s[b][h][GS32 ? H : 0], 0, 0x1010), b2 = __byte_perm(s.b[b][h][GS32 ? H : 0], 0, 0x1010);
       if constexpr (BITS == 4) {
-        const uint4 v = w.w[b][h][0];
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        const uint4 w = ld_shared_v4(row + 16 * H);
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int m = 0; m < 4; ++m) A[b][m >> 1][(m & 1) * 2 + h] = wg_dequant_pair(words[m] >> (4 * c), s2, b2);
       } else {
         const uint32_t sel = wg_q8_sel(c);
 #pragma unroll
         for (int st = 0; st < 2; ++st) {
-          const uint4 v = w.w[b][h][st];
-          A[b][st][h] = fma_bf16x2(wg_q8_pair(v.x, v.y, sel), s2, b2);
-          A[b][st][2 + h] = fma_bf16x2(wg_q8_pair(v.z, v.w, sel), s2, b2);
+          const uint4 w = ld_shared_v4(row + 32 * H + 16 * st);
+          A[b][st][h] = fma_bf16x2(wg_q8_pair(w.x, w.y, sel), s2, b2);
+          A[b][st][2 + h] = fma_bf16x2(wg_q8_pair(w.z, w.w, sel), s2, b2);
         }
       }
     }
@@ -679,12 +656,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
-      wg_convert_half<0, GS32, BITS>(wg_load_half<0, BITS, GATED>(ws), c, cur, H0);
+      wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
       wg_issue_half<BM, 0>(acc, H0, xd);
-      const WgHalfWords<BITS> w1 = wg_load_half<1, BITS, GATED>(ws);  // in flight across the wait
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_convert_half<1, GS32, BITS>(w1, c, cur, H1);
+      wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
       wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]
