@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
 // (wg_dequant_half): an instruction that combined them right after the loads (as a packed scale|bias
 // word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
 template <bool GS32>
-struct WgScalesP {
+struct WgScales {
   uint32_t s[2][2][GS32 ? 2 : 1], b[2][2][GS32 ? 2 : 1];
 };
 
@@ -222,7 +222,7 @@ __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const Weigh
 // matrix's) of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a shift (gshift = log2
 // group_size: the host takes only power-of-two groups to this kernel).
 template <bool GS32, bool GATED = false>
-__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_t* sc, const uint16_t* bi,
+__device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t* sc, const uint16_t* bi,
                                                const uint32_t (&row)[2][2], int gshift, int kt,
                                                const uint16_t* sc_u = nullptr, const uint16_t* bi_u = nullptr) {
 #pragma unroll
@@ -252,7 +252,7 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
 //          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
 //          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
 template <int H, bool GS32, int BITS, bool GATED = false>
-__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
+__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScales<GS32>& s, uint32_t (&A)[2][2][4]) {
   constexpr int R = tma_w_row_bytes(BITS);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     uint32_t rows[2][2];
     wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
-    WgScalesP<GS32> cur, nxt;
+    WgScales<GS32> cur, nxt;
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
