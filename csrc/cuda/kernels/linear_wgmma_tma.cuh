@@ -67,6 +67,14 @@ constexpr int WG_BN = 256, WG_BK = 64;
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
+// base + 16 * chunk bytes as one IMAD.WIDE.U32 (mad.wide.u32): the gather's per-chunk address, which the
+// compiler otherwise forms as 64-bit index arithmetic (four instructions a chunk).
+__device__ __forceinline__ const void* wg_chunk_at(const uint16_t* base, uint32_t chunk) {
+  uint64_t p;
+  asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(p) : "r"(chunk), "l"(base));
+  return reinterpret_cast<const void*>(p);
+}
+
 // Xb[r, 8j + 2c + e] = bf16_rn(X[r, 8j + c + 4e]) for c = 0..3, e = 0..1 (wg_phys_k's permutation), so a
 // 16-byte chunk j of a k-tile of Xb is a swizzled B chunk as the GEMM reads it.
 // Grid: one CTA per row (x = rows), threads stride over the row's K/8 blocks; one 16-byte store each.
@@ -182,11 +190,14 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
   }
 }
 
-// Scale/bias of one thread for one k-tile, packed: bits 0..15 scale, 16..31 bias (bf16 each);
-// [m64 block][row g / g+8][half of the k-tile] (GS32: the halves are different groups).
+// Scale and bias of one thread for one k-tile as loaded (bf16 bits in the low half of a word, nothing
+// combined at load time); [m64 block][row g / g+8][half of the k-tile] (GS32: the halves are different
+// groups). The loop loads the next k-tile's into one of these and reads them one k-tile later
+// (wg_dequant_half): an instruction that combined them right after the loads (as a packed scale|bias
+// word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
 template <bool GS32>
-struct WgScalesP {
-  uint32_t sb[2][2][GS32 ? 2 : 1];
+struct WgScales {
+  uint32_t s[2][2][GS32 ? 2 : 1], b[2][2][GS32 ? 2 : 1];
 };
 
 // Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(GATED, b, h) (b*64 + 8h;
@@ -207,11 +218,11 @@ __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const Weigh
     }
 }
 
-// Loads the packed scales/biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
+// Loads the scales and biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
 // matrix's) of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a shift (gshift = log2
 // group_size: the host takes only power-of-two groups to this kernel).
 template <bool GS32, bool GATED = false>
-__device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_t* sc, const uint16_t* bi,
+__device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t* sc, const uint16_t* bi,
                                                const uint32_t (&row)[2][2], int gshift, int kt,
                                                const uint16_t* sc_u = nullptr, const uint16_t* bi_u = nullptr) {
 #pragma unroll
@@ -223,7 +234,8 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
       for (int h = 0; h < 2; ++h) {
         const uint32_t gi = row[b][h] + g;
         const uint16_t *scp = GATED && h ? sc_u : sc, *bip = GATED && h ? bi_u : bi;
-        s.sb[b][h][half] = uint32_t(__ldg(scp + gi)) | (uint32_t(__ldg(bip + gi)) << 16);
+        s.s[b][h][half] = __ldg(scp + gi);
+        s.b[b][h][half] = __ldg(bip + gi);
       }
   }
 }
@@ -240,15 +252,14 @@ __device__ __forceinline__ void wg_load_scales(WgScalesP<GS32>& s, const uint16_
 //          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
 //          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
 template <int H, bool GS32, int BITS, bool GATED = false>
-__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScalesP<GS32>& s, uint32_t (&A)[2][2][4]) {
+__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScales<GS32>& s, uint32_t (&A)[2][2][4]) {
   constexpr int R = tma_w_row_bytes(BITS);
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
-      const uint32_t sb = s.sb[b][h][GS32 ? H : 0];
-      const uint32_t s2 = __byte_perm(sb, 0, 0x1010), b2 = __byte_perm(sb, 0, 0x3232);
+      const uint32_t s2 = __byte_perm(s.s[b][h][GS32 ? H : 0], 0, 0x1010), b2 = __byte_perm(s.b[b][h][GS32 ? H : 0], 0, 0x1010);
       if constexpr (BITS == 4) {
         const uint4 w = ld_shared_v4(row + 16 * H);
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
@@ -552,7 +563,6 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       }
     } else {
       constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
-      constexpr uint32_t NONE = ~0u;     // no row (past the tile's end): the chunk is zero-filled
       const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
       uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
       int pending = 0;                   // stages copied by this thread and not yet arrived on
@@ -561,13 +571,18 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
         const int n0 = int(t / row_tiles) * BN;
         // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
-        // 64-bit pointers would not fit the producer's 40 registers at BM = 128)
-        uint32_t src[PER];
+        // 64-bit pointers would not fit the producer's 40 registers at BM = 128), 0 for a row past the
+        // tile's end, whose chunk is zero-filled (bit i of `real` clear: the copy reads nothing)
+        uint32_t src[PER], real = 0;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
           const int r = (tid >> 3) + 16 * i;
-          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : NONE;
+          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : 0u;
+          real |= r < tile.rows ? 1u << i : 0u;
         }
+        // chunk i's place in a stage: row (tid >> 3) + 16 i, whose swizzle (row & 7) is that of row tid >> 3,
+        // so wg_swz((tid >> 3) + 16 i, j) = dst + 2048 i (an immediate offset of the copy)
+        const uint32_t dst = wg_swz(tid >> 3, j);
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
@@ -575,12 +590,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
             mbar_arrive_expect_tx(full(s), STAGE - XBYTES);
             load_w(st, full(s), kt, n0, int(tile.expert));
           }
+          const uint16_t* x_kt = xb + kt * WG_BK;  // k-tile kt's chunk 0
 #pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            const bool real = src[i] != NONE;
-            cp_async16(st + wg_swz((tid >> 3) + 16 * i, j), real ? xb + 8 * (int64_t(src[i]) + kt * (WG_BK / 8)) : xb,
-                       real ? 16 : 0);
-          }
+          for (int i = 0; i < PER; ++i)
+            cp_async16(st + dst + 16 * 128 * i, wg_chunk_at(x_kt, src[i]), int((real >> i) & 1u) * 16);
           cp_async_commit();
           if (pending == TMA_GATHER_LAG) {
             cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
@@ -632,7 +645,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     uint32_t rows[2][2];
     wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
-    WgScalesP<GS32> cur, nxt;
+    WgScales<GS32> cur, nxt;
     wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
