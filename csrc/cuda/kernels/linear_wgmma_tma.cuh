@@ -663,6 +663,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     for (int b = 0; b < WG_BLOCKS; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
+    // live: the warpgroup's first output row is a real row of W (uniform over the warpgroup). A warpgroup
+    // whose rows all lie past N (the 1-row column tile of the 257-row router + shared gate, the 64-row GDN
+    // b|a product) only keeps the ring's protocol: it waits for each stage and releases it, and stores nothing.
+    const bool live = n0 + wg_row_base(GATED, cw, 0, 0) < N;
     uint32_t rows[WG_BLOCKS][2];
     wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[WG_BLOCKS][2][4], H1[WG_BLOCKS][2][4];  // A fragments of half k-tiles 0 and 1
@@ -674,15 +678,19 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+      if (live && kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd);
+      if (live) {
+        wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
+        wg_issue_half<BM, 0>(acc, H0, xd);
+      }
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd);
+      if (live) {
+        wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
+        wg_issue_half<BM, 1>(acc, H1, xd);
+      }
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]
       const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
