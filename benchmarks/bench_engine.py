@@ -46,12 +46,30 @@ def decode(core, steps: int, pipelined: bool) -> None:
         core.sampled()
 
 
-def measure(model: lily.Model, ctx: int, steps: int, generate: int) -> dict:
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int}
+
+
+def parse_sampling(text: str) -> dict:
+    """'temperature=0.7,top_p=0.8,top_k=20' -> the keyword arguments of set_sampler and Model.generate."""
+    out = {}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key not in SAMPLING_KEYS:
+            raise SystemExit(f"bench_engine: --sampling takes {', '.join(SAMPLING_KEYS)} as key=value, got {part!r}")
+        try:
+            out[key] = SAMPLING_KEYS[key](value)
+        except ValueError:
+            kind = "an integer" if SAMPLING_KEYS[key] is int else "a number"
+            raise SystemExit(f"bench_engine: --sampling {key} needs {kind}, got {value!r}")
+    return out
+
+
+def measure(model: lily.Model, ctx: int, steps: int, generate: int, sampling: dict) -> dict:
     s = model.new_session(max_context=ctx + max(steps, generate) + 8)
     ids = prompt_ids(ctx, model.config.vocab_size)
     core = s._core
     pipelined = hasattr(core, "sample_launch")
-    core.set_sampler()
+    core.set_sampler(**sampling)
     core.prefill_sample(ids)  # warm-up of the exact shape, and the decode graphs' capture (one per state copy)
     for _ in range(4):
         core.decode_sample(-1)
@@ -68,9 +86,9 @@ def measure(model: lily.Model, ctx: int, steps: int, generate: int) -> dict:
             rows.update(prefill_s=t1 - t0, prefill_tok_s=ctx / (t1 - t0), decode_tok_s=steps / (t2 - t1))
     if generate:
         s.reset()  # the steps above went around the session's token list
-        model.generate(ids, max_tokens=4, ignore_eos=True, session=s)  # warm-up of the loop
+        model.generate(ids, max_tokens=4, ignore_eos=True, session=s, **sampling)  # warm-up of the loop
         times = [time.perf_counter() for _ in model.generate(ids, max_tokens=generate, ignore_eos=True, session=s,
-                                                              stream=True)]
+                                                              stream=True, **sampling)]
         rows["generate_tok_s"] = (len(times) - 1) / (times[-1] - times[0])
     return {"context": ctx, **rows, "pipelined": pipelined, "graph_nodes": core.decode_graph_nodes,
             "used_bytes": device_used_bytes()}
@@ -108,20 +126,24 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--profile", action="store_true", help="also time each op, by layer kind (eager passes)")
     ap.add_argument("--prefill-chunk", type=int, help="the model's prefill chunk (default: the device's)")
+    ap.add_argument("--sampling", default="",
+                    help="sampler of the decode and generate rows, e.g. 'temperature=0.7,top_p=0.8,top_k=20' "
+                         "(keys: temperature, top_k, top_p, min_p, seed; default greedy)")
     a = ap.parse_args()
+    sampling = parse_sampling(a.sampling)
     base = device_used_bytes()
     t0 = time.perf_counter()
     model = lily.Model.load(a.model, device=a.device, max_context=8, prefill_chunk=a.prefill_chunk)
     load_s = time.perf_counter() - t0
-    rows = [measure(model, int(c), a.decode, a.generate) for c in a.contexts.split(",")]
+    rows = [measure(model, int(c), a.decode, a.generate, sampling) for c in a.contexts.split(",")]
     profiles = {int(c): profile(model, int(c), 16) for c in a.contexts.split(",")} if a.profile else {}
     peak = max((r["used_bytes"] or 0) for r in rows)
-    result = {"load_s": load_s, "weights_bytes": model._engine.weight_bytes, "device_base_bytes": base,
+    result = {"sampling": sampling, "load_s": load_s, "weights_bytes": model._engine.weight_bytes, "device_base_bytes": base,
               "device_peak_bytes": peak, "rows": rows, "profiles": profiles}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"prefill chunk {model.prefill_chunk}; load {load_s:.1f} s; weights {model._engine.weight_bytes / 2**30:.2f} GiB; "
+    print(f"sampling {a.sampling or 'greedy'}; prefill chunk {model.prefill_chunk}; load {load_s:.1f} s; weights {model._engine.weight_bytes / 2**30:.2f} GiB; "
           f"device memory peak {peak / 2**30:.2f} GiB (before load {(base or 0) / 2**30:.2f} GiB)")
     print("| context | prefill tok/s | prefill ms | decode tok/s | decode ms/tok | one at a time ms/tok | "
           "generate tok/s | graph nodes |")
