@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
 // word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
 template <bool GS32>
 struct WgScales {
-  uint32_t s[2][2][GS32 ? 2 : 1], b[2][2][GS32 ? 2 : 1];
+  uint32_t scale[2][2][GS32 ? 2 : 1], bias[2][2][GS32 ? 2 : 1];
 };
 
 // Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(GATED, b, h) (b*64 + 8h;
@@ -234,8 +234,8 @@ __device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t
       for (int h = 0; h < 2; ++h) {
         const uint32_t gi = row[b][h] + g;
         const uint16_t *scp = GATED && h ? sc_u : sc, *bip = GATED && h ? bi_u : bi;
-        s.s[b][h][half] = __ldg(scp + gi);
-        s.b[b][h][half] = __ldg(bip + gi);
+        s.scale[b][h][half] = __ldg(scp + gi);
+        s.bias[b][h][half] = __ldg(bip + gi);
       }
   }
 }
@@ -259,7 +259,8 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
-      const uint32_t s2 = __byte_perm(s.s[b][h][GS32 ? H : 0], 0, 0x1010), b2 = __byte_perm(s.b[b][h][GS32 ? H : 0], 0, 0x1010);
+      const uint32_t s2 = __byte_perm(s.scale[b][h][GS32 ? H : 0], 0, 0x1010);  // the bf16 in both halves
+      const uint32_t b2 = __byte_perm(s.bias[b][h][GS32 ? H : 0], 0, 0x1010);
       if constexpr (BITS == 4) {
         const uint4 w = ld_shared_v4(row + 16 * H);
         const uint32_t words[4] = {w.x, w.y, w.z, w.w};
