@@ -6,7 +6,9 @@
 //   by code) on T = 64 .. 1024 (long: also 4096) against fp64, a markdown table (~10 s a variant, long ~45 s).
 // How: every CUDA thread of a block is a fiber on one OS thread (entered by ucontext, then switched by
 // _setjmp/_longjmp, which skip the signal-mask syscalls), switched cooperatively at
-// __syncthreads (block barrier), __syncwarp and warp collectives (warp barriers). mma.sync m16n8k16 bf16
+// __syncthreads (block barrier), named barriers (bar.sync waits, bar.arrive counts), __syncwarp and warp
+// collectives (warp barriers); a scheduler pass in which no thread arrives anywhere is reported as a deadlock,
+// arrivals left on a named barrier at the block's end as an error. mma.sync m16n8k16 bf16
 // is emulated from the PTX ISA fragment table (written out below independently of the kernel's helpers):
 // the 32 lanes post their fragments, the full 16x16 A, 16x8 B and C are assembled, D = A B + C in fp64,
 // rounded to fp32; cvt.rn.bf16x2.f32 likewise from its definition. Shuffles likewise. cp.async: mode 0 copies
@@ -71,8 +73,11 @@ using std::max;
 using std::min;
 
 namespace emu {
-constexpr int NT = 256, STACK = 256 * 1024;
+constexpr int NT = 512, STACK = 256 * 1024;  // NT: the largest block
+int nthreads = 256;                           // this block's
 int mode = 0;  // cp.async: 0 at issue, 1 at the retiring wait
+unsigned shuffle = 0;  // the scheduler's passes: 0 threads in order, else in an order drawn from this seed each pass
+int freeze_lo = 0, freeze_hi = 0, freeze_passes = 0;  // with shuffle: warps [lo, hi) skipped for the next passes
 struct Copy {
   float* dst;
   const float* src;
@@ -99,9 +104,11 @@ struct Range {
 std::vector<Range> ranges;  // global buffers that cp.async may read
 // barriers
 int blk_arrived = 0, blk_gen = 0;
+int nb_arrived[16], nb_gen[16], nb_count[16];  // named barriers: arrivals, generation, the count they were given
 int w_arrived[NT / 32], w_gen[NT / 32];
 double xch[NT][16];  // per-lane exchange slots
 long long switches = 0;
+long long progress = 0;  // barrier arrivals and finished fibers: a scheduler pass without any is a deadlock
 
 inline void yield() {
   ++switches;
@@ -109,14 +116,37 @@ inline void yield() {
 }
 inline void block_barrier() {
   const int g = blk_gen;
-  if (++blk_arrived == NT) {
+  ++progress;
+  if (++blk_arrived == nthreads) {
     blk_arrived = 0, ++blk_gen;
     return;
   }
   while (blk_gen == g) yield();
 }
+// bar.sync / bar.arrive id, n: every participant must give the same n (the PTX rule); the barrier
+// completes at its n-th arrival; bar.sync waits for that, bar.arrive does not.
+inline void named_barrier(int id, int n, bool wait) {
+  if (id <= 0 || id >= 16 || n <= 0 || n % 32 || n > nthreads) {
+    std::fprintf(stderr, "named barrier %d with %d threads: invalid\n", id, n);
+    std::exit(2);
+  }
+  if (nb_arrived[id] == 0) nb_count[id] = n;
+  if (nb_count[id] != n) {
+    std::fprintf(stderr, "named barrier %d: thread counts %d and %d\n", id, nb_count[id], n);
+    std::exit(2);
+  }
+  const int g = nb_gen[id];
+  ++progress;
+  if (++nb_arrived[id] == n) {
+    nb_arrived[id] = 0, ++nb_gen[id];
+    return;
+  }
+  if (wait)
+    while (nb_gen[id] == g) yield();
+}
 inline void warp_barrier() {
   const int w = cur / 32, g = w_gen[w];
+  ++progress;
   if (++w_arrived[w] == 32) {
     w_arrived[w] = 0, ++w_gen[w];
     return;
@@ -201,13 +231,16 @@ inline void commit() {
   f.groups.push_back(std::move(f.open));
   f.open.clear();
 }
-inline void wait2() {
+template <int N>
+inline void wait_group() {
   auto& f = emu::fibers[emu::cur];
-  while (f.groups.size() > 2) {
+  while (f.groups.size() > N) {
     for (auto& c : f.groups.front()) emu::do_copy(c);
     f.groups.pop_front();
   }
 }
+inline void bar_sync(int id, int n) { emu::named_barrier(id, n, true); }
+inline void bar_arrive(int id, int n) { emu::named_barrier(id, n, false); }
 // ldmatrix.sync.aligned.m8n8.{x2,x4}.shared.b16 from the PTX ISA ("Warp-level matrix load instruction:
 // ldmatrix"): matrix i (8 rows of 8 b16 elements, a row 16 contiguous bytes) has its row addresses from
 // threads 8i..8i+7 (row j from thread 8i + j); thread l receives in register i the elements (row l / 4,
@@ -283,16 +316,20 @@ lily::cuda::gdn_chunk::Params kparams;
 void entry() {
   kernel(kparams);
   fibers[cur].done = true;
+  ++progress;
   _longjmp(sched_jb, 1);  // never returns: the scheduler's ucontext is stale by now
 }
-void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_chunk::Params& p, dim3v b, size_t smem_bytes) {
-  kernel = k, kparams = p, block_idx = b;
+void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_chunk::Params& p, dim3v b, size_t smem_bytes,
+               int threads) {
+  kernel = k, kparams = p, block_idx = b, nthreads = threads;
+  assert(threads <= NT && threads % 32 == 0);
   smem.assign(smem_bytes, 0);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (size_t i = 0; i + 4 <= smem_bytes; i += 4) std::memcpy(&smem[i], &nan, 4);
   blk_arrived = blk_gen = 0;
   for (int w = 0; w < NT / 32; ++w) w_arrived[w] = w_gen[w] = 0;
-  for (int t = 0; t < NT; ++t) {
+  for (int i = 0; i < 16; ++i) nb_arrived[i] = nb_gen[i] = nb_count[i] = 0;
+  for (int t = 0; t < nthreads; ++t) {
     Fiber& f = fibers[t];
     f.started = f.done = false, f.groups.clear(), f.open.clear();
     f.stack.resize(STACK);
@@ -304,7 +341,28 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
   }
   for (bool any = true; any;) {
     any = false;
-    for (int t = 0; t < NT; ++t) {
+    const long long before = progress;
+    int order[NT];
+    for (int t = 0; t < nthreads; ++t) order[t] = t;
+    if (shuffle) {  // a random order, and now and then a random range of warps frozen for a random number of passes
+      auto draw = [] { return shuffle ^= shuffle << 13, shuffle ^= shuffle >> 17, shuffle ^= shuffle << 5; };
+      for (int t = nthreads - 1; t > 0; --t) std::swap(order[t], order[draw() % unsigned(t + 1)]);
+      if (freeze_passes == 0) {
+        const int warps = nthreads / 32;
+        const bool freeze = draw() % 2;
+        freeze_lo = int(draw() % unsigned(warps));
+        freeze_hi = freeze ? std::min(warps, freeze_lo + 1 + int(draw() % unsigned(warps / 2))) : freeze_lo;
+        freeze_passes = 1 << (draw() % 12u);  // 1 .. 2048 passes (a warp takes ~10 passes a k-step: each ldmatrix and mma is a warp barrier)
+      }
+      --freeze_passes;
+    }
+    bool frozen_any = false;
+    for (int i = 0; i < nthreads; ++i) {
+      const int t = order[i];
+      if (shuffle && t / 32 >= freeze_lo && t / 32 < freeze_hi && !fibers[t].done) {
+        frozen_any = any = true;
+        continue;
+      }
       if (fibers[t].done) continue;
       any = true;
       cur = t;
@@ -313,7 +371,16 @@ void run_block(void (*k)(lily::cuda::gdn_chunk::Params), const lily::cuda::gdn_c
       fibers[t].started = true;
       swapcontext(&sched, &fibers[t].ctx);
     }
+    if (any && !frozen_any && progress == before) {
+      std::fprintf(stderr, "deadlock: every thread waits at a barrier that cannot complete\n");
+      std::exit(2);
+    }
   }
+  for (int i = 0; i < 16; ++i)
+    if (nb_arrived[i]) {
+      std::fprintf(stderr, "named barrier %d: %d arrivals left at the block's end\n", i, nb_arrived[i]);
+      std::exit(2);
+    }
 }
 }  // namespace emu
 
@@ -341,9 +408,9 @@ Out run_kernels(const gdn_ref::Inputs& x, Kernel prep, Kernel scan) {
   const gc::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(), r.state.data(),
                      r.o.data(),   r.ws.data(), T,          x.Hk,         Hv,                nch};
   for (int c = 0; c < nch; ++c)
-    for (int h = 0; h < Hv; ++h) emu::run_block(prep, p, {unsigned(c), unsigned(h), 0}, sizeof(gc::PrepSmem));
+    for (int h = 0; h < Hv; ++h) emu::run_block(prep, p, {unsigned(c), unsigned(h), 0}, sizeof(gc::PrepSmem), gc::THREADS);
   for (int h = 0; h < Hv; ++h)
-    for (int j = 0; j < gc::D / gc::COLS; ++j) emu::run_block(scan, p, {unsigned(h), unsigned(j), 0}, sizeof(gc::ScanSmem));
+    for (int j = 0; j < gc::D / gc::COLS; ++j) emu::run_block(scan, p, {unsigned(h), unsigned(j), 0}, sizeof(gc::ScanSmem), gc::SCAN_THREADS);
   return r;
 }
 
@@ -376,7 +443,11 @@ std::pair<double, double> errors(const Out& out, const gdn_ref::Inputs& x, const
 
 // The engine's kernels (gc::EnginePrecision) on the check cases, eager and deferred cp.async: errors
 // against fp64 (FAIL above 1.5e-5: 3xBF16 measures 6-8e-6; the GPU test allows 2e-5 against the token
-// kernel) and the bit hashes. quick: one deferred-copy case.
+// kernel) and the bit hashes. quick: one deferred-copy case. Each deferred-copy case runs 4 times more with the
+// threads scheduled in a random order each pass and random ranges of warps held back for up to 2,048 passes (so
+// one group of warps runs ahead of another): a missing barrier between a write and another thread's read
+// shows as different bits (FAIL).
+
 bool check_engine(bool quick) {
   const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f}};
   bool fail = false;
@@ -388,7 +459,18 @@ bool check_engine(bool quick) {
       const Out out = run_kernels(x, gc::prep_kernel<>, gc::scan_kernel<>);
       const Ref ref = reference(x);
       const auto [eo, es] = errors(out, x, ref);
-      const bool bad = !(eo <= 1.5e-5 && es <= 1.5e-5);
+      bool bad = !(eo <= 1.5e-5 && es <= 1.5e-5);
+      if (mode == 1) {
+        for (unsigned seed = 1; seed <= 4; ++seed) {
+          emu::shuffle = 2463534242u * seed + unsigned(cs.T), emu::freeze_passes = 0;
+          const Out shuffled = run_kernels(x, gc::prep_kernel<>, gc::scan_kernel<>);
+          emu::shuffle = 0;
+          const bool same = gdn_ref::fnv1a(shuffled.ws) == gdn_ref::fnv1a(out.ws) && gdn_ref::fnv1a(shuffled.o) == gdn_ref::fnv1a(out.o) &&
+                            gdn_ref::fnv1a(shuffled.state) == gdn_ref::fnv1a(out.state);  // (bits: the NaN padding too)
+          if (!same) std::printf("  threads in random order %u: different bits (a race) FAIL\n", seed);
+          bad |= !same;
+        }
+      }
       fail |= bad;
       std::printf("cp.async %-6s T=%4d Hk=%d Hv=%d decay=%d |S0|~%.1f: emulated kernels vs fp64: o %.2e state %.2e "
                   "(fp32 sequential vs fp64: o %.2e state %.2e) %s\n",

@@ -40,9 +40,13 @@ void split_columns(const Tensor& y, const Tensor* outs, int n) {  // n in [1, SP
   }
   if (p.T == 0 || p.W == 0) return;
   constexpr int THREADS = 256;
-  const dim3 grid(unsigned(ceil_div<int64_t>(p.W / (vec4 ? 4 : 1), THREADS)), unsigned(std::min<int64_t>(p.T, 65535)));
-  if (vec4) launch(split_columns_kernel<true>, grid, THREADS, 0, p);
-  else launch(split_columns_kernel<false>, grid, THREADS, 0, p);
+  const int64_t words = p.W / (vec4 ? 4 : 1);
+  unsigned tx = 1;  // threads a row: the row's words rounded up to a power of two, at most THREADS
+  while (tx < THREADS && tx < words) tx *= 2;
+  const dim3 block(tx, THREADS / tx);
+  const dim3 grid(unsigned(ceil_div<int64_t>(words, tx)), unsigned(std::min<int64_t>(ceil_div<int64_t>(p.T, block.y), 65535)));
+  if (vec4) launch(split_columns_kernel<true>, grid, block, 0, p);
+  else launch(split_columns_kernel<false>, grid, block, 0, p);
   LILY_CUDA_LAUNCHED();
 }
 

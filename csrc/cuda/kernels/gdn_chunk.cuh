@@ -125,7 +125,12 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void wait2() { asm volatile("cp.async.wait_group 2;\n" ::: "memory"); }
+template <int N>  // this thread's cp.async groups but the newest N have landed
+__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// named barrier id of n threads: wait for all n (bar.sync), or count this thread's arrival and go on
+// (bar.arrive); the shared-memory accesses before either are visible to the threads past the bar.sync
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ unsigned char* smem() {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   return dyn_smem;
@@ -424,42 +429,60 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 
 // ---------------------------------------------------------------------------------------------
 // scan_kernel: one CTA per (value head h, slice of 32 state columns j0 = 32 * blockIdx.y), grid
-// (Hv, D/32), block 256 (8 warps), 1 CTA/SM; loops over the chunks in order. Columns of S are
-// independent here, so the CTA needs only its [128, 32] slice of S and of U. Per chunk, on the tensor
-// cores (3xBF16, m16n8k16), warp w, g = lane / 4, c = lane % 4:
+// (Hv, D/32), block 512 (16 warps in two roles of 8), 1 CTA/SM; loops over the chunks in order. Columns
+// of S are independent here, so the CTA needs only its [128, 32] slice of S and of U. Per chunk ci, on
+// the tensor cores (3xBF16, m16n8k16), g = lane / 4, c = lane % 4, w = the warp's index in its role:
+//   recurrence warps (0-7), the chain from chunk to chunk:
 //   (a) Delta [64, 32] = U - W S: warp w owns rows 16 (w/2) .. +15, columns 16 (w%2) .. +15 (two n8
 //       tiles sharing each A fragment), 8 k-steps over Dk; Delta to shared memory.
-//   (b) O [64, 32] = (fq * Q) S + P Delta, same tiles; Q is the raw q rows of qkv times the row factor
-//       fq = exp(G) / sqrt(Dk) / |q| at fragment load; P Delta runs only the k-steps ks <= mt (P is
-//       zero above the diagonal). Rows < T written to o as float2.
 //   (c) S [128, 32] <- exp(G_last) S + (fk * K)^T Delta: warp w owns S rows 16 w .. +15, all 32
 //       columns (four n8 tiles) as mma accumulators in registers across the whole loop; the A operand is
 //       K^T, read transposed from the raw k rows, times fk = exp(G_last - G) / |k|; then S to shared
-//       memory for the next (a), (b).
+//       memory for the next (a).
+//   output warps (8-15), off the chain: chunk ci's output needs only S at the chunk's start and Delta,
+//   so it runs while the recurrence warps go on to chunk ci + 1:
+//   (b) O [64, 32] = (fq * Q) S + P Delta, (a)'s tiles; Q is the raw q rows of qkv times the row factor
+//       fq = exp(G) / sqrt(Dk) / |q| at fragment load; P Delta runs only the k-steps ks <= mt (P is
+//       zero above the diagonal). Rows < T written to o as float2.
+// (The 8-warp form ran (a), (b), (c) in turn on every warp, 2 warps a scheduler each waiting its mma
+// chains: 4.8 us a chunk at 4K against ~1.5 us of tensor-core issue.) Every product, its operands and
+// its order of summation are as they were: the same bits.
 // S and Delta, the B operands, are kept in shared memory already split into bf16 hi and lo words
 // (split once when written, not at each of their two or three reads), transposed ([column][k]) and
 // paired (word 8 b + p of a column holds its rows 16 b + p and 16 b + p + 8: the k slot pairs of the
 // table at the top, and a C fragment's rows g, g + 8), so that ldmatrix reads their B fragments (two n8
 // tiles per ldmatrix.x4); W, Q, P are read by ldmatrix too and split at load, K (transposed A) by
-// scalar loads. Every shared address the loops
-// use is a per-lane base set before the chunk loop plus a constant per k-step.
-// Tiles arrive by cp.async, each as soon as the phase reading it is done: W and U during (b), (c)
-// of the previous chunk, Q, P, fq during (c) and (a), K, fk during (a) and (b) (one commit group per
-// tile set, always committed, so wait_group 2 before a phase means its own group has landed). q, k
-// rows past the prompt are zero-filled copies (their factors are 0 too).
+// scalar loads. Every shared address the loops use is a per-lane base set before the chunk loop plus a
+// constant per k-step (and the buffer's offset).
+// S and Delta have two buffers each, chunk ci's in buffer ci % 2. Hand-overs by named barriers (bar.sync
+// waits, bar.arrive only counts; both order the shared-memory accesses before them for the threads that
+// wait): the recurrence warps arrive at FULL[b] once Delta of chunk ci (and S of its start, written at the
+// end of chunk ci - 1) lies in buffer b, the output warps wait there; the output warps arrive at EMPTY[b]
+// once their (b) of chunk ci has read buffer b, and the recurrence warps wait there before writing S of
+// chunk ci + 2's start into it (in chunk ci + 1's (c)). Within a role, REC or OUT (256 threads).
+// Tiles arrive by cp.async, each as soon as its role's phase reading it is done: W and U (recurrence)
+// during (c) of the previous chunk, K, fk during (a); Q, fq (output) during the P Delta half of the
+// previous (b), P during the wait for FULL. A role commits its groups in a fixed order, always, so that
+// wait_group 1 before a recurrence phase and wait_group 0 before (b) mean its own tiles have landed. q,
+// k rows past the prompt are zero-filled copies (their factors are 0 too).
+constexpr int SCAN_THREADS = 2 * THREADS;
+enum ScanBarrier : int { BAR_REC = 1, BAR_OUT = 2, BAR_FULL = 3, BAR_EMPTY = 5 };  // FULL, EMPTY: + buffer
 struct ScanSmem {
   float W[C][LD];
   float Q[C][LD];     // raw q rows
   float K[C][KLD];    // raw k rows
   float P[C][PLD];
   float U[C][NLD];    // this CTA's columns of U
-  uint32_t Sh[COLS][SLD], Sl[COLS][SLD];  // this CTA's columns of S, [column][pair of rows], split
-  uint32_t Dh[COLS][DLD], Dl[COLS][DLD];  // Delta, [column][pair of tokens], split
+  struct SBuf {       // this CTA's columns of S, [column][pair of rows], split (lo words after the hi)
+    uint32_t h[COLS][SLD], l[COLS][SLD];
+  } S[2];
+  struct DBuf {       // Delta, [column][pair of tokens], split
+    uint32_t h[COLS][DLD], l[COLS][DLD];
+  } Dt[2];
   float fq[C], fk[C];
 };
-// the lo words lie sizeof(hi) bytes after the hi words (one ldmatrix base address for both)
-static_assert(offsetof(ScanSmem, Sl) == offsetof(ScanSmem, Sh) + sizeof(ScanSmem::Sh) &&
-              offsetof(ScanSmem, Dl) == offsetof(ScanSmem, Dh) + sizeof(ScanSmem::Dh));
+static_assert(sizeof(ScanSmem::SBuf) % 16 == 0 && sizeof(ScanSmem::DBuf) % 16 == 0 && offsetof(ScanSmem, S) % 16 == 0,
+              "ldmatrix rows of every buffer 16-byte aligned");
 
 // cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
 // dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
@@ -480,36 +503,35 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
   }
 }
 
-template <class PR = EnginePrecision>
-__global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
-  pdl_wait();
-  pdl_trigger();
-  ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem());
-  const int h = blockIdx.x, j0 = blockIdx.y * COLS, tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  const int kh = h / (p.Hv / p.Hk);
-  const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D, o_row = int64_t(p.Hv) * D;
-  const int64_t o_row8 = 8 * o_row, chunk_rows_o = C * o_row;
-  const float* qg = p.qkv + int64_t(kh) * D;                       // q of token 0
-  const float* kg = p.qkv + int64_t(p.Hk) * D + int64_t(kh) * D;   // k of token 0
-  const int mt = warp >> 1, nb = 16 * (warp & 1);                  // (a), (b): rows 16 mt.., columns nb..
-  // this lane's ldmatrix addresses at k-step 0: A of W, Q, P (rows 16 mt..), B of S^T (columns nb..)
-  // and of Delta^T (columns 0.., for (b) + nb rows); the lo words S_LO, D_LO bytes after the hi words
-  const uint32_t aW = saddr(&sm.W[16 * mt][0]) + 4 * lsm_a<LD>(lane), aQ = saddr(&sm.Q[16 * mt][0]) + 4 * lsm_a<LD>(lane),
-                 aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane), bS = saddr(&sm.Sh[nb][0]) + 4 * lsm_b2<SLD>(lane),
-                 bD = saddr(&sm.Dh[0][0]) + 4 * lsm_b2<DLD>(lane);
-  constexpr uint32_t S_LO = sizeof(ScanSmem::Sh), D_LO = sizeof(ScanSmem::Dh);  // (static_assert above)
+// What both roles share: the CTA's head and columns, the row width of qkv and their lane coordinates
+// (tid: the thread's index in its role, 0..255).
+struct ScanCtx {
+  int h, j0, kh, tid, lane, warp, g, c;
+  int64_t Wd, chunk_rows, step8, blk_step;
+};
+
+template <class PR>
+__device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, const ScanCtx& x) {
+  const int lane = x.lane, warp = x.warp, g = x.g, c = x.c, tid = x.tid;
+  const float* kg = p.qkv + int64_t(p.Hk) * D + int64_t(x.kh) * D;  // k of token 0
+  const int mt = warp >> 1, nb = 16 * (warp & 1);                    // (a): rows 16 mt.., columns nb..
+  // this lane's ldmatrix addresses at k-step 0 of buffer 0: A of W (rows 16 mt..), B of S^T (columns
+  // nb..) and of Delta^T (columns 0..); the lo words S_LO, D_LO bytes after the hi words
+  const uint32_t aW = saddr(&sm.W[16 * mt][0]) + 4 * lsm_a<LD>(lane),
+                 bS = saddr(&sm.S[0].h[nb][0]) + 4 * lsm_b2<SLD>(lane), bD = saddr(&sm.Dt[0].h[0][0]) + 4 * lsm_b2<DLD>(lane);
+  constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h),
+                     S_BUF = sizeof(ScanSmem::SBuf), D_BUF = sizeof(ScanSmem::DBuf);
   // the lo words of S (Delta) are stored only if a product reads them
   constexpr bool SL = uses_b_lo(PR::WS) || uses_b_lo(PR::QS), DL = uses_b_lo(PR::PD) || uses_b_lo(PR::KD);
   // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
-  float* Sg = p.state + int64_t(h) * D * D + j0;  // S[h][.][j0], row stride D
+  float* Sg = p.state + int64_t(x.h) * D * D + x.j0;  // S[h][.][j0], row stride D
   float s[4][4];
-  auto store_s = [&] {  // s, split, to Sh, Sl: rows 16 warp + g, + 8 of a column are its word 8 warp + g
+  auto store_s = [&](int b) {  // s, split, to buffer b: rows 16 warp + g, + 8 of a column are its word 8 warp + g
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        st_pair<SL>(&sm.Sh[0][0], &sm.Sl[0][0], (8 * nt + 2 * c + e) * SLD + 8 * warp + g, s[nt][e], s[nt][e + 2]);
+        st_pair<SL>(&sm.S[b].h[0][0], &sm.S[b].l[0][0], (8 * nt + 2 * c + e) * SLD + 8 * warp + g, s[nt][e], s[nt][e + 2]);
   };
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
@@ -518,62 +540,49 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     const float2 hi = *reinterpret_cast<const float2*>(Sg + (r + 8) * D + col);
     s[nt][0] = lo.x, s[nt][1] = lo.y, s[nt][2] = hi.x, s[nt][3] = hi.y;
   }
-  store_s();
+  store_s(0);
   // cp.async plan: every chunk copies the same tile positions, so this thread's shared destinations
   // (32-bit addresses) and offsets in a workspace block are set once here; per chunk only the block
-  // and the q, k row pointers move. W, Q, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 +
-  // 32 i (i < 2), float4 tid % 8; P: rows tid / 16 + 16 i (i < 4), float4 tid % 16; fq, fk: tid < 16.
-  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sQ = saddr(&sm.Q[warp][4 * lane]),
-                 sK = saddr(&sm.K[warp][4 * lane]), sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]),
-                 sP = saddr(&sm.P[tid / 16][4 * (tid % 16)]), sfq = saddr(sm.fq) + 16 * tid,
-                 sfk = saddr(sm.fk) + 16 * tid;
-  const int oW = WS_W + warp * D + 4 * lane, oU = WS_U + (tid / 8) * D + j0 + 4 * (tid % 8),
-            oP = WS_P + (tid / 16) * C + 4 * (tid % 16);
-  const int64_t step8 = 8 * Wd, chunk_rows = C * Wd, blk_step = int64_t(p.Hv) * BLOCK;
+  // and the k row pointer move. W, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 + 32 i
+  // (i < 2), float4 tid % 8; fk: tid < 16.
+  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sK = saddr(&sm.K[warp][4 * lane]),
+                 sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]), sfk = saddr(sm.fk) + 16 * tid;
+  const int oW = WS_W + warp * D + 4 * lane, oU = WS_U + (tid / 8) * D + x.j0 + 4 * (tid % 8);
   auto issue_wu = [&](const float* wsb) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) cp16(sW + 8 * LD * 4 * i, wsb + oW + 8 * D * i);
 #pragma unroll
     for (int i = 0; i < 2; ++i) cp16(sU + 32 * NLD * 4 * i, wsb + oU + 32 * D * i);
   };
-  // wsb: the chunk's workspace block, rows: this thread's first q (k) row of it, n: the chunk's tokens
-  auto issue_qp = [&](const float* wsb, const float* rows, int n) {
-    copy_rows<LD>(sQ, rows, step8, n, warp, qg);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
-    if (tid < C / 4) cp16(sfq, wsb + WS_FQ + 4 * tid);
-  };
+  // wsb: the chunk's workspace block, rows: this thread's first k row of it, n: the chunk's tokens
   auto issue_k = [&](const float* wsb, const float* rows, int n) {
-    copy_rows<KLD>(sK, rows, step8, n, warp, kg);
+    copy_rows<KLD>(sK, rows, x.step8, n, warp, kg);
     if (tid < C / 4) cp16(sfk, wsb + WS_FK + 4 * tid);
   };
-  const float* blk = p.ws + int64_t(h) * BLOCK;  // chunk 0's workspace block
-  const float* qrow = qg + warp * Wd + 4 * lane;  // this thread's q, k rows of chunk 0
-  const float* krow = kg + warp * Wd + 4 * lane;
-  float* orow = p.o + (16 * mt + g) * o_row + int64_t(h) * D + j0 + nb + 2 * c;  // (b)'s o of chunk 0
+  const float* blk = p.ws + int64_t(x.h) * BLOCK;  // chunk 0's workspace block
+  const float* krow = kg + warp * x.Wd + 4 * lane;  // this thread's k rows of chunk 0
   issue_wu(blk);
-  commit();
-  issue_qp(blk, qrow, min(C, p.T));
   commit();
   issue_k(blk, krow, min(C, p.T));
   commit();
-  for (int ci = 0; ci < p.num_chunks; ++ci, blk += blk_step, qrow += chunk_rows, krow += chunk_rows, orow += chunk_rows_o) {
+  for (int ci = 0; ci < p.num_chunks; ++ci, blk += x.blk_step, krow += x.chunk_rows) {
+    const int b = ci & 1;
     const bool more = ci + 1 < p.num_chunks;
-    const int n = min(C, p.T - ci * C), n_next = min(C, p.T - (ci + 1) * C);
+    const int n_next = min(C, p.T - (ci + 1) * C);
     const float gC = blk[WS_GC];
-    wait2();
-    __syncthreads();  // W, U of chunk ci landed; S of the previous chunk in shared memory
+    wait_group<1>();
+    bar_sync(BAR_REC, THREADS);  // W, U of chunk ci landed; S of its start in buffer b
 
     // (a) Delta = U - W S
     {
       float acc[2][4] = {}, sml[2][4] = {};
 #pragma unroll 2
       for (int ks = 0; ks < D / 16; ++ks) {  // k-step ks: 64 bytes on in W, 32 in S^T
-        Split a[4], b[2][2];
+        Split a[4], bb[2][2];
         frag_a(a, aW + 64 * ks);
-        frag_b2_pre<uses_b_lo(PR::WS)>(b[0], b[1], bS + 32 * ks, S_LO);
+        frag_b2_pre<uses_b_lo(PR::WS)>(bb[0], bb[1], bS + b * S_BUF + 32 * ks, S_LO);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, b[j][0], b[j][1]);
+        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, bb[j][0], bb[j][1]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -585,52 +594,16 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = nb + 8 * j + 2 * c + e;
-          st_pair<DL>(&sm.Dh[0][0], &sm.Dl[0][0], col * DLD + 8 * mt + g, sm.U[r][col] - acc[j][e],
+          st_pair<DL>(&sm.Dt[b].h[0][0], &sm.Dt[b].l[0][0], col * DLD + 8 * mt + g, sm.U[r][col] - acc[j][e],
                       sm.U[r + 8][col] - acc[j][e + 2]);
         }
     }
-    __syncthreads();  // Delta complete; W, U free
-    if (more) issue_wu(blk + blk_step);
+    bar_sync(BAR_REC, THREADS);  // Delta complete; W, U free
+    bar_arrive(BAR_FULL + b, SCAN_THREADS);  // S and Delta of chunk ci to the output warps
+    if (more) issue_wu(blk + x.blk_step);
     commit();
-    wait2();
-    __syncthreads();  // Q, P, fq of chunk ci landed
-
-    // (b) O = (fq * Q) S + P Delta
-    {
-      float acc[2][4] = {}, sml[2][4] = {};
-      const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
-#pragma unroll 2
-      for (int ks = 0; ks < D / 16; ++ks) {
-        Split a[4], b[2][2];
-        frag_a(a, aQ + 64 * ks, f0, f1);
-        frag_b2_pre<uses_b_lo(PR::QS)>(b[0], b[1], bS + 32 * ks, S_LO);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) mma_p<PR::QS>(acc[j], sml[j], a, b[j][0], b[j][1]);
-      }
-#pragma unroll 1
-      for (int ks = 0; ks <= mt; ++ks) {  // P's k-steps at or left of the diagonal
-        Split a[4], b[2][2];
-        frag_a(a, aP + 64 * ks);
-        frag_b2_pre<uses_b_lo(PR::PD)>(b[0], b[1], bD + nb * DLD * 4 + 32 * ks, D_LO);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) mma_p<PR::PD>(acc[j], sml[j], a, b[j][0], b[j][1]);
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
-      const int r = 16 * mt + g;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if (r < n) st2(orow + 8 * j, acc[j][0], acc[j][1]);
-        if (r + 8 < n) st2(orow + o_row8 + 8 * j, acc[j][2], acc[j][3]);
-      }
-    }
-    __syncthreads();  // Q, P, fq and S in shared memory free
-    if (more) issue_qp(blk + blk_step, qrow + chunk_rows, n_next);
-    commit();
-    wait2();
-    __syncthreads();  // K, fk of chunk ci landed
+    wait_group<1>();
+    bar_sync(BAR_REC, THREADS);  // K, fk of chunk ci landed
 
     // (c) S <- exp(G_last) S + (fk * K)^T Delta
     float sml[4][4] = {};
@@ -640,20 +613,23 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
       for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
 #pragma unroll 2
     for (int ks = 0; ks < C / 16; ++ks) {
-      Split a[4], b[4][2];
+      Split a[4], bb[4][2];
       frag_at<KLD>(a, &sm.K[16 * ks][16 * warp], &sm.fk[16 * ks], g, c);
-      frag_b2_pre<uses_b_lo(PR::KD)>(b[0], b[1], bD + 32 * ks, D_LO);
-      frag_b2_pre<uses_b_lo(PR::KD)>(b[2], b[3], bD + 16 * DLD * 4 + 32 * ks, D_LO);
+      frag_b2_pre<uses_b_lo(PR::KD)>(bb[0], bb[1], bD + b * D_BUF + 32 * ks, D_LO);
+      frag_b2_pre<uses_b_lo(PR::KD)>(bb[2], bb[3], bD + b * D_BUF + 16 * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a, b[nt][0], b[nt][1]);
+      for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a, bb[nt][0], bb[nt][1]);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
-    store_s();
-    __syncthreads();  // K, fk, Delta free
-    if (more) issue_k(blk + blk_step, krow + chunk_rows, n_next);
+    if (more) {
+      if (ci >= 1) bar_sync(BAR_EMPTY + (b ^ 1), SCAN_THREADS);  // the output warps are done with chunk ci - 1
+      store_s(b ^ 1);
+    }
+    bar_sync(BAR_REC, THREADS);  // K, fk free
+    if (more) issue_k(blk + x.blk_step, krow + x.chunk_rows, n_next);
     commit();
   }
 #pragma unroll
@@ -662,6 +638,101 @@ __global__ void __launch_bounds__(THREADS, 1) scan_kernel(Params p) {
     st2(Sg + r * D + col, s[nt][0], s[nt][1]);
     st2(Sg + (r + 8) * D + col, s[nt][2], s[nt][3]);
   }
+}
+
+template <class PR>
+__device__ __forceinline__ void scan_output(const Params& p, ScanSmem& sm, const ScanCtx& x) {
+  const int lane = x.lane, warp = x.warp, g = x.g, c = x.c, tid = x.tid;
+  const int64_t o_row = int64_t(p.Hv) * D, o_row8 = 8 * o_row, chunk_rows_o = C * o_row;
+  const float* qg = p.qkv + int64_t(x.kh) * D;  // q of token 0
+  const int mt = warp >> 1, nb = 16 * (warp & 1);  // rows 16 mt.., columns nb..
+  // this lane's ldmatrix addresses at k-step 0 of buffer 0: A of Q, P (rows 16 mt..), B of S^T (columns
+  // nb..) and of Delta^T (columns nb..)
+  const uint32_t aQ = saddr(&sm.Q[16 * mt][0]) + 4 * lsm_a<LD>(lane), aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane),
+                 bS = saddr(&sm.S[0].h[nb][0]) + 4 * lsm_b2<SLD>(lane), bD = saddr(&sm.Dt[0].h[nb][0]) + 4 * lsm_b2<DLD>(lane);
+  constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h),
+                     S_BUF = sizeof(ScanSmem::SBuf), D_BUF = sizeof(ScanSmem::DBuf);
+  // cp.async plan (as the recurrence's): Q: rows warp + 8 i (i < 8), float4 lane; P: rows tid / 16 + 16 i
+  // (i < 4), float4 tid % 16; fq: tid < 16.
+  const uint32_t sQ = saddr(&sm.Q[warp][4 * lane]), sP = saddr(&sm.P[tid / 16][4 * (tid % 16)]),
+                 sfq = saddr(sm.fq) + 16 * tid;
+  const int oP = WS_P + (tid / 16) * C + 4 * (tid % 16);
+  auto issue_q = [&](const float* wsb, const float* rows, int n) {
+    copy_rows<LD>(sQ, rows, x.step8, n, warp, qg);
+    if (tid < C / 4) cp16(sfq, wsb + WS_FQ + 4 * tid);
+  };
+  auto issue_p = [&](const float* wsb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
+  };
+  const float* blk = p.ws + int64_t(x.h) * BLOCK;  // chunk 0's workspace block
+  const float* qrow = qg + warp * x.Wd + 4 * lane;  // this thread's q rows of chunk 0
+  float* orow = p.o + (16 * mt + g) * o_row + int64_t(x.h) * D + x.j0 + nb + 2 * c;  // o of chunk 0
+  issue_q(blk, qrow, min(C, p.T));
+  commit();
+  issue_p(blk);
+  commit();
+  for (int ci = 0; ci < p.num_chunks; ++ci, blk += x.blk_step, qrow += x.chunk_rows, orow += chunk_rows_o) {
+    const int b = ci & 1;
+    const bool more = ci + 1 < p.num_chunks;
+    const int n = min(C, p.T - ci * C), n_next = min(C, p.T - (ci + 1) * C);
+    wait_group<1>();
+    bar_sync(BAR_OUT, THREADS);  // Q, fq of chunk ci landed
+    bar_sync(BAR_FULL + b, SCAN_THREADS);  // S of its start and its Delta in buffer b
+    float acc[2][4] = {}, sml[2][4] = {};
+    {  // (b), first half: (fq * Q) S
+      const float f0 = sm.fq[16 * mt + g], f1 = sm.fq[16 * mt + g + 8];
+#pragma unroll 2
+      for (int ks = 0; ks < D / 16; ++ks) {
+        Split a[4], bb[2][2];
+        frag_a(a, aQ + 64 * ks, f0, f1);
+        frag_b2_pre<uses_b_lo(PR::QS)>(bb[0], bb[1], bS + b * S_BUF + 32 * ks, S_LO);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma_p<PR::QS>(acc[j], sml[j], a, bb[j][0], bb[j][1]);
+      }
+    }
+    bar_sync(BAR_OUT, THREADS);  // Q, fq free
+    if (more) issue_q(blk + x.blk_step, qrow + x.chunk_rows, n_next);
+    commit();
+    wait_group<1>();
+    bar_sync(BAR_OUT, THREADS);  // P of chunk ci landed
+#pragma unroll 1
+    for (int ks = 0; ks <= mt; ++ks) {  // (b), second half: P Delta, the k-steps at or left of the diagonal
+      Split a[4], bb[2][2];
+      frag_a(a, aP + 64 * ks);
+      frag_b2_pre<uses_b_lo(PR::PD)>(bb[0], bb[1], bD + b * D_BUF + 32 * ks, D_LO);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) mma_p<PR::PD>(acc[j], sml[j], a, bb[j][0], bb[j][1]);
+    }
+    if (ci + 2 < p.num_chunks) bar_arrive(BAR_EMPTY + b, SCAN_THREADS);  // buffer b free for chunk ci + 2
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
+    const int r = 16 * mt + g;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (r < n) st2(orow + 8 * j, acc[j][0], acc[j][1]);
+      if (r + 8 < n) st2(orow + o_row8 + 8 * j, acc[j][2], acc[j][3]);
+    }
+    bar_sync(BAR_OUT, THREADS);  // P free
+    if (more) issue_p(blk + x.blk_step);
+    commit();
+  }
+}
+
+template <class PR = EnginePrecision>
+__global__ void __launch_bounds__(SCAN_THREADS, 1) scan_kernel(Params p) {
+  pdl_wait();
+  pdl_trigger();
+  ScanSmem& sm = *reinterpret_cast<ScanSmem*>(smem());
+  ScanCtx x;
+  x.h = blockIdx.x, x.j0 = blockIdx.y * COLS, x.kh = x.h / (p.Hv / p.Hk);
+  x.tid = threadIdx.x % THREADS, x.lane = x.tid & 31, x.warp = x.tid >> 5, x.g = x.lane >> 2, x.c = x.lane & 3;
+  x.Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;
+  x.chunk_rows = C * x.Wd, x.step8 = 8 * x.Wd, x.blk_step = int64_t(p.Hv) * BLOCK;
+  if (threadIdx.x < THREADS) scan_recurrence<PR>(p, sm, x);
+  else scan_output<PR>(p, sm, x);
 }
 
 }  // namespace lily::cuda::gdn_chunk

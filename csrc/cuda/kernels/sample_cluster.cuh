@@ -203,10 +203,21 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
       unsigned key[4];
       u64 w[4];
       const unsigned is_candidate = elem(v0, key, w);
+      const unsigned active = __activemask(), lane = threadIdx.x & 31u;
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if ((is_candidate >> k & 1u) && w[k] != 0 && (key[k] & mask) == prefix)
-          atomicAdd(&hist[(key[k] >> shift) & 255u], w[k]);
+      for (int k = 0; k < 4; ++k) {
+        const bool take = (is_candidate >> k & 1u) && w[k] != 0 && (key[k] & mask) == prefix;
+        const unsigned bin = (key[k] >> shift) & 255u;
+        // Unit weights (the top-k counts): the lanes of a warp that hit one bin add their count in one atomic
+        // (logits share their top key bytes, so otherwise ~all of a warp's atomics go to one or two bins and
+        // serialise). The bins are integer sums, so the histogram is the same whatever the grouping.
+        if (__all_sync(active, !take || w[k] == 1)) {
+          const unsigned peers = __match_any_sync(active, take ? bin : RADIX_BINS);
+          if (take && (peers & ((1u << lane) - 1u)) == 0) atomicAdd(&hist[bin], u64(__popc(peers)));
+        } else if (take) {
+          atomicAdd(&hist[bin], w[k]);
+        }
+      }
     }
     c.cluster.sync();
     for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
