@@ -115,6 +115,7 @@ SAMPLING = [
     dict(temperature=1.0, min_p=0.05),
     dict(temperature=0.8, top_k=50, top_p=0.8, min_p=0.02, **PENALTIES),
     dict(temperature=1.0, top_p=0.5, **PENALTIES),
+    dict(temperature=0.9, top_k=2000, top_p=0.9),  # more kept ids than the candidate path takes: the full passes
 ]
 
 
@@ -138,6 +139,21 @@ def test_seeded_draws_equal(V, params):
         np.testing.assert_array_equal(gpu[1], cpu[1])
         np.testing.assert_array_equal(gpu[2], cpu[2])
     assert checked >= len(seeds) // 2, f"only {checked} of {len(seeds)} seeds away from a boundary"
+
+
+@pytest.mark.parametrize("ties", [1000, 1100])
+def test_top_k_ties_on_both_paths(ties):
+    """top_k keeps every id tied with its threshold: 1,000 tied ids go through the candidate path (at most
+    SAMPLE_CANDIDATES = 1024 kept ids), 1,100 through the full passes; equal e make every sum exact, so both
+    choose the CPU's token, always one of the tied ids."""
+    rng = np.random.default_rng(ties)
+    logits, counts, seen = inputs(rng, REAL_V)
+    tied = rng.choice(REAL_V, ties, replace=False)
+    logits[tied] = logits.max() + 1.0
+    for seed in range(6):
+        p = dict(temperature=0.8, top_k=20, top_p=0.9, seed=seed)
+        cpu, gpu = run("cpu", logits, counts, seen, seed, **p), run("cuda", logits, counts, seen, seed, **p)
+        assert gpu[0] == cpu[0] and gpu[0] in tied, f"seed {seed}: token {gpu[0]} (cpu {cpu[0]})"
 
 
 @pytest.mark.parametrize("V", [99, REAL_V])
@@ -169,10 +185,14 @@ def test_repeatable_and_never_masked():
     rng = np.random.default_rng(9)
     logits, counts, seen = inputs(rng, REAL_V)
     logits[::2] = -np.inf  # masked ids must never be drawn
-    p = dict(temperature=1.2, top_p=0.99, seed=17)
-    draws = [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
-    assert all(d % 2 == 1 for d in draws)
-    assert draws == [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
+    for p in (dict(temperature=1.2, top_p=0.99, seed=17), dict(temperature=1.2, top_k=5, top_p=0.99, seed=17)):
+        draws = [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
+        assert all(d % 2 == 1 for d in draws)
+        assert draws == [run("cuda", logits, counts, seen, step, **p)[0] for step in range(20)]
+    # top_k past the finite ids: its threshold is -inf, every id is kept (the full passes), masked ones never drawn
+    logits[1::2][20:] = -np.inf
+    p = dict(temperature=1.0, top_k=40, seed=3)
+    assert all(run("cuda", logits, counts, seen, step, **p)[0] % 2 == 1 for step in range(10))
 
 
 @pytest.mark.parametrize("params", [dict(), dict(temperature=1.0), dict(temperature=0.6, top_k=20, top_p=0.95),

@@ -1,7 +1,9 @@
 // The sampler (device code only; launcher in sample.cu): the canonical algorithm of
 // docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS CTAs x SAMPLE_THREADS
 // (512 threads leave 128 registers, no spills).
-//   z_v = penalise(l_v) [/ T];  greedy: argmax z;  else top_k threshold (radix select on z keys),
+//   z_v = penalise(l_v) [/ T];  greedy: argmax z;  else top_k threshold (radix select on z keys);
+//   with top_k and at most SAMPLE_CANDIDATES kept ids (the candidate path): those ids gathered on rank 0,
+//   then min_p, top_p and the draw on them in the CPU's f32 steps; otherwise over all ids:
 //   e_v = exp(z_v - max z), min_p, top_p threshold (radix select on e keys weighted by e in 2^-40
 //   fixed point), u = uniform01(seed, step), chosen = first kept id with prefix(e) > u * sum(e).
 // logits, counts, seen [V] (f32, i32, i32; 16-byte aligned); token [1]; logprob ids/values [21].
@@ -80,6 +82,109 @@ struct Keep {  // the thresholds found so far; an id is kept when it passes all 
 __device__ __forceinline__ float scaled(const SampleParams& p, float z) { return __fdiv_rn(z, p.temperature); }
 __device__ __forceinline__ float weight_e(float zt, float m) { return zt == m ? 1.f : expf(zt - m); }
 
+// The candidate path's first half, in every CTA: its ids v in [lo, hi) with z_v / T >= z_min (top_k's threshold),
+// in ascending order, to sh.cand_id / cand_z (the first SAMPLE_CANDIDATES of them); returns how many there are.
+// A tile's ids take their places by a block scan of the threads' counts (exact in f32: < 2^24).
+__device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, SampleShared& sh) {
+  int base = 0;
+  for (int tile = lo; tile < hi; tile += SAMPLE_TILE) {
+    const int v0 = tile + 4 * int(threadIdx.x);
+    const Quad q = load_quad(p, v0, hi);
+    float zt[4];
+    unsigned kept = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      zt[k] = scaled(p, q.z[k]);
+      if (v0 + k < hi && zt[k] >= z_min) kept |= 1u << k;
+    }
+    float tile_total;
+    int at = base + int(block_exclusive_scan(float(__popc(kept)), tile_total, sh));
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (kept >> k & 1u) {
+        if (at < SAMPLE_CANDIDATES) sh.cand_id[at] = v0 + k, sh.cand_z[at] = zt[k];
+        ++at;
+      }
+    base += int(tile_total);
+  }
+  return base;
+}
+
+// The candidate path's second half: steps 6-8 and the draw on the n <= SAMPLE_CANDIDATES ids top_k kept (every
+// CTA's list in sh.cand_*, published before a cluster barrier), by rank 0, in the CPU reference's f32 steps and
+// orders (cpu/sample.cpp): e = exp(z / T - m); min_p; top_p on the kept e sorted descending, W summed in id
+// order; then W' and the inverse CDF in id order, one thread. The other ranks only wait: every thread returns
+// the chosen id after a cluster reduction (which also keeps the peers' lists alive until rank 0 has read them).
+// Compared with the full passes below (4 radix levels for top_p, 2 passes for the CDF, each over all V ids),
+// this reads the ~k kept ids; its sums are the CPU's, so CPU and GPU now differ only by expf's ulps.
+__device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, ClusterCtx& c) {
+  SampleShared& sh = c.sh;
+  const int tid = int(threadIdx.x);
+  int chosen = -1;
+  if (c.cluster.block_rank() == 0) {
+    int off = 0;  // rank order is id order: CTA r owns the r-th id range
+    for (int r = 0; r < SAMPLE_CTAS; ++r) {
+      const SampleShared* peer = c.cluster.map_shared_rank(&sh, r);
+      const int nr = peer->cand_n;
+      for (int j = tid; j < nr; j += SAMPLE_THREADS)
+        sh.all_id[off + j] = peer->cand_id[j], sh.all_e[off + j] = weight_e(peer->cand_z[j], keep.m);
+      off += nr;
+    }
+    __syncthreads();
+    const float e_min = keep.e_min;  // min_p (0: every e passes)
+    float tau = 0.f;                 // top_p's threshold (0: every e passes)
+    if (p.top_p < 1.f) {
+      // the kept e in descending order: e_i goes to its rank (larger values first, ties by position)
+      for (int i = tid; i < n; i += SAMPLE_THREADS) {
+        const float x = sh.all_e[i];
+        if (!(x >= e_min)) continue;
+        int rank = 0;
+        for (int j = 0; j < n; ++j) {
+          const float y = sh.all_e[j];
+          rank += y >= e_min && (y > x || (y == x && j < i));
+        }
+        sh.sorted_e[rank] = x;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        float W = 0.f;
+        int kept = 0;
+        for (int i = 0; i < n; ++i)
+          if (sh.all_e[i] >= e_min) W += sh.all_e[i], ++kept;
+        const float need = p.top_p * W;
+        float t = kept ? sh.sorted_e[kept - 1] : 0.f, cum = 0.f;  // never reaching `need`: keep all
+        for (int r = 0; r < kept; ++r) {
+          cum += sh.sorted_e[r];
+          if (cum >= need) {
+            t = sh.sorted_e[r];
+            break;
+          }
+        }
+        sh.tau = t;
+      }
+      __syncthreads();
+      tau = sh.tau;
+    }
+    if (tid == 0) {
+      float W = 0.f;
+      for (int i = 0; i < n; ++i)
+        if (sh.all_e[i] >= e_min && sh.all_e[i] >= tau) W += sh.all_e[i];
+      const float target = uniform01(p.seed, p.step) * W;
+      float cum = 0.f;
+      int last = -1;
+      for (int i = 0; i < n && chosen < 0; ++i) {
+        const float e = sh.all_e[i];
+        if (!(e >= e_min && e >= tau)) continue;
+        cum += e;
+        if (cum > target) chosen = sh.all_id[i];
+        else if (e > 0.f) last = sh.all_id[i];  // never an id of zero mass
+      }
+      if (chosen < 0) chosen = last;
+    }
+  }
+  return cluster_reduce(chosen, MaxI{}, c);
+}
+
 // The draw of steps 4-8 given m = max z / T; every thread of the cluster returns the chosen id.
 __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& c) {
   Keep keep{m};
@@ -96,6 +201,14 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
     };
     const float t = key_float(radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c));
     keep.z_min = isnan(t) ? -INFINITY : t;
+    const int mine = compact_kept(p, lo, hi, keep.z_min, c.sh);  // the same in every thread of the CTA
+    if (threadIdx.x == 0) c.sh.cand_n = mine;
+    float kept;  // over the cluster; the same in every thread, so the branch is uniform
+    cluster_exclusive_sum(float(mine), kept, c);  // its barrier publishes every CTA's list
+    if (kept <= float(SAMPLE_CANDIDATES)) {
+      if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7
+      return draw_candidates(p, keep, int(kept), c);
+    }
   }
   if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7
   if (p.top_p < 1.f) {                       // 8: weights in 2^-40 fixed point, integer atomics

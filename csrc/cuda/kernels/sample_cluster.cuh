@@ -18,6 +18,9 @@ constexpr int SAMPLE_CTAS = 8;  // a portable cluster size
 constexpr int SAMPLE_THREADS = 512;
 constexpr int SAMPLE_TILE = 4 * SAMPLE_THREADS;  // ids per CTA per tile: 4 consecutive per thread
 constexpr int RADIX_BINS = 256;                  // 8 bits per radix level, 4 levels
+// Kept ids after top_k that the candidate path takes (kernels/sample.cuh, draw_candidates); top_k's ties can
+// keep more than k, and past this many (all CTAs together) the sampler runs its full passes instead.
+constexpr int SAMPLE_CANDIDATES = 1024;
 using u64 = unsigned long long;
 
 struct ArgMax {
@@ -36,6 +39,15 @@ struct SampleShared {
   float scan[32];                           // warp totals of a block scan
   unsigned sel_bin;
   u64 sel_above, sel_need;
+  // the candidate path: this CTA's kept ids in ascending order and their scores z / T (cand_n of them, the
+  // first SAMPLE_CANDIDATES stored); rank 0 gathers every CTA's into all_id, all_e (e = exp(z / T - m)) and
+  // sorts the kept e descending into sorted_e
+  int cand_id[SAMPLE_CANDIDATES];
+  float cand_z[SAMPLE_CANDIDATES];
+  int cand_n;
+  int all_id[SAMPLE_CANDIDATES];
+  float all_e[SAMPLE_CANDIDATES], sorted_e[SAMPLE_CANDIDATES];
+  float tau;
 };
 
 struct ClusterCtx {
