@@ -505,7 +505,7 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
 // tile resets its own). A process-wide scratch like the decode attention's partials: products run one
 // at a time on the device's stream.
 constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 512;
-constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 threads x BM 64
+constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 outputs x BM 64 (a tile's accumulators)
 __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 
 // Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
