@@ -93,10 +93,15 @@ constexpr int WGX_THREADS = 256;
 // dequantisation's dependent chains) or 2 x 2 (the form before: BM accumulators, 16 A registers a half).
 constexpr int TMA_CONSUMER_WGS = 4, WG_BLOCKS = 4 / TMA_CONSUMER_WGS;
 constexpr int TMA_CONSUMERS = 128 * TMA_CONSUMER_WGS;  // consumer threads
-constexpr int TMA_THREADS = 128 + TMA_CONSUMERS, TMA_PRODUCER_REGS = 40,
+constexpr int TMA_THREADS = 128 + TMA_CONSUMERS, TMA_PRODUCER_REGS = TMA_CONSUMER_WGS == 2 ? 40 : 32,
               TMA_CONSUMER_REGS = TMA_CONSUMER_WGS == 2 ? 232 : 112;
 static_assert(WG_BLOCKS * TMA_CONSUMER_WGS == 4, "four m64 blocks make the 256 weight rows of a tile");
-static_assert(128 * TMA_PRODUCER_REGS + TMA_CONSUMERS * TMA_CONSUMER_REGS <= 65536, "the register file");
+// setmaxnreg moves registers only inside the CTA's launch allocation (__launch_bounds__(TMA_THREADS, 1): the
+// largest multiple of 8 a thread that fits 64K registers): the consumers' increase must come from what the
+// producer releases, or setmaxnreg.inc waits for ever (the producer then traps in mbar_wait).
+constexpr int TMA_LAUNCH_REGS = 65536 / TMA_THREADS / 8 * 8;  // 168 at 384 threads, 96 at 640
+static_assert(128 * TMA_PRODUCER_REGS + TMA_CONSUMERS * TMA_CONSUMER_REGS <= TMA_THREADS * TMA_LAUNCH_REGS,
+              "setmaxnreg: the consumers' registers must come from the producer's release");
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits) { return WG_BN * tma_w_row_bytes(bits); }
@@ -509,7 +514,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
 //   thread's own G and U) while the producer already fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 96 at launch (640 threads), consumers
-// 112 (ptxas: the highest register used is R109 at BM = 128), producer 40; no spills (ptxas -v).
+// 112 (ptxas: the highest register used is R109 at BM = 128), producer 32 (128 x 32 + 512 x 112 = 640 x 96:
+// TMA_LAUNCH_REGS); no spills (ptxas -v).
 template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
