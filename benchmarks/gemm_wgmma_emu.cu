@@ -81,7 +81,7 @@ static int run(int BM) {
     const int lane = ct & 31, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
     const int rbase = wg_row_base(false, cw, w4, g);
     for (int H = 0; H < 2; ++H)
-      for (int b = 0; b < WG_BLOCKS; ++b)
+      for (int b = 0; b < wg_blocks(BM); ++b)
         for (int h = 0; h < 2; ++h) {
           const int n = rbase + b * 64 + 8 * h;
           // the retired kernel's thread and block holding output n (2 warpgroups of two m64 blocks)

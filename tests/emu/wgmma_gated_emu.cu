@@ -39,7 +39,7 @@ static void check_rows() {
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, base = wg_row_base(true, cw, w4, g);
         if (g < 7) expect(wg_row_base(true, cw, w4, g + 1) == base + 1, "consecutive g: consecutive stage rows", cw, g);
-        for (int b = 0; b < WG_BLOCKS; ++b)
+        for (int b = 0; b < wg_blocks(128); ++b)
           for (int h = 0; h < 2; ++h) {
             const int srow = base + wg_row_step(true, b, h);
             if (srow < 0 || srow >= 256) {
@@ -68,8 +68,8 @@ static void check_epilogue(int BM) {
     for (int w4 = 0; w4 < 4; ++w4)
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, c = lane % 4, base = wg_row_base(true, cw, w4, g);
-        std::vector<std::vector<float>> acc(WG_BLOCKS, std::vector<float>(BM / 2));
-        for (int b = 0; b < WG_BLOCKS; ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
+        std::vector<std::vector<float>> acc(wg_blocks(BM), std::vector<float>(BM / 2));
+        for (int b = 0; b < wg_blocks(BM); ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
           for (int j = 0; j < BM / 8; ++j)
             for (int h = 0; h < 2; ++h)
               for (int e = 0; e < 2; ++e) {
@@ -78,7 +78,7 @@ static void check_epilogue(int BM) {
               }
         for (int j = 0; j < BM / 8; ++j)  // wg_store_gated's reads
           for (int e = 0; e < 2; ++e)
-            for (int b = 0; b < WG_BLOCKS; ++b) {
+            for (int b = 0; b < wg_blocks(BM); ++b) {
               const int r = 8 * j + 2 * c + e, o = base + wg_out_step(true, b, 0);
               if (o < 0 || o >= 128) {
                 expect(false, "output out of the tile", o, lane);
