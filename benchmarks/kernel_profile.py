@@ -2,9 +2,12 @@
 torch.profiler (CUPTI sees every kernel of the process, including lily's own). Needs torch with CUDA.
 
     python benchmarks/kernel_profile.py --model PATH [--context 4096] [--steps 16] [--rows 40] [--short 11]
+        [--sampling "temperature=0.7,top_p=0.8,top_k=20"]
 
 --short N also profiles an N-token prefill (the first token of a short chat: time to first token) and
-prints its wall time (median of 5, synchronised) next to the sum of its kernel times.
+prints its wall time (median of 5, synchronised) next to the sum of its kernel times. --sampling profiles the
+decode steps under that sampler (bench_engine.py's keys; default greedy): the sample kernel's row then shows what
+top_k / top_p / min_p cost a step.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lily
+from bench_engine import parse_sampling  # (benchmarks/ is this script's directory, first on sys.path)
 
 
 def prompt_ids(n: int, vocab: int) -> np.ndarray:
@@ -41,15 +45,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--short", type=int, default=0, help="also profile a prefill of this many tokens")
+    ap.add_argument("--sampling", default="", help="the decode steps' sampler as key=value pairs (default greedy)")
     a = ap.parse_args()
+    sampling = parse_sampling(a.sampling)
     torch.cuda.init()
     model = lily.Model.load(a.model, device="cuda", max_context=8)
     ids = prompt_ids(a.context, model.config.vocab_size)
-    s, prof = decode_steps(model, ids, a.steps, use_graph=False)
+    s, prof = decode_steps(model, ids, a.steps, use_graph=False, sampling=sampling)
     print(f"\n## eager decode at context {a.context}")
     table(prof, a.steps, a.rows)
     by_neighbours(prof, a.steps, a.rows)
-    _, prof = decode_steps(model, ids, a.steps, use_graph=True)
+    _, prof = decode_steps(model, ids, a.steps, use_graph=True, sampling=sampling)
     print(f"\n## graph-replayed decode at context {a.context}")
     table(prof, a.steps, a.rows)
     overlap(prof, a.steps)
@@ -64,11 +70,12 @@ def main() -> None:
         short_prefill(model, ids[:a.short], a.rows)
 
 
-def decode_steps(model, ids: np.ndarray, steps: int, use_graph: bool):
-    """A session prefilled with ids, 4 warm-up steps, then `steps` profiled decode steps: (session,
-    profile). Graph replays use programmatic launches (a kernel may start before its predecessor ends)."""
+def decode_steps(model, ids: np.ndarray, steps: int, use_graph: bool, sampling: dict | None = None):
+    """A session prefilled with ids, 4 warm-up steps, then `steps` profiled decode steps under `sampling`
+    (set_sampler's keywords; greedy without): (session, profile). Graph replays use programmatic launches (a
+    kernel may start before its predecessor ends)."""
     s = model.new_session(max_context=len(ids) + 4 * steps + 8, use_graph=use_graph)
-    s._core.set_sampler()
+    s._core.set_sampler(**(sampling or {}))
     s._core.prefill_sample(ids)
     for _ in range(4):
         s._core.decode_sample(-1)
