@@ -29,14 +29,15 @@ import tempfile
 import numpy as np
 
 
-def target(model_path: str, context: int, decode: int, chunk: int) -> None:
+def target(model_path: str, context: int, decode: int, chunk: int, sampling: str) -> None:
     import lily
+    from bench_engine import parse_sampling  # (benchmarks/ is this script's directory, first on sys.path)
 
     model = lily.Model.load(model_path, device="cuda", max_context=8, prefill_chunk=chunk)
     session = model.new_session(max_context=context + decode + 8)
     ids = ((np.arange(context, dtype=np.int64) * 2654435761) % 2**32 % model.config.vocab_size).astype(np.int32)
     core = session._core
-    core.set_sampler()
+    core.set_sampler(**parse_sampling(sampling))
     core.prefill_sample(ids)
     for _ in range(decode):
         core.decode_sample(-1)
@@ -52,13 +53,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (default 8192, the CUDA default)")
     ap.add_argument("--skip", type=int, default=0, help="matching launches to skip before the profiled one")
     ap.add_argument("--count", type=int, default=1, help="matching launches to profile (default 1)")
+    ap.add_argument("--sampling", default="", help="the sampler as bench_engine.py's key=value pairs (default greedy): "
+                    "with --kernel sample_kernel, what top_k / top_p cost")
     ap.add_argument("--page", default="details", choices=["details", "raw", "source"], help="ncu's report page")
     ap.add_argument("--set", default="full", help="ncu section set (full, detailed, basic)")
     ap.add_argument("--out", help="write ncu's report text here (default: stdout)")
     ap.add_argument("--run", action="store_true", help=argparse.SUPPRESS)  # ncu's target: do the model work
     a = ap.parse_args()
     if a.run:
-        return target(a.model, a.context, a.decode, a.chunk)
+        return target(a.model, a.context, a.decode, a.chunk, a.sampling)
     if not a.kernel:
         ap.error("--kernel is required")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
@@ -69,7 +72,7 @@ def main() -> None:
     cmd = [ncu, "--set", a.set, *page, "--kernel-name-base", "demangled",
            "--kernel-name", f"regex:{a.kernel}", "--launch-skip", str(a.skip), "--launch-count", str(a.count),
            sys.executable, __file__, "--run", "--model", a.model, "--context", str(a.context),
-           "--decode", str(a.decode), "--chunk", str(a.chunk)]
+           "--decode", str(a.decode), "--chunk", str(a.chunk), "--sampling", a.sampling]
     out = subprocess.run(cmd, capture_output=True, text=True)
     text = out.stdout + out.stderr
     if a.page == "source" and out.returncode == 0:
