@@ -481,6 +481,9 @@ struct ScanSmem {
   } Dt[2];
   float fq[C], fk[C];
 };
+// Byte offsets in a split S (Delta) buffer: the lo words after the hi words; buffer b at b * S_BUF (D_BUF).
+constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h), S_BUF = sizeof(ScanSmem::SBuf),
+                   D_BUF = sizeof(ScanSmem::DBuf);
 static_assert(sizeof(ScanSmem::SBuf) % 16 == 0 && sizeof(ScanSmem::DBuf) % 16 == 0 && offsetof(ScanSmem, S) % 16 == 0,
               "ldmatrix rows of every buffer 16-byte aligned");
 
@@ -519,8 +522,6 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
   // nb..) and of Delta^T (columns 0..); the lo words S_LO, D_LO bytes after the hi words
   const uint32_t aW = saddr(&sm.W[16 * mt][0]) + 4 * lsm_a<LD>(lane),
                  bS = saddr(&sm.S[0].h[nb][0]) + 4 * lsm_b2<SLD>(lane), bD = saddr(&sm.Dt[0].h[0][0]) + 4 * lsm_b2<DLD>(lane);
-  constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h),
-                     S_BUF = sizeof(ScanSmem::SBuf), D_BUF = sizeof(ScanSmem::DBuf);
   // the lo words of S (Delta) are stored only if a product reads them
   constexpr bool SL = uses_b_lo(PR::WS) || uses_b_lo(PR::QS), DL = uses_b_lo(PR::PD) || uses_b_lo(PR::KD);
   // (c): S rows 16 warp + g (+8), columns 8 nt + 2c (+1): s[nt] is that n8 tile's accumulator
@@ -650,8 +651,6 @@ __device__ __forceinline__ void scan_output(const Params& p, ScanSmem& sm, const
   // nb..) and of Delta^T (columns nb..)
   const uint32_t aQ = saddr(&sm.Q[16 * mt][0]) + 4 * lsm_a<LD>(lane), aP = saddr(&sm.P[16 * mt][0]) + 4 * lsm_a<PLD>(lane),
                  bS = saddr(&sm.S[0].h[nb][0]) + 4 * lsm_b2<SLD>(lane), bD = saddr(&sm.Dt[0].h[nb][0]) + 4 * lsm_b2<DLD>(lane);
-  constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h),
-                     S_BUF = sizeof(ScanSmem::SBuf), D_BUF = sizeof(ScanSmem::DBuf);
   // cp.async plan (as the recurrence's): Q: rows warp + 8 i (i < 8), float4 lane; P: rows tid / 16 + 16 i
   // (i < 4), float4 tid % 16; fq: tid < 16.
   const uint32_t sQ = saddr(&sm.Q[warp][4 * lane]), sP = saddr(&sm.P[tid / 16][4 * (tid % 16)]),

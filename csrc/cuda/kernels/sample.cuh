@@ -188,6 +188,7 @@ __device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, C
 // The draw of steps 4-8 given m = max z / T; every thread of the cluster returns the chosen id.
 __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& c) {
   Keep keep{m};
+  if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7 (top_k's select reads z only)
   if (p.top_k > 0 && p.top_k < p.V) {  // 5
     auto by_score = [&](int v0, unsigned key[4], u64 w[4]) {
       const Quad q = load_quad(p, v0, hi);
@@ -205,12 +206,8 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
     if (threadIdx.x == 0) c.sh.cand_n = mine;
     float kept;  // over the cluster; the same in every thread, so the branch is uniform
     cluster_exclusive_sum(float(mine), kept, c);  // its barrier publishes every CTA's list
-    if (kept <= float(SAMPLE_CANDIDATES)) {
-      if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7
-      return draw_candidates(p, keep, int(kept), c);
-    }
+    if (kept <= float(SAMPLE_CANDIDATES)) return draw_candidates(p, keep, int(kept), c);
   }
-  if (p.min_p > 0.f) keep.e_min = p.min_p;  // 7
   if (p.top_p < 1.f) {                       // 8: weights in 2^-40 fixed point, integer atomics
     auto by_mass = [&](int v0, unsigned key[4], u64 w[4]) {
       const Quad q = load_quad(p, v0, hi);
