@@ -68,7 +68,8 @@ static int run(int BM) {
   // linear_wgmma_tma.cuh: (1) Xb = wgx_bf16_kernel's permuted bf16 row, chunk j copied (cp.async or
   // TMA SWIZZLE_128B) to wg_swz(r, j) must give the same B tile as convert_x; (2) the TMA consumers'
   // half-tile dequantization (wg_dequant_half: chunk H of the row's 32 bytes, words m = 0..3 -> step
-  // 2H + m/2, register (m%2)*2 + h; consumer warpgroup cw plays wg) must give the same A fragments.
+  // 2H + m/2, register (m%2)*2 + h; thread (cw, w4, g) at wg_row_base) must give the A fragments the retired
+  // kernel's thread of the same output row holds.
   int xb_bad = 0, half_bad = 0;
   for (int r = 0; r < BM; ++r)
     for (int j = 0; j < 8; ++j) {
@@ -76,18 +77,20 @@ static int run(int BM) {
       for (int t = 0; t < 4; ++t) xb[2 * t] = bf16_round(X[r * BK + 8 * j + t]), xb[2 * t + 1] = bf16_round(X[r * BK + 8 * j + 4 + t]);
       for (int t = 0; t < 8; ++t) xb_bad += !(xs[(wg_swz(r, j) + 2 * t) / 2] == xb[t]);
     }
-  for (int ct = 0; ct < 256; ++ct) {
+  for (int ct = 0; ct < TMA_CONSUMERS; ++ct) {
     const int lane = ct & 31, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-    const int rbase = cw * 128 + w4 * 16 + g;
+    const int rbase = wg_row_base(false, cw, w4, g);
     for (int H = 0; H < 2; ++H)
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < wg_blocks(BM); ++b)
         for (int h = 0; h < 2; ++h) {
           const int n = rbase + b * 64 + 8 * h;
+          // the retired kernel's thread and block holding output n (2 warpgroups of two m64 blocks)
+          const int tid_r = (n >> 7) * 128 + ((n >> 4) & 3) * 32 + (n & 7) * 4 + c, b_r = (n >> 6) & 1;
           for (int m = 0; m < 4; ++m) {
             const uint32_t bits = (W[n * 8 + 4 * H + m] >> (4 * c)) & 0x000F000Fu;
             const float v0 = bf16_round(S[n] * (bits & 15) + B[n]), v1 = bf16_round(S[n] * ((bits >> 16) & 15) + B[n]);
             const int step = 2 * H + (m >> 1), reg = (m & 1) * 2 + h;
-            half_bad += !(Aat(ct, b, step, reg, 0) == v0) + !(Aat(ct, b, step, reg, 1) == v1);
+            half_bad += !(Aat(tid_r, b_r, step, reg, 0) == v0) + !(Aat(tid_r, b_r, step, reg, 1) == v1);
           }
         }
   }

@@ -505,7 +505,7 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
 // tile resets its own). A process-wide scratch like the decode attention's partials: products run one
 // at a time on the device's stream.
 constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 512;
-constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 threads x BM 64
+constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 outputs x BM 64 (a tile's accumulators)
 __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 
 // Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
@@ -563,9 +563,10 @@ static bool use_gated_wgmma(const LinearArgs& a) {
          (a.tiles.tile_expert != nullptr || a.tiles.M >= WG_GATED_MIN_DENSE_ROWS);
 }
 
-// Column tiles of linear_wgmma_tma_kernel: 256 outputs, or 128 of a gated product.
-static int64_t wgmma_col_tiles(const LinearArgs& a) {
-  return ceil_div<int64_t>(a.w.rows, a.up.w != nullptr ? WG_BN / 2 : WG_BN);
+// Column tiles of linear_wgmma_tma_kernel at row tiles of BM: wg_rows(BM) outputs (256; 128 at BM = 256), or
+// half that of a gated product.
+static int64_t wgmma_col_tiles(const LinearArgs& a, int bm = 128) {
+  return ceil_div<int64_t>(a.w.rows, a.up.w != nullptr ? wg_rows(bm) / 2 : wg_rows(bm));
 }
 
 // The persistent GEMM over row_tiles x column tiles: min(tiles, SMs) CTAs. Tensor maps are encoded per
@@ -574,7 +575,7 @@ static int64_t wgmma_col_tiles(const LinearArgs& a) {
 template <int BITS, int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false>
 static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
   const auto kernel = linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>;
-  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), box_rows = GATED ? WG_BN / 2 : WG_BN;
+  constexpr int smem = tma_smem_bytes(BM, BITS, GATED), box_rows = GATED ? wg_rows(BM) / 2 : wg_rows(BM);
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
@@ -588,7 +589,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
     check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows), "linear",
                      "up");
   else mu = mw;
-  const int64_t units = row_tiles * wgmma_col_tiles(a) * a.k_splits;
+  const int64_t units = row_tiles * wgmma_col_tiles(a, BM) * a.k_splits;
   launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), TMA_THREADS, size_t(smem), a, xb, mx, mw, mu);
   LILY_CUDA_LAUNCHED();
 }
@@ -605,6 +606,14 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 static bool dense_wide(int64_t M, int64_t col_tiles, int64_t sms) {
   const int64_t t128 = ceil_div<int64_t>(M, 128) * col_tiles, t64 = ceil_div<int64_t>(M, 64) * col_tiles;
   return t128 >= sms || 10 * ceil_div(t64, sms) > 13 * ceil_div(t128, sms);
+}
+// 256-row tiles of 128 outputs (half the dequantization a MAC of the 128-row tiles: docs/perf-notes.md,
+// seventeenth session) for a dense product whose tiles still fill the SMs in whole rounds as well as the
+// 128-row tiles do: at least one tile an SM, and no more rounds than the 128-row tiles take.
+static bool dense_tall(int64_t M, int64_t N, int64_t sms) {
+  const int64_t t256 = ceil_div<int64_t>(M, 256) * ceil_div<int64_t>(N, wg_rows(256)),
+                t128 = ceil_div<int64_t>(M, 128) * ceil_div<int64_t>(N, wg_rows(128));
+  return t256 >= sms && ceil_div(t256, sms) <= ceil_div(t128, sms);
 }
 
 template <int BITS>
@@ -632,6 +641,8 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
   }
+  if (!grouped && !gather && !gs32 && dense_tall(a.tiles.M, a.w.rows, num_sms()))
+    return launch_wgmma<BITS, 256, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 256));
   if (!grouped && !gather && !gs32 && dense_wide(a.tiles.M, col_tiles, num_sms()))
     return launch_wgmma<BITS, 128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<BITS, 64, true, true>(a, xb, x_count, max_tiles)

@@ -34,12 +34,12 @@ static void check_rows() {
   int stage_matrix[256], stage_out[256], reads[256] = {};
   for (int box = 0; box < 2; ++box)  // load_w: box 0 = tmap_w (gate) rows n0..n0+127, box 1 = tmap_u (up)
     for (int i = 0; i < 128; ++i) stage_matrix[box * 128 + i] = box, stage_out[box * 128 + i] = i;
-  for (int cw = 0; cw < 2; ++cw)
+  for (int cw = 0; cw < TMA_CONSUMER_WGS; ++cw)
     for (int w4 = 0; w4 < 4; ++w4)
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, base = wg_row_base(true, cw, w4, g);
         if (g < 7) expect(wg_row_base(true, cw, w4, g + 1) == base + 1, "consecutive g: consecutive stage rows", cw, g);
-        for (int b = 0; b < 2; ++b)
+        for (int b = 0; b < wg_blocks(128); ++b)
           for (int h = 0; h < 2; ++h) {
             const int srow = base + wg_row_step(true, b, h);
             if (srow < 0 || srow >= 256) {
@@ -55,7 +55,7 @@ static void check_rows() {
           }
       }
   for (int r = 0; r < 256; ++r) expect(reads[r] == 4, "each stage row read by one g quad (4 threads)", r, reads[r]);
-  std::printf("%s GATED: stage rows, scale rows and fragment rows of 256 threads agree\n",
+  std::printf("%s GATED: stage rows, scale rows and fragment rows of the consumer threads agree\n",
               failures == f0 ? "ok  " : "FAIL");
 }
 
@@ -64,12 +64,12 @@ static void check_epilogue(int BM) {
   const int f0 = failures;
   auto D = [&](int matrix, int o, int r) { return float(matrix * 1000000 + o * 1000 + r); };  // distinct values
   std::vector<int> stored(128 * BM, 0);
-  for (int cw = 0; cw < 2; ++cw)
+  for (int cw = 0; cw < TMA_CONSUMER_WGS; ++cw)
     for (int w4 = 0; w4 < 4; ++w4)
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, c = lane % 4, base = wg_row_base(true, cw, w4, g);
-        std::vector<float> acc[2] = {std::vector<float>(BM / 2), std::vector<float>(BM / 2)};
-        for (int b = 0; b < 2; ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
+        std::vector<std::vector<float>> acc(wg_blocks(BM), std::vector<float>(BM / 2));
+        for (int b = 0; b < wg_blocks(BM); ++b)  // the m16n8 accumulator layout: acc[b][4j + 2h + e] = (row (b, h), r)
           for (int j = 0; j < BM / 8; ++j)
             for (int h = 0; h < 2; ++h)
               for (int e = 0; e < 2; ++e) {
@@ -78,7 +78,7 @@ static void check_epilogue(int BM) {
               }
         for (int j = 0; j < BM / 8; ++j)  // wg_store_gated's reads
           for (int e = 0; e < 2; ++e)
-            for (int b = 0; b < 2; ++b) {
+            for (int b = 0; b < wg_blocks(BM); ++b) {
               const int r = 8 * j + 2 * c + e, o = base + wg_out_step(true, b, 0);
               if (o < 0 || o >= 128) {
                 expect(false, "output out of the tile", o, lane);

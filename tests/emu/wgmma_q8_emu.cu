@@ -62,8 +62,10 @@ static void check_pairs() {
 
 // 2. one column tile, BM rows, K = 256, group size gs
 static void check_product(int BM, int gs) {
-  constexpr int N = WG_BN, K = 256, NK = K / WG_BK, KW = WG_BK * 8 / 32, R = tma_w_row_bytes(8);
-  static_assert(KW == 16 && R == 64 && tma_w_bytes(8) == 256 * 64, "8-bit stage layout");
+  constexpr int K = 256, NK = K / WG_BK, KW = WG_BK * 8 / 32, R = tma_w_row_bytes(8);
+  static_assert(KW == 16 && R == 64 && tma_w_bytes(8, 128) == 256 * 64 && tma_w_bytes(8, 256) == 128 * 64,
+                "8-bit stage layout");
+  const int N = wg_rows(BM), NB = wg_blocks(BM);  // the tile's weight rows; m64 blocks a consumer warpgroup
   const int failures0 = failures;
   std::mt19937 rng(BM * 100 + gs);
   std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -84,23 +86,23 @@ static void check_product(int BM, int gs) {
   };
   const int gshift = gs == 32 ? 5 : 6;
   std::vector<double> D(N * BM, 0.0);  // [o][r]
-  std::vector<uint8_t> xs(BM * 128), wsm(tma_w_bytes(8));
+  std::vector<uint8_t> xs(BM * 128), wsm(tma_w_bytes(8, BM));
   long frag_bad = 0;
   for (int kt = 0; kt < NK; ++kt) {
     // producer: Xb box {64, BM} at (kt*64, 0), SWIZZLE_128B = chunk j of row r at wg_swz(r, j)
     for (int r = 0; r < BM; ++r)
       for (int j = 0; j < 8; ++j) std::memcpy(&xs[wg_swz(r, j)], &Xb[r * K + kt * WG_BK + 8 * j], 16);
-    // W box {KW words, 256 rows} at word kt*KW: row i of the stage at i*R
+    // W box {KW words, N rows} at word kt*KW: row i of the stage at i*R
     for (int i = 0; i < N; ++i) std::memcpy(&wsm[i * R], &W[i * (K / 4) + kt * KW], R);
-    for (int cw = 0; cw < 2; ++cw)
-      for (int b = 0; b < 2; ++b)
+    for (int cw = 0; cw < TMA_CONSUMER_WGS; ++cw)
+      for (int b = 0; b < NB; ++b)
         for (int H = 0; H < 2; ++H)
           for (int st = 0; st < 2; ++st) {
             const int step = 2 * H + st;
             float Am[64][16];
             for (int t = 0; t < 128; ++t) {
               const int w4 = t >> 5, lane = t & 31, g = lane >> 2, c = lane & 3;
-              const int rbase = cw * 128 + w4 * 16 + g, ws = rbase * R;
+              const int rbase = wg_row_base(false, cw, w4, g, NB), ws = rbase * R;
               for (int h = 0; h < 2; ++h) {
                 const int o = rbase + b * 64 + 8 * h;
                 // wg_load_scales: group (kt*64 + half*32) >> gshift, half = H when GS32
@@ -114,7 +116,7 @@ static void check_product(int BM, int gs) {
                   for (int e = 0; e < 2; ++e) {
                     const uint16_t v = bf16_of(s * bf16_to_f(uint16_t(pr[p] >> (16 * e))) + bias);
                     const int row = 16 * w4 + g + 8 * (reg & 1), lk = 2 * c + e + 8 * (reg >> 1);
-                    expect(row + cw * 128 + b * 64 == o, "fragment row", o, row);
+                    expect(row + cw * 64 * NB + b * 64 == o, "fragment row", o, row);
                     const uint16_t want = w_at(o, kt * WG_BK + wg_phys_k(16 * step + lk));
                     frag_bad += v != want;
                     expect(v == want, "A fragment (output, k)", o, kt * WG_BK + 16 * step + lk);
@@ -129,7 +131,7 @@ static void check_product(int BM, int gs) {
                 const uint32_t addr = step * 32 + (n / 8) * 1024 + (n % 8) * 128 + kk * 2;
                 uint16_t bv;
                 std::memcpy(&bv, &xs[addr ^ (((addr >> 7) & 7) << 4)], 2);
-                for (int m = 0; m < 64; ++m) D[(cw * 128 + b * 64 + m) * BM + n] += double(Am[m][kk]) * bf16_to_f(bv);
+                for (int m = 0; m < 64; ++m) D[(cw * 64 * NB + b * 64 + m) * BM + n] += double(Am[m][kk]) * bf16_to_f(bv);
               }
           }
   }
@@ -147,7 +149,7 @@ static void check_product(int BM, int gs) {
 
 int main() {
   check_pairs();
-  for (int bm : {64, 128})
+  for (int bm : {64, 128, 256})
     for (int gs : {64, 32}) check_product(bm, gs);
   if (failures) {
     std::printf("FAIL: %d mismatches\n", failures);

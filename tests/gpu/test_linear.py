@@ -222,6 +222,7 @@ def test_linear_gemv_row_slots(bits, rows, cols, T, gpu_tol):
     (40, 256, 32, 77),  # fewer outputs than the 256-row weight box of the TMA loads, group 32
     (1, 128, 64, 20),  # one output (the shared-expert gate's shape), fewer rows than one tile
     (12352, 2048, 64, 146), (8192, 2048, 64, 300),  # 128-row tiles short of one CTA an SM (dense_wide: fewer rounds)
+    (4000, 1024, 64, 2100),  # 256-row tiles of 128 outputs (dense_tall), partial row and column tiles
 ])
 def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
     rng = np.random.default_rng(rows + cols + group + T)

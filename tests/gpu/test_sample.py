@@ -156,6 +156,29 @@ def test_top_k_ties_on_both_paths(ties):
         assert gpu[0] == cpu[0] and gpu[0] in tied, f"seed {seed}: token {gpu[0]} (cpu {cpu[0]})"
 
 
+@pytest.mark.parametrize("spread", [1, 5000, 200000])
+def test_top_k_select_stops_at_any_level(spread):
+    """top_k's radix select hands over to the candidate list after the first level at which the ids at or above
+    its prefix fit (SAMPLE_CANDIDATES): `spread` ids share the top key byte (scores in [2, 4)), so the hand-over
+    comes after a deeper level the more share it (1: 20 ids at or above level 2's prefix; 5,000: 42, so level 2;
+    200,000: 1,550 there, so level 3; the exact select is test_top_k_ties_on_both_paths's 1,100 ties); the draws
+    equal the CPU's away from boundaries (top_p 0.93: with 20 near-equal kept e, 0.9 falls on a partial sum)."""
+    rng = np.random.default_rng(spread)
+    _, counts, seen = inputs(rng, REAL_V)
+    logits = (rng.standard_normal(REAL_V) - 8.0).astype(np.float32)
+    ids = rng.choice(REAL_V, spread, replace=False)
+    logits[ids] = rng.uniform(2.0, 4.0, spread).astype(np.float32)
+    checked = 0
+    for seed in range(8):
+        p = dict(temperature=1.0, top_k=20, top_p=0.93, seed=seed)
+        if boundary_margin(logits, counts, seen, seed, **p) < 1.0:
+            continue
+        checked += 1
+        cpu, gpu = run("cpu", logits, counts, seen, seed, **p), run("cuda", logits, counts, seen, seed, **p)
+        assert gpu[0] == cpu[0], f"seed {seed}: token {gpu[0]} != {cpu[0]}"
+    assert checked >= 4
+
+
 @pytest.mark.parametrize("V", [99, REAL_V])
 def test_top_k_one_is_greedy(V):
     rng = np.random.default_rng(V)

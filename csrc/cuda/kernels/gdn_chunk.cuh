@@ -461,16 +461,17 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 // once their (b) of chunk ci has read buffer b, and the recurrence warps wait there before writing S of
 // chunk ci + 2's start into it (in chunk ci + 1's (c)). Within a role, REC or OUT (256 threads).
 // Tiles arrive by cp.async, each as soon as its role's phase reading it is done: W and U (recurrence)
-// during (c) of the previous chunk, K, fk during (a); Q, fq (output) during the P Delta half of the
-// previous (b), P during the wait for FULL. A role commits its groups in a fixed order, always, so that
-// wait_group 1 before a recurrence phase and wait_group 0 before (b) mean its own tiles have landed. q,
+// during (c) of the previous chunk, K, fk (two buffers) a whole chunk ahead; Q, fq (output) during the P
+// Delta half of the previous (b), P during the wait for FULL. A role commits its groups in a fixed order,
+// always, so that wait_group 0 at the top of a recurrence chunk and wait_group 1 before each half of (b)
+// mean its own tiles have landed. Shared memory 219 KB (K's second buffer: 35 KB). q,
 // k rows past the prompt are zero-filled copies (their factors are 0 too).
 constexpr int SCAN_THREADS = 2 * THREADS;
 enum ScanBarrier : int { BAR_REC = 1, BAR_OUT = 2, BAR_FULL = 3, BAR_EMPTY = 5 };  // FULL, EMPTY: + buffer
 struct ScanSmem {
   float W[C][LD];
   float Q[C][LD];     // raw q rows
-  float K[C][KLD];    // raw k rows
+  float K[2][C][KLD]; // raw k rows, chunk ci's in K[ci % 2] (the recurrence loads them a chunk ahead)
   float P[C][PLD];
   float U[C][NLD];    // this CTA's columns of U
   struct SBuf {       // this CTA's columns of S, [column][pair of rows], split (lo words after the hi)
@@ -479,13 +480,14 @@ struct ScanSmem {
   struct DBuf {       // Delta, [column][pair of tokens], split
     uint32_t h[COLS][DLD], l[COLS][DLD];
   } Dt[2];
-  float fq[C], fk[C];
+  float fq[C], fk[2][C];
 };
 // Byte offsets in a split S (Delta) buffer: the lo words after the hi words; buffer b at b * S_BUF (D_BUF).
 constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBuf::h), S_BUF = sizeof(ScanSmem::SBuf),
                    D_BUF = sizeof(ScanSmem::DBuf);
 static_assert(sizeof(ScanSmem::SBuf) % 16 == 0 && sizeof(ScanSmem::DBuf) % 16 == 0 && offsetof(ScanSmem, S) % 16 == 0,
               "ldmatrix rows of every buffer 16-byte aligned");
+static_assert(sizeof(ScanSmem) <= 227 * 1024, "the scan's shared memory exceeds the 227 KB opt-in");
 
 // cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
 // dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
@@ -543,11 +545,12 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
   }
   store_s(0);
   // cp.async plan: every chunk copies the same tile positions, so this thread's shared destinations
-  // (32-bit addresses) and offsets in a workspace block are set once here; per chunk only the block
-  // and the k row pointer move. W, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 + 32 i
-  // (i < 2), float4 tid % 8; fk: tid < 16.
-  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sK = saddr(&sm.K[warp][4 * lane]),
-                 sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]), sfk = saddr(sm.fk) + 16 * tid;
+  // (32-bit addresses) and offsets in a workspace block are set once here; per chunk only the block,
+  // the k row pointer and K's buffer move. W, K: rows warp + 8 i (i < 8), float4 lane; U: rows tid / 8 +
+  // 32 i (i < 2), float4 tid % 8; fk: tid < 16.
+  const uint32_t sW = saddr(&sm.W[warp][4 * lane]), sK = saddr(&sm.K[0][warp][4 * lane]),
+                 sU = saddr(&sm.U[tid / 8][4 * (tid % 8)]), sfk = saddr(sm.fk[0]) + 16 * tid;
+  constexpr uint32_t K_BUF = sizeof(ScanSmem::K[0]), FK_BUF = sizeof(ScanSmem::fk[0]);
   const int oW = WS_W + warp * D + 4 * lane, oU = WS_U + (tid / 8) * D + x.j0 + 4 * (tid % 8);
   auto issue_wu = [&](const float* wsb) {
 #pragma unroll
@@ -555,24 +558,30 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
 #pragma unroll
     for (int i = 0; i < 2; ++i) cp16(sU + 32 * NLD * 4 * i, wsb + oU + 32 * D * i);
   };
-  // wsb: the chunk's workspace block, rows: this thread's first k row of it, n: the chunk's tokens
-  auto issue_k = [&](const float* wsb, const float* rows, int n) {
-    copy_rows<KLD>(sK, rows, x.step8, n, warp, kg);
-    if (tid < C / 4) cp16(sfk, wsb + WS_FK + 4 * tid);
+  // wsb: the chunk's workspace block, rows: this thread's first k row of it, n: the chunk's tokens, kb: the
+  // K buffer
+  auto issue_k = [&](const float* wsb, const float* rows, int n, int kb) {
+    copy_rows<KLD>(sK + kb * K_BUF, rows, x.step8, n, warp, kg);
+    if (tid < C / 4) cp16(sfk + kb * FK_BUF, wsb + WS_FK + 4 * tid);
   };
   const float* blk = p.ws + int64_t(x.h) * BLOCK;  // chunk 0's workspace block
   const float* krow = kg + warp * x.Wd + 4 * lane;  // this thread's k rows of chunk 0
   issue_wu(blk);
   commit();
-  issue_k(blk, krow, min(C, p.T));
+  issue_k(blk, krow, min(C, p.T), 0);
   commit();
+  // Per chunk two barriers of the recurrence warps: the first (W, U and K landed, S of the chunk's start
+  // written, every warp done with the previous chunk's K buffer), then K of the next chunk goes out into
+  // the other buffer; the second after (a) (Delta complete, W and U free), then W and U of the next chunk.
   for (int ci = 0; ci < p.num_chunks; ++ci, blk += x.blk_step, krow += x.chunk_rows) {
-    const int b = ci & 1;
+    const int b = ci & 1;  // S, Delta and K buffer
     const bool more = ci + 1 < p.num_chunks;
     const int n_next = min(C, p.T - (ci + 1) * C);
     const float gC = blk[WS_GC];
-    wait_group<1>();
-    bar_sync(BAR_REC, THREADS);  // W, U of chunk ci landed; S of its start in buffer b
+    wait_group<0>();
+    bar_sync(BAR_REC, THREADS);  // W, U, K of chunk ci landed; S of its start in buffer b; K[b ^ 1] free
+    if (more) issue_k(blk + x.blk_step, krow + x.chunk_rows, n_next, b ^ 1);
+    commit();
 
     // (a) Delta = U - W S
     {
@@ -603,8 +612,6 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
     bar_arrive(BAR_FULL + b, SCAN_THREADS);  // S and Delta of chunk ci to the output warps
     if (more) issue_wu(blk + x.blk_step);
     commit();
-    wait_group<1>();
-    bar_sync(BAR_REC, THREADS);  // K, fk of chunk ci landed
 
     // (c) S <- exp(G_last) S + (fk * K)^T Delta
     float sml[4][4] = {};
@@ -615,7 +622,7 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
 #pragma unroll 2
     for (int ks = 0; ks < C / 16; ++ks) {
       Split a[4], bb[4][2];
-      frag_at<KLD>(a, &sm.K[16 * ks][16 * warp], &sm.fk[16 * ks], g, c);
+      frag_at<KLD>(a, &sm.K[b][16 * ks][16 * warp], &sm.fk[b][16 * ks], g, c);
       frag_b2_pre<uses_b_lo(PR::KD)>(bb[0], bb[1], bD + b * D_BUF + 32 * ks, D_LO);
       frag_b2_pre<uses_b_lo(PR::KD)>(bb[2], bb[3], bD + b * D_BUF + 16 * DLD * 4 + 32 * ks, D_LO);
 #pragma unroll
@@ -629,9 +636,6 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
       if (ci >= 1) bar_sync(BAR_EMPTY + (b ^ 1), SCAN_THREADS);  // the output warps are done with chunk ci - 1
       store_s(b ^ 1);
     }
-    bar_sync(BAR_REC, THREADS);  // K, fk free
-    if (more) issue_k(blk + x.blk_step, krow + x.chunk_rows, n_next);
-    commit();
   }
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {

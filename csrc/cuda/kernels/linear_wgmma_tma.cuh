@@ -16,10 +16,11 @@
 //                            W and issue wgmma; full/empty mbarriers, no CTA-wide barrier in the loop.
 //
 // The product is computed transposed, D[o, r] = W[o, :] . X[r, :], so that the weights are the wgmma A
-// operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64 or
-// 128): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
-// Tile: 256 weight rows x BM rows, k-tiles of 64. Consumer warpgroup cw owns weight rows [cw*128, +128)
-// of the tile as two m64 blocks; each thread holds 2 x BM/2 fp32 accumulators. The weight rows are 256
+// operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64, 128
+// or 256): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
+// Tile: wg_rows(BM) weight rows (256; 128 at BM = 256) x BM rows, k-tiles of 64. Consumer warpgroup cw owns
+// weight rows [cw*64*NB, +64*NB) of the tile as NB = wg_blocks(BM) m64 blocks (2; 1 at BM = 256); each
+// thread holds NB x BM/2 fp32 accumulators. The weight rows are wg_rows(BM)
 // outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix,
 // interleaved: each 16-row warp slice of an m64 block holds 8 gate rows (rows g) and the up rows of the
 // same 8 outputs (rows g + 8), so each thread holds G and U of its outputs and computes the SwiGLU in
@@ -86,12 +87,28 @@ constexpr int WGX_THREADS = 256;
 // tma_w_row_bytes(BITS) (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers. 4-bit rings:
 // 6 x 24 KB (BM 128) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB / 161 KB.
 // 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
-constexpr int TMA_THREADS = 384, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
+// Two consumer warpgroups; the m64 blocks of 64 weight rows each one owns, wg_blocks(BM): two at BM = 64 and
+// 128 (256 weight rows a tile; BM accumulators and 16 A registers a half a thread), one at BM = 256 (128
+// weight rows a tile, wgmma m64n256: BM/2 = 128 accumulators, 8 A registers a half: half the dequantization
+// a MAC). (Four warpgroups of one block at BM = 128, the sixteenth session's cwg4, measured no faster.)
+constexpr int TMA_CONSUMER_WGS = 2;
+__host__ __device__ constexpr int wg_blocks(int bm) { return bm == 256 ? 1 : 2; }
+__host__ __device__ constexpr int wg_rows(int bm) { return 64 * TMA_CONSUMER_WGS * wg_blocks(bm); }  // a tile's weight rows
+constexpr int TMA_CONSUMERS = 128 * TMA_CONSUMER_WGS;  // consumer threads
+constexpr int TMA_THREADS = 128 + TMA_CONSUMERS, TMA_PRODUCER_REGS = 40, TMA_CONSUMER_REGS = 232;
+// setmaxnreg moves registers only inside the CTA's launch allocation (__launch_bounds__(TMA_THREADS, 1): the
+// largest multiple of 8 a thread that fits 64K registers): the consumers' increase must come from what the
+// producer releases, or setmaxnreg.inc waits for ever (the producer then traps in mbar_wait).
+constexpr int TMA_LAUNCH_REGS = 65536 / TMA_THREADS / 8 * 8;  // 168 at 384 threads
+static_assert(128 * TMA_PRODUCER_REGS + TMA_CONSUMERS * TMA_CONSUMER_REGS <= TMA_THREADS * TMA_LAUNCH_REGS,
+              "setmaxnreg: the consumers' registers must come from the producer's release");
 constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
-__host__ __device__ constexpr int tma_w_bytes(int bits) { return WG_BN * tma_w_row_bytes(bits); }
-__host__ __device__ constexpr int tma_stages(int bm, bool gated = false) { return (bm == 128 ? 6 : 8) + (gated ? 2 : 0); }
-__host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits); }
+__host__ __device__ constexpr int tma_w_bytes(int bits, int bm) { return wg_rows(bm) * tma_w_row_bytes(bits); }
+__host__ __device__ constexpr int tma_stages(int bm, bool gated = false) {
+  return (bm == 256 ? 5 : bm == 128 ? 6 : 8) + (gated ? 2 : 0);
+}
+__host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits, bm); }
 __host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
   return 1024 + tma_stages(bm, gated) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm, gated) * 8;
 }
@@ -99,19 +116,22 @@ static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4
               "the GATED ring exceeds the 227 KB opt-in shared memory");
 static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
               "the 8-bit ring exceeds the 227 KB opt-in shared memory");
+static_assert(tma_smem_bytes(256, 8) <= 227 * 1024, "the BM = 256 ring exceeds the 227 KB opt-in shared memory");
 
 // Which weight row each accumulator row of a consumer thread is. Thread (cw, w4, g) (consumer warpgroup
 // cw, its warp w4, g = lane/4) holds, for m64 block b and h = 0, 1, wgmma row 16*w4 + g + 8h of block b
 // (acc[b][4j + 2h + e], the m16n8 layout), dequantized from stage row wg_row_base + wg_row_step(b, h):
-//   plain:  cw*128 + 16*w4 + g  +  b*64 + 8h
-//   GATED:  cw*64 + 8*w4 + g    +  h*128 + b*32
+//   plain:  cw*64*NB + 16*w4 + g  +  b*64 + 8h
+//   GATED:  cw*32*NB + 8*w4 + g   +  h*128 + b*32
+// (NB = wg_blocks(BM) blocks b; every m64 block starts at a multiple of 64 weight rows, so an output row sits at the same
+// row of its block, 16*w4 + g (+ 8 for an up row), whatever the number of consumer warpgroups)
 // A GATED stage holds gate row n0 + i at stage row i and up row n0 + i at stage row 128 + i (i < 128),
 // so a GATED thread's rows h = 0 (slice rows 0-7) are gate rows and h = 1 (slice rows 8-15) the up rows
 // of the same outputs: tile output wg_row_base + wg_out_step(b) (< 128) for both h. Rows of consecutive
 // g are consecutive stage rows in both layouts (a quarter warp's 16-byte loads hit distinct banks).
 // tests/emu/wgmma_gated_il_emu.cu walks every thread through these.
-__host__ __device__ constexpr int wg_row_base(bool gated, int cw, int w4, int g) {
-  return gated ? cw * 64 + 8 * w4 + g : cw * 128 + 16 * w4 + g;
+__host__ __device__ constexpr int wg_row_base(bool gated, int cw, int w4, int g, int nb = 2) {
+  return gated ? cw * (32 * nb) + 8 * w4 + g : cw * (64 * nb) + 16 * w4 + g;
 }
 __host__ __device__ constexpr int wg_row_step(bool gated, int b, int h) {
   return gated ? h * 128 + b * 32 : b * 64 + 8 * h;
@@ -195,9 +215,9 @@ __global__ void __launch_bounds__(WGX_THREADS) wgx_bf16_kernel(const float* __re
 // groups). The loop loads the next k-tile's into one of these and reads them one k-tile later
 // (wg_dequant_half): an instruction that combined them right after the loads (as a packed scale|bias
 // word did) waited a global-load latency every k-tile, ~8% of the consumers' warp samples in ncu.
-template <bool GS32>
+template <bool GS32, int NB>
 struct WgScales {
-  uint32_t scale[2][2][GS32 ? 2 : 1], bias[2][2][GS32 ? 2 : 1];
+  uint32_t scale[NB][2][GS32 ? 2 : 1], bias[NB][2][GS32 ? 2 : 1];
 };
 
 // Scale/bias index of one thread's weight rows o(b, h) = n0 + orow + wg_out_step(GATED, b, h) (b*64 + 8h;
@@ -205,12 +225,12 @@ struct WgScales {
 // of the tile's expert, set once per tile (rows past N read row N - 1: computed, never stored). 32 bits:
 // the host keeps the scale tensor below 2^32 elements, so a k-tile's index is one 32-bit add and its
 // address one IMAD.WIDE from the kernel's scales/biases pointers.
-template <bool GATED = false>
-__device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const WeightView& w, int64_t expert, int64_t n0,
+template <bool GATED, int NB>
+__device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[NB][2], const WeightView& w, int64_t expert, int64_t n0,
                                               int orow) {
   const int64_t N = w.rows, gpr = w.cols / w.group_size;
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t o = n0 + orow + wg_out_step(GATED, b, h);
@@ -221,15 +241,15 @@ __device__ __forceinline__ void wg_scale_rows(uint32_t (&row)[2][2], const Weigh
 // Loads the scales and biases (sc, bi: the thread's matrix; GATED: rows h = 1 from sc_u, bi_u, the up
 // matrix's) of k-tile kt: group (kt*64 + half*32) / group_size of each row, as a shift (gshift = log2
 // group_size: the host takes only power-of-two groups to this kernel).
-template <bool GS32, bool GATED = false>
-__device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t* sc, const uint16_t* bi,
-                                               const uint32_t (&row)[2][2], int gshift, int kt,
+template <bool GS32, bool GATED, int NB>
+__device__ __forceinline__ void wg_load_scales(WgScales<GS32, NB>& s, const uint16_t* sc, const uint16_t* bi,
+                                               const uint32_t (&row)[NB][2], int gshift, int kt,
                                                const uint16_t* sc_u = nullptr, const uint16_t* bi_u = nullptr) {
 #pragma unroll
   for (int half = 0; half < (GS32 ? 2 : 1); ++half) {
     const uint32_t g = uint32_t(kt * WG_BK + half * 32) >> gshift;
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t gi = row[b][h] + g;
@@ -241,8 +261,8 @@ __device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t
 }
 
 // Half k-tiles (k16 steps 2H, 2H+1): the consumers pipeline at this grain so that only two half sets of A
-// registers (2 x 16) are live next to the 2 x BM/2 accumulators; a full double set (2 x 32) does not
-// fit 232 registers at BM = 128 (ptxas C7512, "insufficient register resources": wgmma serialised).
+// registers (2 x 8 NB) are live next to the NB x BM/2 accumulators (a full double set, 2 x 32 at NB = 2, did
+// not fit 232 registers at BM = 128: ptxas C7512, "insufficient register resources", wgmma serialised).
 // ws: shared address of this thread's W row rbase in the stage (rows of R = tma_w_row_bytes(BITS) bytes:
 // row rbase + wg_row_step(GATED, b, h) at ws + wg_row_step(GATED, b, h)*R); words read by ld.shared.v4 on
 // 32-bit addresses.
@@ -251,11 +271,11 @@ __device__ __forceinline__ void wg_load_scales(WgScales<GS32>& s, const uint16_t
 //   8-bit: the half is 32 bytes at 32H, one 16-byte load per k16 step s (words x, y, z, w = k 0-3, 4-7,
 //          8-11, 12-15 of the step): register h is byte c of (x, y), register 2 + h byte c of (z, w)
 //          (wg_q8_pair, then the same bf16x2 fma as wg_dequant_pair).
-template <int H, bool GS32, int BITS, bool GATED = false>
-__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScales<GS32>& s, uint32_t (&A)[2][2][4]) {
+template <int H, bool GS32, int BITS, bool GATED, int NB>
+__device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScales<GS32, NB>& s, uint32_t (&A)[NB][2][4]) {
   constexpr int R = tma_w_row_bytes(BITS);
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
@@ -281,37 +301,37 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
 // low 6 bits zero, so adding 2j <= 6 carries nowhere.
-template <int BM, int H>
-__device__ __forceinline__ void wg_issue_half(float (&acc)[2][BM / 2], const uint32_t (&A)[2][2][4], uint64_t xd) {
+template <int BM, int H, int NB = wg_blocks(BM)>
+__device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const uint32_t (&A)[NB][2][4], uint64_t xd) {
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < 2; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    for (int b = 0; b < NB; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
   wgmma_commit();
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
 }
 
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
-// o = n0 + rbase + b*64 + 8h (rbase = cw*128 + 16*w4 + g), r = 8j + 2c + e; store_output's arithmetic
+// o = n0 + rbase + b*64 + 8h (rbase = wg_row_base(false, cw, w4, g)), r = 8j + 2c + e; store_output's arithmetic
 // (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
 // SwiGLU reads y first: a row group j's 8 gate values and 2 row scales are loaded before group j-1 is
 // computed and stored (one memory latency per group, not one per element: the stores of a row could
 // alias the next row's loads, so the compiler would not reorder them itself).
-template <int BM>
+template <int BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
-                                              const float (&acc)[2][BM / 2]) {
+                                              const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + rbase;
-  bool col[2][2];  // output o0 + b*64 + 8h is a real row of W
+  bool col[NB][2];  // output o0 + b*64 + 8h is a real row of W
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) col[b][h] = o0 + b * 64 + 8 * h < a.w.rows;
   auto y_of = [&](int r) { return a.y + (tile.row0 + r) * a.ldy + o0; };
@@ -324,14 +344,14 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
         if (r >= tile.rows) continue;
         float* y = y_of(r);
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
+        for (int b = 0; b < NB; ++b)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             if (col[b][h]) y[b * 64 + 8 * h] = acc[b][4 * j + 2 * h + e];
       }
     return;
   }
-  float gate[2][2][2][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
+  float gate[2][2][NB][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
   auto load = [&](int j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -340,7 +360,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       const float* y = y_of(ok ? r : 0);
       rs[j & 1][e] = ok && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int h = 0; h < 2; ++h) gate[j & 1][e][b][h] = ok && col[b][h] ? y[b * 64 + 8 * h] : 0.f;
     }
@@ -355,7 +375,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       if (r >= tile.rows) continue;
       float* y = y_of(r);
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < NB; ++b)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           if (col[b][h]) y[b * 64 + 8 * h] = rs[j & 1][e] * silu(gate[j & 1][e][b][h]) * acc[b][4 * j + 2 * h + e];
@@ -370,13 +390,13 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 // as wgx_bf16_kernel rounds it. No shared memory, no barrier. Row group j + 1's 2 row scales are loaded
 // before group j is computed and stored, as in wg_store_tile. A warp's store of one (j, e, b) is 4 rows x
 // 8 consecutive outputs (32 B each).
-template <int BM>
+template <int BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
-                                                  const float (&acc)[2][BM / 2]) {
+                                                  const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + orow;
-  bool col[2];  // output o0 + wg_out_step(true, b, 0) is a real row of the matrices
+  bool col[NB];  // output o0 + wg_out_step(true, b, 0) is a real row of the matrices
 #pragma unroll
-  for (int b = 0; b < 2; ++b) col[b] = o0 + wg_out_step(true, b, 0) < a.w.rows;
+  for (int b = 0; b < NB; ++b) col[b] = o0 + wg_out_step(true, b, 0) < a.w.rows;
   float rs[2][2];  // [group parity][e]
   auto load = [&](int j) {
 #pragma unroll
@@ -395,7 +415,7 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
       if (r >= tile.rows) continue;
       float* y = a.y + (tile.row0 + r) * a.ldy + o0;
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
+      for (int b = 0; b < NB; ++b) {
         if (!col[b]) continue;
         const float g = acc[b][4 * j + e], u = acc[b][4 * j + 2 + e];
         const float v = rs[j & 1][e] * silu(g) * u;
@@ -407,44 +427,44 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
   }
 }
 
-// Split-K hand-off of one work unit (split sp of tile t) by the 256 consumer threads (ct): store the
+// Split-K hand-off of one work unit (split sp of tile t) by the TMA_CONSUMERS consumer threads (ct): store the
 // partial accumulators of the tile's real rows (r < tile.rows) at [t][sp][BM][ct] (coalesced), fence,
 // count the unit on split_done[t] (named barrier 1 over the consumers only). The last unit to arrive sums all
 // splits in split order (0 + p0 + p1 + ..., a fixed order whichever CTA is last: deterministic) into
 // acc, resets the counter and returns true: its caller stores the tile. L2 reads (ld.cg): the partials
 // come from other SMs.
-template <int BM>
+template <int BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile& tile, int64_t t, int sp, int ct,
-                                                int c, float (&acc)[2][BM / 2], uint32_t& split_last) {
+                                                int c, float (&acc)[NB][BM / 2], uint32_t& split_last) {
   const int splits = a.k_splits;
   // element-major: accumulator j of consumer thread ct at [j][ct], so a warp's store or load of one j
   // is 128 contiguous bytes (thread-major rows of BM floats made every warp access touch 32 sectors)
-  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };
+  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };  // BM * 256 = NB * BM/2 * TMA_CONSUMERS (NB = 2: split-K has no BM = 256 instance)
   float* mine = slot(sp);
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
-      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[(b * (BM / 2) + i) * 256] = acc[b][i];
+      if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) mine[(b * (BM / 2) + i) * TMA_CONSUMERS] = acc[b][i];
   __threadfence();
-  asm volatile("bar.sync 1, 256;" ::: "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(TMA_CONSUMERS) : "memory");
   if (ct == 0) split_last = atomicAdd(a.split_done + t, 1u) == uint32_t(splits - 1);
-  asm volatile("bar.sync 1, 256;" ::: "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(TMA_CONSUMERS) : "memory");
   const bool last = split_last;
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer has read split_last before the next unit writes it
+  asm volatile("bar.sync 1, %0;" ::"n"(TMA_CONSUMERS) : "memory");  // every consumer has read split_last before the next unit writes it
   if (!last) return false;
   __threadfence();
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
   for (int k = 0; k < splits; ++k) {
     const float* p = slot(k);
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i)
-        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + (b * (BM / 2) + i) * 256);
+        if (8 * (i / 4) + 2 * c + (i & 1) < tile.rows) acc[b][i] += __ldcg(p + (b * (BM / 2) + i) * TMA_CONSUMERS);
   }
   if (ct == 0) a.split_done[t] = 0;
   return true;
@@ -454,7 +474,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row
 // tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
 // accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
-// Grid: min(units, SMs) CTAs of 384 threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
+// Grid: min(units, SMs) CTAs of TMA_THREADS (640) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
@@ -478,23 +498,25 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //            have landed (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts
 //            1 + 128.
 //            Deadlock-free because the lag (3) is below the stage count.
-// Warpgroups 1, 2 = consumers (setmaxnreg 232), weight rows [cw*128, +128) of the tile as two m64 blocks,
-//   thread rows rbase = cw*128 + 16*w4 + g (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
-//   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = cw*64 + 8*w4 + g (+ h*128 +
+// Warpgroups 1, 2 = consumers (setmaxnreg TMA_CONSUMER_REGS: 232), warpgroup cw = wg - 1 the
+//   weight rows [cw*64*NB, +64*NB) of the tile as NB m64 blocks b,
+//   thread rows rbase = wg_row_base(false, cw, w4, g) (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
+//   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = wg_row_base(true, cw, w4, g) (+ h*128 +
 //   b*32), outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
 //   Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
 //   into its own register set (scales/biases from global, one k-tile ahead: per-tile 32-bit row
-//   indices plus the k-tile's group, a shift), queue its 4 wgmmas on B = the stage's Xb tile, retire
+//   indices plus the k-tile's group, a shift), queue its 2 NB wgmmas on B = the stage's Xb tile, retire
 //   the previous group (wait_group 1); retiring half 1 of kt-1 releases kt-1's stage (one arrival per
-//   consumer warp: empty counts 8). The stage's addresses (Xb tile, the thread's W row, full[s]) are
-//   carried from k-tile to k-tile, all 32-bit shared addresses. SASS at BM = 128: ~233 instructions
-//   per k-tile per thread, 128 of them the dequantization (4 per bf16 pair); two consumer warps per
-//   scheduler: ~470 issue slots against ~1,024 cycles of wgmma (docs/perf-notes.md, 2026-12-01).
+//   consumer warp: empty counts 4 TMA_CONSUMER_WGS). The stage's addresses (Xb tile, the thread's W row,
+//   full[s]) are carried from k-tile to k-tile, all 32-bit shared addresses. Each consumer thread
+//   dequantizes 8 NB bf16 pairs a half for 2 NB wgmmas of N = BM: at BM = 256 half as many pairs a MAC as
+//   at BM = 128 (its consumers stalled at the warpgroup-wide wgmma issue, the dequantization between the
+//   wgmma groups: docs/perf-notes.md, sixteenth and seventeenth sessions).
 //   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
 //   thread's own G and U) while the producer already fills the ring with the next tile.
-// No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads),
-// consumers 232, producer 40; no spills (ptxas -v).
+// No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads), consumers
+// 232, producer 40 (128 x 40 + 256 x 232 = 384 x 168: TMA_LAUNCH_REGS); no spills (ptxas -v).
 template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
@@ -502,9 +524,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   static_assert(!(GATED && SPLIT), "a gated product has no split-K");
   static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for "
                                                     "its two extra stages of the 8-bit ring)");
-  constexpr int S = tma_stages(BM, GATED), BN = GATED ? WG_BN / 2 : WG_BN;  // BN: outputs per column tile
+  constexpr int NB = wg_blocks(BM), S = tma_stages(BM, GATED), BN = GATED ? wg_rows(BM) / 2 : wg_rows(BM);  // BN: outputs per column tile
+  static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: dense products only");
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
-  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS);
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -517,7 +540,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), GATHER ? 1 + 128 : 1);
-      mbar_init(empty(s), 8);
+      mbar_init(empty(s), 4 * TMA_CONSUMER_WGS);  // one arrival a consumer warp
     }
     mbar_init_fence();
   }
@@ -620,7 +643,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // ---------------- consumer warpgroups ----------------
   setmaxnreg_inc<TMA_CONSUMER_REGS>();
   const int ct = tid - 128, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = wg_row_base(GATED, cw, w4, g);
+  const int rbase = wg_row_base(GATED, cw, w4, g, NB);
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;  // log2 group_size (a power of two)
   const uint16_t* sc = static_cast<const uint16_t*>(a.w.scales);
   const uint16_t* bi = static_cast<const uint16_t*>(a.w.biases);
@@ -638,30 +661,30 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
     const int64_t n0 = (t / row_tiles) * BN;
     const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
-    float acc[2][BM / 2];
+    float acc[NB][BM / 2];
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
-    uint32_t rows[2][2];
-    wg_scale_rows<GATED>(rows, a.w, tile.expert, n0, rbase);
-    uint32_t H0[2][2][4], H1[2][2][4];  // A fragments of half k-tiles 0 and 1
-    WgScales<GS32> cur, nxt;
-    wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
+    uint32_t rows[NB][2];
+    wg_scale_rows<GATED, NB>(rows, a.w, tile.expert, n0, rbase);
+    uint32_t H0[NB][2][4], H1[NB][2][4];  // A fragments of half k-tiles 0 and 1
+    WgScales<GS32, NB> cur, nxt;
+    wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+      if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED>(ws, c, cur, H0);
+      wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
       wg_issue_half<BM, 0>(acc, H0, xd);
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED>(ws, c, cur, H1);
+      wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
       wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
       eb_prev = fb + 8 * S;  // empty[s]
@@ -671,7 +694,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(eb_prev);

@@ -81,11 +81,16 @@ struct Keep {  // the thresholds found so far; an id is kept when it passes all 
 
 __device__ __forceinline__ float scaled(const SampleParams& p, float z) { return __fdiv_rn(z, p.temperature); }
 __device__ __forceinline__ float weight_e(float zt, float m) { return zt == m ? 1.f : expf(zt - m); }
+// top_k's radix key of a score: -0 counted as +0, so that key order is the CPU's float order (-0 == +0)
+__device__ __forceinline__ unsigned score_key(float zt) { return float_key(zt + 0.f); }
 
-// The candidate path's first half, in every CTA: its ids v in [lo, hi) with z_v / T >= z_min (top_k's threshold),
-// in ascending order, to sh.cand_id / cand_z (the first SAMPLE_CANDIDATES of them); returns how many there are.
-// A tile's ids take their places by a block scan of the threads' counts (exact in f32: < 2^24).
-__device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, SampleShared& sh) {
+// The candidate path's first half, in every CTA: its ids v in [lo, hi) with z_v / T >= z_min (top_k's threshold:
+// mask = ~0u) or, when top_k's select stopped early (mask: its levels' bits), with (score_key(z_v / T) & mask) >=
+// prefix (a superset of top_k's ids), in ascending order, to sh.cand_id / cand_z (the first SAMPLE_CANDIDATES of
+// them); returns how many there are. A tile's ids take their places by a block scan of the threads' counts
+// (exact in f32: < 2^24).
+__device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, unsigned prefix, unsigned mask,
+                            SampleShared& sh) {
   int base = 0;
   for (int tile = lo; tile < hi; tile += SAMPLE_TILE) {
     const int v0 = tile + 4 * int(threadIdx.x);
@@ -95,7 +100,8 @@ __device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, 
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       zt[k] = scaled(p, q.z[k]);
-      if (v0 + k < hi && zt[k] >= z_min) kept |= 1u << k;
+      const bool in = mask == ~0u ? zt[k] >= z_min : (score_key(zt[k]) & mask) >= prefix;
+      if (v0 + k < hi && in) kept |= 1u << k;
     }
     float tile_total;
     int at = base + int(block_exclusive_scan(float(__popc(kept)), tile_total, sh));
@@ -113,23 +119,51 @@ __device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, 
 // The candidate path's second half: steps 6-8 and the draw on the n <= SAMPLE_CANDIDATES ids top_k kept (every
 // CTA's list in sh.cand_*, published before a cluster barrier), by rank 0, in the CPU reference's f32 steps and
 // orders (cpu/sample.cpp): e = exp(z / T - m); min_p; top_p on the kept e sorted descending, W summed in id
-// order; then W' and the inverse CDF in id order, one thread. The other ranks only wait: every thread returns
+// order; then W' and the inverse CDF in id order, one thread. top_k > 0: the list is a superset of top_k's
+// ids (its select stopped early), and top_k's threshold is found here first: the key K with fewer than k
+// candidates above it and at least k at or above it (the radix select's answer), then z / T >= key_float(K). The other ranks only wait: every thread returns
 // the chosen id after a cluster reduction (which also keeps the peers' lists alive until rank 0 has read them).
 // Compared with the full passes below (4 radix levels for top_p, 2 passes for the CDF, each over all V ids),
 // this reads the ~k kept ids; its sums are the CPU's, so CPU and GPU now differ only by expf's ulps.
-__device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, ClusterCtx& c) {
+__device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, int top_k, ClusterCtx& c) {
   SampleShared& sh = c.sh;
   const int tid = int(threadIdx.x);
   int chosen = -1;
   if (c.cluster.block_rank() == 0) {
+    if (tid == 0) sh.top_key = 0u;  // (always written below when top_k > 0; the gather's barrier orders this)
     int off = 0;  // rank order is id order: CTA r owns the r-th id range
     for (int r = 0; r < SAMPLE_CTAS; ++r) {
       const SampleShared* peer = c.cluster.map_shared_rank(&sh, r);
       const int nr = peer->cand_n;
-      for (int j = tid; j < nr; j += SAMPLE_THREADS)
-        sh.all_id[off + j] = peer->cand_id[j], sh.all_e[off + j] = weight_e(peer->cand_z[j], keep.m);
+      for (int j = tid; j < nr; j += SAMPLE_THREADS) sh.all_id[off + j] = peer->cand_id[j], sh.all_e[off + j] = peer->cand_z[j];
       off += nr;
     }
+    __syncthreads();
+    float z_min = -INFINITY;  // the list is top_k's kept ids already, or top_k finishes here
+    if (top_k > 0) {
+      for (int i = tid; i < n; i += SAMPLE_THREADS) {
+        const unsigned ki = score_key(sh.all_e[i]);
+        int gt = 0, ge = 0;
+        for (int j = 0; j < n; ++j) {
+          const unsigned kj = score_key(sh.all_e[j]);
+          gt += kj > ki, ge += kj >= ki;
+        }
+        if (gt < top_k && top_k <= ge) sh.top_key = ki;  // one key value passes: its holders all write it
+      }
+      __syncthreads();
+      z_min = key_float(sh.top_key);
+    }
+    float e_of[(SAMPLE_CANDIDATES + SAMPLE_THREADS - 1) / SAMPLE_THREADS];
+#pragma unroll
+    for (int r = 0; r < int(sizeof(e_of) / sizeof(float)); ++r) {  // all reads before any write
+      const int i = tid + r * SAMPLE_THREADS;
+      const float zt = i < n ? sh.all_e[i] : 0.f;
+      e_of[r] = zt >= z_min ? weight_e(zt, keep.m) : -1.f;  // -1: not kept (below every e_min and tau)
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < int(sizeof(e_of) / sizeof(float)); ++r)
+      if (tid + r * SAMPLE_THREADS < n) sh.all_e[tid + r * SAMPLE_THREADS] = e_of[r];
     __syncthreads();
     const float e_min = keep.e_min;  // min_p (0: every e passes)
     float tau = 0.f;                 // top_p's threshold (0: every e passes)
@@ -195,18 +229,27 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
       unsigned is_candidate = 0;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        key[k] = float_key(scaled(p, q.z[k])), w[k] = 1;
+        key[k] = score_key(scaled(p, q.z[k])), w[k] = 1;
         if (v0 + k < hi) is_candidate |= 1u << k;
       }
       return is_candidate;
     };
-    const float t = key_float(radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c));
-    keep.z_min = isnan(t) ? -INFINITY : t;
-    const int mine = compact_kept(p, lo, hi, keep.z_min, c.sh);  // the same in every thread of the CTA
+    // The select stops after the level at which the ids at or above its prefix fit the candidate list (with a
+    // model's logits usually the first: the top key byte holds sign and exponent, and few ids share the top
+    // ones); top_k then finishes on that list. Otherwise (mask ~0u: ties) it is exact here.
+    unsigned mask;
+    const unsigned prefix = radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c, SAMPLE_CANDIDATES, &mask);
+    const bool exact = mask == ~0u;
+    if (exact) {
+      const float t = key_float(prefix);
+      keep.z_min = isnan(t) ? -INFINITY : t;
+    }
+    const int mine = compact_kept(p, lo, hi, keep.z_min, prefix, mask, c.sh);  // the same in every thread of the CTA
     if (threadIdx.x == 0) c.sh.cand_n = mine;
     float kept;  // over the cluster; the same in every thread, so the branch is uniform
     cluster_exclusive_sum(float(mine), kept, c);  // its barrier publishes every CTA's list
-    if (kept <= float(SAMPLE_CANDIDATES)) return draw_candidates(p, keep, int(kept), c);
+    if (kept <= float(SAMPLE_CANDIDATES))  // always when !exact: the select counted them
+      return draw_candidates(p, keep, int(kept), exact ? 0 : p.top_k, c);
   }
   if (p.top_p < 1.f) {                       // 8: weights in 2^-40 fixed point, integer atomics
     auto by_mass = [&](int v0, unsigned key[4], u64 w[4]) {

@@ -48,6 +48,7 @@ struct SampleShared {
   int all_id[SAMPLE_CANDIDATES];
   float all_e[SAMPLE_CANDIDATES], sorted_e[SAMPLE_CANDIDATES];
   float tau;
+  unsigned top_key;  // top_k's threshold key when it finishes on the candidate list
 };
 
 struct ClusterCtx {
@@ -200,8 +201,13 @@ __device__ void pick_bin(SampleShared& sh, u64 above, u64 need) {
 // The largest key K with mass(key >= K) >= need and mass(key > K) < need over the cluster's
 // elements; elem(v0, key[4], w[4]) fills ids v0..v0+3 and returns the mask of candidates among
 // them. need_frac > 0: need = need_frac * (total candidate mass) instead. 4 passes of 8 bits.
+// stop_at > 0 (unit weights): after any level at which the elements whose key, masked to the levels so far,
+// is at least the prefix so far number at most stop_at, it returns that prefix with *mask_out = its mask (the
+// levels' bits) instead: those elements are then a superset of the answer's, small enough to finish elsewhere.
+// A full select sets *mask_out = ~0u.
 template <class Elem>
-__device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double need_frac, ClusterCtx& c) {
+__device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double need_frac, ClusterCtx& c,
+                                 u64 stop_at = 0, unsigned* mask_out = nullptr) {
   SampleShared& sh = c.sh;
   unsigned prefix = 0, mask = 0;
   u64 above = 0;
@@ -254,8 +260,11 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
     prefix |= sh.sel_bin << shift;
     mask |= 255u << shift;
     above = sh.sel_above;
-    __syncthreads();  // sel_* are rewritten by the next level
+    const u64 at_or_above = above + sh.merged[sh.sel_bin];  // the elements with (key & mask) >= prefix
+    __syncthreads();  // sel_* and merged are rewritten by the next level
+    if (stop_at > 0 && shift > 0 && at_or_above <= stop_at) break;
   }
+  if (mask_out) *mask_out = mask;
   return prefix;
 }
 
