@@ -40,15 +40,16 @@ struct SampleShared {
   unsigned sel_bin;
   u64 sel_above, sel_need;
   // the candidate path: this CTA's kept ids in ascending order and their scores z / T (cand_n of them, the
-  // first SAMPLE_CANDIDATES stored); rank 0 gathers every CTA's into all_id, all_e (e = exp(z / T - m)) and
-  // sorts the kept e descending into sorted_e
+  // first SAMPLE_CANDIDATES stored); rank 0 gathers every CTA's into all_id, all_e (z / T, then compacted to the
+  // kept ids with e = exp(z / T - m)), sorts their keys into sort_key (top_k's threshold) and the kept e
+  // descending into sorted_e
   int cand_id[SAMPLE_CANDIDATES];
   float cand_z[SAMPLE_CANDIDATES];
   int cand_n;
   int all_id[SAMPLE_CANDIDATES];
   float all_e[SAMPLE_CANDIDATES], sorted_e[SAMPLE_CANDIDATES];
+  unsigned sort_key[SAMPLE_CANDIDATES];  // top_k's keys of the gathered candidates, sorted descending
   float tau;
-  unsigned top_key;  // top_k's threshold key when it finishes on the candidate list
 };
 
 struct ClusterCtx {
@@ -155,6 +156,21 @@ __device__ float block_exclusive_scan(float x, float& total, SampleShared& sh) {
   __syncthreads();
   total = all;
   return before + excl;
+}
+
+// Sorts keys[0, n) descending in place, n a power of two <= 2 SAMPLE_THREADS (bitonic network: log2(n) (log2(n)
+// + 1) / 2 steps, one compare-exchange a thread a step). Every thread of the CTA calls it (it syncs the CTA).
+__device__ void bitonic_sort_desc(unsigned* keys, int n) {
+  const int t = int(threadIdx.x);
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (t < n / 2) {
+        const int i = 2 * t - (t & (stride - 1)), j = i + stride;  // i has bit `stride` clear
+        const unsigned a = keys[i], b = keys[j];
+        if ((a < b) == ((i & size) == 0)) keys[i] = b, keys[j] = a;  // descending runs where i & size == 0
+      }
+      __syncthreads();
+    }
 }
 
 // Order-preserving map of a float onto u32 (larger float -> larger key), and back.
