@@ -243,7 +243,7 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
     // model's logits usually the first: the top key byte holds sign and exponent, and few ids share the top
     // ones); top_k then finishes on that list. Otherwise (mask ~0u: ties) it is exact here.
     unsigned mask;
-    const unsigned prefix = radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c, SAMPLE_CANDIDATES, &mask);
+    const unsigned prefix = radix_select<true>(by_score, lo, hi, u64(p.top_k), 0.0, c, SAMPLE_CANDIDATES, &mask);
     const bool exact = mask == ~0u;
     if (exact) {
       const float t = key_float(prefix);
@@ -268,7 +268,7 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
       }
       return is_candidate;
     };
-    const float tau = key_float(radix_select(by_mass, lo, hi, 0, double(p.top_p), c));
+    const float tau = key_float(radix_select<false>(by_mass, lo, hi, 0, double(p.top_p), c));
     if (!isnan(tau)) keep.e_min = fmaxf(keep.e_min, tau);
   }
   // Inverse CDF over kept ids in id order: the CTA's mass, then each CTA scans its own ids.
