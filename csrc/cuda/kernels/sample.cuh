@@ -120,9 +120,11 @@ __device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, 
 // CTA's list in sh.cand_*, published before a cluster barrier), by rank 0, in the CPU reference's f32 steps and
 // orders (cpu/sample.cpp): e = exp(z / T - m); min_p; top_p on the kept e sorted descending, W summed in id
 // order; then W' and the inverse CDF in id order, one thread. top_k > 0: the list is a superset of top_k's
-// ids (its select stopped early), and top_k's threshold is found here first: the key K with fewer than k
-// candidates above it and at least k at or above it (the radix select's answer), then z / T >= key_float(K). The other ranks only wait: every thread returns
-// the chosen id after a cluster reduction (which also keeps the peers' lists alive until rank 0 has read them).
+// ids (its select stopped early), and top_k's threshold is found here first: the k-th largest key of the list
+// (bitonic sort of the keys; the radix select's answer, exactly), then z / T >= key_float(that key). The list is
+// then compacted, in id order, to the ids top_k keeps (~k), and min_p / top_p / the draw run over those only.
+// The other ranks only wait: every thread returns the chosen id after a cluster reduction (which also keeps the
+// peers' lists alive until rank 0 has read them).
 // Compared with the full passes below (4 radix levels for top_p, 2 passes for the CDF, each over all V ids),
 // this reads the ~k kept ids; its sums are the CPU's, so CPU and GPU now differ only by expf's ulps.
 __device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, int top_k, ClusterCtx& c) {
@@ -130,7 +132,6 @@ __device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, i
   const int tid = int(threadIdx.x);
   int chosen = -1;
   if (c.cluster.block_rank() == 0) {
-    if (tid == 0) sh.top_key = 0u;  // (always written below when top_k > 0; the gather's barrier orders this)
     int off = 0;  // rank order is id order: CTA r owns the r-th id range
     for (int r = 0; r < SAMPLE_CTAS; ++r) {
       const SampleShared* peer = c.cluster.map_shared_rank(&sh, r);
@@ -138,32 +139,36 @@ __device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, i
       for (int j = tid; j < nr; j += SAMPLE_THREADS) sh.all_id[off + j] = peer->cand_id[j], sh.all_e[off + j] = peer->cand_z[j];
       off += nr;
     }
-    __syncthreads();
     float z_min = -INFINITY;  // the list is top_k's kept ids already, or top_k finishes here
     if (top_k > 0) {
-      for (int i = tid; i < n; i += SAMPLE_THREADS) {
-        const unsigned ki = score_key(sh.all_e[i]);
-        int gt = 0, ge = 0;
-        for (int j = 0; j < n; ++j) {
-          const unsigned kj = score_key(sh.all_e[j]);
-          gt += kj > ki, ge += kj >= ki;
-        }
-        if (gt < top_k && top_k <= ge) sh.top_key = ki;  // one key value passes: its holders all write it
-      }
+      int np = 2;  // the sort's width: a power of two >= n (pads: key 0, below every score's key)
+      while (np < n) np <<= 1;
+      __syncthreads();  // the gathered list
+      for (int i = tid; i < np; i += SAMPLE_THREADS) sh.sort_key[i] = i < n ? score_key(sh.all_e[i]) : 0u;
       __syncthreads();
-      z_min = key_float(sh.top_key);
-    }
-    float e_of[(SAMPLE_CANDIDATES + SAMPLE_THREADS - 1) / SAMPLE_THREADS];
-#pragma unroll
-    for (int r = 0; r < int(sizeof(e_of) / sizeof(float)); ++r) {  // all reads before any write
-      const int i = tid + r * SAMPLE_THREADS;
-      const float zt = i < n ? sh.all_e[i] : 0.f;
-      e_of[r] = zt >= z_min ? weight_e(zt, keep.m) : -1.f;  // -1: not kept (below every e_min and tau)
+      bitonic_sort_desc(sh.sort_key, np);
+      z_min = key_float(sh.sort_key[max(0, min(top_k, n) - 1)]);  // (top_k <= n: the select counted them)
     }
     __syncthreads();
+    // Compaction to the kept ids, id order kept: thread t takes entries 2t, 2t + 1 (n <= 2 SAMPLE_THREADS) and
+    // places them by a block scan of its count; every read precedes the scan's barriers, every write follows.
+    static_assert(SAMPLE_CANDIDATES <= 2 * SAMPLE_THREADS, "two candidates a thread");
+    float e2[2];
+    int id2[2], in2 = 0;
 #pragma unroll
-    for (int r = 0; r < int(sizeof(e_of) / sizeof(float)); ++r)
-      if (tid + r * SAMPLE_THREADS < n) sh.all_e[tid + r * SAMPLE_THREADS] = e_of[r];
+    for (int u = 0; u < 2; ++u) {
+      const int i = 2 * tid + u;
+      const float zt = i < n ? sh.all_e[i] : -INFINITY;
+      id2[u] = i < n ? sh.all_id[i] : -1;
+      e2[u] = weight_e(zt, keep.m);
+      if (i < n && zt >= z_min) in2 |= 1 << u;
+    }
+    float total;
+    int at = int(block_exclusive_scan(float(__popc(in2)), total, sh));
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      if (in2 >> u & 1) sh.all_e[at] = e2[u], sh.all_id[at] = id2[u], ++at;
+    n = int(total);
     __syncthreads();
     const float e_min = keep.e_min;  // min_p (0: every e passes)
     float tau = 0.f;                 // top_p's threshold (0: every e passes)
@@ -238,7 +243,7 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
     // model's logits usually the first: the top key byte holds sign and exponent, and few ids share the top
     // ones); top_k then finishes on that list. Otherwise (mask ~0u: ties) it is exact here.
     unsigned mask;
-    const unsigned prefix = radix_select(by_score, lo, hi, u64(p.top_k), 0.0, c, SAMPLE_CANDIDATES, &mask);
+    const unsigned prefix = radix_select<true>(by_score, lo, hi, u64(p.top_k), 0.0, c, SAMPLE_CANDIDATES, &mask);
     const bool exact = mask == ~0u;
     if (exact) {
       const float t = key_float(prefix);
@@ -263,7 +268,7 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
       }
       return is_candidate;
     };
-    const float tau = key_float(radix_select(by_mass, lo, hi, 0, double(p.top_p), c));
+    const float tau = key_float(radix_select<false>(by_mass, lo, hi, 0, double(p.top_p), c));
     if (!isnan(tau)) keep.e_min = fmaxf(keep.e_min, tau);
   }
   // Inverse CDF over kept ids in id order: the CTA's mass, then each CTA scans its own ids.

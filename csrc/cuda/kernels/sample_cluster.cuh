@@ -40,15 +40,16 @@ struct SampleShared {
   unsigned sel_bin;
   u64 sel_above, sel_need;
   // the candidate path: this CTA's kept ids in ascending order and their scores z / T (cand_n of them, the
-  // first SAMPLE_CANDIDATES stored); rank 0 gathers every CTA's into all_id, all_e (e = exp(z / T - m)) and
-  // sorts the kept e descending into sorted_e
+  // first SAMPLE_CANDIDATES stored); rank 0 gathers every CTA's into all_id, all_e (z / T, then compacted to the
+  // kept ids with e = exp(z / T - m)), sorts their keys into sort_key (top_k's threshold) and the kept e
+  // descending into sorted_e
   int cand_id[SAMPLE_CANDIDATES];
   float cand_z[SAMPLE_CANDIDATES];
   int cand_n;
   int all_id[SAMPLE_CANDIDATES];
   float all_e[SAMPLE_CANDIDATES], sorted_e[SAMPLE_CANDIDATES];
+  unsigned sort_key[SAMPLE_CANDIDATES];  // top_k's keys of the gathered candidates, sorted descending
   float tau;
-  unsigned top_key;  // top_k's threshold key when it finishes on the candidate list
 };
 
 struct ClusterCtx {
@@ -157,6 +158,21 @@ __device__ float block_exclusive_scan(float x, float& total, SampleShared& sh) {
   return before + excl;
 }
 
+// Sorts keys[0, n) descending in place, n a power of two <= 2 SAMPLE_THREADS (bitonic network: log2(n) (log2(n)
+// + 1) / 2 steps, one compare-exchange a thread a step). Every thread of the CTA calls it (it syncs the CTA).
+__device__ void bitonic_sort_desc(unsigned* keys, int n) {
+  const int t = int(threadIdx.x);
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (t < n / 2) {
+        const int i = 2 * t - (t & (stride - 1)), j = i + stride;  // i has bit `stride` clear
+        const unsigned a = keys[i], b = keys[j];
+        if ((a < b) == ((i & size) == 0)) keys[i] = b, keys[j] = a;  // descending runs where i & size == 0
+      }
+      __syncthreads();
+    }
+}
+
 // Order-preserving map of a float onto u32 (larger float -> larger key), and back.
 __device__ __forceinline__ unsigned float_key(float f) {
   const unsigned u = __float_as_uint(f);
@@ -205,7 +221,13 @@ __device__ void pick_bin(SampleShared& sh, u64 above, u64 need) {
 // is at least the prefix so far number at most stop_at, it returns that prefix with *mask_out = its mask (the
 // levels' bits) instead: those elements are then a superset of the answer's, small enough to finish elsewhere.
 // A full select sets *mask_out = ~0u.
-template <class Elem>
+// UNIT: every weight is 1 (top_k's counts): a bin's count stays below 2^32 (V <= 2^30), so the lanes of a warp
+// that hit one bin add their count to the bin's low word in one native 32-bit shared atomic (the high word stays
+// 0). A 64-bit shared atomicAdd is a compare-and-swap loop on sm_90 (ATOMS.CAST.SPIN.64): with the logits' top
+// key bytes shared by most ids, the 16 warps' loops on the same few bins retried ~4 times an atomic, and the
+// histogram passes were ~60% of a chat-sampled step's sampler (ncu, eighteenth session). Weighted selects
+// (top_p's mass in 2^-40 fixed point, w <= 2^40) group the same way and add a group's sum in one 64-bit atomic.
+template <bool UNIT, class Elem>
 __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double need_frac, ClusterCtx& c,
                                  u64 stop_at = 0, unsigned* mask_out = nullptr) {
   SampleShared& sh = c.sh;
@@ -226,14 +248,20 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
       for (int k = 0; k < 4; ++k) {
         const bool take = (is_candidate >> k & 1u) && w[k] != 0 && (key[k] & mask) == prefix;
         const unsigned bin = (key[k] >> shift) & 255u;
-        // Unit weights (the top-k counts): the lanes of a warp that hit one bin add their count in one atomic
-        // (logits share their top key bytes, so otherwise ~all of a warp's atomics go to one or two bins and
-        // serialise). The bins are integer sums, so the histogram is the same whatever the grouping.
-        if (__all_sync(active, !take || w[k] == 1)) {
+        if constexpr (UNIT) {
+          // the lanes of a warp that hit one bin add their count in one atomic (logits share their top key
+          // bytes, so otherwise ~all of a warp's atomics go to one or two bins and serialise); the bins are
+          // integer sums, so the histogram is the same whatever the grouping
           const unsigned peers = __match_any_sync(active, take ? bin : RADIX_BINS);
-          if (take && (peers & ((1u << lane) - 1u)) == 0) atomicAdd(&hist[bin], u64(__popc(peers)));
-        } else if (take) {
-          atomicAdd(&hist[bin], w[k]);
+          if (take && (peers & ((1u << lane) - 1u)) == 0)
+            atomicAdd(reinterpret_cast<unsigned*>(&hist[bin]), unsigned(__popc(peers)));  // the low word
+        } else {
+          // the same grouping for weights w <= 2^40 (e <= 1 in 2^-40 fixed point): the group's sum as two exact
+          // 32-bit reductions (w's low 24 bits: < 2^29 over 32 lanes; its high bits: < 2^22), one 64-bit atomic
+          const unsigned peers = __match_any_sync(active, take ? bin : RADIX_BINS);
+          const unsigned lo = __reduce_add_sync(peers, take ? unsigned(w[k] & 0xFFFFFFu) : 0u);
+          const unsigned hi = __reduce_add_sync(peers, take ? unsigned(w[k] >> 24) : 0u);
+          if (take && (peers & ((1u << lane) - 1u)) == 0) atomicAdd(&hist[bin], (u64(hi) << 24) + lo);
         }
       }
     }
