@@ -449,15 +449,17 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   __syncthreads();  // v rows landed, T complete
   {
     const int g = lane >> 2, c = lane & 3, is_w = warp >= 4, d0 = 32 * (warp & 3);  // columns d0.. of U or W
-    float* Y = is_w ? &sm.k[0][d0] : &sm.v[0][d0];  // B = the row factor times Y's rows
-    float* dst = blk + (is_w ? WS_W : WS_U) + d0;
-    // tile [mt][nt], element e: column 16 mt + g + 8 (e >> 1), token 16 i + 8 nt + 2 c + (e & 1)
-    auto at = [&](int i, int mt, int nt, int e) { return (16 * i + 8 * nt + 2 * c + (e & 1)) * LD + 16 * mt + g + 8 * (e >> 1); };
+    // per-lane bases: element e of tile [mt][nt] of block i is column 16 mt + g + 8 (e >> 1), token
+    // 16 i + 8 nt + 2 c + (e & 1), at 16 i rows + at(mt, nt, e, row stride) from this lane's base
+    auto at = [](int mt, int nt, int e, int ld) { return (8 * nt + (e & 1)) * ld + 16 * mt + 8 * (e >> 1); };
+    float* Y = (is_w ? &sm.k[2 * c][d0] : &sm.v[2 * c][d0]) + g;  // B = the row factor times Y's rows
+    float* out = blk + (is_w ? WS_W : WS_U) + 2 * c * D + d0 + g;
+    auto factor = [&](int t) { return sm.beta[t] * (is_w ? sm.eG[t] : 1.f); };  // B's row factor of token t
     // The A fragments of X_j^T [32 columns, 16 tokens] (m16 tile mt: a0 column g, tokens 2c, 2c + 1; a1
     // column g + 8; a2, a3 tokens 2c + 8, 2c + 9) are C fragments' pairs (e, e + 1), split; they wait in
     // place of Y's block j (this warp's columns, only it reads them: each lane reads back the words it
     // wrote, hi at the place of e, lo at that of e + 1), registers being short.
-    auto stash = [&](int j, const float (&x)[2][2][4]) {
+    auto stash = [&](float* y, const float (&x)[2][2][4]) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -465,25 +467,25 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 #pragma unroll
           for (int e = 0; e < 4; e += 2) {
             const Split sx = split2(x[mt][nt][e], x[mt][nt][e + 1]);
-            Y[at(j, mt, nt, e)] = __uint_as_float(sx.hi);
-            Y[at(j, mt, nt, e + 1)] = __uint_as_float(sx.lo);
+            y[at(mt, nt, e, LD)] = __uint_as_float(sx.hi);
+            y[at(mt, nt, e + 1, LD)] = __uint_as_float(sx.lo);
           }
     };
-    auto unstash = [&](Split (&a)[2][4], int j) {
+    auto unstash = [&](Split (&a)[2][4], const float* y) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; e += 2)
-            a[mt][2 * nt + e / 2] = {__float_as_uint(Y[at(j, mt, nt, e)]), __float_as_uint(Y[at(j, mt, nt, e + 1)])};
+            a[mt][2 * nt + e / 2] = {__float_as_uint(y[at(mt, nt, e, LD)]), __float_as_uint(y[at(mt, nt, e + 1, LD)])};
     };
-    // acc[mt][nt] += a[mt] M^T over the k-step, M's rows t = 8 nt + g at m (row stride ldm), negated if
-    // neg; one accumulator (registers: four tiles of independent chains are in flight anyway)
+    // acc[mt][nt] += a[mt] M^T over the k-step, m: M's row g, column 2c (rows 8 nt + g at m + 8 nt ldm),
+    // negated if neg; one accumulator (registers: four tiles of independent chains are in flight anyway)
     auto prod = [&](float (&acc)[2][2][4], const Split (&a)[2][4], const float* m, int ldm, bool neg) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const float* r = m + (8 * nt + g) * ldm + 2 * c;
+        const float* r = m + 8 * nt * ldm;
         const float f = neg ? -1.f : 1.f;  // (exact)
         const Split b0 = split2(f * r[0], f * r[1]), b1 = split2(f * r[8], f * r[9]);
 #pragma unroll
@@ -491,22 +493,23 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       }
     };
 #pragma unroll 1
-    for (int i = 0; i < 4; ++i) {  // (rolled: unrolled, ptxas hoists later blocks' loads and spills)
+    for (int i = 0; i < 4; ++i, Y += 16 * LD, out += 16 * D) {  // (rolled: unrolled, ptxas hoists later blocks' loads and spills)
       float acc[2][2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // R_i^T = B_i^T
         const int t = 16 * i + 8 * nt + 2 * c;
-        const float f0 = sm.beta[t] * (is_w ? sm.eG[t] : 1.f), f1 = sm.beta[t + 1] * (is_w ? sm.eG[t + 1] : 1.f);
+        const float f0 = factor(t), f1 = factor(t + 1);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e & 1 ? f1 : f0) * Y[at(i, mt, nt, e)];
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e & 1 ? f1 : f0) * Y[at(mt, nt, e, LD)];
       }
+      const float* Aij = &sm.A[16 * i + g][2 * c];
 #pragma unroll 1
-      for (int j = 0; j < i; ++j) {  // R_i^T -= X_j^T A_ij^T
+      for (int j = 0; j < i; ++j, Aij += 16) {  // R_i^T -= X_j^T A_ij^T
         Split xa[2][4];
-        unstash(xa, j);
-        prod(acc, xa, &sm.A[16 * i][16 * j], ALD, true);
+        unstash(xa, Y - 16 * LD * (i - j));
+        prod(acc, xa, Aij, ALD, true);
       }
       Split ra[2][4];  // R_i^T's A fragments
 #pragma unroll
@@ -515,14 +518,14 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; e += 2) ra[mt][2 * nt + e / 2] = split2(acc[mt][nt][e], acc[mt][nt][e + 1]);
-      prod(acc, ra, &sm.T[16 * i][0], TLD, false);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
+      prod(acc, ra, &sm.T[16 * i + g][2 * c], TLD, false);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dst[(16 * i + 8 * nt + 2 * c + (e & 1)) * D + 16 * mt + g + 8 * (e >> 1)] = acc[mt][nt][e];
-      if (i < 3) stash(i, acc);
+          for (int e = 0; e < 4; ++e) out[at(mt, nt, e, D)] = acc[mt][nt][e];
+      if (i < 3) stash(Y, acc);
     }
   }
 }
