@@ -297,7 +297,7 @@ struct PrepSmem {
     float v[C][LD];  // raw v rows (step 4)
   };
   float k[C][LD];   // normalised k rows
-  float A[C][ALD];  // strictly lower (tiles above the diagonal unwritten, never read)
+  float nA[C][ALD]; // -A, strictly lower (tiles above the diagonal unwritten, never read)
   float T[C][TLD];  // T_ii - I, block i in rows 16 i .. (strictly lower, zeros above)
   double G[C];           // cumulative log decay
   float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
           blk[WS_P + t * C + s] = dec * acc[e];
         } else {
           const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
-          sm.A[t][s] = sm.beta[t] * dec * acc[e];
+          sm.nA[t][s] = -(sm.beta[t] * dec * acc[e]);  // (stored negated: step 4 subtracts)
         }
       }
     }
@@ -434,14 +434,14 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   commit();
   if (warp == 4 || warp == 5) {
     const int i = (tid - 4 * 32) >> 4, j = tid & 15;
-    const float* L = &sm.A[16 * i][16 * i];
+    const float* nL = &sm.nA[16 * i][16 * i];
     float x[16];  // column j of T_ii: (I + A_ii) x = e_j, column by column of A_ii (x[r < j] stay 0)
 #pragma unroll
     for (int r = 0; r < 16; ++r) x[r] = r == j ? 1.f : 0.f;
 #pragma unroll
     for (int s = 0; s < 15; ++s)
 #pragma unroll
-      for (int r = s + 1; r < 16; ++r) x[r] = fmaf(-L[r * ALD + s], x[s], x[r]);
+      for (int r = s + 1; r < 16; ++r) x[r] = fmaf(nL[r * ALD + s], x[s], x[r]);
 #pragma unroll
     for (int r = 0; r < 16; ++r) sm.T[16 * i + r][j] = r == j ? 0.f : x[r];
   }
@@ -480,14 +480,13 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
           for (int e = 0; e < 4; e += 2)
             a[mt][2 * nt + e / 2] = {__float_as_uint(y[at(mt, nt, e, LD)]), __float_as_uint(y[at(mt, nt, e + 1, LD)])};
     };
-    // acc[mt][nt] += a[mt] M^T over the k-step, m: M's row g, column 2c (rows 8 nt + g at m + 8 nt ldm),
-    // negated if neg; one accumulator (registers: four tiles of independent chains are in flight anyway)
-    auto prod = [&](float (&acc)[2][2][4], const Split (&a)[2][4], const float* m, int ldm, bool neg) {
+    // acc[mt][nt] += a[mt] M^T over the k-step, m: M's row g, column 2c (rows 8 nt + g at m + 8 nt ldm);
+    // one accumulator (registers: four tiles of independent chains are in flight anyway)
+    auto prod = [&](float (&acc)[2][2][4], const Split (&a)[2][4], const float* m, int ldm) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const float* r = m + 8 * nt * ldm;
-        const float f = neg ? -1.f : 1.f;  // (exact)
-        const Split b0 = split2(f * r[0], f * r[1]), b1 = split2(f * r[8], f * r[9]);
+        const Split b0 = split2(r[0], r[1]), b1 = split2(r[8], r[9]);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) mma_p<PR::FS>(acc[mt][nt], acc[mt][nt], a[mt], b0, b1);
       }
@@ -504,12 +503,12 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e & 1 ? f1 : f0) * Y[at(mt, nt, e, LD)];
       }
-      const float* Aij = &sm.A[16 * i + g][2 * c];
+      const float* nAij = &sm.nA[16 * i + g][2 * c];
 #pragma unroll 1
-      for (int j = 0; j < i; ++j, Aij += 16) {  // R_i^T -= X_j^T A_ij^T
+      for (int j = 0; j < i; ++j, nAij += 16) {  // R_i^T -= X_j^T A_ij^T
         Split xa[2][4];
         unstash(xa, Y - 16 * LD * (i - j));
-        prod(acc, xa, Aij, ALD, true);
+        prod(acc, xa, nAij, ALD);
       }
       Split ra[2][4];  // R_i^T's A fragments
 #pragma unroll
@@ -518,7 +517,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; e += 2) ra[mt][2 * nt + e / 2] = split2(acc[mt][nt][e], acc[mt][nt][e + 1]);
-      prod(acc, ra, &sm.T[16 * i + g][2 * c], TLD, false);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
+      prod(acc, ra, &sm.T[16 * i + g][2 * c], TLD);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
