@@ -10,14 +10,16 @@
 // factors of q and k to a workspace; scan_kernel runs the chunks in order and reads q, k straight
 // from qkv. Only Dk = Dv = 128 (the model's). G in fp64.
 //
-// Tensor cores, 3xBF16. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
-// the scan) runs on mma.sync.m16n8k16 bf16 with fp32 accumulation, each fp32 operand x split as
+// Tensor cores, 3xBF16. Every matrix product (K K^T, Q K^T and the substitution's in the prep; W S, Q S,
+// P Delta, K^T Delta in the scan) runs on mma.sync.m16n8k16 bf16 with fp32 accumulation, each fp32 operand x split as
 // x = hi + lo, hi = bf16(x), lo = bf16(x - hi) (cvt.rn.bf16x2.f32, round to nearest even; x - hi is
 // exact), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi: the dropped a_lo b_lo and the rounding of lo are
 // each <= 2^-16 |a b| (3xTF32, the kernels' first form, left <= 2^-22; one tf32 product 2^-11) at 3
 // tensor-core ops per 16-deep k-step, 3xTF32's 6. The host emulation (benchmarks/gdn_emu.cpp) measures
 // 6-8e-6 from fp64 on o and state at T = 64..4096, within the 2e-5 chunked-vs-token-kernel tolerance
-// (docs/gdn-prefill.md, "Error budget"). The forward substitution stays fp32 SIMT FMA. The kernels take
+// (docs/gdn-prefill.md, "Error budget"). The forward substitution (I + A) X = B runs blocked: the
+// products with A's blocks below the diagonal and with the inverses of its 16 x 16 diagonal blocks on
+// the tensor cores, those inverses in fp32 SIMT FMA (prep step 4). The kernels take
 // the form of each product as a compile-time Precision (below); the engine's is EnginePrecision, and
 // gdn_emu's sweep measures the others.
 //
@@ -266,7 +268,7 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 //      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
 //      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
 //      workspace (the scan applies them to the raw q, k rows of qkv).
-//   3. K K^T -> A (strictly lower, shared) and Q K^T -> P (lower with the diagonal, workspace) on the
+//   3. K K^T -> A (strictly lower, shared, stored negated) and Q K^T -> P (lower with the diagonal, workspace) on the
 //      tensor cores, 3xBF16. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
 //      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
 //      each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
@@ -277,18 +279,22 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 //      X_i = T_ii R_i, T_ii = (I + A_ii)^-1. First the raw v rows go by cp.async into q's place (free
 //      after step 3) while warps 4-5 form T_ii - I into sm.T (a thread per column of a diagonal block:
 //      a 16 x 16 unit lower solve, <= 120 fp32 FMA). Then warp w owns 32 columns of X (warps 0-3 of U,
-//      4-7 of W) and runs on the tensor cores, in the form PR::FS (3xBF16), the transpose block by
-//      block: R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, X_i^T = R_i^T + R_i^T (T_ii - I)^T (the identity
-//      part exact: R_i is the accumulator's start): m = its columns (two m16 tiles), n = block i's
-//      tokens (two n8 tiles), k = block j's tokens (one k-step). So X stays in registers: the C
-//      fragments of X_j^T (columns g, g + 8; tokens 2c, 2c + 1 of each n8 tile) are, as they stand,
-//      the A fragment of block j's k-step in natural k order (k 2c, 2c + 1 in a0 / a1; 2c + 8, 2c + 9
-//      in a2 / a3), and the B fragments (element (k s, n t) = A[t][s], or T's) are float2 loads of row
-//      t, columns 2c and 2c + 8 (ALD, TLD). B_i^T comes from the v and k tiles times the row factor;
-//      X to the workspace from the C fragments (scalar stores, 32-byte runs of 8 columns).
+//      4-7 of W) and runs, on the tensor cores in the form PR::FS (3xBF16, one accumulator), the
+//      transpose block by block: R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, then X_i^T = R_i^T + R_i^T
+//      (T_ii - I)^T (the identity part exact: R_i is the accumulator's start). m = the warp's columns
+//      (two m16 tiles), n = block i's tokens (two n8 tiles), k = block j's tokens (one k-step): 10
+//      k-steps x 4 tiles x 3 mma a warp, where the fp32 form took 2,016 dependent FMA a column. The
+//      transposed form needs no exchange between warps or lanes: the C fragments of X_j^T (columns g,
+//      g + 8; tokens 2c, 2c + 1 of each n8 tile) are, as they stand, the A fragment of block j's k-step
+//      in natural k order (k 2c, 2c + 1 in a0 / a1; 2c + 8, 2c + 9 in a2 / a3), kept split in the
+//      warp's own columns of the v (k) rows of block j, which B_j^T has used up; the B fragments
+//      (element (k s, n t) = -A[t][s], or T's) are float2 loads of row t, columns 2c and 2c + 8 (ALD,
+//      TLD). B_i^T: the v or k rows times the row factor; X to the workspace from the C fragments
+//      (scalar stores, 32-byte runs of 8 columns). The block loop stays rolled (unrolled, ptxas hoists
+//      the later blocks' loads and spills).
 // A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
-// a full memory latency each: the loads here are unconditional (clamped rows) or use-free in their
-// branch, and ptxas then issues them back to back (check the SASS after editing these loops).
+// a full memory latency each: the loads here are unconditional, use-free in their branch or cp.async,
+// and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
 struct PrepSmem {
@@ -492,7 +498,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       }
     };
 #pragma unroll 1
-    for (int i = 0; i < 4; ++i, Y += 16 * LD, out += 16 * D) {  // (rolled: unrolled, ptxas hoists later blocks' loads and spills)
+    for (int i = 0; i < 4; ++i, Y += 16 * LD, out += 16 * D) {
       float acc[2][2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // R_i^T = B_i^T
