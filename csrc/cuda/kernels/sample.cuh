@@ -1,6 +1,6 @@
 // The sampler (device code only; launcher in sample.cu): the canonical algorithm of
-// docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS (16; 8 where the device refuses
-// that non-portable size) CTAs x SAMPLE_THREADS
+// docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS (16 for a draw; 8 for greedy and
+// where the device refuses that non-portable size) CTAs x SAMPLE_THREADS
 // (512 threads leave 128 registers, no spills).
 //   z_v = penalise(l_v) [/ T];  greedy: argmax z;  else top_k threshold (radix select on z keys);
 //   with top_k and at most SAMPLE_CANDIDATES kept ids (the candidate path): those ids gathered on rank 0,

@@ -14,9 +14,10 @@ namespace lily::cuda {
 
 namespace cg = cooperative_groups;
 
-// The cluster: SAMPLE_CTAS CTAs where the device grants that non-portable size (sample.cu asks once), else
-// SAMPLE_CTAS_PORTABLE. Each pass over the logits is split over the cluster's CTAs, so the wider cluster halves
-// a pass (a chat-sampled step runs 4: the argmax, two of top_k's radix levels, the compaction).
+// The cluster: for a draw SAMPLE_CTAS CTAs where the device grants that non-portable size (sample.cu asks once),
+// else (and for greedy) SAMPLE_CTAS_PORTABLE. Each pass over the logits is split over the cluster's CTAs, so the
+// wider cluster halves a pass (a chat-sampled step runs 4: the argmax, two of top_k's radix levels, the
+// compaction; top_p alone 7).
 constexpr int SAMPLE_CTAS = 16, SAMPLE_CTAS_PORTABLE = 8;
 constexpr int SAMPLE_THREADS = 512;
 constexpr int SAMPLE_TILE = 4 * SAMPLE_THREADS;  // ids per CTA per tile: 4 consecutive per thread
