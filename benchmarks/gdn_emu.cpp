@@ -484,27 +484,27 @@ bool check_engine(bool quick) {
 }
 
 // ---- the precision sweep: every product's Prec (gdn_chunk.cuh), one at a time and combined -----
-// A variant's code lists the Prec of K K^T, Q K^T, W S, Q S, P Delta, K^T Delta: 1 = X1 (hi only),
-// A = XA (a split), B = XB (b split), 3 = X3.
+// A variant's code lists the Prec of K K^T, Q K^T, W S, Q S, P Delta, K^T Delta and the prep's
+// substitution products (FS): 1 = X1 (hi only), A = XA (a split), B = XB (b split), 3 = X3.
 struct Variant {
-  char code[7];
+  char code[8];
   Kernel prep, scan;
 };
 template <class PR>
 Variant variant() {
   constexpr char ch[] = {'1', 'A', 'B', '3'};
-  return {{ch[PR::KK], ch[PR::QK], ch[PR::WS], ch[PR::QS], ch[PR::PD], ch[PR::KD], 0}, gc::prep_kernel<PR>,
+  return {{ch[PR::KK], ch[PR::QK], ch[PR::WS], ch[PR::QS], ch[PR::PD], ch[PR::KD], ch[PR::FS], 0}, gc::prep_kernel<PR>,
           gc::scan_kernel<PR>};
 }
 template <int I, gc::Prec M>  // X3 but product I in M
 using One = gc::Precision<I == 0 ? M : gc::X3, I == 1 ? M : gc::X3, I == 2 ? M : gc::X3, I == 3 ? M : gc::X3,
-                          I == 4 ? M : gc::X3, I == 5 ? M : gc::X3>;
+                          I == 4 ? M : gc::X3, I == 5 ? M : gc::X3, I == 6 ? M : gc::X3>;
 #define ONE(I) variant<One<I, gc::X1>>(), variant<One<I, gc::XA>>(), variant<One<I, gc::XB>>()
 using gc::X1, gc::XA, gc::XB, gc::X3;
 const Variant variants[] = {
-    variant<gc::EnginePrecision>(), ONE(0), ONE(1), ONE(2), ONE(3), ONE(4), ONE(5),
-    variant<gc::Precision<X1, X1, X1, X1, X1, X1>>(), variant<gc::Precision<XA, XA, XA, XA, XA, XA>>(),
-    variant<gc::Precision<XB, XB, XB, XB, XB, XB>>(),
+    variant<gc::EnginePrecision>(), ONE(0), ONE(1), ONE(2), ONE(3), ONE(4), ONE(5), ONE(6),
+    variant<gc::Precision<X1, X1, X1, X1, X1, X1, X1>>(), variant<gc::Precision<XA, XA, XA, XA, XA, XA, XA>>(),
+    variant<gc::Precision<XB, XB, XB, XB, XB, XB, XB>>(),
 };
 
 // The variants named in codes (all if none) on the sweep cases (long: also T = 4096)
@@ -517,7 +517,7 @@ void sweep(bool with_long, const std::vector<std::string>& codes) {
     if (codes.empty() || std::find(codes.begin(), codes.end(), variants[v].code) != codes.end()) pick.push_back(v);
   const size_t nv = sizeof(variants) / sizeof(variants[0]);
   std::vector<std::vector<std::pair<double, double>>> err(nv, std::vector<std::pair<double, double>>(cases.size()));
-  std::printf("| products: KK QK WS QS PD KD |");
+  std::printf("| products: KK QK WS QS PD KD FS |");
   for (const Case& cs : cases)
     std::printf(" T=%d Hv/Hk=%d d%d S0~%.1f%s: o / state |", cs.T, cs.Hv / cs.Hk, cs.decay, cs.state_scale,
                 cs.corr > 0 ? " corr" : "");

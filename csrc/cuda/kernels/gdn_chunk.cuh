@@ -10,14 +10,16 @@
 // factors of q and k to a workspace; scan_kernel runs the chunks in order and reads q, k straight
 // from qkv. Only Dk = Dv = 128 (the model's). G in fp64.
 //
-// Tensor cores, 3xBF16. Every matrix product (K K^T, Q K^T in the prep; W S, Q S, P Delta, K^T Delta in
-// the scan) runs on mma.sync.m16n8k16 bf16 with fp32 accumulation, each fp32 operand x split as
+// Tensor cores, 3xBF16. Every matrix product (K K^T, Q K^T and the substitution's in the prep; W S, Q S,
+// P Delta, K^T Delta in the scan) runs on mma.sync.m16n8k16 bf16 with fp32 accumulation, each fp32 operand x split as
 // x = hi + lo, hi = bf16(x), lo = bf16(x - hi) (cvt.rn.bf16x2.f32, round to nearest even; x - hi is
 // exact), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi: the dropped a_lo b_lo and the rounding of lo are
 // each <= 2^-16 |a b| (3xTF32, the kernels' first form, left <= 2^-22; one tf32 product 2^-11) at 3
 // tensor-core ops per 16-deep k-step, 3xTF32's 6. The host emulation (benchmarks/gdn_emu.cpp) measures
 // 6-8e-6 from fp64 on o and state at T = 64..4096, within the 2e-5 chunked-vs-token-kernel tolerance
-// (docs/gdn-prefill.md, "Error budget"). The forward substitution stays fp32 SIMT FMA. The kernels take
+// (docs/gdn-prefill.md, "Error budget"). The forward substitution (I + A) X = B runs blocked: the
+// products with A's blocks below the diagonal and with the inverses of its 16 x 16 diagonal blocks on
+// the tensor cores, those inverses in fp32 SIMT FMA (prep step 4). The kernels take
 // the form of each product as a compile-time Precision (below); the engine's is EnginePrecision, and
 // gdn_emu's sweep measures the others.
 //
@@ -53,6 +55,10 @@ constexpr int COLS = 32;       // state columns per scan CTA
 constexpr int LD = D + 4;      // [64, 128] tiles read as A or as [n][k] B (132)
 constexpr int KLD = D + 8;     // the scan's K tile, read transposed (136)
 constexpr int PLD = C + 4;     // [64, 64] tiles read as A (68)
+// The prep's step 4 reads B fragments in natural k order as float2 (g * ld + 2c, the C-fragment pattern
+// above) -> ld % 32 == 8:
+constexpr int ALD = C + 8;     // the prep's A [64, 64] (72)
+constexpr int TLD = 16 + 8;    // the prep's T [64, 16]: the four 16 x 16 diagonal blocks of Tinv, less I (24)
 constexpr int NLD = COLS + 8;  // the scan's U tile [64, 32], read in C-fragment order (40)
 constexpr int SLD = D / 2 + 4; // the scan's S^T [32 columns][64 pairs of rows], read as [n][k] B (68)
 constexpr int DLD = C / 2 + 4; // the scan's Delta^T [32 columns][32 pairs of tokens], read as [n][k] B (36)
@@ -153,12 +159,13 @@ enum Prec : int {
 };
 __host__ __device__ constexpr bool uses_a_lo(Prec m) { return m == XA || m == X3; }
 __host__ __device__ constexpr bool uses_b_lo(Prec m) { return m == XB || m == X3; }
-// One Prec per product: K K^T, Q K^T (prep); W S, (fq Q) S, P Delta, (fk K)^T Delta (scan).
-template <Prec KK_, Prec QK_, Prec WS_, Prec QS_, Prec PD_, Prec KD_>
+// One Prec per product: K K^T, Q K^T (prep); W S, (fq Q) S, P Delta, (fk K)^T Delta (scan); FS: the
+// prep's blocked forward substitution (A_ij X_j and (T_ii - I) R_i, step 4).
+template <Prec KK_, Prec QK_, Prec WS_, Prec QS_, Prec PD_, Prec KD_, Prec FS_>
 struct Precision {
-  static constexpr Prec KK = KK_, QK = QK_, WS = WS_, QS = QS_, PD = PD_, KD = KD_;
+  static constexpr Prec KK = KK_, QK = QK_, WS = WS_, QS = QS_, PD = PD_, KD = KD_, FS = FS_;
 };
-using EnginePrecision = Precision<X3, X3, X3, X3, X3, X3>;
+using EnginePrecision = Precision<X3, X3, X3, X3, X3, X3, X3>;
 
 // a b in precision M: big += a_hi b_hi, small += the cross terms M keeps; the caller adds small to big
 // after its k loop. Two accumulators make two independent mma chains per output tile (mma.sync
@@ -233,6 +240,25 @@ __device__ __forceinline__ void st_pair(uint32_t* th, uint32_t* tl, int i, float
   if constexpr (LO) tl[i] = sx.lo;
 }
 
+// cp.async of this thread's 8 float4 of a [64, 128] tile of q, k or v rows (rows warp + 8 i, float4 lane):
+// dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
+// source; in a partial chunk (n < C, the last) rows >= n are zero-filled, their source then `safe` (a
+// valid address).
+template <int LD>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n, int warp,
+                                          const float* safe) {
+  if (n == C) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i, src += step) cp16(dst + 8 * LD * 4 * i, src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i, src += step) {
+      const bool ok = warp + 8 * i < n;
+      cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
 //   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
@@ -242,25 +268,43 @@ __device__ __forceinline__ void st_pair(uint32_t* th, uint32_t* tl, int i, float
 //      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
 //      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
 //      workspace (the scan applies them to the raw q, k rows of qkv).
-//   3. K K^T -> A (strictly lower, shared) and Q K^T -> P (lower with the diagonal, workspace) on the
+//   3. K K^T -> A (strictly lower, shared, stored negated) and Q K^T -> P (lower with the diagonal, workspace) on the
 //      tensor cores, 3xBF16. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
 //      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
 //      each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
 //      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
 //      s <= t < n, else 0 (exp of a positive exponent is never taken).
-//   4. (I + A) [U | W] = [beta V | beta exp(G) K] by forward substitution: thread c < 128 owns column
-//      c of U (V read from global memory, all 64 loads issued before the first use), thread c >= 128
-//      column c - 128 of W; the column's 64 values stay in registers (loops fully unrolled), A rows are
-//      shared-memory broadcasts. fp32 FMA.
+//   4. (I + A) X = B, X = [U | W] and B = [beta V | beta exp(G) K] (64 x 256), by forward
+//      substitution blocked by the four 16-token blocks i (rows 16 i ..): R_i = B_i - sum_{j<i} A_ij X_j,
+//      X_i = T_ii R_i, T_ii = (I + A_ii)^-1. First the raw v rows go by cp.async into q's place (free
+//      after step 3) while warps 4-5 form T_ii - I into sm.T (a thread per column of a diagonal block:
+//      a 16 x 16 unit lower solve, <= 120 fp32 FMA). Then warp w owns 32 columns of X (warps 0-3 of U,
+//      4-7 of W) and runs, on the tensor cores in the form PR::FS (3xBF16, one accumulator), the
+//      transpose block by block: R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, then X_i^T = R_i^T + R_i^T
+//      (T_ii - I)^T (the identity part exact: R_i is the accumulator's start). m = the warp's columns
+//      (two m16 tiles), n = block i's tokens (two n8 tiles), k = block j's tokens (one k-step): 10
+//      k-steps x 4 tiles x 3 mma a warp, where the fp32 form took 2,016 dependent FMA a column. The
+//      transposed form needs no exchange between warps or lanes: the C fragments of X_j^T (columns g,
+//      g + 8; tokens 2c, 2c + 1 of each n8 tile) are, as they stand, the A fragment of block j's k-step
+//      in natural k order (k 2c, 2c + 1 in a0 / a1; 2c + 8, 2c + 9 in a2 / a3), kept split in the
+//      warp's own columns of the v (k) rows of block j, which B_j^T has used up; the B fragments
+//      (element (k s, n t) = -A[t][s], or T's) are float2 loads of row t, columns 2c and 2c + 8 (ALD,
+//      TLD). B_i^T: the v or k rows times the row factor; X to the workspace from the C fragments
+//      (scalar stores, 32-byte runs of 8 columns). The block loop stays rolled (unrolled, ptxas hoists
+//      the later blocks' loads and spills).
 // A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
-// a full memory latency each: the loads here are unconditional (clamped rows) or use-free in their
-// branch, and ptxas then issues them back to back (check the SASS after editing these loops).
+// a full memory latency each: the loads here are unconditional, use-free in their branch or cp.async,
+// and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
 struct PrepSmem {
-  float q[C][LD];   // normalised, scaled q rows
+  union {
+    float q[C][LD];  // normalised, scaled q rows (steps 1-3)
+    float v[C][LD];  // raw v rows (step 4)
+  };
   float k[C][LD];   // normalised k rows
-  float A[C][PLD];  // strictly lower (tiles above the diagonal unwritten, never read)
+  float nA[C][ALD]; // -A, strictly lower (tiles above the diagonal unwritten, never read)
+  float T[C][TLD];  // T_ii - I, block i in rows 16 i .. (strictly lower, zeros above)
   double G[C];           // cumulative log decay
   float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
 };
@@ -383,48 +427,112 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
           blk[WS_P + t * C + s] = dec * acc[e];
         } else {
           const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
-          sm.A[t][s] = sm.beta[t] * dec * acc[e];
+          sm.nA[t][s] = -(sm.beta[t] * dec * acc[e]);  // (stored negated: step 4 subtracts)
         }
       }
     }
   }
-  __syncthreads();  // A complete
+  __syncthreads();  // A complete; q free
 
-  // 4. forward substitution, one column per thread
-  float xs[C];
-  if (tid < D) {  // column tid of beta V
-    const float* v = p.qkv + int64_t(t0) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + tid;
-    // every load issued before the first use (one memory latency, not 64: a load under `t < n` was
-    // a branch with its use inside); rows past the prompt re-read row n - 1 and are then dropped
+  // 4. (I + A) X = B, blocked. v rows into q's place; warps 4-5: thread 16 i + j (of 64) column j of T_ii - I
+  copy_rows<LD>(saddr(&sm.v[warp][4 * lane]), p.qkv + int64_t(t0 + warp) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + 4 * lane,
+                8 * Wd, n, warp, p.qkv);
+  commit();
+  if (warp == 4 || warp == 5) {
+    const int i = (tid - 4 * 32) >> 4, j = tid & 15;
+    const float* nL = &sm.nA[16 * i][16 * i];
+    float x[16];  // column j of T_ii: (I + A_ii) x = e_j, column by column of A_ii (x[r < j] stay 0)
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = v[min(t, n - 1) * int(Wd)];  // (63 Wd fits in 32 bits)
+    for (int r = 0; r < 16; ++r) x[r] = r == j ? 1.f : 0.f;
 #pragma unroll
-    for (int t = 0; t < C; ++t) {
-      const float bv = sm.beta[t] * xs[t];  // (read unconditionally: no predicated shared loads)
-      xs[t] = t < n ? bv : 0.f;
-    }
-  } else {  // column tid - D of beta exp(G) K
+    for (int s = 0; s < 15; ++s)
 #pragma unroll
-    for (int t = 0; t < C; ++t) xs[t] = sm.beta[t] * sm.eG[t] * sm.k[t][tid - D];
+      for (int r = s + 1; r < 16; ++r) x[r] = fmaf(nL[r * ALD + s], x[s], x[r]);
+#pragma unroll
+    for (int r = 0; r < 16; ++r) sm.T[16 * i + r][j] = r == j ? 0.f : x[r];
   }
+  wait_group<0>();
+  __syncthreads();  // v rows landed, T complete
+  {
+    const int g = lane >> 2, c = lane & 3, is_w = warp >= 4, d0 = 32 * (warp & 3);  // columns d0.. of U or W
+    // per-lane bases: element e of tile [mt][nt] of block i is column 16 mt + g + 8 (e >> 1), token
+    // 16 i + 8 nt + 2 c + (e & 1), at 16 i rows + at(mt, nt, e, row stride) from this lane's base
+    auto at = [](int mt, int nt, int e, int ld) { return (8 * nt + (e & 1)) * ld + 16 * mt + 8 * (e >> 1); };
+    float* Y = (is_w ? &sm.k[2 * c][d0] : &sm.v[2 * c][d0]) + g;  // B = the row factor times Y's rows
+    float* out = blk + (is_w ? WS_W : WS_U) + 2 * c * D + d0 + g;
+    auto factor = [&](int t) { return sm.beta[t] * (is_w ? sm.eG[t] : 1.f); };  // B's row factor of token t
+    // The A fragments of X_j^T [32 columns, 16 tokens] (m16 tile mt: a0 column g, tokens 2c, 2c + 1; a1
+    // column g + 8; a2, a3 tokens 2c + 8, 2c + 9) are C fragments' pairs (e, e + 1), split; they wait in
+    // place of Y's block j (this warp's columns, only it reads them: each lane reads back the words it
+    // wrote, hi at the place of e, lo at that of e + 1), registers being short.
+    auto stash = [&](float* y, const float (&x)[2][2][4]) {
 #pragma unroll
-  for (int t = 1; t < C; ++t) {
-    float acc = xs[t];
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int s4 = 0; s4 < C / 4; ++s4) {
-      if (4 * s4 < t) {
-        const float4 a4 = ld4(&sm.A[t][4 * s4]);
-        acc = fmaf(-a4.x, xs[4 * s4], acc);
-        if (4 * s4 + 1 < t) acc = fmaf(-a4.y, xs[4 * s4 + 1], acc);
-        if (4 * s4 + 2 < t) acc = fmaf(-a4.z, xs[4 * s4 + 2], acc);
-        if (4 * s4 + 3 < t) acc = fmaf(-a4.w, xs[4 * s4 + 3], acc);
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const Split sx = split2(x[mt][nt][e], x[mt][nt][e + 1]);
+            y[at(mt, nt, e, LD)] = __uint_as_float(sx.hi);
+            y[at(mt, nt, e + 1, LD)] = __uint_as_float(sx.lo);
+          }
+    };
+    auto unstash = [&](Split (&a)[2][4], const float* y) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2)
+            a[mt][2 * nt + e / 2] = {__float_as_uint(y[at(mt, nt, e, LD)]), __float_as_uint(y[at(mt, nt, e + 1, LD)])};
+    };
+    // acc[mt][nt] += a[mt] M^T over the k-step, m: M's row g, column 2c (rows 8 nt + g at m + 8 nt ldm);
+    // one accumulator (registers: four tiles of independent chains are in flight anyway)
+    auto prod = [&](float (&acc)[2][2][4], const Split (&a)[2][4], const float* m, int ldm) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float* r = m + 8 * nt * ldm;
+        const Split b0 = split2(r[0], r[1]), b1 = split2(r[8], r[9]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) mma_p<PR::FS>(acc[mt][nt], acc[mt][nt], a[mt], b0, b1);
       }
-    }
-    xs[t] = acc;
-  }
-  float* dst = blk + (tid < D ? WS_U + tid : WS_W + tid - D);
+    };
+#pragma unroll 1
+    for (int i = 0; i < 4; ++i, Y += 16 * LD, out += 16 * D) {
+      float acc[2][2][4];
 #pragma unroll
-  for (int t = 0; t < C; ++t) dst[t * D] = xs[t];
+      for (int nt = 0; nt < 2; ++nt) {  // R_i^T = B_i^T
+        const int t = 16 * i + 8 * nt + 2 * c;
+        const float f0 = factor(t), f1 = factor(t + 1);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e & 1 ? f1 : f0) * Y[at(mt, nt, e, LD)];
+      }
+      const float* nAij = &sm.nA[16 * i + g][2 * c];
+#pragma unroll 1
+      for (int j = 0; j < i; ++j, nAij += 16) {  // R_i^T -= X_j^T A_ij^T
+        Split xa[2][4];
+        unstash(xa, Y - 16 * LD * (i - j));
+        prod(acc, xa, nAij, ALD);
+      }
+      Split ra[2][4];  // R_i^T's A fragments
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) ra[mt][2 * nt + e / 2] = split2(acc[mt][nt][e], acc[mt][nt][e + 1]);
+      prod(acc, ra, &sm.T[16 * i + g][2 * c], TLD);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) out[at(mt, nt, e, D)] = acc[mt][nt][e];
+      if (i < 3) stash(Y, acc);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,25 +596,6 @@ constexpr uint32_t S_LO = sizeof(ScanSmem::SBuf::h), D_LO = sizeof(ScanSmem::DBu
 static_assert(sizeof(ScanSmem::SBuf) % 16 == 0 && sizeof(ScanSmem::DBuf) % 16 == 0 && offsetof(ScanSmem, S) % 16 == 0,
               "ldmatrix rows of every buffer 16-byte aligned");
 static_assert(sizeof(ScanSmem) <= 227 * 1024, "the scan's shared memory exceeds the 227 KB opt-in");
-
-// cp.async of this thread's 8 float4 of a [64, 128] tile of q or k rows (rows warp + 8 i, float4 lane):
-// dst = its row-warp shared address (rows LD floats apart), src = its row-warp source, step = 8 rows of
-// source; in a partial chunk (n < C, the last) rows >= n are zero-filled, their source then `safe` (a
-// valid address).
-template <int LD>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_t step, int n, int warp,
-                                          const float* safe) {
-  if (n == C) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i, src += step) cp16(dst + 8 * LD * 4 * i, src);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i, src += step) {
-      const bool ok = warp + 8 * i < n;
-      cp16z(dst + 8 * LD * 4 * i, ok ? src : safe, ok);
-    }
-  }
-}
 
 // What both roles share: the CTA's head and columns, the row width of qkv and their lane coordinates
 // (tid: the thread's index in its role, 0..255).

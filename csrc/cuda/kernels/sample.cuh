@@ -1,5 +1,6 @@
 // The sampler (device code only; launcher in sample.cu): the canonical algorithm of
-// docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS CTAs x SAMPLE_THREADS
+// docs/sampling.md, matching cpu/sample.cpp, on one cluster of SAMPLE_CTAS (16 for a draw; 8 for greedy and
+// where the device refuses that non-portable size) CTAs x SAMPLE_THREADS
 // (512 threads leave 128 registers, no spills).
 //   z_v = penalise(l_v) [/ T];  greedy: argmax z;  else top_k threshold (radix select on z keys);
 //   with top_k and at most SAMPLE_CANDIDATES kept ids (the candidate path): those ids gathered on rank 0,
@@ -133,7 +134,7 @@ __device__ int draw_candidates(const SampleParams& p, const Keep& keep, int n, i
   int chosen = -1;
   if (c.cluster.block_rank() == 0) {
     int off = 0;  // rank order is id order: CTA r owns the r-th id range
-    for (int r = 0; r < SAMPLE_CTAS; ++r) {
+    for (int r = 0; r < c.ctas; ++r) {
       const SampleShared* peer = c.cluster.map_shared_rank(&sh, r);
       const int nr = peer->cand_n;
       for (int j = tid; j < nr; j += SAMPLE_THREADS) sh.all_id[off + j] = peer->cand_id[j], sh.all_e[off + j] = peer->cand_z[j];
@@ -324,12 +325,12 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
   return found != INT_MAX ? found : last;
 }
 
-__global__ void __cluster_dims__(SAMPLE_CTAS, 1, 1) __launch_bounds__(SAMPLE_THREADS, 1)
-    sample_kernel(SampleParams p) {
+// Launched as one cluster of SAMPLE_CTAS or SAMPLE_CTAS_PORTABLE CTAs (its shape chosen at launch, sample.cu).
+__global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(SampleParams p) {
   __shared__ SampleShared sh;
-  ClusterCtx c{cg::this_cluster(), sh};
+  ClusterCtx c{cg::this_cluster(), sh, int(cg::this_cluster().num_blocks())};
   const int rank = int(c.cluster.block_rank());
-  const int chunk = (p.V + SAMPLE_CTAS * 4 - 1) / (SAMPLE_CTAS * 4) * 4;
+  const int chunk = (p.V + c.ctas * 4 - 1) / (c.ctas * 4) * 4;
   const int lo = min(p.V, rank * chunk), hi = min(p.V, lo + chunk);
   const bool want_lp = p.num_logprobs >= 0;
   ArgMax best{-INFINITY, INT_MAX};  // of the scores z

@@ -14,7 +14,11 @@ namespace lily::cuda {
 
 namespace cg = cooperative_groups;
 
-constexpr int SAMPLE_CTAS = 8;  // a portable cluster size
+// The cluster: for a draw SAMPLE_CTAS CTAs where the device grants that non-portable size (sample.cu asks once),
+// else (and for greedy) SAMPLE_CTAS_PORTABLE. Each pass over the logits is split over the cluster's CTAs, so the
+// wider cluster halves a pass (a chat-sampled step runs 4: the argmax, two of top_k's radix levels, the
+// compaction; top_p alone 7).
+constexpr int SAMPLE_CTAS = 16, SAMPLE_CTAS_PORTABLE = 8;
 constexpr int SAMPLE_THREADS = 512;
 constexpr int SAMPLE_TILE = 4 * SAMPLE_THREADS;  // ids per CTA per tile: 4 consecutive per thread
 constexpr int RADIX_BINS = 256;                  // 8 bits per radix level, 4 levels
@@ -55,6 +59,7 @@ struct SampleShared {
 struct ClusterCtx {
   cg::cluster_group cluster;
   SampleShared& sh;
+  int ctas;  // the cluster's CTAs (SAMPLE_CTAS or SAMPLE_CTAS_PORTABLE)
   int xch_phase = 0, hist_phase = 0;
 };
 
@@ -112,8 +117,7 @@ __device__ T cluster_reduce(T v, Op op, ClusterCtx& c) {
   if (threadIdx.x == 0) *mine = v;
   c.cluster.sync();
   T r = *c.cluster.map_shared_rank(mine, 0);
-#pragma unroll
-  for (int k = 1; k < SAMPLE_CTAS; ++k) r = op(r, *c.cluster.map_shared_rank(mine, k));
+  for (int k = 1; k < c.ctas; ++k) r = op(r, *c.cluster.map_shared_rank(mine, k));
   return r;
 }
 
@@ -126,8 +130,7 @@ __device__ float cluster_exclusive_sum(float x, float& total, ClusterCtx& c) {
   c.cluster.sync();
   const int rank = int(c.cluster.block_rank());
   float before = 0.f, acc = 0.f;
-#pragma unroll
-  for (int k = 0; k < SAMPLE_CTAS; ++k) {
+  for (int k = 0; k < c.ctas; ++k) {
     if (k == rank) before = acc;
     acc += *c.cluster.map_shared_rank(mine, k);
   }
@@ -268,8 +271,7 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
     c.cluster.sync();
     for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
       u64 m = 0;
-#pragma unroll
-      for (int r = 0; r < SAMPLE_CTAS; ++r) m += c.cluster.map_shared_rank(hist, r)[b];
+      for (int r = 0; r < c.ctas; ++r) m += c.cluster.map_shared_rank(hist, r)[b];
       sh.merged[b] = m;
     }
     __syncthreads();
