@@ -32,7 +32,8 @@
 // agree. Here slot pair p of a 16-deep k-step (the register halves a0/b0 hold for p = c, a2/b1 for
 // p = 4 + c) takes k = p and p + 8 of the step: the columns c, c + 8 and c + 4, c + 12 that two
 // ldmatrix.x4 of a row-major fp32 tile (columns 0-7, 8-15) hand lane (g, c), and the rows g, g + 8 that
-// a C fragment holds, so S and Delta (the next products' B, k = their rows) are stored as such pairs.
+// a C fragment holds, so S and Delta (the next products' B, k = their rows) are stored as such pairs,
+// and so is W (the scan's A of W S), which the prep writes already split.
 #pragma once
 #include <cstddef>  // offsetof
 #ifndef LILY_GDN_HOST_EMU  // benchmarks/gdn_emu.cpp compiles this file on the host with its own shim
@@ -66,7 +67,9 @@ constexpr int DLD = C / 2 + 4; // the scan's Delta^T [32 columns][32 pairs of to
 // Workspace: one block of BLOCK floats per (chunk c, value head h) at (c * Hv + h) * BLOCK, tiles
 // row-major with rows = the chunk's tokens; rows past the end of the prompt are zeros. WS_* are the
 // offsets (floats) of its pieces.
-constexpr int WS_W = 0;               // [C, D] W
+constexpr int WS_W = 0;               // [C, D] W, split: per row and 16-column k-step the 8 hi words
+                                      // (word p: bf16 of columns p, p + 8, the k slot pair p of the
+                                      // table at the top), then the 8 lo words; bit patterns in floats
 constexpr int WS_U = C * D;           // [C, D] U
 constexpr int WS_P = 2 * C * D;       // [C, C] P: zero above the diagonal inside the 8-column tiles it
                                       // touches; tiles wholly above (8 nt > 16 mt + 15) are never
@@ -183,8 +186,10 @@ __device__ __forceinline__ void mma_p(float (&big)[4], float (&small)[4], const 
 // stored [n][k] gives the B fragment of an n8 tile and a k-step as four matrices, words 0-3, 4-7, 8-11,
 // 12-15 of rows n 0-7: lane (g, c) receives Y[g][c], Y[g][c+4], Y[g][c+8], Y[g][c+12]; lane l gives
 // row l % 8, word 4 (l / 8) (lsm_b4). The words arrive unchanged: the same values as element-wise loads.
-// Pre-split tiles (S, Delta) hold bf16 pairs, 8 words a k-step: rows n 0-7 | 8-15 x words 0-3 | 4-7
-// are b0, b1 of two n8 tiles; lane l gives row l % 8 + 8 (l / 16), word 4 ((l / 8) % 2) (lsm_b2).
+// Pre-split B tiles (S, Delta) hold bf16 pairs, 8 words a k-step: rows n 0-7 | 8-15 x words 0-3 | 4-7
+// are b0, b1 of two n8 tiles; lane l gives row l % 8 + 8 (l / 16), word 4 ((l / 8) % 2) (lsm_b2). The
+// pre-split A tile (W: 8 hi words, then 8 lo words a k-step) takes lsm_a's pattern: the hi words where
+// an fp32 tile has its columns 0-7, the lo words where it has 8-15 (frag_a_pre).
 template <int LD>  // this lane's ldmatrix offset (words) from the block's (row 0, word 0)
 __device__ __forceinline__ int lsm_a(int lane) { return (lane & 15) * LD + 4 * (lane >> 4); }
 template <int LD>
@@ -201,6 +206,17 @@ __device__ __forceinline__ void frag_a(Split (&a)[4], uint32_t addr, float f0 = 
   a[1] = split2(f1 * __uint_as_float(r[1]), f1 * __uint_as_float(t[1]));  // row g + 8
   a[2] = split2(f0 * __uint_as_float(r[2]), f0 * __uint_as_float(t[2]));  // row g, k c + 4 and c + 12
   a[3] = split2(f1 * __uint_as_float(r[3]), f1 * __uint_as_float(t[3]));
+}
+// A fragment of a k-step of a pre-split row-major tile (W): per row and k-step 8 hi words, word p the
+// pair (k p, p + 8) as a0 / a2 hold it, then the 8 lo words (addr: this lane's lsm_a address at the
+// step's hi words; the lo words, 32 bytes on, read only if LO). The fp32 form's ldmatrix pattern, no cvt.
+template <bool LO>
+__device__ __forceinline__ void frag_a_pre(Split (&a)[4], uint32_t addr) {
+  uint32_t hi[4], lo[4] = {};
+  ldsm4(hi, addr);
+  if constexpr (LO) ldsm4(lo, addr + 32);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = {hi[i], lo[i]};
 }
 // A fragment of a k-step of the transpose of a row-major tile X [k][m]: A[m][k] = fk[k] X[k][m]; t points
 // at X[k0][m0], fk at fk[k0].
@@ -290,8 +306,10 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 //      warp's own columns of the v (k) rows of block j, which B_j^T has used up; the B fragments
 //      (element (k s, n t) = -A[t][s], or T's) are float2 loads of row t, columns 2c and 2c + 8 (ALD,
 //      TLD). B_i^T: the v or k rows times the row factor; X to the workspace from the C fragments
-//      (scalar stores, 32-byte runs of 8 columns). The block loop stays rolled (unrolled, ptxas hoists
-//      the later blocks' loads and spills).
+//      (scalar stores, 32-byte runs of 8 columns): U as it is, W split for the scan (a lane's columns
+//      g, g + 8 of an m16 tile are the pair p = g of a k-step: its hi word where column g goes, its
+//      lo word where g + 8 does, the layout of WS_W; the same split2 the scan did at load). The block
+//      loop stays rolled (unrolled, ptxas hoists the later blocks' loads and spills).
 // A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
 // a full memory latency each: the loads here are unconditional, use-free in their branch or cp.async,
 // and ptxas then issues them back to back (check the SASS after editing these loops).
@@ -529,7 +547,15 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) out[at(mt, nt, e, D)] = acc[mt][nt][e];
+          for (int e = 0; e < 2; ++e) {  // U as it is; W split, its hi word at the place of e, lo at e + 2's
+            float x0 = acc[mt][nt][e], x1 = acc[mt][nt][e + 2];  // columns g, g + 8: the scan's pair
+            if (is_w) {
+              const Split sx = split2(x0, x1);
+              x0 = __uint_as_float(sx.hi), x1 = __uint_as_float(sx.lo);
+            }
+            out[at(mt, nt, e, D)] = x0;
+            out[at(mt, nt, e + 2, D)] = x1;
+          }
       if (i < 3) stash(Y, acc);
     }
   }
@@ -559,9 +585,10 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 // (split once when written, not at each of their two or three reads), transposed ([column][k]) and
 // paired (word 8 b + p of a column holds its rows 16 b + p and 16 b + p + 8: the k slot pairs of the
 // table at the top, and a C fragment's rows g, g + 8), so that ldmatrix reads their B fragments (two n8
-// tiles per ldmatrix.x4); W, Q, P are read by ldmatrix too and split at load, K (transposed A) by
-// scalar loads. Every shared address the loops use is a per-lane base set before the chunk loop plus a
-// constant per k-step (and the buffer's offset).
+// tiles per ldmatrix.x4). W, (a)'s A operand, comes split from the prep (WS_W): two ldmatrix.x4 a
+// k-step as for an fp32 tile, no cvt on the chain. Q, P are read by ldmatrix too and split at load, K
+// (transposed A) by scalar loads. Every shared address the loops use is a per-lane base set before the
+// chunk loop plus a constant per k-step (and the buffer's offset).
 // S and Delta have two buffers each, chunk ci's in buffer ci % 2. Hand-overs by named barriers (bar.sync
 // waits, bar.arrive only counts; both order the shared-memory accesses before them for the threads that
 // wait): the recurrence warps arrive at FULL[b] once Delta of chunk ci (and S of its start, written at the
@@ -577,7 +604,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 constexpr int SCAN_THREADS = 2 * THREADS;
 enum ScanBarrier : int { BAR_REC = 1, BAR_OUT = 2, BAR_FULL = 3, BAR_EMPTY = 5 };  // FULL, EMPTY: + buffer
 struct ScanSmem {
-  float W[C][LD];
+  uint32_t W[C][LD];  // split (WS_W)
   float Q[C][LD];     // raw q rows
   float K[2][C][KLD]; // raw k rows, chunk ci's in K[ci % 2] (the recurrence loads them a chunk ahead)
   float P[C][PLD];
@@ -678,7 +705,7 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
 #pragma unroll 2
       for (int ks = 0; ks < D / 16; ++ks) {  // k-step ks: 64 bytes on in W, 32 in S^T
         Split a[4], bb[2][2];
-        frag_a(a, aW + 64 * ks);
+        frag_a_pre<uses_a_lo(PR::WS)>(a, aW + 64 * ks);
         frag_b2_pre<uses_b_lo(PR::WS)>(bb[0], bb[1], bS + b * S_BUF + 32 * ks, S_LO);
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, bb[j][0], bb[j][1]);
