@@ -286,14 +286,17 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 //      workspace (the scan applies them to the raw q, k rows of qkv).
 //   3. K K^T -> A (strictly lower, shared, stored negated) and Q K^T -> P (lower with the diagonal, workspace) on the
 //      tensor cores, 3xBF16. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
-//      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
-//      each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
+//      lower triangle; the 2 x 20 tiles are dealt round-robin, the Q K^T ones first, warp w doing tiles
+//      w + 8 i (5 each), each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k
+//      rows); after round 2 (every Q K^T tile done) a barrier, and step 4's v rows are requested by
+//      cp.async into q's place, landing while rounds 3-4 run (they waited a memory latency after step 3
+//      before). Epilogue
 //      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
 //      s <= t < n, else 0 (exp of a positive exponent is never taken).
 //   4. (I + A) X = B, X = [U | W] and B = [beta V | beta exp(G) K] (64 x 256), by forward
 //      substitution blocked by the four 16-token blocks i (rows 16 i ..): R_i = B_i - sum_{j<i} A_ij X_j,
-//      X_i = T_ii R_i, T_ii = (I + A_ii)^-1. First the raw v rows go by cp.async into q's place (free
-//      after step 3) while warps 4-5 form T_ii - I into sm.T (a thread per column of a diagonal block:
+//      X_i = T_ii R_i, T_ii = (I + A_ii)^-1. While the raw v rows land in q's place (requested in step
+//      3), warps 4-5 form T_ii - I into sm.T (a thread per column of a diagonal block:
 //      a 16 x 16 unit lower solve, <= 120 fp32 FMA). Then warp w owns 32 columns of X (warps 0-3 of U,
 //      4-7 of W) and runs, on the tensor cores in the form PR::FS (3xBF16, one accumulator), the
 //      transpose block by block: R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, then X_i^T = R_i^T + R_i^T
@@ -424,12 +427,20 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
   }
   __syncthreads();
 
-  // 3. K K^T -> A, Q K^T -> P: 40 tiles, warp w takes w, w + 8, ..., w + 32
+  // 3. Q K^T -> P, K K^T -> A: 40 tiles, the 20 Q K^T ones first, warp w takes w, w + 8, ..., w + 32. After round
+  // 2 every Q K^T tile is done, so q's rows are free: a barrier, then step 4's v rows are requested into their
+  // place, arriving while rounds 3-4 (K K^T) run.
+  const float* v_src = p.qkv + int64_t(t0 + warp) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + 4 * lane;
   {
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll 1
     for (int i = 0; i < 5; ++i) {
-      const int idx = warp + 8 * i, is_qk = idx >= 20, j = idx - 20 * is_qk;
+      if (i == 3) {
+        __syncthreads();  // q free
+        copy_rows<LD>(saddr(&sm.v[warp][4 * lane]), v_src, 8 * Wd, n, warp, p.qkv);
+        commit();
+      }
+      const int idx = warp + 8 * i, is_qk = idx < 20, j = idx - 20 * !is_qk;
       const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
       const uint32_t xa = saddr(&(is_qk ? sm.q : sm.k)[16 * mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
       const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b4<LD>(lane);
@@ -450,12 +461,10 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       }
     }
   }
-  __syncthreads();  // A complete; q free
+  __syncthreads();  // A complete
 
-  // 4. (I + A) X = B, blocked. v rows into q's place; warps 4-5: thread 16 i + j (of 64) column j of T_ii - I
-  copy_rows<LD>(saddr(&sm.v[warp][4 * lane]), p.qkv + int64_t(t0 + warp) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + 4 * lane,
-                8 * Wd, n, warp, p.qkv);
-  commit();
+  // 4. (I + A) X = B, blocked (the v rows on their way since step 3); warps 4-5: thread 16 i + j (of 64) column
+  // j of T_ii - I
   if (warp == 4 || warp == 5) {
     const int i = (tid - 4 * 32) >> 4, j = tid & 15;
     const float* nL = &sm.nA[16 * i][16 * i];
