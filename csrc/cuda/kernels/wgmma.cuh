@@ -1,12 +1,15 @@
 // Hopper (sm_90a) building blocks of the prefill GEMM (kernels/linear_wgmma_tma.cuh): warpgroup MMA
 // (wgmma) with the A operand in registers (or, for the dense BF16 GEMM, a shared tile) and B from a
 // 128B-swizzled K-major shared tile, its shared memory descriptor, cp.async, mbarriers, TMA tile loads
-// and register reallocation. Device code only; PTX semantics as in the PTX ISA (wgmma.mma_async,
+// and register reallocation. Device code, except wg_desc and the bf16x2 arithmetic (fma_bf16x2,
+// wg_dequant_pair), which the CPU emulators run too; PTX semantics as in the PTX ISA (wgmma.mma_async,
 // mbarrier, cp.async.bulk.tensor, setmaxnreg).
 #pragma once
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>  // memcpy (fma_bf16x2 on the host)
 
 #include "common.cuh"
 #include "xb_layout.cuh"
@@ -141,19 +144,46 @@ __device__ __forceinline__ void wgmma_rows_ss(float (&d)[BM / 2], uint64_t desc_
   else wgmma_m64n64k16_ss(d, desc_a, desc_b);
 }
 
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+// fma.rn.bf16x2: each half a*b + c rounded once to bf16 (ties to even). Host (the CPU emulators, e.g.
+// tests/emu/wgmma_cvt_emu.cu): a*b + c in fp64, exact for bf16 operands whose product and addend are within
+// 2^36 of each other, then rounded once to bf16; normal results only (no subnormals, infinities, NaN).
+__host__ __device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
   uint32_t d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
+#else
+  uint32_t d = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto f = [i](uint32_t x) {
+      const uint32_t u = (x >> (16 * i)) << 16;
+      float v;
+      std::memcpy(&v, &u, 4);
+      return double(v);
+    };
+    int e;  // v = m * 2^e, |m| in [0.5, 1): keep 8 significant bits, ties to even (nearbyint, default mode)
+    const double m = std::frexp(f(a) * f(b) + f(c), &e);
+    const float r = float(std::ldexp(std::nearbyint(m * 256.0), e - 8));  // exact in fp32
+    uint32_t u;
+    std::memcpy(&u, &r, 4);
+    d |= (u >> 16) << (16 * i);
+  }
+  return d;
+#endif
 }
 
 // bf16x2 (scale*q0 + bias, scale*q1 + bias) from q pair bits at 0..3 and 16..19: exact q, one rounding.
 // v = (qbits & 0x000F000F) | 0x43004300 as one lop3: immLut 0xEA = (0xF0 & 0xCC) | 0xAA is f(a, b, c) =
 // (a & b) | c (checked against the C expression over all 2^32 inputs). Written in C it becomes two LOP3s
 // (a SASS LOP3 takes one immediate); this is one, the second constant in a register.
-__device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
+// Host and device (the host computes v with the C expression).
+__host__ __device__ __forceinline__ uint32_t wg_dequant_pair(uint32_t qbits, uint32_t s2, uint32_t b2) {
   uint32_t v;  // bf16 (128 + q0, 128 + q1), exact
+#ifdef __CUDA_ARCH__
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(v) : "r"(qbits));
+#else
+  v = (qbits & 0x000F000Fu) | 0x43004300u;
+#endif
   const uint32_t q = fma_bf16x2(v, 0x3F803F80u, 0xC300C300u);  // (128 + q) * 1 - 128: exact q
   return fma_bf16x2(q, s2, b2);  // s*q + b, rounded once
 }
