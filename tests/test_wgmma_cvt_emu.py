@@ -15,3 +15,18 @@ from checks import run_emulator
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_wgmma_cvt_emulator(tmp_path):
     assert run_emulator(tmp_path, "wgmma_cvt_emu", "-arch=sm_90a").count("ok  ") == 24
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_wgmma_cvt_kernel_compiles(tmp_path):
+    """The converter-fed kernel sketch (not dispatched yet) compiles for sm_90a, 4 instances, no spills."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["nvcc", "-O3", "-arch=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-v",
+                        "-I", str(root / "csrc"), "-cubin", "-o", str(tmp_path / "cvt.cubin"),
+                        str(root / "tests/emu/wgmma_cvt_kernel.cu")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("Used 128 registers") == 4, r.stderr
+    assert r.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 4, r.stderr

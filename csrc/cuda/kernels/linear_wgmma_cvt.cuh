@@ -122,6 +122,199 @@ struct WgcShared {
   }
 };
 
+// Scale/bias index of converter thread t's A rows at group 0 of the tile's expert (wg_scale_rows' form:
+// rows past N read row N - 1, computed and never stored), and their matrix (GATED: 1 = the up matrix's).
+template <int BM, bool GATED>
+__device__ __forceinline__ void wgc_scale_rows(uint32_t (&row)[wgc_rows(BM)], const WeightView& w, int64_t expert,
+                                               int64_t n0, int t) {
+  const int64_t N = w.rows, gpr = w.cols / w.group_size;
+#pragma unroll
+  for (int i = 0; i < wgc_rows(BM); ++i) {
+    const int64_t o = n0 + wgc_out_row(GATED, wgc_stage_row(GATED, wgc_a_row(t, i), wg_blocks(BM)));
+    row[i] = uint32_t((expert * N + (o < N ? o : N - 1)) * gpr);
+  }
+}
+// Loads converter thread t's scales and biases of k-tile kt (wgc_group of chunks 0 and, GS32, 4).
+template <int BM, bool GS32, bool GATED>
+__device__ __forceinline__ void wgc_load_scales(WgcScales<GS32, wgc_rows(BM)>& s, const uint16_t* sc, const uint16_t* bi,
+                                                const uint32_t (&row)[wgc_rows(BM)], int gshift, int kt, int t,
+                                                const uint16_t* sc_u = nullptr, const uint16_t* bi_u = nullptr) {
+#pragma unroll
+  for (int i = 0; i < wgc_rows(BM); ++i) {
+    const bool up = wgc_matrix(GATED, wgc_stage_row(GATED, wgc_a_row(t, i), wg_blocks(BM))) != 0;
+#pragma unroll
+    for (int h = 0; h < (GS32 ? 2 : 1); ++h) {
+      const uint32_t gi = row[i] + wgc_group(kt, 4 * h, gshift);
+      s.scale[i][h] = __ldg((up ? sc_u : sc) + gi);
+      s.bias[i][h] = __ldg((up ? bi_u : bi) + gi);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// linear_wgmma_cvt_kernel<BM, GS32, BITS> (a sketch: compiled, not dispatched by the host, not run yet): the
+// dense, ungathered, unsplit, ungated product of linear_wgmma_tma_kernel at BM 128 (the same tiles, work
+// units, epilogue wg_store_tile and bits) with a converter warpgroup. Not BM 256: at 512 threads the launch
+// gives 128 registers a thread, and ptxas refuses m64n256k16 (128 accumulator registers) there even after
+// setmaxnreg.inc (C7602, "insufficient registers (128)", asks for 154), though it honours setmaxnreg for
+// everything else; BM 256 needs the converter inside the producer warpgroup (384 threads, 168 at launch)
+// or two m64n128 halves (another wgmma shape: bits not guaranteed the same).
+// CTA: 4 warpgroups, WGC_CTA_THREADS = 512 (128 registers a thread at launch), setmaxnreg:
+//   warpgroup 0 producer (WGC_PRODUCER_REGS): thread 0 per k-tile waits empty[s], arms full[s] with the
+//     stage's bytes and loads the W box into the stage's W part (tmap_w encoded with SWIZZLE_32B at 4-bit,
+//     SWIZZLE_64B at 8-bit: wgc_w_unit) and the Xb box (SWIZZLE_128B) as today;
+//   warpgroup 1 converter (WGC_CONVERTER_REGS): per k-tile waits full[s] and aempty[sa], wgc_convert of the
+//     packed stage into A stage sa, proxy fence (st.shared -> wgmma reads), arrives on afull[sa] (128
+//     arrivals) and, one arrival a warp, on empty[s] (the W part read); scales one k-tile ahead;
+//   warpgroups 2, 3 consumers cw (WGC_CONSUMER_REGS): per k-tile wait full[s] (Xb) and afull[sa], queue
+//     4 k16 steps x NB blocks of wgmma SS (A: wg_desc(A stage + wgc_a_offset(BM, cw, b)) + 2 step; B: the
+//     Xb tile's, + 2 step; the RS kernel's shapes and order), commit, retire the previous k-tile's group
+//     (wait_group 1) and release its stage and A stage (one arrival a warp on empty and aempty).
+// Shared memory: 1024 slack, S = WGC_STAGES stages [Xb BM x 64 bf16 | W tma_w_bytes], SA = WGC_A_STAGES A
+//   stages of wgc_a_bytes(BM), then the mbarriers full[S], empty[S] (4 consumer warps x 2 + 4 converter
+//   warps), afull[SA] (128), aempty[SA] (8): 192 KB at 4-bit, 224 KB at 8-bit.
+// ptxas (CUDA 12, sm_90a): 128 registers at launch, no spills, for 4- and 8-bit, GS32 or not
+// (tests/emu/wgmma_cvt_kernel.cu, test_wgmma_cvt_emu.py). Unchecked on a GPU: the mbarrier protocol, the
+// SWIZZLE_32B/64B W map (the host's to encode), the speed.
+constexpr int WGC_CTA_THREADS = 512, WGC_PRODUCER_REGS = 40, WGC_CONVERTER_REGS = 96, WGC_CONSUMER_REGS = 184;
+constexpr int WGC_STAGES = 4, WGC_A_STAGES = 3;
+static_assert(128 * (WGC_PRODUCER_REGS + WGC_CONVERTER_REGS + 2 * WGC_CONSUMER_REGS) <= 65536,
+              "setmaxnreg: the consumers' registers must come from the producer's and the converter's release");
+__host__ __device__ constexpr int wgc_smem_bytes(int bm, int bits) {
+  return 1024 + WGC_STAGES * tma_stage_bytes(bm, bits) + WGC_A_STAGES * wgc_a_bytes(bm) + 16 * (WGC_STAGES + WGC_A_STAGES);
+}
+static_assert(wgc_smem_bytes(128, 8) <= 227 * 1024,
+              "the converter's rings exceed the 227 KB opt-in shared memory");
+
+template <int BM, bool GS32, int BITS = 4>
+__global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
+    linear_wgmma_cvt_kernel(const LinearArgs a, const __grid_constant__ CUtensorMap tmap_x,
+                            const __grid_constant__ CUtensorMap tmap_w) {
+  static_assert(BM == 128, "128-row tiles (BM 256: see above)");
+  constexpr int NB = wg_blocks(BM), S = WGC_STAGES, SA = WGC_A_STAGES, BN = wg_rows(BM), KW = WG_BK * BITS / 32;
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), ABYTES = wgc_a_bytes(BM);
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t ring_s = (smem_u32(smem_raw) + 1023) & ~1023u, a_ring = ring_s + S * STAGE, bars = a_ring + SA * ABYTES;
+  auto full = [&](uint32_t s) { return bars + 8 * s; };
+  auto empty = [&](uint32_t s) { return bars + 8 * (S + s); };
+  auto afull = [&](uint32_t s) { return bars + 8 * (2 * S + s); };
+  auto aempty = [&](uint32_t s) { return bars + 8 * (2 * S + SA + s); };
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(full(s), 1), mbar_init(empty(s), 4 * TMA_CONSUMER_WGS + 4);
+    for (int s = 0; s < SA; ++s) mbar_init(afull(s), WGC_THREADS), mbar_init(aempty(s), 4 * TMA_CONSUMER_WGS);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int64_t N = a.w.rows, K = a.w.cols;
+  const int nk = int(K / WG_BK);
+  const int64_t row_tiles = (a.tiles.M + BM - 1) / BM, units = row_tiles * ((N + BN - 1) / BN);
+
+  if (warp < 4) {  // ---------------- producer ----------------
+    setmaxnreg_dec<WGC_PRODUCER_REGS>();
+    if (tid != 0) return;
+    uint32_t s = 0, ph = 0;
+    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+      Tile tile;
+      if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
+      const int n0 = int(u / row_tiles) * BN;
+      for (int kt = 0; kt < nk; ++kt) {
+        mbar_wait(empty(s), ph ^ 1);
+        const uint32_t st = ring_s + s * STAGE;
+        mbar_arrive_expect_tx(full(s), STAGE);
+        tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * KW, n0, int(tile.expert));
+        tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
+        if (++s == S) s = 0, ph ^= 1;
+      }
+    }
+    return;
+  }
+
+  const uint16_t* sc = static_cast<const uint16_t*>(a.w.scales);
+  const uint16_t* bi = static_cast<const uint16_t*>(a.w.biases);
+  const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;
+  if (warp < 8) {  // ---------------- converter ----------------
+    setmaxnreg_dec<WGC_CONVERTER_REGS>();
+    const int t = tid - 128;
+    uint32_t s = 0, ph = 0, sa = 0, aph = 0;
+    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+      Tile tile;
+      if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
+      uint32_t rows[wgc_rows(BM)];
+      wgc_scale_rows<BM, false>(rows, a.w, tile.expert, (u / row_tiles) * BN, t);
+      WgcScales<GS32, wgc_rows(BM)> cur, nxt;
+      wgc_load_scales<BM, GS32, false>(nxt, sc, bi, rows, gshift, 0, t);
+#pragma unroll 1
+      for (int kt = 0; kt < nk; ++kt) {
+        cur = nxt;
+        if (kt + 1 < nk) wgc_load_scales<BM, GS32, false>(nxt, sc, bi, rows, gshift, kt + 1, t);
+        mbar_wait(full(s), ph);
+        mbar_wait(aempty(sa), aph ^ 1);
+        wgc_convert<BM, GS32, false, BITS>(WgcShared{}, ring_s + s * STAGE + XBYTES, a_ring + sa * ABYTES, t, cur);
+        fence_proxy_async();  // the A stage's st.shared before the consumers' wgmma reads it
+        mbar_arrive(afull(sa));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));  // the warp's reads of the W part are done
+        if (++s == S) s = 0, ph ^= 1;
+        if (++sa == SA) sa = 0, aph ^= 1;
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  setmaxnreg_inc<WGC_CONSUMER_REGS>();
+  const int ct = tid - 256, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
+  const int rbase = wg_row_base(false, cw, w4, g, NB);
+  uint32_t s = 0, ph = 0, sa = 0, aph = 0, eb_prev = 0, aeb_prev = 0;
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    Tile tile;
+    if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
+    const int64_t n0 = (u / row_tiles) * BN;
+    float acc[NB][BM / 2];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
+#pragma unroll 1
+    for (int kt = 0; kt < nk; ++kt) {
+      mbar_wait(full(s), ph);
+      mbar_wait(afull(sa), aph);
+      const uint64_t xd = wg_desc(ring_s + s * STAGE), ad = wg_desc(a_ring + sa * ABYTES + wgc_a_offset(BM, cw, 0));
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)  // block b's A tile: + 8 KB = + 512 in the descriptor's address field
+          wgmma_rows_ss<BM>(acc[b], ad + b * (wgc_a_offset(BM, 0, 1) >> 4) + 2 * st, xd + 2 * st);
+      wgmma_commit();
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+      wgmma_wait<1>();  // kt-1 retired
+      if (kt > 0 && lane == 0) mbar_arrive(eb_prev), mbar_arrive(aeb_prev);
+      eb_prev = empty(s), aeb_prev = aempty(sa);
+      if (++s == S) s = 0, ph ^= 1;
+      if (++sa == SA) sa = 0, aph ^= 1;
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+    if (nk > 0 && lane == 0) mbar_arrive(eb_prev), mbar_arrive(aeb_prev);
+    wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+  }
+}
+
 #endif  // __CUDACC__
 
 }  // namespace lily::cuda
