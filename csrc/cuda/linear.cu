@@ -43,6 +43,7 @@
 #include "kernels/linear_gemm.cuh"
 #include "kernels/linear_gemv.cuh"
 #include "kernels/linear_generic.cuh"
+#include "kernels/linear_wgmma_cvt.cuh"
 #include "kernels/linear_wgmma_dense.cuh"
 #include "kernels/linear_wgmma_tma.cuh"
 #include "linear.h"
@@ -594,6 +595,27 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
+// A dense product (no groups, no gathered rows, no split-K, not GATED) on the converter-fed kernel
+// (kernels/linear_wgmma_cvt.cuh): 128-row tiles of 256 outputs, the W map swizzled for the converter's loads.
+template <int BITS, bool GS32>
+static void launch_wgmma_cvt(const LinearArgs& a, const uint16_t* xb, int64_t x_count) {
+  const auto kernel = linear_wgmma_cvt_kernel<128, GS32, BITS>;
+  constexpr int smem = wgc_smem_bytes(128, BITS);
+  static const bool configured = [&] {
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)configured;
+  CUtensorMap mx, mw;
+  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, 128), "linear", "X");
+  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, wg_rows(128),
+                                     BITS == 4 ? CU_TENSOR_MAP_SWIZZLE_32B : CU_TENSOR_MAP_SWIZZLE_64B),
+                   "linear", "W");
+  const int64_t units = ceil_div<int64_t>(a.tiles.M, 128) * ceil_div<int64_t>(a.w.rows, wg_rows(128));
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGC_CTA_THREADS, size_t(smem), a, mx, mw);
+  LILY_CUDA_LAUNCHED();
+}
+
 // Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
@@ -641,6 +663,11 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
                   : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
   }
+  // the converter-fed kernel where the RS kernel would take 256- or 128-row tiles (branch cvt: measured against
+  // both on the H200 before it replaces either; docs/perf-notes.md, "the converter warpgroup")
+  if (!grouped && !gather && !gs32 && a.k_splits == 1 &&
+      (dense_tall(a.tiles.M, a.w.rows, num_sms()) || dense_wide(a.tiles.M, col_tiles, num_sms())))
+    return launch_wgmma_cvt<BITS, false>(a, xb, x_count);
   if (!grouped && !gather && !gs32 && dense_tall(a.tiles.M, a.w.rows, num_sms()))
     return launch_wgmma<BITS, 256, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 256));
   if (!grouped && !gather && !gs32 && dense_wide(a.tiles.M, col_tiles, num_sms()))

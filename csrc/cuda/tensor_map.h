@@ -47,7 +47,7 @@ inline CUresult make_xb_tensor_map(CUtensorMap& map, const void* xb, int64_t row
 }
 
 inline CUresult make_w_tensor_map(CUtensorMap& map, const void* w, int64_t E, int64_t N, int64_t K, int bits,
-                                  int box_rows) {
+                                  int box_rows, CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   const auto encode = tensor_map_encoder();
   if (!encode) return CUDA_ERROR_NOT_FOUND;
   const int64_t words = K * bits / 32;  // per row
@@ -56,7 +56,7 @@ inline CUresult make_w_tensor_map(CUtensorMap& map, const void* w, int64_t E, in
   const cuuint32_t box[3] = {cuuint32_t(2 * bits), cuuint32_t(box_rows), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
   return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, const_cast<void*>(w), dims, strides, box, estr,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
