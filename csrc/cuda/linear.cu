@@ -595,24 +595,28 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
-// A dense product (no groups, no gathered rows, no split-K, not GATED) on the converter-fed kernel
-// (kernels/linear_wgmma_cvt.cuh): 128-row tiles of 256 outputs, the W map swizzled for the converter's loads.
-template <int BITS, bool GS32>
-static void launch_wgmma_cvt(const LinearArgs& a, const uint16_t* xb, int64_t x_count) {
-  const auto kernel = linear_wgmma_cvt_kernel<128, GS32, BITS>;
-  constexpr int smem = wgc_smem_bytes(128, BITS);
+// The RS kernel's unsplit 128-row products on the converter-fed kernel (kernels/linear_wgmma_cvt.cuh): dense,
+// grouped or gathered, GATED or not; the W maps swizzled for the converter's loads.
+template <int BITS, bool GS32, bool GATHER, bool GATED>
+static void launch_wgmma_cvt(const LinearArgs& a, const uint16_t* xb, int64_t x_count, int64_t row_tiles) {
+  const auto kernel = linear_wgmma_cvt_kernel<128, GS32, GATHER, GATED, BITS>;
+  constexpr int smem = wgc_smem_bytes(128, BITS), box_rows = GATED ? wg_rows(128) / 2 : wg_rows(128);
+  constexpr CUtensorMapSwizzle swz = BITS == 4 ? CU_TENSOR_MAP_SWIZZLE_32B : CU_TENSOR_MAP_SWIZZLE_64B;
   static const bool configured = [&] {
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)configured;
-  CUtensorMap mx, mw;
+  CUtensorMap mx, mw, mu;
   check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, 128), "linear", "X");
-  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, wg_rows(128),
-                                     BITS == 4 ? CU_TENSOR_MAP_SWIZZLE_32B : CU_TENSOR_MAP_SWIZZLE_64B),
-                   "linear", "W");
-  const int64_t units = ceil_div<int64_t>(a.tiles.M, 128) * ceil_div<int64_t>(a.w.rows, wg_rows(128));
-  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGC_CTA_THREADS, size_t(smem), a, mx, mw);
+  check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows, swz), "linear",
+                   "W");
+  if (GATED)
+    check_tensor_map(make_w_tensor_map(mu, a.up.w, a.up.num_stack, a.up.rows, a.up.cols, BITS, box_rows, swz),
+                     "linear", "up");
+  else mu = mw;
+  const int64_t units = row_tiles * ceil_div<int64_t>(a.w.rows, box_rows);
+  launch(kernel, unsigned(std::min<int64_t>(units, num_sms())), WGC_CTA_THREADS, size_t(smem), a, xb, mx, mw, mu);
   LILY_CUDA_LAUNCHED();
 }
 
@@ -652,22 +656,23 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     if (a.up.w != nullptr) {
       const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS : dense_wide(a.tiles.M, col_tiles, num_sms());
       const int64_t row_tiles = grouped || !wide ? max_tiles : ceil_div<int64_t>(a.tiles.M, 128);
-      if (wide) return gather ? launch_wgmma<4, 128, false, true, false, true>(a, xb, x_count, row_tiles)
-                              : launch_wgmma<4, 128, false, false, false, true>(a, xb, x_count, row_tiles);
+      if (wide) return gather ? launch_wgmma_cvt<4, false, true, true>(a, xb, x_count, row_tiles)
+                              : launch_wgmma_cvt<4, false, false, true>(a, xb, x_count, row_tiles);
       return gather ? launch_wgmma<4, 64, false, true, false, true>(a, xb, x_count, row_tiles)
                     : launch_wgmma<4, 64, false, false, false, true>(a, xb, x_count, row_tiles);
     }
   }
   if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
     LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");
-    return gather ? launch_wgmma<BITS, 128, false, true>(a, xb, x_count, max_tiles)
-                  : launch_wgmma<BITS, 128, false, false>(a, xb, x_count, max_tiles);
+    return gather ? launch_wgmma_cvt<BITS, false, true, false>(a, xb, x_count, max_tiles)
+                  : launch_wgmma_cvt<BITS, false, false, false>(a, xb, x_count, max_tiles);
   }
   // the converter-fed kernel where the RS kernel would take 256- or 128-row tiles (branch cvt: measured against
-  // both on the H200 before it replaces either; docs/perf-notes.md, "the converter warpgroup")
+  // both on the H200 before it replaces either; docs/perf-notes.md, "the converter warpgroup"); the 128-row
+  // grouped, gathered and GATED products above take it too (branch cvtmoe)
   if (!grouped && !gather && !gs32 && a.k_splits == 1 &&
       (dense_tall(a.tiles.M, a.w.rows, num_sms()) || dense_wide(a.tiles.M, col_tiles, num_sms())))
-    return launch_wgmma_cvt<BITS, false>(a, xb, x_count);
+    return launch_wgmma_cvt<BITS, false, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (!grouped && !gather && !gs32 && dense_tall(a.tiles.M, a.w.rows, num_sms()))
     return launch_wgmma<BITS, 256, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 256));
   if (!grouped && !gather && !gs32 && dense_wide(a.tiles.M, col_tiles, num_sms()))

@@ -152,58 +152,71 @@ __device__ __forceinline__ void wgc_load_scales(WgcScales<GS32, wgc_rows(BM)>& s
 }
 
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_cvt_kernel<BM, GS32, BITS> (a sketch: compiled, not dispatched by the host, not run yet): the
-// dense, ungathered, unsplit, ungated product of linear_wgmma_tma_kernel at BM 128 (the same tiles, work
-// units, epilogue wg_store_tile and bits) with a converter warpgroup. Not BM 256: at 512 threads the launch
-// gives 128 registers a thread, and ptxas refuses m64n256k16 (128 accumulator registers) there even after
-// setmaxnreg.inc (C7602, "insufficient registers (128)", asks for 154), though it honours setmaxnreg for
-// everything else; BM 256 needs the converter inside the producer warpgroup (384 threads, 168 at launch)
-// or two m64n128 halves (another wgmma shape: bits not guaranteed the same).
+// linear_wgmma_cvt_kernel<BM, GS32, GATHER, GATED, BITS>: linear_wgmma_tma_kernel's unsplit products at BM 128
+// (the same tiles, work units, producers, epilogues and bits) with a converter warpgroup. Not BM 256: at 512
+// threads the launch gives 128 registers a thread, and ptxas refuses m64n256k16 (128 accumulator registers)
+// there even after setmaxnreg.inc (C7602, "insufficient registers (128)", asks for 154), though it honours
+// setmaxnreg for everything else; BM 256 needs the converter inside the producer warpgroup (384 threads, 168
+// at launch) or two m64n128 halves (another wgmma shape: bits not guaranteed the same).
 // CTA: 4 warpgroups, WGC_CTA_THREADS = 512 (128 registers a thread at launch), setmaxnreg:
-//   warpgroup 0 producer (WGC_PRODUCER_REGS): thread 0 per k-tile waits empty[s], arms full[s] with the
-//     stage's bytes and loads the W box into the stage's W part (tmap_w encoded with SWIZZLE_32B at 4-bit,
-//     SWIZZLE_64B at 8-bit: wgc_w_unit) and the Xb box (SWIZZLE_128B) as today;
-//   warpgroup 1 converter (WGC_CONVERTER_REGS): per k-tile waits full[s] and aempty[sa], wgc_convert of the
-//     packed stage into A stage sa, proxy fence (st.shared -> wgmma reads), arrives on afull[sa] (128
-//     arrivals) and, one arrival a warp, on empty[s] (the W part read); scales one k-tile ahead;
+//   warpgroup 0 producer (WGC_PRODUCER_REGS): thread 0 per k-tile waits empty[s], arms wfull[s] with the W
+//     part's bytes and loads the W box (GATED: the gate rows into its first half, the up rows into its second,
+//     as the RS kernel's stage) into the stage's W part (tmap_w / tmap_u encoded with SWIZZLE_32B at 4-bit,
+//     SWIZZLE_64B at 8-bit: wgc_w_unit); the Xb tile: dense, thread 0 arms full[s] with XBYTES and loads the Xb
+//     box (SWIZZLE_128B); GATHER, all 128 threads copy the tile's gathered rows by cp.async as the RS kernel
+//     does (TMA_GATHER_LAG stages in flight a thread, then proxy fence and one arrival each on full[s]);
+//   warpgroup 1 converter (WGC_CONVERTER_REGS): per k-tile waits wfull[s] (the W part only, so it runs ahead
+//     of the gathered rows) and aempty[sa], wgc_convert of the packed stage into A stage sa, proxy fence
+//     (st.shared -> wgmma reads), arrives on afull[sa] (128 arrivals) and, one arrival a warp, on empty[s]
+//     (the W part read); scales one k-tile ahead (GATED: the up rows' from the up matrix);
 //   warpgroups 2, 3 consumers cw (WGC_CONSUMER_REGS): per k-tile wait full[s] (Xb) and afull[sa], queue
 //     4 k16 steps x NB blocks of wgmma SS (A: wg_desc(A stage + wgc_a_offset(BM, cw, b)) + 2 step; B: the
 //     Xb tile's, + 2 step; the RS kernel's shapes and order), commit, retire the previous k-tile's group
-//     (wait_group 1) and release its stage and A stage (one arrival a warp on empty and aempty).
+//     (wait_group 1) and release its stage and A stage (one arrival a warp on empty and aempty); the
+//     epilogue wg_store_tile, GATED wg_store_gated (rbase = wg_row_base(GATED, ...): the A row map puts the
+//     RS accumulators' rows in the D fragments).
 // Shared memory: 1024 slack, S = WGC_STAGES stages [Xb BM x 64 bf16 | W tma_w_bytes], SA = WGC_A_STAGES A
-//   stages of wgc_a_bytes(BM), then the mbarriers full[S], empty[S] (4 consumer warps x 2 + 4 converter
-//   warps), afull[SA] (128), aempty[SA] (8): 192 KB at 4-bit, 224 KB at 8-bit.
-// ptxas (CUDA 12, sm_90a): 128 registers at launch, no spills, for 4- and 8-bit, GS32 or not
-// (tests/emu/wgmma_cvt_kernel.cu, test_wgmma_cvt_emu.py). Unchecked on a GPU: the mbarrier protocol, the
-// SWIZZLE_32B/64B W map (the host's to encode), the speed.
+//   stages of wgc_a_bytes(BM), then the mbarriers full[S] (1 + tx, GATHER 128), empty[S] (4 consumer warps x 2
+//   + 4 converter warps), wfull[S] (1 + tx), afull[SA] (128), aempty[SA] (8): 192 KB at 4-bit, 224 KB at 8-bit.
+// ptxas (sm_90a): 128 registers at launch, no spills (tests/emu/wgmma_cvt_kernel.cu, test_wgmma_cvt_emu.py).
+// Unchecked on a GPU: the mbarrier protocol, the SWIZZLE_32B/64B W map, the speed.
 constexpr int WGC_CTA_THREADS = 512, WGC_PRODUCER_REGS = 40, WGC_CONVERTER_REGS = 96, WGC_CONSUMER_REGS = 184;
 constexpr int WGC_STAGES = 4, WGC_A_STAGES = 3;
 static_assert(128 * (WGC_PRODUCER_REGS + WGC_CONVERTER_REGS + 2 * WGC_CONSUMER_REGS) <= 65536,
               "setmaxnreg: the consumers' registers must come from the producer's and the converter's release");
+static_assert(TMA_GATHER_LAG < WGC_STAGES, "the gather producer's lag must stay below the stage count");
 __host__ __device__ constexpr int wgc_smem_bytes(int bm, int bits) {
-  return 1024 + WGC_STAGES * tma_stage_bytes(bm, bits) + WGC_A_STAGES * wgc_a_bytes(bm) + 16 * (WGC_STAGES + WGC_A_STAGES);
+  return 1024 + WGC_STAGES * tma_stage_bytes(bm, bits) + WGC_A_STAGES * wgc_a_bytes(bm) + 8 * (3 * WGC_STAGES + 2 * WGC_A_STAGES);
 }
 static_assert(wgc_smem_bytes(128, 8) <= 227 * 1024,
               "the converter's rings exceed the 227 KB opt-in shared memory");
 
-template <int BM, bool GS32, int BITS = 4>
+template <int BM, bool GS32, bool GATHER, bool GATED, int BITS = 4>
 __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
-    linear_wgmma_cvt_kernel(const LinearArgs a, const __grid_constant__ CUtensorMap tmap_x,
-                            const __grid_constant__ CUtensorMap tmap_w) {
+    linear_wgmma_cvt_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
+                            const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_u) {
   static_assert(BM == 128, "128-row tiles (BM 256: see above)");
-  constexpr int NB = wg_blocks(BM), S = WGC_STAGES, SA = WGC_A_STAGES, BN = wg_rows(BM), KW = WG_BK * BITS / 32;
-  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), ABYTES = wgc_a_bytes(BM);
+  static_assert(BITS == 4 || !GATED, "GATED: 4-bit weights (as the RS kernel)");
+  constexpr int NB = wg_blocks(BM), S = WGC_STAGES, SA = WGC_A_STAGES, KW = WG_BK * BITS / 32;
+  constexpr int BN = GATED ? wg_rows(BM) / 2 : wg_rows(BM);  // outputs a column tile
+  constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
+  constexpr uint32_t ABYTES = wgc_a_bytes(BM);
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring_s = (smem_u32(smem_raw) + 1023) & ~1023u, a_ring = ring_s + S * STAGE, bars = a_ring + SA * ABYTES;
   auto full = [&](uint32_t s) { return bars + 8 * s; };
   auto empty = [&](uint32_t s) { return bars + 8 * (S + s); };
-  auto afull = [&](uint32_t s) { return bars + 8 * (2 * S + s); };
-  auto aempty = [&](uint32_t s) { return bars + 8 * (2 * S + SA + s); };
+  auto wfull = [&](uint32_t s) { return bars + 8 * (2 * S + s); };
+  auto afull = [&](uint32_t s) { return bars + 8 * (3 * S + s); };
+  auto aempty = [&](uint32_t s) { return bars + 8 * (3 * S + SA + s); };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
-    for (int s = 0; s < S; ++s) mbar_init(full(s), 1), mbar_init(empty(s), 4 * TMA_CONSUMER_WGS + 4);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), GATHER ? 128 : 1);
+      mbar_init(empty(s), 4 * TMA_CONSUMER_WGS + 4);
+      mbar_init(wfull(s), 1);
+    }
     for (int s = 0; s < SA; ++s) mbar_init(afull(s), WGC_THREADS), mbar_init(aempty(s), 4 * TMA_CONSUMER_WGS);
     mbar_init_fence();
   }
@@ -211,23 +224,78 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
 
   const int64_t N = a.w.rows, K = a.w.cols;
   const int nk = int(K / WG_BK);
-  const int64_t row_tiles = (a.tiles.M + BM - 1) / BM, units = row_tiles * ((N + BN - 1) / BN);
+  const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
+  const int64_t units = row_tiles * ((N + BN - 1) / BN);
 
   if (warp < 4) {  // ---------------- producer ----------------
     setmaxnreg_dec<WGC_PRODUCER_REGS>();
-    if (tid != 0) return;
     uint32_t s = 0, ph = 0;
-    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-      Tile tile;
-      if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
-      const int n0 = int(u / row_tiles) * BN;
-      for (int kt = 0; kt < nk; ++kt) {
-        mbar_wait(empty(s), ph ^ 1);
-        const uint32_t st = ring_s + s * STAGE;
-        mbar_arrive_expect_tx(full(s), STAGE);
-        tma_load_3d(st + XBYTES, &tmap_w, full(s), kt * KW, n0, int(tile.expert));
-        tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
-        if (++s == S) s = 0, ph ^= 1;
+    if constexpr (!GATHER) {
+      if (tid != 0) return;
+      for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+        Tile tile;
+        if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
+        const int n0 = int(u / row_tiles) * BN;
+        for (int kt = 0; kt < nk; ++kt) {
+          mbar_wait(empty(s), ph ^ 1);
+          const uint32_t st = ring_s + s * STAGE;
+          mbar_arrive_expect_tx(wfull(s), WBYTES);
+          tma_load_3d(st + XBYTES, &tmap_w, wfull(s), kt * KW, n0, int(tile.expert));
+          if constexpr (GATED) tma_load_3d(st + XBYTES + WBYTES / 2, &tmap_u, wfull(s), kt * KW, n0, int(tile.expert));
+          mbar_arrive_expect_tx(full(s), XBYTES);
+          tma_load_2d(st, &tmap_x, full(s), kt * WG_BK, int(tile.row0));
+          if (++s == S) s = 0, ph ^= 1;
+        }
+      }
+    } else {
+      constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
+      const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
+      uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
+      int pending = 0;                   // stages copied by this thread and not yet arrived on
+      for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+        Tile tile;
+        if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
+        const int n0 = int(u / row_tiles) * BN;
+        // the RS kernel's gather addressing (linear_wgmma_tma.cuh): 32-bit chunk indices, rows past the tile's
+        // end zero-filled (bit i of `real` clear), chunk i at dst + 2048 i
+        uint32_t src[PER], real = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int r = (tid >> 3) + 16 * i;
+          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : 0u;
+          real |= r < tile.rows ? 1u << i : 0u;
+        }
+        const uint32_t dst = wg_swz(tid >> 3, j);
+        for (int kt = 0; kt < nk; ++kt) {
+          mbar_wait(empty(s), ph ^ 1);
+          const uint32_t st = ring_s + s * STAGE;
+          if (tid == 0) {
+            mbar_arrive_expect_tx(wfull(s), WBYTES);
+            tma_load_3d(st + XBYTES, &tmap_w, wfull(s), kt * KW, n0, int(tile.expert));
+            if constexpr (GATED)
+              tma_load_3d(st + XBYTES + WBYTES / 2, &tmap_u, wfull(s), kt * KW, n0, int(tile.expert));
+          }
+          const uint16_t* x_kt = xb + kt * WG_BK;  // k-tile kt's chunk 0
+#pragma unroll
+          for (int i = 0; i < PER; ++i)
+            cp_async16(st + dst + 16 * 128 * i, wg_chunk_at(x_kt, src[i]), int((real >> i) & 1u) * 16);
+          cp_async_commit();
+          if (pending == TMA_GATHER_LAG) {
+            cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
+            fence_proxy_async();              // generic-proxy writes -> read by wgmma (async proxy)
+            mbar_arrive(full(s_arrive));
+            if (++s_arrive == S) s_arrive = 0;
+          } else {
+            ++pending;
+          }
+          if (++s == S) s = 0, ph ^= 1;
+        }
+      }
+      cp_async_wait<0>();
+      fence_proxy_async();
+      for (; pending > 0; --pending) {
+        mbar_arrive(full(s_arrive));
+        if (++s_arrive == S) s_arrive = 0;
       }
     }
     return;
@@ -235,6 +303,8 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
 
   const uint16_t* sc = static_cast<const uint16_t*>(a.w.scales);
   const uint16_t* bi = static_cast<const uint16_t*>(a.w.biases);
+  const uint16_t* sc_u = GATED ? static_cast<const uint16_t*>(a.up.scales) : nullptr;
+  const uint16_t* bi_u = GATED ? static_cast<const uint16_t*>(a.up.biases) : nullptr;
   const int gshift = GS32 ? 5 : __ffs(a.w.group_size) - 1;
   if (warp < 8) {  // ---------------- converter ----------------
     setmaxnreg_dec<WGC_CONVERTER_REGS>();
@@ -244,16 +314,16 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
       Tile tile;
       if (!find_tile(a.tiles, u % row_tiles, BM, tile)) continue;
       uint32_t rows[wgc_rows(BM)];
-      wgc_scale_rows<BM, false>(rows, a.w, tile.expert, (u / row_tiles) * BN, t);
+      wgc_scale_rows<BM, GATED>(rows, a.w, tile.expert, (u / row_tiles) * BN, t);
       WgcScales<GS32, wgc_rows(BM)> cur, nxt;
-      wgc_load_scales<BM, GS32, false>(nxt, sc, bi, rows, gshift, 0, t);
+      wgc_load_scales<BM, GS32, GATED>(nxt, sc, bi, rows, gshift, 0, t, sc_u, bi_u);
 #pragma unroll 1
       for (int kt = 0; kt < nk; ++kt) {
         cur = nxt;
-        if (kt + 1 < nk) wgc_load_scales<BM, GS32, false>(nxt, sc, bi, rows, gshift, kt + 1, t);
-        mbar_wait(full(s), ph);
+        if (kt + 1 < nk) wgc_load_scales<BM, GS32, GATED>(nxt, sc, bi, rows, gshift, kt + 1, t, sc_u, bi_u);
+        mbar_wait(wfull(s), ph);
         mbar_wait(aempty(sa), aph ^ 1);
-        wgc_convert<BM, GS32, false, BITS>(WgcShared{}, ring_s + s * STAGE + XBYTES, a_ring + sa * ABYTES, t, cur);
+        wgc_convert<BM, GS32, GATED, BITS>(WgcShared{}, ring_s + s * STAGE + XBYTES, a_ring + sa * ABYTES, t, cur);
         fence_proxy_async();  // the A stage's st.shared before the consumers' wgmma reads it
         mbar_arrive(afull(sa));
         __syncwarp();
@@ -268,7 +338,7 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
   // ---------------- consumers ----------------
   setmaxnreg_inc<WGC_CONSUMER_REGS>();
   const int ct = tid - 256, cw = ct >> 7, w4 = (ct >> 5) & 3, g = lane >> 2, c = lane & 3;
-  const int rbase = wg_row_base(false, cw, w4, g, NB);
+  const int rbase = wg_row_base(GATED, cw, w4, g, NB);
   uint32_t s = 0, ph = 0, sa = 0, aph = 0, eb_prev = 0, aeb_prev = 0;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     Tile tile;
@@ -311,7 +381,8 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (nk > 0 && lane == 0) mbar_arrive(eb_prev), mbar_arrive(aeb_prev);
-    wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+    if constexpr (GATED) wg_store_gated<BM>(a, tile, n0, rbase, c, acc);
+    else wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
   }
 }
 
