@@ -164,7 +164,7 @@ __device__ __forceinline__ void wgc_load_scales(WgcScales<GS32, wgc_rows(BM)>& s
 //     as the RS kernel's stage) into the stage's W part (tmap_w / tmap_u encoded with SWIZZLE_32B at 4-bit,
 //     SWIZZLE_64B at 8-bit: wgc_w_unit); the Xb tile: dense, thread 0 arms full[s] with XBYTES and loads the Xb
 //     box (SWIZZLE_128B); GATHER, all 128 threads copy the tile's gathered rows by cp.async as the RS kernel
-//     does (TMA_GATHER_LAG stages in flight a thread, then proxy fence and one arrival each on full[s]);
+//     does (WGC_GATHER_LAG stages in flight a thread, then proxy fence and one arrival each on full[s]);
 //   warpgroup 1 converter (WGC_CONVERTER_REGS): per k-tile waits wfull[s] (the W part only, so it runs ahead
 //     of the gathered rows) and aempty[sa], wgc_convert of the packed stage into A stage sa, proxy fence
 //     (st.shared -> wgmma reads), arrives on afull[sa] (128 arrivals) and, one arrival a warp, on empty[s]
@@ -184,7 +184,10 @@ constexpr int WGC_CTA_THREADS = 512, WGC_PRODUCER_REGS = 40, WGC_CONVERTER_REGS 
 constexpr int WGC_STAGES = 4, WGC_A_STAGES = 3;
 static_assert(128 * (WGC_PRODUCER_REGS + WGC_CONVERTER_REGS + 2 * WGC_CONSUMER_REGS) <= 65536,
               "setmaxnreg: the consumers' registers must come from the producer's and the converter's release");
-static_assert(TMA_GATHER_LAG < WGC_STAGES, "the gather producer's lag must stay below the stage count");
+// The gather producer arrives on stage i - lag's full barrier after issuing stage i, which waits for stage i - S's
+// release; the consumers release a stage while on the next, after its full barrier: so i - S + 1 <= i - lag - 1,
+// S >= lag + 2, or the ring deadlocks (the RS kernel's 6-8 stages hold TMA_GATHER_LAG = 3; these 4 hold 2).
+constexpr int WGC_GATHER_LAG = WGC_STAGES - 2;
 __host__ __device__ constexpr int wgc_smem_bytes(int bm, int bits) {
   return 1024 + WGC_STAGES * tma_stage_bytes(bm, bits) + WGC_A_STAGES * wgc_a_bytes(bm) + 8 * (3 * WGC_STAGES + 2 * WGC_A_STAGES);
 }
@@ -280,8 +283,8 @@ __global__ void __launch_bounds__(WGC_CTA_THREADS, 1)
           for (int i = 0; i < PER; ++i)
             cp_async16(st + dst + 16 * 128 * i, wg_chunk_at(x_kt, src[i]), int((real >> i) & 1u) * 16);
           cp_async_commit();
-          if (pending == TMA_GATHER_LAG) {
-            cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
+          if (pending == WGC_GATHER_LAG) {
+            cp_async_wait<WGC_GATHER_LAG>();  // the oldest pending stage's copies landed
             fence_proxy_async();              // generic-proxy writes -> read by wgmma (async proxy)
             mbar_arrive(full(s_arrive));
             if (++s_arrive == S) s_arrive = 0;
