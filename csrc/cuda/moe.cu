@@ -371,24 +371,9 @@ static int router_ctas(int64_t E) { return int(ceil_div<int64_t>(E, ROUTER_ROWS)
 template <bool NORM_IN>
 static bool router_cluster_fits(int n) {
   static const std::array<bool, ROUTER_MAX_CTAS + 1> fits = [] {
-    const auto kernel = moe_router_kernel<NORM_IN>;
     std::array<bool, ROUTER_MAX_CTAS + 1> f{};
     f[1] = true;
-    const bool wide = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-    for (int c = 2; c <= ROUTER_MAX_CTAS && (c <= 8 || wide); ++c) {
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = unsigned(c);
-      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(unsigned(c));
-      cfg.blockDim = dim3(unsigned(router_threads(NORM_IN)));
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      f[c] = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-    }
-    (void)cudaGetLastError();  // a refused attribute or query is an answer, not a launch error
+    for (int c = 2; c <= ROUTER_MAX_CTAS; ++c) f[c] = cluster_fits(moe_router_kernel<NORM_IN>, c, router_threads(NORM_IN));
     return f;
   }();
   return fits[n];

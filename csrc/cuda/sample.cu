@@ -17,26 +17,8 @@ static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // sampler kind, so a given device draws the same bits run after run (the full passes' float sums group by CTA).
 static int sample_cluster_ctas(bool draws) {
   if (!draws) return SAMPLE_CTAS_PORTABLE;
-  static const int ctas = [] {
-    if (cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return SAMPLE_CTAS_PORTABLE;
-    }
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = SAMPLE_CTAS;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(SAMPLE_CTAS);
-    cfg.blockDim = dim3(SAMPLE_THREADS);
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    const bool fits = cudaOccupancyMaxActiveClusters(&clusters, sample_kernel, &cfg) == cudaSuccess && clusters > 0;
-    (void)cudaGetLastError();  // a refused query is an answer, not a launch error
-    return fits ? SAMPLE_CTAS : SAMPLE_CTAS_PORTABLE;
-  }();
-  return ctas;
+  static const int wide = cluster_fits(sample_kernel, SAMPLE_CTAS, SAMPLE_THREADS) ? SAMPLE_CTAS : SAMPLE_CTAS_PORTABLE;
+  return wide;
 }
 
 void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t step, const ops::SamplerState& state) {

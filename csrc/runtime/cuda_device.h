@@ -68,6 +68,31 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&
   launch_clustered(kernel, grid, block, dim3(1, 1, 1), smem, std::forward<Args>(args)...);
 }
 
+// Whether one cluster of `cluster` CTAs of `kernel` (`threads` each, `smem` bytes of dynamic shared memory) can be
+// resident on the device: sizes above 8 need the non-portable attribute, which a device may refuse. A refused
+// attribute or query is an answer (false), not a launch error: the error state is cleared.
+template <typename... Params>
+bool cluster_fits(void (*kernel)(Params...), int cluster, int threads, size_t smem = 0) {
+  if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(cluster));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  const bool fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  (void)cudaGetLastError();
+  return fits;
+}
+
 // Ceiling division for grid sizes.
 template <typename T>
 constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
