@@ -408,7 +408,8 @@ Out run_kernels(const gdn_ref::Inputs& x, Kernel prep, Kernel scan) {
   const gc::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(), r.state.data(),
                      r.o.data(),   r.ws.data(), T,          x.Hk,         Hv,                nch};
   for (int c = 0; c < nch; ++c)
-    for (int h = 0; h < Hv; ++h) emu::run_block(prep, p, {unsigned(c), unsigned(h), 0}, sizeof(gc::PrepSmem), gc::THREADS);
+    for (int y = 0; y < gc::prep_pairs(x.Hk, Hv); ++y)
+      emu::run_block(prep, p, {unsigned(c), unsigned(y), 0}, sizeof(gc::PrepSmem), gc::PREP_THREADS);
   for (int h = 0; h < Hv; ++h)
     for (int j = 0; j < gc::D / gc::COLS; ++j) emu::run_block(scan, p, {unsigned(h), unsigned(j), 0}, sizeof(gc::ScanSmem), gc::SCAN_THREADS);
   return r;
