@@ -450,7 +450,8 @@ std::pair<double, double> errors(const Out& out, const gdn_ref::Inputs& x, const
 // shows as different bits (FAIL).
 
 bool check_engine(bool quick) {
-  const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f}};
+  const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f},
+                        {100, 2, 8, 1, 1.0f, 0.f}};  // Hv / Hk: 2, 2, 2, 3 (a prep CTA of one head), 4 (two pairs a key head)
   bool fail = false;
   for (int mode = 0; mode < 2; ++mode)
     for (const Case& cs : cases) {

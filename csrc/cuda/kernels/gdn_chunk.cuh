@@ -46,7 +46,7 @@ namespace lily::cuda::gdn_chunk {
 
 constexpr int C = 64;          // tokens per chunk
 constexpr int D = 128;         // Dk = Dv
-constexpr int THREADS = 256;   // both kernels (8 warps)
+constexpr int THREADS = 256;   // 8 warps: a scan role, a prep head (both kernels run 2 x THREADS)
 constexpr int COLS = 32;       // state columns per scan CTA
 // Shared row strides (32-bit words: floats, or bf16 pairs in S^T and Delta^T), chosen for conflict-free
 // fragment loads: a row-major A fragment or a [n][k] B fragment is read by ldmatrix (8 rows of 16 bytes
