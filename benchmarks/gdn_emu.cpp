@@ -1,7 +1,7 @@
 // gdn_emu: runs the chunked GDN kernels' own source (csrc/cuda/kernels/gdn_chunk.cuh) on the host, to
 // check their index logic, fragment layouts, barriers and cp.async ordering without a GPU.
 //   Build/run: g++ -O2 -std=c++20 -I csrc -o "${TMPDIR:-/tmp}/gdn_emu" benchmarks/gdn_emu.cpp && "${TMPDIR:-/tmp}/gdn_emu"
-//   gdn_emu quick: one deferred-copy case instead of four.
+//   gdn_emu quick: one deferred-copy case instead of five.
 //   gdn_emu sweep [long] [code ...]: the precision sweep, every variant of the table below (or those named
 //   by code) on T = 64 .. 1024 (long: also 4096) against fp64, a markdown table (~10 s a variant, long ~45 s).
 // How: every CUDA thread of a block is a fiber on one OS thread (entered by ucontext, then switched by
