@@ -282,13 +282,14 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 // h0 = kh R + 2 (y % P) (slot 0) and h0 + 1 (slot 1; none when R is odd and h0 is kh's last head). Both
 // read the same q, k rows, so the CTA loads and normalises them once and forms the raw products K K^T and
 // Q K^T once (the model's R = 2: every pair shares them); the gates, G, the epilogues and step 4 are per
-// head. Warps 8 s .. 8 s + 7 are slot s's in steps 1 (its v rows), 2 and 4.
+// head. Warps 8 s .. 8 s + 7 are slot s's for its v rows (step 1) and step 4; warp 8 + s runs its step 2.
 //   1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 16 i, i < 8), loaded and
 //      L2-normalised (a float4 per lane), staged in shared memory with their norm factors; rows >= n
 //      are zeros; beta, g of slot tid / 64, token tid % 64 (threads 0..127). All 8 rows of a warp and the
 //      gate inputs are loaded before any is used. Then, its rows in hand, each warp of slot s requests its
-//      8 of the head's 64 raw v rows by cp.async into v[s] (after the q, k loads, which the norms wait
-//      for, not queued behind them; they land during steps 2-3).
+//      8 of the head's 64 raw v rows by cp.async into v[s]: issued once the warp's q, k rows have arrived
+//      (the norms used them), so that these 64 KB a CTA do not compete with the rows on the critical path;
+//      they land during steps 2-3.
 //   2. G = inclusive prefix sum of g in fp64 (warp 8 + s for slot s, a shuffle scan; before its step-3
 //      tiles, while the other warps run theirs): exp(G_t - G_s) is formed from an fp64 difference, so a
 //      chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays. Row factors
