@@ -1,7 +1,7 @@
 // gdn_emu: runs the chunked GDN kernels' own source (csrc/cuda/kernels/gdn_chunk.cuh) on the host, to
 // check their index logic, fragment layouts, barriers and cp.async ordering without a GPU.
 //   Build/run: g++ -O2 -std=c++20 -I csrc -o "${TMPDIR:-/tmp}/gdn_emu" benchmarks/gdn_emu.cpp && "${TMPDIR:-/tmp}/gdn_emu"
-//   gdn_emu quick: one deferred-copy case instead of four.
+//   gdn_emu quick: one deferred-copy case instead of five.
 //   gdn_emu sweep [long] [code ...]: the precision sweep, every variant of the table below (or those named
 //   by code) on T = 64 .. 1024 (long: also 4096) against fp64, a markdown table (~10 s a variant, long ~45 s).
 // How: every CUDA thread of a block is a fiber on one OS thread (entered by ucontext, then switched by
@@ -408,7 +408,8 @@ Out run_kernels(const gdn_ref::Inputs& x, Kernel prep, Kernel scan) {
   const gc::Params p{x.qkv.data(), x.a.data(), x.b.data(), x.A_log.data(), x.dt_bias.data(), r.state.data(),
                      r.o.data(),   r.ws.data(), T,          x.Hk,         Hv,                nch};
   for (int c = 0; c < nch; ++c)
-    for (int h = 0; h < Hv; ++h) emu::run_block(prep, p, {unsigned(c), unsigned(h), 0}, sizeof(gc::PrepSmem), gc::THREADS);
+    for (int y = 0; y < gc::prep_pairs(x.Hk, Hv); ++y)
+      emu::run_block(prep, p, {unsigned(c), unsigned(y), 0}, sizeof(gc::PrepSmem), gc::PREP_THREADS);
   for (int h = 0; h < Hv; ++h)
     for (int j = 0; j < gc::D / gc::COLS; ++j) emu::run_block(scan, p, {unsigned(h), unsigned(j), 0}, sizeof(gc::ScanSmem), gc::SCAN_THREADS);
   return r;
@@ -449,7 +450,8 @@ std::pair<double, double> errors(const Out& out, const gdn_ref::Inputs& x, const
 // shows as different bits (FAIL).
 
 bool check_engine(bool quick) {
-  const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f}};
+  const Case cases[] = {{130, 2, 4, 0, 0.1f, 0.f}, {64, 1, 2, 0, 0.1f, 0.f}, {200, 1, 2, 1, 1.0f, 0.f}, {65, 1, 3, 0, 0.1f, 0.f},
+                        {100, 2, 8, 1, 1.0f, 0.f}};  // Hv / Hk: 2, 2, 2, 3 (a prep CTA of one head), 4 (two pairs a key head)
   bool fail = false;
   for (int mode = 0; mode < 2; ++mode)
     for (const Case& cs : cases) {

@@ -59,7 +59,7 @@ static void launch(Kind k, const Dev& d, int T) {
   }
   if (k == NEW_PREP || k == NEW_SCAN || k == NEW_BOTH) {
     const gdn_chunk::Params p{d.qkv, d.a, d.b, d.A_log, d.dt_bias, d.state, d.o, d.ws, T, HK, HV, nch};
-    if (k != NEW_SCAN) gdn_chunk::prep_kernel<><<<dim3(nch, HV), gdn_chunk::THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
+    if (k != NEW_SCAN) gdn_chunk::prep_kernel<><<<dim3(nch, gdn_chunk::prep_pairs(HK, HV)), gdn_chunk::PREP_THREADS, sizeof(gdn_chunk::PrepSmem)>>>(p);
     if (k != NEW_PREP) gdn_chunk::scan_kernel<><<<dim3(HV, D / gdn_chunk::COLS), gdn_chunk::SCAN_THREADS, sizeof(gdn_chunk::ScanSmem)>>>(p);
   }
   CK(cudaGetLastError());

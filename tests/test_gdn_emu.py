@@ -19,4 +19,4 @@ def test_gdn_emulator(tmp_path):
                     str(root / "benchmarks/gdn_emu.cpp")], check=True, capture_output=True, timeout=300)
     r = subprocess.run([str(exe), "quick"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(" ok\n") == 5, r.stdout  # four cases with eager copies, one with deferred ones
+    assert r.stdout.count(" ok\n") == 6, r.stdout  # five cases with eager copies, one with deferred ones

@@ -72,8 +72,8 @@ static void launch_gdn_chunked(const gdn_chunk::Params& p) {
     return true;
   }();
   (void)raised;
-  launch(gdn_chunk::prep_kernel<>, dim3(unsigned(p.num_chunks), unsigned(p.Hv)), gdn_chunk::THREADS,
-         sizeof(gdn_chunk::PrepSmem), p);
+  launch(gdn_chunk::prep_kernel<>, dim3(unsigned(p.num_chunks), unsigned(gdn_chunk::prep_pairs(p.Hk, p.Hv))),
+         gdn_chunk::PREP_THREADS, sizeof(gdn_chunk::PrepSmem), p);
   LILY_CUDA_LAUNCHED();
   launch(gdn_chunk::scan_kernel<>, dim3(unsigned(p.Hv), unsigned(gdn_chunk::D / gdn_chunk::COLS)), gdn_chunk::SCAN_THREADS,
          sizeof(gdn_chunk::ScanSmem), p);

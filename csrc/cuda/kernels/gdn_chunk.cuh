@@ -46,7 +46,7 @@ namespace lily::cuda::gdn_chunk {
 
 constexpr int C = 64;          // tokens per chunk
 constexpr int D = 128;         // Dk = Dv
-constexpr int THREADS = 256;   // both kernels (8 warps)
+constexpr int THREADS = 256;   // 8 warps: a scan role, a prep head (both kernels run 2 x THREADS)
 constexpr int COLS = 32;       // state columns per scan CTA
 // Shared row strides (32-bit words: floats, or bf16 pairs in S^T and Delta^T), chosen for conflict-free
 // fragment loads: a row-major A fragment or a [n][k] B fragment is read by ldmatrix (8 rows of 16 bytes
@@ -276,56 +276,77 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const float* src, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
-// prep_kernel: one CTA per (chunk c, value head h), grid (num_chunks, Hv), block 256, 2 CTAs/SM.
-//   1. beta, g of the chunk's n <= 64 tokens (threads 0..63); q, k rows loaded and L2-normalised
-//      (a warp per row, a float4 per lane), staged in shared memory with their norm factors; rows >= n
-//      are zeros. All 16 rows of a warp and the gate inputs are loaded before any is used.
-//   2. G = inclusive prefix sum of g in fp64 (warp 0 shuffle scan): exp(G_t - G_s) is formed from an
-//      fp64 difference, so a chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays.
-//      Row factors fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the
-//      workspace (the scan applies them to the raw q, k rows of qkv).
-//   3. K K^T -> A (strictly lower, shared, stored negated) and Q K^T -> P (lower with the diagonal, workspace) on the
-//      tensor cores, 3xBF16. Only the 20 of 32 m16n8 tiles [16 mt, 8 nt] with nt <= 2 mt + 1 touch the
-//      lower triangle; the 2 x 20 tiles are dealt round-robin, warp w doing tiles w + 8 i (5 each),
-//      each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k rows). Epilogue
-//      per element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0; P = exp(G_t - G_s) acc if
-//      s <= t < n, else 0 (exp of a positive exponent is never taken).
-//   4. (I + A) X = B, X = [U | W] and B = [beta V | beta exp(G) K] (64 x 256), by forward
-//      substitution blocked by the four 16-token blocks i (rows 16 i ..): R_i = B_i - sum_{j<i} A_ij X_j,
-//      X_i = T_ii R_i, T_ii = (I + A_ii)^-1. First the raw v rows go by cp.async into q's place (free
-//      after step 3) while warps 4-5 form T_ii - I into sm.T (a thread per column of a diagonal block:
-//      a 16 x 16 unit lower solve, <= 120 fp32 FMA). Then warp w owns 32 columns of X (warps 0-3 of U,
-//      4-7 of W) and runs, on the tensor cores in the form PR::FS (3xBF16, one accumulator), the
-//      transpose block by block: R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, then X_i^T = R_i^T + R_i^T
-//      (T_ii - I)^T (the identity part exact: R_i is the accumulator's start). m = the warp's columns
-//      (two m16 tiles), n = block i's tokens (two n8 tiles), k = block j's tokens (one k-step): 10
-//      k-steps x 4 tiles x 3 mma a warp, where the fp32 form took 2,016 dependent FMA a column. The
-//      transposed form needs no exchange between warps or lanes: the C fragments of X_j^T (columns g,
-//      g + 8; tokens 2c, 2c + 1 of each n8 tile) are, as they stand, the A fragment of block j's k-step
-//      in natural k order (k 2c, 2c + 1 in a0 / a1; 2c + 8, 2c + 9 in a2 / a3), kept split in the
-//      warp's own columns of the v (k) rows of block j, which B_j^T has used up; the B fragments
-//      (element (k s, n t) = -A[t][s], or T's) are float2 loads of row t, columns 2c and 2c + 8 (ALD,
-//      TLD). B_i^T: the v or k rows times the row factor; X to the workspace from the C fragments
-//      (scalar stores, 32-byte runs of 8 columns): U as it is, W split for the scan (a lane's columns
-//      g, g + 8 of an m16 tile are the pair p = g of a k-step: its hi word where column g goes, its
-//      lo word where g + 8 does, the layout of WS_W; the same split2 the scan did at load). The block
-//      loop stays rolled (unrolled, ptxas hoists the later blocks' loads and spills).
+// prep_kernel: one CTA per (chunk c, pair of value heads of one key head), grid (num_chunks,
+// prep_pairs(Hk, Hv)), block 512 (16 warps), 1 CTA/SM. Key head kh's R = Hv / Hk value heads kh R ..
+// kh R + R - 1 go two to a CTA: with y = blockIdx.y and P = ceil(R / 2), kh = y / P and the heads
+// h0 = kh R + 2 (y % P) (slot 0) and h0 + 1 (slot 1; none when R is odd and h0 is kh's last head). Both
+// read the same q, k rows, so the CTA loads and normalises them once and forms the raw products K K^T and
+// Q K^T once (the model's R = 2: every pair shares them); the gates, G, the epilogues and step 4 are per
+// head. Warps 8 s .. 8 s + 7 are slot s's for its v rows (step 1) and step 4; warp 8 + s runs its step 2.
+//   1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 16 i, i < 8), loaded and
+//      L2-normalised (a float4 per lane), staged in shared memory with their norm factors; rows >= n
+//      are zeros; beta, g of slot tid / 64, token tid % 64 (threads 0..127). All 8 rows of a warp and the
+//      gate inputs are loaded before any is used. Then, its rows in hand, each warp of slot s requests its
+//      8 of the head's 64 raw v rows by cp.async into v[s]: issued once the warp's q, k rows have arrived
+//      (the norms used them), so that these 64 KB a CTA do not compete with the rows on the critical path;
+//      they land during steps 2-3.
+//   2. G = inclusive prefix sum of g in fp64 (warp 8 + s for slot s, a shuffle scan; before its step-3
+//      tiles, while the other warps run theirs): exp(G_t - G_s) is formed from an fp64 difference, so a
+//      chunk whose early tokens decay hard (G ~ -1000) keeps exact late decays. Row factors
+//      fq = exp(G) / sqrt(Dk) / |q|, fk = exp(G_last - G) / |k| and exp(G_last) to the head's workspace
+//      block (the scan applies them to the raw q, k rows of qkv).
+//   3. K K^T and Q K^T on the tensor cores, 3xBF16, once for both heads. Only the 20 of 32 m16n8 tiles
+//      [16 mt, 8 nt] with nt <= 2 mt + 1 touch the lower triangle; the 2 x 20 tiles (K K^T's 0-19, Q K^T's
+//      20-39) are dealt round-robin, warp w doing tiles w + 16 i < 40 (3 on warps 0-7, 2 on warps 8-15,
+//      which ran step 2), each a K = 128 loop of 8 k-steps (A fragment from q or k rows, B = K^T from k
+//      rows), the raw accumulators kept in registers over the barrier after which G is ready. Epilogue
+//      per head and element (t, s): A = beta_t exp(G_t - G_s) acc if s < t < n, else 0 (to nA[slot],
+//      stored negated: step 4 subtracts); P = exp(G_t - G_s) acc if s <= t < n, else 0 (to the head's
+//      workspace block); exp of a positive exponent is never taken.
+//   4. Per head, on its slot's 8 warps (w8 = w % 8 below): (I + A) X = B, X = [U | W] and
+//      B = [beta V | beta exp(G) K] (64 x 256), by forward substitution blocked by the four 16-token blocks
+//      i (rows 16 i ..): R_i = B_i - sum_{j<i} A_ij X_j, X_i = T_ii R_i, T_ii = (I + A_ii)^-1. First warps
+//      w8 = 4-5 form T_ii - I into T[slot] (a thread per column of a diagonal block: a 16 x 16 unit lower
+//      solve, <= 120 fp32 FMA). Then warp w8 owns 32 columns of X (0-3 of U, 4-7 of W) and runs, on the
+//      tensor cores in the form PR::FS (3xBF16, one accumulator), the transpose block by block:
+//      R_i^T = B_i^T - sum_{j<i} X_j^T A_ij^T, then X_i^T = R_i^T + R_i^T (T_ii - I)^T (the identity part
+//      exact: R_i is the accumulator's start). m = the warp's columns (two m16 tiles), n = block i's
+//      tokens (two n8 tiles), k = block j's tokens (one k-step): 10 k-steps x 4 tiles x 3 mma a warp,
+//      where the fp32 form took 2,016 dependent FMA a column. The transposed form needs no exchange
+//      between warps or lanes: the C fragments of X_j^T (columns g, g + 8; tokens 2c, 2c + 1 of each n8
+//      tile) are, as they stand, the A fragment of block j's k-step in natural k order (k 2c, 2c + 1 in
+//      a0 / a1; 2c + 8, 2c + 9 in a2 / a3), kept split in the warp's own columns of a stash tile laid out
+//      as B's rows, block j's 16 rows: for U the head's v rows themselves (block j's are used up by then),
+//      for W a tile of its own (slot 0: q's rows, free after step 3; slot 1: xw), the k rows being read by
+//      both heads' W warps. The B fragments (element (k s, n t) = -A[t][s], or T's) are float2 loads of
+//      row t, columns 2c and 2c + 8 (ALD, TLD). B_i^T: the v or k rows times the row factor; X to the
+//      workspace from the C fragments (scalar stores, 32-byte runs of 8 columns): U as it is, W split for
+//      the scan (a lane's columns g, g + 8 of an m16 tile are the pair p = g of a k-step: its hi word
+//      where column g goes, its lo word where g + 8 does, the layout of WS_W; the same split2 the scan did
+//      at load). The block loop stays rolled (unrolled, ptxas hoists the later blocks' loads and spills).
+// Each head's every value is formed as the one-head CTA (grid (num_chunks, Hv), 256 threads, 2 CTAs/SM,
+// until 2026-12-03) formed it: the same products, epilogue and substitution in the same order; a CTA now
+// does the q, k loads, norms and step 3's 40 tiles once for two heads (docs/perf-notes.md, "the GDN prep
+// once per key head").
 // A global load whose use follows it in the same branch (`if (t < n) x = beta * v[t]`) costs the warp
 // a full memory latency each: the loads here are unconditional, use-free in their branch or cp.async,
 // and ptxas then issues them back to back (check the SASS after editing these loops).
 // Rows >= n of every output are zeros (zero q, k, beta and decay factors), so the scan needs no masks
 // but on its writes of o.
+constexpr int PREP_THREADS = 2 * THREADS;
+// prep CTAs along y: ceil(R / 2) pairs of value heads for each of the Hk key heads, R = Hv / Hk
+__host__ __device__ constexpr int prep_pairs(int Hk, int Hv) { return Hk * ((Hv / Hk + 1) / 2); }
 struct PrepSmem {
-  union {
-    float q[C][LD];  // normalised, scaled q rows (steps 1-3)
-    float v[C][LD];  // raw v rows (step 4)
-  };
-  float k[C][LD];   // normalised k rows
-  float nA[C][ALD]; // -A, strictly lower (tiles above the diagonal unwritten, never read)
-  float T[C][TLD];  // T_ii - I, block i in rows 16 i .. (strictly lower, zeros above)
-  double G[C];           // cumulative log decay
-  float g[C], beta[C], eG[C], rq[C], rk[C];  // g, beta, exp(G) (0 past n), norm factors
+  float q[C][LD];     // normalised, scaled q rows (steps 1-3); slot 0's W stash (step 4, rows 0-47)
+  float k[C][LD];     // normalised k rows
+  float v[2][C][LD];  // raw v rows of slot s's head (cp.async from step 1); its U stash (step 4)
+  float xw[3 * 16][LD];  // slot 1's W stash (step 4)
+  float nA[2][C][ALD];   // -A of slot s's head, strictly lower (tiles above the diagonal unwritten, never read)
+  float T[2][C][TLD];    // T_ii - I, block i in rows 16 i .. (strictly lower, zeros above)
+  double G[2][C];        // cumulative log decay
+  float g[2][C], beta[2][C], eG[2][C], rq[C], rk[C];  // g, beta, exp(G) (0 past n); norm factors
 };
+static_assert(sizeof(PrepSmem) <= 227 * 1024, "the prep's shared memory exceeds the 227 KB opt-in");
 
 // one m16n8 tile of phase 3 in precision M: acc = X Y^T over K = 128 (xa, xb: this lane's ldmatrix
 // addresses of the A rows and the B = Y^T rows at k-step 0)
@@ -345,120 +366,150 @@ __device__ __forceinline__ void prep_tile(float (&acc)[4], uint32_t xa, uint32_t
   for (int e = 0; e < 4; ++e) acc[e] += sml[e];
 }
 
+// step 3's tile idx (0..39): Q K^T (else K K^T), rows 16 mt .., columns 8 nt ..
+struct PrepTile {
+  int is_qk, mt, nt;
+};
+__device__ __forceinline__ PrepTile prep_tile_of(int idx) {
+  const int is_qk = idx >= 20, j = idx - 20 * is_qk;
+  const int mt = (j >= 2) + (j >= 6) + (j >= 12);  // tiles of row mt: 2 mt + 2
+  return {is_qk, mt, j - mt * (mt + 1)};
+}
+
 template <class PR = EnginePrecision>
-__global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
+__global__ void __launch_bounds__(PREP_THREADS, 1) prep_kernel(Params p) {
   pdl_wait();
   pdl_trigger();
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(smem());
-  const int ch = blockIdx.x, h = blockIdx.y, kh = h / (p.Hv / p.Hk);
+  const int R = p.Hv / p.Hk, pairs = (R + 1) / 2;
+  const int ch = blockIdx.x, kh = blockIdx.y / pairs, h0 = kh * R + 2 * (blockIdx.y % pairs);
+  const int nh = min(2, (kh + 1) * R - h0);     // heads in this CTA: slots 0 .. nh - 1
   const int t0 = ch * C, n = min(C, p.T - t0);  // tokens [t0, t0 + n) of this chunk
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slot = warp >> 3, w8 = warp & 7;
   const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;  // qkv row width
-  float* blk = p.ws + (int64_t(ch) * p.Hv + h) * BLOCK;
+  float* const blk0 = p.ws + (int64_t(ch) * p.Hv + h0) * BLOCK;  // slot s's workspace block: blk0 + s BLOCK
 
-  // 1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 8i); gates. Every global
-  // load of the phase is issued before the first use of any (one memory latency per warp): the gate
-  // inputs of token tid first, the gates computed after the rows.
+  // 1. q and k rows (rows r < 64 are q, r >= 64 are k; warp w does r = w + 16 i); gates; v rows. Every
+  // global load of the q, k phase is issued before the first use of any (one memory latency per warp): the
+  // gate inputs of slot tid / 64, token tid % 64 first, the gates computed after the rows.
+  const int gs = tid / C, gt = tid % C;  // threads 0..127: slot, token of the gates
   float b_in = 0.f, a_in = 0.f, A_log = 0.f, dt_bias = 0.f;
-  if (tid < n) {
-    const int64_t i = int64_t(t0 + tid) * p.Hv + h;
+  if (gs < nh && gt < n) {
+    const int64_t i = int64_t(t0 + gt) * p.Hv + h0 + gs;
     b_in = p.b[i];
     a_in = p.a[i];
-    A_log = p.A_log[h];
-    dt_bias = p.dt_bias[h];
+    A_log = p.A_log[h0 + gs];
+    dt_bias = p.dt_bias[h0 + gs];
   }
-  constexpr int ROWS_PER_WARP = 2 * C / (THREADS / 32);  // 16
+  constexpr int WARPS = PREP_THREADS / 32, ROWS_PER_WARP = 2 * C / WARPS;  // 16, 8
   const float q_scale = 1.f / sqrtf(float(D));
   {
     float4 x[ROWS_PER_WARP];
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {
-      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
+      const int r = warp + WARPS * i, t = r % C, is_k = r / C;
       x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (t < n) x[i] = ld4(p.qkv + (t0 + t) * Wd + is_k * int64_t(p.Hk) * D + int64_t(kh) * D + 4 * lane);
     }
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {
-      const int r = warp + (THREADS / 32) * i, t = r % C, is_k = r / C;
+      const int r = warp + WARPS * i, t = r % C, is_k = r / C;
       const float ss = warp_sum(x[i].x * x[i].x + x[i].y * x[i].y + x[i].z * x[i].z + x[i].w * x[i].w);
       const float f = (is_k ? 1.f : q_scale) / sqrtf(ss + 1e-6f);  // rows past n: 0 * f = 0
       st4((is_k ? sm.k[t] : sm.q[t]) + 4 * lane, scale4(f, x[i]));
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
   }
-  if (tid < C) {
+  if (slot < nh)  // rows w8 + 8 i of slot's head
+    copy_rows<LD>(saddr(&sm.v[slot][w8][4 * lane]),
+                  p.qkv + int64_t(t0 + w8) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h0 + slot) * D + 4 * lane, 8 * Wd, n,
+                  w8, p.qkv);
+  commit();
+  if (tid < 2 * C) {
     float beta = 0.f, g = 0.f;
-    if (tid < n) {
+    if (gs < nh && gt < n) {
       beta = 1.f / (1.f + expf(-b_in));
       g = -expf(A_log) * softplus(a_in + dt_bias);
     }
-    sm.beta[tid] = beta;
-    sm.g[tid] = g;
+    sm.beta[gs][gt] = beta;
+    sm.g[gs][gt] = g;
   }
   __syncthreads();
 
-  // 2. G, exp(G) and the row factors (warp 0; lane l holds tokens 2l, 2l+1)
-  if (warp == 0) {
-    const double g0 = sm.g[2 * lane], g1 = sm.g[2 * lane + 1];
-    double s = g0 + g1;  // inclusive scan of the pair sums
+  // 2. G, exp(G) and the row factors of slot s's head (warp 8 + s; lane l holds tokens 2l, 2l+1)
+  if (warp >= 8 && warp - 8 < nh) {
+    const int s = warp - 8;
+    float* blk = blk0 + s * BLOCK;
+    const double g0 = sm.g[s][2 * lane], g1 = sm.g[s][2 * lane + 1];
+    double sum = g0 + g1;  // inclusive scan of the pair sums
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const double y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
+      const double y = __shfl_up_sync(0xffffffffu, sum, o);
+      if (lane >= o) sum += y;
     }
-    double before = __shfl_up_sync(0xffffffffu, s, 1);  // sum of tokens < 2l
+    double before = __shfl_up_sync(0xffffffffu, sum, 1);  // sum of tokens < 2l
     if (lane == 0) before = 0.0;
-    sm.G[2 * lane] = before + g0;
-    sm.G[2 * lane + 1] = before + g0 + g1;
+    sm.G[s][2 * lane] = before + g0;
+    sm.G[s][2 * lane + 1] = before + g0 + g1;
     __syncwarp();
-    const double Gl = sm.G[n - 1];
+    const double Gl = sm.G[s][n - 1];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int t = 2 * lane + u;
-      const float eG = t < n ? expf(float(sm.G[t])) : 0.f;
-      sm.eG[t] = eG;
+      const float eG = t < n ? expf(float(sm.G[s][t])) : 0.f;
+      sm.eG[s][t] = eG;
       blk[WS_FQ + t] = eG * sm.rq[t];
-      blk[WS_FK + t] = t < n ? expf(float(Gl - sm.G[t])) * sm.rk[t] : 0.f;
+      blk[WS_FK + t] = t < n ? expf(float(Gl - sm.G[s][t])) * sm.rk[t] : 0.f;
     }
     if (lane == 0) blk[WS_GC] = expf(float(Gl));
   }
-  __syncthreads();
 
-  // 3. K K^T -> A, Q K^T -> P: 40 tiles, warp w takes w, w + 8, ..., w + 32
-  {
-    const int g = lane >> 2, c = lane & 3;
-#pragma unroll 1
-    for (int i = 0; i < 5; ++i) {
-      const int idx = warp + 8 * i, is_qk = idx >= 20, j = idx - 20 * is_qk;
-      const int mt = (j >= 2) + (j >= 6) + (j >= 12), nt = j - mt * (mt + 1);  // tiles of row mt: 2 mt + 2
-      const uint32_t xa = saddr(&(is_qk ? sm.q : sm.k)[16 * mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
-      const uint32_t xb = saddr(&sm.k[8 * nt][0]) + 4 * lsm_b4<LD>(lane);
-      float acc[4];
-      if constexpr (PR::KK == PR::QK) prep_tile<PR::KK>(acc, xa, xb);
-      else if (is_qk) prep_tile<PR::QK>(acc, xa, xb);
-      else prep_tile<PR::KK>(acc, xa, xb);
+  // 3. K K^T, Q K^T: 40 tiles, warp w takes w, w + 16 and (w < 8) w + 32; raw products for both heads
+  const int g = lane >> 2, c = lane & 3;
+  constexpr int ROUNDS = (40 + WARPS - 1) / WARPS;  // 3
+  float acc[ROUNDS][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = 16 * mt + g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
-        if (is_qk) {
-          const float dec = (t < n && s <= t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;
-          blk[WS_P + t * C + s] = dec * acc[e];
-        } else {
-          const float dec = (t < n && s < t) ? expf(float(sm.G[t] - sm.G[s])) : 0.f;  // exponent <= 0
-          sm.nA[t][s] = -(sm.beta[t] * dec * acc[e]);  // (stored negated: step 4 subtracts)
+  for (int i = 0; i < ROUNDS; ++i) {
+    const int idx = warp + WARPS * i;
+    if (idx < 40) {
+      const PrepTile tl = prep_tile_of(idx);
+      const uint32_t xa = saddr(&(tl.is_qk ? sm.q : sm.k)[16 * tl.mt][0]) + 4 * lsm_a<LD>(lane);  // this lane's rows
+      const uint32_t xb = saddr(&sm.k[8 * tl.nt][0]) + 4 * lsm_b4<LD>(lane);
+      if constexpr (PR::KK == PR::QK) prep_tile<PR::KK>(acc[i], xa, xb);
+      else if (tl.is_qk) prep_tile<PR::QK>(acc[i], xa, xb);
+      else prep_tile<PR::KK>(acc[i], xa, xb);
+    }
+  }
+  __syncthreads();  // G of both heads
+#pragma unroll
+  for (int i = 0; i < ROUNDS; ++i) {
+    const int idx = warp + WARPS * i;
+    if (idx < 40) {
+      const PrepTile tl = prep_tile_of(idx);
+#pragma unroll 1
+      for (int hs = 0; hs < nh; ++hs) {
+        float* blk = blk0 + hs * BLOCK;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = 16 * tl.mt + g + 8 * (e >> 1), s = 8 * tl.nt + 2 * c + (e & 1);
+          if (tl.is_qk) {
+            const float dec = (t < n && s <= t) ? expf(float(sm.G[hs][t] - sm.G[hs][s])) : 0.f;
+            blk[WS_P + t * C + s] = dec * acc[i][e];
+          } else {
+            const float dec = (t < n && s < t) ? expf(float(sm.G[hs][t] - sm.G[hs][s])) : 0.f;  // exponent <= 0
+            sm.nA[hs][t][s] = -(sm.beta[hs][t] * dec * acc[i][e]);  // (stored negated: step 4 subtracts)
+          }
         }
       }
     }
   }
   __syncthreads();  // A complete; q free
 
-  // 4. (I + A) X = B, blocked. v rows into q's place; warps 4-5: thread 16 i + j (of 64) column j of T_ii - I
-  copy_rows<LD>(saddr(&sm.v[warp][4 * lane]), p.qkv + int64_t(t0 + warp) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h) * D + 4 * lane,
-                8 * Wd, n, warp, p.qkv);
-  commit();
-  if (warp == 4 || warp == 5) {
-    const int i = (tid - 4 * 32) >> 4, j = tid & 15;
-    const float* nL = &sm.nA[16 * i][16 * i];
+  // 4. (I + A) X = B, blocked, per head on its slot's warps. Warps w8 = 4-5: thread 16 i + j (of 64) column j of
+  // T_ii - I
+  if (slot < nh && (w8 == 4 || w8 == 5)) {
+    const int i = (tid - (8 * slot + 4) * 32) >> 4, j = tid & 15;
+    const float* nL = &sm.nA[slot][16 * i][16 * i];
     float x[16];  // column j of T_ii: (I + A_ii) x = e_j, column by column of A_ii (x[r < j] stay 0)
 #pragma unroll
     for (int r = 0; r < 16; ++r) x[r] = r == j ? 1.f : 0.f;
@@ -467,21 +518,24 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 #pragma unroll
       for (int r = s + 1; r < 16; ++r) x[r] = fmaf(nL[r * ALD + s], x[s], x[r]);
 #pragma unroll
-    for (int r = 0; r < 16; ++r) sm.T[16 * i + r][j] = r == j ? 0.f : x[r];
+    for (int r = 0; r < 16; ++r) sm.T[slot][16 * i + r][j] = r == j ? 0.f : x[r];
   }
   wait_group<0>();
   __syncthreads();  // v rows landed, T complete
-  {
-    const int g = lane >> 2, c = lane & 3, is_w = warp >= 4, d0 = 32 * (warp & 3);  // columns d0.. of U or W
+  if (slot < nh) {
+    const int is_w = w8 >= 4, d0 = 32 * (w8 & 3);  // columns d0.. of U or W
     // per-lane bases: element e of tile [mt][nt] of block i is column 16 mt + g + 8 (e >> 1), token
     // 16 i + 8 nt + 2 c + (e & 1), at 16 i rows + at(mt, nt, e, row stride) from this lane's base
     auto at = [](int mt, int nt, int e, int ld) { return (8 * nt + (e & 1)) * ld + 16 * mt + 8 * (e >> 1); };
-    float* Y = (is_w ? &sm.k[2 * c][d0] : &sm.v[2 * c][d0]) + g;  // B = the row factor times Y's rows
-    float* out = blk + (is_w ? WS_W : WS_U) + 2 * c * D + d0 + g;
-    auto factor = [&](int t) { return sm.beta[t] * (is_w ? sm.eG[t] : 1.f); };  // B's row factor of token t
+    const float* Y = (is_w ? &sm.k[2 * c][d0] : &sm.v[slot][2 * c][d0]) + g;  // B = the row factor times Y's rows
+    float* Z = (is_w ? (slot ? &sm.xw[2 * c][d0] : &sm.q[2 * c][d0]) : &sm.v[slot][2 * c][d0]) + g;  // the stash
+    float* out = blk0 + slot * BLOCK + (is_w ? WS_W : WS_U) + 2 * c * D + d0 + g;
+    const float* beta = sm.beta[slot];
+    const float* eG = sm.eG[slot];
+    auto factor = [&](int t) { return beta[t] * (is_w ? eG[t] : 1.f); };  // B's row factor of token t
     // The A fragments of X_j^T [32 columns, 16 tokens] (m16 tile mt: a0 column g, tokens 2c, 2c + 1; a1
     // column g + 8; a2, a3 tokens 2c + 8, 2c + 9) are C fragments' pairs (e, e + 1), split; they wait in
-    // place of Y's block j (this warp's columns, only it reads them: each lane reads back the words it
+    // the stash's block j (this warp's columns, only it reads them: each lane reads back the words it
     // wrote, hi at the place of e, lo at that of e + 1), registers being short.
     auto stash = [&](float* y, const float (&x)[2][2][4]) {
 #pragma unroll
@@ -516,7 +570,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
       }
     };
 #pragma unroll 1
-    for (int i = 0; i < 4; ++i, Y += 16 * LD, out += 16 * D) {
+    for (int i = 0; i < 4; ++i, Y += 16 * LD, Z += 16 * LD, out += 16 * D) {
       float acc[2][2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // R_i^T = B_i^T
@@ -527,11 +581,11 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e & 1 ? f1 : f0) * Y[at(mt, nt, e, LD)];
       }
-      const float* nAij = &sm.nA[16 * i + g][2 * c];
+      const float* nAij = &sm.nA[slot][16 * i + g][2 * c];
 #pragma unroll 1
       for (int j = 0; j < i; ++j, nAij += 16) {  // R_i^T -= X_j^T A_ij^T
         Split xa[2][4];
-        unstash(xa, Y - 16 * LD * (i - j));
+        unstash(xa, Z - 16 * LD * (i - j));
         prod(acc, xa, nAij, ALD);
       }
       Split ra[2][4];  // R_i^T's A fragments
@@ -541,7 +595,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; e += 2) ra[mt][2 * nt + e / 2] = split2(acc[mt][nt][e], acc[mt][nt][e + 1]);
-      prod(acc, ra, &sm.T[16 * i + g][2 * c], TLD);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
+      prod(acc, ra, &sm.T[slot][16 * i + g][2 * c], TLD);  // X_i^T = R_i^T + R_i^T (T_ii - I)^T
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -556,7 +610,7 @@ __global__ void __launch_bounds__(THREADS, 2) prep_kernel(Params p) {
             out[at(mt, nt, e, D)] = x0;
             out[at(mt, nt, e + 2, D)] = x1;
           }
-      if (i < 3) stash(Y, acc);
+      if (i < 3) stash(Z, acc);
     }
   }
 }
