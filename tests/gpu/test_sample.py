@@ -159,10 +159,12 @@ def test_top_k_ties_on_both_paths(ties):
 @pytest.mark.parametrize("spread", [1, 5000, 200000])
 def test_top_k_select_stops_at_any_level(spread):
     """top_k's radix select hands over to the candidate list after the first level at which the ids at or above
-    its prefix fit (SAMPLE_CANDIDATES): `spread` ids share the top key byte (scores in [2, 4)), so the hand-over
-    comes after a deeper level the more share it (1: 20 ids at or above level 2's prefix; 5,000: 42, so level 2;
-    200,000: 1,550 there, so level 3; the exact select is test_top_k_ties_on_both_paths's 1,100 ties); the draws
-    equal the CPU's away from boundaries (top_p 0.93: with 20 near-equal kept e, 0.9 falls on a partial sum)."""
+    its prefix fit (SAMPLE_CANDIDATES): `spread` ids share the top key bits (scores in [2, 4)), so the hand-over
+    comes after a deeper level the more share it (the 12-bit first level, counted in the argmax pass: 1: 65 ids at
+    or above its prefix; 5,000: 674; 200,000: more than 1,024, so the 8-bit level at bits 12-19 follows: 94
+    there; tests/test_sample_select_model.py; the exact select is test_top_k_ties_on_both_paths's 1,100 ties);
+    the draws equal the CPU's away from boundaries (top_p 0.93: with 20 near-equal kept e, 0.9 falls on a
+    partial sum)."""
     rng = np.random.default_rng(spread)
     _, counts, seen = inputs(rng, REAL_V)
     logits = (rng.standard_normal(REAL_V) - 8.0).astype(np.float32)

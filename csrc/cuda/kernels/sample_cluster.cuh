@@ -2,9 +2,11 @@
 // blocks of the sampler (kernels/sample.cuh). Device code only.
 // Every CTA of the cluster reduces its threads (warp butterflies, then the warp partials in warp
 // order), publishes its partial in its own shared memory, and after a cluster barrier each CTA
-// combines the CTAs' partials in rank order through distributed shared memory. So every thread of
+// combines the CTAs' partials in rank order through distributed shared memory (the CTAs' partials loaded
+// together, then combined in rank order: one remote latency, not one a CTA). So every thread of
 // the cluster gets the same bits, run after run. Exchange buffers are double-buffered: a buffer is
-// rewritten only after a later cluster barrier, when every CTA has finished reading it.
+// rewritten only after a later cluster barrier, when every CTA has finished reading it. A CTA leaves only
+// after a cluster barrier that follows the last remote read of the cluster (ClusterCtx::peers_reading).
 #pragma once
 #include <cooperative_groups.h>
 
@@ -16,12 +18,15 @@ namespace cg = cooperative_groups;
 
 // The cluster: for a draw SAMPLE_CTAS CTAs where the device grants that non-portable size (sample.cu asks once),
 // else (and for greedy) SAMPLE_CTAS_PORTABLE. Each pass over the logits is split over the cluster's CTAs, so the
-// wider cluster halves a pass (a chat-sampled step runs 4: the argmax, two of top_k's radix levels, the
+// wider cluster halves a pass (a chat-sampled step usually runs 2: the argmax with top_k's first radix level, the
 // compaction; top_p alone 7).
 constexpr int SAMPLE_CTAS = 16, SAMPLE_CTAS_PORTABLE = 8;
 constexpr int SAMPLE_THREADS = 512;
 constexpr int SAMPLE_TILE = 4 * SAMPLE_THREADS;  // ids per CTA per tile: 4 consecutive per thread
 constexpr int RADIX_BINS = 256;                  // 8 bits per radix level, 4 levels
+// top_k's first level: the top FINE_BITS bits of the key (sign, exponent, 3 mantissa bits: 1/8 of an octave a
+// bin), counted in the argmax pass; a radix bin of the 8-bit levels is the sum of FINE_PER_BIN of them
+constexpr int FINE_BITS = 12, FINE_BINS = 1 << FINE_BITS, FINE_PER_BIN = FINE_BINS / RADIX_BINS;
 // Kept ids after top_k that the candidate path takes (kernels/sample.cuh, draw_candidates); top_k's ties can
 // keep more than k, and past this many (all CTAs together) the sampler runs its full passes instead.
 constexpr int SAMPLE_CANDIDATES = 1024;
@@ -34,12 +39,19 @@ struct ArgMax {
 struct Lse {  // running log-sum-exp: sum_i exp(x_i - m) = s
   float m, s;
 };
+struct Best {  // the argmax pass's result: the largest score, and whether any logit is NaN
+  ArgMax a;
+  int nan;
+};
 
 struct SampleShared {
   alignas(16) unsigned char slots[32][16];  // per-warp partials of a block reduction
   alignas(16) unsigned char xch[2][16];     // this CTA's partial of a cluster reduction
   u64 hist[2][RADIX_BINS];                  // this CTA's radix histogram
   u64 merged[RADIX_BINS];                   // the cluster's histogram
+  unsigned fine[FINE_BINS];                 // this CTA's FINE_BITS histogram of top_k's keys (the argmax pass)
+  unsigned fine_merged[FINE_PER_BIN];       // the cluster's counts of the fine bins in the chosen radix bin
+  int cand_off[SAMPLE_CTAS + 1];            // rank 0: where each CTA's candidates go in all_id (rank order)
   float scan[32];                           // warp totals of a block scan
   unsigned sel_bin;
   u64 sel_above, sel_need;
@@ -61,12 +73,26 @@ struct ClusterCtx {
   SampleShared& sh;
   int ctas;  // the cluster's CTAs (SAMPLE_CTAS or SAMPLE_CTAS_PORTABLE)
   int xch_phase = 0, hist_phase = 0;
+  // set by every exchange (a CTA reads its peers' shared memory, and they its), cleared by a cluster barrier;
+  // the same in every CTA (they run the same exchanges): the kernel's exit barrier runs only when it is set
+  bool peers_reading = false;
+  __device__ void sync() {
+    cluster.sync();
+    peers_reading = false;
+  }
+  // peer k's copy of this CTA's `x`, for k in [0, SAMPLE_CTAS): ranks past the cluster read the last one (loaded
+  // unconditionally, so an unrolled loop issues every load before the first use; callers skip k >= ctas)
+  template <class T>
+  __device__ T* peer(T* x, int k) {
+    return cluster.map_shared_rank(x, min(k, ctas - 1));
+  }
 };
 
 __device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ int shfl_xor(int v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 __device__ __forceinline__ ArgMax shfl_xor(ArgMax v, int o) { return {shfl_xor(v.v, o), shfl_xor(v.id, o)}; }
 __device__ __forceinline__ Lse shfl_xor(Lse v, int o) { return {shfl_xor(v.m, o), shfl_xor(v.s, o)}; }
+__device__ __forceinline__ Best shfl_xor(Best v, int o) { return {shfl_xor(v.a, o), shfl_xor(v.nan, o)}; }
 
 // All combiners are commutative, so both lanes of a butterfly compute the same bits.
 struct MaxFirst {  // larger value; lower id on ties
@@ -82,6 +108,9 @@ struct MinI {
 };
 struct MaxI {
   __device__ int operator()(int a, int b) const { return max(a, b); }
+};
+struct BestMerge {
+  __device__ Best operator()(Best a, Best b) const { return {MaxFirst{}(a.a, b.a), max(a.nan, b.nan)}; }
 };
 struct LseMerge {
   __device__ Lse operator()(Lse a, Lse b) const {
@@ -115,9 +144,15 @@ __device__ T cluster_reduce(T v, Op op, ClusterCtx& c) {
   T* mine = reinterpret_cast<T*>(c.sh.xch[c.xch_phase]);
   c.xch_phase ^= 1;
   if (threadIdx.x == 0) *mine = v;
-  c.cluster.sync();
-  T r = *c.cluster.map_shared_rank(mine, 0);
-  for (int k = 1; k < c.ctas; ++k) r = op(r, *c.cluster.map_shared_rank(mine, k));
+  c.sync();
+  T part[SAMPLE_CTAS];
+#pragma unroll
+  for (int k = 0; k < SAMPLE_CTAS; ++k) part[k] = *c.peer(mine, k);
+  c.peers_reading = true;
+  T r = part[0];
+#pragma unroll
+  for (int k = 1; k < SAMPLE_CTAS; ++k)
+    if (k < c.ctas) r = op(r, part[k]);
   return r;
 }
 
@@ -127,12 +162,17 @@ __device__ float cluster_exclusive_sum(float x, float& total, ClusterCtx& c) {
   float* mine = reinterpret_cast<float*>(c.sh.xch[c.xch_phase]);
   c.xch_phase ^= 1;
   if (threadIdx.x == 0) *mine = x;
-  c.cluster.sync();
+  c.sync();
+  float part[SAMPLE_CTAS];
+#pragma unroll
+  for (int k = 0; k < SAMPLE_CTAS; ++k) part[k] = *c.peer(mine, k);
+  c.peers_reading = true;
   const int rank = int(c.cluster.block_rank());
   float before = 0.f, acc = 0.f;
-  for (int k = 0; k < c.ctas; ++k) {
+#pragma unroll
+  for (int k = 0; k < SAMPLE_CTAS; ++k) {
     if (k == rank) before = acc;
-    acc += *c.cluster.map_shared_rank(mine, k);
+    if (k < c.ctas) acc += part[k];
   }
   total = acc;
   return before;
@@ -185,6 +225,37 @@ __device__ __forceinline__ float key_float(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// Unit counts into a shared histogram: every lane of `active` with `take` adds 1 to the 32-bit counter `word` of
+// its `bin`; the lanes of the warp that hit one bin add their count in one native 32-bit shared atomic (logits share
+// their top key bits, so otherwise ~all of a warp's atomics go to one or two bins and serialise). The bins are
+// integer sums, so the histogram is the same whatever the grouping. Every lane of `active` calls it.
+__device__ __forceinline__ void count_unit(unsigned* word, unsigned bin, bool take, unsigned active) {
+  const unsigned peers = __match_any_sync(active, take ? bin : ~0u), lane = threadIdx.x & 31u;
+  if (take && (peers & ((1u << lane) - 1u)) == 0) atomicAdd(word, unsigned(__popc(peers)));
+}
+
+// Where a radix select stands: the key bits fixed so far (prefix, under mask), the count of elements whose key is
+// above them, and the shift of the next 8-bit level.
+struct RadixState {
+  unsigned prefix = 0, mask = 0;
+  u64 above = 0;
+  int shift = 24;
+};
+
+// Every CTA's sum over the cluster of its peers' hist[b] (a radix histogram), in rank order, into sh.merged.
+__device__ __forceinline__ void merge_hist(u64* hist, ClusterCtx& c) {
+  for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
+    u64 part[SAMPLE_CTAS], m = 0;
+#pragma unroll
+    for (int r = 0; r < SAMPLE_CTAS; ++r) part[r] = c.peer(hist, r)[b];
+#pragma unroll
+    for (int r = 0; r < SAMPLE_CTAS; ++r)
+      if (r < c.ctas) m += part[r];
+    c.sh.merged[b] = m;
+  }
+  c.peers_reading = true;
+}
+
 // Warp 0 picks the radix bin where the mass counted from the top crosses sh.sel_need, given the
 // mass `above` of keys above the current prefix; writes sel_bin and the new sel_above.
 __device__ void pick_bin(SampleShared& sh, u64 above, u64 need) {
@@ -219,24 +290,26 @@ __device__ void pick_bin(SampleShared& sh, u64 above, u64 need) {
 
 // The largest key K with mass(key >= K) >= need and mass(key > K) < need over the cluster's
 // elements; elem(v0, key[4], w[4]) fills ids v0..v0+3 and returns the mask of candidates among
-// them. need_frac > 0: need = need_frac * (total candidate mass) instead. 4 passes of 8 bits.
+// them. need_frac > 0: need = need_frac * (total candidate mass) instead. 4 passes of 8 bits, or, from a state
+// `start` (top_k after its FINE_BITS level, select_fine), 8-bit levels at start.shift, start.shift - 8, ..., 0
+// (the last may overlap bits already fixed: they match the prefix, so its bins are the same).
 // stop_at > 0 (unit weights): after any level at which the elements whose key, masked to the levels so far,
 // is at least the prefix so far number at most stop_at, it returns that prefix with *mask_out = its mask (the
 // levels' bits) instead: those elements are then a superset of the answer's, small enough to finish elsewhere.
 // A full select sets *mask_out = ~0u.
 // UNIT: every weight is 1 (top_k's counts): a bin's count stays below 2^32 (V <= 2^30), so the lanes of a warp
-// that hit one bin add their count to the bin's low word in one native 32-bit shared atomic (the high word stays
-// 0). A 64-bit shared atomicAdd is a compare-and-swap loop on sm_90 (ATOMS.CAST.SPIN.64): with the logits' top
+// that hit one bin add their count to the bin's low word in one native 32-bit shared atomic (count_unit; the high
+// word stays 0). A 64-bit shared atomicAdd is a compare-and-swap loop on sm_90 (ATOMS.CAST.SPIN.64): with the logits' top
 // key bytes shared by most ids, the 16 warps' loops on the same few bins retried ~4 times an atomic, and the
 // histogram passes were ~60% of a chat-sampled step's sampler (ncu, eighteenth session). Weighted selects
 // (top_p's mass in 2^-40 fixed point, w <= 2^40) group the same way and add a group's sum in one 64-bit atomic.
 template <bool UNIT, class Elem>
 __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double need_frac, ClusterCtx& c,
-                                 u64 stop_at = 0, unsigned* mask_out = nullptr) {
+                                 u64 stop_at = 0, unsigned* mask_out = nullptr, RadixState start = {}) {
   SampleShared& sh = c.sh;
-  unsigned prefix = 0, mask = 0;
-  u64 above = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  unsigned prefix = start.prefix, mask = start.mask;
+  u64 above = start.above;
+  for (int shift = start.shift;; shift = max(shift - 8, 0)) {
     u64* hist = sh.hist[c.hist_phase];
     c.hist_phase ^= 1;
     for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) hist[b] = 0;
@@ -252,12 +325,7 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
         const bool take = (is_candidate >> k & 1u) && w[k] != 0 && (key[k] & mask) == prefix;
         const unsigned bin = (key[k] >> shift) & 255u;
         if constexpr (UNIT) {
-          // the lanes of a warp that hit one bin add their count in one atomic (logits share their top key
-          // bytes, so otherwise ~all of a warp's atomics go to one or two bins and serialise); the bins are
-          // integer sums, so the histogram is the same whatever the grouping
-          const unsigned peers = __match_any_sync(active, take ? bin : RADIX_BINS);
-          if (take && (peers & ((1u << lane) - 1u)) == 0)
-            atomicAdd(reinterpret_cast<unsigned*>(&hist[bin]), unsigned(__popc(peers)));  // the low word
+          count_unit(reinterpret_cast<unsigned*>(&hist[bin]), bin, take, active);  // the low word
         } else {
           // the same grouping for weights w <= 2^40 (e <= 1 in 2^-40 fixed point): the group's sum as two exact
           // 32-bit reductions (w's low 24 bits: < 2^29 over 32 lanes; its high bits: < 2^22), one 64-bit atomic
@@ -268,15 +336,11 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
         }
       }
     }
-    c.cluster.sync();
-    for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
-      u64 m = 0;
-      for (int r = 0; r < c.ctas; ++r) m += c.cluster.map_shared_rank(hist, r)[b];
-      sh.merged[b] = m;
-    }
+    c.sync();
+    merge_hist(hist, c);
     __syncthreads();
     if (threadIdx.x < 32) {
-      if (shift == 24 && need_frac > 0.0) {
+      if (mask == 0 && need_frac > 0.0) {  // the first level
         u64 total = 0;
         for (int b = threadIdx.x; b < RADIX_BINS; b += 32) total += sh.merged[b];
 #pragma unroll
@@ -292,10 +356,46 @@ __device__ unsigned radix_select(Elem elem, int lo, int hi, u64 need, double nee
     above = sh.sel_above;
     const u64 at_or_above = above + sh.merged[sh.sel_bin];  // the elements with (key & mask) >= prefix
     __syncthreads();  // sel_* and merged are rewritten by the next level
-    if (stop_at > 0 && shift > 0 && at_or_above <= stop_at) break;
+    if (shift == 0 || (stop_at > 0 && at_or_above <= stop_at)) break;
   }
   if (mask_out) *mask_out = mask;
   return prefix;
+}
+
+// top_k's first level, from the histograms of FINE_BITS bits that the argmax pass counted (sample.cuh): each CTA's
+// sh.fine and their sums by FINE_PER_BIN, an 8-bit level, in sh.hist[phase] (c.hist_phase advanced past it), both
+// published by that pass's cluster barrier. The radix bin where the count from the top reaches need (merged as
+// radix_select merges a level), then the fine bin within it (its FINE_PER_BIN counts merged over the cluster):
+// the state from which radix_select resumes (8-bit levels at shifts 12, 4, 0); at_or_above = the count of keys at or
+// above the FINE_BITS prefix. Every thread of the cluster gets the same (integer sums).
+__device__ RadixState select_fine(u64 need, ClusterCtx& c, u64& at_or_above) {
+  SampleShared& sh = c.sh;
+  merge_hist(sh.hist[c.hist_phase ^ 1], c);
+  __syncthreads();
+  if (threadIdx.x < 32) pick_bin(sh, 0, need);
+  __syncthreads();
+  const unsigned bin = sh.sel_bin;
+  if (threadIdx.x < FINE_PER_BIN) {
+    const int f = int(bin) * FINE_PER_BIN + int(threadIdx.x);
+    unsigned part[SAMPLE_CTAS], m = 0;
+#pragma unroll
+    for (int r = 0; r < SAMPLE_CTAS; ++r) part[r] = c.peer(sh.fine, r)[f];
+#pragma unroll
+    for (int r = 0; r < SAMPLE_CTAS; ++r)
+      if (r < c.ctas) m += part[r];
+    sh.fine_merged[threadIdx.x] = m;
+  }
+  __syncthreads();
+  RadixState s;
+  s.above = sh.sel_above;  // the radix bin's count reaches need, so one of its fine bins does
+  int f = FINE_PER_BIN - 1;
+  while (f > 0 && s.above + sh.fine_merged[f] < need) s.above += sh.fine_merged[f--];
+  at_or_above = s.above + sh.fine_merged[f];
+  s.prefix = (bin * FINE_PER_BIN + unsigned(f)) << (32 - FINE_BITS);
+  s.mask = ~0u << (32 - FINE_BITS);
+  s.shift = 32 - FINE_BITS - 8;
+  __syncthreads();  // sel_* and fine_merged are rewritten later
+  return s;
 }
 
 }  // namespace lily::cuda
