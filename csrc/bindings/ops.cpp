@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -516,6 +517,42 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(ri), fused);
   }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
      "moe_rms_normed_supported).");
+  m.def("linear_add_route", [](const QMatrix& out_w, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
+                               const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
+                               const QMatrix& shared_expert_gate, const F32In& x, const F32In& res, const F32In& nw,
+                               float eps, int top_k) {
+    const Device d = out_w.weight.device();
+    const int64_t H = out_w.rows;
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
+    MoeDev m(d, w, 1, H, top_k);
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {1, H}), tmp(d, DType::F32, {1, H});
+    Dev sync(d, DType::I32, {1});
+    const int32_t zero = 0;
+    sync.buf.upload(&zero, 4);
+    const RouteFold fold = ops::route_fold_build(out_w, w, wi.t);
+    const bool supported = ops::linear_add_route_supported(out_w, fold, w, xi.t, ri.t, wi.t, h.t, m.s, top_k);
+    ops::linear_add_route(out_w, fold, xi.t, ri.t, tmp.t, eps, m.s, top_k, sync.t);
+    FloatArray added = out_f32(ri);
+    std::vector<int32_t> words(size_t(2 * top_k));
+    m.routing.buf.download(words.data(), words.size() * 4);
+    IntArray ids = new_array<int32_t>({size_t(top_k)});
+    FloatArray wts = new_floats({size_t(top_k)});
+    std::memcpy(ids.data(), words.data(), size_t(top_k) * 4);
+    std::memcpy(wts.data(), words.data() + top_k, size_t(top_k) * 4);
+    FloatArray shared = out_f32(m.sg);
+    ops::moe_routed_rms_normed_add(w, ri.t, wi.t, eps, h.t, tmp.t, m.s, top_k);
+    FloatArray wm = new_floats({size_t(fold.rows), size_t(fold.H + fold.A)});
+    fold.wm.download(wm.data(), wm.size() * 4);
+    int32_t left = -1;
+    sync.buf.download(&left, 4);
+    return nb::make_tuple(added, ids, wts, shared, out_f32(ri), wm, supported, left);
+  }, nb::arg("w"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("x"), nb::arg("res"),
+     nb::arg("weight"), nb::arg("eps"), nb::arg("top_k"),
+     "CUDA: the fold of (w, router, shared_expert_gate, weight) built, then linear_add_route and "
+     "moe_routed_rms_normed_add on one token: (res + x w^T, the chosen expert ids [K] and weights [K], the shared "
+     "gate [1, 1], that plus moe(rms_norm(it) * weight), the fold [W | M], whether linear_add_route_supported "
+     "held, the sync counter after).");
   m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                                const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,

@@ -47,6 +47,16 @@ bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tens
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);
+void moe_routed_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps,
+                               const Tensor& h, const Tensor& tmp, const ops::MoeScratch& s, int top_k);
+// linear_route.cu / kernels/linear_route.cuh (decode's router folded through the output projection)
+void linear_add_route(const QMatrix& w, const RouteFold& fold, const Tensor& x, const Tensor& res, const Tensor& tmp,
+                      float eps, const ops::MoeScratch& s, int top_k, const Tensor& sync);
+bool linear_add_route_supported(const QMatrix& w, const RouteFold& fold, const MoeWeights& moe, const Tensor& x,
+                                const Tensor& res, const Tensor& weight, const Tensor& h, const ops::MoeScratch& s,
+                                int top_k);
+bool route_fold_supported(const QMatrix& out, const MoeWeights& moe, const Tensor& w_post);
+RouteFold route_fold_build(const QMatrix& out, const MoeWeights& moe, const Tensor& w_post);
 int64_t moe_xb_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);
 int64_t moe_xb_min_elems(int64_t C, int64_t H, int64_t I, int64_t Is, int top_k);  // the least moe accepts
 // norms.cu, elementwise.cu, gated_delta.cu

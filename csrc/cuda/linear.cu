@@ -251,7 +251,7 @@ static bool gemv_mma_matrix(const QMatrix& w, int64_t e) {
          mma_x_bytes(w.cols, int(vals / halves)) <= GEMV_MAX_SMEM;
 }
 
-static bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
+bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x) {
   return x.dim(0) == 1 && w.rows >= GEMV_MMA_MIN_ROWS && is_aligned16(x.data) && gemv_mma_matrix(w, e);
 }
 

@@ -1,9 +1,10 @@
 // Launcher-level pieces of linear.cu that moe.cu reuses: the weight view of a QMatrix, the tiled
-// product over (possibly grouped) rows and the GEMV sizing; and norms.cu's for kernels that end in a norm.
+// product over (possibly grouped) rows and the GEMV sizing; norms.cu's for kernels that end in a norm; and
+// moe.cu's decode routing words for linear_route.cu.
 // Host code (a .h, included by .cu files only: it needs the kernel headers' parameter types); the kernels
 // are in kernels/linear_*.cuh and kernels/norms.cuh.
 #pragma once
-#include "../ops/weights.h"
+#include "../ops/ops.h"
 #include "gemv_plan.h"
 #include "kernels/linear_common.cuh"
 #include "kernels/norms.cuh"
@@ -91,6 +92,16 @@ int log2_of(int64_t v);
 MmaPlan mma_plan(const void* kernel, size_t smem, int64_t tiles, int64_t segments, int64_t grid_rows,
                  bool dependent = false);
 
+// Whether the integer tensor-core GEMV (kernels/gemv_mma.cuh) takes stack entry e of w for x (one token).
+bool use_gemv_mma(const QMatrix& w, int64_t e, const Tensor& x);
+// moe.cu's routing words of one decode token (T = 1) in s.routing, where moe_up and moe_down read the chosen
+// experts: ids [K] then weights [K]; and its shared-expert gate [1] (s.shared_gate).
+struct DecodeRouting {
+  int32_t* topk_id;
+  float* topk_w;
+  float* shared_gate;
+};
+DecodeRouting moe_decode_routing(const ops::MoeScratch& s, int64_t E, int top_k);
 // Largest dynamic shared memory of one GEMV CTA (staged activations).
 constexpr size_t GEMV_MAX_SMEM = 96 * 1024;
 

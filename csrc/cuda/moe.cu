@@ -96,6 +96,11 @@ int64_t moe_routing_words(int64_t C, int64_t E, int top_k) {
   return routing_tables(nullptr, C, E, top_k).words;
 }
 
+DecodeRouting moe_decode_routing(const ops::MoeScratch& s, int64_t E, int top_k) {
+  const RoutingTables r = routing_tables(s.routing.ptr<int32_t>(), 1, E, top_k);
+  return {r.topk_id, r.topk_w, s.shared_gate.ptr<float>()};
+}
+
 // s.xb of a prefill call with T tokens: from the start the XbCopy of the products (h's bf16 copy, a down
 // product's converted X, split-K partials after it: moe_xb_min_elems at least); at the end, where s.xb has
 // room for them (moe_xb_elems), the activation rows as the down products' Xb (hand_over_xb), routed
@@ -490,10 +495,12 @@ static bool combine_takes_norm(const ops::MoeScratch& s, int64_t H, int top_k, c
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up. h_in: as ops::moe's (checked there). With norm (a prompt
 // past the decode chain, combine_takes_norm: moe_add_rms_norm_xb) the combine adds the output into norm->x and
-// normalises it (moe_combine_add_rms_norm_kernel) instead of writing out.
+// normalises it (moe_combine_add_rms_norm_kernel) instead of writing out. routed (with norm_in, one token): the
+// routing words and the shared gate hold h's routing already (linear_add_route); no router runs.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
                     bool accumulate, const NormTail& tail, const NormIn& norm_in = {},
-                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr) {
+                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr,
+                    bool routed = false) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -505,6 +512,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const bool normed = norm_in.w != nullptr, fused = use_moe_router(w, h, normed);
   LILY_CHECK(!normed || (fused && use_moe_mma(w, h, s, top_k)),
              "moe: a normed input needs the fused router and the tensor-core decode chain");
+  LILY_CHECK(!routed || (normed && T == 1), "moe: a precomputed routing is one normed token's");
   LILY_CHECK(!norm || (!use_moe_decode(w, h, s, top_k) && combine_takes_norm(s, H, top_k, *norm)),
              "moe: a norm after the combine needs a prompt's combine on float4 rows");
   const float* stack_at = router_stack_at(w, s, T, fused);
@@ -516,9 +524,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const Tensor logits = stack_at ? Tensor::of(const_cast<float*>(stack_at), DType::F32, h.device, {T, E + 1})
                                  : rows_of(s.router_logits, 0, T);  // [T, E + 1] or [T, E]
   const Tensor sg = rows_of(s.shared_gate, 0, T);                   // [T, 1]
-  if (fused) {
+  if (fused && !routed) {
     launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);
-  } else {
+  } else if (!routed) {
     if (stack_at) {
       linear_with_xb(*w.router_gates, 0, h, logits, s.xb, xb);
     } else {
@@ -638,6 +646,17 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
     return run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps});
   rms_norm(res, weight, eps, h);
   cuda::moe_add(w, h, res, tmp, s, top_k);
+}
+
+// moe_rms_normed_add's fused form without its router: linear_add_route wrote res's routing (its predicate implies
+// moe_rms_normed_supported here).
+void moe_routed_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps,
+                               const Tensor& h, const Tensor& tmp, const ops::MoeScratch& s, int top_k) {
+  LILY_CHECK(cuda::moe_rms_normed_supported(w, res, weight, h, s, top_k),
+             "moe_routed_rms_normed_add: only after linear_add_route (moe_rms_normed_supported fails)");
+  (void)tmp;
+  run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps}, ops::MoeInput::F32, nullptr,
+          true);
 }
 
 // One token on the tensor-core path: moe_down_mma adds into res and its last CTA writes the norm into h

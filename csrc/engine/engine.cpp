@@ -252,7 +252,9 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
   // mix is then work space. Where a layer's stacked input projection normalises its input itself
   // (LayerInput::normed), the MoE block before it only adds and layer 0's rms_norm is left out; where the
   // MoE block normalises its own input (post.normed: the router and moe_up stage the post-attention norm,
-  // and the next layer's projection takes its input norm), the output projection before it only adds.
+  // and the next layer's projection takes its input norm), the output projection before it only adds, and
+  // where the layer has a RouteFold (CUDA) it also computes the MoE block's routing from the pre-add x and its
+  // own input (ops::linear_add_route), so the MoE block runs without its router (docs/numerics.md).
   // Elsewhere the norm is written into h by the product before its reader (a last-CTA tail).
   const bool fold = T == 1 && !f.trace;
   auto input_of = [&](int l) {
@@ -295,12 +297,16 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
                                                                                             : ops::MoeInput::F32;
     const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
+    bool routed = false;  // the output projection also routed the MoE block's token (ops::linear_add_route)
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
       const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
                                                  : gdn_layer(f, L, f.layers[l], f.next[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
       if (post.normed) {
-        ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
+        routed = L.route_fold &&
+                 ops::linear_add_route_supported(*out.w, *L.route_fold, L.moe, out.x, xs, post_norm, h, ms, K);
+        if (routed) ops::linear_add_route(*out.w, *L.route_fold, out.x, xs, mix, eps, ms, K, sync);
+        else ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
       } else if (fold && !out.x_in_xb) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
       } else {
@@ -317,7 +323,9 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     // only where one reads them, and untraced (mix not recorded) the MoE's combine, the add and the norm in
     // one op (moe_add_rms_norm_xb: the same bits as moe, then add_rms_norm_xb)
     const Reads reads = fold || last ? Reads{false, true} : projection_reads(weights_->layers[l + 1], T);
-    if (post.normed) {
+    if (routed) {
+      ops::moe_routed_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
+    } else if (post.normed) {
       ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
     } else if (fold && !last) {
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);

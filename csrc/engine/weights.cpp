@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "../ops/ops.h"
 #include "../runtime/backend.h"
 #include "tensors.h"
 
@@ -130,6 +131,10 @@ void WeightStore::resolve(const ModelConfig& c) {
                                    L.gdn.in_proj_qkv->rows + L.gdn.in_proj_z->rows,
                                    L.gdn.in_proj_b->rows + L.gdn.in_proj_a->rows);
     L.moe.router_gates = stack_rows(p + "mlp.router_gates", {L.moe.router, L.moe.shared_expert_gate});
+    const QMatrix* out = L.is_full_attention ? L.attn.o_proj : L.gdn.out_proj;
+    const Tensor w_post = L.post_attention_layernorm->view();
+    if (ops::route_fold_supported(*out, L.moe, w_post))
+      L.route_fold = &(route_folds_[p + "route_fold"] = ops::route_fold_build(*out, L.moe, w_post));
   }
 }
 
@@ -169,6 +174,7 @@ size_t WeightStore::nbytes() const {
   for (auto& [_, m] : matrices_)
     if (m.weight.owned()) n += m.weight.nbytes() + m.scales.nbytes() + m.biases.nbytes();
   for (auto& [_, v] : vectors_) n += v.data.nbytes();
+  for (auto& [_, f] : route_folds_) n += f.wm.nbytes();
   return n;
 }
 

@@ -45,6 +45,9 @@ struct LayerWeights {
   GdnWeights gdn{};
   AttentionWeights attn{};
   MoeWeights moe{};
+  // decode's router folded through the mixer's output projection (ops::linear_add_route), where
+  // ops::route_fold_supported held at load; else null
+  const RouteFold* route_fold = nullptr;
 };
 
 // A linear layer with a bias: y = x W^T + b (the vision tower's layers all have one).
@@ -93,10 +96,11 @@ class WeightStore : public ModelWeights {
   Device device() const { return device_; }
 
   // Checks every tensor of the config's model_tensors() is present with its shape (throws naming
-  // it), fills the views, and stacks the same-input projections.
+  // it), fills the views, stacks the same-input projections, and builds each layer's RouteFold where
+  // ops::route_fold_supported holds (CUDA).
   void resolve(const ModelConfig& cfg);
 
-  size_t nbytes() const;  // owned bytes (stacked matrices once)
+  size_t nbytes() const;  // owned bytes (stacked matrices once, the route folds included)
   // One line per tensor: name, storage form and shape, and the hex of a few bytes read at its start,
   // middle and end (weight, scales, biases): the model identity that snapshot files record, cheap to
   // compute (a few small downloads per tensor) and the same for a checkpoint on any device.
@@ -115,6 +119,7 @@ class WeightStore : public ModelWeights {
   std::map<std::string, QMatrix> matrices_;
   std::map<std::string, QMatrix> row_blocks_;  // row_block's views
   std::map<std::string, Vector> vectors_;
+  std::map<std::string, RouteFold> route_folds_;  // derived (not part of signature())
 };
 
 }  // namespace lily

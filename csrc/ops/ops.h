@@ -278,6 +278,31 @@ void moe_add_rms_norm_xb(const MoeWeights& w, const Tensor& h, MoeInput h_in, co
                          const Tensor& weight, float eps, const Tensor& y, const Tensor& tmp,
                          const MoeScratch& scratch, int top_k);
 
+// Decode's router off the MoE block's dependent chain (docs/numerics.md, "The folded decode router"): for one
+// token, res += x O^T (linear_add) and, from the same kernel, the MoE block's routing of h = rms_norm(res) *
+// w_post (after the add) computed as s * (W res_before + M x) over the fold's rows (RouteFold), written where
+// moe_routed_rms_normed_add reads it (scratch's routing words and shared_gate). w: the output projection O
+// [H, A]; x [1, A]; res, tmp [1, H] (tmp: work space; no two of x, res, tmp alias); eps: the post-attention
+// norm's; sync as linear_add_rms_norm. CUDA only, where linear_add_route_supported holds; elsewhere an error.
+// res is linear_add's bit for bit; the logits differ from the router's over h by fp32 rounding, so the top-k
+// may differ on near-ties.
+void linear_add_route(const QMatrix& w, const RouteFold& fold, const Tensor& x, const Tensor& res, const Tensor& tmp,
+                      float eps, const MoeScratch& scratch, int top_k, const Tensor& sync);
+// Whether linear_add_route runs for these operands: CUDA, a fold built for w (its H and A), one token on the
+// integer GEMV, moe_rms_normed_supported for the MoE block over res (weight, h: its arguments), E <= 256.
+bool linear_add_route_supported(const QMatrix& w, const RouteFold& fold, const MoeWeights& moe, const Tensor& x,
+                                const Tensor& res, const Tensor& weight, const Tensor& h,
+                                const MoeScratch& scratch, int top_k);
+// moe_rms_normed_add with the routing already in scratch (linear_add_route wrote it for res): the router is
+// not run. Same arguments; only where linear_add_route ran (CUDA); elsewhere an error.
+void moe_routed_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps,
+                               const Tensor& h, const Tensor& tmp, const MoeScratch& scratch, int top_k);
+// The fold of a layer (RouteFold) at load: whether the CUDA kernels take it (the router and the gate over H =
+// 2048 with E <= 256, O [H, A] a matrix the integer GEMV takes, H and A in whole 512-column parts, w_post [H]);
+// route_fold_build computes it on the device (fp64 accumulation of M). Never on the CPU.
+bool route_fold_supported(const QMatrix& out, const MoeWeights& moe, const Tensor& w_post);
+RouteFold route_fold_build(const QMatrix& out, const MoeWeights& moe, const Tensor& w_post);
+
 // Sampling parameters; the canonical algorithm is in docs/sampling.md and cpu/sample.cpp.
 struct SamplerParams {
   float temperature = 0.f;  // 0 = greedy (argmax, lowest id on ties)

@@ -38,4 +38,13 @@ struct MoeWeights {
   const QMatrix* router_gates = nullptr;
 };
 
+// Decode's MoE router folded through the output projection O [H, A] before it (ops::linear_add_route;
+// docs/numerics.md): wm = [W | M] F32 [E + 1, H + A] row-major, W = [Wr; Wg] diag(w_post) (the router's E rows,
+// then the shared-expert gate's row, times the post-attention norm's multiplier), M = W O, all dequantized.
+// Built on the device at load (ops::route_fold_build); rows == 0: the layer keeps the router kernel.
+struct RouteFold {
+  Buffer wm;
+  int64_t rows = 0, H = 0, A = 0;
+};
+
 }  // namespace lily
