@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lily import _core
+
 H, A, E, K = 2048, 4096, 256, 8  # Qwen3.6-35B-A3B: hidden, out_proj / o_proj input, experts, top-k
 PART, F4, MAX_RPW, WARPS = 512, 4, 4, 8  # ROUTE_PART, ROUTE_F4, ROUTE_MAX_RPW, MMA_WARPS
 EPS = 1e-6
@@ -133,3 +135,22 @@ def test_every_part_of_every_row_is_summed_once(R, C):
     for rpw in range(1, MAX_RPW + 1):
         ctas = -(-P * -(-R // rpw) // WARPS)  # route_plan's CTAs for rpw
         assert (route_rows(R, P, rpw, ctas) == 1).all(), (R, C, rpw)
+
+
+def test_the_cpu_keeps_the_router():
+    """The fold and linear_add_route are CUDA only: on the CPU the engine runs linear_add, then
+    moe_rms_normed_add (the router over h), and the op refuses with its name."""
+    rng = np.random.default_rng(5)
+    m = lambda rows, cols, bits: _core.ops.QMatrix("cpu", **_affine(rng, rows, cols, bits))  # noqa: E731
+    router, gate, up, down = m(16, 1024, 8), m(1, 1024, 4), m(64, 1024, 4), m(1024, 64, 4)
+    with pytest.raises(Exception, match="route_fold_build"):
+        _core.ops.linear_add_route(m(1024, 1024, 4), router, gate, up, down, gate, gate, down, m(1, 1024, 8),
+                                   np.zeros((1, 1024), f32), np.zeros((1, 1024), f32), np.ones(1024, f32), EPS, 8)
+
+
+def _affine(rng, rows, cols, bits, group=64):
+    """A random MLX-affine matrix in the QMatrix binding's storage arrays (BF16 scales)."""
+    words = rng.integers(0, 2**32, (1, rows, cols * bits // 32), dtype=np.uint32)
+    sb = (rng.uniform(0.01, 0.02, (1, rows, cols // group)).astype(f32).view(np.uint32) >> 16).astype(np.uint16)
+    return dict(weight=words, dtype="U32", num_stack=1, rows=rows, cols=cols, bits=bits, group_size=group,
+                scales=sb, biases=sb, scale_dtype="BF16")

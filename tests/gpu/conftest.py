@@ -28,6 +28,11 @@ GPU_TOL = {
     "moe": 2e-2,
     # moe decode chain (T <= 4): fp32 GEMVs throughout, summation order and expf only
     "moe_decode": 1e-4,
+    # decode's folded router (linear_add_route): max |difference| of the chosen experts' weights and of the shared
+    # gate from the CPU's router over h. The folded logits are the same fp32 sums factorised (s (W x + M a)):
+    # ~3e-7 of the logits' scale in the NumPy model (tests/test_route_fold.py), ~1e-5 absolute on the tests'
+    # logits of ~10-20, so the softmax weights move by ~1e-5; a wrong row, part or scale moves them by >= 1e-2
+    "route_fold": 1e-4,
     # norms / elementwise / Gated DeltaNet: fp32 on both sides, summation order and expf only (the chunked
     # GDN prefill from T = 64: 3xBF16 products, ~8e-6; see gated_delta_chunked_vs_steps)
     "rms_norm": 1e-5,

@@ -85,11 +85,14 @@ def test_prefill_equals_decode_steps(real_widths, gpu_tol):
 
 def test_folded_decode_equals_the_plain_ops(real_widths):
     """A decode step runs each residual add and RMSNorm inside a product: the mixer's add in out_proj /
-    o_proj (linear_add), the post-attention norm in the MoE block's router and moe_up and its add in
-    moe_down (moe_rms_normed_add, the last layer's too), and the next layer's input norm in that layer's
-    stacked input GEMV (linear_rms_normed; layer 0's too). No norm kernel or last-CTA tail is left. A
-    traced step runs the plain ops (linear, add_rms_norm, moe, rms_norm). Each fused op equals its ops bit
-    for bit, so the logits and the state after each step do too."""
+    o_proj, which also routes the MoE block's token from the pre-add residual and its own input
+    (linear_add_route: the router folded through the projection), the post-attention norm in moe_up and its
+    add in moe_down (moe_routed_rms_normed_add, the last layer's too), and the next layer's input norm in that
+    layer's stacked input GEMV (linear_rms_normed; layer 0's too). No router, norm kernel or norm tail is left.
+    A traced step runs the plain ops (linear, add_rms_norm, moe, rms_norm). Every fused op but the folded
+    router equals its ops bit for bit; the folded logits differ from the router's over h by fp32 rounding
+    (docs/numerics.md), which moves the routing weights by ~1e-6 relative: the logits stay within 1e-4 of the
+    traced step's (an expert flipped at a near-tie would show at ~1e-1)."""
     m = lily.Model.load(real_widths, device="cuda")
     L = m.config.num_hidden_layers
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, 12).tolist()
@@ -97,15 +100,16 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
     prof._core.set_sampler()
     dec = prof._core.profile(np.asarray(ids[:4], np.int32), 2)["decode"]
     assert dec["attn.linear_rms_normed"][1] + dec["gdn.linear_rms_normed"][1] == 2 * L  # the fold is on
-    assert dec["attn.linear_add"][1] + dec["gdn.linear_add"][1] == 2 * L
-    assert dec["moe_rms_normed_add"][1] == 2 * L
+    assert dec["attn.linear_add_route"][1] + dec["gdn.linear_add_route"][1] == 2 * L
+    assert dec["moe_routed_rms_normed_add"][1] == 2 * L
     layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head.rms_norm: the final norm
-    for op in ("linear_add_rms_norm", "moe_add_rms_norm", "moe_add", "moe", "add", "rms_norm"):
+    for op in ("linear_add", "linear_add_rms_norm", "moe_rms_normed_add", "moe_add_rms_norm", "moe_add", "moe", "add",
+               "rms_norm"):
         assert op not in layer_ops, (op, sorted(dec))
     folded, plain = m.new_session(), m.new_session()
     np.testing.assert_array_equal(folded.prefill(ids[:4]), plain.prefill(ids[:4]))
     for t in ids[4:]:
-        np.testing.assert_array_equal(folded.decode_step(t), plain.trace([t])["logits"][0])
+        assert logit_err(folded.decode_step(t), plain.trace([t])["logits"][0]) < 1e-4
 
 
 @pytest.mark.parametrize("T", [40, 700])

@@ -39,7 +39,7 @@
 #pragma once
 #include "gemv_mma.cuh"
 #include "linear_common.cuh"
-#include "moe_routing.cuh"
+#include "moe_topk.cuh"
 
 namespace lily::cuda {
 
