@@ -11,13 +11,15 @@
 namespace lily::cuda {
 
 // The fold's shapes: the router [E, H] and the gate [1, H] (any stored form), E <= ROUTE_MAX_EXPERTS, O [H, A]
-// 4/8-bit in a form the integer GEMV takes, H and A in whole parts, w_post [H] F32. (The decode step then
-// takes it where linear_add_route_supported holds: the real model's H = 2048 and E = 256.)
+// 4/8-bit in a form the integer GEMV takes, H and A in whole parts (at most ROUTE_MAX_PARTS), H within the
+// tail's one round of loads, w_post [H] F32. The decode step then takes it where linear_add_route_supported
+// holds (the real model: H = 2048, E = 256).
 bool route_fold_supported(const QMatrix& out, const MoeWeights& moe, const Tensor& w_post) {
   const QMatrix *r = moe.router, *g = moe.shared_expert_gate;
   const int64_t H = out.rows, A = out.cols;
   return r && g && out.num_stack == 1 && r->num_stack == 1 && g->num_stack == 1 && r->cols == H && g->cols == H &&
          g->rows == 1 && r->rows >= 1 && r->rows <= ROUTE_MAX_EXPERTS && H % ROUTE_PART == 0 && A % ROUTE_PART == 0 &&
+         H <= 4 * ROUTE_TAIL_F4 * MMA_THREADS && (H + A) / ROUTE_PART <= ROUTE_MAX_PARTS &&
          is_fast_affine(weight_view(out)) && mma_group_halves(out.bits, out.group_size) != 0 &&
          w_post.dtype == DType::F32 && w_post.numel() == H;
 }

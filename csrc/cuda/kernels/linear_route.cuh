@@ -28,11 +28,12 @@
 //    after it; a row's part sum is 16 fmas in value order a lane, then warp_sum's xor tree, stored by lane 0
 //    into partial[p][r].
 //  - Every CTA, after its stores: the last to arrive on `done` (grid_tail_rms_norm's fence and counter) runs
-//    the tail with 256 threads: x' = x + y float4 by float4 (thread t: float4s t, t + 256, ...; the add of
-//    linear_add's epilogue, so x' is linear_add's bit for bit), its squares in that order and block_sum
-//    (rms_norm's order at H = 2048: s has rms_norm's bits); logit r = (sum over parts p ascending of
-//    partial[p][r]) * s into shared memory; warp 0 runs moe_topk_warp (softmax, top-k, renormalise) into the
-//    routing words moe_up reads, warp 1 the shared gate's sigmoid of logit E; thread 0 resets `done`.
+//    the tail with 256 threads: x' = x + y float4 by float4 (thread t: float4s t, t + 256, ..., loaded in
+//    one round; the add of linear_add's epilogue, so x' is linear_add's bit for bit), its squares in that
+//    order and block_sum (rms_norm's order at H = 2048: s has rms_norm's bits); logit r = (sum over parts p
+//    ascending of partial[p][r], loaded in one round) * s into shared memory; warp 0 runs moe_topk_warp
+//    (softmax, top-k, renormalise) into the routing words moe_up reads, warp 1 the shared gate's sigmoid of
+//    logit E; thread 0 resets `done`.
 // Precision: fp32 sums over 6,144 terms in another factorisation than the router GEMV's over h (W x + M a,
 // then * s, against Wr ((x' s) w)): differences of fp32 rounding relative to |W| |x| + |M| |a| (~1e-6 of the
 // logits' scale; tests/test_route_fold.py). The top-k can differ from the CPU's on near-ties.
@@ -47,6 +48,8 @@ constexpr int ROUTE_PART = 512;                // columns of [x ; a] a router wa
 constexpr int ROUTE_F4 = ROUTE_PART / 128;     // float4s a lane holds
 constexpr int ROUTE_MAX_RPW = 4;               // rows a router warp takes at most
 constexpr int ROUTE_MAX_EXPERTS = 256;         // moe_topk_warp<8>
+constexpr int ROUTE_MAX_PARTS = 16;            // the tail loads a row's part sums at once: H + A <= 8192
+constexpr int ROUTE_TAIL_F4 = 4;               // and x, y in one round: H <= 4 * 4 * MMA_THREADS = 4096
 constexpr int ROUTE_FOLD_ROWS = 16, ROUTE_FOLD_COLS = 256, ROUTE_FOLD_STEP = 32;  // route_fold_m_kernel's tile
 
 struct RouteParams {
@@ -121,18 +124,33 @@ __device__ __forceinline__ void route_tail(const RouteParams& p) {
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   float4* x4 = reinterpret_cast<float4*>(p.x);
   const float4* y4 = reinterpret_cast<const float4*>(p.y);
+  float4 xv[ROUTE_TAIL_F4], yv[ROUTE_TAIL_F4];  // float4s tid + j * MMA_THREADS, all loads in one round
+#pragma unroll
+  for (int j = 0; j < ROUTE_TAIL_F4; ++j) {
+    const int i = tid + j * MMA_THREADS;
+    if (i < p.H / 4) xv[j] = __ldcg(x4 + i), yv[j] = __ldcg(y4 + i);
+  }
   float ss = 0.f;
-  for (int i = tid; i < p.H / 4; i += MMA_THREADS) {
-    const float4 x = __ldcg(x4 + i), y = __ldcg(y4 + i);
+#pragma unroll
+  for (int j = 0; j < ROUTE_TAIL_F4; ++j) {
+    const int i = tid + j * MMA_THREADS;
+    if (i >= p.H / 4) continue;
+    const float4 x = xv[j], y = yv[j];
     const float4 v = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
     x4[i] = v;
     ss += sq4(v);
   }
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(p.H) + p.eps);
-  for (int r = tid; r < p.R; r += MMA_THREADS) {
+  for (int r = tid; r < p.R; r += MMA_THREADS) {  // rows r, r + 256: a row's part sums loaded in one round
+    float part[ROUTE_MAX_PARTS];
+#pragma unroll
+    for (int k = 0; k < ROUTE_MAX_PARTS; ++k)
+      if (k < p.P) part[k] = __ldcg(p.partial + int64_t(k) * p.R + r);
     float l = 0.f;
-    for (int k = 0; k < p.P; ++k) l += __ldcg(p.partial + int64_t(k) * p.R + r);
+#pragma unroll
+    for (int k = 0; k < ROUTE_MAX_PARTS; ++k)
+      if (k < p.P) l += part[k];
     logits[r] = l * s;
   }
   __syncthreads();
