@@ -52,17 +52,16 @@ bool linear_add_route_supported(const QMatrix& w, const RouteFold& fold, const M
          is_aligned16(x.data) && s.down.numel() >= route_parts(fold) * fold.rows;
 }
 
-// Router CTAs: the fewest rows a warp (rpw, at most ROUTE_MAX_RPW) whose CTAs fit the slots the projection's
-// CTAs leave in one wave (else ROUTE_MAX_RPW, in more).
+// Router CTAs: the fewest rows a warp (rpw, at most ROUTE_MAX_RPW) whose CTAs fit `ctas` (else ROUTE_MAX_RPW).
 struct RoutePlan {
   int rpw, Q, ctas;
 };
-static RoutePlan route_plan(int64_t R, int64_t P, int64_t free_slots) {
+static RoutePlan route_plan(int64_t R, int64_t P, int64_t ctas) {
   RoutePlan best{};
   for (int rpw = 1; rpw <= ROUTE_MAX_RPW; ++rpw) {
     const int Q = int(ceil_div<int64_t>(R, rpw));
     best = RoutePlan{rpw, Q, int(ceil_div<int64_t>(P * Q, MMA_WARPS))};
-    if (best.ctas <= free_slots) break;
+    if (best.ctas <= ctas) break;
   }
   return best;
 }
@@ -82,13 +81,13 @@ static void launch_linear_route(LinearRouteParams p, const RouteFold& fold) {
   const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(plain), smem, ceil_div(p.lin.rows, 16),
                                 p.lin.cols / MmaSeg<BITS>::VALS, 1);
   p.lin.ks = plan.ks;
-  p.proj_ctas = plan.grid;
+  // both rows of the grid in one wave where they fit: G CTAs a row, at least the projection's
   int per_sm = 0;
   LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MMA_THREADS, smem));
-  const int64_t slots = int64_t(num_sms()) * std::max(per_sm, 1);
-  const RoutePlan rp = route_plan(fold.rows, p.route.P, std::max<int64_t>(slots - plan.grid, 1));
+  const int64_t half = int64_t(num_sms()) * std::max(per_sm, 1) / 2;
+  const RoutePlan rp = route_plan(fold.rows, p.route.P, std::max<int64_t>(half, plan.grid));
   p.route.rpw = rp.rpw, p.route.Q = rp.Q;
-  launch(kernel, unsigned(plan.grid + rp.ctas), MMA_THREADS, smem, p);
+  launch(kernel, dim3(unsigned(std::max(plan.grid, rp.ctas)), 2), MMA_THREADS, smem, p);
   LILY_CUDA_LAUNCHED();
 }
 

@@ -417,15 +417,8 @@ struct MmaTokens {
   int n, xd_stride, xe_stride;
 };
 
-// The CTAs that share a GEMV body's passes: the whole grid (mma_grid_ctas), or the first `count` CTAs of a
-// grid whose other CTAs do other work (kernels/linear_route.cuh).
-struct MmaCtas {
-  int index, count;
-};
-__device__ __forceinline__ MmaCtas mma_grid_ctas() { return {int(blockIdx.x), int(gridDim.x)}; }
-
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
-// (virtual) row; passes over tiles are strided by the CTA count (ctas: the grid's by default). before() runs before the loads of units 0
+// (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
 // and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
 // CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
 // synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
@@ -439,20 +432,19 @@ template <int BITS, int NG, class Rows, class Before, class After, class Segment
           int NT = 1>
 __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S, MmaSplit sp, const uint2* xd,
                                               const float* xe, const float* xsum, const Before& before,
-                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0},
-                                              const MmaCtas ctas = mma_grid_ctas()) {
+                                              const After& after, const MmaTokens& tok = MmaTokens{1, 0, 0}) {
   __shared__ float red[2][MMA_WARPS][NT * 16];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int tl = warp / sp.ks, kp = warp % sp.ks;
   const int seg0 = kp * sp.spw, seg1 = min(S, seg0 + sp.spw), seg_last = max(seg1 - 1, 0);
   const int passes = (tiles + sp.rt - 1) / sp.rt;
-  const int my_passes = (passes - ctas.index + ctas.count - 1) / ctas.count;
+  const int my_passes = (passes - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
   const int units = max(my_passes, 0) * sp.upp;
   const MmaLane<BITS, NG> L(lane);
   float acc[NT][2] = {};
 
   // loads: pass lpass, unit lu of it; the lane's two rows resolved once per pass
-  int lpass = ctas.index, lu = 0;
+  int lpass = int(blockIdx.x), lu = 0;
   typename Rows::Ref ref0, ref1;
   auto resolve = [&](int pass) {
     const int tile = min(pass * sp.rt + tl, tiles - 1);
@@ -466,11 +458,11 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
       mma_load<NG>(st, i, rows.at(ref0, seg), rows.at(ref1, seg), L.t);
     }
     if (++lu < sp.upp) return;
-    lu = 0, lpass += ctas.count;
+    lu = 0, lpass += int(gridDim.x);
     if (lpass < passes) resolve(lpass);
   };
   // computes: pass cpass, unit cu; pass sums double-buffered in red by pass parity
-  int cpass = ctas.index, cu = 0, parity = 0;
+  int cpass = int(blockIdx.x), cu = 0, parity = 0;
   auto compute = [&](const MmaStage& st, int) {
     const int first = seg0 + cu * MMA_SPU;
 #pragma unroll
@@ -518,7 +510,7 @@ __device__ __forceinline__ void mma_gemv_body(const Rows& rows, int tiles, int S
         if (tile < tiles && k < tok.n) rows.finish_token(tile, r, k, row_sum);
       }
     }
-    cu = 0, cpass += ctas.count, parity ^= 1;
+    cu = 0, cpass += int(gridDim.x), parity ^= 1;
   };
   // Units 0 and 1 are both requested before after() (which waits on the previous kernel and stages
   // x), then unit j + 2 as soon as unit j is computed: two units in flight throughout.
@@ -583,9 +575,10 @@ struct MmaLinearParams {
   NormIn norm_in;   // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
 };
 
-// One CTA's share of linear_gemv_mma_kernel (ctas: the CTAs sharing the passes), without its tail.
+// One CTA's share of linear_gemv_mma_kernel without its tail (passes over gridDim.x CTAs; blockIdx.y is not
+// read: linear_route_kernel runs it in its grid's row 0).
 template <int BITS, int NG, bool NORM_IN>
-__device__ __forceinline__ void linear_gemv_mma_cta(const MmaLinearParams& p, const MmaCtas ctas) {
+__device__ __forceinline__ void linear_gemv_mma_cta(const MmaLinearParams& p) {
   using S = MmaSeg<BITS>;
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];  // [cols/8][3] digits, then xe, xsum [cols/VB]
@@ -607,8 +600,7 @@ __device__ __forceinline__ void linear_gemv_mma_cta(const MmaLinearParams& p, co
     }
     __syncthreads();
   };
-  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage,
-                          MmaTokens{1, 0, 0}, ctas);
+  mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
 }
 
 // y = W x for one token (T = 1), or accumulating y += W x (ops::linear_add), and with a tail then the next
@@ -619,7 +611,7 @@ __device__ __forceinline__ void linear_gemv_mma_cta(const MmaLinearParams& p, co
 // previous kernel and before x is staged.
 template <int BITS, int NG, bool NORM_IN = false>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_kernel(const MmaLinearParams p) {
-  linear_gemv_mma_cta<BITS, NG, NORM_IN>(p, mma_grid_ctas());
+  linear_gemv_mma_cta<BITS, NG, NORM_IN>(p);
   if (p.tail.done != nullptr) grid_tail_rms_norm(p.tail);
 }
 

@@ -16,12 +16,13 @@
 // rows 16 by .. + 15 (fp64 accumulators); per 32-value step of i the CTA stages W's 16 x 32 block in shared
 // memory and each thread dequantizes its 32 values of O's column j.
 //
-// Decode (linear_route_kernel, grid = proj_ctas + route_ctas CTAs of MMA_THREADS threads):
-//  - CTAs [0, proj_ctas): linear_gemv_mma_kernel's body (gemv_mma.cuh) over O, with linear_add's own plan (its
-//    K split, so its sums), writing y = O a to the work row tmp (not adding into x: the router CTAs read the
-//    pre-add x).
-//  - CTAs [proj_ctas, +route_ctas): part sums of WM [x ; a]. Columns come in P = C / ROUTE_PART parts of 512
-//    (parts < H / 512 read x, the others a); router warp g (= 8 (CTA - proj_ctas) + warp) takes part
+// Decode (linear_route_kernel, grid (G, 2) of MMA_THREADS threads, G >= linear_add's plan's CTAs and >= the
+// router CTAs):
+//  - row y = 0: linear_gemv_mma_kernel's body (gemv_mma.cuh, linear_gemv_mma_cta: passes over gridDim.x CTAs)
+//    over O with linear_add's K split (its sums; which CTA runs a tile does not change them), writing y = O a to
+//    the work row tmp (not adding into x: the router CTAs read the pre-add x).
+//  - row y = 1: part sums of WM [x ; a]. Columns come in P = C / ROUTE_PART parts of 512
+//    (parts < H / 512 read x, the others a); router warp g (= 8 blockIdx.x + warp) takes part
 //    p = g % P and rows q, q + Q, ... (q = g / P < Q, at most rpw of them, below R; Q * rpw >= R; warps with
 //    q >= Q idle). Lane l holds float4s l, l + 32, l + 64, l + 96 of the part (a warp's load is 512
 //    contiguous bytes), loaded for all its rows before pdl_wait (constant weights), then its 16 input values
@@ -69,10 +70,9 @@ struct RouteParams {
 struct LinearRouteParams {
   MmaLinearParams lin;  // y = O a into the work row (accumulate false, no tail, no norm_in)
   RouteParams route;
-  int proj_ctas;
 };
 
-// Router CTA `cta` (0-based among the router CTAs): its warps' part sums into p.partial.
+// Router CTA `cta` (blockIdx.x of row 1): its warps' part sums into p.partial.
 __device__ __forceinline__ void route_part_sums(const RouteParams& p, int cta) {
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int g = cta * MMA_WARPS + warp, part = g % p.P, q = g / p.P;
@@ -117,7 +117,7 @@ __device__ __forceinline__ void route_tail(const RouteParams& p) {
   __shared__ bool last;
   __threadfence();  // this thread's stores (y, partial), before the CTA's arrival
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = atomicAdd(p.done, 1u) == gridDim.x * gridDim.y - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -161,8 +161,8 @@ __device__ __forceinline__ void route_tail(const RouteParams& p) {
 
 template <int BITS, int NG>
 __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_route_kernel(const LinearRouteParams p) {
-  if (int(blockIdx.x) < p.proj_ctas) linear_gemv_mma_cta<BITS, NG, false>(p.lin, MmaCtas{int(blockIdx.x), p.proj_ctas});
-  else route_part_sums(p.route, int(blockIdx.x) - p.proj_ctas);
+  if (blockIdx.y == 0) linear_gemv_mma_cta<BITS, NG, false>(p.lin);
+  else route_part_sums(p.route, int(blockIdx.x));
   route_tail(p.route);
 }
 
