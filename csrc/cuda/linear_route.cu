@@ -77,7 +77,7 @@ static void launch_linear_route(LinearRouteParams p, const RouteFold& fold) {
   }();
   (void)configured;
   const size_t smem = mma_x_bytes(p.lin.cols, MmaSeg<BITS>::VALS / NG);
-  // linear_add's plan (its K split, so its sums, and its CTAs)
+  // linear_add's plan: its K split, so its sums
   const MmaPlan plan = mma_plan(reinterpret_cast<const void*>(plain), smem, ceil_div(p.lin.rows, 16),
                                 p.lin.cols / MmaSeg<BITS>::VALS, 1);
   p.lin.ks = plan.ks;

@@ -1,5 +1,5 @@
 // Decode's router folded through the output projection (ops.h, linear_add_route): CUDA only; the CPU keeps
-// linear_add, then moe_rms_normed_add (the router over h).
+// linear_add, then moe_rms_normed_add (the router over h). moe_routed_rms_normed_add is in moe.cpp.
 #include "check.h"
 
 namespace lily::ops {
@@ -54,23 +54,6 @@ void linear_add_route(const QMatrix& w, const RouteFold& fold, const Tensor& x, 
   check_same_device(op, {x, res, tmp, sync, s.routing, s.shared_gate, s.down});
   LILY_CHECK(res.device != Device::CPU, op, ": CUDA only (the CPU runs linear_add, then moe_rms_normed_add)");
   LILY_CUDA_CASE(res.device, linear_add_route(w, fold, x, res, tmp, eps, s, top_k, sync));
-  no_backend(op, res.device);
-}
-
-void moe_routed_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps,
-                               const Tensor& h, const Tensor& tmp, const MoeScratch& s, int top_k) {
-  const char* op = "moe_routed_rms_normed_add";
-  const OpSpan span(op);
-  check_tensor(op, "res", res, DType::F32, 2);
-  check_tensor(op, "weight", weight, DType::F32, 1);
-  check_tensor(op, "h", h, DType::F32, 2);
-  check_shape(op, "res", res, 0, 1);
-  check_shape(op, "h", h, 1, res.dim(1));
-  check_shape(op, "weight", weight, 0, res.dim(1));
-  LILY_CHECK(res.data != tmp.data && res.data != h.data && tmp.data != h.data, op, ": res, h and tmp must not alias");
-  check_same_device(op, {res, weight, h, tmp});
-  LILY_CHECK(res.device != Device::CPU, op, ": CUDA only (after linear_add_route)");
-  LILY_CUDA_CASE(res.device, moe_routed_rms_normed_add(w, res, weight, eps, h, tmp, s, top_k));
   no_backend(op, res.device);
 }
 

@@ -125,6 +125,24 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
   no_backend(op, res.device);
 }
 
+void moe_routed_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& weight, float eps,
+                               const Tensor& h, const Tensor& tmp, const MoeScratch& s, int top_k) {
+  const char* op = "moe_routed_rms_normed_add";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, 1);
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_shape(op, "h", h, 0, 1);
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, h.dim(1));
+  LILY_CHECK(res.data != tmp.data && res.data != h.data && tmp.data != h.data, op, ": res, h and tmp must not alias");
+  check_same_device(op, {h, res, weight});
+  LILY_CHECK(res.device != Device::CPU, op, ": CUDA only (after linear_add_route)");
+  LILY_CUDA_CASE(res.device, moe_routed_rms_normed_add(w, res, weight, eps, h, tmp, s, top_k));
+  no_backend(op, res.device);
+}
+
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const MoeScratch& s, int top_k, const Tensor& sync) {
   const char* op = "moe_add_rms_norm";
