@@ -9,7 +9,7 @@
 // both known when the projection starts: the router leaves the MoE block's dependent chain.
 //
 // Fold (load time, route_fold_w_kernel, route_fold_m_kernel): WM = [W | M] F32 [R, C], C = H + A, row-major.
-// W[r, c] = fp32(dequant(Wr or Wg)[r, c] * w_post[c]) (dequant_at: the CPU's fp32 dequantization);
+// W[r, c] = fp32(dequant(Wr or Wg)[r, c] * w_post[c]) (dequant_at: the CPU's fp32 scale * q + bias, maybe as an FMA);
 // M[r, j] = fp32(sum_i W[r, i] * dequant(O)[i, j]) over the stored fp32 W, accumulated in fp64 (correctly
 // rounded to ~1 ulp; M's entries then differ from an exact W O by fp32 rounding only).
 // route_fold_m_kernel: grid (ceil(A / 256), ceil(R / 16)), 256 threads; thread t owns column j = 256 bx + t and
