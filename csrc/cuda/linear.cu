@@ -582,7 +582,8 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   }();
   (void)configured;
   CUtensorMap mx, mw, mu;
-  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, BM), "linear", "X");
+  // GATHER: a row box {64, 1} (one TMA load a gathered row of a k-tile), else the tile's {64, BM}
+  check_tensor_map(make_xb_tensor_map(mx, xb, x_count, a.w.cols, GATHER ? 1 : BM), "linear", "X");
   check_tensor_map(make_w_tensor_map(mw, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, BITS, box_rows), "linear",
                    "W");
   if (GATED)
@@ -595,7 +596,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
 }
 
 // Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
-// (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
+// (x_rows) take the row-TMA producer (one {64, 1} box a row). Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
 // rules. BITS: the weights' (4 or 8), the same choices for both.
@@ -621,9 +622,9 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
   const uint16_t* xb = a.xb != nullptr ? a.xb : xb_rows(a, x_count, xb_copy);
   const bool gs32 = a.w.group_size == 32, gather = a.x_rows != nullptr, grouped = a.tiles.tile_expert != nullptr;
   const int64_t col_tiles = wgmma_col_tiles(a);
-  // the gather producer addresses a row's 16-byte chunks with 32-bit indices
-  LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
-             a.w.cols, " exceed the 32-bit chunk index");
+  // the gather producer's row coordinates (x_rows) are TMA's signed 32-bit coordinates
+  LILY_CHECK(!gather || x_count <= int64_t(INT32_MAX), "linear: ", x_count,
+             " gathered rows exceed the TMA row coordinate");
   LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)

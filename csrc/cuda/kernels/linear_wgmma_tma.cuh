@@ -68,14 +68,6 @@ constexpr int WG_BN = 256, WG_BK = 64;
 // Byte offset of the 16-byte chunk j (logical k 8j..8j+7) of row r in a [rows][64] bf16 SWIZZLE_128B tile.
 __host__ __device__ constexpr int wg_swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
-// base + 16 * chunk bytes as one IMAD.WIDE.U32 (mad.wide.u32): the gather's per-chunk address, which the
-// compiler otherwise forms as 64-bit index arithmetic (four instructions a chunk).
-__device__ __forceinline__ const void* wg_chunk_at(const uint16_t* base, uint32_t chunk) {
-  uint64_t p;
-  asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(p) : "r"(chunk), "l"(base));
-  return reinterpret_cast<const void*>(p);
-}
-
 // Xb[r, 8j + 2c + e] = bf16_rn(X[r, 8j + c + 4e]) for c = 0..3, e = 0..1 (wg_phys_k's permutation), so a
 // 16-byte chunk j of a k-tile of Xb is a swizzled B chunk as the GEMM reads it.
 // Grid: one CTA per row (x = rows), threads stride over the row's K/8 blocks; one 16-byte store each.
@@ -102,7 +94,6 @@ constexpr int TMA_THREADS = 128 + TMA_CONSUMERS, TMA_PRODUCER_REGS = 40, TMA_CON
 constexpr int TMA_LAUNCH_REGS = 65536 / TMA_THREADS / 8 * 8;  // 168 at 384 threads
 static_assert(128 * TMA_PRODUCER_REGS + TMA_CONSUMERS * TMA_CONSUMER_REGS <= TMA_THREADS * TMA_LAUNCH_REGS,
               "setmaxnreg: the consumers' registers must come from the producer's release");
-constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer thread keeps in flight
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits, int bm) { return wg_rows(bm) * tma_w_row_bytes(bits); }
 __host__ __device__ constexpr int tma_stages(int bm, bool gated = false) {
@@ -528,6 +519,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: dense products only");
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
+  static_assert(STAGE % 1024 == 0, "every stage's Xb tile 1024-byte aligned (SWIZZLE_128B is a function of the "
+                                    "shared address: the row loads land at wg_swz only so)");
   pdl_wait();
   pdl_trigger();
   extern __shared__ uint8_t smem_raw[];
@@ -539,7 +532,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), GATHER ? 1 + 128 : 1);
+      mbar_init(full(s), 1);  // the one arrive.expect_tx a stage
       mbar_init(empty(s), 4 * TMA_CONSUMER_WGS);  // one arrival a consumer warp
     }
     mbar_init_fence();
@@ -586,55 +579,39 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         }
       }
     } else {
-      constexpr int PER = BM * 8 / 128;  // 16-byte chunks per thread per stage
-      const int j = tid & 7;             // chunk (k 8j..8j+7 of the k-tile) of every row this thread copies
-      uint32_t s_arrive = 0;             // oldest stage whose arrival is still due
-      int pending = 0;                   // stages copied by this thread and not yet arrived on
+      // one warp: lane 0 arms full[s] and issues the W TMA(s), every lane the row loads of its rows
+      // r = lane + 32 i (< tile.rows); the other 3 warps of the warpgroup have run setmaxnreg and leave
+      if (warp != 0) return;
+      constexpr int PER = BM / 32;  // gathered rows per lane
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {  // GATHER: splits == 1
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * BN;
-        // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
-        // 64-bit pointers would not fit the producer's 40 registers at BM = 128), 0 for a row past the
-        // tile's end, whose chunk is zero-filled (bit i of `real` clear: the copy reads nothing)
-        uint32_t src[PER], real = 0;
+        const int n0 = int(t / row_tiles) * BN, rows = int(tile.rows);
+        int xr[PER];  // the Xb row (tmap_x row coordinate) of each of this lane's tile rows
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-          const int r = (tid >> 3) + 16 * i;
-          src[i] = r < tile.rows ? uint32_t(a.x_rows[tile.row0 + r]) * uint32_t(K / 8) + uint32_t(j) : 0u;
-          real |= r < tile.rows ? 1u << i : 0u;
+          const int r = lane + 32 * i;
+          xr[i] = r < rows ? a.x_rows[tile.row0 + r] : 0;
         }
-        // chunk i's place in a stage: row (tid >> 3) + 16 i, whose swizzle (row & 7) is that of row tid >> 3,
-        // so wg_swz((tid >> 3) + 16 i, j) = dst + 2048 i (an immediate offset of the copy)
-        const uint32_t dst = wg_swz(tid >> 3, j);
+        // the stage's bytes: W, plus 128 B (one k-tile of bf16) for each loaded row; rows past the
+        // tile's end are not loaded (their stale bytes feed only unstored output columns)
+        const uint32_t tx = (STAGE - XBYTES) + uint32_t(rows) * (WG_BK * 2);
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
-          if (tid == 0) {
-            mbar_arrive_expect_tx(full(s), STAGE - XBYTES);
+          if (lane == 0) {
+            mbar_arrive_expect_tx(full(s), tx);
             load_w(st, full(s), kt, n0, int(tile.expert));
           }
-          const uint16_t* x_kt = xb + kt * WG_BK;  // k-tile kt's chunk 0
+          __syncwarp();  // armed before the rows' complete_tx (not required: tx-count may go negative in a phase)
 #pragma unroll
-          for (int i = 0; i < PER; ++i)
-            cp_async16(st + dst + 16 * 128 * i, wg_chunk_at(x_kt, src[i]), int((real >> i) & 1u) * 16);
-          cp_async_commit();
-          if (pending == TMA_GATHER_LAG) {
-            cp_async_wait<TMA_GATHER_LAG>();  // the oldest pending stage's copies landed
-            fence_proxy_async();              // generic-proxy writes -> read by wgmma (async proxy)
-            mbar_arrive(full(s_arrive));
-            if (++s_arrive == S) s_arrive = 0;
-          } else {
-            ++pending;
+          for (int i = 0; i < PER; ++i) {
+            const int r = lane + 32 * i;
+            // box {64, 1} at row r of the 1024-aligned tile: SWIZZLE_128B puts chunk j at wg_swz(r, j)
+            if (r < rows) tma_load_2d(st + r * (WG_BK * 2), &tmap_x, full(s), kt * WG_BK, xr[i]);
           }
           if (++s == S) s = 0, ph ^= 1;
         }
-      }
-      cp_async_wait<0>();
-      fence_proxy_async();
-      for (; pending > 0; --pending) {
-        mbar_arrive(full(s_arrive));
-        if (++s_arrive == S) s_arrive = 0;
       }
     }
     return;
