@@ -1,9 +1,9 @@
 """The gathered MoE product's row-TMA producer on the CPU (tests/emu/gather_tma_emu.cu): with a model of TMA's
 SWIZZLE_128B (chunk bits 4-6 XOR address bits 7-9), a box {64, 1} per gathered row at row r of a 1024-aligned
 stage lands where the dense box {64, BM} and wg_swz put row r, every stage's Xb base is 1024-aligned, the
-producer warp's row loads leave the bytes the retired cp.async producer left for every row the epilogue stores
-(BM 64 and 128, several x_rows patterns, tile rows 1..BM), expect_tx matches the delivered bytes, and stale
-(NaN) rows past the tile's end reach no stored column. Needs nvcc (host compilation only; no GPU)."""
+producer threads' row loads (row r = tid) leave the bytes the retired cp.async producer left for every row the
+epilogue stores (BM 64 and 128, several x_rows patterns, tile rows 1..BM), each warp's expect_tx matches its own
+loads' bytes (BM/32 arrivals), and stale (NaN) rows past the tile's end reach no stored column. Needs nvcc (host compilation only; no GPU)."""
 from __future__ import annotations
 
 import shutil

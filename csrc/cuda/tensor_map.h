@@ -1,7 +1,7 @@
 // Host side of the TMA GEMM (kernels/linear_wgmma_tma.cuh): the two tensor maps it reads, encoded with
 // cuTensorMapEncodeTiled from the runtime's driver entry point (no link against libcuda).
 //   Xb [rows, K] bf16 row-major: box {64 k, bm rows}, SWIZZLE_128B (the wgmma B tile layout, wg_swz);
-//      rows past `rows` read as zero.
+//      rows past `rows` read as zero. bm = 1: the gathered (x_rows) producer's row box, one load a row.
 //   W  [E, N, K*bits/32] U32 (4- or 8-bit words): box {2*bits words (a 64-k tile), box_rows rows, 1 expert}
 //      (256, or 128 for each of a gated product's two matrices), no swizzle (the stage's [rows][32 or
 //      64 B] layout); rows past N read as zero.

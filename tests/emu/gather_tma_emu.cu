@@ -8,19 +8,21 @@
 //           path's box {64, BM} at a stage's Xb base puts chunk j of row r at wg_swz(r, j);
 //   align:  every stage's Xb base (ring_s + s * STAGE, ring_s 1024-aligned) is 1024-byte aligned, for
 //           every instance's BM / BITS / GATED;
-//   rows:   for BM 64 and 128 and several x_rows patterns (identity, reversed, duplicates, random, a
-//           tile's first rows of a later expert) and tile rows 1..BM: the row loads of the producer warp
-//           (lane + 32 i < tile.rows, destination base + 128 r, coordinate (kt*64, x_rows[row0 + r]))
-//           write each real row once, the bytes of rows < tile.rows equal the cp.async producer's (which
-//           is emulated thread by thread: row (tid >> 3) + 16 i, chunk tid & 7, at wg_swz(tid >> 3, j) +
-//           2048 i), the bytes of rows >= tile.rows are left as they were (stale: NaN here), and
-//           expect_tx (W bytes + 128 x tile.rows) equals the bytes the loads deliver;
+//   rows:   for BM 64 and 128 and several x_rows patterns (identity, reversed, duplicates, random,
+//           strided) and tile rows 1..BM: the row loads of the producer threads (row r = tid < tile.rows,
+//           destination base + 128 r, coordinate (kt*64, x_rows[row0 + r])) write each real row once,
+//           the bytes of rows < tile.rows equal the cp.async producer's (emulated thread by thread: row
+//           (tid >> 3) + 16 i, chunk tid & 7, at wg_swz(tid >> 3, j) + 2048 i), the bytes of rows >=
+//           tile.rows are left as they were (stale: NaN here), nothing else in the ring is written, each
+//           warp's expect_tx (128 x its real rows, + W for warp 0) equals what its own loads deliver,
+//           the sum is W + 128 x tile.rows, and there are BM/32 arrivals (full[s]'s count);
 //   cols:   an emulated B-operand product over the stage (out[o][r] = sum_k W[o][k] * Xs[r][k], reading Xs
 //           through wg_swz as the wgmma descriptor does) gives bit-identical columns r < tile.rows for the
 //           two producers, with the stale rows NaN: a token row of Xb is its own N column.
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -103,20 +105,30 @@ static void cp_async_stage(std::vector<uint8_t>& smem, uint32_t st, const std::v
   }
 }
 
-// The row-TMA producer of one stage: lanes 0..31, rows r = lane + 32 i < rows, box {64, 1} at st + 128 r.
-// Returns the bytes delivered; counts each row's loads in `loads`.
+// The row-TMA producer of one stage: threads tid < BM (BM/32 warps), row r = tid if r < rows, box {64, 1} at
+// st + 128 r. Lane 0 of warp w arms full[s] with expect_tx = 128 x (its warp's rows < rows) (+ the W bytes for
+// warp 0), as the kernel computes it; checks each warp's own loads deliver exactly what it armed (so no
+// complete_tx precedes the expect_tx that covers it) and counts the arrivals. Returns the bytes armed.
 static uint32_t tma_stage(std::vector<uint8_t>& smem, uint32_t st, const std::vector<uint16_t>& xb, int64_t xrows,
                           int64_t K, const std::vector<int32_t>& x_rows, int64_t row0, int rows, int kt, int bm,
-                          std::vector<int>& loads) {
-  uint32_t bytes = 0;
-  for (int lane = 0; lane < 32; ++lane)
-    for (int i = 0; i < bm / 32; ++i) {
-      const int r = lane + 32 * i;
+                          uint32_t wbytes, std::vector<int>& loads, int& arrivals) {
+  uint32_t armed = 0;
+  arrivals = 0;
+  for (int warp = 0; warp < bm / 32; ++warp) {
+    const int wrows = std::max(0, std::min(32, rows - 32 * warp));
+    const uint32_t tx = uint32_t(wrows) * (WG_BK * 2) + (warp == 0 ? wbytes : 0u);
+    ++arrivals;
+    armed += tx;
+    uint32_t got = warp == 0 ? wbytes : 0u;  // the W TMA(s) of warp 0's lane 0
+    for (int lane = 0; lane < 32; ++lane) {
+      const int r = 32 * warp + lane;
       if (r >= rows) continue;
       ++loads[r];
-      bytes += tma_load(smem, st + r * (WG_BK * 2), xb, xrows, K, kt * WG_BK, x_rows[row0 + r], 1);
+      got += tma_load(smem, st + r * (WG_BK * 2), xb, xrows, K, kt * WG_BK, x_rows[row0 + r], 1);
     }
-  return bytes;
+    expect(got == tx, "a warp's loads deliver what it armed", warp, got);
+  }
+  return armed;
 }
 
 static void check_rows() {
@@ -150,9 +162,11 @@ static void check_rows() {
           a = b;
           cp_async_stage(a, st, xb, K, x_rows, row0, rows, kt, bm);
           std::vector<int> loads(bm, 0);
-          const uint32_t got = tma_stage(b, st, xb, xrows, K, x_rows, row0, rows, kt, bm, loads);
-          const uint32_t tx = uint32_t(WB) + uint32_t(rows) * (WG_BK * 2);  // the producer's expect_tx
-          expect(tx == uint32_t(WB) + got, "expect_tx = W bytes + delivered row bytes", rows, got);
+          int arrivals = 0;
+          const uint32_t armed = tma_stage(b, st, xb, xrows, K, x_rows, row0, rows, kt, bm, uint32_t(WB), loads, arrivals);
+          expect(armed == uint32_t(WB) + uint32_t(rows) * (WG_BK * 2), "expect_tx sum = W bytes + 128 x rows", rows,
+                 armed);
+          expect(arrivals == bm / 32, "full[s] arrivals = BM / 32 (its init count)", bm, arrivals);
           expect((stage - xbytes) == uint32_t(WB), "W bytes = STAGE - XBYTES", bm, WB);
           for (int r = 0; r < bm; ++r) {
             expect(loads[r] == (r < rows ? 1 : 0), "row loaded once iff r < rows", r, loads[r]);

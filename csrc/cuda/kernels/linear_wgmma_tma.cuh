@@ -12,7 +12,7 @@
 //                            (NATURAL: in stored order, for the dense BF16 GEMM).
 //   linear_wgmma_tma_kernel  the GEMM: warp-specialised and persistent; a producer warpgroup fills an
 //                            S-stage shared-memory ring by TMA (W tile, Xb tile) or, for gathered MoE
-//                            rows, TMA (W) plus cp.async (Xb rows); two consumer warpgroups dequantize
+//                            rows, TMA (W) plus one TMA row box a gathered Xb row; two consumer warpgroups dequantize
 //                            W and issue wgmma; full/empty mbarriers, no CTA-wide barrier in the loop.
 //
 // The product is computed transposed, D[o, r] = W[o, :] . X[r, :], so that the weights are the wgmma A
@@ -32,7 +32,8 @@
 //   B (activations) from shared memory: Xb rows in a 128B-swizzled K-major tile [BM][64] (wgmma
 //     descriptor: SBO = 1024 B, layout SWIZZLE_128B, k16 steps advance the start by 32 B), written by
 //     TMA with SWIZZLE_128B (the same layout: address bits 4-6 XOR bits 7-9 of a 1024-aligned stage,
-//     wg_swz) or by cp.async at wg_swz.
+//     wg_swz), for gathered rows one row box {64, 1} at row r of the tile (the swizzle is a function of the
+//     destination shared address, so it lands at wg_swz(r, j) as the {64, BM} box's row r does).
 // k permutation: inside every aligned block of 8 k values, logical position 2c+e holds physical value
 //   c+4e (c = 0..3, e = 0..1; wg_phys_k). A and B use the same permutation, so the sum is unchanged; it
 //   makes the A fragment of thread (lane%4 == c) nibbles c and c+4 of each packed word (one shift and
@@ -483,12 +484,30 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //            of tmap_x (2-D [rows][K]
 //            bf16) at row tile.row0 (rows past the end read zero; rows of the next expert in a MoE tile
 //            are read and never stored).
-//   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA(s);
-//            all 128 threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async
-//            into the swizzled positions; a thread arrives on full[s] once its copies of that stage
-//            have landed (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts
-//            1 + 128.
-//            Deadlock-free because the lag (3) is below the stage count.
+//   GATHER (MoE gate/up, x_rows): threads tid < BM, one tile row r = tid each (BM/32 warps; at BM = 64
+//            warps 2-3 leave after setmaxnreg, as the !GATHER producer's threads 1-127 do). Lane 0 of
+//            each warp arms full[s] with expect_tx = 128 B x its warp's rows < tile.rows (warp 0: plus
+//            the W bytes, and issues the W TMA(s)); after __syncwarp each thread with r < tile.rows
+//            issues its row's load: box {64, 1} of tmap_x (the same [rows][K] bf16 map, SWIZZLE_128B,
+//            box rows 1: linear.cu) at (kt*64, x_rows[row0 + r]) into the stage's Xb base + 128 r.
+//            full[s] counts BM/32 arrivals (was 1 + 128); no cp.async, wait_group, proxy fence or
+//            per-thread arrival, and no lag/deadlock condition (TMA_GATHER_LAG is gone). Cost: sm_90's
+//            UTMALDG takes its operands from uniform registers, so ptxas issues a warp's per-thread
+//            loads one lane at a time (an ELECT loop: ~9 instructions a row, ~290 a warp a k-tile at 32
+//            rows; the cp.async gather issued ~80 a warp a k-tile): the TMA form moves the bytes with
+//            more producer instructions, not fewer (docs/perf-notes.md, nineteenth session).
+//            Placement: TMA's 128-byte swizzle XORs a 16-byte chunk's index (address bits 4-6) with
+//            address bits 7-9 of its destination, and every stage's Xb base is 1024-aligned (STAGE %
+//            1024 == 0, static_assert; ring_s rounded up), so chunk j of the row box at base + 128 r
+//            lands at base + 128 r + 16 (j ^ (r & 7)) = wg_swz(r, j): the bytes the retired cp.async
+//            gather (and the dense {64, BM} box) put there (tests/emu/gather_tma_emu.cu).
+//            Rows r >= tile.rows are not loaded (the cp.async gather zero-filled them): their stage
+//            bytes are stale (an earlier tile's, any bf16 incl. NaN/Inf). Each Xb row is its own N
+//            column of every wgmma (D[o, r] = sum_k W[o, k] X[r, k]), so they reach only accumulator
+//            columns r >= tile.rows, which wg_store_tile / wg_store_gated skip (r >= tile.rows, also
+//            for the SwiGLU gate loads and row scales); GATHER has no split-K. No zero-fill needed.
+//            Row coordinates are < the map's rows (x_count, <= INT32_MAX: linear.cu checks); a row
+//            outside the map would read zero and still count its 128 B.
 // Warpgroups 1, 2 = consumers (setmaxnreg TMA_CONSUMER_REGS: 232), warpgroup cw = wg - 1 the
 //   weight rows [cw*64*NB, +64*NB) of the tile as NB m64 blocks b,
 //   thread rows rbase = wg_row_base(false, cw, w4, g) (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
@@ -507,7 +526,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
 //   thread's own G and U) while the producer already fills the ring with the next tile.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads), consumers
-// 232, producer 40 (128 x 40 + 256 x 232 = 384 x 168: TMA_LAUNCH_REGS); no spills (ptxas -v).
+// 232, producer 40 (128 x 40 + 256 x 232 = 384 x 168: TMA_LAUNCH_REGS); no spills (ptxas -v, every
+// instance, GATHER ones included: the row producer holds one row coordinate a thread).
 template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     linear_wgmma_tma_kernel(const LinearArgs a, const uint16_t* xb, const __grid_constant__ CUtensorMap tmap_x,
@@ -532,7 +552,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), 1);  // the one arrive.expect_tx a stage
+      mbar_init(full(s), GATHER ? BM / 32 : 1);  // one arrive.expect_tx a stage (GATHER: a producer warp)
       mbar_init(empty(s), 4 * TMA_CONSUMER_WGS);  // one arrival a consumer warp
     }
     mbar_init_fence();
@@ -579,37 +599,34 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         }
       }
     } else {
-      // one warp: lane 0 arms full[s] and issues the W TMA(s), every lane the row loads of its rows
-      // r = lane + 32 i (< tile.rows); the other 3 warps of the warpgroup have run setmaxnreg and leave
-      if (warp != 0) return;
-      constexpr int PER = BM / 32;  // gathered rows per lane
+      // BM/32 warps, one tile row a lane (r = tid < BM). Lane 0 of each warp arms full[s] for its warp's
+      // rows (warp 0: and the W bytes, whose TMA(s) it issues), then after __syncwarp every thread with
+      // r < tile.rows issues the row load of row r: every complete_tx follows its warp's expect_tx, so
+      // the tx-count never goes negative. Warps past BM/32 (BM = 64: warps 2, 3) have run setmaxnreg
+      // and leave. sm_90 issues a TMA from uniform registers: ptxas wraps each per-thread load in an
+      // ELECT loop over the warp's active lanes (~9 instructions a row), so the rows are spread over the
+      // warps (one scheduler each) rather than issued by one warp.
+      if (tid >= BM) return;
+      const int r = tid;
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {  // GATHER: splits == 1
         Tile tile;
         if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * BN, rows = int(tile.rows);
-        int xr[PER];  // the Xb row (tmap_x row coordinate) of each of this lane's tile rows
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const int r = lane + 32 * i;
-          xr[i] = r < rows ? a.x_rows[tile.row0 + r] : 0;
-        }
-        // the stage's bytes: W, plus 128 B (one k-tile of bf16) for each loaded row; rows past the
-        // tile's end are not loaded (their stale bytes feed only unstored output columns)
-        const uint32_t tx = (STAGE - XBYTES) + uint32_t(rows) * (WG_BK * 2);
+        const int n0 = int(t / row_tiles) * BN;
+        const bool real = r < tile.rows;  // rows past the tile's end are not loaded
+        const int xr = real ? a.x_rows[tile.row0 + r] : 0;  // the Xb row (tmap_x row coordinate) of tile row r
+        // this warp's bytes a stage: 128 B (one k-tile of bf16) for each of its real rows (+ W for warp 0)
+        const int wrows = max(0, min(32, int(tile.rows) - 32 * warp));
+        const uint32_t tx = uint32_t(wrows) * (WG_BK * 2) + (warp == 0 ? STAGE - XBYTES : 0u);
         for (int kt = 0; kt < nk; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
           const uint32_t st = ring_s + s * STAGE;
           if (lane == 0) {
             mbar_arrive_expect_tx(full(s), tx);
-            load_w(st, full(s), kt, n0, int(tile.expert));
+            if (warp == 0) load_w(st, full(s), kt, n0, int(tile.expert));
           }
-          __syncwarp();  // armed before the rows' complete_tx (not required: tx-count may go negative in a phase)
-#pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            const int r = lane + 32 * i;
-            // box {64, 1} at row r of the 1024-aligned tile: SWIZZLE_128B puts chunk j at wg_swz(r, j)
-            if (r < rows) tma_load_2d(st + r * (WG_BK * 2), &tmap_x, full(s), kt * WG_BK, xr[i]);
-          }
+          __syncwarp();
+          // box {64, 1} at row r of the 1024-aligned tile: SWIZZLE_128B puts chunk j at wg_swz(r, j)
+          if (real) tma_load_2d(st + r * (WG_BK * 2), &tmap_x, full(s), kt * WG_BK, xr);
           if (++s == S) s = 0, ph ^= 1;
         }
       }
