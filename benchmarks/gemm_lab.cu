@@ -367,9 +367,10 @@ static const CUtensorMap& tensor_map(bool is_x, const void* ptr, int64_t d0, int
 // The plain or SwiGLU product of a (its matrix a.w: p.w's or p.up's copy), BITS = a.w.bits.
 template <int BITS>
 static void launch_tma_bits(const Problem& p, const LinearArgs& a, int bm) {
-  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, bm);
-  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN, BITS);
   const bool gather = p.dx_rows != nullptr, gs32 = a.w.group_size == 32;
+  // gathered rows: the row box {64, 1} (one TMA load a row), as linear.cu's launch_wgmma
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, a.w.cols, 0, gather ? 1 : bm);
+  const CUtensorMap& mw = tensor_map(false, a.w.w, a.w.num_stack, a.w.rows, a.w.cols, WG_BN, BITS);
   if (bm == 128) {
     if (gs32) {
       std::printf("FAIL: wgmma-tma: no BM 128 instance for group 32\n");
@@ -429,10 +430,10 @@ static void launch_gated(const Problem& p, int copy, bool two, uint16_t* yb = nu
   }
   a.up = p.up->view(copy);
   const int bm = gated_bm(p);
-  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, bm);
+  const bool gather = p.dx_rows != nullptr;
+  const CUtensorMap& mx = tensor_map(true, p.dxb, p.X_rows, p.w->K, 0, gather ? 1 : bm);  // gathered: row box
   const CUtensorMap& mw = tensor_map(false, p.w->dw[copy], p.w->E, p.w->N, p.w->K, WG_BN / 2);
   const CUtensorMap& mu = tensor_map(false, p.up->dw[copy], p.up->E, p.up->N, p.up->K, WG_BN / 2);
-  const bool gather = p.dx_rows != nullptr;
   const int64_t tiles = p.grouped || bm == 64 ? p.max_tiles64 : (p.M + 127) / 128;
   if (bm == 128) {
     if (gather) launch_tma_kernel<128, false, true, true>(a, p.dxb, mx, mw, mu, tiles);
