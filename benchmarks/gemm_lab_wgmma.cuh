@@ -56,7 +56,7 @@ __host__ __device__ constexpr int wg_smem_bytes(int bm) {
 
 // Scale/bias bits of one thread for one k-tile: [m64 block][row g / g+8][half of the k-tile]; each
 // value is a bf16 in the low 16 bits. GS32: the two halves of a k-tile are different groups.
-struct WgScales {
+struct LabScales {
   uint32_t s[2][2][2], b[2][2][2];
 };
 
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_kernel(const Linea
   };
 
   // ---- scales/biases of this thread's 4 weight rows, plain loads into registers ----
-  auto load_scales = [&](WgScales& s, int kt) {
+  auto load_scales = [&](LabScales& s, int kt) {
     if (kt >= nk) return;
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_kernel(const Linea
   };
 
   // ---- W raw words -> A fragments [m64 block][k16 step][4 regs] ----
-  auto dequant_w = [&](int kt, const WgScales& s, uint32_t (&A)[2][4][4]) {
+  auto dequant_w = [&](int kt, const LabScales& s, uint32_t (&A)[2][4][4]) {
     const uint8_t* ws = ring + (kt % WG_STAGES) * wg_stage_bytes(BM) + wg_raw_x_bytes(BM);
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_kernel(const Linea
   };
 
   uint32_t A0[2][4][4], A1[2][4][4];
-  WgScales S0, S1;
+  LabScales S0, S1;
 
   // prologue: S-1 raw tiles in flight, k-tile 0 converted and issued
 #pragma unroll
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) linear_wgmma_kernel(const Linea
   auto step = [&](auto parity, int kt) {
     constexpr int P = decltype(parity)::value;
     uint32_t(&An)[2][4][4] = P == 0 ? A1 : A0;  // set of tile kt+1
-    WgScales& Sn = P == 0 ? S1 : S0;
+    LabScales& Sn = P == 0 ? S1 : S0;
     load_raw(kt + WG_STAGES - 1);
     wgmma_wait<1>();  // wgmma(kt-1) done: its X buffer and register set are free
     cp_async_wait<WG_STAGES - 2>();  // raw(kt+1) landed (this thread's copies)
