@@ -90,6 +90,9 @@ def test_scatter_maps_cover_every_row_once(T, E, top_k, tail_rows):
         main, tails = check_maps(n, LINEAR_WIDE_TILE_ROWS, tail_rows, chunks, T, top_k)
         if tail_rows == 0:  # no tail map: ceil(n_e / 128) tiles, as before the tail map
             assert not tails and len(main) == int(np.sum(-(-n // LINEAR_WIDE_TILE_ROWS)))
+        # the whole map (the down product's): the scan with no tail map, whatever tail_rows is
+        whole, no_tails = check_maps(n, LINEAR_WIDE_TILE_ROWS, 0, chunks, T, top_k)
+        assert not no_tails and len(whole) == int(np.sum(-(-n // LINEAR_WIDE_TILE_ROWS)))
 
 
 def test_scatter_maps_edges():
