@@ -14,7 +14,7 @@
 //   router logits and shared expert gate logit (one linear over their stacked rows, router_gates, where the
 //   loader stacked them; else two)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
-//   -> moe_count, moe_scatter (rows grouped by expert, tile map; kernels/moe_routing.cuh)
+//   -> moe_count, moe_scatter (rows grouped by expert, tile maps; kernels/moe_routing.cuh)
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
 //      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
@@ -27,7 +27,10 @@
 // the shared-expert gate and the gate/up products over it; the activation rows written there as bf16 by
 // the GATED gate/up products themselves (moe_xb_elems' layout, hand_over_xb) where the kernels on both
 // sides take it, else converted from the F32 rows by each down product (routed, then shared).
-// The grouped products run over an upper bound of tiles; tiles past the device count exit at once.
+// The grouped products run over an upper bound of tiles; tiles past the device count exit at once. With
+// 128-row tiles the routed gate/up product is two launches of the wgmma GEMM: BM = 128 over the 128-row map,
+// then BM = 64 over the tail map of the experts' last remainders of at most 64 rows (MoePrompt::tails); the
+// down product one launch over the whole map (its 64-row tiles measured slower: 8 k-tiles a tile).
 #include <algorithm>
 #include <array>
 
@@ -51,9 +54,15 @@ struct RoutingTables {
   float* row_weight;     // [T*K]
   int32_t* chunk_count;  // [ceil(T / MOE_ROUTE_TOKENS), E]
   int32_t* row_end;      // [E]
-  int32_t* tile_expert;  // [max_tiles]
+  int32_t* tile_expert;  // [max_tiles] the tile map (moe_scatter_kernel)
   int32_t* tile_row0;    // [max_tiles]
   int32_t* num_tiles;    // [1]
+  int32_t* tail_expert;  // [E] the tail map of 64-row tiles beside a 128-row map (empty otherwise)
+  int32_t* tail_row0;    // [E]
+  int32_t* num_tail_tiles;  // [1]
+  int32_t* all_expert;   // [max_tiles] the whole map, ceil(n_e / tile rows) tiles an expert (the down product's)
+  int32_t* all_row0;     // [max_tiles]
+  int32_t* num_all_tiles;  // [1]
   int64_t max_tiles, words;
 };
 
@@ -88,6 +97,12 @@ static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top
   r.tile_expert = take(r.max_tiles);
   r.tile_row0 = take(r.max_tiles);
   r.num_tiles = take(1);
+  r.tail_expert = take(E);
+  r.tail_row0 = take(E);
+  r.num_tail_tiles = take(1);
+  r.all_expert = take(r.max_tiles);
+  r.all_row0 = take(r.max_tiles);
+  r.num_all_tiles = take(1);
   r.words = p - base;
   return r;
 }
@@ -144,12 +159,31 @@ static LinearArgs product(const QMatrix& w, const float* x, int64_t ldx, float* 
   return a;
 }
 
+// a over the tile map (tile_rows rows a tile; its tail map: tail_of).
 static LinearArgs grouped(LinearArgs a, const RoutingTables& r, int tile_rows) {
   a.tiles.tile_expert = r.tile_expert;
   a.tiles.tile_row0 = r.tile_row0;
   a.tiles.row_end = r.row_end;
   a.tiles.num_tiles = r.num_tiles;
   a.tiles.tile_rows = tile_rows;
+  return a;
+}
+
+// a over the whole map (each expert's ceil(n_e / tile_rows) tiles, whatever the tail map holds).
+static LinearArgs grouped_whole(LinearArgs a, const RoutingTables& r, int tile_rows) {
+  a = grouped(a, r, tile_rows);
+  a.tiles.tile_expert = r.all_expert;
+  a.tiles.tile_row0 = r.all_row0;
+  a.tiles.num_tiles = r.num_all_tiles;
+  return a;
+}
+
+// The grouped product a over the tail map of 64-row tiles instead (rows, hand-overs and the rest as a's).
+static LinearArgs tail_of(LinearArgs a, const RoutingTables& r) {
+  a.tiles.tile_expert = r.tail_expert;
+  a.tiles.tile_row0 = r.tail_row0;
+  a.tiles.num_tiles = r.num_tail_tiles;
+  a.tiles.tile_rows = LINEAR_TILE_ROWS;
   return a;
 }
 
@@ -420,14 +454,17 @@ static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int
 }
 
 // A prompt's expert products past the decode chain: the routed gate/up and down over the routing tables' tile
-// map (128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
-// 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"), the shared expert's pair over all T rows, the
-// bf16 hand-overs where both kernels of a pair take them (moe_xb_elems' layout: the activation blocks at the
+// maps (the down product's the whole map; 128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
+// 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"; then `tails`: the gate/up product takes an
+// expert's last remainder of at most 64 rows on the tail map's 64-row tiles, whose k-tiles cost ~0.75 of a 128-row one, instead of a
+// 128-row tile of mostly padding: docs/perf-notes.md, nineteenth session), the shared expert's pair over
+// all T rows, the bf16 hand-overs where both kernels of a pair take them (moe_xb_elems' layout: the activation blocks at the
 // end of s.xb, the XbCopy's `xb_capacity` elements before them, all of s.xb when neither pair hands over), and
 // which routed products run on moe_small. Built once for run_moe's launches and for moe_xb_only_supported.
 struct MoePrompt {
   LinearArgs routed_up, routed_down, shared_up, shared_down;
   int tile_rows;
+  bool tails;  // 128-row tiles with the tail map beside them (the routed gate/up also over tail_of)
   int64_t xb_capacity;
   MoeSmall small;
 };
@@ -446,8 +483,9 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
   const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
   MoePrompt p;
   p.tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
+  p.tails = wide;
   p.routed_up = grouped(gate_up, r, p.tile_rows);
-  p.routed_down = grouped(dn, r, p.tile_rows);
+  p.routed_down = grouped_whole(dn, r, p.tile_rows);
   p.shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
                             shared_w),
                       T);
@@ -562,7 +600,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   launch(moe_count_kernel, chunks, MOE_ROUTE_TOKENS, E * sizeof(int32_t), cp);
   LILY_CUDA_LAUNCHED();
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
-                      r.tile_expert, r.tile_row0, r.num_tiles, int(T), int(E), top_k, p.tile_rows};
+                      r.tile_expert, r.tile_row0, r.num_tiles, r.tail_expert, r.tail_row0, r.num_tail_tiles,
+                      r.all_expert, r.all_row0, r.num_all_tiles,
+                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
@@ -575,7 +615,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) p.routed_up.xb = xb.data;
     run_moe_small_gated(p.routed_up, T, E, top_k);
   } else {
+    // the 128-row map first, the tail map's 64-row tiles (at most E) after it. Their rows are disjoint, but
+    // each GEMM launch waits for the one before it (PDL), so the order only moves the two launches' last
+    // rounds: this way the bulk starts right after its inputs as before, and the product ends on the
+    // shorter 64-row units (the next launch's CTAs start on SMs as the tail's last round frees them)
     linear_tiles(p.routed_up, r.max_tiles, T, xb);
+    if (p.tails) linear_tiles(tail_of(p.routed_up, r), E, T, xb);
     linear_tiles(p.shared_up, shared_tiles, T, xb);
   }
   if (p.small.down) run_moe_small_down(p.routed_down, T, E, top_k);

@@ -234,6 +234,20 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 4))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("T", [300, 330, 384])
+def test_moe_prefill_tail_tiles(T, bits, gpu_tol):
+    # top_k = E = 8: every expert takes all T rows, so every expert's remainder is known. T = 300: 2 x 128 + 44
+    # (the last 44 rows on the tail map's 64-row tiles, moe_scatter_kernel), 330: 2 x 128 + 74 (a partial
+    # 128-row tile), 384: 3 x 128 (no remainder, the tail map empty). 4 bits: the gathered GATED gate/up and
+    # the plain down at BM 128, then BM 64; 8 bits: gate and up as two products, each over both maps.
+    rng = np.random.default_rng(T + bits)
+    cpu, gpu = moe_weights(rng, 8, 256, 128, 128, bits, 64, "BF16", 8)
+    h = rng.standard_normal((T, 256)).astype(np.float32)
+    out = moe_vs_cpu(cpu, gpu, h, 8, 0.05, "moe", gpu_tol)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 8))
+
+
 @pytest.mark.parametrize("T", [4300, 4096])
 def test_moe_prefill_gated_dense_wide(T, gpu_tol):
     # The gate/up pairs run as one gated wgmma product (linear.cu, use_gated_wgmma): 4300 tokens and a

@@ -154,23 +154,36 @@ struct MoeScatterParams {
   int32_t* row_end;            // [E] one past expert e's last grouped row
   int32_t* row_token;          // [T*K] token of each grouped row
   float* row_weight;           // [T*K] routing weight of each grouped row
-  int32_t* tile_expert;        // [max_tiles]
+  int32_t* tile_expert;        // [max_tiles] the map of tile_rows-row tiles
   int32_t* tile_row0;          // [max_tiles]
   int32_t* num_tiles;          // [1]
+  int32_t* tail_expert;        // [E] the map of tail_rows-row tiles (an expert's last remainder)
+  int32_t* tail_row0;          // [E]
+  int32_t* num_tail_tiles;     // [1]
+  int32_t* all_expert;         // [max_tiles] the whole map: ceil(n_e / tile_rows) tiles an expert
+  int32_t* all_row0;           // [max_tiles]
+  int32_t* num_all_tiles;      // [1]
   int T, E, K, tile_rows;
+  int tail_rows;               // 0 (no tail map) or below tile_rows
 };
 
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
-// start_e = sum_{e' < e} n_e', its tokens in ascending order; its ceil(n_e / tile_rows) tiles follow
-// those of lower experts. A token's K experts are distinct (moe_topk's choice).
+// start_e = sum_{e' < e} n_e', its tokens in ascending order. Two tile maps cover them, each expert's
+// tiles following those of lower experts: with r_e = n_e mod tile_rows, the tile_rows-row map holds e's
+// floor(n_e / tile_rows) full tiles and, when r_e > tail_rows, one tile of its last r_e rows; the
+// tail_rows-row map holds that last tile instead when 0 < r_e <= tail_rows (one tile: r_e <= tail_rows).
+// tail_rows = 0: ceil(n_e / tile_rows) tiles in the first map, the tail map empty (*num_tail_tiles = 0).
+// Every row lies in exactly one tile of one map. A third map, the whole map, holds each expert's
+// ceil(n_e / tile_rows) tiles whatever tail_rows (the down product's: its short k loop makes a 64-row
+// tile cost about as much as a 128-row one, docs/perf-notes.md, nineteenth session). A token's K experts are distinct (moe_topk's choice).
 // Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
 // Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
 // mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
-// scans n_e and the tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
+// scans n_e and both maps' tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
 // so expert e's rows of this chunk start at start_e + b_e. The row of (t, k) with e = topk_id[t, k] is
 // that plus the chunk's earlier tokens that chose e: popc(mask[w'][e]) for w' < w and popc(mask[w][e])
 // over lanes below l, so ascending token order with no ordering between threads. CTA c also writes
-// row_end and the tiles of the experts e with e % C == c, CTA 0 the tile count.
+// row_end and the tiles (both maps) of the experts e with e % C == c, CTA 0 the two tile counts.
 // Dynamic shared memory: (2 + MOE_ROUTE_WARPS) * E words (40 KB at moe_topk's E <= 1024).
 __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const MoeScatterParams p) {
   extern __shared__ int32_t smem[];
@@ -198,25 +211,34 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
   }
   __syncthreads();
   if (warp == 0) {
+    // expert e: full = floor(n / tile_rows) full tiles, remainder r; the last r rows go to the first map
+    // as one more tile when r > tail_rows, to the tail map when 0 < r <= tail_rows
+    auto main_tiles = [&](int n) { return n / p.tile_rows + (n % p.tile_rows > p.tail_rows ? 1 : 0); };
+    auto tail_tiles = [&](int n) { return n % p.tile_rows > 0 && n % p.tile_rows <= p.tail_rows ? 1 : 0; };
+    auto all_tiles = [&](int n) { return (n + p.tile_rows - 1) / p.tile_rows; };
     const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
-    int rows = 0, tiles = 0;  // this lane's run, then the inclusive scans over lanes
-    for (int e = e0; e < e1; ++e) rows += n_of[e], tiles += (n_of[e] + p.tile_rows - 1) / p.tile_rows;
-    int start = -rows, tile = -tiles;
+    int rows = 0, tiles = 0, tails = 0, alls = 0;  // this lane's run, then the inclusive scans over lanes
+    for (int e = e0; e < e1; ++e)
+      rows += n_of[e], tiles += main_tiles(n_of[e]), tails += tail_tiles(n_of[e]), alls += all_tiles(n_of[e]);
+    int start = -rows, tile = -tiles, tail = -tails, all = -alls;
     for (int o = 1; o < 32; o <<= 1) {
-      const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o);
-      if (lane >= o) rows += r, tiles += u;
+      const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o),
+                v = __shfl_up_sync(0xffffffffu, tails, o), w = __shfl_up_sync(0xffffffffu, alls, o);
+      if (lane >= o) rows += r, tiles += u, tails += v, alls += w;
     }
-    start += rows, tile += tiles;  // exclusive: the rows and tiles of experts below e0
+    start += rows, tile += tiles, tail += tails, all += alls;  // exclusive: the rows and tiles of experts below e0
     for (int e = e0; e < e1; ++e) {
-      const int n = n_of[e], nt = (n + p.tile_rows - 1) / p.tile_rows;
+      const int n = n_of[e], nt = main_tiles(n), nu = tail_tiles(n), na = all_tiles(n);
       base[e] += start;
       if (e % int(gridDim.x) == c) {
         p.row_end[e] = start + n;
         for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
+        if (nu) p.tail_expert[tail] = e, p.tail_row0[tail] = start + nt * p.tile_rows;
+        for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.tile_rows;
       }
-      start += n, tile += nt;
+      start += n, tile += nt, tail += nu, all += na;
     }
-    if (c == 0 && lane == 31) *p.num_tiles = tile;
+    if (c == 0 && lane == 31) *p.num_tiles = tile, *p.num_tail_tiles = tail, *p.num_all_tiles = all;
   }
   __syncthreads();
   if (t >= p.T) return;
