@@ -54,8 +54,8 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 // Which product rows a CTA's tile covers. Dense (tile_expert == nullptr): tile m is rows
 // [m*BM, min(M, (m+1)*BM)) of stack entry `expert`. Grouped (MoE, tables built on the device):
 // tile m is rows [tile_row0[m], min(row_end[e], tile_row0[m] + BM)) of expert e = tile_expert[m];
-// tiles m >= *num_tiles are empty (the grid is an upper bound). A prompt's MoE products run over one map of
-// 128-row tiles and a second (tail) map of 64-row tiles, each its own RowTiles and launch (moe.cu).
+// tiles m >= *num_tiles are empty (the grid is an upper bound). A prompt's MoE gate/up product runs over one
+// map of 128-row tiles and a second (tail) map of 64-row tiles, each its own RowTiles and launch (moe.cu).
 struct RowTiles {
   const int32_t* tile_expert = nullptr;  // [max_tiles]
   const int32_t* tile_row0 = nullptr;    // [max_tiles]
