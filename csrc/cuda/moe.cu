@@ -15,6 +15,8 @@
 //   loader stacked them; else two)
 //   -> moe_topk (softmax, top-k, renormalise, sigmoid of the shared gate)
 //   -> moe_count, moe_scatter (rows grouped by expert, tile maps; kernels/moe_routing.cuh)
+//   -> on the wgmma GEMM with h's Xb in hand: moe_gather_rows (h's Xb rows copied once into expert order,
+//      Xg in s.gathered: moe_xg_at), which the gate/up product then reads as a dense product's rows
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
 //      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
@@ -453,6 +455,17 @@ static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int
   return s.gate.numel() >= T * (w.router->rows + 1) ? s.gate.ptr<float>() : nullptr;
 }
 
+// Where the routed gate/up product's X rows go in expert order (Xg [T*K, H] bf16: grouped row r = the
+// XbCopy's row row_token[r], moe_gather_rows_kernel), or null: s.gathered, which the CUDA path has no other
+// use for (the CPU backend's per-expert gather), sized [moe_work_rows = C*(K+1), H] F32, so twice Xg's bytes
+// and more; no memory is added for it. 16-byte aligned (the copy's chunks, the product's TMA map).
+// s.pregather false: null (tests compare the two paths).
+static uint16_t* moe_xg_at(const ops::MoeScratch& s, int64_t TK, int64_t H) {
+  if (!s.pregather) return nullptr;
+  const bool room = int64_t(s.gathered.numel() * dtype_size(s.gathered.dtype)) >= TK * H * 2;
+  return room && is_aligned16(s.gathered.data) ? static_cast<uint16_t*>(s.gathered.data) : nullptr;
+}
+
 // A prompt's expert products past the decode chain: the routed gate/up and down over the routing tables' tile
 // maps (the down product's the whole map; 128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
 // 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"; then `tails`: the gate/up product takes an
@@ -615,12 +628,30 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) p.routed_up.xb = xb.data;
     run_moe_small_gated(p.routed_up, T, E, top_k);
   } else {
+    // Where the XbCopy holds h (the router's wgmma product converted it, or h arrived as bf16) and every
+    // routed gate/up product runs on the wgmma GEMM: h's rows copied once into expert order (Xg,
+    // moe_xg_at), and the product reads Xg's rows at each tile's row0 by TMA (no x_rows: the dense
+    // producer) instead of gathering them by cp.async for every column tile; the same bf16 values reach
+    // the same stage rows, so the same bits (rows past a tile's end: zeros gathered, the next expert's rows
+    // or zeros by TMA, in accumulator columns never stored). Otherwise the gather as before.
+    uint16_t* xg = moe_xg_at(s, TK, H);
+    const bool holds_h = xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H;
+    int64_t up_rows = T;  // the X rows the routed gate/up product reads: h's, or Xg's
+    if (xg != nullptr && holds_h && H % 8 == 0 && is_aligned16(xb.data) && linear_tiles_on_wgmma(p.routed_up)) {
+      const MoeGatherParams gp{reinterpret_cast<const uint4*>(xb.data), r.topk_row, reinterpret_cast<uint4*>(xg),
+                               int(T), int(H / 8), top_k};
+      launch(moe_gather_rows_kernel, unsigned(ceil_div<int64_t>(T, MOE_GATHER_WARPS)), 32 * MOE_GATHER_WARPS, 0, gp);
+      LILY_CUDA_LAUNCHED();
+      p.routed_up.x_rows = nullptr;
+      p.routed_up.xb = xg;
+      up_rows = TK;
+    }
     // the 128-row map first, the tail map's 64-row tiles (at most E) after it. Their rows are disjoint, but
     // each GEMM launch waits for the one before it (PDL), so the order only moves the two launches' last
     // rounds: this way the bulk starts right after its inputs as before, and the product ends on the
     // shorter 64-row units (the next launch's CTAs start on SMs as the tail's last round frees them)
-    linear_tiles(p.routed_up, r.max_tiles, T, xb);
-    if (p.tails) linear_tiles(tail_of(p.routed_up, r), E, T, xb);
+    linear_tiles(p.routed_up, r.max_tiles, up_rows, xb);
+    if (p.tails) linear_tiles(tail_of(p.routed_up, r), E, up_rows, xb);
     linear_tiles(p.shared_up, shared_tiles, T, xb);
   }
   if (p.small.down) run_moe_small_down(p.routed_down, T, E, top_k);

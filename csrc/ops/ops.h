@@ -208,7 +208,8 @@ void split_columns(const Tensor& y, const Tensor* parts, int n);
 // expert's at once, see moe_work_rows()).
 struct MoeScratch {
   Tensor router_logits;  // [C, E] F32
-  Tensor gathered;       // [R, H] F32 tokens routed to one expert
+  Tensor gathered;       // [R, H] F32 tokens routed to one expert (CPU); CUDA: a prompt's routed gate/up
+                         // product's X rows in expert order as bf16 [T*K, H] (moe.cu, moe_xg_at)
   Tensor gate, up;       // [R, max(I, Is)] F32
   Tensor down;           // [R, H] F32
   Tensor shared_gate;    // [C, 1] F32
@@ -217,6 +218,8 @@ struct MoeScratch {
                          // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
   bool moe_small = true;  // CUDA: medium prompts may take the few-rows expert kernels (kernels/moe_small.cuh);
                           // false keeps the wgmma GEMM (tests and benchmarks compare the two)
+  bool pregather = true;  // CUDA: a prompt's routed gate/up rows copied once into expert order (gathered) where
+                          // moe.cu's moe_xg_at allows; false keeps the product's row gather (tests compare)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for

@@ -263,6 +263,37 @@ def test_moe_prefill_gated_dense_wide(T, gpu_tol):
     assert np.array_equal(out, ops.moe("cuda", *gpu, h, 2))
 
 
+@pytest.mark.parametrize("E,top_k,H,I,Is,bits,group,T", [
+    (8, 8, 256, 128, 128, 4, 64, 300),  # 128-row map and tail map (44-row remainders): GATED BM 128, then BM 64
+    (8, 8, 256, 128, 128, 4, 64, 330),  # a partial 128-row tile (74 rows: the next expert's rows read, unstored)
+    (8, 8, 256, 128, 128, 4, 64, 384),  # 128-row map only, the tail map empty
+    (8, 2, 256, 128, 128, 4, 64, 100),  # 64-row map (25 rows an expert): GATED BM 64
+    (8, 8, 256, 128, 128, 8, 64, 300),  # 8 bits: gate and up as two products, each over both maps
+    (8, 2, 256, 128, 128, 4, 32, 300),  # group 32: two products on the 64-row map
+])
+def test_moe_prefill_pregather(E, top_k, H, I, Is, bits, group, T):
+    # moe.cu's moe_xg_at: the routed gate/up product over h's rows copied once into expert order
+    # (moe_gather_rows_kernel, MoeScratch::gathered) against the same product gathering them (pregather =
+    # False), bit for bit, h given as its bf16 X (the copy's source for sure) and as F32 rows
+    rng = np.random.default_rng(7400 + T + bits + group)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    h, xb = post_norm_h(rng, T, H)
+    out = ops.moe("cuda", *gpu, h, top_k, h_xb=xb)
+    assert np.isfinite(out).all()
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, top_k, h_xb=xb, pregather=False))
+    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k), ops.moe("cuda", *gpu, h, top_k, pregather=False))
+
+
+@pytest.mark.parametrize("T", [1100, 4096])
+def test_moe_prefill_pregather_real_dims(real_moe, T):
+    # the model's dims past moe_small: 1100 tokens on the 64-row map (~34 rows an expert), 4096 on the 128-row
+    # map and the tail map; copied rows against gathered ones, bit for bit
+    _, gpu = real_moe
+    h, xb = post_norm_h(np.random.default_rng(7500 + T), T, 2048)
+    out = ops.moe("cuda", *gpu, h, 8, h_xb=xb)
+    assert np.array_equal(out, ops.moe("cuda", *gpu, h, 8, h_xb=xb, pregather=False))
+
+
 @pytest.mark.parametrize("E, top_k", [(3, 2), (2, 2)])
 def test_moe_prefill_many_chunks(E, top_k, gpu_tol):
     # 1100 tokens: five chunks of the routing tables (256 tokens a CTA), more chunks than experts, the last

@@ -1,7 +1,8 @@
 // MoE routing on the device: top-k of the router softmax, then the tables that group the chosen
-// (token, slot) pairs by expert for the grouped products, then the fixed-order combine (alone, or with the
-// residual add and the next RMSNorm: moe_combine_add_rms_norm_kernel).
-// Everything is integer counting or fixed-order float sums: results are bitwise reproducible.
+// (token, slot) pairs by expert for the grouped products, the routed gate/up product's X rows copied into
+// that order (moe_gather_rows_kernel), then the fixed-order combine (alone, or with the residual add and the
+// next RMSNorm: moe_combine_add_rms_norm_kernel).
+// Everything is integer counting, byte copies or fixed-order float sums: results are bitwise reproducible.
 // Layout of the routing words is RoutingTables in moe.cu.
 #pragma once
 #include "common.cuh"
@@ -249,6 +250,47 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
     p.row_token[row] = t;
     p.row_weight[row] = p.topk_w[int64_t(t) * p.K + k];
     p.topk_row[int64_t(t) * p.K + k] = row;
+  }
+}
+
+struct MoeGatherParams {
+  const uint4* xb;           // [T, H / 8] h's Xb rows (the XbCopy: bf16, k-permuted) as 16-byte chunks
+  const int32_t* topk_row;   // [T, K] grouped row of (t, k) (moe_scatter_kernel)
+  uint4* xg;                 // [T*K, H / 8] out: grouped row r = h's Xb row row_token[r], verbatim
+  int T, chunks, K;          // chunks = H / 8
+};
+
+constexpr int MOE_GATHER_WARPS = 8;   // tokens a CTA
+constexpr int MOE_GATHER_UNROLL = 8;  // 16-byte loads in flight a lane (H = 2048: a whole row a warp)
+
+// The routed gate/up product's X in expert order, copied once (moe.cu, moe_xg_at): the product then reads
+// Xg's rows at tile.row0 by TMA like a dense product instead of gathering h's rows chunk by chunk. A warp a
+// token: its lanes load MOE_GATHER_UNROLL 16-byte chunks of the token's Xb row each (a whole 4 KB row at
+// H = 2048, read once), then store them to the token's K grouped rows. Bytes copied, not values: Xg's row r
+// is the XbCopy's row row_token[r] bit for bit. Grid ceil(T / MOE_GATHER_WARPS), 32 * MOE_GATHER_WARPS
+// threads; K <= MOE_MAX_TOP_K (lane k holds row k); xb, xg 16-byte aligned.
+__global__ void __launch_bounds__(32 * MOE_GATHER_WARPS) moe_gather_rows_kernel(const MoeGatherParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int lane = threadIdx.x & 31, t = blockIdx.x * MOE_GATHER_WARPS + (threadIdx.x >> 5);
+  if (t >= p.T) return;
+  const int my_row = lane < p.K ? p.topk_row[int64_t(t) * p.K + lane] : 0;
+  const uint4* src = p.xb + int64_t(t) * p.chunks;
+  for (int c0 = 0; c0 < p.chunks; c0 += 32 * MOE_GATHER_UNROLL) {
+    uint4 v[MOE_GATHER_UNROLL];
+#pragma unroll
+    for (int i = 0; i < MOE_GATHER_UNROLL; ++i) {
+      const int c = c0 + 32 * i + lane;
+      if (c < p.chunks) v[i] = src[c];
+    }
+    for (int k = 0; k < p.K; ++k) {
+      uint4* dst = p.xg + int64_t(__shfl_sync(0xffffffffu, my_row, k)) * p.chunks;
+#pragma unroll
+      for (int i = 0; i < MOE_GATHER_UNROLL; ++i) {
+        const int c = c0 + 32 * i + lane;
+        if (c < p.chunks) dst[c] = v[i];
+      }
+    }
   }
 }
 
