@@ -138,6 +138,25 @@ __device__ T block_reduce(T v, Op op, SampleShared& sh) {
   return r;
 }
 
+// The cluster's copies of this CTA's *x (each CTA's own value at the same shared address) folded in rank order:
+// every peer's load issued before the first use (one remote latency, not one a CTA). The caller sets
+// c.peers_reading (it may fold several elements before it does).
+template <class T, class Op>
+__device__ __forceinline__ T fold_peers(T* x, Op op, ClusterCtx& c) {
+  T part[SAMPLE_CTAS];
+#pragma unroll
+  for (int k = 0; k < SAMPLE_CTAS; ++k) part[k] = *c.peer(x, k);
+  T r = part[0];
+#pragma unroll
+  for (int k = 1; k < SAMPLE_CTAS; ++k)
+    if (k < c.ctas) r = op(r, part[k]);
+  return r;
+}
+struct AddInt {  // integer counts: any order gives the same sum
+  template <class T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+
 template <class T, class Op>
 __device__ T cluster_reduce(T v, Op op, ClusterCtx& c) {
   v = block_reduce(v, op, c.sh);
@@ -145,14 +164,8 @@ __device__ T cluster_reduce(T v, Op op, ClusterCtx& c) {
   c.xch_phase ^= 1;
   if (threadIdx.x == 0) *mine = v;
   c.sync();
-  T part[SAMPLE_CTAS];
-#pragma unroll
-  for (int k = 0; k < SAMPLE_CTAS; ++k) part[k] = *c.peer(mine, k);
+  const T r = fold_peers(mine, op, c);
   c.peers_reading = true;
-  T r = part[0];
-#pragma unroll
-  for (int k = 1; k < SAMPLE_CTAS; ++k)
-    if (k < c.ctas) r = op(r, part[k]);
   return r;
 }
 
@@ -244,15 +257,7 @@ struct RadixState {
 
 // Every CTA's sum over the cluster of its peers' hist[b] (a radix histogram), in rank order, into sh.merged.
 __device__ __forceinline__ void merge_hist(u64* hist, ClusterCtx& c) {
-  for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
-    u64 part[SAMPLE_CTAS], m = 0;
-#pragma unroll
-    for (int r = 0; r < SAMPLE_CTAS; ++r) part[r] = c.peer(hist, r)[b];
-#pragma unroll
-    for (int r = 0; r < SAMPLE_CTAS; ++r)
-      if (r < c.ctas) m += part[r];
-    c.sh.merged[b] = m;
-  }
+  for (int b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) c.sh.merged[b] = fold_peers(hist + b, AddInt{}, c);
   c.peers_reading = true;
 }
 
@@ -377,13 +382,7 @@ __device__ RadixState select_fine(u64 need, ClusterCtx& c, u64& at_or_above) {
   const unsigned bin = sh.sel_bin;
   if (threadIdx.x < FINE_PER_BIN) {
     const int f = int(bin) * FINE_PER_BIN + int(threadIdx.x);
-    unsigned part[SAMPLE_CTAS], m = 0;
-#pragma unroll
-    for (int r = 0; r < SAMPLE_CTAS; ++r) part[r] = c.peer(sh.fine, r)[f];
-#pragma unroll
-    for (int r = 0; r < SAMPLE_CTAS; ++r)
-      if (r < c.ctas) m += part[r];
-    sh.fine_merged[threadIdx.x] = m;
+    sh.fine_merged[threadIdx.x] = fold_peers(sh.fine + f, AddInt{}, c);
   }
   __syncthreads();
   RadixState s;
