@@ -226,6 +226,17 @@ inline void cp16z(uint32_t a, const float* src, bool valid) {
   if (emu::mode == 0) emu::do_copy(c);
   else emu::fibers[emu::cur].open.push_back(c);
 }
+// L2 prefetches are hints: only their ranges are checked
+inline void prefetch_l2(const void* src, uint32_t bytes) {
+  const auto* lo = static_cast<const float*>(src);
+  bool ok = false;
+  for (auto& r : emu::ranges) ok |= lo >= r.lo && lo + bytes / 4 <= r.hi;
+  if (!ok || bytes % 16 || reinterpret_cast<uintptr_t>(src) % 16) {
+    std::fprintf(stderr, "L2 prefetch out of bounds or misaligned\n");
+    std::exit(2);
+  }
+}
+inline void prefetch_line(const void* src) { prefetch_l2(src, 16); }
 inline void commit() {
   auto& f = emu::fibers[emu::cur];
   f.groups.push_back(std::move(f.open));

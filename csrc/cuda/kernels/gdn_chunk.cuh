@@ -133,6 +133,12 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+// hints, nothing waits for them: the L2 fetches bytes (a multiple of 16) at src (16-byte aligned; one
+// request, best from one thread: it takes a uniform address), or the 128-byte line holding src
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void prefetch_line(const void* src) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src)); }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>  // this thread's cp.async groups but the newest N have landed
 __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -649,9 +655,13 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) prep_kernel(Params p) {
 // end of chunk ci - 1) lies in buffer b, the output warps wait there; the output warps arrive at EMPTY[b]
 // once their (b) of chunk ci has read buffer b, and the recurrence warps wait there before writing S of
 // chunk ci + 2's start into it (in chunk ci + 1's (c)). Within a role, REC or OUT (256 threads).
-// Tiles arrive by cp.async, each as soon as its role's phase reading it is done: W and U (recurrence)
-// during (c) of the previous chunk, K, fk (two buffers) a whole chunk ahead; Q, fq (output) during the P
-// Delta half of the previous (b), P during the wait for FULL. A role commits its groups in a fixed order,
+// Tiles arrive by cp.async, each soon after its role's phase reading it is done: W and U (recurrence)
+// during (c) of the previous chunk, K, fk (two buffers) a chunk ahead, both requested after the first
+// k-step's mma of a recurrence phase (behind the loads that start it); Q, fq (output) during the P
+// Delta half of the previous (b), P during the wait for FULL. Two chunks ahead the L2 is asked (hints,
+// cp.async.bulk.prefetch.L2 and prefetch.global.L2) for the workspace block, by the recurrence, a quarter a
+// CTA, and for the q rows, by the output warps, 16 rows a CTA, so that those copies (from HBM: the prep's
+// workspace outgrows the L2 at 4K) find the L2. A role commits its groups in a fixed order,
 // always, so that wait_group 0 at the top of a recurrence chunk and wait_group 1 before each half of (b)
 // mean its own tiles have landed. Shared memory 219 KB (K's second buffer: 35 KB). q,
 // k rows past the prompt are zero-filled copies (their factors are 0 too).
@@ -734,15 +744,27 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
     copy_rows<KLD>(sK + kb * K_BUF, rows, x.step8, n, warp, kg);
     if (tid < C / 4) cp16(sfk + kb * FK_BUF, wsb + WS_FK + 4 * tid);
   };
+  // The L2 is asked for a chunk's workspace block two chunks ahead (one if it is chunk 1), so that the
+  // cp.async of W, U, P and the row factors find it there: the head's D / COLS CTAs take a share each of
+  // its 16-byte units (CTA y the y-th), thread 0 of the role asking.
+  constexpr uint32_t PF = (BLOCK * 4 / 16 + D / COLS - 1) / (D / COLS) * 16;  // bytes a share
+  const uint32_t pf_off = (x.j0 / COLS) * PF, pf_bytes = min(PF, uint32_t(BLOCK * 4) - pf_off);
+  auto prefetch_blk = [&](const float* wsb) {
+    if (tid == 0) prefetch_l2(reinterpret_cast<const unsigned char*>(wsb) + pf_off, pf_bytes);
+  };
   const float* blk = p.ws + int64_t(x.h) * BLOCK;  // chunk 0's workspace block
   const float* krow = kg + warp * x.Wd + 4 * lane;  // this thread's k rows of chunk 0
   issue_wu(blk);
   commit();
   issue_k(blk, krow, min(C, p.T), 0);
   commit();
+  if (p.num_chunks > 1) prefetch_blk(blk + x.blk_step);
   // Per chunk two barriers of the recurrence warps: the first (W, U and K landed, S of the chunk's start
   // written, every warp done with the previous chunk's K buffer), then K of the next chunk goes out into
   // the other buffer; the second after (a) (Delta complete, W and U free), then W and U of the next chunk.
+  // Both phases are software-pipelined: k-step ks + 1's fragments are requested before k-step ks's mma
+  // (two register buffers, ks % 2), and a phase's cp.async requests go out after its first k-step's mma,
+  // behind the loads that start the chain. The same products in the same order: the same bits.
   for (int ci = 0; ci < p.num_chunks; ++ci, blk += x.blk_step, krow += x.chunk_rows) {
     const int b = ci & 1;  // S, Delta and K buffer
     const bool more = ci + 1 < p.num_chunks;
@@ -750,58 +772,79 @@ __device__ __forceinline__ void scan_recurrence(const Params& p, ScanSmem& sm, c
     const float gC = blk[WS_GC];
     wait_group<0>();
     bar_sync(BAR_REC, THREADS);  // W, U, K of chunk ci landed; S of its start in buffer b; K[b ^ 1] free
-    if (more) issue_k(blk + x.blk_step, krow + x.chunk_rows, n_next, b ^ 1);
-    commit();
 
     // (a) Delta = U - W S
     {
       float acc[2][4] = {}, sml[2][4] = {};
-#pragma unroll 2
-      for (int ks = 0; ks < D / 16; ++ks) {  // k-step ks: 64 bytes on in W, 32 in S^T
-        Split a[4], bb[2][2];
-        frag_a_pre<uses_a_lo(PR::WS)>(a, aW + 64 * ks);
-        frag_b2_pre<uses_b_lo(PR::WS)>(bb[0], bb[1], bS + b * S_BUF + 32 * ks, S_LO);
+      Split a[2][4], bb[2][2][2];  // k-step ks's fragments in [ks % 2]
+      auto load = [&](int ks) {    // k-step ks: 64 bytes on in W, 32 in S^T
+        frag_a_pre<uses_a_lo(PR::WS)>(a[ks & 1], aW + 64 * ks);
+        frag_b2_pre<uses_b_lo(PR::WS)>(bb[ks & 1][0], bb[ks & 1][1], bS + b * S_BUF + 32 * ks, S_LO);
+      };
+      load(0);
+      const int r = 16 * mt + g;  // rows r, r + 8 of a column: its word 8 mt + g
+      float2 u[2][2];             // U at this lane's Delta elements (rows r, r + 8; columns nb + 8 j + 2 c, + 1)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a, bb[j][0], bb[j][1]);
+      for (int j = 0; j < 2; ++j) {
+        u[j][0] = *reinterpret_cast<const float2*>(&sm.U[r][nb + 8 * j + 2 * c]);
+        u[j][1] = *reinterpret_cast<const float2*>(&sm.U[r + 8][nb + 8 * j + 2 * c]);
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        if (ks + 1 < D / 16) load(ks + 1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma_p<PR::WS>(acc[j], sml[j], a[ks & 1], bb[ks & 1][j][0], bb[ks & 1][j][1]);
+        if (ks == 0) {
+          if (more) issue_k(blk + x.blk_step, krow + x.chunk_rows, n_next, b ^ 1);
+          commit();
+          if (ci + 2 < p.num_chunks) prefetch_blk(blk + 2 * x.blk_step);
+        }
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += sml[j][e];
-      const int r = 16 * mt + g;  // rows r, r + 8 of a column: its word 8 mt + g
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = nb + 8 * j + 2 * c + e;
-          st_pair<DL>(&sm.Dt[b].h[0][0], &sm.Dt[b].l[0][0], col * DLD + 8 * mt + g, sm.U[r][col] - acc[j][e],
-                      sm.U[r + 8][col] - acc[j][e + 2]);
-        }
+      for (int j = 0; j < 2; ++j) {
+        const int col = nb + 8 * j + 2 * c;
+        st_pair<DL>(&sm.Dt[b].h[0][0], &sm.Dt[b].l[0][0], col * DLD + 8 * mt + g, u[j][0].x - acc[j][0],
+                    u[j][1].x - acc[j][2]);
+        st_pair<DL>(&sm.Dt[b].h[0][0], &sm.Dt[b].l[0][0], (col + 1) * DLD + 8 * mt + g, u[j][0].y - acc[j][1],
+                    u[j][1].y - acc[j][3]);
+      }
     }
     bar_sync(BAR_REC, THREADS);  // Delta complete; W, U free
     bar_arrive(BAR_FULL + b, SCAN_THREADS);  // S and Delta of chunk ci to the output warps
-    if (more) issue_wu(blk + x.blk_step);
-    commit();
 
     // (c) S <- exp(G_last) S + (fk * K)^T Delta
-    float sml[4][4] = {};
+    {
+      float sml[4][4] = {};
+      Split a[2][4], bb[2][4][2];  // k-step ks's fragments in [ks % 2]
+      auto load = [&](int ks) {
+        frag_at<KLD>(a[ks & 1], &sm.K[b][16 * ks][16 * warp], &sm.fk[b][16 * ks], g, c);
+        frag_b2_pre<uses_b_lo(PR::KD)>(bb[ks & 1][0], bb[ks & 1][1], bD + b * D_BUF + 32 * ks, D_LO);
+        frag_b2_pre<uses_b_lo(PR::KD)>(bb[ks & 1][2], bb[ks & 1][3], bD + b * D_BUF + 16 * DLD * 4 + 32 * ks, D_LO);
+      };
+      load(0);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
-#pragma unroll 2
-    for (int ks = 0; ks < C / 16; ++ks) {
-      Split a[4], bb[4][2];
-      frag_at<KLD>(a, &sm.K[b][16 * ks][16 * warp], &sm.fk[b][16 * ks], g, c);
-      frag_b2_pre<uses_b_lo(PR::KD)>(bb[0], bb[1], bD + b * D_BUF + 32 * ks, D_LO);
-      frag_b2_pre<uses_b_lo(PR::KD)>(bb[2], bb[3], bD + b * D_BUF + 16 * DLD * 4 + 32 * ks, D_LO);
+        for (int e = 0; e < 4; ++e) s[nt][e] *= gC;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a, bb[nt][0], bb[nt][1]);
+      for (int ks = 0; ks < C / 16; ++ks) {
+        if (ks + 1 < C / 16) load(ks + 1);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_p<PR::KD>(s[nt], sml[nt], a[ks & 1], bb[ks & 1][nt][0], bb[ks & 1][nt][1]);
+        if (ks == 0) {
+          if (more) issue_wu(blk + x.blk_step);
+          commit();
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
     }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] += sml[nt][e];
     if (more) {
       if (ci >= 1) bar_sync(BAR_EMPTY + (b ^ 1), SCAN_THREADS);  // the output warps are done with chunk ci - 1
       store_s(b ^ 1);
@@ -838,6 +881,12 @@ __device__ __forceinline__ void scan_output(const Params& p, ScanSmem& sm, const
 #pragma unroll
     for (int i = 0; i < 4; ++i) cp16(sP + 16 * PLD * 4 * i, wsb + oP + 16 * C * i);
   };
+  // the q rows of chunk cj asked of the L2 (as the recurrence's blocks): CTA y's 16 of the 64, a 128-byte
+  // line a thread
+  auto prefetch_q = [&](int cj) {
+    const int t = cj * C + (x.j0 / COLS) * 16 + tid / 4;
+    if (tid < 64 && cj < p.num_chunks && t < p.T) prefetch_line(qg + t * x.Wd + 32 * (tid % 4));
+  };
   const float* blk = p.ws + int64_t(x.h) * BLOCK;  // chunk 0's workspace block
   const float* qrow = qg + warp * x.Wd + 4 * lane;  // this thread's q rows of chunk 0
   float* orow = p.o + (16 * mt + g) * o_row + int64_t(x.h) * D + x.j0 + nb + 2 * c;  // o of chunk 0
@@ -845,6 +894,7 @@ __device__ __forceinline__ void scan_output(const Params& p, ScanSmem& sm, const
   commit();
   issue_p(blk);
   commit();
+  prefetch_q(1);
   for (int ci = 0; ci < p.num_chunks; ++ci, blk += x.blk_step, qrow += x.chunk_rows, orow += chunk_rows_o) {
     const int b = ci & 1;
     const bool more = ci + 1 < p.num_chunks;
@@ -867,6 +917,7 @@ __device__ __forceinline__ void scan_output(const Params& p, ScanSmem& sm, const
     bar_sync(BAR_OUT, THREADS);  // Q, fq free
     if (more) issue_q(blk + x.blk_step, qrow + x.chunk_rows, n_next);
     commit();
+    prefetch_q(ci + 2);
     wait_group<1>();
     bar_sync(BAR_OUT, THREADS);  // P of chunk ci landed
 #pragma unroll 1
