@@ -109,8 +109,13 @@ __host__ __device__ constexpr int tma_stages(int bm, bool gated = false) {
   return (bm == 256 ? 5 : bm == 128 ? 6 : 8) + (gated ? 2 : 0);
 }
 __host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits, bm); }
+// k-tiles consumer warpgroup 0 runs ahead of warpgroup 1 from the CTA's first tile on (half the ring): the two
+// warpgroups then reach a tile's epilogue (its stores, the next tile's map and scale loads) at different
+// times, and the other one keeps the tensor pipe busy meanwhile. Below the stage count, so warpgroup 0 gets
+// its first STAGGER k-tiles without a release from warpgroup 1.
+__host__ __device__ constexpr int tma_stagger(int bm, bool gated = false) { return tma_stages(bm, gated) / 2; }
 __host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
-  return 1024 + tma_stages(bm, gated) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm, gated) * 8;
+  return 1024 + tma_stages(bm, gated) * tma_stage_bytes(bm, bits) + (2 * tma_stages(bm, gated) + 1) * 8;
 }
 static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4, true) <= 227 * 1024,
               "the GATED ring exceeds the 227 KB opt-in shared memory");
@@ -482,7 +487,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
 // Column tiles: ceil(N / 256), GATED ceil(N / 128) (no split-K).
 // Shared memory: a ring of S = tma_stages(BM, GATED) stages, each [Xb tile BM x 64 bf16, 128B-swizzled
-// as TMA SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
+// as TMA SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers and
+// the stagger's `go`.
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
 //   !GATHER: one thread arms full[s] with the stage's bytes and issues the W and Xb TMA loads: W box
 //            {2*BITS words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K*BITS/32] U32; rows >= N read as
@@ -515,6 +521,12 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 //   wgmma groups: docs/perf-notes.md, sixteenth and seventeenth sessions).
 //   Epilogue straight from the accumulators (store_output's arithmetic; GATED: wg_store_gated, from each
 //   thread's own G and U) while the producer already fills the ring with the next tile.
+//   Stagger: warpgroup 1 starts its first tile once warpgroup 0 has issued that tile's first
+//   STAGGER = tma_stagger(BM, GATED) k-tiles (or all of them, if fewer), one arrival on the `go` mbarrier;
+//   the stage releases (both warpgroups) keep them within S k-tiles of each other afterwards, so each
+//   one's epilogue and tile start run while the other issues wgmmas (a ping-pong without a schedule:
+//   the same k-tiles, the same wgmma sequence a thread, the same bits). Deadlock-free: STAGGER < S,
+//   so warpgroup 0's first STAGGER stages need no release from warpgroup 1.
 // No CTA-wide barrier after the mbarrier initialisation. Registers: 168 at launch (384 threads), consumers
 // 232, producer 40 (128 x 40 + 256 x 232 = 384 x 168: TMA_LAUNCH_REGS); no spills (ptxas -v).
 template <int BM, bool GS32, bool GATHER, bool SPLIT = false, bool GATED = false, int BITS = 4>
@@ -536,12 +548,16 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const uint32_t ring_s = (smem_u32(smem_raw) + 1023) & ~1023u, bars = ring_s + S * STAGE;
   auto full = [&](uint32_t s) { return bars + 8 * s; };
   auto empty = [&](uint32_t s) { return bars + 8 * (S + s); };
+  const uint32_t go = bars + 16 * S;  // warpgroup 0 -> 1: the stagger's start (one arrival)
+  constexpr int STAGGER = tma_stagger(BM, GATED);
+  static_assert(STAGGER >= 1 && STAGGER < S, "the stagger must leave warpgroup 0 stages of its own");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), GATHER ? 1 + 128 : 1);
       mbar_init(empty(s), 4 * TMA_CONSUMER_WGS);  // one arrival a consumer warp
     }
+    mbar_init(go, 1);
     mbar_init_fence();
   }
   __syncthreads();
@@ -655,6 +671,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
   // SR_CgaCtaId) and the W row (from tid) every time.
   uint32_t s = 0, ph = 0, xs = ring_s, ws = ring_s + XBYTES + rbase * tma_w_row_bytes(BITS), fb = full(0), eb_prev = 0;
+  bool go_due = ct == 0, go_wait = cw == 1;  // the stagger: warpgroup 0's one arrival, warpgroup 1's one wait
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t t = u / splits;
     Tile tile;
@@ -671,6 +688,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     uint32_t H0[NB][2][4], H1[NB][2][4];  // A fragments of half k-tiles 0 and 1
     WgScales<GS32, NB> cur, nxt;
     wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
+    if (go_wait) mbar_wait(go, 0), go_wait = false;
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
     // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
@@ -687,6 +705,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
       wg_issue_half<BM, 1>(acc, H1, xd);
       wgmma_wait<1>();  // half 0 of kt retired
+      if (go_due && (kt - kb == STAGGER - 1 || kt + 1 == ke)) mbar_arrive(go), go_due = false;
       eb_prev = fb + 8 * S;  // empty[s]
       const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
       s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
