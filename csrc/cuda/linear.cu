@@ -594,7 +594,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
-// Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
+// Grouped (MoE) tile maps have a.tiles.tile_rows (64, 128, or 256: plain products) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
@@ -624,8 +624,11 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
   LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
              a.w.cols, " exceed the 32-bit chunk index");
-  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
+  const bool tall = grouped && a.tiles.tile_rows == LINEAR_TALL_TILE_ROWS;
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS ||
+                 (tall && !gather && a.up.w == nullptr && linear_wide_tiles(a)),
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
+  if (tall) return launch_wgmma<BITS, 256, false, false>(a, xb, x_count, max_tiles);
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
     if (a.up.w != nullptr) {
       const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS : dense_wide(a.tiles.M, col_tiles, num_sms());

@@ -454,7 +454,8 @@ static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int
 }
 
 // A prompt's expert products past the decode chain: the routed gate/up and down over the routing tables' tile
-// maps (the down product's the whole map; 128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
+// maps (the down product's the whole map, of 256-row tiles beside the 128-row ones, the wgmmas cut to each
+// expert's rows: twentieth session; 128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
 // 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"; then `tails`: the gate/up product takes an
 // expert's last remainder of at most 64 rows on the tail map's 64-row tiles, whose k-tiles cost ~0.75 of a 128-row one, instead of a
 // 128-row tile of mostly padding: docs/perf-notes.md, nineteenth session), the shared expert's pair over
@@ -464,6 +465,7 @@ static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int
 struct MoePrompt {
   LinearArgs routed_up, routed_down, shared_up, shared_down;
   int tile_rows;
+  int all_rows;  // the whole map's (the down product's): LINEAR_TALL_TILE_ROWS with 128-row tiles
   bool tails;  // 128-row tiles with the tail map beside them (the routed gate/up also over tail_of)
   int64_t xb_capacity;
   MoeSmall small;
@@ -485,7 +487,8 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
   p.tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
   p.tails = wide;
   p.routed_up = grouped(gate_up, r, p.tile_rows);
-  p.routed_down = grouped_whole(dn, r, p.tile_rows);
+  p.all_rows = wide ? LINEAR_TALL_TILE_ROWS : p.tile_rows;
+  p.routed_down = grouped_whole(dn, r, p.all_rows);
   p.shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
                             shared_w),
                       T);
@@ -602,7 +605,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, r.tail_expert, r.tail_row0, r.num_tail_tiles,
                       r.all_expert, r.all_row0, r.num_all_tiles,
-                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0};
+                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0, p.all_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 

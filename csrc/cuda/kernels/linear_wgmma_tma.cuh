@@ -5,8 +5,9 @@
 //   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K*BITS/32] U32 (K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
-// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
-// BM = the map's tile_rows, 64 or 128).
+// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 256, 128 or 64; MoE grouped tile maps:
+// BM = the map's tile_rows, 64 or 128, and 256 for the down product's whole map: a tile of an expert's up to
+// 256 rows whose wgmmas cover only its rows, rounded up to 16).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it
 //                            (NATURAL: in stored order, for the dense BF16 GEMM).
@@ -56,6 +57,7 @@
 
 #include <cstdint>
 #include <cstring>  // memcpy (wg_f32_of, wg_bits_of on the host)
+#include <type_traits>  // std::integral_constant (wg_with_n16)
 
 #include "linear_common.cuh"
 #include "wgmma.cuh"
@@ -305,8 +307,9 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
-// low 6 bits zero, so adding 2j <= 6 carries nowhere.
-template <int BM, int H, int NB = wg_blocks(BM)>
+// low 6 bits zero, so adding 2j <= 6 carries nowhere. BM = 256: only the tile's first 16 * N16 rows
+// (wgmma_rows_cut: a short tile, e.g. a MoE expert's 140 rows, issues N = 128 + 16 instead of 256).
+template <int BM, int H, int N16, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const uint32_t (&A)[NB][2][4], uint64_t xd) {
 #pragma unroll
   for (int b = 0; b < NB; ++b)
@@ -316,7 +319,10 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < NB; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    for (int b = 0; b < NB; ++b) {
+      if constexpr (BM == 256) wgmma_rows_cut<N16>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+      else wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    }
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < NB; ++b)
@@ -475,6 +481,19 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
   return true;
 }
 
+// f(std::integral_constant<int, N16>{}) for n16 in [LO, HI]: a binary search over instantiations of f, each
+// with its wgmma shapes fixed (wgmma_rows_cut).
+template <int LO, int HI, typename F>
+__device__ __forceinline__ void wg_with_n16(int n16, F&& f) {
+  if constexpr (LO == HI) {
+    f(std::integral_constant<int, LO>{});
+  } else {
+    constexpr int MID = (LO + HI) / 2;
+    if (n16 <= MID) wg_with_n16<LO, MID>(n16, f);
+    else wg_with_n16<MID + 1, HI>(n16, f);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row
 // tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
@@ -537,7 +556,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for "
                                                     "its two extra stages of the 8-bit ring)");
   constexpr int NB = wg_blocks(BM), S = tma_stages(BM, GATED), BN = GATED ? wg_rows(BM) / 2 : wg_rows(BM);  // BN: outputs per column tile
-  static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: dense products only");
+  static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: plain products only (no gather, split, gate)");
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
   pdl_wait();
@@ -691,26 +710,32 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     if (go_wait) mbar_wait(go, 0), go_wait = false;
     // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
     // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
-    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513). BM = 256: the
+    // loop is instantiated for each N16 = ceil(tile.rows / 16) (wg_with_n16), its wgmmas cut to the rows.
+    auto k_loop = [&](auto n16) {
+      constexpr int N16 = decltype(n16)::value;
 #pragma unroll 1
-    for (int kt = kb; kt < ke; ++kt) {
-      cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
-      mbar_wait(fb, ph);
-      const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd);
-      wgmma_wait<1>();  // half 1 of kt-1 retired
-      if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd);
-      wgmma_wait<1>();  // half 0 of kt retired
-      if (go_due && (kt - kb == STAGGER - 1 || kt + 1 == ke)) mbar_arrive(go), go_due = false;
-      eb_prev = fb + 8 * S;  // empty[s]
-      const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
-      s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
-      if (s == 0) ph ^= 1;
-    }
+      for (int kt = kb; kt < ke; ++kt) {
+        cur = nxt;
+        if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+        mbar_wait(fb, ph);
+        const uint64_t xd = wg_desc(xs);
+        wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
+        wg_issue_half<BM, 0, N16>(acc, H0, xd);
+        wgmma_wait<1>();  // half 1 of kt-1 retired
+        if (kt > kb && lane == 0) mbar_arrive(eb_prev);
+        wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
+        wg_issue_half<BM, 1, N16>(acc, H1, xd);
+        wgmma_wait<1>();  // half 0 of kt retired
+        if (go_due && (kt - kb == STAGGER - 1 || kt + 1 == ke)) mbar_arrive(go), go_due = false;
+        eb_prev = fb + 8 * S;  // empty[s]
+        const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
+        s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
+        if (s == 0) ph ^= 1;
+      }
+    };
+    if constexpr (BM == 256) wg_with_n16<1, 16>(int((tile.rows + 15) / 16), k_loop);
+    else k_loop(std::integral_constant<int, 0>{});
     wgmma_wait<0>();
 #pragma unroll
     for (int b = 0; b < NB; ++b)
