@@ -475,7 +475,8 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
 // accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
 // Grid: min(units, SMs) CTAs of TMA_THREADS (640) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
-// tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile)
+// tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile; or
+// column tile fastest, LinearArgs::col_fastest)
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
 // last unit per tile sums the splits in order and stores.
@@ -551,6 +552,11 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const int64_t col_tiles = (N + BN - 1) / BN;
   const int64_t row_tiles = a.tiles.tile_expert ? int64_t(*a.tiles.num_tiles) : (a.tiles.M + BM - 1) / BM;
   const int64_t total = row_tiles * col_tiles;
+  // tile t's row tile and column tile: row tile fastest (CTAs running together share a weight column tile),
+  // or with a.col_fastest column tile fastest (they share a row tile's X: a product whose X does not stay
+  // in L2 across a pass over the row tiles, the MoE down product's)
+  auto row_of = [&](int64_t t) { return a.col_fastest ? t / col_tiles : t % row_tiles; };
+  auto col_of = [&](int64_t t) { return a.col_fastest ? t % col_tiles : t / row_tiles; };
   // work units: tile t = u / splits, k-tiles [split_begin(u % splits), split_begin(u % splits + 1))
   const int splits = SPLIT ? a.k_splits : 1;  // SPLIT instances only for dense products (host)
   const int64_t units = total * splits;
@@ -573,8 +579,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
         const int64_t t = u / splits;
         Tile tile;
-        if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * BN;
+        if (!find_tile(a.tiles, row_of(t), BM, tile)) continue;
+        const int n0 = int(col_of(t)) * BN;
         const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
         for (int kt = kb; kt < ke; ++kt) {
           mbar_wait(empty(s), ph ^ 1);
@@ -592,8 +598,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       int pending = 0;                   // stages copied by this thread and not yet arrived on
       for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {  // GATHER: splits == 1
         Tile tile;
-        if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-        const int n0 = int(t / row_tiles) * BN;
+        if (!find_tile(a.tiles, row_of(t), BM, tile)) continue;
+        const int n0 = int(col_of(t)) * BN;
         // 16-byte chunk index of each copied row's start in Xb (32 bits: the host checks the bound;
         // 64-bit pointers would not fit the producer's 40 registers at BM = 128), 0 for a row past the
         // tile's end, whose chunk is zero-filled (bit i of `real` clear: the copy reads nothing)
@@ -658,8 +664,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t t = u / splits;
     Tile tile;
-    if (!find_tile(a.tiles, t % row_tiles, BM, tile)) continue;
-    const int64_t n0 = (t / row_tiles) * BN;
+    if (!find_tile(a.tiles, row_of(t), BM, tile)) continue;
+    const int64_t n0 = col_of(t) * BN;
     const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
     float acc[NB][BM / 2];
 #pragma unroll
