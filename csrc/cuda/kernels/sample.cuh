@@ -13,7 +13,8 @@
 // logits, counts, seen [V] (f32, i32, i32; 16-byte aligned); token [1]; logprob ids/values [21].
 // CTA r owns ids [r*chunk, (r+1)*chunk), chunk a multiple of 4; in each tile of SAMPLE_TILE ids
 // thread t owns the 4 consecutive ids 4t..4t+3 (one 16-byte load). Scores are recomputed from the logits
-// (L2-resident after the first pass) in each pass rather than stored. Every reduction is in a
+// (L2-resident after the first pass) in each pass rather than stored; the compaction divides only the ids it keeps
+// (its test on z / T is one on z, z >= a threshold found once: z / T is monotone in z). Every reduction is in a
 // fixed order (sample_cluster.cuh), so the draw is reproducible; greedy is bit-equal to the CPU
 // (same IEEE division/multiply/fma on the scores, no sums). Rank 0 thread 0 writes the state last.
 // Shared memory (static, SampleShared): reduction slots and exchange buffers, two 256-bin radix histograms and
@@ -90,34 +91,91 @@ __device__ __forceinline__ float weight_e(float zt, float m) { return zt == m ? 
 // top_k's radix key of a score: -0 counted as +0, so that key order is the CPU's float order (-0 == +0)
 __device__ __forceinline__ unsigned score_key(float zt) { return float_key(zt + 0.f); }
 
+// The threshold of a monotone test on z / T as one on z: for every non-NaN score z, kept(z / T) == (z >= the
+// returned value), NaN where kept holds for no z / T. kept must be monotone in z / T (-0 == +0); z / T (IEEE,
+// T > 0: ops/sample.cpp) is monotone in z, so the z that pass form an interval of z's keys, whose lower end a search
+// finds from guess * T (usually two divisions: kept(g / T) and not kept(g' / T), g' the float below g).
+template <class Kept>
+__device__ float z_threshold(const SampleParams& p, float guess, Kept kept) {
+  constexpr long long NEG_INF = 0x007FFFFF, POS_INF = 0xFF800000;  // float_key(-inf), float_key(+inf)
+  const auto at = [&](long long k) { return kept(scaled(p, key_float(unsigned(k)))); };
+  const float g = __fmul_rn(guess, p.temperature);
+  // kept at hi (or hi past +inf), not at lo (or lo below -inf)
+  long long lo, hi = isnan(g) ? 0x80000000 : float_key(g);
+  if (at(hi)) {
+    for (long long step = 1;; step *= 2) {  // down from hi in growing steps until a key fails
+      lo = hi - step < NEG_INF ? NEG_INF - 1 : hi - step;
+      if (lo < NEG_INF || !at(lo)) break;
+      hi = lo;
+    }
+  } else {
+    for (long long step = 1;; step *= 2) {
+      lo = hi;
+      hi = lo + step > POS_INF ? POS_INF + 1 : lo + step;
+      if (hi > POS_INF || at(hi)) break;
+    }
+  }
+  while (hi - lo > 1) {
+    const long long mid = lo + (hi - lo) / 2;
+    if (at(mid)) hi = mid;
+    else lo = mid;
+  }
+  return hi > POS_INF ? __uint_as_float(0x7FFFFFFFu) : key_float(unsigned(hi));
+}
+
 // The candidate path's first half, in every CTA: its ids v in [lo, hi) with z_v / T >= z_min (top_k's threshold:
 // mask = ~0u) or, when top_k's select stopped early (mask: its levels' bits), with (score_key(z_v / T) & mask) >=
 // prefix (a superset of top_k's ids), in ascending order, to sh.cand_id / cand_z (the first SAMPLE_CANDIDATES of
-// them); returns how many there are. A tile's ids take their places by a block scan of the threads' counts
-// (exact in f32: < 2^24).
+// them); returns how many there are. Both tests are monotone in z / T, so an id is kept when z_v >= zc
+// (z_threshold; NaN scores take the division): no division an id but the kept ids'. Groups of 8 tiles: each thread
+// marks its kept ids (bit 4 j + k: tile j, id 4t + k) with no barrier in between, then only the tiles where some
+// thread kept an id place them, in tile order, by a block scan of the threads' counts (exact in f32: < 2^24).
 __device__ int compact_kept(const SampleParams& p, int lo, int hi, float z_min, unsigned prefix, unsigned mask,
                             SampleShared& sh) {
+  const auto kept = [&](float zt) { return mask == ~0u ? zt >= z_min : (score_key(zt) & mask) >= prefix; };
+  const float zc = z_threshold(p, mask == ~0u ? z_min : key_float(prefix), kept);
+  constexpr int GROUP = 8;  // tiles a group: 4 bits a tile in a 32-bit word
   int base = 0;
-  for (int tile = lo; tile < hi; tile += SAMPLE_TILE) {
-    const int v0 = tile + 4 * int(threadIdx.x);
-    const Quad q = load_quad(p, v0, hi);
-    float zt[4];
-    unsigned kept = 0;
+  for (int group = lo; group < hi; group += GROUP * SAMPLE_TILE) {
+    unsigned bits = 0, nans = 0;  // bit 4 j + k: id 4t + k of tile j is kept / a NaN score
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      zt[k] = scaled(p, q.z[k]);
-      const bool in = mask == ~0u ? zt[k] >= z_min : (score_key(zt[k]) & mask) >= prefix;
-      if (v0 + k < hi && in) kept |= 1u << k;
+    for (int j0 = 0; j0 < GROUP; j0 += 4) {  // 4 tiles' loads issued before their tests
+      Quad q[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[j] = load_quad(p, group + (j0 + j) * SAMPLE_TILE + 4 * int(threadIdx.x), hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * (j0 + j) + k;
+          if (group + (j0 + j) * SAMPLE_TILE + 4 * int(threadIdx.x) + k >= hi) continue;
+          if (q[j].z[k] >= zc) bits |= 1u << i;
+          if (isnan(q[j].z[k])) nans |= 1u << i;
+        }
     }
-    float tile_total;
-    int at = base + int(block_exclusive_scan(float(__popc(kept)), tile_total, sh));
+    for (; nans != 0; nans &= nans - 1) {  // (only where penalties make inf - inf)
+      const int i = __ffs(nans) - 1, v = group + i / 4 * SAMPLE_TILE + 4 * int(threadIdx.x) + i % 4;
+      if (kept(scaled(p, load_quad(p, v, v + 1).z[0]))) bits |= 1u << i;
+    }
+    int tiles = 0;  // bit j: this thread kept an id of tile j
+    for (int j = 0; j < GROUP; ++j)
+      if (bits >> (4 * j) & 15u) tiles |= 1 << j;
+    for (tiles = block_reduce(tiles, OrI{}, sh); tiles != 0; tiles &= tiles - 1) {  // the same in every thread
+      const int j = __ffs(tiles) - 1, v0 = group + j * SAMPLE_TILE + 4 * int(threadIdx.x);
+      const unsigned mine = bits >> (4 * j) & 15u;
+      float tile_total;
+      int at = base + int(block_exclusive_scan(float(__popc(mine)), tile_total, sh));
+      if (mine != 0) {
+        const Quad q = load_quad(p, v0, hi);  // again, for the kept ids' z / T
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (kept >> k & 1u) {
-        if (at < SAMPLE_CANDIDATES) sh.cand_id[at] = v0 + k, sh.cand_z[at] = zt[k];
-        ++at;
+        for (int k = 0; k < 4; ++k)
+          if (mine >> k & 1u) {
+            if (at < SAMPLE_CANDIDATES) sh.cand_id[at] = v0 + k, sh.cand_z[at] = scaled(p, q.z[k]);
+            ++at;
+          }
       }
-    base += int(tile_total);
+      base += int(tile_total);
+    }
   }
   return base;
 }

@@ -109,6 +109,9 @@ struct MinI {
 struct MaxI {
   __device__ int operator()(int a, int b) const { return max(a, b); }
 };
+struct OrI {
+  __device__ int operator()(int a, int b) const { return a | b; }
+};
 struct BestMerge {
   __device__ Best operator()(Best a, Best b) const { return {MaxFirst{}(a.a, b.a), max(a.nan, b.nan)}; }
 };
