@@ -34,6 +34,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+using std::isfinite;
 using std::isnan;
 
 struct float4 {

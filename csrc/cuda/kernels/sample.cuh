@@ -14,7 +14,8 @@
 // CTA r owns ids [r*chunk, (r+1)*chunk), chunk a multiple of 4; in each tile of SAMPLE_TILE ids
 // thread t owns the 4 consecutive ids 4t..4t+3 (one 16-byte load). Scores are recomputed from the logits
 // (L2-resident after the first pass) in each pass rather than stored; the compaction divides only the ids it keeps
-// (its test on z / T is one on z, z >= a threshold found once: z / T is monotone in z). Every reduction is in a
+// (its test on z / T is one on z, z >= a threshold found once: z / T is monotone in z), and the argmax pass takes
+// a fine bin from z * (1 / T) where that is provably z / T's bin (fine_bin). Every reduction is in a
 // fixed order (sample_cluster.cuh), so the draw is reproducible; greedy is bit-equal to the CPU
 // (same IEEE division/multiply/fma on the scores, no sums). Rank 0 thread 0 writes the state last.
 // Shared memory (static, SampleShared): reduction slots and exchange buffers, two 256-bin radix histograms and
@@ -90,6 +91,18 @@ __device__ __forceinline__ float scaled(const SampleParams& p, float z) { return
 __device__ __forceinline__ float weight_e(float zt, float m) { return zt == m ? 1.f : expf(zt - m); }
 // top_k's radix key of a score: -0 counted as +0, so that key order is the CPU's float order (-0 == +0)
 __device__ __forceinline__ unsigned score_key(float zt) { return float_key(zt + 0.f); }
+
+// score_key(z / T)'s top FINE_BITS bits (top_k's first radix level), dividing only near a bin edge: with inv_t =
+// 1 / T (IEEE; NaN where T is outside [2^-120, 2^120]), q = z * inv_t is z / T times (1 + d), |d| <= 2^-24, rounded,
+// so q and z / T rounded are at most 3 floats apart (in key order); where q is finite and its key at least 8 keys
+// from the edges of its bin, the bin is z / T's. Otherwise (inf, NaN, +-0, ~2^-16 of the rest) the division.
+__device__ __forceinline__ unsigned fine_bin(const SampleParams& p, float inv_t, float z) {
+  constexpr unsigned LOW = (1u << (32 - FINE_BITS)) - 1u;  // a key's bits below the bin
+  const float q = __fmul_rn(z, inv_t);
+  const unsigned key = score_key(q);
+  if (isfinite(q) && (key & LOW) - 8u < LOW - 15u) return key >> (32 - FINE_BITS);
+  return score_key(scaled(p, z)) >> (32 - FINE_BITS);
+}
 
 // The threshold of a monotone test on z / T as one on z: for every non-NaN score z, kept(z / T) == (z >= the
 // returned value), NaN where kept holds for no z / T. kept must be monotone in z / T (-0 == +0); z / T (IEEE,
@@ -409,6 +422,7 @@ __device__ int draw(const SampleParams& p, int lo, int hi, float m, ClusterCtx& 
 template <bool FINE>
 __device__ Best first_pass(const SampleParams& p, int lo, int hi, bool want_lp, Lse& lse, ClusterCtx& c) {
   Best best{{-INFINITY, INT_MAX}, 0};
+  const float T = p.temperature, inv_t = T >= 0x1p-120f && T <= 0x1p120f ? __fdiv_rn(1.f, T) : NAN;
   if constexpr (FINE) {
     for (int b = threadIdx.x; b < FINE_BINS; b += SAMPLE_THREADS) c.sh.fine[b] = 0;
     __syncthreads();
@@ -426,7 +440,7 @@ __device__ Best first_pass(const SampleParams& p, int lo, int hi, bool want_lp, 
         if (want_lp) lse = lse_add(lse, q.l[k]);
       }
       if constexpr (FINE) {
-        const unsigned bin = score_key(scaled(p, q.z[k])) >> (32 - FINE_BITS);
+        const unsigned bin = fine_bin(p, inv_t, q.z[k]);
         count_unit(c.sh.fine + bin, bin, in, active);
       }
     }
