@@ -486,7 +486,6 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
   p.tails = wide;
   p.routed_up = grouped(gate_up, r, p.tile_rows);
   p.routed_down = grouped_whole(dn, r, p.tile_rows);
-  p.routed_down.col_fastest = true;
   p.shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
                             shared_w),
                       T);

@@ -109,9 +109,6 @@ struct LinearArgs {
   uint16_t* yb = nullptr;
   bool swiglu = false;
   RowTiles tiles;
-  // linear_wgmma_tma_kernel's work order: column tile fastest instead of row tile fastest (the MoE down
-  // product: its X, 34 MB at 4K, is re-read once per column tile and falls out of L2 between passes)
-  bool col_fastest = false;
   // Split-K (linear_wgmma_tma_kernel, dense tiles only): each tile's k-tiles run as k_splits work
   // units whose fp32 partials [tile][split][256 consumer threads][BM] go to `partial`; the unit that
   // arrives last on split_done[tile] (zero before, reset by it) sums them in split order and stores.
