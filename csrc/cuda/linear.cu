@@ -594,7 +594,7 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
-// Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
+// Grouped (MoE) tile maps have a.tiles.tile_rows (64, 128, or 256: linear_tall_tiles) rows per tile: BM = tile_rows; gathered rows
 // (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
@@ -624,8 +624,16 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
   LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
              a.w.cols, " exceed the 32-bit chunk index");
-  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
-             "linear: unsupported tile map rows ", a.tiles.tile_rows);
+  const bool tall = grouped && a.tiles.tile_rows == LINEAR_TALL_TILE_ROWS;
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS ||
+                 (tall && linear_tall_tiles(a)),
+             "linear: unsupported tile map rows ", a.tiles.tile_rows, tall ? " (the 256-row instances take plain "
+             "products without gathered rows and 4-bit GATED ones with them: linear_tall_tiles)" : "");
+  if (tall) {
+    if constexpr (BITS == 4)
+      if (a.up.w != nullptr) return launch_wgmma<4, 256, false, true, false, true>(a, xb, x_count, max_tiles);
+    return launch_wgmma<BITS, 256, false, false>(a, xb, x_count, max_tiles);
+  }
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
     if (a.up.w != nullptr) {
       const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS : dense_wide(a.tiles.M, col_tiles, num_sms());
@@ -670,6 +678,11 @@ bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gat
 bool linear_wide_tiles(const LinearArgs& a) {
   if (a.up.w != nullptr) return linear_wide_tiles(gate_of(a)) && linear_wide_tiles(up_of(a));
   return wgmma_operands(a) && a.w.group_size != 32;
+}
+
+bool linear_tall_tiles(const LinearArgs& a) {
+  if (a.up.w != nullptr) return a.x_rows != nullptr && use_gated_wgmma(a);
+  return a.x_rows == nullptr && linear_wide_tiles(a);
 }
 
 bool linear_tiles_on_wgmma(const LinearArgs& a) {

@@ -55,6 +55,13 @@ constexpr int LINEAR_TILE_ROWS = 64;
 // product run over it satisfies linear_wide_tiles (the wgmma kernel has a 128-row instance for it).
 constexpr int LINEAR_WIDE_TILE_ROWS = 128;
 bool linear_wide_tiles(const LinearArgs& a);
+// A grouped product satisfying linear_tall_tiles may also run over a map of LINEAR_TALL_TILE_ROWS rows a tile
+// (the MoE whole map): the wgmma kernel's 256-row instances, whose wgmmas cover each tile's rows rounded up
+// to 16 (an expert's ~140 rows: one tile of N = 144). They take a plain product without gathered rows
+// satisfying linear_wide_tiles (the MoE down product) and a gated product with gathered rows that runs as one
+// GATED product (4-bit: the MoE routed gate/up); a is asked with its tile map set (tiles.tile_expert).
+constexpr int LINEAR_TALL_TILE_ROWS = 256;
+bool linear_tall_tiles(const LinearArgs& a);
 
 // 4/8-bit affine with BF16 scales, cols % 32 == 0 and 16-byte aligned words: every row (and every
 // stack entry) starts on a 16-byte chunk, the form the GEMV kernels read.

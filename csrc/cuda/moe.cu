@@ -28,9 +28,10 @@
 // the GATED gate/up products themselves (moe_xb_elems' layout, hand_over_xb) where the kernels on both
 // sides take it, else converted from the F32 rows by each down product (routed, then shared).
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once. With
-// 128-row tiles the routed gate/up product is two launches of the wgmma GEMM: BM = 128 over the 128-row map,
-// then BM = 64 over the tail map of the experts' last remainders of at most 64 rows (MoePrompt::tails); the
-// down product one launch over the whole map (its 64-row tiles measured slower: 8 k-tiles a tile).
+// 128-row tiles the routed gate/up and down products are one launch each over the whole map of 256-row tiles
+// (BM = 256, the wgmmas cut to each tile's rows); a gate/up product off the 4-bit GATED instance two launches
+// instead: BM = 128 over the 128-row map, then BM = 64 over the tail map of the experts' last remainders of
+// at most 64 rows (MoePrompt::tails).
 #include <algorithm>
 #include <array>
 
@@ -454,17 +455,20 @@ static float* router_stack_at(const MoeWeights& w, const ops::MoeScratch& s, int
 }
 
 // A prompt's expert products past the decode chain: the routed gate/up and down over the routing tables' tile
-// maps (the down product's the whole map; 128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
-// 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"; then `tails`: the gate/up product takes an
-// expert's last remainder of at most 64 rows on the tail map's 64-row tiles, whose k-tiles cost ~0.75 of a 128-row one, instead of a
-// 128-row tile of mostly padding: docs/perf-notes.md, nineteenth session), the shared expert's pair over
+// maps (128-row tiles once the experts average MOE_WIDE_TILE_MIN_ROWS rows and all grouped products have a
+// 128-row kernel: docs/perf-notes.md, "MoE prefill tiles"; then both over the whole map of 256-row tiles, one
+// an expert of up to 256 rows, the wgmmas cut to its rows: twentieth session, cutn and cutg; a gate/up
+// product that does not run as one 4-bit GATED product (linear_tall_tiles) keeps the 128-row map and
+// `tails`: an expert's last remainder of at most 64 rows on the tail map's 64-row tiles, whose k-tiles cost
+// ~0.75 of a 128-row one, instead of a 128-row tile of mostly padding: nineteenth session), the shared expert's pair over
 // all T rows, the bf16 hand-overs where both kernels of a pair take them (moe_xb_elems' layout: the activation blocks at the
 // end of s.xb, the XbCopy's `xb_capacity` elements before them, all of s.xb when neither pair hands over), and
 // which routed products run on moe_small. Built once for run_moe's launches and for moe_xb_only_supported.
 struct MoePrompt {
   LinearArgs routed_up, routed_down, shared_up, shared_down;
   int tile_rows;
-  bool tails;  // 128-row tiles with the tail map beside them (the routed gate/up also over tail_of)
+  int all_rows;  // the whole map's (the down product's, and the gate/up's unless `tails`): LINEAR_TALL_TILE_ROWS with 128-row tiles
+  bool tails;  // 128-row tiles with the tail map beside them (the routed gate/up over the 128-row map and tail_of)
   int64_t xb_capacity;
   MoeSmall small;
 };
@@ -483,9 +487,12 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
   const bool wide = TK >= MOE_WIDE_TILE_MIN_ROWS * E && linear_wide_tiles(gate_up) && linear_wide_tiles(dn);
   MoePrompt p;
   p.tile_rows = wide ? LINEAR_WIDE_TILE_ROWS : LINEAR_TILE_ROWS;
-  p.tails = wide;
-  p.routed_up = grouped(gate_up, r, p.tile_rows);
-  p.routed_down = grouped_whole(dn, r, p.tile_rows);
+  p.all_rows = wide ? LINEAR_TALL_TILE_ROWS : p.tile_rows;
+  const LinearArgs up_whole = grouped_whole(gate_up, r, p.all_rows);
+  const bool up_tall = wide && linear_tall_tiles(up_whole);  // one GATED product (4-bit), else the two maps
+  p.tails = wide && !up_tall;
+  p.routed_up = up_tall ? up_whole : grouped(gate_up, r, p.tile_rows);
+  p.routed_down = grouped_whole(dn, r, p.all_rows);
   p.routed_down.col_fastest = true;
   p.shared_up = dense(gated(product(*w.shared_gate_proj, h.ptr<float>(), H, shared_act, ld), *w.shared_up_proj,
                             shared_w),
@@ -603,7 +610,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, r.tail_expert, r.tail_row0, r.num_tail_tiles,
                       r.all_expert, r.all_row0, r.num_all_tiles,
-                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0};
+                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0, p.all_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
@@ -616,7 +623,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (xb.x == h.ptr<float>() && xb.ldx == H && xb.rows == T && xb.K == H) p.routed_up.xb = xb.data;
     run_moe_small_gated(p.routed_up, T, E, top_k);
   } else {
-    // the 128-row map first, the tail map's 64-row tiles (at most E) after it. Their rows are disjoint, but
+    // with `tails` the 128-row map first, the tail map's 64-row tiles (at most E) after it. Their rows are disjoint, but
     // each GEMM launch waits for the one before it (PDL), so the order only moves the two launches' last
     // rounds: this way the bulk starts right after its inputs as before, and the product ends on the
     // shorter 64-row units (the next launch's CTAs start on SMs as the tail's last round frees them)

@@ -234,6 +234,23 @@ def test_linear_wgmma_tiles(rows, cols, group, T, gpu_tol):
         check(ops.linear(wg, e, x), ops.linear(wc, e, x), "linear_wgmma", gpu_tol)
 
 
+@pytest.mark.parametrize("n16", range(1, 17))
+def test_linear_wgmma_tall_cut(n16, gpu_tol):
+    # dense_tall's 256-row tiles at T = 2048 + 16 n16 - 7: the last tile holds 16 n16 - 7 rows, so its
+    # wgmmas are cut to n16 rounded up to an instance (4, 8, 9, 10, 12, 16: wg_with_n16, wgmma_rows_cut; the
+    # MoE whole map of 256-row tiles runs the same ones). Those rows equal the same x rows' in a full tile
+    # (T = 2304: one m64n256 a k16 step) bit for bit, and the CPU's within the tolerance.
+    rng = np.random.default_rng(700 + n16)
+    m = random_matrix(rng, 1, 4000, 1024, 4, 64, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((2304, 1024)).astype(np.float32)
+    T = 2048 + 16 * n16 - 7
+    assert path_of(m, T) == "linear_wgmma"
+    cut = ops.linear(wg, 0, x[:T])
+    check(cut, ops.linear(wc, 0, x[:T]), "linear_wgmma", gpu_tol)
+    assert np.array_equal(cut, ops.linear(wg, 0, x)[:T])
+
+
 # A matrix's rows stacked with other rows keep their bits (engine.cpp's project: GDN's b and a, 32 rows each,
 # run as one 64-row product of a view of the stacked in_proj): each output of the wgmma GEMM is the same
 # operands in the same k order whatever rows share its weight tile. T = 700 and 4096: prompts past the

@@ -5,8 +5,10 @@
 //   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K*BITS/32] U32 (K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
-// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
-// BM = the map's tile_rows, 64 or 128).
+// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 256, 128 or 64; MoE grouped tile maps:
+// BM = the map's tile_rows, 64 or 128, and 256 for the whole map of the down product and (GATED + GATHER)
+// the gate/up product: a tile of an expert's up to 256 rows whose wgmmas cover only its rows, rounded up to
+// 64, 128, 144, 160, 192 or 256).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it
 //                            (NATURAL: in stored order, for the dense BF16 GEMM).
@@ -21,8 +23,8 @@
 // Tile: wg_rows(BM) weight rows (256; 128 at BM = 256) x BM rows, k-tiles of 64. Consumer warpgroup cw owns
 // weight rows [cw*64*NB, +64*NB) of the tile as NB = wg_blocks(BM) m64 blocks (2; 1 at BM = 256); each
 // thread holds NB x BM/2 fp32 accumulators. The weight rows are wg_rows(BM)
-// outputs of W, or (GATED) 128 rows of the gate matrix W then the same 128 rows of the up matrix,
-// interleaved: each 16-row warp slice of an m64 block holds 8 gate rows (rows g) and the up rows of the
+// outputs of W, or (GATED) wg_rows(BM)/2 rows of the gate matrix W then the same rows of the up matrix
+// (128 + 128; 64 + 64 at BM = 256), interleaved: each 16-row warp slice of an m64 block holds 8 gate rows (rows g) and the up rows of the
 // same 8 outputs (rows g + 8), so each thread holds G and U of its outputs and computes the SwiGLU in
 // registers (wg_row_base, wg_row_step).
 //   A (weights) from registers: each thread dequantizes its own fragment straight from the packed words
@@ -49,13 +51,15 @@
 //   (benchmarks/gemm_lab_wgmma.cuh, same operands and wgmma sequence; checked on the H200 by
 //   benchmarks/gemm_lab.sh). GATED computes
 //   every G and U value with the same operands and wgmma sequence as the plain gate and up products
-//   (an output row sits at the same row of the same m64 block: tiles start at multiples of 128) and
+//   (output o sits at row 16*((o%32)/8) + o%8 of its m64 block, + 8 for U, at every BM: column tiles
+//   start at multiples of 64) and
 //   the SwiGLU with store_output's expression: bit-identical to the two products (gemm_lab checks).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only; maps are encoded on the host, csrc/cuda/tensor_map.h)
 
 #include <cstdint>
 #include <cstring>  // memcpy (wg_f32_of, wg_bits_of on the host)
+#include <type_traits>  // std::integral_constant (wg_with_n16)
 
 #include "linear_common.cuh"
 #include "wgmma.cuh"
@@ -86,7 +90,8 @@ constexpr int WGX_THREADS = 256;
 // tma_stages(BM, GATED) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x
 // tma_w_row_bytes(BITS) (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers. 4-bit rings:
 // 6 x 24 KB (BM 128) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB / 161 KB.
-// 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
+// 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB). BM 256 (4-bit 36 KB stages, 8-bit 40 KB): 5 stages,
+// GATED 6 (217 KB; 7 would be 253 KB).
 // Two consumer warpgroups; the m64 blocks of 64 weight rows each one owns, wg_blocks(BM): two at BM = 64 and
 // 128 (256 weight rows a tile; BM accumulators and 16 A registers a half a thread), one at BM = 256 (128
 // weight rows a tile, wgmma m64n256: BM/2 = 128 accumulators, 8 A registers a half: half the dequantization
@@ -106,13 +111,14 @@ constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer th
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits, int bm) { return wg_rows(bm) * tma_w_row_bytes(bits); }
 __host__ __device__ constexpr int tma_stages(int bm, bool gated = false) {
-  return (bm == 256 ? 5 : bm == 128 ? 6 : 8) + (gated ? 2 : 0);
+  return bm == 256 ? (gated ? 6 : 5) : (bm == 128 ? 6 : 8) + (gated ? 2 : 0);
 }
 __host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits, bm); }
 __host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
   return 1024 + tma_stages(bm, gated) * tma_stage_bytes(bm, bits) + 2 * tma_stages(bm, gated) * 8;
 }
-static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4, true) <= 227 * 1024,
+static_assert(tma_smem_bytes(256, 4, true) <= 227 * 1024 && tma_smem_bytes(128, 4, true) <= 227 * 1024 &&
+                  tma_smem_bytes(64, 4, true) <= 227 * 1024,
               "the GATED ring exceeds the 227 KB opt-in shared memory");
 static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
               "the 8-bit ring exceeds the 227 KB opt-in shared memory");
@@ -122,19 +128,19 @@ static_assert(tma_smem_bytes(256, 8) <= 227 * 1024, "the BM = 256 ring exceeds t
 // cw, its warp w4, g = lane/4) holds, for m64 block b and h = 0, 1, wgmma row 16*w4 + g + 8h of block b
 // (acc[b][4j + 2h + e], the m16n8 layout), dequantized from stage row wg_row_base + wg_row_step(b, h):
 //   plain:  cw*64*NB + 16*w4 + g  +  b*64 + 8h
-//   GATED:  cw*32*NB + 8*w4 + g   +  h*128 + b*32
+//   GATED:  cw*32*NB + 8*w4 + g   +  h*64*NB + b*32
 // (NB = wg_blocks(BM) blocks b; every m64 block starts at a multiple of 64 weight rows, so an output row sits at the same
 // row of its block, 16*w4 + g (+ 8 for an up row), whatever the number of consumer warpgroups)
-// A GATED stage holds gate row n0 + i at stage row i and up row n0 + i at stage row 128 + i (i < 128),
-// so a GATED thread's rows h = 0 (slice rows 0-7) are gate rows and h = 1 (slice rows 8-15) the up rows
-// of the same outputs: tile output wg_row_base + wg_out_step(b) (< 128) for both h. Rows of consecutive
-// g are consecutive stage rows in both layouts (a quarter warp's 16-byte loads hit distinct banks).
-// tests/emu/wgmma_gated_il_emu.cu walks every thread through these.
+// A GATED stage holds gate row n0 + i at stage row i and up row n0 + i at stage row 64*NB + i (i < 64*NB:
+// 128, or 64 at BM = 256), so a GATED thread's rows h = 0 (slice rows 0-7) are gate rows and h = 1 (slice
+// rows 8-15) the up rows of the same outputs: tile output wg_row_base + wg_out_step(b) (< 64*NB) for both h.
+// Rows of consecutive g are consecutive stage rows in both layouts (a quarter warp's 16-byte loads hit
+// distinct banks). tests/emu/wgmma_gated_emu.cu walks every thread through these at NB = 2 and 1.
 __host__ __device__ constexpr int wg_row_base(bool gated, int cw, int w4, int g, int nb = 2) {
   return gated ? cw * (32 * nb) + 8 * w4 + g : cw * (64 * nb) + 16 * w4 + g;
 }
-__host__ __device__ constexpr int wg_row_step(bool gated, int b, int h) {
-  return gated ? h * 128 + b * 32 : b * 64 + 8 * h;
+__host__ __device__ constexpr int wg_row_step(bool gated, int b, int h, int nb = 2) {
+  return gated ? h * (64 * nb) + b * 32 : b * 64 + 8 * h;
 }
 // Accumulator row (b, h) of the thread is output n0 + wg_row_base + wg_out_step(b, h) of its matrix
 // (plain: W; GATED: the gate for h = 0, up for h = 1).
@@ -264,7 +270,7 @@ __device__ __forceinline__ void wg_load_scales(WgScales<GS32, NB>& s, const uint
 // registers (2 x 8 NB) are live next to the NB x BM/2 accumulators (a full double set, 2 x 32 at NB = 2, did
 // not fit 232 registers at BM = 128: ptxas C7512, "insufficient register resources", wgmma serialised).
 // ws: shared address of this thread's W row rbase in the stage (rows of R = tma_w_row_bytes(BITS) bytes:
-// row rbase + wg_row_step(GATED, b, h) at ws + wg_row_step(GATED, b, h)*R); words read by ld.shared.v4 on
+// row rbase + wg_row_step(GATED, b, h, NB) at ws + wg_row_step(GATED, b, h, NB)*R); words read by ld.shared.v4 on
 // 32-bit addresses.
 //   4-bit: the half is the 16-byte chunk H of the row (packed words 4H..4H+3): word m is step m/2,
 //          register (m%2)*2 + h, nibbles c and c+4 (wg_dequant_pair).
@@ -278,7 +284,7 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
   for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t row = ws + wg_row_step(GATED, b, h) * R;
+      const uint32_t row = ws + wg_row_step(GATED, b, h, NB) * R;
       const uint32_t s2 = __byte_perm(s.scale[b][h][GS32 ? H : 0], 0, 0x1010);  // the bf16 in both halves
       const uint32_t b2 = __byte_perm(s.bias[b][h][GS32 ? H : 0], 0, 0x1010);
       if constexpr (BITS == 4) {
@@ -300,8 +306,9 @@ __device__ __forceinline__ void wg_dequant_half(uint32_t ws, int c, const WgScal
 
 // xd = wg_desc(xs) of the stage's Xb tile; k16 step j's descriptor is xd + 2j, the same value as
 // wg_desc(xs + 32j): the start address field (bits 0-13, 16-byte units) of a 1024-aligned xs has its
-// low 6 bits zero, so adding 2j <= 6 carries nowhere.
-template <int BM, int H, int NB = wg_blocks(BM)>
+// low 6 bits zero, so adding 2j <= 6 carries nowhere. BM = 256: only the tile's first 16 * N16 rows
+// (wgmma_rows_cut: a short tile, e.g. a MoE expert's 140 rows, issues N = 128 + 16 instead of 256).
+template <int BM, int H, int N16, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const uint32_t (&A)[NB][2][4], uint64_t xd) {
 #pragma unroll
   for (int b = 0; b < NB; ++b)
@@ -311,7 +318,10 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int b = 0; b < NB; ++b) wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    for (int b = 0; b < NB; ++b) {
+      if constexpr (BM == 256) wgmma_rows_cut<N16>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+      else wgmma_rows<BM>(acc[b], A[b][s], xd + (2 * H + s) * 2);
+    }
   wgmma_commit();
 #pragma unroll
   for (int b = 0; b < NB; ++b)
@@ -319,13 +329,14 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
     for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
 }
 
-// Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
+// Epilogue of a BN x BM tile's warpgroup part (its first ROWS rows: a cut tile's 16 * N16, whose later rows
+// are past tile.rows): acc[b][4j + 2h + e] is D[o, r] with
 // o = n0 + rbase + b*64 + 8h (rbase = wg_row_base(false, cw, w4, g)), r = 8j + 2c + e; store_output's arithmetic
 // (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
 // SwiGLU reads y first: a row group j's 8 gate values and 2 row scales are loaded before group j-1 is
 // computed and stored (one memory latency per group, not one per element: the stores of a row could
 // alias the next row's loads, so the compiler would not reorder them itself).
-template <int BM, int NB = wg_blocks(BM)>
+template <int BM, int ROWS = BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
                                               const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + rbase;
@@ -337,7 +348,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
   auto y_of = [&](int r) { return a.y + (tile.row0 + r) * a.ldy + o0; };
   if (!a.swiglu) {
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+    for (int j = 0; j < ROWS / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int r = 8 * j + 2 * c + e;
@@ -367,8 +378,8 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
   };
   load(0);
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    if (j + 1 < BM / 8) load(j + 1);
+  for (int j = 0; j < ROWS / 8; ++j) {
+    if (j + 1 < ROWS / 8) load(j + 1);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 8 * j + 2 * c + e;
@@ -384,13 +395,14 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 }
 
 // GATED epilogue of one consumer thread: acc[b][4j + e] is G and acc[b][4j + 2 + e] is U of the same
-// output o = n0 + orow + wg_out_step(true, b, 0) (orow = wg_row_base(true, cw, w4, g)), r = 8j + 2c + e;
+// output o = n0 + orow + wg_out_step(true, b, 0) (orow = wg_row_base(true, cw, w4, g, NB)), r = 8j + 2c + e
+// (< ROWS, as in wg_store_tile);
 // y = row_scale * silu(G) * U with store_output's expression, as F32 y or (a.yb, the output as the next
 // product's Xb) as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32 value rounded
 // as wgx_bf16_kernel rounds it. No shared memory, no barrier. Row group j + 1's 2 row scales are loaded
 // before group j is computed and stored, as in wg_store_tile. A warp's store of one (j, e, b) is 4 rows x
 // 8 consecutive outputs (32 B each).
-template <int BM, int NB = wg_blocks(BM)>
+template <int BM, int ROWS = BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
                                                   const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + orow;
@@ -407,8 +419,8 @@ __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& 
   };
   load(0);
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    if (j + 1 < BM / 8) load(j + 1);
+  for (int j = 0; j < ROWS / 8; ++j) {
+    if (j + 1 < ROWS / 8) load(j + 1);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = 8 * j + 2 * c + e;
@@ -470,39 +482,50 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
   return true;
 }
 
+// f(std::integral_constant<int, N16>{}) for the first N16 of the list (ascending, the last 16) that is >= n16:
+// instantiations of f, each with its wgmma shapes fixed (wgmma_rows_cut).
+template <int N16, int... MORE, typename F>
+__device__ __forceinline__ void wg_with_n16(int n16, F&& f) {
+  if constexpr (sizeof...(MORE) == 0) f(std::integral_constant<int, N16>{});
+  else if (n16 <= N16) f(std::integral_constant<int, N16>{});
+  else wg_with_n16<MORE...>(n16, f);
+}
+
 // ---------------------------------------------------------------------------------------------------
-// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row
-// tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
-// accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
-// Grid: min(units, SMs) CTAs of TMA_THREADS (640) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
+// linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over BN-output x BM-row
+// tiles, BN = wg_rows(BM) (256; 128 at BM = 256) (GATED: BN = wg_rows(BM)/2 outputs of the gate W and the
+// up matrix a.up, [G; U] . X^T, each thread's accumulator rows interleaved as wg_row_base/wg_row_step
+// say), persistent.
+// Grid: min(units, SMs) CTAs of TMA_THREADS (384) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles (row tile fastest: CTAs running together share a weight column tile; or
 // column tile fastest, LinearArgs::col_fastest)
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
 // last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
-// Column tiles: ceil(N / 256), GATED ceil(N / 128) (no split-K).
+// Column tiles: ceil(N / BN) (GATED: no split-K; SPLIT: no BM = 256 instance).
 // Shared memory: a ring of S = tma_stages(BM, GATED) stages, each [Xb tile BM x 64 bf16, 128B-swizzled
-// as TMA SWIZZLE_128B writes it = wg_swz][W words 256 rows x 32 B], then full[S] and empty[S] mbarriers.
+// as TMA SWIZZLE_128B writes it = wg_swz][W words wg_rows(BM) rows x tma_w_row_bytes(BITS)], then full[S]
+// and empty[S] mbarriers.
 // Warpgroup 0 = producer (setmaxnreg 40): for every k-tile of every tile it waits empty[s], then
 //   !GATHER: one thread arms full[s] with the stage's bytes and issues the W and Xb TMA loads: W box
-//            {2*BITS words, 256 rows, 1 expert} of tmap_w (3-D [E][N][K*BITS/32] U32; rows >= N read as
+//            {2*BITS words, BN rows, 1 expert} of tmap_w (3-D [E][N][K*BITS/32] U32; rows >= N read as
 //            zero) or
-//            (GATED) box {8, 128, 1} of tmap_w into W rows 0-127 and the same rows of tmap_u
-//            (the up matrix, the same shape) into rows 128-255: 3 TMAs a stage with the Xb box {64, BM}
+//            (GATED) box {8, BN, 1} of tmap_w into W rows 0..BN-1 and the same rows of tmap_u
+//            (the up matrix, the same shape) into rows BN..2BN-1: 3 TMAs a stage with the Xb box {64, BM}
 //            of tmap_x (2-D [rows][K]
 //            bf16) at row tile.row0 (rows past the end read zero; rows of the next expert in a MoE tile
 //            are read and never stored).
 //   GATHER (MoE gate/up, x_rows): thread 0 arms full[s] with the W bytes and issues the W TMA(s);
-//            all 128 threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each) by cp.async
+//            all 128 threads copy their BM/16 Xb chunks (row x_rows[row0 + r], 16 B each; 16 at BM = 256) by cp.async
 //            into the swizzled positions; a thread arrives on full[s] once its copies of that stage
 //            have landed (cp.async.wait_group TMA_GATHER_LAG, proxy fence, arrive), so full[s] counts
 //            1 + 128.
 //            Deadlock-free because the lag (3) is below the stage count.
 // Warpgroups 1, 2 = consumers (setmaxnreg TMA_CONSUMER_REGS: 232), warpgroup cw = wg - 1 the
 //   weight rows [cw*64*NB, +64*NB) of the tile as NB m64 blocks b,
-//   thread rows rbase = wg_row_base(false, cw, w4, g) (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
-//   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = wg_row_base(true, cw, w4, g) (+ h*128 +
+//   thread rows rbase = wg_row_base(false, cw, w4, g, NB) (+ b*64 + 8h) of the stage, lane%4 = c; outputs n0 + rbase
+//   (+ b*64 + 8h) of its matrix (GATED: stage rows rbase = wg_row_base(true, cw, w4, g, NB) (+ h*64*NB +
 //   b*32), outputs n0 + rbase (+ b*32), rows h = 0 gate and h = 1 up, their matrix's scales and biases).
 //   Per k-tile: wait full[s]; for
 //   each half (k16 steps 0-1, then 2-3): dequantize the half's W words from the stage (ld.shared.v4)
@@ -526,7 +549,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   static_assert(BITS == 4 || (BITS == 8 && !GATED), "4-bit weights, or 8-bit ones without GATED (no room for "
                                                     "its two extra stages of the 8-bit ring)");
   constexpr int NB = wg_blocks(BM), S = tma_stages(BM, GATED), BN = GATED ? wg_rows(BM) / 2 : wg_rows(BM);  // BN: outputs per column tile
-  static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: dense products only");
+  static_assert(BM != 256 || !SPLIT, "BM = 256: no split-K (wg_split_reduce's partials are laid out for NB = 2)");
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
   pdl_wait();
@@ -667,50 +690,61 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     if (!find_tile(a.tiles, row_of(t), BM, tile)) continue;
     const int64_t n0 = col_of(t) * BN;
     const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
-    float acc[NB][BM / 2];
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-      for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
     uint32_t rows[NB][2];
     wg_scale_rows<GATED, NB>(rows, a.w, tile.expert, n0, rbase);
     uint32_t H0[NB][2][4], H1[NB][2][4];  // A fragments of half k-tiles 0 and 1
     WgScales<GS32, NB> cur, nxt;
     wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kb, sc_u, bi_u);
-    // k-tile kt: two groups (half 0, half 1), each queued while the previous group runs, then the
-    // previous group is retired (wait_group 1). Retiring half 1 of kt-1 frees kt-1's stage. Every
-    // iteration issues H0 then H1, so ptxas can match each wait to its group (no C7513).
+    // The tile from its accumulators to its stores. k-tile kt: two groups (half 0, half 1), each queued
+    // while the previous group runs, then the previous group is retired (wait_group 1). Retiring half 1 of
+    // kt-1 frees kt-1's stage. Every iteration issues H0 then H1, so ptxas can match each wait to its group
+    // (no C7513). BM = 256: instantiated for a few N16 >= ceil(tile.rows / 16) (wg_with_n16), its wgmmas cut
+    // to 16 N16 rows, its epilogue to those rows; the accumulators live inside each instance (declared
+    // outside, they were live across the instances' join, and ptxas serialised the wgmmas of every BM = 256
+    // instance: C7511).
+    auto tile_body = [&](auto n16) {
+      constexpr int N16 = decltype(n16)::value, ROWS = BM == 256 ? 16 * N16 : BM;  // rows the wgmmas cover
+      float acc[NB][BM / 2];
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) acc[b][i] = 0.f;
 #pragma unroll 1
-    for (int kt = kb; kt < ke; ++kt) {
-      cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
-      mbar_wait(fb, ph);
-      const uint64_t xd = wg_desc(xs);
-      wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
-      wg_issue_half<BM, 0>(acc, H0, xd);
-      wgmma_wait<1>();  // half 1 of kt-1 retired
-      if (kt > kb && lane == 0) mbar_arrive(eb_prev);
-      wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
-      wg_issue_half<BM, 1>(acc, H1, xd);
-      wgmma_wait<1>();  // half 0 of kt retired
-      eb_prev = fb + 8 * S;  // empty[s]
-      const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
-      s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
-      if (s == 0) ph ^= 1;
-    }
-    wgmma_wait<0>();
+      for (int kt = kb; kt < ke; ++kt) {
+        cur = nxt;
+        if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
+        mbar_wait(fb, ph);
+        const uint64_t xd = wg_desc(xs);
+        wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
+        wg_issue_half<BM, 0, N16>(acc, H0, xd);
+        wgmma_wait<1>();  // half 1 of kt-1 retired
+        if (kt > kb && lane == 0) mbar_arrive(eb_prev);
+        wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
+        wg_issue_half<BM, 1, N16>(acc, H1, xd);
+        wgmma_wait<1>();  // half 0 of kt retired
+        eb_prev = fb + 8 * S;  // empty[s]
+        const int d = s + 1 == S ? 1 - S : 1;  // to the next stage, wrapping to 0
+        s += d, xs += d * STAGE, ws += d * STAGE, fb += d * 8;
+        if (s == 0) ph ^= 1;
+      }
+      wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < NB; ++b)
+      for (int b = 0; b < NB; ++b)
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
-    if (lane == 0) mbar_arrive(eb_prev);
-    if constexpr (GATED) {
-      wg_store_gated<BM>(a, tile, n0, rbase, c, acc);
-    } else if (splits == 1) {
-      wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
-    } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {
-      wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
-    }
+        for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
+      if (lane == 0) mbar_arrive(eb_prev);
+      if constexpr (GATED) {
+        wg_store_gated<BM, ROWS>(a, tile, n0, rbase, c, acc);
+      } else if (splits == 1) {
+        wg_store_tile<BM, ROWS>(a, tile, n0, rbase, c, acc);
+      } else if (wg_split_reduce<BM>(a, tile, t, int(u % splits), ct, c, acc, split_last)) {
+        wg_store_tile<BM>(a, tile, n0, rbase, c, acc);
+      }
+    };
+    // BM = 256: the tile's rows rounded up to 64, 128, 144, 160, 192 or 256 (an expert's 128 +- 11 rows at 4K
+    // take 128, 144 or 160). One instance per N16 (16 of them) made ptxas serialise the wgmmas (C7512).
+    if constexpr (BM == 256) wg_with_n16<4, 8, 9, 10, 12, 16>(int((tile.rows + 15) / 16), tile_body);
+    else tile_body(std::integral_constant<int, 0>{});
   }
 }
 

@@ -160,11 +160,12 @@ struct MoeScatterParams {
   int32_t* tail_expert;        // [E] the map of tail_rows-row tiles (an expert's last remainder)
   int32_t* tail_row0;          // [E]
   int32_t* num_tail_tiles;     // [1]
-  int32_t* all_expert;         // [max_tiles] the whole map: ceil(n_e / tile_rows) tiles an expert
+  int32_t* all_expert;         // [max_tiles] the whole map: ceil(n_e / all_rows) tiles an expert
   int32_t* all_row0;           // [max_tiles]
   int32_t* num_all_tiles;      // [1]
   int T, E, K, tile_rows;
   int tail_rows;               // 0 (no tail map) or below tile_rows
+  int all_rows;                // rows a tile of the whole map (tile_rows, or 256: the down product's N-cut tiles)
 };
 
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
@@ -174,8 +175,9 @@ struct MoeScatterParams {
 // tail_rows-row map holds that last tile instead when 0 < r_e <= tail_rows (one tile: r_e <= tail_rows).
 // tail_rows = 0: ceil(n_e / tile_rows) tiles in the first map, the tail map empty (*num_tail_tiles = 0).
 // Every row lies in exactly one tile of one map. A third map, the whole map, holds each expert's
-// ceil(n_e / tile_rows) tiles whatever tail_rows (the down product's: its short k loop makes a 64-row
-// tile cost about as much as a 128-row one, docs/perf-notes.md, nineteenth session). A token's K experts are distinct (moe_topk's choice).
+// ceil(n_e / all_rows) tiles of all_rows rows whatever tail_rows (the down product's: its short k loop
+// makes a 64-row tile cost about as much as a 128-row one, docs/perf-notes.md, nineteenth session; at
+// all_rows = 256 an expert's ~128-200 rows are one tile whose wgmmas cover just its rows, twentieth). A token's K experts are distinct (moe_topk's choice).
 // Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
 // Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
 // mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
     // as one more tile when r > tail_rows, to the tail map when 0 < r <= tail_rows
     auto main_tiles = [&](int n) { return n / p.tile_rows + (n % p.tile_rows > p.tail_rows ? 1 : 0); };
     auto tail_tiles = [&](int n) { return n % p.tile_rows > 0 && n % p.tile_rows <= p.tail_rows ? 1 : 0; };
-    auto all_tiles = [&](int n) { return (n + p.tile_rows - 1) / p.tile_rows; };
+    auto all_tiles = [&](int n) { return (n + p.all_rows - 1) / p.all_rows; };
     const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
     int rows = 0, tiles = 0, tails = 0, alls = 0;  // this lane's run, then the inclusive scans over lanes
     for (int e = e0; e < e1; ++e)
@@ -234,7 +236,7 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
         p.row_end[e] = start + n;
         for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
         if (nu) p.tail_expert[tail] = e, p.tail_row0[tail] = start + nt * p.tile_rows;
-        for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.tile_rows;
+        for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.all_rows;
       }
       start += n, tile += nt, tail += nu, all += na;
     }

@@ -100,12 +100,62 @@ __device__ __forceinline__ void wgmma_m64n256k16_rA(float (&d)[128], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B));
 }
 
+__device__ __forceinline__ void wgmma_m64n32k16_rA(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_m64n16k16_rA(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// One m64 x N x k16 wgmma (N = 16, 32, 64, 128 or 256 rows of B) accumulating into d.
+template <int N>
+__device__ __forceinline__ void wgmma_n_rA(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (N == 256) wgmma_m64n256k16_rA<0>(d, a, desc);
+  else if constexpr (N == 128) wgmma_m64n128k16_rA(d, a, desc);
+  else if constexpr (N == 64) wgmma_m64n64k16_rA(d, a, desc);
+  else if constexpr (N == 32) wgmma_m64n32k16_rA(d, a, desc);
+  else wgmma_m64n16k16_rA(d, a, desc);
+}
+
 // One m64 x BM x k16 wgmma (BM = 64, 128 or 256 rows of B) accumulating into d.
 template <int BM>
 __device__ __forceinline__ void wgmma_rows(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (BM == 256) wgmma_m64n256k16_rA<0>(d, a, desc);
-  else if constexpr (BM == 128) wgmma_m64n128k16_rA(d, a, desc);
-  else wgmma_m64n64k16_rA(d, a, desc);
+  wgmma_n_rA<BM>(d, a, desc);
+}
+
+// The first 16 * N16 rows of B (N16 = 1..16) of a 256-row tile: one m64n256 at N16 = 16, else one wgmma per
+// set bit of N16 (N = 128, 64, 32, 16, in that order, each on the next rows: rows [OFF, OFF + N) start
+// OFF * 128 bytes = OFF * 8 descriptor units later, a whole number of 1024-byte swizzle atoms, and their
+// accumulators are d[OFF / 2, (OFF + N) / 2), where the m64n256's columns OFF.. sit). Every output element
+// gets the same k16 products in the same order as from the m64n256: only the columns no row reaches are
+// left out. N16 and the slices are compile-time: a run-time choice between the wgmmas of one group made
+// ptxas serialise them (C7519, "warpgroup.arrive is injected").
+template <int N16, int OFF = 0, int N = 128>
+__device__ __forceinline__ void wgmma_rows_cut(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (N16 == 16) {
+    wgmma_m64n256k16_rA<0>(d, a, desc);
+  } else if constexpr (N >= 16) {
+    if constexpr ((N16 & (N / 16)) != 0) {
+      wgmma_n_rA<N>(reinterpret_cast<float(&)[N / 2]>(d[OFF / 2]), a, desc + OFF * 8);
+      wgmma_rows_cut<N16, OFF + N, N / 2>(d, a, desc);
+    } else {
+      wgmma_rows_cut<N16, OFF, N / 2>(d, a, desc);
+    }
+  }
 }
 
 // The same products with A from shared memory too (both operands K-major by descriptor, no transpose):
