@@ -683,11 +683,13 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll 1
     for (int kt = kb; kt < ke; ++kt) {
       cur = nxt;
-      if (kt + 1 < ke) wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1, sc_u, bi_u);
       mbar_wait(fb, ph);
       const uint64_t xd = wg_desc(xs);
       wg_dequant_half<0, GS32, BITS, GATED, NB>(ws, c, cur, H0);
       wg_issue_half<BM, 0>(acc, H0, xd);
+      // the next k-tile's scales (the last k-tile reloads its own: no branch), behind half 0's wgmmas so that
+      // the chain from the stage's full barrier to them holds only the stage's own loads
+      wg_load_scales<GS32, GATED, NB>(nxt, sc, bi, rows, gshift, kt + 1 < ke ? kt + 1 : kt, sc_u, bi_u);
       wgmma_wait<1>();  // half 1 of kt-1 retired
       if (kt > kb && lane == 0) mbar_arrive(eb_prev);
       wg_dequant_half<1, GS32, BITS, GATED, NB>(ws, c, cur, H1);
