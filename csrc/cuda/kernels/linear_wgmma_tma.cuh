@@ -474,7 +474,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // linear_wgmma_tma_kernel<BM, GS32, GATHER, SPLIT, GATED, BITS>: Y = W . X^T over 256-output x BM-row
 // tiles (GATED: 128-output tiles of the gate W and the up matrix a.up, [G; U] . X^T, each thread's
 // accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
-// Grid: min(units, SMs) CTAs of TMA_THREADS (640) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
+// Grid: min(units, SMs) CTAs of TMA_THREADS (384) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles, column tile fastest (CTAs running together share a row tile's X),
 // or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
