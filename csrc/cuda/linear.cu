@@ -626,6 +626,9 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
              a.w.cols, " exceed the 32-bit chunk index");
   LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
+  // the epilogues address a tile's rows by 32-bit offsets (row * ldy, or row * N for a bf16 output, row < 256)
+  LILY_CHECK(a.ldy < (int64_t(1) << 22) && a.w.rows < (int64_t(1) << 22), "linear: an output row of ", a.ldy,
+             " (", a.w.rows, " outputs) exceeds the wgmma epilogue's 32-bit row offsets");
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
     if (a.up.w != nullptr) {
       const bool wide = grouped ? a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS : dense_wide(a.tiles.M, col_tiles, num_sms());

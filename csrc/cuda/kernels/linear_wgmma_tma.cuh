@@ -56,6 +56,7 @@
 
 #include <cstdint>
 #include <cstring>  // memcpy (wg_f32_of, wg_bits_of on the host)
+#include <type_traits>  // std::true_type (the epilogues' all-columns form)
 
 #include "linear_common.cuh"
 #include "wgmma.cuh"
@@ -74,6 +75,27 @@ __device__ __forceinline__ const void* wg_chunk_at(const uint16_t* base, uint32_
   uint64_t p;
   asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(p) : "r"(chunk), "l"(base));
   return reinterpret_cast<const void*>(p);
+}
+
+// base + i * stride bytes as one IMAD.WIDE.U32 (an epilogue's row pointer: the compiler otherwise rebuilds the
+// element index in 64 bits and shifts it, six instructions a row).
+template <typename T>
+__device__ __forceinline__ T* wg_at(T* base, uint32_t i, uint32_t stride) {
+  uint64_t p;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(p) : "r"(i), "r"(stride), "l"(base));
+  return reinterpret_cast<T*>(p);
+}
+// *p = v when i < lim (signed), as a predicated store: no branch around it (the epilogues' row and column
+// bounds; ptxas shares the compare among the stores of a row that test the same i and lim).
+__device__ __forceinline__ void wg_st_lt(float* p, float v, int i, int lim) {
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.lt.s32 q, %2, %3;\n\t@q st.global.f32 [%0], %1;\n\t}" ::"l"(p), "f"(v),
+               "r"(i), "r"(lim)
+               : "memory");
+}
+__device__ __forceinline__ void wg_st_lt(uint16_t* p, uint16_t v, int i, int lim) {
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.lt.s32 q, %2, %3;\n\t@q st.global.b16 [%0], %1;\n\t}" ::"l"(p), "h"(v),
+               "r"(i), "r"(lim)
+               : "memory");
 }
 
 // Xb[r, 8j + 2c + e] = bf16_rn(X[r, 8j + c + 4e]) for c = 0..3, e = 0..1 (wg_phys_k's permutation), so a
@@ -321,7 +343,14 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
 // o = n0 + rbase + b*64 + 8h (rbase = wg_row_base(false, cw, w4, g)), r = 8j + 2c + e; store_output's arithmetic
-// (plain, or y = row_scale * silu(y) * acc), with one row pointer per r (fewer live 64-bit addresses).
+// (plain, or y = row_scale * silu(y) * acc). Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
+// at je * ldy from it (wg_at; the host keeps 256 * ldy < 2^32); each store predicated (wg_st_lt) on
+// je < lim: lim = the tile's rows past 2c, or 0 for an output past W's rows (only at a product's last column
+// tile: ALL, every output real, shares one compare a row); row groups of 8 past the tile's end are skipped by a
+// warp-uniform branch (a MoE tile is often partly empty: computing its SwiGLU anyway made the 64-row gated
+// product 98 -> 112 us). No branch around a row inside the tile, no 64-bit compare a store:
+// the older form's ~20 instructions a row of 4 stores were ~22% of the MoE down product's warp samples
+// (docs/perf-notes.md, twenty-first session).
 // SwiGLU reads y first: a row group j's 8 gate values and 2 row scales are loaded before group j-1 is
 // computed and stored (one memory latency per group, not one per element: the stores of a row could
 // alias the next row's loads, so the compiler would not reorder them itself).
@@ -329,58 +358,68 @@ template <int BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& tile, int64_t n0, int rbase, int c,
                                               const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + rbase;
-  bool col[NB][2];  // output o0 + b*64 + 8h is a real row of W
+  const int trows = int(tile.rows), rows = trows - 2 * c;  // row 2c + je is real when je < rows
+  int lim[NB][2];                           // rows, or 0 where output o0 + b*64 + 8h is past W's rows
+  bool all = true;
 #pragma unroll
   for (int b = 0; b < NB; ++b)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) col[b][h] = o0 + b * 64 + 8 * h < a.w.rows;
-  auto y_of = [&](int r) { return a.y + (tile.row0 + r) * a.ldy + o0; };
-  if (!a.swiglu) {
+    for (int h = 0; h < 2; ++h) {
+      const bool real = o0 + b * 64 + 8 * h < a.w.rows;
+      lim[b][h] = real ? rows : 0;
+      all = all && real;
+    }
+  const uint32_t ldy = uint32_t(a.ldy) * 4;
+  float* const y0 = a.y + (tile.row0 + 2 * c) * a.ldy + o0;
+  auto body = [&](auto every) {
+    auto lim_of = [&](int b, int h) { return decltype(every)::value ? rows : lim[b][h]; };
+    if (!a.swiglu) {
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+      for (int j = 0; j < BM / 8; ++j) {
+        if (8 * j >= trows) break;  // row groups past the tile's end: a warp-uniform branch
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float* const y = wg_at(y0, 8 * j + e, ldy);
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wg_st_lt(y + b * 64 + 8 * h, acc[b][4 * j + 2 * h + e], 8 * j + e, lim_of(b, h));
+        }
+      }
+      return;
+    }
+    float gate[2][2][NB][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
+    auto load = [&](int j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int r = 8 * j + 2 * c + e;
-        if (r >= tile.rows) continue;
-        float* y = y_of(r);
+        const int je = 8 * j + e;
+        const float* y = wg_at(y0, je < rows ? je : 0, ldy);
+        rs[j & 1][e] = je < rows && a.row_scale ? a.row_scale[tile.row0 + 2 * c + je] : 1.f;
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) gate[j & 1][e][b][h] = je < lim_of(b, h) ? y[b * 64 + 8 * h] : 0.f;
+      }
+    };
+    load(0);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      if (8 * j >= trows) break;
+      if (j + 1 < BM / 8) load(j + 1);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float* const y = wg_at(y0, 8 * j + e, ldy);
 #pragma unroll
         for (int b = 0; b < NB; ++b)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            if (col[b][h]) y[b * 64 + 8 * h] = acc[b][4 * j + 2 * h + e];
+            wg_st_lt(y + b * 64 + 8 * h, rs[j & 1][e] * silu(gate[j & 1][e][b][h]) * acc[b][4 * j + 2 * h + e], 8 * j + e,
+                     lim_of(b, h));
       }
-    return;
-  }
-  float gate[2][2][NB][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
-  auto load = [&](int j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      const bool ok = r < tile.rows;
-      const float* y = y_of(ok ? r : 0);
-      rs[j & 1][e] = ok && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) gate[j & 1][e][b][h] = ok && col[b][h] ? y[b * 64 + 8 * h] : 0.f;
     }
   };
-  load(0);
-#pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    if (j + 1 < BM / 8) load(j + 1);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      if (r >= tile.rows) continue;
-      float* y = y_of(r);
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (col[b][h]) y[b * 64 + 8 * h] = rs[j & 1][e] * silu(gate[j & 1][e][b][h]) * acc[b][4 * j + 2 * h + e];
-    }
-  }
+  if (all) body(std::true_type{});
+  else body(std::false_type{});
 }
 
 // GATED epilogue of one consumer thread: acc[b][4j + e] is G and acc[b][4j + 2 + e] is U of the same
@@ -389,41 +428,46 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
 // product's Xb) as wg_bf16 at row (tile.row0 + r) * N, position wg_xb_pos(o): the same F32 value rounded
 // as wgx_bf16_kernel rounds it. No shared memory, no barrier. Row group j + 1's 2 row scales are loaded
 // before group j is computed and stored, as in wg_store_tile. A warp's store of one (j, e, b) is 4 rows x
-// 8 consecutive outputs (32 B each).
+// 8 consecutive outputs (32 B each). Addressing and predicates as in wg_store_tile (the output kind, yb or
+// y, chosen once a tile).
 template <int BM, int NB = wg_blocks(BM)>
 __device__ __forceinline__ void wg_store_gated(const LinearArgs& a, const Tile& tile, int64_t n0, int orow, int c,
                                                   const float (&acc)[NB][BM / 2]) {
   const int64_t o0 = n0 + orow;
-  bool col[NB];  // output o0 + wg_out_step(true, b, 0) is a real row of the matrices
+  const int trows = int(tile.rows), rows = trows - 2 * c;  // row 2c + je is real when je < rows
+  int lim[NB];                              // rows, or 0 where output o0 + wg_out_step(true, b, 0) is past the rows
 #pragma unroll
-  for (int b = 0; b < NB; ++b) col[b] = o0 + wg_out_step(true, b, 0) < a.w.rows;
+  for (int b = 0; b < NB; ++b) lim[b] = o0 + wg_out_step(true, b, 0) < a.w.rows ? rows : 0;
+  const float* const rsc = a.row_scale ? a.row_scale + tile.row0 + 2 * c : nullptr;
   float rs[2][2];  // [group parity][e]
   auto load = [&](int j) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      rs[j & 1][e] = r < tile.rows && a.row_scale ? a.row_scale[tile.row0 + r] : 1.f;
+    for (int e = 0; e < 2; ++e) rs[j & 1][e] = 8 * j + e < rows && rsc ? rsc[8 * j + e] : 1.f;
+  };
+  // out(je, b, v): store output b of row 2c + je (predicated on je < lim[b])
+  auto body = [&](auto out) {
+    load(0);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      if (8 * j >= trows) break;  // row groups past the tile's end: no SwiGLU computed for them
+      if (j + 1 < BM / 8) load(j + 1);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) out(8 * j + e, b, rs[j & 1][e] * silu(acc[b][4 * j + e]) * acc[b][4 * j + 2 + e]);
     }
   };
-  load(0);
+  if (a.yb) {
+    const uint32_t ld = uint32_t(a.w.rows) * 2;
+    uint16_t* pos[NB];  // row 2c's output b
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-    if (j + 1 < BM / 8) load(j + 1);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * j + 2 * c + e;
-      if (r >= tile.rows) continue;
-      float* y = a.y + (tile.row0 + r) * a.ldy + o0;
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        if (!col[b]) continue;
-        const float g = acc[b][4 * j + e], u = acc[b][4 * j + 2 + e];
-        const float v = rs[j & 1][e] * silu(g) * u;
-        const int step = wg_out_step(true, b, 0);
-        if (a.yb) a.yb[(tile.row0 + r) * a.w.rows + wg_xb_pos(o0 + step)] = wg_bf16(v);
-        else y[step] = v;
-      }
-    }
+    for (int b = 0; b < NB; ++b)
+      pos[b] = a.yb + (tile.row0 + 2 * c) * a.w.rows + wg_xb_pos(o0 + wg_out_step(true, b, 0));
+    body([&](int je, int b, float v) { wg_st_lt(wg_at(pos[b], je, ld), wg_bf16(v), je, lim[b]); });
+  } else {
+    const uint32_t ldy = uint32_t(a.ldy) * 4;
+    float* const y0 = a.y + (tile.row0 + 2 * c) * a.ldy + o0;
+    body([&](int je, int b, float v) { wg_st_lt(wg_at(y0, je, ldy) + wg_out_step(true, b, 0), v, je, lim[b]); });
   }
 }
 
