@@ -705,10 +705,37 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   // from s in the loop, they cost ~20 instructions a k-tile: ptxas re-derives the ring base (from
   // SR_CgaCtaId) and the W row (from tid) every time.
   uint32_t s = 0, ph = 0, xs = ring_s, ws = ring_s + XBYTES + rbase * tma_w_row_bytes(BITS), fb = full(0), eb_prev = 0;
+  // A tile map's entries for the CTA's next unit are loaded a tile ahead: its expert and first row when the
+  // current tile's k-loop starts, the expert's row end before the current tile's epilogue, so that the next
+  // tile starts after one dependent load (its scales) instead of four (find_tile's num_tiles, map entries,
+  // row end, then the scales: ~7% of the MoE down product's warp samples; docs/perf-notes.md, twenty-first
+  // session). Units below `units` have row tiles below *num_tiles (row_tiles), so no bound check is needed.
+  const bool mapped = a.tiles.tile_expert != nullptr;
+  int32_t map_e = 0, map_r0 = 0, map_end = 0;  // the next unit's map entries (mapped products)
+  auto load_map = [&](int64_t v) {
+    if (mapped && v < units) {
+      const int64_t m = row_of(v / splits);
+      map_e = a.tiles.tile_expert[m];
+      map_r0 = a.tiles.tile_row0[m];
+    }
+  };
+  load_map(blockIdx.x);
+  if (mapped && blockIdx.x < units) map_end = a.tiles.row_end[map_e];
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t t = u / splits;
     Tile tile;
-    if (!find_tile(a.tiles, row_of(t), BM, tile)) continue;
+    if (mapped) {
+      tile.expert = map_e;
+      tile.row0 = map_r0;
+      tile.rows = min(int64_t(BM), int64_t(map_end) - map_r0);
+    } else {
+      find_tile(a.tiles, row_of(t), BM, tile);  // arithmetic only
+    }
+    load_map(u + gridDim.x);
+    if (tile.rows <= 0) {
+      if (mapped && u + gridDim.x < units) map_end = a.tiles.row_end[map_e];
+      continue;
+    }
     const int64_t n0 = col_of(t) * BN;
     const int kb = split_begin(u % splits), ke = split_begin(u % splits + 1);
     float acc[NB][BM / 2];
@@ -748,6 +775,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) fence_reg(acc[b][i]);
     if (lane == 0) mbar_arrive(eb_prev);
+    if (mapped && u + gridDim.x < units) map_end = a.tiles.row_end[map_e];  // the next tile's, under the epilogue
     if constexpr (GATED) {
       wg_store_gated<BM>(a, tile, n0, rbase, c, acc);
     } else if (splits == 1) {
