@@ -86,7 +86,7 @@ __device__ __forceinline__ T* wg_at(T* base, uint32_t i, uint32_t stride) {
   return reinterpret_cast<T*>(p);
 }
 // *p = v when i < lim (signed), as a predicated store: no branch around it (the epilogues' row and column
-// bounds; ptxas shares the compare among the stores of a row that test the same i and lim).
+// bounds; in the all-columns form a row's stores test the same i and lim, a compare ptxas can share).
 __device__ __forceinline__ void wg_st_lt(float* p, float v, int i, int lim) {
   asm volatile("{\n\t.reg .pred q;\n\tsetp.lt.s32 q, %2, %3;\n\t@q st.global.f32 [%0], %1;\n\t}" ::"l"(p), "f"(v),
                "r"(i), "r"(lim)
@@ -346,7 +346,7 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 // (plain, or y = row_scale * silu(y) * acc). Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
 // at je * ldy from it (wg_at; the host keeps 256 * ldy < 2^32); each store predicated (wg_st_lt) on
 // je < lim: lim = the tile's rows past 2c, or 0 for an output past W's rows (only at a product's last column
-// tile: ALL, every output real, shares one compare a row); row groups of 8 past the tile's end are skipped by a
+// tile; the all-columns form, `every`, tests the rows alone); row groups of 8 past the tile's end are skipped by a
 // warp-uniform branch (a MoE tile is often partly empty: computing its SwiGLU anyway made the 64-row gated
 // product 98 -> 112 us). No branch around a row inside the tile, no 64-bit compare a store:
 // the older form's ~20 instructions a row of 4 stores were ~22% of the MoE down product's warp samples
