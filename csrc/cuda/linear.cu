@@ -671,7 +671,11 @@ bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_
 
 bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
 
-bool linear_writes_bf16(const LinearArgs& a) { return a.up.w == nullptr && !a.swiglu && use_wgmma_gemm(a); }
+bool linear_writes_bf16(const LinearArgs& a) {
+  // the epilogue's pair stores: two outputs a 4-byte word (W's rows and ldy even, y16 4-byte aligned)
+  return a.up.w == nullptr && !a.swiglu && a.w.rows % 2 == 0 && a.ldy % 2 == 0 &&
+         reinterpret_cast<uintptr_t>(a.y16) % 4 == 0 && use_wgmma_gemm(a);
+}
 
 // a as a grouped product (moe.cu asks before it builds the map): the wgmma GEMM takes it, 4- or 8-bit,
 // with a 128-row instance (no 32-wide groups).

@@ -519,24 +519,29 @@ bool moe_xb_only_supported(const MoeWeights& w, const Tensor& h, const ops::MoeS
   return routers && (p.small.up || linear_tiles_on_wgmma(p.routed_up)) && linear_tiles_on_wgmma(p.shared_up);
 }
 
-// moe_combine_add_rms_norm_kernel takes a prompt's combine with the norm n: moe_combine4_at's vector rows of
-// s.down (float4s, or bf16 quads: down_to_bf16; H % 4 == 0, 16-byte aligned, K <= MOE_COMBINE4_MAX_K) and add_rms_norm's float4 path for n (its bits).
+// moe_combine_add_rms_norm_kernel takes a prompt's combine with the norm n: moe_combine4_at's float4 rows of
+// s.down (H % 4 == 0, 16-byte aligned, K <= MOE_COMBINE4_MAX_K) and add_rms_norm's float4 path for n (its bits).
 static bool combine_takes_norm(const ops::MoeScratch& s, int64_t H, int top_k, const AddRmsNormLaunch& n) {
   return n.vec4 && n.p.D == H && H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data);
 }
 
-// The combine on moe_combine4_at's vector rows of s.down: moe_combine_add_rms_norm_kernel with a norm
-// (combine_takes_norm, checked), else moe_combine4_kernel where its alignment holds (out 16-byte aligned too);
-// otherwise moe_combine_kernel (F32 rows only).
+// The combine on vector rows of s.down: moe_combine_add_rms_norm_kernel with a norm (combine_takes_norm,
+// checked), else moe_combine4_kernel where its alignment holds (out 16-byte aligned too); otherwise
+// moe_combine_kernel (F32 rows only).
 static bool combine4(const ops::MoeScratch& s, int64_t H, int top_k, const Tensor& out, bool norm) {
   return norm || (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data) && is_aligned16(out.data));
 }
 
+// The bf16 rows' combines (moe_combine8_at: a 16-byte load a row, H % 8 == 0; with the norm, the token's m row
+// in H * 4 bytes of dynamic shared memory, at most the 48 KB a launch gets without opting in).
+static bool combine8(int64_t H, bool norm) { return H % 8 == 0 && (!norm || H * 4 <= 48 * 1024); }
+
 // A prompt's down products writing their rows as bf16 into s.down's memory (LinearArgs::y16; row r at r*H
 // elements, half the bytes; routed rows, then the shared rows at T*K*H) where both run on the wgmma GEMM's
 // plain epilogue (linear_writes_bf16; not the routed product on moe_small), y unset. The caller takes it only
-// for a float4-row combine (combine4), whose BF16 instances read them (moe_combine4_at<true>; MoeScratch::
-// down_bf16, docs/numerics.md). Returns whether p's down products were changed.
+// for a vector-row combine that reads bf16 rows (combine4 and combine8: moe_combine_bf16_kernel or the norm
+// kernel's BF16 instance; MoeScratch::down_bf16, docs/numerics.md). Returns whether p's down products were
+// changed.
 static bool down_to_bf16(MoePrompt& p, uint16_t* down16, int64_t TK, int64_t H) {
   LinearArgs rd = p.routed_down, sd = p.shared_down;
   rd.y = sd.y = nullptr;
@@ -620,7 +625,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   MoePrompt p = moe_prompt(w, h, s, r, sg.ptr<float>(), top_k);
   const bool vec4 = combine4(s, H, top_k, out, norm != nullptr);
   uint16_t* const down16 = s.down.ptr<uint16_t>();
-  const bool bf16 = s.down_bf16 && vec4 && down_to_bf16(p, down16, TK, H);
+  const bool bf16 = s.down_bf16 && vec4 && combine8(H, norm != nullptr) && down_to_bf16(p, down16, TK, H);
   // routing tables: a CTA per chunk of MOE_ROUTE_TOKENS tokens; E <= 1024 (moe_topk's limit above)
   const unsigned chunks = unsigned(ceil_div<int64_t>(T, MOE_ROUTE_TOKENS));
   MoeCountParams cp{r.topk_id, r.chunk_count, int(T), int(E), top_k};
@@ -658,10 +663,11 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
                       int(T), int(H), top_k};
   if (norm)
     launch(bf16 ? moe_combine_add_rms_norm_kernel<true> : moe_combine_add_rms_norm_kernel<false>, unsigned(T),
-           unsigned(norm_threads(H)), 0, mp, norm->p);
+           unsigned(norm_threads(H)), bf16 ? unsigned(H * 4) : 0u, mp, norm->p);
+  else if (bf16)
+    launch(moe_combine_bf16_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 2048))), 256, 0, mp);
   else if (vec4)
-    launch(bf16 ? moe_combine4_kernel<true> : moe_combine4_kernel<false>,
-           dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
+    launch(moe_combine4_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
   else
     launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);
   LILY_CUDA_LAUNCHED();

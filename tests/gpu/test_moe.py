@@ -171,6 +171,7 @@ def test_moe_small_other_configs_keep_wgmma(case, T):
     ((256, 8, 2048, 512, 512, 8, 64), 146, True),    # 8-bit experts (not moe_small's)
     ((64, 4, 1024, 256, 512, 4, 64), 300, True),     # the shared down product: split-K with F32 rows, whole with bf16
     ((8, 2, 256, 128, 128, 4, 64), 146, True),       # one column tile
+    ((8, 2, 320, 128, 128, 4, 64), 146, True),       # a part column tile: the pair stores' column bound
 ])
 def test_moe_down_bf16(case, T, cpu_ref, gpu_tol):
     E, top_k, H, I, Is, bits, group = case

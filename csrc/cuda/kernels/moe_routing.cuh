@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
 
 struct MoeCombineParams {
   const float* down;         // [T*K + T, H] F32 expert outputs, weights folded in; shared rows last
-  const uint16_t* down16;    // or those rows as BF16 (row r at r*H), read by the BF16 instances instead of down
+  const uint16_t* down16;    // or those rows as BF16 (row r at r*H), read by moe_combine8_at instead of down
   const int32_t* topk_row;   // [T, K]
   float* out;                // [T, H] F32
   int T, H, K;
@@ -274,31 +274,16 @@ __global__ void moe_combine_kernel(const MoeCombineParams p) {
 
 constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_at's loads in flight a thread: K + 1 rows' 4 columns
 
-// Columns 4c .. 4c+3 of row r in fp32: a float4 of down, or (BF16) 4 bf16 of down16 (one 8-byte load), each
-// widened exactly (its bits as the top half of an fp32).
-template <bool BF16>
-__device__ __forceinline__ float4 moe_down4(const MoeCombineParams& p, int64_t r, int c) {
-  if constexpr (BF16) {
-    const uint2 q = reinterpret_cast<const uint2*>(p.down16 + r * p.H)[c];
-    return make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u), __uint_as_float(q.y << 16),
-                       __uint_as_float(q.y & 0xFFFF0000u));
-  } else {
-    return reinterpret_cast<const float4*>(p.down + r * p.H)[c];
-  }
-}
-
-// moe_combine_kernel's sums for token t's output columns 4c .. 4c+3, from vector loads (moe_down4): every one
-// of the token's K + 1 rows requested before the first add (the scalar kernel's loop waits for each row in
-// turn), then added in the same order (0, k ascending, the shared row last), so the same bits (BF16: the sums
-// of the widened bf16 rows, in that order). H % 4 == 0, down 16-byte (down16 8-byte) aligned,
-// K <= MOE_COMBINE4_MAX_K.
-template <bool BF16>
+// moe_combine_kernel's sums for token t's output columns 4c .. 4c+3, from float4 loads: every one of the
+// token's K + 1 rows requested before the first add (the scalar kernel's loop waits for each row in turn),
+// then added in the same order (0, k ascending, the shared row last), so the same bits. H % 4 == 0, down
+// 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
 __device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int t, int c) {
   float4 v[MOE_COMBINE4_MAX_K];
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
-    if (k < p.K) v[k] = moe_down4<BF16>(p, p.topk_row[int64_t(t) * p.K + k], c);
-  const float4 sh = moe_down4<BF16>(p, int64_t(p.T) * p.K + t, c);
+    if (k < p.K) v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+  const float4 sh = reinterpret_cast<const float4*>(p.down + (int64_t(p.T) * p.K + t) * p.H)[c];
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
@@ -306,40 +291,95 @@ __device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int
   return make_float4(s.x + sh.x, s.y + sh.y, s.z + sh.z, s.w + sh.w);
 }
 
-// moe_combine_kernel's output, 4 columns a thread (moe_combine4_at; BF16: from down16's rows). Grid
-// (T, ceil(H / 1024)), 256 threads; out 16-byte aligned.
-template <bool BF16>
+// The bf16 pair w's values in fp32, exactly (each one's bits as the top half of an fp32), added to s[0], s[1].
+__device__ __forceinline__ void moe_add_bf16x2(float* s, uint32_t w) {
+  s[0] += __uint_as_float(w << 16);
+  s[1] += __uint_as_float(w & 0xFFFF0000u);
+}
+
+// The same sums over down16's bf16 rows for token t's output columns 8c .. 8c+7 into m[0..7]: one 16-byte load
+// a row, all K + 1 rows requested before the first add, each value widened exactly and added in the order
+// above (0, k ascending, the shared row last). H % 8 == 0, down16 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
+// A column's sum does not depend on which thread forms it, so any mapping of columns to threads gives the
+// same bits.
+__device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t, int c, float (&m)[8]) {
+  uint4 v[MOE_COMBINE4_MAX_K];
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K) v[k] = reinterpret_cast<const uint4*>(p.down16 + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+  const uint4 sh = reinterpret_cast<const uint4*>(p.down16 + (int64_t(p.T) * p.K + t) * p.H)[c];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m[i] = 0.f;
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K) moe_add_bf16x2(m, v[k].x), moe_add_bf16x2(m + 2, v[k].y), moe_add_bf16x2(m + 4, v[k].z),
+                 moe_add_bf16x2(m + 6, v[k].w);
+  moe_add_bf16x2(m, sh.x), moe_add_bf16x2(m + 2, sh.y), moe_add_bf16x2(m + 4, sh.z), moe_add_bf16x2(m + 6, sh.w);
+}
+
+// moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads;
+// out 16-byte aligned.
 __global__ void moe_combine4_kernel(const MoeCombineParams p) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (4 * c >= p.H) return;
-  reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] = moe_combine4_at<BF16>(p, t, c);
+  reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] = moe_combine4_at(p, t, c);
+}
+
+// The same output from down16's bf16 rows (docs/numerics.md), 8 columns a thread (moe_combine8_at). Grid
+// (T, ceil(H / 2048)), 256 threads; out 16-byte aligned.
+__global__ void moe_combine_bf16_kernel(const MoeCombineParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (8 * c >= p.H) return;
+  float m[8];
+  moe_combine8_at(p, t, c, m);
+  float4* const o = reinterpret_cast<float4*>(p.out + int64_t(t) * p.H) + 2 * c;
+  o[0] = make_float4(m[0], m[1], m[2], m[3]);
+  o[1] = make_float4(m[4], m[5], m[6], m[7]);
 }
 
 // A prompt's MoE output joining the residual stream, and the next RMSNorm (ops::moe_add_rms_norm_xb): per token t
-//   m[t, j] = sum_k down[topk_row[t, k], j] + down[T*K + t, j]    (moe_combine's sums, moe_combine4_at)
+//   m[t, j] = sum_k down[topk_row[t, k], j] + down[T*K + t, j]    (moe_combine's sums)
 //   x[t, j] += m[t, j];  y[t, j] = x[t, j] * s_t * w[j],  s_t = 1 / sqrt(mean_j x[t, j]^2 + eps)
 // with y's bf16 X into n.yb and y itself only where n.y is set: add_rms_norm_row<true> with m as its residual.
 // Shapes: down [T*K + T, H] F32 (routed rows grouped by expert, then the shared rows; BF16: down16, those rows
 // as bf16, docs/numerics.md), topk_row [T, K], x and y [T, H] F32, w [H], yb [T, H] BF16 in the prefill GEMM's
 // Xb layout (xb_layout.cuh).
-// Bit-identical to moe_combine4_kernel<BF16> (F32: or moe_combine_kernel) into out, then add_rms_norm_kernel<true> over (x, out): the same fp32
-// operations in the same order (m's K + 1 adds, x + m, each thread's squares in add_rms_norm's order, its
-// block_sum, the same products and packing); m never goes to memory (its [T, H] F32 rows written and read
-// back: 64 MB a layer at T = 4096, H = 2048). Grid T (a block a token), nt = norm_threads(H) threads: thread
-// tid takes float4 columns tid, tid + nt, ... (add_rms_norm's float4 mapping; at H = 2048 256 threads, two
-// float4s each, each from K + 1 = 9 row loads in flight). c.out and n.res unused. H % 4 == 0, down (down16), x,
-// w, y 16-byte aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned
-// (the Xb). The block's products wrote down before it (stream order); x, y and yb are its only stores, so y
-// may be the block's input h.
+// Bit-identical to moe_combine4_kernel (BF16: moe_combine_bf16_kernel) into out, then add_rms_norm_kernel<true>
+// over (x, out): the same fp32 operations in the same order (m's K + 1 adds, x + m, each thread's squares in
+// add_rms_norm's order, its block_sum, the same products and packing); m never goes to memory (its [T, H] F32
+// rows written and read back: 64 MB a layer at T = 4096, H = 2048). Grid T (a block a token), nt =
+// norm_threads(H) threads: thread tid takes float4 columns tid, tid + nt, ... (add_rms_norm's float4 mapping;
+// at H = 2048 256 threads, two float4s each). F32: each float4 of m from its K + 1 = 9 row loads in flight
+// (moe_combine4_at). BF16: the row of m first, 8 columns a thread from one 16-byte load a row
+// (moe_combine8_at: 9 loads in flight, each as wide as a float4 load, where the float4 mapping would take
+// two 8-byte loads a row), into H * 4 bytes of dynamic shared memory, then add_rms_norm_row reads it there
+// after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 8 == 0), down (down16), x, w, y 16-byte
+// aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned (the Xb).
+// The block's products wrote down before it (stream order); x, y and yb are its only global stores, so y may
+// be the block's input h.
 template <bool BF16>
 __global__ void moe_combine_add_rms_norm_kernel(const MoeCombineParams c, const AddRmsNormParams n) {
   pdl_wait();
   pdl_trigger();
   __shared__ float red[32];
   const int t = blockIdx.x;
-  add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at<BF16>(c, t, i); }, red);
+  if constexpr (BF16) {
+    extern __shared__ float4 moe_m4[];  // [H / 4] the token's m
+    for (int i = threadIdx.x; i < c.H / 8; i += blockDim.x) {
+      float m[8];
+      moe_combine8_at(c, t, i, m);
+      moe_m4[2 * i] = make_float4(m[0], m[1], m[2], m[3]);
+      moe_m4[2 * i + 1] = make_float4(m[4], m[5], m[6], m[7]);
+    }
+    __syncthreads();
+    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_m4[i]; }, red);
+  } else {
+    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at(c, t, i); }, red);
+  }
 }
 
 }  // namespace lily::cuda
