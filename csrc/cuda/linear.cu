@@ -672,8 +672,9 @@ bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_
 bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
 
 bool linear_writes_bf16(const LinearArgs& a) {
-  // the epilogue's pair stores: two outputs a 4-byte word (W's rows and ldy even, y16 4-byte aligned)
-  return a.up.w == nullptr && !a.swiglu && a.w.rows % 2 == 0 && a.ldy % 2 == 0 &&
+  // the epilogue's pair stores: outputs o and o + 8 in a 4-byte word (W's rows in blocks of 16, ldy even, y16
+  // 4-byte aligned)
+  return a.up.w == nullptr && !a.swiglu && a.w.rows % 16 == 0 && a.ldy % 2 == 0 &&
          reinterpret_cast<uintptr_t>(a.y16) % 4 == 0 && use_wgmma_gemm(a);
 }
 

@@ -532,12 +532,13 @@ static bool combine4(const ops::MoeScratch& s, int64_t H, int top_k, const Tenso
   return norm || (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data) && is_aligned16(out.data));
 }
 
-// The bf16 rows' combines (moe_combine8_at: a 16-byte load a row, H % 8 == 0; with the norm, the token's m row
-// in H * 4 bytes of dynamic shared memory, at most the 48 KB a launch gets without opting in).
-static bool combine8(int64_t H, bool norm) { return H % 8 == 0 && (!norm || H * 4 <= 48 * 1024); }
+// The bf16 rows' combines (moe_combine8_at: a 16-byte load a row of the pair order's 16-column blocks, H % 16 ==
+// 0; with the norm, the token's m row in H * 4 bytes of dynamic shared memory, at most the 48 KB a launch gets
+// without opting in).
+static bool combine8(int64_t H, bool norm) { return H % 16 == 0 && (!norm || H * 4 <= 48 * 1024); }
 
-// A prompt's down products writing their rows as bf16 into s.down's memory (LinearArgs::y16; row r at r*H
-// elements, half the bytes; routed rows, then the shared rows at T*K*H) where both run on the wgmma GEMM's
+// A prompt's down products writing their rows as bf16 into s.down's memory (LinearArgs::y16, pair order; row r at
+// r*H elements, half the bytes; routed rows, then the shared rows at T*K*H) where both run on the wgmma GEMM's
 // plain epilogue (linear_writes_bf16; not the routed product on moe_small), y unset. The caller takes it only
 // for a vector-row combine that reads bf16 rows (combine4 and combine8: moe_combine_bf16_kernel or the norm
 // kernel's BF16 instance; MoeScratch::down_bf16, docs/numerics.md). Returns whether p's down products were

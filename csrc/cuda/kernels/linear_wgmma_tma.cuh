@@ -351,9 +351,10 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
 // o = n0 + rbase + b*64 + 8h (rbase = wg_row_base(false, cw, w4, g)), r = 8j + 2c + e; store_output's arithmetic
 // (plain, or y = row_scale * silu(y) * acc); plain with a.y16 set: wg_bf16(acc) into the bf16 rows y16 (same
-// layout, ldy elements a row) instead of y, two outputs of a row a 4-byte store (lanes g and g ^ 1 swap their
-// packed rows; a 2-byte store a value made the MoE down product 5 us slower than its F32 output, docs/perf-notes.md,
-// twenty-second session). Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
+// rows, ldy elements a row, pair order: LinearArgs::y16) instead of y, the thread's outputs o and o + 8 of a row as
+// one 4-byte store (a 2-byte store a value made the MoE down product 5 us slower than its F32 output, and lanes
+// swapping values to store natural-order pairs 5 us slower again: docs/perf-notes.md, twenty-second session).
+// Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
 // at je * ldy from it (wg_at; the host keeps 256 * ldy < 2^32); each store predicated (wg_st_lt) on
 // je < lim: lim = the tile's rows past 2c, or 0 for an output past W's rows (only at a product's last column
 // tile; the all-columns form, `every`, tests the rows alone); row groups of 8 past the tile's end are skipped by a
@@ -399,26 +400,21 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       return;
     }
     if (!a.swiglu) {
-      // y16: two outputs of a row as one 4-byte store. Lanes g and g ^ 1 (lane ^ 4) hold the same rows of
-      // outputs o and o ^ 1: each packs its rows 8j + 2c and 8j + 2c + 1 (wg_pack_bf16x2: the bits of wg_bf16),
-      // swaps the word with its partner and keeps row e = g & 1 of both (PRMT): even g stores outputs (o, o + 1)
-      // of row 8j + 2c, odd g outputs (o - 1, o) of row 8j + 2c + 1. W's rows and ldy are even
-      // (linear_writes_bf16), so both outputs of a pair are real or past W together (the same lim).
-      const int odd = (threadIdx.x >> 2) & 1;
-      const uint32_t sel = odd ? 0x3276u : 0x5410u;  // odd: the partner's high half, then its own
-      uint32_t* const y0 = reinterpret_cast<uint32_t*>(a.y16 + at - odd);
+      // y16 in pair order (LinearArgs::y16): the thread's outputs o and o + 8 of a row (h = 0, 1; o = 16q + g
+      // within a 16-output block, rbase's g) sit at positions 16q + 2g and 16q + 2g + 1, one 4-byte word
+      // (wg_pack_bf16x2: the bits of wg_bf16); W's rows a multiple of 16 (linear_writes_bf16), so both outputs
+      // are real or past W together (lim[b][0] == lim[b][1])
+      uint32_t* const y0 = reinterpret_cast<uint32_t*>(a.y16 + at + (rbase & 7));
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
         if (8 * j >= trows) break;
-        uint32_t* const y = wg_at(y0, 8 * j + odd, ldy / 2);
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
+        for (int e = 0; e < 2; ++e) {
+          uint32_t* const y = wg_at(y0, 8 * j + e, ldy / 2);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t w = wg_pack_bf16x2(acc[b][4 * j + 2 * h], acc[b][4 * j + 2 * h + 1]);
-            const uint32_t x = __shfl_xor_sync(0xffffffffu, w, 4);
-            wg_st_lt(y + b * 32 + 4 * h, __byte_perm(w, x, sel), 8 * j + odd, lim_of(b, h));
-          }
+          for (int b = 0; b < NB; ++b)
+            wg_st_lt(y + b * 32, wg_pack_bf16x2(acc[b][4 * j + e], acc[b][4 * j + 2 + e]), 8 * j + e, lim_of(b, 0));
+        }
       }
       return;
     }

@@ -297,17 +297,20 @@ __device__ __forceinline__ void moe_add_bf16x2(float* s, uint32_t w) {
   s[1] += __uint_as_float(w & 0xFFFF0000u);
 }
 
-// The same sums over down16's bf16 rows for token t's output columns 8c .. 8c+7 into m[0..7]: one 16-byte load
-// a row, all K + 1 rows requested before the first add, each value widened exactly and added in the order
-// above (0, k ascending, the shared row last). H % 8 == 0, down16 16-byte aligned, K <= MOE_COMBINE4_MAX_K.
-// A column's sum does not depend on which thread forms it, so any mapping of columns to threads gives the
-// same bits.
-__device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t, int c, float (&m)[8]) {
+// The same sums over down16's bf16 rows (pair order, linear_common.cuh's LinearArgs::y16: position 16q + 2i + h
+// holds column 16q + i + 8h) for the token t's 16-byte chunk c = 2q + s (positions 16q + 8s .. 16q + 8s + 7):
+// lo = columns 16q + 4s .. 16q + 4s + 3 (float4 column 4q + s), hi = the 4 columns 8 past them (float4 column
+// 4q + 2 + s). One 16-byte load a row, all K + 1 rows requested before the first add, each value widened exactly
+// and added in the order above (0, k ascending, the shared row last). H % 16 == 0, down16 16-byte aligned,
+// K <= MOE_COMBINE4_MAX_K. A column's sum does not depend on which thread forms it, so any mapping of columns
+// to threads gives the same bits.
+__device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t, int c, float4& lo, float4& hi) {
   uint4 v[MOE_COMBINE4_MAX_K];
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
     if (k < p.K) v[k] = reinterpret_cast<const uint4*>(p.down16 + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
   const uint4 sh = reinterpret_cast<const uint4*>(p.down16 + (int64_t(p.T) * p.K + t) * p.H)[c];
+  float m[8];  // m[2w]: word w's low half (column 4s + w of the block), m[2w + 1]: its high half (+ 8)
 #pragma unroll
   for (int i = 0; i < 8; ++i) m[i] = 0.f;
 #pragma unroll
@@ -315,7 +318,12 @@ __device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t
     if (k < p.K) moe_add_bf16x2(m, v[k].x), moe_add_bf16x2(m + 2, v[k].y), moe_add_bf16x2(m + 4, v[k].z),
                  moe_add_bf16x2(m + 6, v[k].w);
   moe_add_bf16x2(m, sh.x), moe_add_bf16x2(m + 2, sh.y), moe_add_bf16x2(m + 4, sh.z), moe_add_bf16x2(m + 6, sh.w);
+  lo = make_float4(m[0], m[2], m[4], m[6]);
+  hi = make_float4(m[1], m[3], m[5], m[7]);
 }
+
+// float4 column of chunk c's lo (moe_combine8_at); its hi is 2 float4 columns further
+__device__ __forceinline__ int moe_chunk_lo4(int c) { return 4 * (c >> 1) + (c & 1); }
 
 // moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads;
 // out 16-byte aligned.
@@ -327,18 +335,18 @@ __global__ void moe_combine4_kernel(const MoeCombineParams p) {
   reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] = moe_combine4_at(p, t, c);
 }
 
-// The same output from down16's bf16 rows (docs/numerics.md), 8 columns a thread (moe_combine8_at). Grid
+// The same output from down16's bf16 rows (docs/numerics.md), a 16-byte chunk a thread (moe_combine8_at). Grid
 // (T, ceil(H / 2048)), 256 threads; out 16-byte aligned.
 __global__ void moe_combine_bf16_kernel(const MoeCombineParams p) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (8 * c >= p.H) return;
-  float m[8];
-  moe_combine8_at(p, t, c, m);
-  float4* const o = reinterpret_cast<float4*>(p.out + int64_t(t) * p.H) + 2 * c;
-  o[0] = make_float4(m[0], m[1], m[2], m[3]);
-  o[1] = make_float4(m[4], m[5], m[6], m[7]);
+  float4 lo, hi;
+  moe_combine8_at(p, t, c, lo, hi);
+  float4* const o = reinterpret_cast<float4*>(p.out + int64_t(t) * p.H) + moe_chunk_lo4(c);
+  o[0] = lo;
+  o[2] = hi;
 }
 
 // A prompt's MoE output joining the residual stream, and the next RMSNorm (ops::moe_add_rms_norm_xb): per token t
@@ -356,8 +364,8 @@ __global__ void moe_combine_bf16_kernel(const MoeCombineParams p) {
 // at H = 2048 256 threads, two float4s each). F32: each float4 of m from its K + 1 = 9 row loads in flight
 // (moe_combine4_at). BF16: the row of m first, 8 columns a thread from one 16-byte load a row
 // (moe_combine8_at: 9 loads in flight, each as wide as a float4 load, where the float4 mapping would take
-// two 8-byte loads a row), into H * 4 bytes of dynamic shared memory, then add_rms_norm_row reads it there
-// after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 8 == 0), down (down16), x, w, y 16-byte
+// two 8-byte loads a row, and in pair order), into H * 4 bytes of dynamic shared memory, then add_rms_norm_row reads it there
+// after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 16 == 0), down (down16), x, w, y 16-byte
 // aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned (the Xb).
 // The block's products wrote down before it (stream order); x, y and yb are its only global stores, so y may
 // be the block's input h.
@@ -370,10 +378,10 @@ __global__ void moe_combine_add_rms_norm_kernel(const MoeCombineParams c, const 
   if constexpr (BF16) {
     extern __shared__ float4 moe_m4[];  // [H / 4] the token's m
     for (int i = threadIdx.x; i < c.H / 8; i += blockDim.x) {
-      float m[8];
-      moe_combine8_at(c, t, i, m);
-      moe_m4[2 * i] = make_float4(m[0], m[1], m[2], m[3]);
-      moe_m4[2 * i + 1] = make_float4(m[4], m[5], m[6], m[7]);
+      float4 lo, hi;
+      moe_combine8_at(c, t, i, lo, hi);
+      moe_m4[moe_chunk_lo4(i)] = lo;
+      moe_m4[moe_chunk_lo4(i) + 2] = hi;
     }
     __syncthreads();
     add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_m4[i]; }, red);
