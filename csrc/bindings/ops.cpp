@@ -82,7 +82,8 @@ nb::ndarray<nb::numpy, uint16_t> out_u16(const Dev& x, int64_t rows, int64_t col
 struct MoeDev {
   Dev logits, gathered, g, u, dn, sg, routing, xb;
   ops::MoeScratch s;
-  MoeDev(Device d, const MoeWeights& w, int64_t T, int64_t H, int top_k, int64_t xb_elems = 0, bool small = true)
+  MoeDev(Device d, const MoeWeights& w, int64_t T, int64_t H, int top_k, int64_t xb_elems = 0, bool small = true,
+         bool down_bf16 = true)
       : logits(d, DType::F32, {T, w.router->rows}),
         gathered(d, DType::F32, {ops::moe_work_rows(d, T, top_k), H}),
         g(d, DType::F32, {ops::moe_work_rows(d, T, top_k), std::max(w.gate_proj->rows, w.shared_gate_proj->rows)}),
@@ -93,7 +94,7 @@ struct MoeDev {
         xb(d, DType::BF16, {std::max<int64_t>(1, xb_elems > 0 ? xb_elems
                                                               : ops::moe_xb_elems(d, T, H, w.down_proj->cols,
                                                                                   w.shared_down_proj->cols, top_k))}),
-        s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small} {}
+        s{logits.t, gathered.t, g.t, u.t, dn.t, sg.t, routing.t, xb.t, small, down_bf16} {}
 };
 
 // How a binding's h reaches a MoE op: h_xb (h's bf16 X, [T, H] uint16) uploaded to the start of m's xb, with
@@ -462,11 +463,11 @@ void init_ops(nb::module_& parent) {
   m.def("moe", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                   const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                   const QMatrix& shared_expert_gate, const F32In& h, int top_k, int64_t xb_elems, bool small,
-                  std::optional<U16In> h_xb, bool h_f32) {
+                  std::optional<U16In> h_xb, bool h_f32, bool down_bf16) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
-    MoeDev m(d, w, T, H, top_k, xb_elems, small);
+    MoeDev m(d, w, T, H, top_k, xb_elems, small, down_bf16);
     const ops::MoeInput h_in = moe_input(m, h_xb, h_f32, T * H);
     Dev hi = h_f32 ? f32(d, h) : nan_like(d, h), out(d, DType::F32, {T, H});
     ops::moe(w, hi.t, out.t, m.s, top_k, h_in);
@@ -474,11 +475,13 @@ void init_ops(nb::module_& parent) {
   }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
      nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("top_k"),
      nb::arg("xb_elems") = 0, nb::arg("small") = true, nb::arg("h_xb") = nb::none(), nb::arg("h_f32") = true,
+     nb::arg("down_bf16") = true,
      "moe(h); xb_elems: the BF16 workspace's size (0: ops::moe_xb_elems; a smaller one, at least the least the "
      "backend accepts, leaves out the room the CUDA gate/up products hand their activation rows over in); "
      "small = False keeps medium prompts off the CUDA few-rows expert kernels (MoeScratch::moe_small); h_xb: h's "
      "bf16 X [T, H] (uint16, add_rms_norm_xb's), put into the workspace (MoeInput::F32_AND_XB), with h_f32 = False "
-     "alone (MoeInput::XB: h's F32 rows NaN).");
+     "alone (MoeInput::XB: h's F32 rows NaN); down_bf16 = False keeps a prompt's CUDA down products' rows F32 "
+     "(MoeScratch::down_bf16).");
   m.def("moe_xb_only_supported", [](const std::string& device, const QMatrix& router, const QMatrix& gate,
                                     const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
                                     const QMatrix& sdown, const QMatrix& shared_expert_gate, int64_t T, int top_k,
@@ -537,11 +540,11 @@ void init_ops(nb::module_& parent) {
                                   const QMatrix& up, const QMatrix& down, const QMatrix& sgate, const QMatrix& sup,
                                   const QMatrix& sdown, const QMatrix& shared_expert_gate, const F32In& h,
                                   const F32In& res, const F32In& nw, float eps, int top_k, bool write_y,
-                                  std::optional<U16In> h_xb, bool h_f32) {
+                                  std::optional<U16In> h_xb, bool h_f32, bool down_bf16) {
     const Device d = parse_device(device);
     const int64_t T = int64_t(h.shape(0)), H = int64_t(h.shape(1));
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate};
-    MoeDev m(d, w, T, H, top_k);
+    MoeDev m(d, w, T, H, top_k, 0, true, down_bf16);
     const ops::MoeInput h_in = moe_input(m, h_xb, h_f32, T * H);
     Dev hi = h_f32 ? f32(d, h) : nan_like(d, h), ri = f32(d, res), wi = f32(d, nw), tmp = nan_like(d, h);
     ops::moe_add_rms_norm_xb(w, hi.t, h_in, ri.t, wi.t, eps, write_y ? hi.t : Tensor{}, tmp.t, m.s, top_k);
@@ -549,10 +552,10 @@ void init_ops(nb::module_& parent) {
   }, nb::arg("device"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
      nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("h"), nb::arg("res"),
      nb::arg("weight"), nb::arg("eps"), nb::arg("top_k"), nb::arg("write_y") = true, nb::arg("h_xb") = nb::none(),
-     nb::arg("h_f32") = true,
+     nb::arg("h_f32") = true, nb::arg("down_bf16") = true,
      "(res + moe(h), h's buffer after (y = rms_norm(res + moe(h)) written into it as the engine does, or left "
      "as it was where write_y = False), y's bf16 X [T, H] (uint16), tmp after (NaN before: still NaN where the "
-     "combine took the norm)); h_xb, h_f32 as moe's.");
+     "combine took the norm)); h_xb, h_f32, down_bf16 as moe's.");
   m.def("sample", [](const std::string& device, const F32In& logits, const I32In& counts, const I32In& seen,
                      uint64_t step, float temperature, int top_k, float top_p, float min_p, float presence,
                      float frequency, float repetition, uint64_t seed, int num_logprobs) {

@@ -22,7 +22,8 @@
 //                    X converted to bf16 into the op's workspace first, unless its producer wrote it so:
 //                    a.xb); a gated product (a.up set) as one GATED product where use_gated_wgmma holds (4-bit),
 //                    else as its gate and up products; a GATED product may store its output as the next
-//                    product's bf16 X (a.yb, linear_writes_xb)
+//                    product's bf16 X (a.yb, linear_writes_xb), a plain unsplit one as bf16 rows (a.y16,
+//                    linear_writes_bf16)
 //   use_tensor_gemm: larger T, 4/8-bit affine, 16-byte aligned operands -> kernels/linear_gemm.cuh
 //   use_dense_wgmma: T >= DENSE_WGMMA_MIN_ROWS, dense BF16 weights (the vision tower's), K % 8 == 0, 16-byte
 //                    aligned operands -> kernels/linear_wgmma_dense.cuh (Hopper wgmma, both operands by TMA;
@@ -511,13 +512,14 @@ __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 // Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
 // tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
 // and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
-// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1). Above 64 rows
+// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1; always for a bf16
+// output, a.y16: linear_writes_bf16). Above 64 rows
 // (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit:
 // 54.4 -> 24.4 us split 5 ways; docs/perf-notes.md, ninth session).
 static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
   const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
-  if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS || tiles * 2 > sms ||
-      nk < 8)
+  if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.y16 != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS ||
+      tiles * 2 > sms || nk < 8)
     return a;
   const int64_t used = (xb.rows * xb.K + 127) / 128 * 128 * 2, avail = xb.capacity * 2 - used;
   for (int64_t sp = std::min<int64_t>({8, nk / 4, sms / tiles, WG_SPLIT_MAX_UNITS / tiles}); sp > 1; --sp) {
@@ -626,7 +628,8 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
              a.w.cols, " exceed the 32-bit chunk index");
   LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
-  // the epilogues address a tile's rows by 32-bit offsets (row * ldy, or row * N for a bf16 output, row < 256)
+  // the epilogues address a tile's rows by 32-bit offsets (row * ldy elements of F32 or, y16, bf16; or row * N
+  // for a bf16 Xb output; row < 256)
   LILY_CHECK(a.ldy < (int64_t(1) << 22) && a.w.rows < (int64_t(1) << 22), "linear: an output row of ", a.ldy,
              " (", a.w.rows, " outputs) exceeds the wgmma epilogue's 32-bit row offsets");
   if constexpr (BITS == 4) {  // GATED instances: 4-bit only (run_wgmma checks)
@@ -668,6 +671,13 @@ bool linear_reads_xb(const LinearArgs& a) { return a.xb != nullptr && use_wgmma_
 
 bool linear_writes_xb(const LinearArgs& a) { return a.up.w != nullptr && use_gated_wgmma(a) && a.w.rows % 8 == 0; }
 
+bool linear_writes_bf16(const LinearArgs& a) {
+  // the epilogue's pair stores: outputs o and o + 8 in a 4-byte word (W's rows in blocks of 16, ldy even, y16
+  // 4-byte aligned)
+  return a.up.w == nullptr && !a.swiglu && a.w.rows % 16 == 0 && a.ldy % 2 == 0 &&
+         reinterpret_cast<uintptr_t>(a.y16) % 4 == 0 && use_wgmma_gemm(a);
+}
+
 // a as a grouped product (moe.cu asks before it builds the map): the wgmma GEMM takes it, 4- or 8-bit,
 // with a 128-row instance (no 32-wide groups).
 bool linear_wide_tiles(const LinearArgs& a) {
@@ -686,6 +696,8 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCop
              "does not take this ", a.w.bits, "-bit product of ", a.w.cols, " inputs");
   LILY_CHECK(a.yb == nullptr || linear_writes_xb(a), "linear: a bf16 output (yb) needs a gated product on the ",
              "GATED wgmma GEMM, which does not take this one");
+  LILY_CHECK(a.y16 == nullptr || linear_writes_bf16(a), "linear: a bf16 output (y16) needs a plain product on the ",
+             "wgmma GEMM, which does not take this one");
   LILY_CHECK(max_tiles <= INT32_MAX && ceil_div<int64_t>(a.w.rows, GENERIC_WARPS) <= 65535, "linear: ",
              a.w.rows, " outputs exceed the grid");
   if (a.up.w != nullptr) {

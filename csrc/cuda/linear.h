@@ -43,6 +43,11 @@ void linear_with_xb(const QMatrix& w, int64_t e, const Tensor& x, const Tensor& 
 // an a.xb or a.yb that its predicate rejects: a producer sets them only where both hold.
 bool linear_reads_xb(const LinearArgs& a);
 bool linear_writes_xb(const LinearArgs& a);
+// Whether the product a (plain: no up matrix, no swiglu) runs on the wgmma GEMM's plain epilogue, which writes
+// a.y16 (bf16 rows in pair order instead of y: W's rows a multiple of 16, ldy even, y16 4-byte aligned; never
+// split-K: with_split_k leaves a y16 product whole). linear_tiles fails on
+// an a.y16 it rejects.
+bool linear_writes_bf16(const LinearArgs& a);
 
 // Whether linear_tiles runs every product of a on the wgmma GEMM (a gated a as one GATED product or as its
 // gate and up products): the only kernel reading X through the XbCopy, so x's F32 rows stay unread when the

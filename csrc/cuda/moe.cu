@@ -18,7 +18,8 @@
 //   -> grouped gate/up as one gated product (linear.h: y = routing weight * silu(gate) * up; where the
 //      fused GEMM does not apply, linear_tiles runs the gate product, then the up product with SwiGLU)
 //   -> the shared expert's gate/up, gated the same way (sigmoid gate as the row scale) over all T tokens
-//   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order);
+//   -> grouped down product (routed rows and shared rows) -> moe_combine (fixed order; the rows as bf16 where
+//      both down products run on the wgmma GEMM and a float4-row combine reads them: down_to_bf16);
 //   medium prompts (use_moe_small: T in (MOE_DECODE_MAX_TOKENS, MOE_SMALL_MAX_TOKENS], the real dims) run the
 //   routed gate/up and down products on kernels/moe_small.cuh (the tokens as the MMA's N, n8 tiles instead
 //   of 64-row tiles), same inputs and outputs; the shared expert's stay on the wgmma GEMM.
@@ -524,6 +525,35 @@ static bool combine_takes_norm(const ops::MoeScratch& s, int64_t H, int top_k, c
   return n.vec4 && n.p.D == H && H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data);
 }
 
+// The combine on vector rows of s.down: moe_combine_add_rms_norm_kernel with a norm (combine_takes_norm,
+// checked), else moe_combine4_kernel where its alignment holds (out 16-byte aligned too); otherwise
+// moe_combine_kernel (F32 rows only).
+static bool combine4(const ops::MoeScratch& s, int64_t H, int top_k, const Tensor& out, bool norm) {
+  return norm || (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(s.down.data) && is_aligned16(out.data));
+}
+
+// The bf16 rows' combines (moe_combine8_at: a 16-byte load a row of the pair order's 16-column blocks, H % 16 ==
+// 0; with the norm, the token's m row in H * 4 bytes of dynamic shared memory, at most the 48 KB a launch gets
+// without opting in).
+static bool combine8(int64_t H, bool norm) { return H % 16 == 0 && (!norm || H * 4 <= 48 * 1024); }
+
+// A prompt's down products writing their rows as bf16 into s.down's memory (LinearArgs::y16, pair order; row r at
+// r*H elements, half the bytes; routed rows, then the shared rows at T*K*H) where both run on the wgmma GEMM's
+// plain epilogue (linear_writes_bf16; not the routed product on moe_small), y unset. The caller takes it only
+// for a vector-row combine that reads bf16 rows (combine4 and combine8: moe_combine_bf16_kernel or the norm
+// kernel's BF16 instance; MoeScratch::down_bf16, docs/numerics.md). Returns whether p's down products were
+// changed.
+static bool down_to_bf16(MoePrompt& p, uint16_t* down16, int64_t TK, int64_t H) {
+  LinearArgs rd = p.routed_down, sd = p.shared_down;
+  rd.y = sd.y = nullptr;
+  rd.y16 = down16;
+  sd.y16 = down16 + TK * H;
+  if (p.small.down || !linear_writes_bf16(rd) || !linear_writes_bf16(sd)) return false;
+  p.routed_down = rd;
+  p.shared_down = sd;
+  return true;
+}
+
 // moe(), or accumulating (use_moe_mma): out += the MoE output, then with a tail (T = 1) the tail's RMSNorm.
 // With norm_in (moe_rms_normed_supported) h is the residual row x and the block's input rms_norm(x) *
 // norm_in.w, staged by the fused router and moe_up. h_in: as ops::moe's (checked there). With norm (a prompt
@@ -594,6 +624,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   }
 
   MoePrompt p = moe_prompt(w, h, s, r, sg.ptr<float>(), top_k);
+  const bool vec4 = combine4(s, H, top_k, out, norm != nullptr);
+  uint16_t* const down16 = s.down.ptr<uint16_t>();
+  const bool bf16 = s.down_bf16 && vec4 && combine8(H, norm != nullptr) && down_to_bf16(p, down16, TK, H);
   // routing tables: a CTA per chunk of MOE_ROUTE_TOKENS tokens; E <= 1024 (moe_topk's limit above)
   const unsigned chunks = unsigned(ceil_div<int64_t>(T, MOE_ROUTE_TOKENS));
   MoeCountParams cp{r.topk_id, r.chunk_count, int(T), int(E), top_k};
@@ -627,11 +660,14 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   else linear_tiles(p.routed_down, r.max_tiles, TK, xb);
   linear_tiles(p.shared_down, shared_tiles, T, xb);
 
-  const float* down = s.down.ptr<float>();
-  MoeCombineParams mp{down, r.topk_row, out.ptr<float>(), int(T), int(H), top_k};
+  MoeCombineParams mp{bf16 ? nullptr : s.down.ptr<float>(), bf16 ? down16 : nullptr, r.topk_row, out.ptr<float>(),
+                      int(T), int(H), top_k};
   if (norm)
-    launch(moe_combine_add_rms_norm_kernel, unsigned(T), unsigned(norm_threads(H)), 0, mp, norm->p);
-  else if (H % 4 == 0 && top_k <= MOE_COMBINE4_MAX_K && is_aligned16(down) && is_aligned16(out.data))
+    launch(bf16 ? moe_combine_add_rms_norm_kernel<true> : moe_combine_add_rms_norm_kernel<false>, unsigned(T),
+           unsigned(norm_threads(H)), bf16 ? unsigned(H * 4) : 0u, mp, norm->p);
+  else if (bf16)
+    launch(moe_combine_bf16_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 2048))), 256, 0, mp);
+  else if (vec4)
     launch(moe_combine4_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 1024))), 256, 0, mp);
   else
     launch(moe_combine_kernel, dim3(unsigned(T), unsigned(ceil_div<int64_t>(H, 256))), 256, 0, mp);

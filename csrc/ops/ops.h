@@ -217,6 +217,8 @@ struct MoeScratch {
                          // CUDA accepts less, C*max(H, K*I, Is): its down products then convert their X)
   bool moe_small = true;  // CUDA: medium prompts may take the few-rows expert kernels (kernels/moe_small.cuh);
                           // false keeps the wgmma GEMM (tests and benchmarks compare the two)
+  bool down_bf16 = true;  // CUDA: a prompt's wgmma down products write bf16 rows for the combine (docs/numerics.md);
+                          // false keeps them F32 (tests compare the two)
 };
 
 // Rows of expert work space, I32 words of routing tables and BF16 elements of xb a backend needs for

@@ -160,6 +160,67 @@ def test_moe_small_other_configs_keep_wgmma(case, T):
     assert np.array_equal(ops.moe("cuda", *gpu, h, top_k), ops.moe("cuda", *gpu, h, top_k, small=False))
 
 
+# A prompt's down products on the wgmma GEMM write bf16 rows for the combine (MoeScratch::down_bf16,
+# docs/numerics.md): each of a token's K + 1 weighted expert rows rounded once (2^-9 relative), summed in fp32
+# in the same order. The real dims take it from T = 513 (moe_small's down range ends at 512; 128-row tiles
+# from T = 2048), the other dims wherever both down products run on the wgmma GEMM.
+@pytest.mark.parametrize("case,T,cpu_ref", [
+    ((256, 8, 2048, 512, 512, 4, 64), 513, True),
+    ((256, 8, 2048, 512, 512, 4, 64), 600, True),
+    ((256, 8, 2048, 512, 512, 4, 64), 4096, False),  # 128-row tiles; the shared down product on 256-row tiles
+    ((256, 8, 2048, 512, 512, 8, 64), 146, True),    # 8-bit experts (not moe_small's)
+    ((64, 4, 1024, 256, 512, 4, 64), 300, True),     # the shared down product: split-K with F32 rows, whole with bf16
+    ((8, 2, 256, 128, 128, 4, 64), 146, True),       # one column tile
+    ((8, 2, 320, 128, 128, 4, 64), 146, True),       # a part column tile: the pair stores' column bound
+])
+def test_moe_down_bf16(case, T, cpu_ref, gpu_tol):
+    E, top_k, H, I, Is, bits, group = case
+    rng = np.random.default_rng(8000 + E + T + bits)
+    cpu, gpu = moe_weights(rng, E, H, I, Is, bits, group, "BF16", 8)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    on = ops.moe("cuda", *gpu, h, top_k)
+    off = ops.moe("cuda", *gpu, h, top_k, down_bf16=False)
+    assert np.all(np.isfinite(on))
+    assert not np.array_equal(on, off), "the bf16 rows were not taken"
+    err = np.abs(on - off).max() / np.abs(off).max()
+    assert err < 1e-2, f"bf16 down rows: max |on - off| / max |off| = {err:.3g}"
+    assert np.array_equal(on, ops.moe("cuda", *gpu, h, top_k))  # deterministic
+    if cpu_ref:
+        moe_vs_cpu(cpu, gpu, h, top_k, 0.25 if E == 256 else 0.05, "moe", gpu_tol)
+
+
+@pytest.mark.parametrize("case,T", [
+    ((256, 8, 2048, 512, 512, 4, 64, "BF16", 8), 16),   # the decode chain: no down rows
+    ((256, 8, 2048, 512, 512, 4, 64, "BF16", 8), 400),  # the routed down product on moe_small
+    ((12, 10, 128, 64, 64, 4, 32, "BF16", 8), 99),      # top_k > 8: moe_combine_kernel reads F32 rows only
+    ((7, 3, 64, 32, 64, 4, 32, "F32", 4), 99),          # F32 scales: the down products off the wgmma GEMM
+])
+def test_moe_down_bf16_elsewhere_f32(case, T):
+    # where either down product or the combine does not take bf16 rows, down_bf16 changes nothing, bit for bit
+    E, top_k, H, I, Is, bits, group, sdt, rbits = case
+    rng = np.random.default_rng(8100 + E + T)
+    _, gpu = moe_weights(rng, E, H, I, Is, bits, group, sdt, rbits)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    assert np.array_equal(ops.moe("cuda", *gpu, h, top_k), ops.moe("cuda", *gpu, h, top_k, down_bf16=False))
+
+
+@pytest.mark.parametrize("T", [513, 1100])
+def test_moe_add_rms_norm_xb_down_bf16(real_moe, T, gpu_tol):
+    # the combine that takes the norm reads the same bf16 rows (moe_then_norm checks it against moe, then
+    # add_rms_norm_xb, bit for bit); against its F32-row form within the bf16 rounding
+    _, gpu = real_moe
+    rng = np.random.default_rng(8200 + T)
+    h, _ = post_norm_h(rng, T, 2048)
+    x = (rng.standard_normal((T, 2048)) * 2).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+    x_on, y_on, _, tmp = ops.moe_add_rms_norm_xb("cuda", *gpu, h, x, nw, 1e-6, 8)
+    x_off, y_off, _, _ = ops.moe_add_rms_norm_xb("cuda", *gpu, h, x, nw, 1e-6, 8, down_bf16=False)
+    assert np.isnan(tmp).all()  # the combine took the norm
+    assert not np.array_equal(x_on, x_off)
+    check(x_on - x, x_off - x, "moe", gpu_tol)  # the MoE output added
+    check(y_on, y_off, "moe", gpu_tol)
+
+
 @pytest.mark.parametrize("E,top_k,group", [(16, 8, 64), (40, 4, 32), (129, 8, 128), (256, 8, 64), (256, 1, 64)])
 def test_moe_decode_router(E, top_k, group, gpu_tol):
     # One token, 8-bit router over H = 2048: the fused router kernel (kernels/moe_router.cuh), a cluster of

@@ -107,6 +107,12 @@ struct LinearArgs {
   // A gated product's output as Xb rows [M, N] BF16 (row r at yb + r*N, k-permuted as xb), for the next
   // product to read as its xb, instead of y (only the GATED wgmma instances write it). Null: y.
   uint16_t* yb = nullptr;
+  // The product's output as bf16 [M, ldy] (round to nearest even) instead of y, in pair order: in every block of
+  // 16 outputs, output 16q + i + 8h (i < 8, h = 0, 1) at position 16q + 2i + h (the wgmma epilogue's thread holds
+  // outputs i and i + 8 of a row: one 4-byte store). Only the wgmma GEMM's plain (no swiglu, no GATED, no
+  // split-K) epilogue writes it (linear.cu, linear_writes_bf16); the MoE combines read it (moe_routing.cuh,
+  // moe_combine8_at). Null: y.
+  uint16_t* y16 = nullptr;
   bool swiglu = false;
   RowTiles tiles;
   // Split-K (linear_wgmma_tma_kernel, dense tiles only): each tile's k-tiles run as k_splits work

@@ -1,6 +1,7 @@
 // Prefill linear on Hopper warpgroup tensor cores (wgmma, sm_90a) over 4- or 8-bit MLX-affine weights (BITS):
 //   Y[r, o] = sum_k bf16(W_e[o, k]) * bf16(X[x_row(r), k]), fp32 accumulation, then store_output
-//   (linear_common.cuh: plain store, or SwiGLU with a per-row scale for MoE), or (GATED) the gate and
+//   (linear_common.cuh: plain store, as F32 y or, unsplit with LinearArgs::y16, as bf16 rows rounded to
+//   nearest even; or SwiGLU with a per-row scale for MoE), or (GATED) the gate and
 //   up products of a SwiGLU at once: y[r, o] = row_scale[r] * silu(G[r, o]) * U[r, o], stored as F32 y
 //   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K*BITS/32] U32 (K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
@@ -45,7 +46,8 @@
 //   4s, 4s+1 (k 0..7: a0a1, a2a3) and 4s+2, 4s+3 (k 8..15: a4a5, a6a7), one 16-byte load per row.
 // Precision: bf16 operands (w rounded once, x rounded once, round to nearest even), fp32 accumulation in
 //   a fixed order (k-tiles ascending, 4 k16 steps each; the same for both BITS): ~1e-3 relative to the
-//   fp32 product, deterministic; 4-bit bit-identical to the retired one-kernel wgmma GEMM
+//   fp32 product, deterministic (a y16 output then rounds each sum once to bf16: 2^-9 relative); 4-bit
+//   bit-identical to the retired one-kernel wgmma GEMM
 //   (benchmarks/gemm_lab_wgmma.cuh, same operands and wgmma sequence; checked on the H200 by
 //   benchmarks/gemm_lab.sh). GATED computes
 //   every G and U value with the same operands and wgmma sequence as the plain gate and up products
@@ -94,6 +96,11 @@ __device__ __forceinline__ void wg_st_lt(float* p, float v, int i, int lim) {
 }
 __device__ __forceinline__ void wg_st_lt(uint16_t* p, uint16_t v, int i, int lim) {
   asm volatile("{\n\t.reg .pred q;\n\tsetp.lt.s32 q, %2, %3;\n\t@q st.global.b16 [%0], %1;\n\t}" ::"l"(p), "h"(v),
+               "r"(i), "r"(lim)
+               : "memory");
+}
+__device__ __forceinline__ void wg_st_lt(uint32_t* p, uint32_t v, int i, int lim) {
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.lt.s32 q, %2, %3;\n\t@q st.global.b32 [%0], %1;\n\t}" ::"l"(p), "r"(v),
                "r"(i), "r"(lim)
                : "memory");
 }
@@ -343,7 +350,11 @@ __device__ __forceinline__ void wg_issue_half(float (&acc)[NB][BM / 2], const ui
 
 // Epilogue of a 256 x BM tile's warpgroup part: acc[b][4j + 2h + e] is D[o, r] with
 // o = n0 + rbase + b*64 + 8h (rbase = wg_row_base(false, cw, w4, g)), r = 8j + 2c + e; store_output's arithmetic
-// (plain, or y = row_scale * silu(y) * acc). Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
+// (plain, or y = row_scale * silu(y) * acc); plain with a.y16 set: wg_bf16(acc) into the bf16 rows y16 (same
+// rows, ldy elements a row, pair order: LinearArgs::y16) instead of y, the thread's outputs o and o + 8 of a row as
+// one 4-byte store (a 2-byte store a value made the MoE down product 5 us slower than its F32 output, and lanes
+// swapping values to store natural-order pairs 5 us slower again: docs/perf-notes.md, twenty-second session).
+// Addressing: the thread's row 2c as one 64-bit pointer, row 2c + je
 // at je * ldy from it (wg_at; the host keeps 256 * ldy < 2^32); each store predicated (wg_st_lt) on
 // je < lim: lim = the tile's rows past 2c, or 0 for an output past W's rows (only at a product's last column
 // tile; the all-columns form, `every`, tests the rows alone); row groups of 8 past the tile's end are skipped by a
@@ -369,17 +380,17 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       lim[b][h] = real ? rows : 0;
       all = all && real;
     }
+  const int64_t at = (tile.row0 + 2 * c) * a.ldy + o0;  // row 2c's first output, in elements
   const uint32_t ldy = uint32_t(a.ldy) * 4;
-  float* const y0 = a.y + (tile.row0 + 2 * c) * a.ldy + o0;
   auto body = [&](auto every) {
     auto lim_of = [&](int b, int h) { return decltype(every)::value ? rows : lim[b][h]; };
-    if (!a.swiglu) {
+    if (!a.swiglu && !a.y16) {
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
         if (8 * j >= trows) break;  // row groups past the tile's end: a warp-uniform branch
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float* const y = wg_at(y0, 8 * j + e, ldy);
+          float* const y = wg_at(a.y + at, 8 * j + e, ldy);
 #pragma unroll
           for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -388,6 +399,26 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       }
       return;
     }
+    if (!a.swiglu) {
+      // y16 in pair order (LinearArgs::y16): the thread's outputs o and o + 8 of a row (h = 0, 1; o = 16q + g
+      // within a 16-output block, rbase's g) sit at positions 16q + 2g and 16q + 2g + 1, one 4-byte word
+      // (wg_pack_bf16x2: the bits of wg_bf16); W's rows a multiple of 16 (linear_writes_bf16), so both outputs
+      // are real or past W together (lim[b][0] == lim[b][1])
+      uint32_t* const y0 = reinterpret_cast<uint32_t*>(a.y16 + at + (rbase & 7));
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        if (8 * j >= trows) break;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          uint32_t* const y = wg_at(y0, 8 * j + e, ldy / 2);
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+            wg_st_lt(y + b * 32, wg_pack_bf16x2(acc[b][4 * j + e], acc[b][4 * j + 2 + e]), 8 * j + e, lim_of(b, 0));
+        }
+      }
+      return;
+    }
+    float* const y0 = a.y + at;
     float gate[2][2][NB][2], rs[2][2];  // [group parity][e][b][h], [group parity][e]
     auto load = [&](int j) {
 #pragma unroll

@@ -254,13 +254,14 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
 
 struct MoeCombineParams {
   const float* down;         // [T*K + T, H] F32 expert outputs, weights folded in; shared rows last
+  const uint16_t* down16;    // or those rows as BF16 (row r at r*H), read by moe_combine8_at instead of down
   const int32_t* topk_row;   // [T, K]
   float* out;                // [T, H] F32
   int T, H, K;
 };
 
 // out[t, j] = sum_k down[topk_row[t, k], j] (k in ascending expert id) + down[T*K + t, j].
-// Grid (T, ceil(H / 256)), one thread per element, a fixed summation order.
+// Grid (T, ceil(H / 256)), one thread per element, a fixed summation order. F32 rows (down) only.
 __global__ void moe_combine_kernel(const MoeCombineParams p) {
   pdl_wait();
   pdl_trigger();
@@ -271,7 +272,7 @@ __global__ void moe_combine_kernel(const MoeCombineParams p) {
   p.out[int64_t(t) * p.H + j] = s + p.down[(int64_t(p.T) * p.K + t) * p.H + j];
 }
 
-constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_at's loads in flight a thread: K + 1 float4s
+constexpr int MOE_COMBINE4_MAX_K = 8;  // moe_combine4_at's loads in flight a thread: K + 1 rows' 4 columns
 
 // moe_combine_kernel's sums for token t's output columns 4c .. 4c+3, from float4 loads: every one of the
 // token's K + 1 rows requested before the first add (the scalar kernel's loop waits for each row in turn),
@@ -281,8 +282,7 @@ __device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int
   float4 v[MOE_COMBINE4_MAX_K];
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
-    if (k < p.K)
-      v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+    if (k < p.K) v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
   const float4 sh = reinterpret_cast<const float4*>(p.down + (int64_t(p.T) * p.K + t) * p.H)[c];
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -291,8 +291,42 @@ __device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int
   return make_float4(s.x + sh.x, s.y + sh.y, s.z + sh.z, s.w + sh.w);
 }
 
-// moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads; out
-// 16-byte aligned.
+// The bf16 pair w's values in fp32, exactly (each one's bits as the top half of an fp32), added to s[0], s[1].
+__device__ __forceinline__ void moe_add_bf16x2(float* s, uint32_t w) {
+  s[0] += __uint_as_float(w << 16);
+  s[1] += __uint_as_float(w & 0xFFFF0000u);
+}
+
+// The same sums over down16's bf16 rows (pair order, linear_common.cuh's LinearArgs::y16: position 16q + 2i + h
+// holds column 16q + i + 8h) for the token t's 16-byte chunk c = 2q + s (positions 16q + 8s .. 16q + 8s + 7):
+// lo = columns 16q + 4s .. 16q + 4s + 3 (float4 column 4q + s), hi = the 4 columns 8 past them (float4 column
+// 4q + 2 + s). One 16-byte load a row, all K + 1 rows requested before the first add, each value widened exactly
+// and added in the order above (0, k ascending, the shared row last). H % 16 == 0, down16 16-byte aligned,
+// K <= MOE_COMBINE4_MAX_K. A column's sum does not depend on which thread forms it, so any mapping of columns
+// to threads gives the same bits.
+__device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t, int c, float4& lo, float4& hi) {
+  uint4 v[MOE_COMBINE4_MAX_K];
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K) v[k] = reinterpret_cast<const uint4*>(p.down16 + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+  const uint4 sh = reinterpret_cast<const uint4*>(p.down16 + (int64_t(p.T) * p.K + t) * p.H)[c];
+  float m[8];  // m[2w]: word w's low half (column 4s + w of the block), m[2w + 1]: its high half (+ 8)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m[i] = 0.f;
+#pragma unroll
+  for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
+    if (k < p.K) moe_add_bf16x2(m, v[k].x), moe_add_bf16x2(m + 2, v[k].y), moe_add_bf16x2(m + 4, v[k].z),
+                 moe_add_bf16x2(m + 6, v[k].w);
+  moe_add_bf16x2(m, sh.x), moe_add_bf16x2(m + 2, sh.y), moe_add_bf16x2(m + 4, sh.z), moe_add_bf16x2(m + 6, sh.w);
+  lo = make_float4(m[0], m[2], m[4], m[6]);
+  hi = make_float4(m[1], m[3], m[5], m[7]);
+}
+
+// float4 column of chunk c's lo (moe_combine8_at); its hi is 2 float4 columns further
+__device__ __forceinline__ int moe_chunk_lo4(int c) { return 4 * (c >> 1) + (c & 1); }
+
+// moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads;
+// out 16-byte aligned.
 __global__ void moe_combine4_kernel(const MoeCombineParams p) {
   pdl_wait();
   pdl_trigger();
@@ -301,27 +335,59 @@ __global__ void moe_combine4_kernel(const MoeCombineParams p) {
   reinterpret_cast<float4*>(p.out + int64_t(t) * p.H)[c] = moe_combine4_at(p, t, c);
 }
 
+// The same output from down16's bf16 rows (docs/numerics.md), a 16-byte chunk a thread (moe_combine8_at). Grid
+// (T, ceil(H / 2048)), 256 threads; out 16-byte aligned.
+__global__ void moe_combine_bf16_kernel(const MoeCombineParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (8 * c >= p.H) return;
+  float4 lo, hi;
+  moe_combine8_at(p, t, c, lo, hi);
+  float4* const o = reinterpret_cast<float4*>(p.out + int64_t(t) * p.H) + moe_chunk_lo4(c);
+  o[0] = lo;
+  o[2] = hi;
+}
+
 // A prompt's MoE output joining the residual stream, and the next RMSNorm (ops::moe_add_rms_norm_xb): per token t
-//   m[t, j] = sum_k down[topk_row[t, k], j] + down[T*K + t, j]    (moe_combine's sums, moe_combine4_at)
+//   m[t, j] = sum_k down[topk_row[t, k], j] + down[T*K + t, j]    (moe_combine's sums)
 //   x[t, j] += m[t, j];  y[t, j] = x[t, j] * s_t * w[j],  s_t = 1 / sqrt(mean_j x[t, j]^2 + eps)
 // with y's bf16 X into n.yb and y itself only where n.y is set: add_rms_norm_row<true> with m as its residual.
-// Shapes: down [T*K + T, H] F32 (routed rows grouped by expert, then the shared rows), topk_row [T, K], x and
-// y [T, H] F32, w [H], yb [T, H] BF16 in the prefill GEMM's Xb layout (xb_layout.cuh).
-// Bit-identical to moe_combine(4)_kernel into out, then add_rms_norm_kernel<true> over (x, out): the same fp32
-// operations in the same order (m's K + 1 adds, x + m, each thread's squares in add_rms_norm's order, its
-// block_sum, the same products and packing); m never goes to memory (its [T, H] F32 rows written and read
-// back: 64 MB a layer at T = 4096, H = 2048). Grid T (a block a token), nt = norm_threads(H) threads: thread
-// tid takes float4 columns tid, tid + nt, ... (add_rms_norm's float4 mapping; at H = 2048 256 threads, two
-// float4s each, each from K + 1 = 9 row loads in flight). c.out and n.res unused. H % 4 == 0, down, x, w, y
-// 16-byte aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned
-// (the Xb). The block's products wrote down before it (stream order); x, y and yb are its only stores, so y
-// may be the block's input h.
+// Shapes: down [T*K + T, H] F32 (routed rows grouped by expert, then the shared rows; BF16: down16, those rows
+// as bf16, docs/numerics.md), topk_row [T, K], x and y [T, H] F32, w [H], yb [T, H] BF16 in the prefill GEMM's
+// Xb layout (xb_layout.cuh).
+// Bit-identical to moe_combine4_kernel (BF16: moe_combine_bf16_kernel) into out, then add_rms_norm_kernel<true>
+// over (x, out): the same fp32 operations in the same order (m's K + 1 adds, x + m, each thread's squares in
+// add_rms_norm's order, its block_sum, the same products and packing); m never goes to memory (its [T, H] F32
+// rows written and read back: 64 MB a layer at T = 4096, H = 2048). Grid T (a block a token), nt =
+// norm_threads(H) threads: thread tid takes float4 columns tid, tid + nt, ... (add_rms_norm's float4 mapping;
+// at H = 2048 256 threads, two float4s each). F32: each float4 of m from its K + 1 = 9 row loads in flight
+// (moe_combine4_at). BF16: the row of m first, 8 columns a thread from one 16-byte load a row
+// (moe_combine8_at: 9 loads in flight, each as wide as a float4 load, where the float4 mapping would take
+// two 8-byte loads a row, and in pair order), into H * 4 bytes of dynamic shared memory, then add_rms_norm_row reads it there
+// after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 16 == 0), down (down16), x, w, y 16-byte
+// aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned (the Xb).
+// The block's products wrote down before it (stream order); x, y and yb are its only global stores, so y may
+// be the block's input h.
+template <bool BF16>
 __global__ void moe_combine_add_rms_norm_kernel(const MoeCombineParams c, const AddRmsNormParams n) {
   pdl_wait();
   pdl_trigger();
   __shared__ float red[32];
   const int t = blockIdx.x;
-  add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at(c, t, i); }, red);
+  if constexpr (BF16) {
+    extern __shared__ float4 moe_m4[];  // [H / 4] the token's m
+    for (int i = threadIdx.x; i < c.H / 8; i += blockDim.x) {
+      float4 lo, hi;
+      moe_combine8_at(c, t, i, lo, hi);
+      moe_m4[moe_chunk_lo4(i)] = lo;
+      moe_m4[moe_chunk_lo4(i) + 2] = hi;
+    }
+    __syncthreads();
+    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_m4[i]; }, red);
+  } else {
+    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at(c, t, i); }, red);
+  }
 }
 
 }  // namespace lily::cuda
