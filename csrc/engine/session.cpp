@@ -391,7 +391,9 @@ void Session::prefill(const int32_t* ids, int64_t T, float* logits, bool all_log
   for (int64_t t0 = 0; t0 < T; t0 += chunk_) {
     const int64_t n = std::min(chunk_, T - t0);
     s_.ids.upload(ids + t0, size_t(n) * 4);
-    engine_->forward_chunk(forward_context(), i32_view(s_.ids, n), n, images, t0);
+    // programmatic launches: each of the chunk's ~800 kernels may start as the one before it finishes
+    backend_programmatic_run(engine_->device(),
+                             [&] { engine_->forward_chunk(forward_context(), i32_view(s_.ids, n), n, images, t0); });
     position_ += n;
     if (all_logits) engine_->write_logits(forward_context(), 0, n, logits + t0 * V);
     else if (logits && t0 + n == T) engine_->write_logits(forward_context(), n - 1, 1, logits);

@@ -42,6 +42,11 @@ void backend_event_wait(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_wait(
 float backend_event_elapsed_ms(Device d, void* a, void* b) { LILY_DISPATCH_DEVICE(d, event_elapsed_ms(a, b)); }
 void backend_event_destroy(Device d, void* e) { LILY_DISPATCH_DEVICE(d, event_destroy(e)); }
 
+void backend_programmatic_run(Device d, const std::function<void()>& body) {
+  if (d == Device::CPU) return body();
+  LILY_DISPATCH_DEVICE(d, programmatic_run(body));
+}
+
 DeviceFence::DeviceFence(Device device) : device_(device) {
   if (device != Device::CPU) event_ = backend_event_create(device, false);
 }

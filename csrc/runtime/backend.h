@@ -29,6 +29,10 @@ void backend_event_record(Device device, void* event);
 void backend_event_wait(Device device, void* event);
 float backend_event_elapsed_ms(Device device, void* start, void* stop);
 void backend_event_destroy(Device device, void* event);
+// Runs body() with the device's kernels launched as programmatic dependent launches, as a graph capture
+// launches them (CUDA: every kernel may start while its predecessor finishes and waits before it reads; the
+// prompt's eager kernels, whose kernels all wait first). On the CPU: body().
+void backend_programmatic_run(Device device, const std::function<void()>& body);
 
 // A point in a device's stream that the host can wait for: record() marks the work queued so far,
 // wait() returns once it is done. On the CPU, where every op has finished when it returns, both do

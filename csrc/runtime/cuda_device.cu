@@ -96,9 +96,21 @@ void memset(void* dst, int value, size_t n) { LILY_CUDA_CHECK(cudaMemsetAsync(ds
 
 void synchronize() { LILY_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
-static thread_local bool capturing = false;
+static thread_local bool capturing = false, programmatic = false;
 
-bool programmatic_launches() { return capturing; }
+bool programmatic_launches() { return capturing || programmatic; }
+
+void programmatic_run(const std::function<void()>& body) {
+  const bool was = programmatic;
+  programmatic = true;
+  try {
+    body();
+  } catch (...) {
+    programmatic = was;
+    throw;
+  }
+  programmatic = was;
+}
 
 // Captures on the backend stream; an error inside body() ends the capture before it propagates so
 // the stream is usable again.

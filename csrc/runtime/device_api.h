@@ -27,6 +27,10 @@ namespace lily {
   void* graph_capture(const std::function<void()>& body, size_t* num_nodes);          \
   void graph_launch(void* graph);                                  \
   void graph_destroy(void* graph);                                 \
+  /* Runs body() with its kernels launched as inside a capture:     \
+     programmatic dependent launches (each kernel pdl_waits before  \
+     it reads an activation). */                                    \
+  void programmatic_run(const std::function<void()>& body);        \
   /* timing: for event_elapsed_ms (profiling); else only waited on */ \
   void* event_create(bool timing);                                 \
   void event_record(void* event);                                  \

@@ -30,6 +30,7 @@
   void* graph_capture(const std::function<void()>&, size_t*) { not_built(); }                  \
   void graph_launch(void*) { not_built(); }                                                    \
   void graph_destroy(void*) {}                                                                 \
+  void programmatic_run(const std::function<void()>&) { not_built(); }                        \
   void* event_create(bool) { not_built(); }                                                    \
   void event_record(void*) { not_built(); }                                                    \
   void event_wait(void*) { not_built(); }                                                      \
