@@ -404,6 +404,7 @@ __device__ __forceinline__ void wg_store_tile(const LinearArgs& a, const Tile& t
       // within a 16-output block, rbase's g) sit at positions 16q + 2g and 16q + 2g + 1, one 4-byte word
       // (wg_pack_bf16x2: the bits of wg_bf16); W's rows a multiple of 16 (linear_writes_bf16), so both outputs
       // are real or past W together (lim[b][0] == lim[b][1])
+      // y16_pos(o0) = o0 + g: o0 = n0 + rbase, n0 and rbase - g multiples of 16 (tests/emu/down_bf16_emu.cu)
       uint32_t* const y0 = reinterpret_cast<uint32_t*>(a.y16 + at + (rbase & 7));
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {

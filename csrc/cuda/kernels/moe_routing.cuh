@@ -322,8 +322,9 @@ __device__ __forceinline__ void moe_combine8_at(const MoeCombineParams& p, int t
   hi = make_float4(m[1], m[3], m[5], m[7]);
 }
 
-// float4 column of chunk c's lo (moe_combine8_at); its hi is 2 float4 columns further
-__device__ __forceinline__ int moe_chunk_lo4(int c) { return 4 * (c >> 1) + (c & 1); }
+// float4 column of chunk c's lo (moe_combine8_at); its hi is 2 float4 columns further. Host and device
+// (tests/emu/down_bf16_emu.cu).
+__host__ __device__ __forceinline__ int moe_chunk_lo4(int c) { return 4 * (c >> 1) + (c & 1); }
 
 // moe_combine_kernel's output, 4 columns a thread (moe_combine4_at). Grid (T, ceil(H / 1024)), 256 threads;
 // out 16-byte aligned.
