@@ -505,25 +505,25 @@ static const uint16_t* xb_rows(const LinearArgs& a, int64_t x_count, XbCopy& xb)
 // Split-K counters of linear_wgmma_tma_kernel (one per tile; zero between launches: the last unit of a
 // tile resets its own). A process-wide scratch like the decode attention's partials: products run one
 // at a time on the device's stream.
-constexpr int64_t WG_SPLIT_MAX_UNITS = 256, WG_SPLIT_MAX_ROWS = 512;
-constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 64 * 4;  // units x 256 outputs x BM 64 (a tile's accumulators)
+constexpr int64_t WG_SPLIT_MAX_UNITS = 256;
+constexpr int64_t WG_SPLIT_PARTIAL_BYTES = WG_SPLIT_MAX_UNITS * 256 * 128 * 4;  // units x 256 outputs x BM <= 128 (a tile's accumulators)
 __device__ uint32_t g_wg_split_done[WG_SPLIT_MAX_UNITS];
 
-// Split-K for dense products of short and medium prompts (T <= WG_SPLIT_MAX_ROWS, 64-row tiles) with fewer
-// tiles than half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits
-// and WG_SPLIT_MAX_UNITS units; partials in the bf16 workspace after X (linear_workspace_elems makes
-// room). Returns a with k_splits, partial and split_done set, or unchanged (k_splits 1; always for a bf16
-// output, a.y16: linear_writes_bf16). Above 64 rows
-// (several row tiles: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit:
-// 54.4 -> 24.4 us split 5 ways; docs/perf-notes.md, ninth session).
-static LinearArgs with_split_k(LinearArgs a, int64_t tiles, const XbCopy& xb) {
+// Split-K for dense products with fewer tiles (of bm rows: 64, or 128 where the 64-row tiles are too many) than
+// half the SMs: enough units to fill the SMs, at least 4 k-tiles each, at most 8 splits and WG_SPLIT_MAX_UNITS
+// units; partials in the bf16 workspace after X (linear_workspace_elems makes room). Returns a with k_splits,
+// partial and split_done set, or unchanged (k_splits 1; always for a bf16 output, a.y16: linear_writes_bf16).
+// Short prompts: a 146-token prompt's out_proj is 3 x 8 tiles, 24 CTAs walking K = 4096 unsplit: 54.4 -> 24.4
+// us split 5 ways (docs/perf-notes.md, ninth session). Long ones: a 4K prompt's narrow products (GDN's b|a, 64
+// outputs: 64 tiles of 64 rows; the router and shared-expert gate, 257 outputs: 32 x 2 tiles of 128 rows) fill
+// half the SMs unsplit (docs/perf-notes.md, twenty-second session).
+static LinearArgs with_split_k(LinearArgs a, int64_t tiles, int64_t bm, const XbCopy& xb) {
   const int64_t nk = a.w.cols / WG_BK, sms = num_sms();
-  if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.y16 != nullptr || a.tiles.M > WG_SPLIT_MAX_ROWS ||
-      tiles * 2 > sms || nk < 8)
+  if (a.tiles.tile_expert != nullptr || a.x_rows != nullptr || a.y16 != nullptr || tiles * 2 > sms || nk < 8)
     return a;
   const int64_t used = (xb.rows * xb.K + 127) / 128 * 128 * 2, avail = xb.capacity * 2 - used;
   for (int64_t sp = std::min<int64_t>({8, nk / 4, sms / tiles, WG_SPLIT_MAX_UNITS / tiles}); sp > 1; --sp) {
-    if (tiles * sp * 256 * 64 * 4 > avail) continue;
+    if (tiles * sp * 256 * bm * 4 > avail) continue;
     static uint32_t* done = [] {
       void* p = nullptr;
       LILY_CUDA_CHECK(cudaGetSymbolAddress(&p, g_wg_split_done));
@@ -653,10 +653,15 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
     return launch_wgmma<BITS, 128, false, false>(a, xb, x_count, ceil_div<int64_t>(a.tiles.M, 128));
   if (gather) return gs32 ? launch_wgmma<BITS, 64, true, true>(a, xb, x_count, max_tiles)
                           : launch_wgmma<BITS, 64, false, true>(a, xb, x_count, max_tiles);
-  const LinearArgs as = with_split_k(a, max_tiles * col_tiles, xb_copy);
+  const LinearArgs as = with_split_k(a, max_tiles * col_tiles, 64, xb_copy);
   if (as.k_splits > 1)  // split-K in its own instances: the unsplit kernel's loop stays as it was
     return gs32 ? launch_wgmma<BITS, 64, true, false, true>(as, xb, x_count, max_tiles)
                 : launch_wgmma<BITS, 64, false, false, true>(as, xb, x_count, max_tiles);
+  if (!gs32) {  // too many 64-row tiles to split: 128-row tiles split (no 128-row instance for 32-wide groups)
+    const int64_t wide_tiles = ceil_div<int64_t>(a.tiles.M, 128);
+    const LinearArgs aw = with_split_k(a, wide_tiles * wgmma_col_tiles(a, 128), 128, xb_copy);
+    if (aw.k_splits > 1) return launch_wgmma<BITS, 128, false, false, true>(aw, xb, x_count, wide_tiles);
+  }
   return gs32 ? launch_wgmma<BITS, 64, true, false>(a, xb, x_count, max_tiles)
               : launch_wgmma<BITS, 64, false, false>(a, xb, x_count, max_tiles);
 }
@@ -723,10 +728,8 @@ void linear_tiles(const LinearArgs& a, int64_t max_tiles, int64_t x_count, XbCop
 
 int64_t linear_x_elems(int64_t T, int64_t in) { return T * in; }
 
-// X as bf16, then (short prompts) room for the split-K partials after it (used when there).
-int64_t linear_workspace_elems(int64_t T, int64_t in) {
-  return (T * in + 127) / 128 * 128 + (T <= WG_SPLIT_MAX_ROWS ? WG_SPLIT_PARTIAL_BYTES / 2 : 0);
-}
+// X as bf16, then room for the split-K partials after it (used when there).
+int64_t linear_workspace_elems(int64_t T, int64_t in) { return (T * in + 127) / 128 * 128 + WG_SPLIT_PARTIAL_BYTES / 2; }
 
 void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& weight, float eps,
                          const Tensor& y, const Tensor& tmp, const Tensor& workspace, const Tensor& sync) {

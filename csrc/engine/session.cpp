@@ -145,7 +145,7 @@ Session::Session(std::shared_ptr<const Engine> engine, int64_t max_context, int6
                                                                    c.linear_key_head_dim, c.linear_value_head_dim)) *
                               4);
   const int64_t widest_in = std::max({H, int64_t(c.value_dim()), int64_t(c.attn_dim())});  // linear inputs
-  // (the second term: the split-K room of short prompts, docs/cuda.md)
+  // (each term with the split-K partials' room, docs/cuda.md)
   s_.xb = Buffer(d, size_t(std::max({ops::linear_workspace_elems(d, C, widest_in),
                                      ops::linear_workspace_elems(d, std::min<int64_t>(C, 64), widest_in),
                                      ops::moe_xb_elems(d, C, H, c.moe_intermediate_size,

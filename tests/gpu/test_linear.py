@@ -515,6 +515,26 @@ def test_linear_split_k_several_row_tiles(T, N, K, gpu_tol):
     check(ops.linear(wg, 0, x), ops.linear(wc, 0, x), "linear_wgmma", gpu_tol)
 
 
+@pytest.mark.parametrize("N,K,bits,group,T", [
+    (64, 2048, 4, 64, 4096),    # GDN's b|a at 4K: 64 tiles of 64 rows, split 2
+    (64, 2048, 4, 32, 4096),    # 32-wide groups: the 64-row split instance
+    (257, 2048, 8, 64, 4096),   # the router and shared-expert gate: 64-row tiles too many, 32 x 2 of 128 rows split
+    (300, 2048, 4, 64, 4096),   # a part column tile on the 128-row split
+    (2048, 512, 4, 64, 1000),   # 8 x 8 tiles of 128 rows, K = 512: two splits
+    (64, 2048, 4, 64, 9000),    # 141 tiles of 64 rows, 71 of 128: unsplit
+])
+def test_linear_split_k_long_prompts(N, K, bits, group, T, gpu_tol):
+    # Long prompts: dense products with fewer tiles than half the SMs split K too (linear.cu with_split_k, on
+    # 64- or 128-row tiles); against the CPU, and deterministic (the partials summed in split order)
+    rng = np.random.default_rng(T + N + K + bits + group)
+    m = random_matrix(rng, 1, N, K, bits, group, "BF16")
+    wc, wg = both(m)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    out = ops.linear(wg, 0, x)
+    check(out, ops.linear(wc, 0, x), "linear_wgmma", gpu_tol)
+    assert np.array_equal(out, ops.linear(wg, 0, x))
+
+
 @pytest.mark.parametrize("bits,group,sdt", [(0, 0, "F32"), (0, 0, "BF16"), (4, 64, "BF16"), (8, 32, "F16"), (2, 128, "F32")])
 def test_embedding(bits, group, sdt, gpu_tol):
     rng = np.random.default_rng(11)

@@ -515,7 +515,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
   const int splits = a.k_splits;
   // element-major: accumulator j of consumer thread ct at [j][ct], so a warp's store or load of one j
   // is 128 contiguous bytes (thread-major rows of BM floats made every warp access touch 32 sectors)
-  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };  // BM * 256 = NB * BM/2 * TMA_CONSUMERS (NB = 2: split-K has no BM = 256 instance)
+  auto slot = [&](int k) { return a.partial + (t * splits + k) * int64_t(BM) * 256 + ct; };  // BM * 256 = NB * BM/2 * TMA_CONSUMERS (NB = 2: split-K has BM 64 and 128 instances, no BM = 256 one)
   float* mine = slot(sp);
 #pragma unroll
   for (int b = 0; b < NB; ++b)
@@ -552,7 +552,7 @@ __device__ __forceinline__ bool wg_split_reduce(const LinearArgs& a, const Tile&
 // accumulator rows interleaved as wg_row_base/wg_row_step say), persistent.
 // Grid: min(units, SMs) CTAs of TMA_THREADS (384) threads; CTA i takes work units i, i + gridDim.x, ... A unit is a
 // tile of row_tiles x col_tiles, column tile fastest (CTAs running together share a row tile's X),
-// or, with split-K (SPLIT and a.k_splits > 1, dense only: short prompts), split sp of tile t = u / k_splits over
+// or, with split-K (SPLIT and a.k_splits > 1, dense only: products of few tiles), split sp of tile t = u / k_splits over
 // k-tiles [sp*nk/k_splits, (sp+1)*nk/k_splits); its accumulators go through wg_split_reduce, whose
 // last unit per tile sums the splits in order and stores.
 // Row tiles: dense ceil(M / BM), grouped *num_tiles (tile map of BM-row tiles: RowTiles::tile_rows == BM).
