@@ -10,20 +10,14 @@
 //   combine:  moe_combine8_at's chunk c (8 positions): word w's low half is column 4 moe_chunk_lo4(c) + w, its
 //             high half the column 8 past it; reading every chunk back gives every column's value once.
 // Built with nvcc as host code; exits non-zero and prints FAIL on any mismatch.
-#include <cstdio>
-#include <cstring>
 #include <random>
 #include <vector>
 
 #include "cuda/kernels/linear_wgmma_tma.cuh"
 #include "cuda/kernels/moe_routing.cuh"
+#include "emu_common.h"
 
 using namespace lily::cuda;
-
-static int failures = 0;
-static void expect(bool ok, const char* what, long a, long b) {
-  if (!ok && failures++ < 10) std::printf("FAIL %s (%ld, %ld)\n", what, a, b);
-}
 
 static bool check_order() {
   const int before = failures;
@@ -100,7 +94,8 @@ static bool combine(const std::vector<float>& y, const std::vector<uint16_t>& y1
                  long(r), long(col));
           if (col >= 0 && col < N) ++got[size_t(col)];
         }
-    for (int64_t L = 0; L < N; ++L) expect(got[size_t(L)] == 1, "combine: column not read exactly once", long(r), long(L));
+    for (int64_t L = 0; L < N; ++L)
+      expect(got[size_t(L)] == 1, "combine: column not read exactly once", double(r), double(L));
   }
   std::printf("%s combine M %ld, N %ld\n", failures == before ? "ok  " : "FAIL", long(M), long(N));
   return failures == before;

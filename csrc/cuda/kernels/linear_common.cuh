@@ -84,6 +84,12 @@ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM,
   return tile.rows > 0;
 }
 
+// LinearArgs::y16's pair order: the position of output column L in its row, 16q + 2i + h for L = 16q + i + 8h
+// (i < 8). Host and device (tests/emu/down_bf16_emu.cu walks the epilogue's and the combines' threads through it).
+__host__ __device__ constexpr int64_t y16_pos(int64_t L) {
+  return (L & ~int64_t(15)) | ((L & 7) << 1) | ((L >> 3) & 1);
+}
+
 // One product Y[r, o] = sum_i W_e[o, i] X[x_row(r), i] over tiles of rows, then the epilogue:
 //   plain:  y[r, o] = acc
 //   swiglu: y[r, o] = row_scale[r] * silu(y[r, o]) * acc   (y holds the gate product already;
@@ -91,12 +97,6 @@ __device__ __forceinline__ bool find_tile(const RowTiles& rt, int64_t m, int BM,
 // Gated (up.w set; linear.cu's linear_tiles): the gate product (w) and the up product (up, the same
 // shape) as one, y[r, o] = row_scale[r] * silu(gate[r, o]) * up[r, o]: linear_wgmma_tma_kernel's GATED
 // instances where they apply, else the plain gate product into y, then the up product with swiglu.
-// LinearArgs::y16's pair order: the position of output column L in its row, 16q + 2i + h for L = 16q + i + 8h
-// (i < 8). Host and device (tests/emu/down_bf16_emu.cu walks the epilogue's and the combines' threads through it).
-__host__ __device__ constexpr int64_t y16_pos(int64_t L) {
-  return (L & ~int64_t(15)) | ((L & 7) << 1) | ((L >> 3) & 1);
-}
-
 struct LinearArgs {
   WeightView w;
   WeightView up;

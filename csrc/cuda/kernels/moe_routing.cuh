@@ -282,7 +282,8 @@ __device__ __forceinline__ float4 moe_combine4_at(const MoeCombineParams& p, int
   float4 v[MOE_COMBINE4_MAX_K];
 #pragma unroll
   for (int k = 0; k < MOE_COMBINE4_MAX_K; ++k)
-    if (k < p.K) v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
+    if (k < p.K)
+      v[k] = reinterpret_cast<const float4*>(p.down + int64_t(p.topk_row[int64_t(t) * p.K + k]) * p.H)[c];
   const float4 sh = reinterpret_cast<const float4*>(p.down + (int64_t(p.T) * p.K + t) * p.H)[c];
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -365,8 +366,8 @@ __global__ void moe_combine_bf16_kernel(const MoeCombineParams p) {
 // at H = 2048 256 threads, two float4s each). F32: each float4 of m from its K + 1 = 9 row loads in flight
 // (moe_combine4_at). BF16: the row of m first, 8 columns a thread from one 16-byte load a row
 // (moe_combine8_at: 9 loads in flight, each as wide as a float4 load, where the float4 mapping would take
-// two 8-byte loads a row, and in pair order), into H * 4 bytes of dynamic shared memory, then add_rms_norm_row reads it there
-// after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 16 == 0), down (down16), x, w, y 16-byte
+// two 8-byte loads a row, and in pair order), into H * 4 bytes of dynamic shared memory, then
+// add_rms_norm_row reads it there after a barrier. c.out and n.res unused. H % 4 == 0 (BF16: H % 16 == 0), down (down16), x, w, y 16-byte
 // aligned (add_rms_norm's float4 path), K <= MOE_COMBINE4_MAX_K; H % 8 == 0 and yb 16-byte aligned (the Xb).
 // The block's products wrote down before it (stream order); x, y and yb are its only global stores, so y may
 // be the block's input h.
