@@ -43,7 +43,7 @@ host_prebuilt_install() {
   [[ -n $whl && -f $dir/.prebuilt/SOURCE_HASH ]] || { echo "prebuilt: none in $dir"; return 1; }
   [[ $(cat "$dir/.prebuilt/SOURCE_HASH") == $(host_source_hash "$dir") ]] || { echo "prebuilt: stale for $dir"; return 1; }
   if [[ -n $target ]]; then
-    python3 -m pip install -q --no-deps --target "$target" "$whl" || return 1
+    python3 -m pip install -q --no-deps --upgrade --target "$target" "$whl" || return 1  # a warm host's earlier copy
   else
     python3 -m pip install -q --no-deps --force-reinstall "$whl" || return 1
   fi

@@ -596,8 +596,8 @@ static void launch_wgmma(const LinearArgs& a, const uint16_t* xb, int64_t x_coun
   LILY_CUDA_LAUNCHED();
 }
 
-// Grouped (MoE) tile maps have a.tiles.tile_rows (64 or 128) rows per tile: BM = tile_rows; gathered rows
-// (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
+// Grouped (MoE) tile maps have a.tiles.tile_rows (64, 128, or 160: plain products only) rows per tile: BM =
+// tile_rows; gathered rows (x_rows) take the cp.async producer. Dense products take 128-row tiles when that still gives at least
 // one tile per SM, 64-row tiles otherwise (and always with 32-wide groups, which have no 128-row variant).
 // A gated product (use_gated_wgmma: 4-bit, no 32-wide groups, no split-K) takes the GATED instances, same
 // rules. BITS: the weights' (4 or 8), the same choices for both.
@@ -626,7 +626,8 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
   // the gather producer addresses a row's 16-byte chunks with 32-bit indices
   LILY_CHECK(!gather || x_count * (a.w.cols / 8) < int64_t(UINT32_MAX), "linear: ", x_count, " gathered rows of ",
              a.w.cols, " exceed the 32-bit chunk index");
-  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS,
+  LILY_CHECK(!grouped || a.tiles.tile_rows == LINEAR_TILE_ROWS || a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS ||
+                 a.tiles.tile_rows == LINEAR_MERGE_TILE_ROWS,
              "linear: unsupported tile map rows ", a.tiles.tile_rows);
   // the epilogues address a tile's rows by 32-bit offsets (row * ldy elements of F32 or, y16, bf16; or row * N
   // for a bf16 Xb output; row < 256)
@@ -641,6 +642,12 @@ static void run_wgmma_bits(const LinearArgs& a, int64_t max_tiles, int64_t x_cou
       return gather ? launch_wgmma<4, 64, false, true, false, true>(a, xb, x_count, row_tiles)
                     : launch_wgmma<4, 64, false, false, false, true>(a, xb, x_count, row_tiles);
     }
+  }
+  if (grouped && a.tiles.tile_rows == LINEAR_MERGE_TILE_ROWS) {
+    LILY_CHECK(a.up.w == nullptr && !gather && linear_wide_tiles(a),
+               "linear: a ", LINEAR_MERGE_TILE_ROWS, "-row tile map for a product without a ", LINEAR_MERGE_TILE_ROWS,
+               "-row kernel");
+    return launch_wgmma<BITS, LINEAR_MERGE_TILE_ROWS, false, false>(a, xb, x_count, max_tiles);
   }
   if (grouped && a.tiles.tile_rows == LINEAR_WIDE_TILE_ROWS) {
     LILY_CHECK(linear_wide_tiles(a), "linear: a 128-row tile map for a product without a 128-row kernel");

@@ -60,6 +60,10 @@ constexpr int LINEAR_TILE_ROWS = 64;
 // product run over it satisfies linear_wide_tiles (the wgmma kernel has a 128-row instance for it).
 constexpr int LINEAR_WIDE_TILE_ROWS = 128;
 bool linear_wide_tiles(const LinearArgs& a);
+// ... and LINEAR_MERGE_TILE_ROWS (an expert's last 128-row tile and a remainder of at most 32 rows as one tile:
+// the MoE down product's merge map, moe_scatter_kernel) for a plain product (no gate, no gathered rows) that
+// satisfies linear_wide_tiles: the wgmma kernel's BM = 160 instances.
+constexpr int LINEAR_MERGE_TILE_ROWS = LINEAR_WIDE_TILE_ROWS + 32;
 
 // 4/8-bit affine with BF16 scales, cols % 32 == 0 and 16-byte aligned words: every row (and every
 // stack entry) starts on a 16-byte chunk, the form the GEMV kernels read.

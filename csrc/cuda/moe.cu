@@ -31,7 +31,9 @@
 // The grouped products run over an upper bound of tiles; tiles past the device count exit at once. With
 // 128-row tiles the routed gate/up product is two launches of the wgmma GEMM: BM = 128 over the 128-row map,
 // then BM = 64 over the tail map of the experts' last remainders of at most 64 rows (MoePrompt::tails); the
-// down product one launch over the whole map (its 64-row tiles measured slower: 8 k-tiles a tile).
+// down product over the whole map (its 64-row tiles measured slower: 8 k-tiles a tile), then BM = 160 over
+// the merge map: an expert past 128 rows whose remainder is at most 32 rows has its last full tile and the
+// remainder as one 160-row tile (MoePrompt::merge; one k loop where two tiles cost two).
 #include <algorithm>
 #include <array>
 
@@ -64,6 +66,9 @@ struct RoutingTables {
   int32_t* all_expert;   // [max_tiles] the whole map, ceil(n_e / tile rows) tiles an expert (the down product's)
   int32_t* all_row0;     // [max_tiles]
   int32_t* num_all_tiles;  // [1]
+  int32_t* merge_expert;   // [E] the merge map: an expert's last 128-row tile and its remainder of <= 32 rows
+  int32_t* merge_row0;     // [E]
+  int32_t* num_merge_tiles;  // [1]
   int64_t max_tiles, words;
 };
 
@@ -104,6 +109,9 @@ static RoutingTables routing_tables(int32_t* base, int64_t T, int64_t E, int top
   r.all_expert = take(r.max_tiles);
   r.all_row0 = take(r.max_tiles);
   r.num_all_tiles = take(1);
+  r.merge_expert = take(E);
+  r.merge_row0 = take(E);
+  r.num_merge_tiles = take(1);
   r.words = p - base;
   return r;
 }
@@ -176,6 +184,15 @@ static LinearArgs grouped_whole(LinearArgs a, const RoutingTables& r, int tile_r
   a.tiles.tile_expert = r.all_expert;
   a.tiles.tile_row0 = r.all_row0;
   a.tiles.num_tiles = r.num_all_tiles;
+  return a;
+}
+
+// The grouped product a over the merge map of LINEAR_MERGE_TILE_ROWS-row tiles instead.
+static LinearArgs merge_of(LinearArgs a, const RoutingTables& r) {
+  a.tiles.tile_expert = r.merge_expert;
+  a.tiles.tile_row0 = r.merge_row0;
+  a.tiles.num_tiles = r.num_merge_tiles;
+  a.tiles.tile_rows = LINEAR_MERGE_TILE_ROWS;
   return a;
 }
 
@@ -466,6 +483,7 @@ struct MoePrompt {
   LinearArgs routed_up, routed_down, shared_up, shared_down;
   int tile_rows;
   bool tails;  // 128-row tiles with the tail map beside them (the routed gate/up also over tail_of)
+  bool merge;  // the down product's whole map with the merge map beside it (the routed down also over merge_of)
   int64_t xb_capacity;
   MoeSmall small;
 };
@@ -500,6 +518,8 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
     if (routed || shared) p.xb_capacity = copy;
   }
   p.small = use_moe_small(p.routed_up, p.routed_down, T, E, top_k, s);
+  // dn: a plain product of non-gathered rows that satisfies linear_wide_tiles (LINEAR_MERGE_TILE_ROWS' rule)
+  p.merge = wide && !p.small.down;
   return p;
 }
 
@@ -634,8 +654,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   LILY_CUDA_LAUNCHED();
   MoeScatterParams sp{r.topk_id, r.topk_w, r.chunk_count, r.topk_row, r.row_end, r.row_token, r.row_weight,
                       r.tile_expert, r.tile_row0, r.num_tiles, r.tail_expert, r.tail_row0, r.num_tail_tiles,
-                      r.all_expert, r.all_row0, r.num_all_tiles,
-                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0};
+                      r.all_expert, r.all_row0, r.num_all_tiles, r.merge_expert, r.merge_row0, r.num_merge_tiles,
+                      int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0,
+                      p.merge ? LINEAR_MERGE_TILE_ROWS - p.tile_rows : 0};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 
@@ -656,8 +677,12 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     if (p.tails) linear_tiles(tail_of(p.routed_up, r), E, T, xb);
     linear_tiles(p.shared_up, shared_tiles, T, xb);
   }
-  if (p.small.down) run_moe_small_down(p.routed_down, T, E, top_k);
-  else linear_tiles(p.routed_down, r.max_tiles, TK, xb);
+  if (p.small.down) {
+    run_moe_small_down(p.routed_down, T, E, top_k);
+  } else {  // the whole map's 128-row tiles, then the merge map's (at most E), as the gate/up's two maps
+    linear_tiles(p.routed_down, r.max_tiles, TK, xb);
+    if (p.merge) linear_tiles(merge_of(p.routed_down, r), E, TK, xb);
+  }
   linear_tiles(p.shared_down, shared_tiles, T, xb);
 
   MoeCombineParams mp{bf16 ? nullptr : s.down.ptr<float>(), bf16 ? down16 : nullptr, r.topk_row, out.ptr<float>(),

@@ -296,12 +296,15 @@ def test_moe_prefill_wide_tiles(group, gpu_tol):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("T", [300, 330, 384])
+@pytest.mark.parametrize("T", [300, 330, 384, 150, 280, 288, 289])
 def test_moe_prefill_tail_tiles(T, bits, gpu_tol):
     # top_k = E = 8: every expert takes all T rows, so every expert's remainder is known. T = 300: 2 x 128 + 44
     # (the last 44 rows on the tail map's 64-row tiles, moe_scatter_kernel), 330: 2 x 128 + 74 (a partial
     # 128-row tile), 384: 3 x 128 (no remainder, the tail map empty). 4 bits: the gathered GATED gate/up and
     # the plain down at BM 128, then BM 64; 8 bits: gate and up as two products, each over both maps.
+    # The down product's merge map (remainders of at most 32 rows join the last full tile on the BM = 160
+    # kernel): T = 150 (128 + 22: the expert's only tile, 150 rows), 280 (128 + a merged 152), 288 (128 + a
+    # full merged 160), 289 (2 x 128 + 33: no merge).
     rng = np.random.default_rng(T + bits)
     cpu, gpu = moe_weights(rng, 8, 256, 128, 128, bits, 64, "BF16", 8)
     h = rng.standard_normal((T, 256)).astype(np.float32)

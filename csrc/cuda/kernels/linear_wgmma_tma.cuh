@@ -6,8 +6,8 @@
 //   or (LinearArgs::yb) as the next product's Xb rows.
 // Shapes: W [E, N, K*BITS/32] U32 (K % 64 == 0), scales/biases BF16 [E, N, K/gs] (< 2^32 elements) with
 // gs == 32 or a power of two >= 64; X [rows, K] as Xb BF16 (wgx_bf16_kernel from the F32 rows, once per
-// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 128 or 64; MoE grouped tile maps:
-// BM = the map's tile_rows, 64 or 128).
+// product, or written so by X's producer: LinearArgs::xb, wg_xb_pos); rows come in tiles of BM from RowTiles (dense: BM = 256, 128 or 64; MoE grouped tile maps:
+// BM = the map's tile_rows, 64 or 128, or 160 for the down product's merged tiles: moe_scatter_kernel).
 // Two kernels:
 //   wgx_bf16_kernel          X [rows, ldx] F32 -> Xb [rows, K] BF16, k permuted as the GEMM wants it
 //                            (NATURAL: in stored order, for the dense BF16 GEMM).
@@ -17,8 +17,8 @@
 //                            W and issue wgmma; full/empty mbarriers, no CTA-wide barrier in the loop.
 //
 // The product is computed transposed, D[o, r] = W[o, :] . X[r, :], so that the weights are the wgmma A
-// operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64, 128
-// or 256): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
+// operand (M = 64 outputs per instruction) and the activation rows are the N dimension (N = BM = 64, 128,
+// 160 or 256): a 64-row MoE tile is an exact m64nBMk16 instruction, no padding to 128.
 // Tile: wg_rows(BM) weight rows (256; 128 at BM = 256) x BM rows, k-tiles of 64. Consumer warpgroup cw owns
 // weight rows [cw*64*NB, +64*NB) of the tile as NB = wg_blocks(BM) m64 blocks (2; 1 at BM = 256); each
 // thread holds NB x BM/2 fp32 accumulators. The weight rows are wg_rows(BM)
@@ -114,10 +114,10 @@ constexpr int WGX_THREADS = 256;
 // The GEMM's CTA: 1 producer + 2 consumer warpgroups. Shared memory: 1024 B alignment slack, a ring of
 // tma_stages(BM, GATED) stages [Xb tile BM x 64 bf16 (128B-swizzled) | W words 256 rows x
 // tma_w_row_bytes(BITS) (4-bit 32 B, 8-bit 64 B)], then the full[S] and empty[S] mbarriers. 4-bit rings:
-// 6 x 24 KB (BM 128) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB / 161 KB.
-// 8-bit rings: 193 KB at both BM (6 x 32 KB, 8 x 24 KB).
-// Two consumer warpgroups; the m64 blocks of 64 weight rows each one owns, wg_blocks(BM): two at BM = 64 and
-// 128 (256 weight rows a tile; BM accumulators and 16 A registers a half a thread), one at BM = 256 (128
+// 6 x 24 KB (BM 128), 6 x 28 KB (BM 160) or 8 x 16 KB (BM 64); GATED (4-bit only) has two more stages: 193 KB /
+// 161 KB. 8-bit rings: 193 KB at BM 128 and 64 (6 x 32 KB, 8 x 24 KB), 217 KB at BM 160 (6 x 36 KB).
+// Two consumer warpgroups; the m64 blocks of 64 weight rows each one owns, wg_blocks(BM): two at BM = 64, 128
+// and 160 (256 weight rows a tile; BM accumulators and 16 A registers a half a thread), one at BM = 256 (128
 // weight rows a tile, wgmma m64n256: BM/2 = 128 accumulators, 8 A registers a half: half the dequantization
 // a MAC). (Four warpgroups of one block at BM = 128, the sixteenth session's cwg4, measured no faster.)
 constexpr int TMA_CONSUMER_WGS = 2;
@@ -135,7 +135,7 @@ constexpr int TMA_GATHER_LAG = 3;  // gather mode: cp.async groups a producer th
 __host__ __device__ constexpr int tma_w_row_bytes(int bits) { return WG_BK * bits / 8; }
 __host__ __device__ constexpr int tma_w_bytes(int bits, int bm) { return wg_rows(bm) * tma_w_row_bytes(bits); }
 __host__ __device__ constexpr int tma_stages(int bm, bool gated = false) {
-  return (bm == 256 ? 5 : bm == 128 ? 6 : 8) + (gated ? 2 : 0);
+  return (bm == 256 ? 5 : bm >= 128 ? 6 : 8) + (gated ? 2 : 0);
 }
 __host__ __device__ constexpr int tma_stage_bytes(int bm, int bits) { return bm * WG_BK * 2 + tma_w_bytes(bits, bm); }
 __host__ __device__ constexpr int tma_smem_bytes(int bm, int bits, bool gated = false) {
@@ -146,6 +146,8 @@ static_assert(tma_smem_bytes(128, 4, true) <= 227 * 1024 && tma_smem_bytes(64, 4
 static_assert(tma_smem_bytes(128, 8) <= 227 * 1024 && tma_smem_bytes(64, 8) <= 227 * 1024,
               "the 8-bit ring exceeds the 227 KB opt-in shared memory");
 static_assert(tma_smem_bytes(256, 8) <= 227 * 1024, "the BM = 256 ring exceeds the 227 KB opt-in shared memory");
+static_assert(tma_smem_bytes(160, 8) <= 227 * 1024, "the BM = 160 ring exceeds the 227 KB opt-in shared memory");
+static_assert(tma_stage_bytes(160, 4) % 1024 == 0, "BM = 160 stages must keep the 1024-byte SWIZZLE_128B alignment");
 
 // Which weight row each accumulator row of a consumer thread is. Thread (cw, w4, g) (consumer warpgroup
 // cw, its warp w4, g = lane/4) holds, for m64 block b and h = 0, 1, wgmma row 16*w4 + g + 8h of block b
@@ -602,6 +604,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
                                                     "its two extra stages of the 8-bit ring)");
   constexpr int NB = wg_blocks(BM), S = tma_stages(BM, GATED), BN = GATED ? wg_rows(BM) / 2 : wg_rows(BM);  // BN: outputs per column tile
   static_assert(BM != 256 || (!GATHER && !SPLIT && !GATED), "BM = 256: dense products only");
+  static_assert(BM != 160 || (!GATHER && !SPLIT && !GATED && !GS32), "BM = 160: the MoE down product's merged tiles only");
   constexpr int KW = WG_BK * BITS / 32;  // packed words of a row per k-tile (the W box's width)
   constexpr uint32_t XBYTES = BM * WG_BK * 2, STAGE = tma_stage_bytes(BM, BITS), WBYTES = tma_w_bytes(BITS, BM);
   pdl_wait();

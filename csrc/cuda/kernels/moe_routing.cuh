@@ -160,11 +160,15 @@ struct MoeScatterParams {
   int32_t* tail_expert;        // [E] the map of tail_rows-row tiles (an expert's last remainder)
   int32_t* tail_row0;          // [E]
   int32_t* num_tail_tiles;     // [1]
-  int32_t* all_expert;         // [max_tiles] the whole map: ceil(n_e / tile_rows) tiles an expert
+  int32_t* all_expert;         // [max_tiles] the whole map: ceil(n_e / tile_rows) tiles an expert (less a merged one)
   int32_t* all_row0;           // [max_tiles]
   int32_t* num_all_tiles;      // [1]
+  int32_t* merge_expert;       // [E] the merge map of tile_rows + merge_rows-row tiles (an expert's last two)
+  int32_t* merge_row0;         // [E]
+  int32_t* num_merge_tiles;    // [1]
   int T, E, K, tile_rows;
   int tail_rows;               // 0 (no tail map) or below tile_rows
+  int merge_rows;              // 0 (no merge map) or the remainder rows a merged tile may add to a full one
 };
 
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
@@ -175,11 +179,16 @@ struct MoeScatterParams {
 // tail_rows = 0: ceil(n_e / tile_rows) tiles in the first map, the tail map empty (*num_tail_tiles = 0).
 // Every row lies in exactly one tile of one map. A third map, the whole map, holds each expert's
 // ceil(n_e / tile_rows) tiles whatever tail_rows (the down product's: its short k loop makes a 64-row
-// tile cost about as much as a 128-row one, docs/perf-notes.md, nineteenth session). A token's K experts are distinct (moe_topk's choice).
+// tile cost about as much as a 128-row one, docs/perf-notes.md, nineteenth session), except, with
+// merge_rows > 0, an expert with n_e > tile_rows and 0 < r_e <= merge_rows: its last full tile and the
+// remainder go to the merge map as one tile of tile_rows + r_e rows instead (the whole map keeps
+// floor(n_e / tile_rows) - 1 tiles; the down product's BM = tile_rows + merge_rows kernel: one k loop
+// where two tiles, the second of a few rows, cost two). The whole map and the merge map cover every row
+// once too. A token's K experts are distinct (moe_topk's choice).
 // Grid C, MOE_ROUTE_TOKENS threads: thread 32w + l of CTA c takes token t = c * MOE_ROUTE_TOKENS + 32w + l.
 // Each CTA sums n_e and b_e = sum_{c' < c} chunk_count[c', e] (threads over e), and warp w sets bit l of
 // mask[w][e] for each expert e its lane l's token chose (atomicOr: the same bits in any order). Warp 0
-// scans n_e and both maps' tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
+// scans n_e and the maps' tile counts over e (a lane per run of ceil(E / 32) experts, then a shuffle scan),
 // so expert e's rows of this chunk start at start_e + b_e. The row of (t, k) with e = topk_id[t, k] is
 // that plus the chunk's earlier tokens that chose e: popc(mask[w'][e]) for w' < w and popc(mask[w][e])
 // over lanes below l, so ascending token order with no ordering between threads. CTA c also writes
@@ -215,30 +224,39 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
     // as one more tile when r > tail_rows, to the tail map when 0 < r <= tail_rows
     auto main_tiles = [&](int n) { return n / p.tile_rows + (n % p.tile_rows > p.tail_rows ? 1 : 0); };
     auto tail_tiles = [&](int n) { return n % p.tile_rows > 0 && n % p.tile_rows <= p.tail_rows ? 1 : 0; };
-    auto all_tiles = [&](int n) { return (n + p.tile_rows - 1) / p.tile_rows; };
+    auto merge_tiles = [&](int n) {
+      return n > p.tile_rows && n % p.tile_rows > 0 && n % p.tile_rows <= p.merge_rows ? 1 : 0;
+    };
+    auto all_tiles = [&](int n) { return (n + p.tile_rows - 1) / p.tile_rows - 2 * merge_tiles(n); };
     const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
-    int rows = 0, tiles = 0, tails = 0, alls = 0;  // this lane's run, then the inclusive scans over lanes
-    for (int e = e0; e < e1; ++e)
-      rows += n_of[e], tiles += main_tiles(n_of[e]), tails += tail_tiles(n_of[e]), alls += all_tiles(n_of[e]);
-    int start = -rows, tile = -tiles, tail = -tails, all = -alls;
+    int rows = 0, tiles = 0, tails = 0, alls = 0, merges = 0;  // this lane's run, then inclusive scans over lanes
+    for (int e = e0; e < e1; ++e) {
+      const int n = n_of[e];
+      rows += n, tiles += main_tiles(n), tails += tail_tiles(n), alls += all_tiles(n), merges += merge_tiles(n);
+    }
+    int start = -rows, tile = -tiles, tail = -tails, all = -alls, merge = -merges;
     for (int o = 1; o < 32; o <<= 1) {
       const int r = __shfl_up_sync(0xffffffffu, rows, o), u = __shfl_up_sync(0xffffffffu, tiles, o),
-                v = __shfl_up_sync(0xffffffffu, tails, o), w = __shfl_up_sync(0xffffffffu, alls, o);
-      if (lane >= o) rows += r, tiles += u, tails += v, alls += w;
+                v = __shfl_up_sync(0xffffffffu, tails, o), w = __shfl_up_sync(0xffffffffu, alls, o),
+                m = __shfl_up_sync(0xffffffffu, merges, o);
+      if (lane >= o) rows += r, tiles += u, tails += v, alls += w, merges += m;
     }
-    start += rows, tile += tiles, tail += tails, all += alls;  // exclusive: the rows and tiles of experts below e0
+    // exclusive: the rows and tiles of experts below e0
+    start += rows, tile += tiles, tail += tails, all += alls, merge += merges;
     for (int e = e0; e < e1; ++e) {
-      const int n = n_of[e], nt = main_tiles(n), nu = tail_tiles(n), na = all_tiles(n);
+      const int n = n_of[e], nt = main_tiles(n), nu = tail_tiles(n), na = all_tiles(n), nm = merge_tiles(n);
       base[e] += start;
       if (e % int(gridDim.x) == c) {
         p.row_end[e] = start + n;
         for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
         if (nu) p.tail_expert[tail] = e, p.tail_row0[tail] = start + nt * p.tile_rows;
         for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.tile_rows;
+        if (nm) p.merge_expert[merge] = e, p.merge_row0[merge] = start + na * p.tile_rows;
       }
-      start += n, tile += nt, tail += nu, all += na;
+      start += n, tile += nt, tail += nu, all += na, merge += nm;
     }
-    if (c == 0 && lane == 31) *p.num_tiles = tile, *p.num_tail_tiles = tail, *p.num_all_tiles = all;
+    if (c == 0 && lane == 31)
+      *p.num_tiles = tile, *p.num_tail_tiles = tail, *p.num_all_tiles = all, *p.num_merge_tiles = merge;
   }
   __syncthreads();
   if (t >= p.T) return;

@@ -78,6 +78,24 @@ __device__ __forceinline__ void wgmma_m64n128k16_rA(float (&d)[64], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// m64n160k16 with A from registers: the MoE down product's merged tiles (BM = 160: an expert's last 128-row tile
+// and a remainder of at most 32 rows as one tile, linear_wgmma_tma.cuh).
+__device__ __forceinline__ void wgmma_m64n160k16_rA(float (&d)[80], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
+      "{"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79"
+      "}, {%80,%81,%82,%83}, %84, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 // m64n256k16 with A from registers; TRANS_B = 1 reads B by an MN-major descriptor (imm-trans-b: the attention's V
 // tile, [keys][dims] with dims contiguous), 0 K-major (the GEMM's Xb tile).
 template <int TRANS_B = 0>
@@ -100,10 +118,12 @@ __device__ __forceinline__ void wgmma_m64n256k16_rA(float (&d)[128], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B));
 }
 
-// One m64 x BM x k16 wgmma (BM = 64, 128 or 256 rows of B) accumulating into d.
+// One m64 x BM x k16 wgmma (BM = 64, 128, 160 or 256 rows of B) accumulating into d.
 template <int BM>
 __device__ __forceinline__ void wgmma_rows(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(BM == 64 || BM == 128 || BM == 160 || BM == 256, "wgmma_rows: no instruction for this BM");
   if constexpr (BM == 256) wgmma_m64n256k16_rA<0>(d, a, desc);
+  else if constexpr (BM == 160) wgmma_m64n160k16_rA(d, a, desc);
   else if constexpr (BM == 128) wgmma_m64n128k16_rA(d, a, desc);
   else wgmma_m64n64k16_rA(d, a, desc);
 }
