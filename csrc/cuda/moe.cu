@@ -519,7 +519,8 @@ static MoePrompt moe_prompt(const MoeWeights& w, const Tensor& h, const ops::Moe
   }
   p.small = use_moe_small(p.routed_up, p.routed_down, T, E, top_k, s);
   // dn: a plain product of non-gathered rows that satisfies linear_wide_tiles (LINEAR_MERGE_TILE_ROWS' rule)
-  p.merge = wide && !p.small.down;
+  p.merge = false;  // down160: the whole map of 160-row tiles instead
+  if (wide && !p.small.down) p.routed_down.tiles.tile_rows = LINEAR_MERGE_TILE_ROWS;
   return p;
 }
 
@@ -656,7 +657,7 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
                       r.tile_expert, r.tile_row0, r.num_tiles, r.tail_expert, r.tail_row0, r.num_tail_tiles,
                       r.all_expert, r.all_row0, r.num_all_tiles, r.merge_expert, r.merge_row0, r.num_merge_tiles,
                       int(T), int(E), top_k, p.tile_rows, p.tails ? LINEAR_TILE_ROWS : 0,
-                      p.merge ? LINEAR_MERGE_TILE_ROWS - p.tile_rows : 0};
+                      p.merge ? LINEAR_MERGE_TILE_ROWS - p.tile_rows : 0, p.routed_down.tiles.tile_rows};
   launch(moe_scatter_kernel, chunks, MOE_ROUTE_TOKENS, (2 + MOE_ROUTE_WARPS) * E * sizeof(int32_t), sp);
   LILY_CUDA_LAUNCHED();
 

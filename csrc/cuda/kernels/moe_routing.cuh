@@ -169,6 +169,7 @@ struct MoeScatterParams {
   int T, E, K, tile_rows;
   int tail_rows;               // 0 (no tail map) or below tile_rows
   int merge_rows;              // 0 (no merge map) or the remainder rows a merged tile may add to a full one
+  int all_rows;                // the whole map's rows a tile (tile_rows; or, merge_rows = 0, more)
 };
 
 // Grouped rows: expert e owns rows [start_e, start_e + n_e) with n_e = sum_c chunk_count[c, e] and
@@ -225,9 +226,9 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
     auto main_tiles = [&](int n) { return n / p.tile_rows + (n % p.tile_rows > p.tail_rows ? 1 : 0); };
     auto tail_tiles = [&](int n) { return n % p.tile_rows > 0 && n % p.tile_rows <= p.tail_rows ? 1 : 0; };
     auto merge_tiles = [&](int n) {
-      return n > p.tile_rows && n % p.tile_rows > 0 && n % p.tile_rows <= p.merge_rows ? 1 : 0;
+      return n > p.all_rows && n % p.all_rows > 0 && n % p.all_rows <= p.merge_rows ? 1 : 0;
     };
-    auto all_tiles = [&](int n) { return (n + p.tile_rows - 1) / p.tile_rows - 2 * merge_tiles(n); };
+    auto all_tiles = [&](int n) { return (n + p.all_rows - 1) / p.all_rows - 2 * merge_tiles(n); };
     const int per = (p.E + 31) / 32, e0 = min(lane * per, p.E), e1 = min(e0 + per, p.E);
     int rows = 0, tiles = 0, tails = 0, alls = 0, merges = 0;  // this lane's run, then inclusive scans over lanes
     for (int e = e0; e < e1; ++e) {
@@ -250,8 +251,8 @@ __global__ void __launch_bounds__(MOE_ROUTE_TOKENS) moe_scatter_kernel(const Moe
         p.row_end[e] = start + n;
         for (int i = 0; i < nt; ++i) p.tile_expert[tile + i] = e, p.tile_row0[tile + i] = start + i * p.tile_rows;
         if (nu) p.tail_expert[tail] = e, p.tail_row0[tail] = start + nt * p.tile_rows;
-        for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.tile_rows;
-        if (nm) p.merge_expert[merge] = e, p.merge_row0[merge] = start + na * p.tile_rows;
+        for (int i = 0; i < na; ++i) p.all_expert[all + i] = e, p.all_row0[all + i] = start + i * p.all_rows;
+        if (nm) p.merge_expert[merge] = e, p.merge_row0[merge] = start + na * p.all_rows;
       }
       start += n, tile += nt, tail += nu, all += na, merge += nm;
     }
