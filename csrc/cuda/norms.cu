@@ -60,10 +60,12 @@ static AddRmsNormLaunch add_rms_norm_launch(const Tensor& x, const Tensor& res, 
           can_use_vec4(D, {x.data, weight.data, y.data})};  // as rms_norm decides: the same summation order
 }
 
+// The float4 path stages the row in D * 4 bytes of shared memory where that fits the default 48 KB (add_rms_norm_row).
 static void run_add_rms_norm(const Tensor& x, const AddRmsNormLaunch& l) {
   if (x.dim(0) == 0) return;
   const dim3 grid{unsigned(x.dim(0))}, block{unsigned(norm_threads(l.p.D))};
-  launch(l.vec4 ? add_rms_norm_kernel<true> : add_rms_norm_kernel<false>, grid, block, 0, l.p);
+  const size_t stage = l.vec4 && l.p.D * 4 <= 48 * 1024 ? size_t(l.p.D) * 4 : 0;
+  launch(l.vec4 ? add_rms_norm_kernel<true> : add_rms_norm_kernel<false>, grid, block, stage, l.p);
   LILY_CUDA_LAUNCHED();
 }
 

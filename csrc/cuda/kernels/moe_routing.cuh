@@ -404,7 +404,7 @@ __global__ void moe_combine_add_rms_norm_kernel(const MoeCombineParams c, const 
       moe_m4[moe_chunk_lo4(i) + 2] = hi;
     }
     __syncthreads();
-    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_m4[i]; }, red);
+    add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_m4[i]; }, red, moe_m4);  // x + m over m
   } else {
     add_rms_norm_row<true>(n, int64_t(t) * n.D, [&](int i) { return moe_combine4_at(c, t, i); }, red);
   }

@@ -192,8 +192,12 @@ struct AddRmsNormParams {
 // ... and sums the squares of the sums in that order, then block_sum, s = 1 / sqrt(ss / D + eps), y and yb.
 // res(i): the residual's float4 or float i of the row, read from memory (add_rms_norm_kernel) or computed
 // (moe_routing.cuh's moe_combine_add_rms_norm_kernel: moe_combine's sums); the same arithmetic either way.
+// stage (VEC4 only; null: none): the block's shared memory for the row's D / 4 float4s: the sums go there too, and
+// the y and yb passes read them there instead of x in global memory (an L2 round trip a row, and yb's scalar
+// loads); the same values, so the same bits.
 template <bool VEC4, typename Res>
-__device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int64_t off, const Res& res, float* red) {
+__device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int64_t off, const Res& res, float* red,
+                                                 float4* stage = nullptr) {
   float ss = 0.f;
   if constexpr (VEC4) {
     float4* x4 = reinterpret_cast<float4*>(p.x + off);
@@ -201,6 +205,7 @@ __device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int6
       const float4 a = x4[i], b = res(i);
       const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
       x4[i] = v;
+      if (stage) stage[i] = v;  // after res(i): a res read from stage[i] (the combine's m) is this thread's
       ss += sq4(v);
     }
   } else {
@@ -218,7 +223,7 @@ __device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int6
       const float4* w4 = reinterpret_cast<const float4*>(p.w);
       float4* y4 = reinterpret_cast<float4*>(p.y + off);
       for (int i = threadIdx.x; i < p.D / 4; i += blockDim.x) {
-        const float4 x = x4[i], w = w4[i];
+        const float4 x = stage ? stage[i] : x4[i], w = w4[i];
         y4[i] = make_float4(x.x * s * w.x, x.y * s * w.y, x.z * s * w.z, x.w * s * w.w);
       }
     } else {
@@ -231,10 +236,30 @@ __device__ __forceinline__ void add_rms_norm_row(const AddRmsNormParams& p, int6
   for (int j = threadIdx.x; j < p.D / 8; j += blockDim.x) {
     const int64_t k = off + 8 * j;
     float v[8];
+    if constexpr (VEC4) {
+      if (stage) {  // float4s 2j, 2j + 1 of the row and of w (w 16-byte aligned on the VEC4 path)
+        const float4 xl = stage[2 * j], xh = stage[2 * j + 1];
+        const float4 wl = reinterpret_cast<const float4*>(p.w)[2 * j], wh = reinterpret_cast<const float4*>(p.w)[2 * j + 1];
+        const float xs[8] = {xl.x, xl.y, xl.z, xl.w, xh.x, xh.y, xh.z, xh.w};
+        const float ws[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = xs[m] * s * ws[m];
+        *reinterpret_cast<uint4*>(p.yb + k) = wg_pack_xb8(v);
+        continue;
+      }
+    }
 #pragma unroll
     for (int m = 0; m < 8; ++m) v[m] = p.x[k + m] * s * p.w[8 * j + m];
     *reinterpret_cast<uint4*>(p.yb + k) = wg_pack_xb8(v);
   }
+}
+
+// The block's dynamic shared memory in bytes (PTX %dynamic_smem_size): add_rms_norm_kernel stages a row there
+// when its launch gave it room for one.
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
 }
 
 // Grid R (a block a row), norm_threads(D) threads; res read as float4s where res_vec4, else as floats.
@@ -245,11 +270,12 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
   __shared__ float red[32];
   const int64_t off = int64_t(blockIdx.x) * p.D;
   if constexpr (VEC4) {
+    extern __shared__ float4 arn_stage[];  // [D / 4] where the launch gave D * 4 bytes (norms.cu)
     const float4* r4 = reinterpret_cast<const float4*>(p.res + off);
     add_rms_norm_row<true>(p, off, [&](int i) {
       const float* rs = p.res + off + 4 * i;
       return p.res_vec4 ? r4[i] : make_float4(rs[0], rs[1], rs[2], rs[3]);
-    }, red);
+    }, red, dynamic_smem_bytes() >= uint32_t(p.D) * 4 ? arn_stage : nullptr);
   } else {
     add_rms_norm_row<false>(p, off, [&](int i) { return p.res[off + i]; }, red);
   }
