@@ -336,6 +336,27 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(o), out_f32(so), out_f32(st));
   }, nb::arg("device"), nb::arg("qkv"), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"),
      nb::arg("state"), nb::arg("Hk"), nb::arg("Dk"), nb::arg("out_of_place") = false);
+  m.def("conv_gated_delta_rule", [](const std::string& device, const F32In& u, const F32In& conv_weight,
+                                    const F32In& conv_state, const F32In& a, const F32In& b, const F32In& A_log,
+                                    const F32In& dt_bias, const F32In& state, int Hk, int Dk, bool out_of_place) {
+    const Device d = parse_device(device);
+    Dev ui = f32(d, u), cw = f32(d, conv_weight), cs = f32(d, conv_state), ai = f32(d, a), bi = f32(d, b);
+    Dev al = f32(d, A_log), dt = f32(d, dt_bias), st = f32(d, state), y(d, DType::F32, shape_of(u));
+    const int64_t T = int64_t(u.shape(0)), Hv = int64_t(state.shape(0)), Dv = int64_t(state.shape(2));
+    Dev o(d, DType::F32, {T, Hv * Dv});
+    Dev ws(d, DType::F32, {std::max<int64_t>(1, ops::gated_delta_workspace_floats(d, T, Hv, Dk, Dv))});
+    if (!out_of_place) {
+      ops::conv_gated_delta_rule(ui.t, cw.t, cs.t, cs.t, y.t, ai.t, bi.t, al.t, dt.t, st.t, st.t, o.t, ws.t, Hk, Dk);
+      return nb::make_tuple(out_f32(o), out_f32(st), out_f32(cs));
+    }
+    Dev so = nan_like(d, state), cso = nan_like(d, conv_state);
+    ops::conv_gated_delta_rule(ui.t, cw.t, cs.t, cso.t, y.t, ai.t, bi.t, al.t, dt.t, st.t, so.t, o.t, ws.t, Hk, Dk);
+    return nb::make_tuple(out_f32(o), out_f32(so), out_f32(cso), out_f32(st), out_f32(cs));
+  }, nb::arg("device"), nb::arg("u"), nb::arg("conv_weight"), nb::arg("conv_state"), nb::arg("a"), nb::arg("b"),
+     nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("state"), nb::arg("Hk"), nb::arg("Dk"),
+     nb::arg("out_of_place") = false,
+     "conv1d_silu then gated_delta_rule (CUDA's chunked prefill: the conv in its first kernel): (o, state, "
+     "conv_state), out_of_place: (o, new state, new conv state, state as left, conv state as left).");
   m.def("gdn_decode_mixer", [](const std::string& device, const F32In& qkv, const F32In& conv_weight,
                                const F32In& conv_state, const F32In& a, const F32In& b, const F32In& A_log,
                                const F32In& dt_bias, const F32In& state, const F32In& z, const F32In& norm_weight,

@@ -64,6 +64,10 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
                       const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
                       const Tensor& workspace, int num_key_heads, int key_head_dim);
+void conv_gated_delta_rule(const Tensor& u, const Tensor& conv_weight, const Tensor& conv_state,
+                           const Tensor& conv_state_out, const Tensor& y, const Tensor& a, const Tensor& b,
+                           const Tensor& A_log, const Tensor& dt_bias, const Tensor& state, const Tensor& state_out,
+                           const Tensor& o, const Tensor& workspace, int num_key_heads, int key_head_dim);
 int64_t gated_delta_workspace_floats(int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);
 void gdn_decode_mixer(const Tensor& qkv, const Tensor& conv_weight, const Tensor& conv_state,
                       const Tensor& conv_state_out, const Tensor& a, const Tensor& b, const Tensor& A_log,

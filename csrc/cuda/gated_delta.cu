@@ -122,6 +122,38 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   }
 }
 
+// The conv in the chunked prefill's prep (gdn_chunk::Params::u) where the chunked kernels run, the conv has
+// gdn_chunk::CONV_K taps, each key head's value heads fit one prep CTA (Hv <= 2 Hk: no CTA reads the conv state
+// columns that another overwrites) and every buffer is 16-byte aligned; else conv1d_silu then gated_delta_rule.
+void conv_gated_delta_rule(const Tensor& u, const Tensor& conv_weight, const Tensor& conv_state,
+                           const Tensor& conv_state_out, const Tensor& y, const Tensor& a, const Tensor& b,
+                           const Tensor& A_log, const Tensor& dt_bias, const Tensor& state, const Tensor& state_out,
+                           const Tensor& o, const Tensor& workspace, int num_key_heads, int key_head_dim) {
+  const int64_t T = u.dim(0), Hv = state.dim(0), Dv = state.dim(2);
+  const bool fused = T <= 0x7fffffff && gdn_chunked(T, key_head_dim, Dv) &&
+                     conv_weight.dim(1) == gdn_chunk::CONV_K && Hv <= 2 * int64_t(num_key_heads) &&
+                     aligned16(u.data) && aligned16(y.data) && aligned16(conv_weight.data) &&
+                     aligned16(conv_state.data) && aligned16(state_out.data) && aligned16(o.data) &&
+                     aligned16(workspace.data);
+  if (!fused) {
+    conv1d_silu(u, conv_weight, conv_state, conv_state_out, y);
+    return gated_delta_rule(y, a, b, A_log, dt_bias, state, state_out, o, workspace, num_key_heads, key_head_dim);
+  }
+  if (state_out.data != state.data)  // the chunked kernels update their state in place (gated_delta_rule)
+    LILY_CUDA_CHECK(cudaMemcpyAsync(state_out.data, state.data, size_t(state.numel()) * 4, cudaMemcpyDeviceToDevice,
+                                    stream()));
+  gdn_chunk::Params cp{y.ptr<float>(),     a.ptr<float>(),         b.ptr<float>(), A_log.ptr<float>(),
+                       dt_bias.ptr<float>(), state_out.ptr<float>(), o.ptr<float>(), workspace.ptr<float>(),
+                       int(T),               num_key_heads,          int(Hv),
+                       int(ceil_div<int64_t>(T, gdn_chunk::C))};
+  cp.u = u.ptr<float>();
+  cp.conv_w = conv_weight.ptr<float>();
+  cp.conv_state = conv_state.ptr<float>();
+  cp.conv_state_out = conv_state_out.ptr<float>();
+  cp.y_qk = y.ptr<float>();
+  launch_gdn_chunked(cp);
+}
+
 // The fused decode kernel: a fast-path Dk, a conv kernel size it is built for, and one key head's
 // CTAs (Hv/Hk value heads x ceil(Dv/32) column slices) in one portable cluster.
 bool gdn_decode_mixer_supported(int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {

@@ -129,8 +129,8 @@ Engine::Projection Engine::gdn_layer(const ForwardContext& f, const LayerWeights
   } else {
     const Tensor y = view(x.core_in, T, C), o = view(x.core_out, T, Vd);
     const Tensor work = Tensor::of(x.gdn_work.data(), DType::F32, device(), {int64_t(x.gdn_work.nbytes() / 4)});
-    ops::conv1d_silu(qkv, w.conv1d->view(), conv_state(st), conv_state(out), y);
-    ops::gated_delta_rule(y, a, b, w.A_log->view(), w.dt_bias->view(), S(st), S(out), o, work, int(Hk), int(Dk));
+    ops::conv_gated_delta_rule(qkv, w.conv1d->view(), conv_state(st), conv_state(out), y, a, b, w.A_log->view(),
+                               w.dt_bias->view(), S(st), S(out), o, work, int(Hk), int(Dk));
     // prefill where out_proj runs on the GEMM that reads bf16 X: the norm writes that X itself (its head
     // rows [T*Hv, Dv] are out_proj's rows [T, Vd]; docs/cuda.md, "Xb hand-over"); else F32 rows
     if (Dv % 8 == 0 && ops::linear_xb_supported(device(), *w.out_proj, T)) {

@@ -3,10 +3,8 @@
 
 namespace lily::ops {
 
-void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
-                 const Tensor& y) {
-  const char* op = "conv1d_silu";
-  const OpSpan span(op);
+static void check_conv1d_silu(const char* op, const Tensor& u, const Tensor& weight, const Tensor& state,
+                              const Tensor& state_out, const Tensor& y) {
   check_tensor(op, "u", u, DType::F32, 2);
   check_tensor(op, "y", y, DType::F32, 2);
   check_tensor(op, "weight", weight, DType::F32, 2);
@@ -22,6 +20,13 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
   LILY_CHECK(y.data != u.data, op, ": y must not alias u");
   LILY_CHECK(y.data != state_out.data, op, ": y must not alias state_out");
   check_same_device(op, {u, weight, state, state_out, y});
+}
+
+void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, const Tensor& state_out,
+                 const Tensor& y) {
+  const char* op = "conv1d_silu";
+  const OpSpan span(op);
+  check_conv1d_silu(op, u, weight, state, state_out, y);
   if (u.device == Device::CPU) return cpu::conv1d_silu(u, weight, state, state_out, y);
   LILY_CUDA_CASE(u.device, conv1d_silu(u, weight, state, state_out, y));
   no_backend(op, u.device);
@@ -35,11 +40,9 @@ int64_t gated_delta_workspace_floats(Device d, int64_t T, int64_t Hv, int64_t Dk
   no_backend("gated_delta_rule", d);
 }
 
-void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
-                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
-                      const Tensor& workspace, int Hk, int Dk) {
-  const char* op = "gated_delta_rule";
-  const OpSpan span(op);
+static void check_gated_delta_rule(const char* op, const Tensor& qkv, const Tensor& a, const Tensor& b,
+                                   const Tensor& A_log, const Tensor& dt_bias, const Tensor& state,
+                                   const Tensor& state_out, const Tensor& o, const Tensor& workspace, int Hk, int Dk) {
   check_tensor(op, "qkv", qkv, DType::F32, 2);
   check_tensor(op, "a", a, DType::F32, 2);
   check_tensor(op, "b", b, DType::F32, 2);
@@ -62,8 +65,7 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
   check_shape(op, "o", o, 0, T);
   check_shape(op, "o", o, 1, Hv * Dv);
   check_same_device(op, {qkv, a, b, A_log, dt_bias, state, state_out, o});
-  if (qkv.device == Device::CPU)
-    return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, state_out, o, Hk, Dk);
+  if (qkv.device == Device::CPU) return;
   const int64_t need = gated_delta_workspace_floats(qkv.device, T, Hv, Dk, Dv);
   if (need > 0) {
     check_tensor(op, "workspace", workspace, DType::F32, 1);
@@ -71,8 +73,35 @@ void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const
                " tokens (", need, " floats)");
     check_same_device(op, {qkv, workspace});
   }
+}
+
+void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
+                      const Tensor& workspace, int Hk, int Dk) {
+  const char* op = "gated_delta_rule";
+  const OpSpan span(op);
+  check_gated_delta_rule(op, qkv, a, b, A_log, dt_bias, state, state_out, o, workspace, Hk, Dk);
+  if (qkv.device == Device::CPU)
+    return cpu::gated_delta_rule(qkv, a, b, A_log, dt_bias, state, state_out, o, Hk, Dk);
   LILY_CUDA_CASE(qkv.device, gated_delta_rule(qkv, a, b, A_log, dt_bias, state, state_out, o, workspace, Hk, Dk));
   no_backend(op, qkv.device);
+}
+
+void conv_gated_delta_rule(const Tensor& u, const Tensor& conv_weight, const Tensor& conv_state,
+                           const Tensor& conv_state_out, const Tensor& y, const Tensor& a, const Tensor& b,
+                           const Tensor& A_log, const Tensor& dt_bias, const Tensor& state, const Tensor& state_out,
+                           const Tensor& o, const Tensor& workspace, int Hk, int Dk) {
+  const char* op = "conv_gated_delta_rule";
+  const OpSpan span(op);
+  check_conv1d_silu(op, u, conv_weight, conv_state, conv_state_out, y);
+  check_gated_delta_rule(op, y, a, b, A_log, dt_bias, state, state_out, o, workspace, Hk, Dk);
+  if (u.device == Device::CPU) {
+    cpu::conv1d_silu(u, conv_weight, conv_state, conv_state_out, y);
+    return cpu::gated_delta_rule(y, a, b, A_log, dt_bias, state, state_out, o, Hk, Dk);
+  }
+  LILY_CUDA_CASE(u.device, conv_gated_delta_rule(u, conv_weight, conv_state, conv_state_out, y, a, b, A_log, dt_bias,
+                                                 state, state_out, o, workspace, Hk, Dk));
+  no_backend(op, u.device);
 }
 
 bool gdn_decode_mixer_supported(Device d, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {

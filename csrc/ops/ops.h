@@ -133,6 +133,13 @@ void conv1d_silu(const Tensor& u, const Tensor& weight, const Tensor& state, con
 void gated_delta_rule(const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& A_log,
                       const Tensor& dt_bias, const Tensor& state, const Tensor& state_out, const Tensor& o,
                       const Tensor& workspace, int num_key_heads, int key_head_dim);
+// conv1d_silu(u -> y) then gated_delta_rule(y, ...), with the same arguments and results, except that y
+// afterwards holds at least the q and k columns (CUDA's chunked prefill applies the conv while it loads its
+// rows, docs/cuda.md: it writes y's q and k for its second kernel and never writes v's).
+void conv_gated_delta_rule(const Tensor& u, const Tensor& conv_weight, const Tensor& conv_state,
+                           const Tensor& conv_state_out, const Tensor& y, const Tensor& a, const Tensor& b,
+                           const Tensor& A_log, const Tensor& dt_bias, const Tensor& state, const Tensor& state_out,
+                           const Tensor& o, const Tensor& workspace, int num_key_heads, int key_head_dim);
 // F32 elements of gated_delta_rule's workspace for T tokens; 0 where the backend needs none.
 // Non-decreasing in T, so a buffer sized for the largest chunk serves every call.
 int64_t gated_delta_workspace_floats(Device device, int64_t T, int64_t Hv, int64_t Dk, int64_t Dv);

@@ -210,3 +210,34 @@ def chunked_vs_steps(x, gpu_tol):
     # The chunked path sums in another order than the token kernel, so the two are not bit-identical;
     # identical results would mean the long call never left the token kernel.
     assert not np.array_equal(o_all, o_steps), "the T >= 64 call did not take the chunked path"
+
+
+# ---- conv_gated_delta_rule: the conv inside the chunked prefill's prep (gdn_chunk::Params::u) ----
+# Against conv1d_silu then gated_delta_rule on the GPU: the same arithmetic (conv_silu_out), so the same bits for
+# o, the state and the conv state; against the CPU within the usual tolerance. T = 64 (one chunk: the halo
+# from the conv state), 65 / 130 / 300 (partial last chunks), 2048 (the halo across chunks); Hv = Hk (one value head
+# a CTA) and the model's Hv = 2 Hk; Hv = 4 Hk and T < 64 take the unfused path (same results by definition).
+@pytest.mark.parametrize("T, Hk, Hv", [(64, 16, 32), (65, 2, 4), (130, 2, 2), (300, 16, 32), (2048, 16, 32),
+                                       (100, 2, 8), (40, 2, 4)])
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_conv_gated_delta_rule(T, Hk, Hv, out_of_place, gpu_tol):
+    rng = np.random.default_rng(5000 + T + Hk + Hv)
+    x = gdn_inputs(rng, T, Hk, Hv, 128, 128)
+    C = x["qkv"].shape[1]
+    w = (rng.standard_normal((C, 4)) * 0.5).astype(np.float32)
+    cs = rng.standard_normal((3, C)).astype(np.float32)
+    args = (x["qkv"], w, cs, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], Hk, 128)
+    res = ops.conv_gated_delta_rule("cuda", *args, out_of_place=out_of_place)
+    o, s, c = res[:3]
+    if out_of_place:  # the inputs' states as the op left them: unchanged
+        np.testing.assert_array_equal(res[3], x["state"])
+        np.testing.assert_array_equal(res[4], cs)
+    y, c_ref = ops.conv1d_silu("cuda", x["qkv"], w, cs)
+    o_ref, s_ref = ops.gated_delta_rule("cuda", y, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], Hk, 128)
+    np.testing.assert_array_equal(c, c_ref)
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(s, s_ref)
+    o_cpu, s_cpu, c_cpu = ops.conv_gated_delta_rule("cpu", *args)
+    assert_rel_close("o", o, o_cpu, gpu_tol["gated_delta_rule"])
+    assert_rel_close("state", s, s_cpu, gpu_tol["gated_delta_rule"])
+    np.testing.assert_array_equal(c, c_cpu)

@@ -1,6 +1,6 @@
 """The CPU Gated DeltaNet ops against fp64 numpy references written from their contracts.
 
-ops.h: conv1d_silu, gated_delta_rule, gated_rms_norm. The equations are docs/model.md section 2.2;
+ops.h: conv1d_silu, gated_delta_rule (and conv_gated_delta_rule, the two in one), gated_rms_norm. The equations are docs/model.md section 2.2;
 each reference below is that text in numpy, one token and one head at a time, so it can be read
 side by side with the contract.
 """
@@ -103,6 +103,24 @@ def test_out_of_place_leaves_the_input_and_equals_in_place(T):
     np.testing.assert_array_equal(old, st)
     np.testing.assert_array_equal(y, y_ip)
     np.testing.assert_array_equal(new, s_ip)
+
+
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_conv_gated_delta_rule_is_conv_then_rule(out_of_place):
+    """conv_gated_delta_rule: conv1d_silu, then gated_delta_rule on its output (the same bits on the CPU)."""
+    x = gdn_inputs(11, 9, 2, 4, 8, 8)
+    rng = np.random.default_rng(11)
+    C = x["qkv"].shape[1]
+    w, cs = rng.standard_normal((C, 4)).astype(np.float32), rng.standard_normal((3, C)).astype(np.float32)
+    res = ops.conv_gated_delta_rule("cpu", x["qkv"], w, cs, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"],
+                                    2, 8, out_of_place=out_of_place)
+    y, c_ref = ops.conv1d_silu("cpu", x["qkv"], w, cs)
+    o_ref, s_ref = ops.gated_delta_rule("cpu", y, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], 2, 8)
+    for got, want in zip(res[:3], (o_ref, s_ref, c_ref)):
+        np.testing.assert_array_equal(got, want)
+    if out_of_place:  # the input states as the op left them
+        np.testing.assert_array_equal(res[3], x["state"])
+        np.testing.assert_array_equal(res[4], cs)
 
 
 def test_gated_delta_rule_in_two_calls_equals_one():

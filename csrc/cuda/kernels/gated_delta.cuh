@@ -24,6 +24,18 @@ struct Conv1dParams {
   int T, C;
 };
 
+// One output of conv1d_silu: silu(sum_j w[j] * in_j) over the taps oldest first, win the K-1 earlier inputs and x
+// the current one, the sum as a chain of fmaf from 0 (so that gdn_chunk's prep, which applies the conv to its
+// rows while it loads them, gets the same bits).
+template <int K>
+__device__ __forceinline__ float conv_silu_out(const float (&w)[K], const float* win, float x) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j + 1 < K; ++j) acc = fmaf(w[j], win[j], acc);
+  acc = fmaf(w[K - 1], x, acc);
+  return acc / (1.f + expf(-acc));
+}
+
 template <int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams p) {
   pdl_wait();
@@ -54,11 +66,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv1d_silu_kernel(Conv1dParams 
   for (int i = 0; i < CONV_STEPS; ++i) {
     if (t0 + i >= t1) break;
     const float x = xs[i];
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < S; ++j) acc += w[j] * win[j];
-    acc += w[S] * x;
-    p.y[(t0 + i) * C + c] = acc / (1.f + expf(-acc));
+    p.y[(t0 + i) * C + c] = conv_silu_out<K>(w, win, x);
 #pragma unroll
     for (int j = 0; j + 1 < S; ++j) win[j] = win[j + 1];
     if constexpr (S > 0) win[S - 1] = x;

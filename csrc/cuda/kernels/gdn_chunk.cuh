@@ -89,7 +89,19 @@ struct Params {
   float* o;              // [T, Hv*D]
   float* ws;             // [num_chunks * Hv * BLOCK]
   int T, Hk, Hv, num_chunks;
+  // The conv in the prep (conv_gated_delta_rule; null u: qkv holds the conv's output already). u [T, Wd]: the
+  // conv's input; conv_w [Wd, CONV_K]; conv_state [CONV_K - 1, Wd] (the inputs before token 0, oldest first);
+  // conv_state_out [CONV_K - 1, Wd] (conv_state itself or apart) gets the last CONV_K - 1 inputs. The prep
+  // applies conv1d_silu's arithmetic (conv_silu_out) to the rows it loads and writes q and k's conv rows to
+  // qkv (y_qk: qkv, writable) for the scan; v's only to its shared tiles. Needs Hv <= 2 Hk (one prep CTA a key
+  // head and a chunk: no other CTA reads the state columns that CTA's chunk-0 instance overwrites).
+  const float* u = nullptr;
+  const float* conv_w = nullptr;
+  const float* conv_state = nullptr;
+  float* conv_state_out = nullptr;
+  float* y_qk = nullptr;
 };
+constexpr int CONV_K = 4;  // the fused conv's taps (the model's linear_conv_kernel_dim)
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
@@ -354,6 +366,88 @@ struct PrepSmem {
 };
 static_assert(sizeof(PrepSmem) <= 227 * 1024, "the prep's shared memory exceeds the 227 KB opt-in");
 
+// The fused conv (Params::u) of 4 channels (a float4 of each row, from column col) over a window of
+// CONV_K - 1 + NT rows: win[i] holds row t - (CONV_K - 1) + i of the chunk (token t0 + that of the prompt; zeros
+// from row n on; the inputs before the prompt's token 0 from conv_state), wt[e] the taps of channel col + e.
+// conv_at(i) is the conv of row t + i: conv1d_silu's value of each channel (conv_silu_out).
+template <int NT>
+__device__ __forceinline__ void conv_window(const Params& p, int64_t Wd, int t0, int t, int n, int64_t col,
+                                            float4 (&win)[CONV_K - 1 + NT], float4 (&wt)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) wt[e] = ld4(p.conv_w + (col + e) * CONV_K);
+#pragma unroll
+  for (int i = 0; i < CONV_K - 1 + NT; ++i) {
+    const int r = t - (CONV_K - 1) + i, g = t0 + r;
+    win[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < n) win[i] = g >= 0 ? ld4(p.u + g * Wd + col) : ld4(p.conv_state + (CONV_K - 1 + g) * Wd + col);
+  }
+}
+__device__ __forceinline__ float comp4(float4 v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
+template <int NT>
+__device__ __forceinline__ float4 conv_at(const float4 (&win)[CONV_K - 1 + NT], const float4 (&wt)[4], int i) {
+  float r[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float w[CONV_K] = {wt[e].x, wt[e].y, wt[e].z, wt[e].w};
+    float in[CONV_K - 1];
+#pragma unroll
+    for (int j = 0; j + 1 < CONV_K; ++j) in[j] = comp4(win[i + j], e);
+    r[e] = conv_silu_out<CONV_K>(w, in, comp4(win[i + CONV_K - 1], e));
+  }
+  return make_float4(r[0], r[1], r[2], r[3]);
+}
+
+// conv_state_out's columns of this CTA (q and k of key head kh, v of heads h0 .. h0 + nh - 1), written by chunk
+// 0's CTA once it has read conv_state (in place: no other CTA reads these columns): the prompt's last
+// CONV_K - 1 inputs (T >= C > CONV_K - 1); thread tid a column.
+__device__ __forceinline__ void prep_conv_state(const Params& p, int kh, int h0, int nh, int tid) {
+  const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;
+  const int part = tid / D, i = tid % D;  // part 0: q, 1: k, 2 + s: v of slot s
+  if (part >= 2 + nh) return;
+  const int64_t col = part < 2 ? part * int64_t(p.Hk) * D + int64_t(kh) * D + i
+                               : 2 * int64_t(p.Hk) * D + int64_t(h0 + part - 2) * D + i;
+#pragma unroll
+  for (int r = 0; r + 1 < CONV_K; ++r) p.conv_state_out[r * Wd + col] = p.u[(p.T - (CONV_K - 1) + r) * Wd + col];
+}
+
+// The prep's step 1 rows with the conv applied (Params::u; 16 warps): warp w takes tokens 4w .. 4w + 3 of q and
+// of k (a 7-row window each, both requested before any use), normalises them as the unfused path does and writes
+// the conv rows of q and k to y_qk for the scan (rows past n: zeros, not written); then v's tokens 8 (w % 8) ..
+// + 7 of slot w / 8 < nh (an 11-row window) into sm.v.
+__device__ __forceinline__ void prep_conv_rows(const Params& p, PrepSmem& sm, int t0, int n, int kh, int h0, int nh,
+                                               int warp, int lane, float q_scale) {
+  const int64_t Wd = 2 * int64_t(p.Hk) * D + int64_t(p.Hv) * D;
+  {  // q and k, tokens 4 warp .. 4 warp + 3
+    const int t = 4 * warp;
+    float4 wq[CONV_K - 1 + 4], wk[CONV_K - 1 + 4], tq[4], tk[4];
+    const int64_t cq = int64_t(kh) * D + 4 * lane, ck = int64_t(p.Hk) * D + cq;
+    conv_window<4>(p, Wd, t0, t, n, cq, wq, tq);
+    conv_window<4>(p, Wd, t0, t, n, ck, wk, tk);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 x = h == 0 ? conv_at<4>(wq, tq, i) : conv_at<4>(wk, tk, i);
+        const int r = t + i;
+        const float4 xv = r < n ? x : make_float4(0.f, 0.f, 0.f, 0.f);  // rows past n: zeros, as unfused
+        if (r < n) st4(p.y_qk + (t0 + r) * Wd + (h == 0 ? cq : ck), xv);
+        const float ss = warp_sum(xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w);
+        const float f = (h == 1 ? 1.f : q_scale) / sqrtf(ss + 1e-6f);
+        st4((h == 1 ? sm.k[r] : sm.q[r]) + 4 * lane, scale4(f, xv));
+        if (lane == 0) (h == 1 ? sm.rk : sm.rq)[r] = f;
+      }
+    }
+  }
+  const int s = warp / 8, t = 8 * (warp % 8);  // v of slot s, tokens t .. t + 7
+  if (s >= nh) return;
+  const int64_t cv = 2 * int64_t(p.Hk) * D + int64_t(h0 + s) * D + 4 * lane;
+  float4 wv[CONV_K - 1 + 8], tv[4];
+  conv_window<8>(p, Wd, t0, t, n, cv, wv, tv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    st4(&sm.v[s][t + i][4 * lane], t + i < n ? conv_at<8>(wv, tv, i) : make_float4(0.f, 0.f, 0.f, 0.f));
+}
+
 // one m16n8 tile of phase 3 in precision M: acc = X Y^T over K = 128 (xa, xb: this lane's ldmatrix
 // addresses of the A rows and the B = Y^T rows at k-step 0)
 template <Prec M>
@@ -409,7 +503,9 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) prep_kernel(Params p) {
   }
   constexpr int WARPS = PREP_THREADS / 32, ROWS_PER_WARP = 2 * C / WARPS;  // 16, 8
   const float q_scale = 1.f / sqrtf(float(D));
-  {
+  if (p.u != nullptr) {
+    prep_conv_rows(p, sm, t0, n, kh, h0, nh, warp, lane, q_scale);
+  } else {
     float4 x[ROWS_PER_WARP];
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {
@@ -426,7 +522,7 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) prep_kernel(Params p) {
       if (lane == 0) (is_k ? sm.rk : sm.rq)[t] = f;
     }
   }
-  if (slot < nh)  // rows w8 + 8 i of slot's head
+  if (slot < nh && p.u == nullptr)  // rows w8 + 8 i of slot's head (the fused conv wrote them above)
     copy_rows<LD>(saddr(&sm.v[slot][w8][4 * lane]),
                   p.qkv + int64_t(t0 + w8) * Wd + 2 * int64_t(p.Hk) * D + int64_t(h0 + slot) * D + 4 * lane, 8 * Wd, n,
                   w8, p.qkv);
@@ -441,6 +537,7 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) prep_kernel(Params p) {
     sm.g[gs][gt] = g;
   }
   __syncthreads();
+  if (p.u != nullptr && ch == 0) prep_conv_state(p, kh, h0, nh, tid);  // this CTA's conv state reads are done
 
   // 2. G, exp(G) and the row factors of slot s's head (warp 8 + s; lane l holds tokens 2l, 2l+1)
   if (warp >= 8 && warp - 8 < nh) {
