@@ -4,7 +4,7 @@
 // wg_pack_bf16x2, y16_pos, moe_chunk_lo4):
 //   order:    y16_pos permutes each block of 16 columns;
 //   store:    wg_store_tile's y16 branch for every consumer thread of every (row tile, column tile) of a plain
-//             product (BM 64, 128, 256; ragged row ends and a part last column tile): the word of outputs o
+//             product (BM 64, 128, 160, 256; ragged row ends and a part last column tile): the word of outputs o
 //             and o + 8 of a row at the row's y16 + at + (rbase & 7), which must be y16_pos(o) (and o + 8 at
 //             the next position); every element written exactly once, with the bits of wg_bf16;
 //   combine:  moe_combine8_at's chunk c (8 positions): word w's low half is column 4 moe_chunk_lo4(c) + w, its
@@ -118,6 +118,7 @@ int main() {
   ok &= run<64>(77, 320, rng);     // a part last column tile (320 = 256 + 64), ragged rows
   ok &= run<256>(260, 2048, rng);  // the shared down product on 256-row tiles of 128 outputs
   ok &= run<128>(5, 16, rng);      // one block of 16
+  ok &= run<160>(310, 2048, rng);  // the down product's merged tiles (BM 160: 128 + a remainder of <= 32)
   std::printf(ok && failures == 0 ? "all passed\n" : "FAILED\n");
   return ok && failures == 0 ? 0 : 1;
 }
