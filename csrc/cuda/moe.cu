@@ -168,41 +168,35 @@ static LinearArgs product(const QMatrix& w, const float* x, int64_t ldx, float* 
   return a;
 }
 
-// a over the tile map (tile_rows rows a tile; its tail map: tail_of).
-static LinearArgs grouped(LinearArgs a, const RoutingTables& r, int tile_rows) {
-  a.tiles.tile_expert = r.tile_expert;
-  a.tiles.tile_row0 = r.tile_row0;
+// a over one of the routing tables' tile maps (expert and first row a tile, the tile count), tile_rows rows a tile.
+static LinearArgs on_map(LinearArgs a, const RoutingTables& r, int32_t* expert, int32_t* row0, int32_t* count,
+                         int tile_rows) {
+  a.tiles.tile_expert = expert;
+  a.tiles.tile_row0 = row0;
   a.tiles.row_end = r.row_end;
-  a.tiles.num_tiles = r.num_tiles;
+  a.tiles.num_tiles = count;
   a.tiles.tile_rows = tile_rows;
   return a;
 }
 
-// a over the whole map (each expert's ceil(n_e / tile_rows) tiles, whatever the tail map holds).
+// a over the tile map (tile_rows rows a tile; its tail map: tail_of).
+static LinearArgs grouped(LinearArgs a, const RoutingTables& r, int tile_rows) {
+  return on_map(a, r, r.tile_expert, r.tile_row0, r.num_tiles, tile_rows);
+}
+
+// a over the whole map (each expert's ceil(n_e / tile_rows) tiles, less a merged expert's last two).
 static LinearArgs grouped_whole(LinearArgs a, const RoutingTables& r, int tile_rows) {
-  a = grouped(a, r, tile_rows);
-  a.tiles.tile_expert = r.all_expert;
-  a.tiles.tile_row0 = r.all_row0;
-  a.tiles.num_tiles = r.num_all_tiles;
-  return a;
+  return on_map(a, r, r.all_expert, r.all_row0, r.num_all_tiles, tile_rows);
 }
 
 // The grouped product a over the merge map of LINEAR_MERGE_TILE_ROWS-row tiles instead.
-static LinearArgs merge_of(LinearArgs a, const RoutingTables& r) {
-  a.tiles.tile_expert = r.merge_expert;
-  a.tiles.tile_row0 = r.merge_row0;
-  a.tiles.num_tiles = r.num_merge_tiles;
-  a.tiles.tile_rows = LINEAR_MERGE_TILE_ROWS;
-  return a;
+static LinearArgs merge_of(const LinearArgs& a, const RoutingTables& r) {
+  return on_map(a, r, r.merge_expert, r.merge_row0, r.num_merge_tiles, LINEAR_MERGE_TILE_ROWS);
 }
 
 // The grouped product a over the tail map of 64-row tiles instead (rows, hand-overs and the rest as a's).
-static LinearArgs tail_of(LinearArgs a, const RoutingTables& r) {
-  a.tiles.tile_expert = r.tail_expert;
-  a.tiles.tile_row0 = r.tail_row0;
-  a.tiles.num_tiles = r.num_tail_tiles;
-  a.tiles.tile_rows = LINEAR_TILE_ROWS;
-  return a;
+static LinearArgs tail_of(const LinearArgs& a, const RoutingTables& r) {
+  return on_map(a, r, r.tail_expert, r.tail_row0, r.num_tail_tiles, LINEAR_TILE_ROWS);
 }
 
 static LinearArgs dense(LinearArgs a, int64_t M) {
