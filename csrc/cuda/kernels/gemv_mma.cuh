@@ -263,9 +263,9 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 // One load of x and w: a thread loads its octet of both and shares the squares of its two float4s of x
 // through shared memory (sq4 of the same float4 gives the same bits in any thread). w, a constant weight,
 // is read before wait() (the PDL wait, after which x may be read): ptxas then issues its loads with x's
-// rather than sinking them towards their use (moe_up_mma_kernel, which waits before it reads the expert
-// ids, passes a no-op: w and x load together after its wait). Every thread must call it; the caller
-// synchronises after.
+// rather than sinking them towards their use (moe_up_mma_kernel, whose x is two launches old and which
+// stages it before its own wait, passes a no-op). Every thread must call it; the caller synchronises
+// after.
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
 template <int BITS, int VB, class Wait>
 __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
@@ -420,9 +420,9 @@ struct MmaTokens {
 // The GEMV body: rows is the policy (see MmaLinearRows), tiles the tile count, S the segments per
 // (virtual) row; passes over tiles are strided by gridDim.x. before() runs before the loads of units 0
 // and 1 are issued (what the row addresses need, e.g. the router's expert ids, made visible to the
-// CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum and
-// synchronise the CTA, so the staging (and the wait on the previous kernel) overlaps the weights'
-// memory latency.
+// CTA), after() between those loads and the first compute: it must stage x into xd, xe, xsum (unless
+// before() did: moe_up_mma_kernel) and synchronise the CTA, so the staging (and the wait on the previous
+// kernel) overlaps the weights' memory latency.
 // Rows: `Ref base(int tile, int r)` for tile < tiles and any r < 16 (rows past the end clamped to a real
 // row), `MmaRowRef at(const Ref&, int seg)`, `finish(tile, r, row_sum)` (skips rows past the end); with
 // NT > 1 `finish_token(tile, r, k, row_sum)` for token k instead.

@@ -146,14 +146,17 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
   const MmaMoeUpRows<BITS> rows{p, ids, t};
-  auto ids_in = [&] { moe_mma_ids(p, t, ids); };
-  auto stage = [&] {  // the chosen experts' weights of unit 0 are on their way meanwhile
+  // h[t] staged BEFORE the wait: its producer (out_proj's residual add, or the norm before the router) runs
+  // at least two launches earlier (the router, or the router GEMV and moe_topk, in between), so it is
+  // complete when this kernel starts (docs/cuda.md, the PDL rule's exception); the staging then overlaps
+  // the router, and after the wait only the ids, the weights' latency and the math remain.
+  auto ids_in = [&] {
     const float* h = p.h + int64_t(t) * H;
-    if constexpr (NORM_IN) mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {});  // waited in ids_in
+    if constexpr (NORM_IN) mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {});
     else mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
-    __syncthreads();
+    moe_mma_ids(p, t, ids);  // the wait, then the ids; its barrier also publishes the staging
   };
-  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);
+  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, [] {});
 }
 
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
