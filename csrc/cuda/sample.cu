@@ -10,7 +10,8 @@ namespace lily::cuda {
 
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// The sampler's cluster size: greedy (one pass, the argmax) SAMPLE_CTAS_PORTABLE; a draw SAMPLE_CTAS where the
+// The sampler's cluster size (greedy without logprobs runs greedy_kernel instead, no cluster): greedy with
+// logprobs (the argmax and the logprob passes) SAMPLE_CTAS_PORTABLE; a draw SAMPLE_CTAS where the
 // device grants that non-portable size and such a cluster can be resident (asked once), else the portable size.
 // Greedy on 16 CTAs measured 0.010 ms a decode step slower (H200, 4K: 1.615-1.626 against 1.609-1.613 ms), the
 // draws' extra passes gain from it (perf-notes, "the sampler on a 16-CTA cluster"). Fixed per device and
@@ -48,6 +49,11 @@ void sample(const Tensor& logits, const ops::SamplerParams& params, uint64_t ste
                   params.frequency_penalty != 0.f;
   p.seed = params.seed;
   p.step = step;
+  if (p.temperature == 0.f && p.num_logprobs < 0) {  // greedy, no logprobs: one pass on a plain grid
+    launch(greedy_kernel, dim3(GREEDY_CTAS), dim3(GREEDY_THREADS), 0, p);
+    LILY_CUDA_LAUNCHED();
+    return;
+  }
   const unsigned n = unsigned(sample_cluster_ctas(p.temperature != 0.f));  // one cluster
   launch_clustered(sample_kernel, dim3(n), dim3(SAMPLE_THREADS), dim3(n), 0, p);
   LILY_CUDA_LAUNCHED();
