@@ -519,6 +519,35 @@ void init_ops(nb::module_& parent) {
     return nb::make_tuple(out_f32(ri), fused);
   }, "(res + moe(rms_norm(res) * weight), whether the router and moe_up normalised res themselves: "
      "moe_rms_normed_supported).");
+  m.def("linear_add_moe_rms_normed_add", [](const QMatrix& o, const QMatrix& router, const QMatrix& gate,
+                                            const QMatrix& up, const QMatrix& down, const QMatrix& sgate,
+                                            const QMatrix& sup, const QMatrix& sdown, const QMatrix& shared_expert_gate,
+                                            const QMatrix& router_gates, const F32In& x, const F32In& res,
+                                            const F32In& nw, float eps, int top_k) {
+    const Device d = o.weight.device();
+    const int64_t T = int64_t(res.shape(0)), H = int64_t(res.shape(1));
+    Dev xi = f32(d, x), ri = f32(d, res), wi = f32(d, nw), h(d, DType::F32, {T, H}), tmp(d, DType::F32, {T, H});
+    Dev fold(d, DType::F32, {router_gates.rows, o.cols});
+    QMatrix M;  // MoeWeights::router_fold, as the engine builds it
+    const bool folded = ops::router_fold_supported(router_gates, wi.t, o);
+    if (folded) {
+      M.rows = router_gates.rows, M.cols = o.cols, M.dtype = DType::F32, M.weight = Buffer::view(fold.buf, 0, fold.buf.nbytes());
+      ops::router_fold(router_gates, wi.t, o, M);
+    }
+    MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate, &router_gates,
+                 folded ? &M : nullptr};
+    MoeDev m(d, w, std::max<int64_t>(T, 2), H, top_k);  // router_logits: >= E + 1 floats (the early r)
+    Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, o.cols))});
+    const bool early = ops::linear_add_moe_supported(o, xi.t, w, ri.t, wi.t, h.t, m.s, top_k);
+    ops::linear_add_moe_rms_normed_add(o, xi.t, w, ri.t, wi.t, eps, h.t, tmp.t, m.s, top_k, ws.t);
+    nb::object m_out = nb::none();
+    if (folded) m_out = nb::cast(out_f32(fold));
+    return nb::make_tuple(out_f32(ri), early, m_out);
+  }, nb::arg("o"), nb::arg("router"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("shared_gate"),
+     nb::arg("shared_up"), nb::arg("shared_down"), nb::arg("shared_expert_gate"), nb::arg("router_gates"), nb::arg("x"),
+     nb::arg("res"), nb::arg("nw"), nb::arg("eps"), nb::arg("top_k"),
+     "(res' + moe(rms_norm(res') * nw) with res' = res + x o^T, whether the early-routing path ran "
+     "(linear_add_moe_supported), the router fold M [E + 1, A] or None): router_gates = [router; shared_expert_gate].");
   m.def("moe_add_rms_norm", [](const std::string& device, const QMatrix& router, const QMatrix& gate, const QMatrix& up,
                                const QMatrix& down, const QMatrix& sgate, const QMatrix& sup, const QMatrix& sdown,
                                const QMatrix& shared_expert_gate, const F32In& h, const F32In& res, const F32In& nw,

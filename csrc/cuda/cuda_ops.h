@@ -44,6 +44,15 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
                         const Tensor& tmp, const ops::MoeScratch& s, int top_k);
 bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
                               const ops::MoeScratch& s, int top_k);
+bool router_fold_supported(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj);
+void router_fold(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj, const QMatrix& fold);
+bool linear_add_moe_supported(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                              const Tensor& weight, const Tensor& h, const ops::MoeScratch& s, int top_k);
+void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                                   const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
+                                   const ops::MoeScratch& s, int top_k);
+bool linear_add_late_supported(const QMatrix& w, const Tensor& x);
+void linear_add_late(const QMatrix& w, const Tensor& x, const Tensor& res);
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);

@@ -299,7 +299,7 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
                            const float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
-                           const NormTail& tail, const NormIn& norm_in) {
+                           const NormTail& tail, const NormIn& norm_in, const float* router_raw = nullptr) {
   const auto up = moe_up_mma_kernel<BITS, NG, false>, up_normed = moe_up_mma_kernel<BITS, NG, true>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
@@ -314,7 +314,8 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
   MoeMmaParams p{affine_stack(*w.gate_proj), affine_stack(*w.up_proj), affine_stack(*w.shared_gate_proj),
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
-                 log2_of(w.gate_proj->group_size), 1, 1, accumulate, tail, norm_in};
+                 log2_of(w.gate_proj->group_size), 1, 1, accumulate, tail, norm_in, router_raw,
+                 int(w.router->rows)};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T, true);
@@ -575,7 +576,8 @@ static bool down_to_bf16(MoePrompt& p, uint16_t* down16, int64_t TK, int64_t H) 
 // normalises it (moe_combine_add_rms_norm_kernel) instead of writing out.
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
                     bool accumulate, const NormTail& tail, const NormIn& norm_in = {},
-                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr) {
+                    ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr,
+                    const float* router_raw = nullptr) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -598,7 +600,9 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
   const Tensor logits = stack_at ? Tensor::of(const_cast<float*>(stack_at), DType::F32, h.device, {T, E + 1})
                                  : rows_of(s.router_logits, 0, T);  // [T, E + 1] or [T, E]
   const Tensor sg = rows_of(s.shared_gate, 0, T);                   // [T, 1]
-  if (fused) {
+  if (router_raw != nullptr) {  // early routing: router_early_kernel ran before the output projection
+    LILY_CHECK(normed && use_moe_mma(w, h, s, top_k), "moe: early routing needs the normed tensor-core decode chain");
+  } else if (fused) {
     launch_moe_router(w, h, r, sg.ptr<float>(), top_k, norm_in);
   } else {
     if (stack_at) {
@@ -623,10 +627,14 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     float* act = s.gate.ptr<float>();
     const int64_t ld = s.gate.dim(1);
     if (w.gate_proj->bits == 4)
-      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
-                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
-    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in)
-                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in);
+      return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
+                                         router_raw)
+                  : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
+                                         router_raw);
+    return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
+                                       router_raw)
+                : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
+                                       router_raw);
   }
   LILY_CHECK(!accumulate, "moe: a fused residual add needs the tensor-core decode path");
   if (use_moe_decode(w, h, s, top_k)) {
@@ -738,6 +746,64 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
     return run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps});
   rms_norm(res, weight, eps, h);
   cuda::moe_add(w, h, res, tmp, s, top_k);
+}
+
+// The early router's matrices (kernels/moe_router_early.cuh): R = the stacked router_gates (8-bit, BF16 scales, a
+// group of whole 8-value blocks), the post-attention norm's multiplier w [H], the mixer's output projection O
+// [H, A] (4- or 8-bit affine, BF16 scales) at the widths router_early_kernel is built for; M F32 [E + 1, A].
+static bool fold_matrix(const QMatrix& m) {
+  return m.num_stack == 1 && m.quantized() && (m.bits == 4 || m.bits == 8) && m.scale_dtype == DType::BF16 &&
+         m.cols % m.group_size == 0 && m.group_size % 8 == 0;
+}
+bool router_fold_supported(const QMatrix& R, const Tensor& w, const QMatrix& O) {
+  return fold_matrix(R) && fold_matrix(O) && R.bits == 8 && R.cols == EARLY_H && O.rows == EARLY_H &&
+         O.cols == EARLY_A && R.rows <= ROUTER_EARLY_PL * 32 + 1 && w.device == Device::CUDA &&
+         w.dtype == DType::F32 && w.numel() == EARLY_H && is_aligned16(w.data);
+}
+
+void router_fold(const QMatrix& R, const Tensor& w, const QMatrix& O, const QMatrix& M) {
+  LILY_CHECK(router_fold_supported(R, w, O), "router_fold: unsupported operands");
+  LILY_CHECK(M.dtype == DType::F32 && !M.quantized() && M.rows == R.rows && M.cols == O.cols &&
+                 M.weight.nbytes() == size_t(M.rows * M.cols) * 4,
+             "router_fold: M must be F32 [", R.rows, ", ", O.cols, "]");
+  auto fm = [](const QMatrix& m) {
+    return FoldMatrix{static_cast<const uint32_t*>(m.weight.data()), static_cast<const uint16_t*>(m.scales.data()),
+                      static_cast<const uint16_t*>(m.biases.data()), int(m.cols), m.bits, m.group_size};
+  };
+  const RouterFoldParams p{fm(R), fm(O), w.ptr<float>(), static_cast<float*>(const_cast<void*>(M.weight.data())),
+                           int(O.rows), int(O.cols)};
+  router_fold_kernel<<<dim3(unsigned(ceil_div<int64_t>(O.cols, FOLD_THREADS)), unsigned(R.rows)), FOLD_THREADS, 0,
+                       stream()>>>(p);
+  LILY_CUDA_LAUNCHED();
+}
+
+// ops::linear_add_moe_rms_normed_add on one token: router_early_kernel (its r in s.router_logits' first E + 1
+// floats), the output projection with its stores after its wait, then the normed tensor-core chain routing on r.
+bool linear_add_moe_supported(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                              const Tensor& weight, const Tensor& h, const ops::MoeScratch& s, int top_k) {
+  const QMatrix* R = w.router_gates;
+  return R && w.router_fold && cuda::moe_rms_normed_supported(w, res, weight, h, s, top_k) &&
+         router_fold_supported(*R, weight, o) && R->rows == w.router->rows + 1 && w.router_fold->rows == R->rows &&
+         w.router_fold->cols == o.cols && top_k <= 32 && linear_add_late_supported(o, x) && x.dim(0) == 1 &&
+         is_aligned16(x.data) && is_aligned16(res.data) && s.router_logits.numel() >= R->rows;
+}
+
+void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                                   const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
+                                   const ops::MoeScratch& s, int top_k) {
+  (void)tmp;
+  LILY_CHECK(cuda::linear_add_moe_supported(o, x, w, res, weight, h, s, top_k),
+             "linear_add_moe_rms_normed_add: not the one-token early-routing path");
+  const QMatrix& R = *w.router_gates;
+  float* r = s.router_logits.ptr<float>();
+  const RouterEarlyParams p{static_cast<const uint32_t*>(R.weight.data()), static_cast<const uint16_t*>(R.scales.data()),
+                            static_cast<const uint16_t*>(R.biases.data()),
+                            static_cast<const float*>(w.router_fold->weight.data()), res.ptr<float>(),
+                            weight.ptr<float>(), x.ptr<float>(), r, int(R.rows), R.group_size};
+  launch(router_early_kernel, dim3(unsigned(ceil_div<int64_t>(R.rows, EARLY_ROWS))), dim3(EARLY_THREADS), 0, p);
+  LILY_CUDA_LAUNCHED();
+  linear_add_late(o, x, res);
+  run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps}, ops::MoeInput::F32, nullptr, r);
 }
 
 // One token on the tensor-core path: moe_down_mma adds into res and its last CTA writes the norm into h

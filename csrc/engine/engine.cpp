@@ -297,11 +297,15 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
                                                                                             : ops::MoeInput::F32;
     const LayerInput post{h, xs, post_norm, eps,  // the MoE block's input: normed only if the next layer's is
                           fold && (last || next.normed) && ops::moe_rms_normed_supported(L.moe, xs, post_norm, h, ms, K)};
+    bool moe_done = false;  // the mixer's output projection and the MoE block as one op (early routing)
     {  // x += mixer(h); h = post_attention_layernorm(x), unless the MoE block computes it
       const Projection out = L.is_full_attention ? attention_layer(f, L, f.layers[l], in, images ? &rope_pos : nullptr)
                                                  : gdn_layer(f, L, f.layers[l], f.next[l], in);
       const ProfileLabel label(L.is_full_attention ? "attn" : "gdn");  // the output projection is the mixer's
-      if (post.normed) {
+      if (post.normed && !out.x_in_xb && ops::linear_add_moe_supported(*out.w, out.x, L.moe, xs, post_norm, h, ms, K)) {
+        ops::linear_add_moe_rms_normed_add(*out.w, out.x, L.moe, xs, post_norm, eps, h, mix, ms, K, xb_work(x, device()));
+        moe_done = true;
+      } else if (post.normed) {
         ops::linear_add(*out.w, out.x, xs, mix, xb_work(x, device()));
       } else if (fold && !out.x_in_xb) {
         ops::linear_add_rms_norm(*out.w, out.x, xs, post_norm, eps, h, mix, xb_work(x, device()), sync);
@@ -319,7 +323,8 @@ void Engine::forward_chunk(const ForwardContext& f, const Tensor& ids, int64_t T
     // only where one reads them, and untraced (mix not recorded) the MoE's combine, the add and the norm in
     // one op (moe_add_rms_norm_xb: the same bits as moe, then add_rms_norm_xb)
     const Reads reads = fold || last ? Reads{false, true} : projection_reads(weights_->layers[l + 1], T);
-    if (post.normed) {
+    if (moe_done) {  // linear_add_moe_rms_normed_add above
+    } else if (post.normed) {
       ops::moe_rms_normed_add(L.moe, xs, post_norm, eps, h, mix, ms, K);
     } else if (fold && !last) {
       if (next.normed) ops::moe_add(L.moe, h, xs, mix, ms, K);

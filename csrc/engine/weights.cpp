@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "../ops/ops.h"
 #include "../runtime/backend.h"
 #include "tensors.h"
 
@@ -130,6 +131,17 @@ void WeightStore::resolve(const ModelConfig& c) {
                                    L.gdn.in_proj_qkv->rows + L.gdn.in_proj_z->rows,
                                    L.gdn.in_proj_b->rows + L.gdn.in_proj_a->rows);
     L.moe.router_gates = stack_rows(p + "mlp.router_gates", {L.moe.router, L.moe.shared_expert_gate});
+    const QMatrix* o = L.is_full_attention ? L.attn.o_proj : L.gdn.out_proj;
+    const Tensor post = L.post_attention_layernorm->view();
+    if (L.moe.router_gates && o && ops::router_fold_supported(*L.moe.router_gates, post, *o)) {
+      QMatrix m;  // MoeWeights::router_fold: derived on the device, F32 [E + 1, A]
+      m.rows = L.moe.router_gates->rows;
+      m.cols = o->cols;
+      m.dtype = DType::F32;
+      m.weight = Buffer(device_, size_t(m.rows * m.cols) * 4);
+      ops::router_fold(*L.moe.router_gates, post, *o, m);
+      L.moe.router_fold = &(folds_[p + "mlp.router_fold"] = std::move(m));
+    }
   }
 }
 
@@ -169,6 +181,7 @@ size_t WeightStore::nbytes() const {
   for (auto& [_, m] : matrices_)
     if (m.weight.owned()) n += m.weight.nbytes() + m.scales.nbytes() + m.biases.nbytes();
   for (auto& [_, v] : vectors_) n += v.data.nbytes();
+  for (auto& [_, m] : folds_) n += m.weight.nbytes();
   return n;
 }
 

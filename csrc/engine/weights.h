@@ -114,6 +114,7 @@ class WeightStore : public ModelWeights {
   Device device_;
   std::map<std::string, QMatrix> matrices_;
   std::map<std::string, QMatrix> row_blocks_;  // row_block's views
+  std::map<std::string, QMatrix> folds_;       // MoeWeights::router_fold (derived: not in signature())
   std::map<std::string, Vector> vectors_;
 };
 

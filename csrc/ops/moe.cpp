@@ -125,6 +125,57 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
   no_backend(op, res.device);
 }
 
+bool linear_add_moe_supported(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                              const Tensor& weight, const Tensor& h, const MoeScratch& s, int top_k) {
+#ifdef LILY_WITH_CUDA
+  if (res.device == Device::CUDA) return cuda::linear_add_moe_supported(o, x, w, res, weight, h, s, top_k);
+#endif
+  (void)o, (void)x, (void)w, (void)res, (void)weight, (void)h, (void)s, (void)top_k;
+  return false;
+}
+
+void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                                   const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
+                                   const MoeScratch& s, int top_k, const Tensor& workspace) {
+  if (!linear_add_moe_supported(o, x, w, res, weight, h, s, top_k)) {  // the two ops (each checks its operands)
+    linear_add(o, x, res, tmp, workspace);
+    return moe_rms_normed_add(w, res, weight, eps, h, tmp, s, top_k);
+  }
+  const char* op = "linear_add_moe_rms_normed_add";
+  const OpSpan span(op);
+  check_moe(op, w, h, tmp, s, top_k);
+  check_tensor(op, "res", res, DType::F32, 2);
+  check_shape(op, "res", res, 0, h.dim(0));
+  check_shape(op, "res", res, 1, h.dim(1));
+  check_tensor(op, "x", x, DType::F32, 2);
+  check_shape(op, "x", x, 0, res.dim(0));
+  check_shape(op, "x", x, 1, o.cols);
+  LILY_CHECK(o.rows == res.dim(1), op, ": the projection's ", o.rows, " rows differ from res's width ", res.dim(1));
+  check_tensor(op, "weight", weight, DType::F32, 1);
+  check_shape(op, "weight", weight, 0, h.dim(1));
+  LILY_CHECK(res.data != tmp.data && res.data != h.data && tmp.data != h.data && x.data != res.data, op,
+             ": res, x, h and tmp must not alias");
+  check_same_device(op, {h, res, weight, x});
+  LILY_CUDA_CASE(res.device, linear_add_moe_rms_normed_add(o, x, w, res, weight, eps, h, tmp, s, top_k));
+  no_backend(op, res.device);
+}
+
+bool router_fold_supported(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj) {
+#ifdef LILY_WITH_CUDA
+  if (weight.device == Device::CUDA) return cuda::router_fold_supported(router_gates, weight, out_proj);
+#endif
+  (void)router_gates, (void)weight, (void)out_proj;
+  return false;
+}
+
+void router_fold(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj, const QMatrix& fold) {
+  const char* op = "router_fold";
+  const OpSpan span(op);
+  LILY_CHECK(router_fold_supported(router_gates, weight, out_proj), op, ": unsupported operands (CUDA only)");
+  LILY_CUDA_CASE(weight.device, router_fold(router_gates, weight, out_proj, fold));
+  no_backend(op, weight.device);
+}
+
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const MoeScratch& s, int top_k, const Tensor& sync) {
   const char* op = "moe_add_rms_norm";

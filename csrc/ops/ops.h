@@ -261,6 +261,20 @@ void moe_rms_normed_add(const MoeWeights& w, const Tensor& res, const Tensor& we
 // linear_add, not linear_add_rms_norm).
 bool moe_rms_normed_supported(const MoeWeights& w, const Tensor& res, const Tensor& weight, const Tensor& h,
                               const MoeScratch& scratch, int top_k);
+// res += o x, then res += moe(weight * rms_normalise(res)): a layer's mixer output projection and its MoE block
+// with the block's input norm, linear_add then moe_rms_normed_add. On CUDA where linear_add_moe_supported (one
+// token, w.router_fold built), the router runs before the projection on [res ; x] through w.router_fold
+// (docs/cuda.md "Early routing"): the same block in another factorisation of the router's logits, equal to the
+// two ops up to f32 rounding of those logits (docs/numerics.md); elsewhere the two ops. o [H, A]; x [T, A]; the
+// rest as moe_rms_normed_add's.
+void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                                   const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
+                                   const MoeScratch& scratch, int top_k, const Tensor& workspace);
+bool linear_add_moe_supported(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
+                              const Tensor& weight, const Tensor& h, const MoeScratch& scratch, int top_k);
+// fold = router_gates diag(weight) out_proj in F32 (MoeWeights::router_fold), on CUDA where router_fold_supported.
+bool router_fold_supported(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj);
+void router_fold(const QMatrix& router_gates, const Tensor& weight, const QMatrix& out_proj, const QMatrix& fold);
 // res += moe(h), then h = weight * rms_normalise(res): the MoE block joining the residual stream and the
 // next layer's input norm, equal to moe(w, h, tmp, ...) then add_rms_norm(res, tmp, weight, eps, h), bit
 // for bit on each backend (CUDA, one token on the tensor-core path: the add and the norm in moe_down's

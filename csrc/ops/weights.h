@@ -36,6 +36,10 @@ struct MoeWeights {
   // [router; shared_expert_gate] stacked by rows when they share one storage format, else null
   // (as GdnWeights::in_proj in engine/weights.h): the decode step's one GEMV over the shared input.
   const QMatrix* router_gates = nullptr;
+  // M = router_gates diag(post-attention norm multiplier) O [E + 1, A] F32, O the mixer's output projection
+  // [H, A]: the one-token router folded through that projection (ops::linear_add_moe_rms_normed_add; built at
+  // load on CUDA where ops::router_fold_supported, else null). Derived from the weights, not a checkpoint tensor.
+  const QMatrix* router_fold = nullptr;
 };
 
 }  // namespace lily

@@ -83,13 +83,15 @@ def test_prefill_equals_decode_steps(real_widths, gpu_tol):
     assert logit_err(a.decode_step(7), b.decode_step(7)) < gpu_tol["prefill_vs_decode"]
 
 
-def test_folded_decode_equals_the_plain_ops(real_widths):
-    """A decode step runs each residual add and RMSNorm inside a product: the mixer's add in out_proj /
-    o_proj (linear_add), the post-attention norm in the MoE block's router and moe_up and its add in
-    moe_down (moe_rms_normed_add, the last layer's too), and the next layer's input norm in that layer's
-    stacked input GEMV (linear_rms_normed; layer 0's too). No norm kernel or last-CTA tail is left. A
-    traced step runs the plain ops (linear, add_rms_norm, moe, rms_norm). Each fused op equals its ops bit
-    for bit, so the logits and the state after each step do too."""
+def test_folded_decode_equals_the_plain_ops(real_widths, gpu_tol):
+    """A decode step runs each residual add and RMSNorm inside a product: the mixer's output projection and
+    the MoE block as one op (linear_add_moe_rms_normed_add: the router on [x ; the projection's input] through
+    the fold, before the projection; its add in the GEMV's epilogue; the post-attention norm in moe_up; the
+    block's add in moe_down; the last layer's too), and the next layer's input norm in that layer's stacked
+    input GEMV (linear_rms_normed; layer 0's too). No norm kernel or last-CTA tail is left. A traced step runs
+    the plain ops (linear, add_rms_norm, moe, rms_norm). The fused ops equal them bit for bit except the early
+    router's logits (another f32 factorisation: near-ties may route differently), so the logits agree to
+    prefill_vs_decode's tolerance."""
     m = lily.Model.load(real_widths, device="cuda")
     L = m.config.num_hidden_layers
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, 12).tolist()
@@ -97,15 +99,15 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
     prof._core.set_sampler()
     dec = prof._core.profile(np.asarray(ids[:4], np.int32), 2)["decode"]
     assert dec["attn.linear_rms_normed"][1] + dec["gdn.linear_rms_normed"][1] == 2 * L  # the fold is on
-    assert dec["attn.linear_add"][1] + dec["gdn.linear_add"][1] == 2 * L
-    assert dec["moe_rms_normed_add"][1] == 2 * L
-    layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head.rms_norm: the final norm
-    for op in ("linear_add_rms_norm", "moe_add_rms_norm", "moe_add", "moe", "add", "rms_norm"):
+    early = [dec.get(k + ".linear_add_moe_rms_normed_add", (0, 0))[1] for k in ("attn", "gdn")]
+    assert sum(early) == 2 * L  # early routing at the real widths
+    layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head: the final norm inside it
+    for op in ("linear_add_rms_norm", "moe_add_rms_norm", "moe_add", "moe", "add", "rms_norm", "moe_rms_normed_add"):
         assert op not in layer_ops, (op, sorted(dec))
     folded, plain = m.new_session(), m.new_session()
     np.testing.assert_array_equal(folded.prefill(ids[:4]), plain.prefill(ids[:4]))
     for t in ids[4:]:
-        np.testing.assert_array_equal(folded.decode_step(t), plain.trace([t])["logits"][0])
+        assert logit_err(folded.decode_step(t), plain.trace([t])["logits"][0]) < gpu_tol["prefill_vs_decode"]
 
 
 @pytest.mark.parametrize("T", [40, 700])

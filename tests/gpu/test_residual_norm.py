@@ -4,13 +4,15 @@ epilogue, the norm by the grid's last CTA) and on the fallback; the completion c
 Likewise moe_add (moe, then add), linear_add (linear, then add), linear_rms_normed (rms_norm, then linear: on
 its one-kernel path every CTA of the GEMV normalises the residual row in rms_norm's order while staging it) and
 moe_rms_normed_add (rms_norm, then moe_add: on its fast path the fused router and moe_up normalise the residual
-row themselves in rms_norm's order)."""
+row themselves in rms_norm's order). linear_add_moe_rms_normed_add (linear_add, then moe_rms_normed_add) with
+early routing equals them to f32 accuracy (another factorisation of the router's logits), bit for bit without."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from lily import _core
+from lily.checkpoint import quant
 from test_linear import both, random_matrix, random_words_matrix
 from test_moe import moe_weights
 
@@ -134,3 +136,63 @@ def test_moe_rms_normed_add_equals_rms_norm_then_moe_add(T, E, top_k, H, I, Is, 
     assert fused == one_kernel
     want = ops.moe_add("cuda", *gpu, ops.rms_norm("cuda", res, nw, 1e-6), res, top_k)
     assert np.array_equal(got, want)
+
+
+def _dequantized(m: dict) -> np.ndarray:
+    """An affine random_matrix's values in fp64 [stack * rows, cols] (BF16 scales and biases)."""
+    bf16 = lambda a: (a.astype(np.uint32) << 16).view(np.float32)
+    w = quant.dequantize(m["weight"], bf16(m["scales"]), bf16(m["biases"]), m["bits"], m["group_size"])
+    return w.reshape(-1, m["cols"]).astype(np.float64)
+
+
+# (E, top_k, H, A, one_kernel): the real block (early routing: router folded through the output projection);
+# the real-widths test checkpoint's 16 experts; H = 256 (no fused router): linear_add then moe_rms_normed_add
+EARLY_CASES = [(256, 8, 2048, 4096, True), (16, 8, 2048, 4096, True), (9, 4, 256, 512, False)]
+
+
+@pytest.mark.parametrize("E, top_k, H, A, one_kernel", EARLY_CASES)
+def test_linear_add_moe_early_routing(E, top_k, H, A, one_kernel):
+    """The mixer's output projection and the MoE block as one op: with early routing the router runs on
+    [res ; x] through M = [router; shared gate] diag(nw) o (built on the device, checked against fp64 here),
+    before the projection, and the experts take the top-k of those logits scaled by the norm's 1/rms. The
+    logits differ from the direct router's by f32 rounding only, so on tokens with a clear top-k margin the
+    block equals linear_add then moe_rms_normed_add to f32 accuracy; without early routing, bit for bit.
+    Repeated calls give the same bits."""
+    I = Is = 512 if H == 2048 else 128
+    rng = np.random.default_rng(E + H + 11)
+    mats = moe_weights(rng, E, H, I, Is, 4, 64, "BF16", 8)
+    _, gpu = mats
+    router, gate_row = random_matrix(rng, 1, E, H, 8, 64, "BF16"), random_matrix(rng, 1, 1, H, 8, 64, "BF16")
+    stacked = {k: (np.concatenate([router[k], gate_row[k]], axis=1) if isinstance(router[k], np.ndarray) else router[k])
+               for k in router}
+    stacked["rows"] = E + 1
+    gpu[0], gpu[7] = both(router)[1], both(gate_row)[1]
+    router_gates = both(stacked)[1]
+    o_m = random_matrix(rng, 1, H, A, 4, 64, "BF16")
+    o = both(o_m)[1]
+    nw = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    agree = 0
+    for seed in range(4):
+        r2 = np.random.default_rng(seed)
+        x = (r2.standard_normal((1, A)) * 0.05).astype(np.float32)
+        res = (r2.standard_normal((1, H)) * r2.uniform(0.1, 10.0, H)).astype(np.float32)
+        got, early, fold = ops.linear_add_moe_rms_normed_add(o, *gpu, router_gates, x, res, nw, 1e-6, top_k)
+        again = ops.linear_add_moe_rms_normed_add(o, *gpu, router_gates, x, res, nw, 1e-6, top_k)[0]
+        assert early == one_kernel and (fold is not None) == one_kernel
+        assert np.array_equal(got, again)
+        res1 = ops.linear_add(o, x, res)
+        want = ops.moe_rms_normed_add("cuda", *gpu, res1, nw, 1e-6, top_k)[0]
+        if not one_kernel:
+            assert np.array_equal(got, want)
+            continue
+        if seed == 0:
+            ref = (_dequantized(stacked) * nw.astype(np.float64)) @ _dequantized(o_m)
+            assert np.abs(fold - ref).max() / np.abs(ref).max() < 1e-6
+        h = res1[0].astype(np.float64) / np.sqrt(np.mean(res1[0].astype(np.float64) ** 2) + 1e-6) * nw
+        logits = np.sort(_dequantized(router) @ h)[::-1]
+        if logits[top_k - 1] - logits[top_k] < 1e-3 * np.abs(logits).max():
+            continue  # a near-tie: the two factorisations may choose differently
+        agree += 1
+        err = np.abs(got - want).max() / np.abs(want - res1).max()
+        assert err < 1e-4, err  # f32 rounding of the logits and weights (the test's gpu_tol["moe"] is 2e-2)
+    assert not one_kernel or agree > 0, "no seed with a clear top-k margin"

@@ -269,7 +269,7 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
 template <int BITS, int VB, class Wait>
 __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
-                                                   float* xsum, const Wait& wait) {
+                                                   float* xsum, const Wait& wait, float* s_out = nullptr) {
   __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
   const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
   const float4* w4 = reinterpret_cast<const float4*>(n.w) + 2 * o;
@@ -285,6 +285,7 @@ __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn&
     if (tid + j * MMA_THREADS < K / 4) ss += sq[tid + j * MMA_THREADS];
   ss = block_sum(ss, red);
   const float s = 1.f / sqrtf(ss / float(K) + n.eps);
+  if (s_out != nullptr && tid == 0) *s_out = s;  // the norm's 1 / rms (moe_up's early routing weights)
   const float4 h0 = norm_scale4(a[0], s, b[0]), h1 = norm_scale4(a[1], s, b[1]);
   const float v[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
   mma_stage_octet<BITS, VB>(v, tid, octets, xd, xe, xsum);
@@ -542,6 +543,7 @@ struct MmaLinearRows {
   float* y;           // [rows]
   int rows, wpr, gpr, group_shift;  // words and groups per row, log2(group_size)
   bool accumulate;    // y[o] += the row's sum (else y[o] = it)
+  bool wait_late;     // the PDL wait comes before this store, not before x is staged (MmaLinearParams)
   using Ref = MmaRowRef;
   __device__ __forceinline__ Ref base(int tile, int r) const {
     return mma_affine_row(w, s, b, min(tile * 16 + r, rows - 1), wpr, gpr);
@@ -552,6 +554,10 @@ struct MmaLinearRows {
   template <class Sum>
   __device__ __forceinline__ void finish(int tile, int r, const Sum& row_sum) const {
     const int o = tile * 16 + r;
+    if (wait_late) {  // the CTA triggers once a thread has waited (the next kernel may then start)
+      pdl_wait();
+      pdl_trigger();
+    }
     if (o < rows) y[o] = accumulate ? y[o] + row_sum(r) : row_sum(r);
   }
   // Token k of a multi-token product: y [tokens, rows], row-major.
@@ -573,6 +579,9 @@ struct MmaLinearParams {
   bool accumulate;  // y += W x (y is the residual row: ops::linear_add), else y = W x
   NormTail tail;    // tail.done != nullptr (accumulate): then tail.y = rms_norm(y) * tail.w
   NormIn norm_in;   // the NORM_IN instance's: y = W (rms_norm(x) * norm_in.w), mma_stage_normed_x's conditions
+  // x was written two or more launches back (the output projection after router_early_kernel, which reads y):
+  // x is staged and the whole product computed before the PDL wait, which then only guards the stores into y
+  bool wait_late;
 };
 
 // y = W x for one token (T = 1), or accumulating y += W x (ops::linear_add), and with a tail then the next
@@ -589,8 +598,9 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
   float* xe = reinterpret_cast<float*>(xd + p.cols / 8 * 3);
   float* xsum = xe + p.cols / VB;
   const int Sg = p.cols / S::VALS;
+  const bool late = !NORM_IN && p.wait_late;
   const MmaLinearRows<BITS> rows{p.w, p.scales, p.biases, p.y, p.rows, p.cols * BITS / 32,
-                                 p.cols >> p.group_shift, p.group_shift, p.accumulate};
+                                 p.cols >> p.group_shift, p.group_shift, p.accumulate, late};
   auto stage = [&] {  // the weights of unit 0 are on their way meanwhile
     auto wait = [] {
       pdl_wait();
@@ -599,12 +609,16 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) linear_gemv_mma_ker
     if constexpr (NORM_IN) {
       mma_stage_normed_x<BITS, VB>(p.x, p.norm_in, p.cols, xd, xe, xsum, wait);
     } else {
-      wait();
+      if (!late) wait();
       mma_stage_x<BITS, VB>([&](int o) { return p.x + 8 * o; }, p.cols, xd, xe, xsum);
     }
     __syncthreads();
   };
   mma_gemv_body<BITS, NG>(rows, (p.rows + 15) / 16, Sg, MmaSplit(p.ks, Sg), xd, xe, xsum, [] {}, stage);
+  if (late) {  // every thread waits before the CTA triggers: the next kernel may read what this one's
+    pdl_wait();  // predecessor wrote (the rule in docs/cuda.md)
+    pdl_trigger();
+  }
   if (p.tail.done != nullptr) grid_tail_rms_norm(p.tail);
 }
 

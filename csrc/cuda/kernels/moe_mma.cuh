@@ -16,6 +16,7 @@
 #pragma once
 #include "gemv_mma.cuh"
 #include "moe_decode.cuh"
+#include "moe_router_early.cuh"
 
 namespace lily::cuda {
 
@@ -33,6 +34,11 @@ struct MoeMmaParams {
   NormTail tail;    // tail.done != nullptr (T = 1, accumulate): then tail.y = rms_norm(out) * tail.w by
                     // moe_down_mma's last CTA
   NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (mma_stage_normed_x)
+  // Early routing (T = 1, NORM_IN, ops::linear_add_moe_rms_normed_add): router_early_kernel's raw logits r [E + 1]
+  // (moe_router_early.cuh), two launches before moe_up: both kernels take the top-k on r before their wait, and
+  // moe_up the weights from its norm's s (topk_id, topk_w and shared_w are then not read).
+  const float* router_raw;
+  int E;
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -46,6 +52,7 @@ struct MmaMoeUpRows {
   const MoeMmaParams& p;
   const int32_t* ids;  // [K] of this token, in shared memory
   int t;
+  const float* w_early = nullptr;  // early routing: the K + 1 slots' weights in shared memory
   __device__ __forceinline__ int total() const { return p.K * p.gate.rows + p.shared_gate.rows; }
   // pair -> slot s and row i of that slot's matrices
   __device__ __forceinline__ void slot_of(int pair, int& s, int& i) const {
@@ -71,7 +78,7 @@ struct MmaMoeUpRows {
     if (r >= 8 || pair >= total()) return;
     int s, i;
     slot_of(pair, s, i);
-    const float w = s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
+    const float w = w_early != nullptr ? w_early[s] : s < p.K ? p.topk_w[t * p.K + s] : p.shared_w[t];
     p.act[(int64_t(t) * (p.K + 1) + s) * p.ld + i] = w * silu(row_sum(r)) * row_sum(r + 8);
   }
 };
@@ -126,10 +133,19 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
 // router (or moe_topk) two launches earlier (moe_up runs in between), and every kernel waits before it
 // triggers, so they are complete when moe_down starts (docs/cuda.md, the PDL rule's exception). The
 // chosen experts' first down weights are then requested while moe_up finishes.
+// Early routing: ids from the top-k of router_early_kernel's r, three launches back, by warp 0.
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
+  __shared__ int32_t early_ids[MOE_MAX_TOP_K];
+  __shared__ float early_vals[2][MOE_MAX_TOP_K];
+  const int32_t* ids = p.topk_id + t * p.K;
+  if (p.router_raw != nullptr) {
+    if (threadIdx.x < 32) moe_topk_raw_warp<ROUTER_EARLY_PL>(p.router_raw, p.E, p.K, early_ids, early_vals[0], early_vals[1]);
+    __syncthreads();
+    ids = early_ids;
+  }
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
-    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(p.topk_id[t * p.K + k]) * p.down.rows, p.group_shift)
+    slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(ids[k]) * p.down.rows, p.group_shift)
                          : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
   __syncthreads();
 }
@@ -142,21 +158,44 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   constexpr int VB = S::VALS / NG;
   extern __shared__ uint2 xd[];
   __shared__ int32_t ids[MOE_MAX_TOP_K];
+  __shared__ float early[3][MOE_MAX_TOP_K + 1];  // early routing: r of the chosen (ascending id, choice order), w
+  __shared__ float early_s;
   const int t = blockIdx.y, H = p.gate.cols, Sg = H / S::VALS;
   float* xe = reinterpret_cast<float*>(xd + H / 8 * 3);
   float* xsum = xe + H / VB;
-  const MmaMoeUpRows<BITS> rows{p, ids, t};
-  // h[t] staged BEFORE the wait: its producer (out_proj's residual add, or the norm before the router) runs
-  // at least two launches earlier (the router, or the router GEMV and moe_topk, in between), so it is
-  // complete when this kernel starts (docs/cuda.md, the PDL rule's exception); the staging then overlaps
-  // the router, and after the wait only the ids, the weights' latency and the math remain.
+  const bool early_routing = NORM_IN && p.router_raw != nullptr;
+  MmaMoeUpRows<BITS> rows{p, ids, t};
+  if (early_routing) rows.w_early = early[2];
+  const float* h = p.h + int64_t(t) * H;
+  // Without early routing, h[t] is staged BEFORE the wait: its producer (out_proj's residual add, or the norm
+  // before the router) runs at least two launches earlier (the router, or the router GEMV and moe_topk, in
+  // between), so it is complete when this kernel starts (docs/cuda.md, the PDL rule's exception); the staging
+  // then overlaps the router, and after the wait only the ids, the weights' latency and the math remain.
+  // With it, the ids come from r before the wait (router_early_kernel ran two launches back, the output
+  // projection in between), the chosen experts' first weights are requested, and x + O a (that projection's
+  // residual add, the kernel just before) is staged after the wait, its norm's s giving the weights.
   auto ids_in = [&] {
-    const float* h = p.h + int64_t(t) * H;
+    if (early_routing) {
+      if (threadIdx.x < 32) moe_topk_raw_warp<ROUTER_EARLY_PL>(p.router_raw, p.E, p.K, ids, early[0], early[1]);
+      __syncthreads();
+      return;
+    }
     if constexpr (NORM_IN) mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {});
     else mma_stage_x<BITS, VB>([&](int o) { return h + 8 * o; }, H, xd, xe, xsum);
     moe_mma_ids(p, t, ids);  // the wait, then the ids; its barrier also publishes the staging
   };
-  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, [] {});
+  auto stage = [&] {
+    if constexpr (NORM_IN) {
+      if (!early_routing) return;
+      pdl_wait();
+      pdl_trigger();
+      mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {}, &early_s);
+      __syncthreads();
+      // read by finish() only after the first pass's barrier
+      if (threadIdx.x < 32) moe_early_weights(early[0], early[1], __ldcg(p.router_raw + p.E), early_s, p.K, early[2]);
+    }
+  };
+  mma_gemv_body<BITS, NG>(rows, (rows.total() + 7) / 8, Sg, MmaSplit(p.ks_up, Sg), xd, xe, xsum, ids_in, stage);
 }
 
 // Grid (CTAs, T); dynamic shared memory mma_x_bytes(K*I + Is, VB).
