@@ -536,7 +536,7 @@ void init_ops(nb::module_& parent) {
     }
     MoeWeights w{&router, &gate, &up, &down, &sgate, &sup, &sdown, &shared_expert_gate, &router_gates,
                  folded ? &M : nullptr};
-    MoeDev m(d, w, std::max<int64_t>(T, 2), H, top_k);  // router_logits: >= E + 1 floats (the early r)
+    MoeDev m(d, w, std::max<int64_t>(T, 4), H, top_k);  // router_logits: >= EarlyRoute::floats (the early r, top-k)
     Dev ws(d, DType::BF16, {std::max<int64_t>(1, ops::linear_workspace_elems(d, T, o.cols))});
     const bool early = ops::linear_add_moe_supported(o, xi.t, w, ri.t, wi.t, h.t, m.s, top_k);
     ops::linear_add_moe_rms_normed_add(o, xi.t, w, ri.t, wi.t, eps, h.t, tmp.t, m.s, top_k, ws.t);

@@ -52,7 +52,7 @@ void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeW
                                    const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
                                    const ops::MoeScratch& s, int top_k);
 bool linear_add_late_supported(const QMatrix& w, const Tensor& x);
-void linear_add_late(const QMatrix& w, const Tensor& x, const Tensor& res);
+void linear_late(const QMatrix& w, const Tensor& x, const Tensor& y);
 void moe_add_rms_norm(const MoeWeights& w, const Tensor& h, const Tensor& res, const Tensor& weight, float eps,
                       const Tensor& tmp, const ops::MoeScratch& s, int top_k, const Tensor& sync);
 int64_t moe_routing_words(int64_t C, int64_t E, int top_k);

@@ -753,13 +753,13 @@ void linear_add_rms_norm(const QMatrix& w, const Tensor& x, const Tensor& res, c
 
 // One token or a short prompt on the tensor-core GEMV, or a short prompt on the dense short-prompt kernel:
 // its epilogue adds into res (y[o] += the row's sum, no tail). Otherwise linear into tmp, then add.
-// linear_add for one token on the tensor-core GEMV, x two or more launches old: the whole product before the PDL
-// wait, the stores into res after it (MmaLinearParams::wait_late; ops::linear_add_moe_rms_normed_add, where
-// router_early_kernel reads res just before).
+// y = x W^T for one token on the tensor-core GEMV, x two or more launches old: the whole product before the PDL
+// wait, the stores into y after it (MmaLinearParams::wait_late; ops::linear_add_moe_rms_normed_add, beside
+// router_early_kernel, the kernel just before).
 bool linear_add_late_supported(const QMatrix& w, const Tensor& x) { return use_gemv_mma(w, 0, x); }
-void linear_add_late(const QMatrix& w, const Tensor& x, const Tensor& res) {
-  LILY_CHECK(linear_add_late_supported(w, x), "linear_add_late: not on the tensor-core GEMV");
-  run_gemv_mma(w, 0, x, res, true, NormTail{}, NormIn{}, true);
+void linear_late(const QMatrix& w, const Tensor& x, const Tensor& y) {
+  LILY_CHECK(linear_add_late_supported(w, x), "linear_late: not on the tensor-core GEMV");
+  run_gemv_mma(w, 0, x, y, false, NormTail{}, NormIn{}, true);
 }
 
 void linear_add(const QMatrix& w, const Tensor& x, const Tensor& res, const Tensor& tmp, const Tensor& workspace) {

@@ -299,7 +299,8 @@ static bool use_moe_mma(const MoeWeights& w, const Tensor& h, const ops::MoeScra
 template <int BITS, int NG>
 static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& out, const RoutingTables& r,
                            const float* shared_w, float* act, int64_t ld, int top_k, bool accumulate,
-                           const NormTail& tail, const NormIn& norm_in, const float* router_raw = nullptr) {
+                           const NormTail& tail, const NormIn& norm_in, const float* router_raw = nullptr,
+                           const float* res_add = nullptr) {
   const auto up = moe_up_mma_kernel<BITS, NG, false>, up_normed = moe_up_mma_kernel<BITS, NG, true>;
   const auto down = moe_down_mma_kernel<BITS, NG>;
   static const bool configured = [&] {
@@ -315,7 +316,7 @@ static void launch_moe_mma(const MoeWeights& w, const Tensor& h, const Tensor& o
                  affine_stack(*w.shared_up_proj), affine_stack(*w.down_proj), affine_stack(*w.shared_down_proj),
                  h.ptr<float>(), r.topk_id, r.topk_w, shared_w, act, out.ptr<float>(), top_k, int(ld),
                  log2_of(w.gate_proj->group_size), 1, 1, accumulate, tail, norm_in, router_raw,
-                 int(w.router->rows)};
+                 int(w.router->rows), res_add};
   const size_t up_smem = mma_x_bytes(H, VB), down_smem = mma_x_bytes(top_k * I + Is, VB);
   const MmaPlan pu = mma_plan(reinterpret_cast<const void*>(up), up_smem, ceil_div<int64_t>(top_k * I + Is, 8),
                               H / VALS, T, true);
@@ -577,7 +578,7 @@ static bool down_to_bf16(MoePrompt& p, uint16_t* down16, int64_t TK, int64_t H) 
 static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, const ops::MoeScratch& s, int top_k,
                     bool accumulate, const NormTail& tail, const NormIn& norm_in = {},
                     ops::MoeInput h_in = ops::MoeInput::F32, const AddRmsNormLaunch* norm = nullptr,
-                    const float* router_raw = nullptr) {
+                    const float* router_raw = nullptr, const float* res_add = nullptr) {
   const int64_t T = h.dim(0), H = h.dim(1), E = w.router->rows, TK = T * top_k;
   if (T == 0) return;
   LILY_CHECK(top_k <= MOE_MAX_TOP_K, "moe: top_k ", top_k, " above the CUDA limit ", MOE_MAX_TOP_K);
@@ -628,13 +629,13 @@ static void run_moe(const MoeWeights& w, const Tensor& h, const Tensor& out, con
     const int64_t ld = s.gate.dim(1);
     if (w.gate_proj->bits == 4)
       return half ? launch_moe_mma<4, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
-                                         router_raw)
+                                         router_raw, res_add)
                   : launch_moe_mma<4, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
-                                         router_raw);
+                                         router_raw, res_add);
     return half ? launch_moe_mma<8, 2>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
-                                       router_raw)
+                                       router_raw, res_add)
                 : launch_moe_mma<8, 1>(w, h, out, r, sg.ptr<float>(), act, ld, top_k, accumulate, tail, norm_in,
-                                       router_raw);
+                                       router_raw, res_add);
   }
   LILY_CHECK(!accumulate, "moe: a fused residual add needs the tensor-core decode path");
   if (use_moe_decode(w, h, s, top_k)) {
@@ -777,33 +778,35 @@ void router_fold(const QMatrix& R, const Tensor& w, const QMatrix& O, const QMat
   LILY_CUDA_LAUNCHED();
 }
 
-// ops::linear_add_moe_rms_normed_add on one token: router_early_kernel (its r in s.router_logits' first E + 1
-// floats), the output projection with its stores after its wait, then the normed tensor-core chain routing on r.
+// ops::linear_add_moe_rms_normed_add on one token: router_early_kernel (r and its top-k in s.router_logits'
+// first EarlyRoute::floats), the output projection into tmp (its stores after its wait), then the normed
+// tensor-core chain routing on the top-k and adding tmp into res (moe_up's staging, moe_down's epilogue).
 bool linear_add_moe_supported(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
                               const Tensor& weight, const Tensor& h, const ops::MoeScratch& s, int top_k) {
   const QMatrix* R = w.router_gates;
   return R && w.router_fold && cuda::moe_rms_normed_supported(w, res, weight, h, s, top_k) &&
          router_fold_supported(*R, weight, o) && R->rows == w.router->rows + 1 && w.router_fold->rows == R->rows &&
          w.router_fold->cols == o.cols && top_k <= 32 && linear_add_late_supported(o, x) && x.dim(0) == 1 &&
-         is_aligned16(x.data) && is_aligned16(res.data) && s.router_logits.numel() >= R->rows;
+         is_aligned16(x.data) && is_aligned16(res.data) &&
+         s.router_logits.numel() >= EarlyRoute::floats(int(w.router->rows), top_k);
 }
 
 void linear_add_moe_rms_normed_add(const QMatrix& o, const Tensor& x, const MoeWeights& w, const Tensor& res,
                                    const Tensor& weight, float eps, const Tensor& h, const Tensor& tmp,
                                    const ops::MoeScratch& s, int top_k) {
-  (void)tmp;
-  LILY_CHECK(cuda::linear_add_moe_supported(o, x, w, res, weight, h, s, top_k),
+  LILY_CHECK(cuda::linear_add_moe_supported(o, x, w, res, weight, h, s, top_k) && is_aligned16(tmp.data),
              "linear_add_moe_rms_normed_add: not the one-token early-routing path");
   const QMatrix& R = *w.router_gates;
   float* r = s.router_logits.ptr<float>();
   const RouterEarlyParams p{static_cast<const uint32_t*>(R.weight.data()), static_cast<const uint16_t*>(R.scales.data()),
                             static_cast<const uint16_t*>(R.biases.data()),
                             static_cast<const float*>(w.router_fold->weight.data()), res.ptr<float>(),
-                            weight.ptr<float>(), x.ptr<float>(), r, int(R.rows), R.group_size};
+                            weight.ptr<float>(), x.ptr<float>(), r, int(R.rows), R.group_size, top_k};
   launch(router_early_kernel, dim3(unsigned(ceil_div<int64_t>(R.rows, EARLY_ROWS))), dim3(EARLY_THREADS), 0, p);
   LILY_CUDA_LAUNCHED();
-  linear_add_late(o, x, res);
-  run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps}, ops::MoeInput::F32, nullptr, r);
+  linear_late(o, x, tmp);  // tmp = O a, beside the router; moe_up and moe_down add it to res
+  run_moe(w, res, res, s, top_k, true, NormTail{}, NormIn{weight.ptr<float>(), eps}, ops::MoeInput::F32, nullptr, r,
+          tmp.ptr<float>());
 }
 
 // One token on the tensor-core path: moe_down_mma adds into res and its last CTA writes the norm into h

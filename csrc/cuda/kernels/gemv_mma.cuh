@@ -269,14 +269,23 @@ __device__ __forceinline__ void mma_stage_x(const XAt& x_at, int K, uint2* xd, f
 constexpr int MMA_NORM_MAX_COLS = 8 * MMA_THREADS;
 template <int BITS, int VB, class Wait>
 __device__ __forceinline__ void mma_stage_normed_x(const float* x, const NormIn& n, int K, uint2* xd, float* xe,
-                                                   float* xsum, const Wait& wait, float* s_out = nullptr) {
+                                                   float* xsum, const Wait& wait, float* s_out = nullptr,
+                                                   const float* add = nullptr) {
   __shared__ float red[32], sq[MMA_NORM_MAX_COLS / 4];  // sq: sq4 of each float4 of x
   const int tid = int(threadIdx.x), octets = K / 8, o = min(tid, octets - 1);  // past the row: a real octet
   const float4* w4 = reinterpret_cast<const float4*>(n.w) + 2 * o;
   const float4 b[2] = {__ldg(w4), __ldg(w4 + 1)};
   wait();
   const float4* x4 = reinterpret_cast<const float4*>(x) + 2 * o;
-  const float4 a[2] = {x4[0], x4[1]};
+  float4 a[2] = {x4[0], x4[1]};
+  if (add != nullptr) {  // the row is x + add (early routing: the residual and the output projection's O a)
+    const float4* d4 = reinterpret_cast<const float4*>(add) + 2 * o;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float4 d = d4[k];
+      a[k] = make_float4(a[k].x + d.x, a[k].y + d.y, a[k].z + d.z, a[k].w + d.w);
+    }
+  }
   if (tid < octets) sq[2 * tid] = sq4(a[0]), sq[2 * tid + 1] = sq4(a[1]);
   __syncthreads();
   float ss = 0.f;

@@ -35,10 +35,13 @@ struct MoeMmaParams {
                     // moe_down_mma's last CTA
   NormIn norm_in;   // moe_up's NORM_IN instance: its input is rms_norm(h[t]) * norm_in.w (mma_stage_normed_x)
   // Early routing (T = 1, NORM_IN, ops::linear_add_moe_rms_normed_add): router_early_kernel's raw logits r [E + 1]
-  // (moe_router_early.cuh), two launches before moe_up: both kernels take the top-k on r before their wait, and
-  // moe_up the weights from its norm's s (topk_id, topk_w and shared_w are then not read).
+  // and its top-k after them (EarlyRoute, moe_router_early.cuh), two launches before moe_up: both kernels read the
+  // ids before their wait, moe_up the weights from its norm's s (topk_id, topk_w and shared_w are then not read).
+  // res_add [T, H]: the output projection's O a, not yet in h (the residual): moe_up stages rms_norm(h + res_add)
+  // and moe_down adds (h + res_add) + its product, the sums the separate linear_add would have made.
   const float* router_raw;
   int E;
+  const float* res_add;
 };
 
 // Row `row` of an expert stack's matrices (experts back to back) at segment 0.
@@ -116,7 +119,8 @@ struct MmaMoeDownRows {
     const int o = tile * 16 + r;
     if (o >= p.down.rows) return;
     float* y = p.out + int64_t(t) * p.down.rows + o;
-    *y = p.accumulate ? *y + row_sum(r) : row_sum(r);
+    const float base = p.res_add != nullptr ? *y + p.res_add[int64_t(t) * p.down.rows + o] : *y;
+    *y = p.accumulate ? base + row_sum(r) : row_sum(r);
   }
 };
 
@@ -133,17 +137,11 @@ __device__ __forceinline__ void moe_mma_ids(const MoeMmaParams& p, int t, int32_
 // router (or moe_topk) two launches earlier (moe_up runs in between), and every kernel waits before it
 // triggers, so they are complete when moe_down starts (docs/cuda.md, the PDL rule's exception). The
 // chosen experts' first down weights are then requested while moe_up finishes.
-// Early routing: ids from the top-k of router_early_kernel's r, three launches back, by warp 0.
+// Early routing: the ids of router_early_kernel's top-k, three launches back.
 template <int BITS>
 __device__ __forceinline__ void moe_mma_slots(const MoeMmaParams& p, int t, MmaMoeSlots& slots) {
-  __shared__ int32_t early_ids[MOE_MAX_TOP_K];
-  __shared__ float early_vals[2][MOE_MAX_TOP_K];
-  const int32_t* ids = p.topk_id + t * p.K;
-  if (p.router_raw != nullptr) {
-    if (threadIdx.x < 32) moe_topk_raw_warp<ROUTER_EARLY_PL>(p.router_raw, p.E, p.K, early_ids, early_vals[0], early_vals[1]);
-    __syncthreads();
-    ids = early_ids;
-  }
+  const int32_t* ids = p.router_raw != nullptr ? EarlyRoute{const_cast<float*>(p.router_raw), p.E, p.K}.ids()
+                                               : p.topk_id + t * p.K;
   for (int k = threadIdx.x; k <= p.K; k += blockDim.x)
     slots.m[k] = k < p.K ? mma_stack_row<BITS>(p.down, int64_t(ids[k]) * p.down.rows, p.group_shift)
                          : mma_stack_row<BITS>(p.shared_down, 0, p.group_shift);
@@ -171,12 +169,14 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
   // before the router) runs at least two launches earlier (the router, or the router GEMV and moe_topk, in
   // between), so it is complete when this kernel starts (docs/cuda.md, the PDL rule's exception); the staging
   // then overlaps the router, and after the wait only the ids, the weights' latency and the math remain.
-  // With it, the ids come from r before the wait (router_early_kernel ran two launches back, the output
-  // projection in between), the chosen experts' first weights are requested, and x + O a (that projection's
-  // residual add, the kernel just before) is staged after the wait, its norm's s giving the weights.
+  // With it, the ids come from router_early_kernel's top-k before the wait (two launches back, the output
+  // projection in between), the chosen experts' first weights are requested, and h + O a (O a from that
+  // projection, the kernel just before) is staged after the wait, its norm's s giving the weights.
   auto ids_in = [&] {
     if (early_routing) {
-      if (threadIdx.x < 32) moe_topk_raw_warp<ROUTER_EARLY_PL>(p.router_raw, p.E, p.K, ids, early[0], early[1]);
+      const EarlyRoute route{const_cast<float*>(p.router_raw), p.E, p.K};
+      for (int k = threadIdx.x; k < p.K; k += blockDim.x)
+        ids[k] = __ldcg(route.ids() + k), early[0][k] = __ldcg(route.vals() + k), early[1][k] = __ldcg(route.chosen() + k);
       __syncthreads();
       return;
     }
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_CTAS) moe_up_mma_kernel(c
       if (!early_routing) return;
       pdl_wait();
       pdl_trigger();
-      mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {}, &early_s);
+      mma_stage_normed_x<BITS, VB>(h, p.norm_in, H, xd, xe, xsum, [] {}, &early_s, p.res_add + int64_t(t) * H);
       __syncthreads();
       // read by finish() only after the first pass's barrier
       if (threadIdx.x < 32) moe_early_weights(early[0], early[1], __ldcg(p.router_raw + p.E), early_s, p.K, early[2]);

@@ -55,6 +55,59 @@ __global__ void __launch_bounds__(FOLD_THREADS) router_fold_kernel(const RouterF
 
 constexpr int ROUTER_EARLY_PL = 8;  // r values a lane of the top-k warp holds: E <= 256
 
+// router_early_kernel's output, in the floats at r: r [E + 1], then the top-k's ids [K] (i32), their r in
+// ascending id [K] and in choice order [K].
+struct EarlyRoute {
+  float* r;
+  int E, K;
+  __host__ __device__ static int64_t floats(int E, int K) { return E + 1 + 3 * int64_t(K); }
+  __device__ int32_t* ids() const { return reinterpret_cast<int32_t*>(r + E + 1); }
+  __device__ float* vals() const { return r + E + 1 + K; }
+  __device__ float* chosen() const { return r + E + 1 + 2 * K; }
+};
+__device__ unsigned g_router_early_arrivals;  // 0 between launches (router_early_kernel's last CTA resets it)
+
+// The K largest of r[0..E) (ties: the lower id), E <= 32 * PL, by one warp (all 32 lanes call it): ids[K] in
+// ascending id with their values vals[K], and the values in choice order (largest first) in chosen[K]. The keys
+// are r's bits mapped to an order-preserving u32 (0 for experts past E: below every float), each lane's PL pairs
+// sorted once, then K rounds of moe_topk_warp's selection. Written by lanes < K (shared memory).
+__device__ __forceinline__ uint32_t ordered_key(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+template <int PL>
+__device__ __forceinline__ void moe_topk_raw_warp(const float* r, int E, int K, int32_t* ids, float* vals,
+                                                  float* chosen) {
+  const int lane = threadIdx.x & 31;
+  uint32_t key[PL];
+  int eid[PL];
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = e < E ? ordered_key(__ldcg(r + e)) : 0u;
+    eid[i] = e < E ? e : INT32_MAX;
+  }
+  moe_sort_lane(key, eid);
+  int my_id = INT32_MAX;
+  uint32_t my_key = 0u;
+  for (int k = 0; k < K; ++k) {
+    const uint32_t top_key = __reduce_max_sync(0xffffffffu, key[0]);
+    const int best_id = int(__reduce_min_sync(0xffffffffu, key[0] == top_key ? uint32_t(eid[0]) : 0xffffffffu));
+    if (lane == k) my_id = best_id, my_key = top_key;
+    if (eid[0] == best_id) {
+#pragma unroll
+      for (int i = 0; i + 1 < PL; ++i) key[i] = key[i + 1], eid[i] = eid[i + 1];
+      key[PL - 1] = 0u, eid[PL - 1] = INT32_MAX;
+    }
+  }
+  int rank = 0;
+  for (int j = 0; j < K; ++j) rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
+  if (lane < K) {
+    const float v = __uint_as_float(my_key & 0x80000000u ? my_key & 0x7fffffffu : ~my_key);
+    ids[rank] = my_id, vals[rank] = v, chosen[lane] = v;
+  }
+}
+
 // The widths router_early_kernel is built for (the model's): H = 2048 (8 values a thread), A = 4096 (16).
 constexpr int EARLY_THREADS = 256, EARLY_ROWS = 2, EARLY_H = 2048, EARLY_A = 4096;
 
@@ -66,18 +119,19 @@ struct RouterEarlyParams {
   const float* x;      // [H] the residual row before the mixer's output is added (16-byte aligned)
   const float* w;      // [H] the post-attention norm's multiplier
   const float* a;      // [A] the output projection's input
-  float* r;            // [E + 1]
-  int rows, group_size;  // E + 1
+  float* r;            // EarlyRoute's floats
+  int rows, group_size, K;  // E + 1
 };
 
-// r[e] = sum_i R[e, i] (w[i] x[i]) + sum_j M[e, j] a[j] for one token. Grid ceil((E + 1) / EARLY_ROWS), 256
+// r[e] = sum_i R[e, i] (w[i] x[i]) + sum_j M[e, j] a[j] for one token, then (the last CTA to arrive on a device
+// counter, after the others' fenced stores) the top-k of r[0..E) into EarlyRoute. Grid ceil((E + 1) / EARLY_ROWS), 256
 // threads: thread t takes values 8t..8t+7 of R's rows (one 8-byte load a row, one group) and 16t..16t+15 of M's
 // (four float4s a row); per row its partial fma(scale, q . u, bias * sum u) + the M terms in order, then a
 // warp butterfly and the 8 warps' sums in order: deterministic.
 // Before the wait: the rows of R and M (constant weights), x and w: x was written by the MoE block before the
 // mixer, two or more launches back (every kernel waits before it triggers, so those have completed). After it:
-// a (the kernel just before), then r. The output projection launched next reads a before its own wait and
-// writes x only after it, i.e. after this kernel has finished reading x.
+// a (the kernel just before), then r. The output projection launched next writes O a into its own buffer (not
+// x), so both run at once; moe_up adds it to x as it stages its input.
 __global__ void __launch_bounds__(EARLY_THREADS) router_early_kernel(const RouterEarlyParams p) {
   __shared__ float red[EARLY_ROWS][EARLY_THREADS / 32];
   const int t = int(threadIdx.x), lane = t & 31, warp = t >> 5, row0 = int(blockIdx.x) * EARLY_ROWS;
@@ -137,48 +191,18 @@ __global__ void __launch_bounds__(EARLY_THREADS) router_early_kernel(const Route
 #pragma unroll
     for (int i = 0; i < EARLY_THREADS / 32; ++i) s += red[t][i];
     p.r[row0 + t] = s;
+    __threadfence();  // before the arrival below: the last CTA reads every r
   }
-}
-
-// The K largest of r[0..E) (ties: the lower id), E <= 32 * PL, by one warp (all 32 lanes call it): ids[K] in
-// ascending id with their values vals[K], and the values in choice order (largest first) in chosen[K]. The keys
-// are r's bits mapped to an order-preserving u32 (0 for experts past E: below every float), each lane's PL pairs
-// sorted once, then K rounds of moe_topk_warp's selection. Written by lanes < K (shared memory).
-__device__ __forceinline__ uint32_t ordered_key(float f) {
-  const uint32_t b = __float_as_uint(f);
-  return b & 0x80000000u ? ~b : b | 0x80000000u;
-}
-template <int PL>
-__device__ __forceinline__ void moe_topk_raw_warp(const float* r, int E, int K, int32_t* ids, float* vals,
-                                                  float* chosen) {
-  const int lane = threadIdx.x & 31;
-  uint32_t key[PL];
-  int eid[PL];
-#pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    const int e = lane + 32 * i;
-    key[i] = e < E ? ordered_key(__ldcg(r + e)) : 0u;
-    eid[i] = e < E ? e : INT32_MAX;
-  }
-  moe_sort_lane(key, eid);
-  int my_id = INT32_MAX;
-  uint32_t my_key = 0u;
-  for (int k = 0; k < K; ++k) {
-    const uint32_t top_key = __reduce_max_sync(0xffffffffu, key[0]);
-    const int best_id = int(__reduce_min_sync(0xffffffffu, key[0] == top_key ? uint32_t(eid[0]) : 0xffffffffu));
-    if (lane == k) my_id = best_id, my_key = top_key;
-    if (eid[0] == best_id) {
-#pragma unroll
-      for (int i = 0; i + 1 < PL; ++i) key[i] = key[i + 1], eid[i] = eid[i + 1];
-      key[PL - 1] = 0u, eid[PL - 1] = INT32_MAX;
-    }
-  }
-  int rank = 0;
-  for (int j = 0; j < K; ++j) rank += __shfl_sync(0xffffffffu, my_id, j) < my_id;
-  if (lane < K) {
-    const float v = __uint_as_float(my_key & 0x80000000u ? my_key & 0x7fffffffu : ~my_key);
-    ids[rank] = my_id, vals[rank] = v, chosen[lane] = v;
-  }
+  // The last CTA to arrive takes the top-k of r once for moe_up and moe_down (three launches apart on a CTA each)
+  __shared__ bool last;
+  __syncthreads();
+  if (t == 0) last = atomicAdd(&g_router_early_arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last || warp != 0) return;
+  __threadfence();
+  const EarlyRoute route{p.r, p.rows - 1, p.K};
+  moe_topk_raw_warp<ROUTER_EARLY_PL>(p.r, p.rows - 1, p.K, route.ids(), route.vals(), route.chosen());
+  if (lane == 0) g_router_early_arrivals = 0;
 }
 
 // The routing weights of the chosen experts from their raw logits r_k and the norm's s: w_k = exp(s r_k - s r_1)
