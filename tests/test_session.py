@@ -169,7 +169,7 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
     n_gdn = cfg.num_hidden_layers - n_attn
     dec = out["decode"]  # one span per op entry, "<layer label>.<op>"
-    assert dec["embedding"][1] == dec["lm_head.linear"][1] == dec["sample"][1] == 3
+    assert dec["embedding"][1] == dec["lm_head.linear_rms_normed"][1] == dec["sample"][1] == 3
     # one token: each residual add and the norm after it run inside the op before them (the last layer's
     # MoE has no norm after it)
     assert dec["moe"][1] == 3 and dec["moe_add_rms_norm"][1] == 3 * (cfg.num_hidden_layers - 1)
@@ -178,7 +178,7 @@ def test_profile_times_every_group_and_changes_nothing(model, rng):
     assert dec["gdn.linear"][1] == 3 * n_gdn and dec["attn.linear"][1] == 3 * n_attn  # the stacked input projection
     assert dec["gdn.linear_add_rms_norm"][1] == 3 * n_gdn and dec["attn.linear_add_rms_norm"][1] == 3 * n_attn
     pre = out["prefill"]
-    assert pre["lm_head.linear"][1] == 1 and pre["moe"][1] == cfg.num_hidden_layers
+    assert pre["lm_head.linear_rms_normed"][1] == 1 and pre["moe"][1] == cfg.num_hidden_layers
     # a prompt's attention layers run gated_attention too (one op: its per-op sequence on the CPU, nested)
     assert pre["attn.gated_attention"][1] == n_attn and "attn.attention" not in pre
     assert all(ms >= 0 for ms, _ in dec.values()) and sum(ms for ms, _ in dec.values()) > 0

@@ -3,6 +3,7 @@
 // next decode step reads state.token from there.
 #include "cuda_ops.h"
 #include "kernels/sample.cuh"
+#include "kernels/sample_greedy.cuh"
 #include "kernels/token_mask.cuh"
 #include "../runtime/cuda_device.h"
 

@@ -99,7 +99,7 @@ def test_folded_decode_equals_the_plain_ops(real_widths):
     assert dec["attn.linear_rms_normed"][1] + dec["gdn.linear_rms_normed"][1] == 2 * L  # the fold is on
     assert dec["attn.linear_add"][1] + dec["gdn.linear_add"][1] == 2 * L
     assert dec["moe_rms_normed_add"][1] == 2 * L
-    layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head.rms_norm: the final norm
+    layer_ops = [k.split(".")[-1] for k in dec if not k.startswith("lm_head.")]  # lm_head: the final norm inside linear_rms_normed
     for op in ("linear_add_rms_norm", "moe_add_rms_norm", "moe_add", "moe", "add", "rms_norm"):
         assert op not in layer_ops, (op, sorted(dec))
     folded, plain = m.new_session(), m.new_session()
