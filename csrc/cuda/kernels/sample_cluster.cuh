@@ -126,10 +126,17 @@ __device__ __forceinline__ Lse lse_add(Lse a, float x) {
   return {a.m, a.s + expf(x - a.m)};
 }
 
+// The warp's values folded by a butterfly (op commutative: every lane gets the same bits).
 template <class T, class Op>
-__device__ T block_reduce(T v, Op op, SampleShared& sh) {
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+  return v;
+}
+
+template <class T, class Op>
+__device__ T block_reduce(T v, Op op, SampleShared& sh) {
+  v = warp_reduce(v, op);
   if ((threadIdx.x & 31) == 0) *reinterpret_cast<T*>(sh.slots[threadIdx.x >> 5]) = v;
   __syncthreads();
   T r = *reinterpret_cast<T*>(sh.slots[0]);

@@ -19,16 +19,6 @@ constexpr int GREEDY_CTAS = 128, GREEDY_THREADS = 256;
 __device__ Best g_greedy_part[GREEDY_CTAS];
 __device__ unsigned g_greedy_arrivals;  // see above: 0 between launches
 
-__device__ __forceinline__ Best warp_best(Best b) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const ArgMax other{__shfl_xor_sync(0xffffffffu, b.a.v, o), __shfl_xor_sync(0xffffffffu, b.a.id, o)};
-    b.a = MaxFirst{}(b.a, other);
-    b.nan |= __shfl_xor_sync(0xffffffffu, b.nan, o);
-  }
-  return b;
-}
-
 __global__ void __launch_bounds__(GREEDY_THREADS) greedy_kernel(SampleParams p) {
   __shared__ Best warps[GREEDY_THREADS / 32];
   __shared__ bool last;
@@ -47,7 +37,7 @@ __global__ void __launch_bounds__(GREEDY_THREADS) greedy_kernel(SampleParams p) 
         b.a = MaxFirst{}(b.a, ArgMax{q.z[k], v0 + k});
       }
   }
-  b = warp_best(b);
+  b = warp_reduce(b, BestMerge{});
   if (lane == 0) warps[warp] = b;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -65,7 +55,7 @@ __global__ void __launch_bounds__(GREEDY_THREADS) greedy_kernel(SampleParams p) 
     const Best* part = g_greedy_part + i;
     c = BestMerge{}(c, Best{{__ldcg(&part->a.v), __ldcg(&part->a.id)}, __ldcg(&part->nan)});
   }
-  c = warp_best(c);
+  c = warp_reduce(c, BestMerge{});
   if (lane != 0) return;
   g_greedy_arrivals = 0;
   if (c.nan) {  // NaN logits choose nothing: token -1, counts/seen untouched (the host raises)
